@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` (the main job, local embedded Ray)
+# and `make test`. Both create .venv when missing, installing CPU torch first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) jobs/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check platform jobs tests
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check platform jobs tests
+
+bench: $(VENV)/.installed
+	$(PY) jobs/bench_decode.py
+
+clean:
+	rm -rf $(VENV) runs results .pytest_cache

@@ -1,0 +1,172 @@
+"""Frozen, typed configuration: the sharing pattern and the model dimensions.
+
+Configs are plain frozen dataclasses. Dicts (from YAML, flags or a checkpoint)
+become configs only through ``from_dict``, which rejects unknown keys by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_PATTERN = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class SharingPattern:
+    """``NxM``: N unique decoder layers applied M times in CYCLE order (1,2,1,2,...)."""
+
+    n_unique: int
+    n_loops: int
+
+    def __post_init__(self) -> None:
+        if self.n_unique < 1:
+            raise ValueError(f"sharing pattern needs at least 1 unique layer, got N={self.n_unique}")
+        if self.n_loops < 1:
+            raise ValueError(f"sharing pattern needs at least 1 loop, got M={self.n_loops}")
+
+    @classmethod
+    def parse(cls, text: str) -> SharingPattern:
+        """Parse ``"2x6"``; ``"2x0"``, ``"x6"`` or ``"12"`` raise ``ValueError`` naming the problem."""
+        if not isinstance(text, str):
+            raise TypeError(f"sharing pattern must be a string like '2x6', got {type(text).__name__}")
+        if "x" not in text.lower():
+            raise ValueError(f"sharing pattern {text!r} has no 'x': write N unique layers x M loops, e.g. '2x6'")
+        left, _, right = text.lower().partition("x")
+        if not left.strip():
+            raise ValueError(f"sharing pattern {text!r} is missing N (unique layers) before the 'x', e.g. '2x6'")
+        if not right.strip():
+            raise ValueError(f"sharing pattern {text!r} is missing M (loops) after the 'x', e.g. '2x6'")
+        match = _PATTERN.match(text.lower())
+        if match is None:
+            raise ValueError(f"sharing pattern {text!r} is not of the form NxM with positive integers, e.g. '2x6'")
+        n, m = int(match.group(1)), int(match.group(2))
+        if n == 0:
+            raise ValueError(f"sharing pattern {text!r}: N (unique layers) must be at least 1")
+        if m == 0:
+            raise ValueError(f"sharing pattern {text!r}: M (loops) must be at least 1")
+        return cls(n, m)
+
+    @property
+    def depth(self) -> int:
+        """Number of virtual decoder layers (layer passes per token): N * M."""
+        return self.n_unique * self.n_loops
+
+    def physical_layer(self, virtual_depth: int) -> int:
+        """The unique layer that runs at virtual depth ``v`` (CYCLE order)."""
+        if not 0 <= virtual_depth < self.depth:
+            raise IndexError(f"virtual depth {virtual_depth} outside [0, {self.depth}) for pattern {self}")
+        return virtual_depth % self.n_unique
+
+    def loop_of(self, virtual_depth: int) -> int:
+        """The loop (0-based) that virtual depth ``v`` belongs to."""
+        if not 0 <= virtual_depth < self.depth:
+            raise IndexError(f"virtual depth {virtual_depth} outside [0, {self.depth}) for pattern {self}")
+        return virtual_depth // self.n_unique
+
+    def __str__(self) -> str:
+        return f"{self.n_unique}x{self.n_loops}"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A T5 v1.1 encoder with a parameter-shared, early-exit decoder.
+
+    T5 v1.1 details: RMS norm without bias, relative position bias (computed by
+    the first layer, shared by all layers of the stack), gated-GELU FFN, untied
+    input embedding and LM head, no 1/sqrt(d) attention scaling.
+    """
+
+    vocab_size: int = 32128  # T5's SentencePiece vocabulary padded to a multiple of 128
+    d_model: int = 768
+    n_heads: int = 12
+    d_kv: int = 64
+    d_ff: int = 2048
+    n_encoder_layers: int = 12
+    pattern: str = "2x6"  # decoder sharing pattern NxM
+    dropout: float = 0.1
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    layer_norm_eps: float = 1e-6
+    pad_id: int = 0  # also T5's decoder start token
+    eos_id: int = 1
+
+    def __post_init__(self) -> None:
+        SharingPattern.parse(self.pattern)  # validates
+        for name in ("vocab_size", "d_model", "n_heads", "d_kv", "d_ff", "relative_buckets", "relative_max_distance"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_encoder_layers < 1:
+            raise ValueError(f"ModelConfig.n_encoder_layers must be positive, got {self.n_encoder_layers}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
+        for name in ("pad_id", "eos_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)} outside the vocabulary [0, {self.vocab_size})"
+                )
+
+    @property
+    def sharing(self) -> SharingPattern:
+        """The parsed decoder sharing pattern."""
+        return SharingPattern.parse(self.pattern)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (unknown fields are an error)."""
+        return from_dict(ModelConfig, {**to_dict(self), **changes})
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # T5 v1.1 Base dimensions (the paper's model).
+    "base": ModelConfig(),
+    # T5 v1.1 Small dimensions.
+    "small": ModelConfig(d_model=512, n_heads=6, d_kv=64, d_ff=1024, n_encoder_layers=8),
+    # A few-minute CPU model for demos and the default local jobs.
+    "mini": ModelConfig(vocab_size=8192, d_model=256, n_heads=4, d_kv=64, d_ff=768, n_encoder_layers=4),
+    # Tests: milliseconds per forward.
+    "tiny": ModelConfig(vocab_size=128, d_model=32, n_heads=2, d_kv=16, d_ff=64, n_encoder_layers=2, dropout=0.0),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A named preset (``base``, ``small``, ``mini``, ``tiny``) with optional field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A frozen config as a plain dict (nested dataclasses become dicts)."""
+    return dataclasses.asdict(config)
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Build the dataclass ``cls`` from ``data``; unknown keys are an error, never ignored.
+
+    Nested dataclass fields are built recursively from nested dicts.
+    """
+    if not isinstance(data, dict):
+        raise TypeError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(fields)}")
+    kwargs = {}
+    for key, value in data.items():
+        ftype = fields[key].type
+        target = _dataclass_type(cls, ftype)
+        kwargs[key] = from_dict(target, value) if target is not None and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def _dataclass_type(owner: type, annotation: Any) -> type | None:
+    """The dataclass named by a field annotation (string annotations resolved in the owner's module)."""
+    if isinstance(annotation, str):
+        import sys
+
+        annotation = vars(sys.modules[owner.__module__]).get(annotation)
+    return annotation if dataclasses.is_dataclass(annotation) else None
