@@ -1,0 +1,83 @@
+"""The task registry: which data set a task reads, which fields, and how inputs are prefixed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Task:
+    """A data set layout and how its records become model inputs.
+
+    ``source_field``/``target_field`` are dotted paths into a record
+    (``"translation.en"``). A task without a target is a pretraining corpus:
+    its records become one ``text`` column that span corruption turns into
+    inputs and targets.
+    """
+
+    name: str
+    hub_path: str  # the data set on the Hugging Face hub
+    hub_config: str | None  # its configuration (subset), e.g. "de-en"
+    streaming: bool  # stream from the hub instead of downloading (corpora too big to download, like c4)
+    local_dir: str | None  # folder under speed.paths.data_dir() holding <split>.jsonl.gz; None: no local copy
+    source_field: str
+    target_field: str | None = None
+    prefix: str = ""  # T5's task prefix, put before every source text
+    metrics: tuple[str, ...] = ()  # what evaluation reports: "bleu", "chrf", "rouge"
+
+    @property
+    def is_pretrain(self) -> bool:
+        """A corpus of plain text (column ``text``) rather than source/target pairs."""
+        return self.target_field is None
+
+    @property
+    def columns(self) -> dict[str, str]:
+        """Output column -> the record field it is read from."""
+        if self.is_pretrain:
+            return {"text": self.source_field}
+        return {"source": self.source_field, "target": self.target_field}
+
+
+TASKS: dict[str, Task] = {
+    "pretrain": Task("pretrain", "allenai/c4", "en", streaming=True, local_dir="pretrain_text", source_field="text"),
+    "translate_en_de": Task(
+        "translate_en_de",
+        "wmt/wmt16",
+        "de-en",
+        streaming=False,
+        local_dir="multi30k_en_de",
+        source_field="translation.en",
+        target_field="translation.de",
+        prefix="translate English to German: ",
+        metrics=("bleu", "chrf"),
+    ),
+    "summarize": Task(
+        "summarize",
+        "EdinburghNLP/xsum",
+        None,
+        streaming=False,
+        local_dir="news_headlines",
+        source_field="document",
+        target_field="summary",
+        prefix="summarize: ",
+        metrics=("rouge",),
+    ),
+    "summarize_cnn_dailymail": Task(
+        "summarize_cnn_dailymail",
+        "abisee/cnn_dailymail",
+        "3.0.0",
+        streaming=False,
+        local_dir=None,
+        source_field="article",
+        target_field="highlights",
+        prefix="summarize: ",
+        metrics=("rouge",),
+    ),
+}
+
+
+def get_task(name: str) -> Task:
+    """The registered task ``name``; an unknown name is an error listing the known ones."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name]

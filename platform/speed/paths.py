@@ -1,0 +1,19 @@
+"""Where the project and its local corpora live."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA_DIR_ENV = "SPEED_DATA_DIR"
+
+
+def repo_root() -> Path:
+    """The project checkout: the folder holding ``platform/``, ``jobs/`` and ``tests/``."""
+    return Path(__file__).resolve().parents[2]
+
+
+def data_dir() -> Path:
+    """The local corpora: ``$SPEED_DATA_DIR`` when set, else ``<repo>/../shared/data``."""
+    override = os.environ.get(DATA_DIR_ENV)
+    return Path(override).expanduser() if override else repo_root().parent / "shared" / "data"
