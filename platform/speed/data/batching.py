@@ -1,0 +1,183 @@
+"""Tokenisation (parallel ``datasets.map``), span corruption with optional packing, and padding.
+
+Every example is EOS-terminated and truncated to explicit limits. Span
+corruption draws from ``numpy.random.default_rng([seed, index])`` per example,
+so the result does not depend on ``num_proc`` or on how the work was split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from torch import Tensor
+
+from speed.data.spans import corruption_lengths, span_corruption, span_counts
+from speed.data.tasks import get_task
+from speed.model import shift_right
+from speed.tokenizer import EOS_ID, LABEL_PAD, Tokenizer
+
+MAP_BATCH = 1000  # records per datasets.map call; packing joins texts within one such batch
+_FEATURES = datasets.Features(
+    {"input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32"))}
+)
+
+
+def tokenize_records(
+    ds: datasets.Dataset | datasets.IterableDataset,
+    task: str,
+    tokenizer: Tokenizer,
+    max_source_len: int,
+    max_target_len: int,
+    seed: int = 0,
+    num_proc: int | None = None,
+    pack: bool = False,
+    *,
+    noise_density: float = 0.15,
+    mean_span_length: float = 3.0,
+) -> datasets.Dataset | datasets.IterableDataset:
+    """Columns ``input_ids`` and ``labels``: EOS-terminated token ids within the length limits.
+
+    Source/target tasks encode both sides. ``pretrain`` cuts each text into
+    runs that fit the limits after span corruption (``pack=True`` first joins
+    consecutive texts, so runs are full length), then corrupts every run.
+    ``num_proc`` worker processes tokenise in parallel (ignored for streams).
+    """
+    spec = get_task(task)
+    if max_source_len < 2 or max_target_len < 2:
+        raise ValueError(f"length limits must leave room for a token and EOS, got {max_source_len}, {max_target_len}")
+    needed = list(spec.columns)
+    if ds.column_names is not None and not set(needed) <= set(ds.column_names):
+        raise ValueError(f"task {task!r} needs columns {needed}, the data set has {ds.column_names}")
+    procs = None if isinstance(ds, datasets.IterableDataset) else num_proc
+    columns = list(ds.column_names or needed)  # a stream may not know its columns
+    if not spec.is_pretrain:
+        if pack:
+            raise ValueError("pack=True applies to pretraining only: source/target pairs are never joined")
+        kwargs = {"tokenizer": tokenizer, "max_source_len": max_source_len, "max_target_len": max_target_len}
+        return _map(ds, _encode_pairs, kwargs, columns, f"tokenize {task}", procs, features=_FEATURES)
+    lengths = corruption_lengths(max_source_len, max_target_len, noise_density, mean_span_length)
+    spans = span_counts(lengths.tokens, noise_density, mean_span_length)[1]
+    if spans > tokenizer.num_extra:
+        raise ValueError(
+            f"runs of {lengths.tokens} tokens need {spans} sentinels, the tokenizer has {tokenizer.num_extra}"
+        )
+    runs = _map(ds, _encode_runs, {"tokenizer": tokenizer, "run": lengths.tokens}, columns, "tokenize text", procs)
+    if pack:  # one process: joining lists is cheap, and batch boundaries then never depend on num_proc
+        runs = _map(runs, _pack_runs, {"run": lengths.tokens}, ["tokens"], "pack", None)
+    corrupt = {"seed": seed, "noise_density": noise_density, "mean_span_length": mean_span_length}
+    kwargs = {**corrupt, "sentinel_id": tokenizer.sentinel_id}
+    return _map(
+        runs, _corrupt_runs, kwargs, ["tokens"], "span corruption", procs, with_indices=True, features=_FEATURES
+    )
+
+
+def _map(
+    ds: datasets.Dataset | datasets.IterableDataset,
+    fn: Callable[..., dict[str, list]],
+    fn_kwargs: dict[str, Any],
+    remove: list[str],
+    desc: str,
+    num_proc: int | None,
+    **kwargs: Any,
+) -> datasets.Dataset | datasets.IterableDataset:
+    """``ds.map(fn)`` in batches, replacing the ``remove`` columns by ``fn``'s output."""
+    common = {"batched": True, "batch_size": MAP_BATCH, "remove_columns": remove, "fn_kwargs": fn_kwargs, **kwargs}
+    if isinstance(ds, datasets.IterableDataset):
+        return ds.map(fn, **common)
+    return ds.map(fn, desc=desc, num_proc=num_proc, **common)
+
+
+def truncate(ids: list[int], max_len: int) -> list[int]:
+    """``ids`` cut to ``max_len`` tokens, the last one EOS (as T5: trim, then append EOS)."""
+    return ids if len(ids) <= max_len else ids[: max_len - 1] + [EOS_ID]
+
+
+def _encode_pairs(
+    batch: dict[str, list], tokenizer: Tokenizer, max_source_len: int, max_target_len: int
+) -> dict[str, list]:
+    sources = tokenizer.encode_batch(batch["source"])
+    targets = tokenizer.encode_batch(batch["target"])
+    return {
+        "input_ids": [truncate(ids, max_source_len) for ids in sources],
+        "labels": [truncate(ids, max_target_len) for ids in targets],
+    }
+
+
+def _encode_runs(batch: dict[str, list], tokenizer: Tokenizer, run: int) -> dict[str, list]:
+    """Each text's tokens (no EOS) cut into runs of at most ``run`` tokens; nothing dropped."""
+    runs = []
+    for ids in tokenizer.encode_batch(batch["text"], add_eos=False):
+        runs.extend(ids[i : i + run] for i in range(0, len(ids), run))
+    return {"tokens": runs}
+
+
+def _pack_runs(batch: dict[str, list], run: int) -> dict[str, list]:
+    """The batch's runs joined end to end and cut again into runs of exactly ``run`` (the last may be short)."""
+    joined = [t for ids in batch["tokens"] for t in ids]
+    return {"tokens": [joined[i : i + run] for i in range(0, len(joined), run)]}
+
+
+def _corrupt_runs(
+    batch: dict[str, list],
+    indices: list[int],
+    seed: int,
+    noise_density: float,
+    mean_span_length: float,
+    sentinel_id: Callable[[int], int],
+) -> dict[str, list]:
+    inputs, labels = [], []
+    for index, tokens in zip(indices, batch["tokens"]):
+        rng = np.random.default_rng([seed, index])
+        corrupted = span_corruption(tokens, noise_density, mean_span_length, rng=rng, sentinel_id=sentinel_id)
+        inputs.append(corrupted.inputs + [EOS_ID])
+        labels.append(corrupted.targets + [EOS_ID])
+    return {"input_ids": inputs, "labels": labels}
+
+
+# ----- batching --------------------------------------------------------------------------
+
+
+def collate(examples: Sequence[Mapping[str, Any]] | Mapping[str, Sequence], pad_id: int = 0) -> dict[str, Tensor]:
+    """Pad a batch to its longest: input_ids (B,S), attention_mask (B,S), labels (B,T), decoder_input_ids (B,T).
+
+    Takes a list of examples or a dict of columns. Labels are padded with -100
+    (ignored by the loss); decoder inputs are the labels shifted right behind
+    the start token (= pad, as T5).
+    """
+    columns = examples if isinstance(examples, Mapping) else _columns(examples)
+    missing = [key for key in ("input_ids", "labels") if key not in columns]
+    if missing:
+        raise KeyError(f"collate needs input_ids and labels; missing {missing} (have {sorted(columns)})")
+    if len(columns["input_ids"]) == 0:
+        raise ValueError("collate got an empty batch")
+    if len(columns["input_ids"]) != len(columns["labels"]):
+        raise ValueError(f"{len(columns['input_ids'])} input_ids but {len(columns['labels'])} labels")
+    input_ids = _pad(columns["input_ids"], pad_id)  # (B, S)
+    labels = _pad(columns["labels"], LABEL_PAD)  # (B, T)
+    lengths = torch.tensor([len(ids) for ids in columns["input_ids"]])  # (B,)
+    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()  # (B, S)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "decoder_input_ids": shift_right(labels, start_id=pad_id, pad_id=pad_id),  # (B, T)
+    }
+
+
+def _columns(examples: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    if len(examples) == 0:
+        raise ValueError("collate got an empty batch")
+    return {key: [ex[key] for ex in examples] for key in examples[0]}
+
+
+def _pad(sequences: Sequence[Sequence[int]], value: int) -> Tensor:
+    """(B, L) long tensor of ``sequences`` padded with ``value`` to the longest, L >= 1."""
+    rows = [torch.as_tensor(seq, dtype=torch.long).reshape(-1) for seq in sequences]
+    out = torch.full((len(rows), max(1, max(len(r) for r in rows))), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
