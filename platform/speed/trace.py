@@ -44,7 +44,9 @@ class TraceBuilder:
             c["flipped_final"].append(pred != final)
 
     def table(self) -> pa.Table:
-        return pa.Table.from_pydict(self._cols, schema=TRACE_SCHEMA)
+        """The rows sorted by (sequence, position, loop), whatever order tokens were committed in."""
+        table = pa.Table.from_pydict(self._cols, schema=TRACE_SCHEMA)
+        return table.sort_by([("sequence", "ascending"), ("position", "ascending"), ("loop", "ascending")])
 
 
 def flip_rates(trace: pa.Table) -> pa.Table:

@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from speed.cache import CacheError, KVCache, Rows
+
+
+def test_write_read_and_invalidate_copies_nothing():
+    cache = KVCache(n_loops=3, n_layers=2, batch=2, n_heads=1, max_len=8, d_kv=1)
+    for pos in range(4):
+        rows = Rows.build([0, 1], [0, 0], [pos, pos])
+        k = torch.full((2, 1, 1), float(pos))
+        keys, values = cache.write(1, rows, k, -k)
+        assert keys.shape == (2, 1, pos + 1, 1)
+        assert keys[0, 0, :, 0].tolist() == list(range(pos + 1))
+    assert cache.lengths[0, 1].tolist() == [4, 4]
+    assert cache.lengths[0, 0].tolist() == [0, 0]  # another depth: untouched
+    storage = cache.keys[1].data_ptr()
+    before = cache.keys[1].clone()
+    cache.invalidate(seq=1, from_pos=2)
+    assert cache.lengths[0, 1].tolist() == [4, 2]
+    assert cache.keys[1].data_ptr() == storage and torch.equal(cache.keys[1], before)
+    # the next write at position 2 overwrites the stale entry
+    cache.write(1, Rows.build([1], [0], [2]), torch.full((1, 1, 1), 9.0), torch.zeros(1, 1, 1))
+    assert cache.keys[1][0, 1, 0, 2, 0].item() == 9.0
+
+
+def test_gaps_and_overwrites_are_errors():
+    cache = KVCache(n_loops=2, n_layers=1, batch=1, n_heads=1, max_len=4, d_kv=1)
+    z = torch.zeros(1, 1, 1)
+    with pytest.raises(CacheError, match="position 1, but its valid length is 0"):
+        cache.write(0, Rows.build([0], [1], [1]), z, z)
+    cache.write(0, Rows.build([0], [1], [0]), z, z)
+    with pytest.raises(CacheError, match="position 0, but its valid length is 1"):
+        cache.write(0, Rows.build([0], [1], [0]), z, z)
+    # two rows of one sequence at one depth in the same pass cannot both be appended
+    with pytest.raises(CacheError):
+        cache.write(0, Rows.build([0, 0], [0, 0], [0, 1]), torch.zeros(2, 1, 1), torch.zeros(2, 1, 1))
+
+
+def test_reset_and_max_len():
+    cache = KVCache(n_loops=1, n_layers=1, batch=1, n_heads=1, max_len=1, d_kv=1)
+    z = torch.zeros(1, 1, 1)
+    cache.write(0, Rows.build([0], [0], [0]), z, z)
+    with pytest.raises(CacheError, match="beyond the cache's max_len 1"):
+        cache.write(0, Rows.build([0], [0], [1]), z, z)
+    cache.reset(0)
+    assert cache.lengths.sum() == 0
