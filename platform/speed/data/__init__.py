@@ -1,6 +1,6 @@
 """Data for pretraining and finetuning: tasks, sources, span corruption, tokenisation, batching."""
 
-from speed.data.batching import collate, tokenize_records, truncate
+from speed.data.batching import collate, pad_inputs, tokenize_records, truncate
 from speed.data.sources import HUB, RecordError, Records, Source, load_records, read_records, resolve_source
 from speed.data.spans import Corrupted, CorruptionLengths, corruption_lengths, random_spans_noise_mask, span_corruption
 from speed.data.tasks import TASKS, Task, get_task
@@ -18,6 +18,7 @@ __all__ = [
     "corruption_lengths",
     "get_task",
     "load_records",
+    "pad_inputs",
     "random_spans_noise_mask",
     "read_records",
     "resolve_source",

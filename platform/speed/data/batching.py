@@ -156,16 +156,22 @@ def collate(examples: Sequence[Mapping[str, Any]] | Mapping[str, Sequence], pad_
         raise ValueError("collate got an empty batch")
     if len(columns["input_ids"]) != len(columns["labels"]):
         raise ValueError(f"{len(columns['input_ids'])} input_ids but {len(columns['labels'])} labels")
-    input_ids = _pad(columns["input_ids"], pad_id)  # (B, S)
+    input_ids, attention_mask = pad_inputs(columns["input_ids"], pad_id)  # (B, S), (B, S)
     labels = _pad(columns["labels"], LABEL_PAD)  # (B, T)
-    lengths = torch.tensor([len(ids) for ids in columns["input_ids"]])  # (B,)
-    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()  # (B, S)
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "labels": labels,
         "decoder_input_ids": shift_right(labels, start_id=pad_id, pad_id=pad_id),  # (B, T)
     }
+
+
+def pad_inputs(sequences: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """Encoder inputs padded to the longest: input_ids (B,S) and attention_mask (B,S), 1 on real tokens."""
+    input_ids = _pad(sequences, pad_id)  # (B, S)
+    lengths = torch.tensor([len(ids) for ids in sequences])  # (B,)
+    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()  # (B, S)
+    return input_ids, attention_mask
 
 
 def _columns(examples: Sequence[Mapping[str, Any]]) -> dict[str, list]:

@@ -1,0 +1,253 @@
+"""Evaluate a model on a task split with the SPEED decoder.
+
+Writes three files into ``out_dir``: ``predictions.parquet``
+(``PREDICTIONS_SCHEMA``), ``trace.parquet`` (``EVAL_TRACE_SCHEMA``: the
+per-token flip trace plus the example index, joinable with the predictions)
+and ``summary.json`` (metrics, flip rate per loop, decode speed and, with
+``check_sequential``, the speed-up over sequential decoding, whose output
+must be identical).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from speed import metrics
+from speed.config import to_dict
+from speed.data import get_task, pad_inputs, read_records, truncate
+from speed.decoding import DecodeStats, generate
+from speed.model import SpeedT5
+from speed.tokenizer import EOS_ID, Tokenizer
+from speed.trace import TRACE_SCHEMA, flip_rates
+
+PREDICTIONS_FILE = "predictions.parquet"
+TRACE_FILE = "trace.parquet"
+SUMMARY_FILE = "summary.json"
+
+PREDICTIONS_SCHEMA = pa.schema(
+    [
+        pa.field("example", pa.int32(), nullable=False),  # index in the evaluated records
+        pa.field("source", pa.string(), nullable=False),  # model input text, task prefix included
+        pa.field("reference", pa.string(), nullable=False),
+        pa.field("hypothesis", pa.string(), nullable=False),
+        pa.field("output_tokens", pa.int32(), nullable=False),  # decoded tokens, EOS included when produced
+        pa.field("finished", pa.bool_(), nullable=False),  # EOS produced within max_new_tokens
+    ]
+)
+# The decoder's flip trace, one row per (example, position, loop); ``sequence`` is the index within its batch.
+EVAL_TRACE_SCHEMA = pa.schema([pa.field("example", pa.int32(), nullable=False), *TRACE_SCHEMA])
+METRICS = {"bleu": metrics.bleu, "chrf": metrics.chrf, "rouge": metrics.rouge}  # the names tasks list
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to evaluate and how to decode it."""
+
+    task: str = "translate_en_de"
+    split: str = "validation"
+    source: str | None = None  # None: the task's local corpus (see speed.data.sources)
+    limit: int | None = None  # first N usable records; None: the whole split
+    batch_size: int = 16
+    max_new_tokens: int = 64
+    launch_loop: int = 1  # SPEED launches a successor after this many loops
+    invalidation: str = "eager"  # "eager" or "final"
+    check_sequential: bool = False  # also decode sequentially, require identical output, report the speed-up
+    max_source_len: int = 512  # encoder inputs are truncated to this many tokens (EOS included)
+
+    def __post_init__(self) -> None:
+        spec = get_task(self.task)
+        if spec.is_pretrain:
+            raise ValueError(f"task {self.task!r} has no references to score; evaluate a source/target task")
+        for name in ("batch_size", "max_new_tokens", "launch_loop"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EvalConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_source_len < 2:
+            raise ValueError(f"EvalConfig.max_source_len must be at least 2, got {self.max_source_len}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"EvalConfig.limit must be positive or None, got {self.limit}")
+        if self.invalidation not in ("eager", "final"):
+            raise ValueError(f"EvalConfig.invalidation must be 'eager' or 'final', got {self.invalidation!r}")
+
+
+@dataclass
+class _Decoded:
+    """All batches of one decoding method."""
+
+    tokens: list[list[int]]
+    stats: DecodeStats
+    seconds: float
+    trace: pa.Table | None  # EVAL_TRACE_SCHEMA
+
+
+def run_evaluation(
+    model: SpeedT5,
+    tokenizer: Tokenizer | str | Path,
+    task: str,
+    split: str,
+    out_dir: str | Path,
+    *,
+    source: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 16,
+    max_new_tokens: int = 64,
+    launch_loop: int = 1,
+    invalidation: str = "eager",
+    check_sequential: bool = False,
+    max_source_len: int = 512,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Decode a task split with SPEED, score it, write the three files; returns the summary.
+
+    ``progress`` prints one line per batch to stderr.
+    """
+    config = EvalConfig(
+        task=task,
+        split=split,
+        source=source,
+        limit=limit,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        launch_loop=launch_loop,
+        invalidation=invalidation,
+        check_sequential=check_sequential,
+        max_source_len=max_source_len,
+    )
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
+    if tok.vocab_size > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
+    records = read_records(config.task, config.split, config.source, config.limit)
+    columns = records.dataset.to_dict()
+    sources, references = columns["source"], columns["target"]
+    inputs = [truncate(ids, config.max_source_len) for ids in tok.encode_batch(sources)]
+
+    decoded = _decode(model, inputs, config, "speed", progress)
+    sequential = _decode(model, inputs, config, "sequential", progress) if config.check_sequential else None
+    if sequential is not None:
+        _require_identical(decoded.tokens, sequential.tokens)
+    hypotheses = tok.decode_batch(decoded.tokens)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    predictions = {
+        "example": list(range(len(sources))),
+        "source": sources,
+        "reference": references,
+        "hypothesis": hypotheses,
+        "output_tokens": [len(t) for t in decoded.tokens],
+        "finished": [bool(t) and t[-1] == EOS_ID for t in decoded.tokens],
+    }
+    pq.write_table(pa.Table.from_pydict(predictions, schema=PREDICTIONS_SCHEMA), out / PREDICTIONS_FILE)
+    pq.write_table(decoded.trace, out / TRACE_FILE)
+    summary = {
+        "task": config.task,
+        "split": config.split,
+        "source": str(records.source),
+        "examples": len(sources),
+        "skipped_records": records.skipped,
+        "config": dataclasses.asdict(config),
+        "model": to_dict(model.config),
+        "tokenizer": str(tok.path),
+        "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},
+        "flip_rates": flip_rates(decoded.trace).to_pylist(),
+        "decode": _speed_summary(decoded, sequential),
+        "files": {name: str(out / f) for name, f in _FILES.items()},
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+_FILES = {"predictions": PREDICTIONS_FILE, "trace": TRACE_FILE, "summary": SUMMARY_FILE}
+
+
+def _decode(model: SpeedT5, inputs: list[list[int]], config: EvalConfig, method: str, progress: bool) -> _Decoded:
+    """Greedy-decode ``inputs`` in batches with ``method``; the trace only for SPEED."""
+    device = next(model.parameters()).device
+    tokens: list[list[int]] = []
+    traces: list[pa.Table] = []
+    stats = DecodeStats()
+    seconds = 0.0
+    for start in range(0, len(inputs), config.batch_size):
+        input_ids, attention_mask = pad_inputs(inputs[start : start + config.batch_size])  # (B, S), (B, S)
+        begin = time.perf_counter()
+        result = generate(
+            model,
+            input_ids.to(device),
+            attention_mask.to(device),
+            method=method,
+            max_new_tokens=config.max_new_tokens,
+            launch_loop=config.launch_loop,
+            invalidation=config.invalidation,
+            trace=method == "speed",
+        )
+        seconds += time.perf_counter() - begin
+        tokens.extend(result.tokens)
+        for f in dataclasses.fields(DecodeStats):
+            setattr(stats, f.name, getattr(stats, f.name) + getattr(result.stats, f.name))
+        if result.trace is not None:
+            example = pc.add(result.trace.column("sequence"), pa.scalar(start, pa.int32()))
+            traces.append(pa.Table.from_arrays([example, *result.trace.columns], schema=EVAL_TRACE_SCHEMA))
+        if progress:
+            print(
+                f"[evaluate {method}] {len(tokens)}/{len(inputs)} examples, {stats.tokens} tokens, "
+                f"{stats.tokens / seconds:.0f} tokens/s",
+                file=sys.stderr,
+                flush=True,
+            )
+    trace = pa.concat_tables(traces) if traces else None
+    return _Decoded(tokens, stats, seconds, trace)
+
+
+def _require_identical(speed: list[list[int]], sequential: list[list[int]]) -> None:
+    for i, (a, b) in enumerate(zip(speed, sequential)):
+        if a != b:
+            raise RuntimeError(f"SPEED and sequential decoding differ on example {i}: {a} vs {b}")
+
+
+def _speed_summary(speed: _Decoded, sequential: _Decoded | None) -> dict[str, Any]:
+    def one(d: _Decoded) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(d.stats),
+            "tokens_per_pass": d.stats.tokens_per_pass,
+            "seconds": d.seconds,
+            "tokens_per_s": d.stats.tokens / d.seconds if d.seconds else 0.0,
+        }
+
+    summary: dict[str, Any] = {"speed": one(speed)}
+    if sequential is not None:
+        summary["sequential"] = one(sequential)
+        summary["identical"] = True  # checked by _require_identical
+        summary["speedup"] = sequential.seconds / speed.seconds if speed.seconds else 0.0
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few human-readable lines: metrics with signatures, flip rate per loop, decode speed."""
+    lines = [f"{summary['task']} / {summary['split']}: {summary['examples']} examples from {summary['source']}"]
+    for name, result in summary["metrics"].items():
+        scores = {k: v for k, v in result.items() if k in ("score", *metrics.ROUGE_TYPES)}
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in scores.items())
+        lines.append(f"  {name}: {shown}   [{result['signature']}]")
+    flips = ", ".join(f"{r['loop']}: {r['flip_rate_final']:.3f}" for r in summary["flip_rates"])
+    lines.append(f"  flip rate vs final token, per loop: {flips}")
+    decode = summary["decode"]
+    speed = decode["speed"]
+    lines.append(
+        f"  SPEED: {speed['tokens_per_s']:.1f} tokens/s, {speed['tokens_per_pass']:.3f} tokens per group pass, "
+        f"{speed['flushes']} flushes"
+    )
+    if "sequential" in decode:
+        lines.append(
+            f"  sequential: {decode['sequential']['tokens_per_s']:.1f} tokens/s; identical output; "
+            f"SPEED speed-up {decode['speedup']:.2f}x"
+        )
+    return "\n".join(lines)

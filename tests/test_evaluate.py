@@ -1,0 +1,123 @@
+"""The evaluate job end to end on a tiny model, and run_evaluation's checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import speed.evaluate
+import torch
+from speed import SpeedT5, preset
+from speed.checkpoint import save_model
+from speed.data import load_records
+from speed.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, EvalConfig, run_evaluation
+from speed.paths import repo_root
+from speed.tokenizer import train_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models decode fastest on one thread; leave torch as it was for other tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny 2x3 model and its tokenizer, saved as a checkpoint."""
+    root = tmp_path_factory.mktemp("ckpt")
+    ds = load_records("translate_en_de", "train", limit=300)
+    tok = train_tokenizer([*ds["source"], *ds["target"]], root / "spm.model", vocab_size=200, num_extra=10)
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", vocab_size=tok.vocab_size, pattern="2x3"))
+    return save_model(root / "model", model, tok.path), model, tok
+
+
+def _job():
+    spec = importlib.util.spec_from_file_location("evaluate_job", repo_root() / "jobs" / "evaluate.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job
+
+
+def test_job_end_to_end(checkpoint, tmp_path, capsys):
+    directory, _, tok = checkpoint
+    out = tmp_path / "eval"
+    flags = ["--checkpoint", str(directory), "--split", "test", "--limit", "6", "--batch-size", "4"]
+    summary = _job().main([*flags, "--max-new-tokens", "8", "--check-sequential", "--threads", "1", "--out", str(out)])
+
+    printed = capsys.readouterr()
+    assert "nrefs:1|case:mixed|eff:no|tok:13a" in printed.out and "speed-up" in printed.out
+    assert "[evaluate speed] 6/6 examples" in printed.err  # progress while decoding
+
+    predictions = pq.read_table(out / "predictions.parquet")
+    trace = pq.read_table(out / "trace.parquet")
+    assert predictions.schema.equals(PREDICTIONS_SCHEMA) and trace.schema.equals(EVAL_TRACE_SCHEMA)
+    assert predictions["example"].to_pylist() == list(range(6))
+    expected = load_records("translate_en_de", "test", limit=6)
+    assert predictions["source"].to_pylist() == expected["source"][:]
+    assert predictions["reference"].to_pylist() == expected["target"][:]
+    for row in predictions.to_pylist():  # the trace joins on example and holds the decoded tokens
+        rows = trace.filter(pc.equal(trace["example"], row["example"]))
+        assert rows.num_rows == 3 * row["output_tokens"]  # one row per token and loop
+        final = rows.filter(pc.equal(rows["loop"], 3))["token"].to_pylist()
+        assert tok.decode(final) == row["hypothesis"] and len(final) <= 8
+
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert set(summary["metrics"]) == {"bleu", "chrf"} and 0 <= summary["metrics"]["bleu"]["score"] <= 100
+    assert [r["loop"] for r in summary["flip_rates"]] == [1, 2, 3] and summary["flip_rates"][2]["flip_rate_final"] == 0
+    decode = summary["decode"]
+    assert decode["identical"] and decode["speedup"] > 0
+    assert decode["speed"]["tokens"] == decode["sequential"]["tokens"] == sum(predictions["output_tokens"].to_pylist())
+    assert decode["speed"]["tokens_per_s"] > 0
+    assert summary["config"]["limit"] == 6 and summary["model"]["pattern"] == "2x3"
+
+
+def test_summarization_reports_rouge(checkpoint, tmp_path):
+    _, model, tok = checkpoint
+    summary = run_evaluation(
+        model,
+        tok.path,
+        "summarize",
+        "validation",
+        tmp_path,
+        limit=3,
+        max_new_tokens=4,
+        max_source_len=32,
+        progress=False,
+    )
+    assert set(summary["metrics"]) == {"rouge"} and set(summary["metrics"]["rouge"]) >= {"rouge1", "rouge2", "rougeL"}
+    assert "sequential" not in summary["decode"] and summary["examples"] == 3
+
+
+def test_a_speed_sequential_mismatch_is_an_error(checkpoint, tmp_path, monkeypatch):
+    _, model, tok = checkpoint
+    real = speed.evaluate.generate
+
+    def broken(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if kwargs["method"] == "sequential":
+            result.tokens[1] = [*result.tokens[1], 5]
+        return result
+
+    monkeypatch.setattr(speed.evaluate, "generate", broken)
+    with pytest.raises(RuntimeError, match="differ on example 1"):
+        run_evaluation(model, tok, "translate_en_de", "test", tmp_path, limit=2, check_sequential=True, progress=False)
+
+
+def test_bad_settings(checkpoint, tmp_path):
+    _, model, tok = checkpoint
+    with pytest.raises(ValueError, match="no references"):
+        EvalConfig(task="pretrain")
+    with pytest.raises(ValueError, match="invalidation"):
+        EvalConfig(invalidation="lazy")
+    with pytest.raises(ValueError, match="batch_size"):
+        EvalConfig(batch_size=0)
+    small = SpeedT5(preset("tiny", vocab_size=tok.vocab_size - 1))
+    with pytest.raises(ValueError, match=f"tokenizer has {tok.vocab_size} ids"):
+        run_evaluation(small, tok, "translate_en_de", "test", tmp_path, limit=1)

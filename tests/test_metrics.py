@@ -1,0 +1,52 @@
+"""Metric wrappers against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from speed.metrics import bleu, chrf, rouge
+
+
+def test_bleu_identical_is_100_and_signature():
+    result = bleu(["the cat sat on the mat", "a dog runs"], ["the cat sat on the mat", "a dog runs"])
+    assert result["score"] == pytest.approx(100.0)
+    assert result["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+
+
+def test_bleu_by_hand():
+    # hyp "the cat sat on the mat" vs ref "the cat sat on a mat", same length (brevity penalty 1):
+    # 1-grams 5/6, 2-grams 3/5, 3-grams 2/4, 4-grams 1/3 -> BLEU = (5/6 * 3/5 * 2/4 * 1/3) ** (1/4).
+    result = bleu(["the cat sat on the mat"], ["the cat sat on a mat"])
+    assert result["score"] == pytest.approx(100 * (5 / 6 * 3 / 5 * 2 / 4 * 1 / 3) ** 0.25)  # 53.73
+    assert result["precisions"] == pytest.approx([500 / 6, 60.0, 50.0, 100 / 3])
+    assert result["brevity_penalty"] == 1.0 and (result["sys_len"], result["ref_len"]) == (6, 6)
+    # a hypothesis half as long as its reference: brevity penalty exp(1 - 6/3)
+    short = bleu(["the cat sat"], ["the cat sat on the mat"])
+    assert short["brevity_penalty"] == pytest.approx(math.exp(1 - 6 / 3))
+
+
+def test_chrf():
+    same = chrf(["Ein Hund läuft."], ["Ein Hund läuft."])
+    assert same["score"] == pytest.approx(100.0) and "nc:6|nw:0" in same["signature"]
+    assert chrf(["xyz"], ["abc"])["score"] == 0.0
+    assert 0 < chrf(["Ein Hund läuft."], ["Ein Hund rennt."])["score"] < 100
+
+
+def test_rouge_by_hand_with_stemming():
+    # "the cat sat" vs "the cat ran": unigrams 2/3, bigrams 1/2, longest common subsequence 2/3.
+    result = rouge(["the cat sat"], ["the cat ran"])
+    assert (result["rouge1"], result["rouge2"], result["rougeL"]) == pytest.approx((200 / 3, 50.0, 200 / 3))
+    # Porter stemming: "running cats" and "run cat" are the same words.
+    assert rouge(["running cats"], ["run cat"])["rouge1"] == pytest.approx(100.0)
+    # the corpus score is the mean over examples
+    assert rouge(["the cat sat", "a b"], ["the cat ran", "x y"])["rouge1"] == pytest.approx(100 / 3)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
+        bleu(["a", "b"], ["a"])
+    with pytest.raises(ValueError, match="no hypotheses"):
+        rouge([], [])
+    with pytest.raises(TypeError, match="reference 0 is NoneType"):
+        chrf(["a"], [None])
