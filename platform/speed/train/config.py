@@ -1,0 +1,390 @@
+"""Frozen configs of a training job, and their parsing from YAML and command-line flags.
+
+A job is one ``JobConfig``: the model, the data, the optimiser, the loop, the
+Ray scaling, the run (storage, name, retries) and the final evaluation. YAML
+files and flags are only input: they are merged over the job kind's defaults
+(``defaults < YAML < flags``) and turned into dataclasses by
+``speed.config.from_dict``, so a misspelled key is an error naming it.
+
+The ``model`` section may name a ``preset`` plus field overrides; it resolves
+to a full ``ModelConfig`` (the form stored in checkpoints, which parses back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from speed.config import ModelConfig, from_dict, preset, to_dict
+from speed.data.tasks import TASKS
+from speed.losses import SCHEMES
+
+KINDS = ("pretrain", "finetune")
+OPTIMIZERS = ("adamw", "adafactor")
+SCHEDULES = ("cosine", "linear", "constant", "rsqrt")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training corpus, its tokenization and the tokenizer."""
+
+    task: str = "pretrain"  # a speed.data task; "pretrain" applies span corruption
+    source: str | None = None  # local folder or hub name; None = the task's local corpus under speed.paths.data_dir()
+    limit: int | None = None  # first N training records (quick runs)
+    max_source_len: int = 128
+    max_target_len: int = 64
+    pack: bool = False  # pretraining: pack documents into full max_source_len inputs
+    tokenizer: str | None = None  # an existing SentencePiece .model; None = train one on tokenizer_tasks
+    vocab_size: int = 8000  # SentencePiece pieces of a trained tokenizer (T5's 100 sentinels come on top)
+    tokenizer_tasks: tuple[str, ...] = ()  # corpora (train splits) a new tokenizer learns from; () = (task,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokenizer_tasks", tuple(self.tokenizer_tasks))
+        for task in (self.task, *self.tokenizer_tasks):
+            if task not in TASKS:
+                raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
+        for name in ("max_source_len", "max_target_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DataConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"DataConfig.limit must be positive or None, got {self.limit}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimiser and learning-rate schedule (linear warm-up, then ``schedule`` decay to ``min_lr_ratio``)."""
+
+    name: str = "adamw"  # adamw | adafactor (torch.optim.Adafactor)
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)  # AdamW only
+    warmup_steps: int = 50
+    schedule: str = "cosine"  # cosine | linear | constant | rsqrt
+    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of lr
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; choose one of {list(OPTIMIZERS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
+        if self.lr <= 0:
+            raise ValueError(f"OptimConfig.lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError("OptimConfig.warmup_steps, grad_clip and weight_decay must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2:
+            raise ValueError(f"OptimConfig.betas must be two numbers, got {self.betas}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training loop: loss, batch, length, checkpoints, stops and fault injection."""
+
+    loss_weights: str = "linear"  # speed.losses scheme for L_w = sum_i w_i L_i
+    batch_size: int = 32  # global sequences per optimizer step (all workers x grad_accum micro-batches)
+    grad_accum: int = 1  # micro-batches per optimizer step on each worker
+    max_steps: int = 200  # optimizer steps; the LR schedule spans them
+    seed: int = 0  # model init, data order and dropout
+    group_by_length: bool = True  # batches of similar length (less padding); still a pure function of the seed
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2  # newest checkpoints kept in storage
+    time_budget_min: float | None = None  # wall clock for this launch; stops cleanly with a final checkpoint
+    stop_at_step: int | None = None  # stop cleanly (final checkpoint) at this step, schedule unchanged
+    fail_at_step: int | None = None  # fault injection: the last worker raises once on reaching this step
+    num_threads: int | None = None  # torch threads per worker; None = cpus_per_worker
+    bf16: bool = True  # bf16 autocast when training on GPU
+
+    def __post_init__(self) -> None:
+        if self.loss_weights not in SCHEMES:
+            raise ValueError(f"unknown loss-weight scheme {self.loss_weights!r}; choose one of {sorted(SCHEMES)}")
+        for name in ("batch_size", "grad_accum", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.time_budget_min is not None and self.time_budget_min <= 0:
+            raise ValueError(f"TrainConfig.time_budget_min must be positive, got {self.time_budget_min}")
+        if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
+            raise ValueError(f"TrainConfig.stop_at_step={self.stop_at_step} must be in [1, max_steps={self.max_steps}]")
+        if self.fail_at_step is not None and not self.checkpoint_every < self.fail_at_step <= self.max_steps:
+            raise ValueError(
+                f"TrainConfig.fail_at_step={self.fail_at_step} must lie after the first checkpoint "
+                f"(checkpoint_every={self.checkpoint_every}) and at most max_steps={self.max_steps}, "
+                "so that the retried run resumes from a checkpoint instead of failing again"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"TrainConfig.num_threads must be positive, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    """Ray Train workers and their resources (becomes ``ray.train.ScalingConfig``)."""
+
+    num_workers: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: float = 2.0  # the laptop default: one worker on both cores
+    gpus_per_worker: float = 1.0  # used only with use_gpu
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"ScaleConfig.num_workers must be positive, got {self.num_workers}")
+        if self.cpus_per_worker <= 0 or self.gpus_per_worker <= 0:
+            raise ValueError("ScaleConfig.cpus_per_worker and gpus_per_worker must be positive")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Where and under which name the run persists, and how often Ray retries a failed worker group."""
+
+    storage_path: str = "runs"  # local folder (made absolute) or a URI such as s3://bucket/prefix
+    name: str | None = None  # None = deterministic from the config (see run_name)
+    max_failures: int = 2  # worker-group restarts from the last checkpoint (Ray FailureConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_failures < -1:
+            raise ValueError(f"RunSettings.max_failures must be -1 (forever) or >= 0, got {self.max_failures}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The evaluation a finetuning job runs on its final checkpoint (speed.evaluate.run_evaluation)."""
+
+    enabled: bool = True
+    split: str = "test"
+    limit: int | None = None  # first N records of the split
+    batch_size: int = 16
+    max_new_tokens: int = 64
+    launch_loop: int = 1
+    invalidation: str = "eager"
+    check_sequential: bool = True  # also decode sequentially: exactness check and the speed-up
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything a pretraining or finetuning job needs; travels inside every checkpoint."""
+
+    kind: str = "pretrain"  # pretrain | finetune
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+    run: RunSettings = field(default_factory=RunSettings)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    init_from: str | None = None  # finetune: a speed checkpoint dir/URI, or "hf:<name or path>" (T5 v1.1 weights)
+    resume: str | None = None  # continue a finished or interrupted run from this checkpoint (or run) dir/URI
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown job kind {self.kind!r}; choose one of {list(KINDS)}")
+        per_step = self.scale.num_workers * self.train.grad_accum
+        if self.train.batch_size % per_step:
+            raise ValueError(
+                f"batch_size={self.train.batch_size} must divide evenly into num_workers={self.scale.num_workers} "
+                f"x grad_accum={self.train.grad_accum} micro-batches"
+            )
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per forward pass on one worker."""
+        return self.train.batch_size // (self.scale.num_workers * self.train.grad_accum)
+
+
+# ----- defaults per job kind ----------------------------------------------------------------------
+
+# A few-minute CPU run: the `mini` preset, 2 unique layers looped 6 times.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "pretrain": {
+        "model": {"preset": "mini", "pattern": "2x6"},
+        "data": {"task": "pretrain", "max_source_len": 128, "max_target_len": 32, "pack": True},
+        "optim": {"lr": 1e-3, "warmup_steps": 10},
+        "train": {"batch_size": 16, "max_steps": 40, "log_every": 5, "checkpoint_every": 20},
+        "eval": {"enabled": False},
+    },
+    "finetune": {
+        "model": {"preset": "mini", "pattern": "2x6"},
+        "data": {"task": "translate_en_de", "max_source_len": 64, "max_target_len": 64},
+        "optim": {"lr": 1e-3, "warmup_steps": 20},
+        "train": {"batch_size": 32, "max_steps": 60, "log_every": 5, "checkpoint_every": 30},
+        "eval": {"limit": 100},
+    },
+}
+
+
+def resolve_model(section: dict[str, Any]) -> ModelConfig:
+    """``{"preset": name, **overrides}`` or a full field dict -> ``ModelConfig`` (unknown keys are errors)."""
+    section = dict(section)
+    name = section.pop("preset", None)
+    base = preset(name) if name is not None else ModelConfig()
+    return base.replace(**section) if section else base
+
+
+def job_from_dict(data: dict[str, Any]) -> JobConfig:
+    """Build a ``JobConfig`` from a nested dict (YAML layout or a checkpoint's resolved ``job`` section)."""
+    if not isinstance(data, dict):
+        raise TypeError(f"a job config must be a mapping, got {type(data).__name__}")
+    data = dict(data)
+    model = data.pop("model", {})
+    if not isinstance(model, dict):
+        raise TypeError(f"the 'model' section must be a mapping, got {type(model).__name__}")
+    job = from_dict(JobConfig, data)
+    return JobConfig(**{**_shallow(job), "model": resolve_model(model)})
+
+
+def job_to_dict(job: JobConfig) -> dict[str, Any]:
+    """The fully resolved job as plain data (parses back with ``job_from_dict``)."""
+    return to_dict(job)
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``override`` into a copy of ``base`` (sections merge, values replace)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML job file as a dict (an empty file is ``{}``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file at {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of sections (model, data, optim, ...), got {type(data).__name__}")
+    return data
+
+
+def run_name(job: JobConfig) -> str:
+    """A deterministic name: kind, task, pattern and a hash of everything that changes the result.
+
+    Launch-only settings (time budget, stops, fault injection, threads, storage,
+    retries, evaluation) are left out, so relaunching the same experiment lands
+    in the same run and Ray resumes it from its last checkpoint.
+    """
+    d = job_to_dict(job)
+    for key in ("time_budget_min", "stop_at_step", "fail_at_step", "num_threads", "log_every"):
+        d["train"].pop(key)
+    for key in ("run", "eval", "resume", "scale"):
+        d.pop(key)
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{job.kind}-{job.data.task}-{job.model.pattern}-{digest}"
+
+
+def _shallow(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+
+
+# ----- command-line flags -------------------------------------------------------------------------
+
+# flag -> (dotted key, type, help). Everything else: --set section.key=value (value parsed as YAML).
+FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--preset": ("model.preset", str, "model preset: base, small, mini, tiny"),
+    "--pattern": ("model.pattern", str, "decoder sharing pattern NxM, e.g. 2x6"),
+    "--task": ("data.task", str, f"one of {', '.join(sorted(TASKS))}"),
+    "--source": ("data.source", str, "corpus folder or hub name (e.g. allenai/c4); default: the local corpus"),
+    "--limit": ("data.limit", int, "use only the first N training records"),
+    "--max-source-len": ("data.max_source_len", int, "encoder tokens per example"),
+    "--max-target-len": ("data.max_target_len", int, "decoder tokens per example"),
+    "--tokenizer": ("data.tokenizer", str, "an existing SentencePiece .model (default: train one)"),
+    "--vocab-size": ("data.vocab_size", int, "pieces of a newly trained tokenizer"),
+    "--optimizer": ("optim.name", str, "adamw or adafactor"),
+    "--lr": ("optim.lr", float, "peak learning rate"),
+    "--weight-decay": ("optim.weight_decay", float, "decoupled weight decay"),
+    "--warmup-steps": ("optim.warmup_steps", int, "linear warm-up steps"),
+    "--schedule": ("optim.schedule", str, f"decay after warm-up: {', '.join(SCHEDULES)}"),
+    "--grad-clip": ("optim.grad_clip", float, "max global gradient norm (0: off)"),
+    "--loss-weights": ("train.loss_weights", str, f"loop-loss weights: {', '.join(sorted(SCHEMES))}"),
+    "--batch-size": ("train.batch_size", int, "global sequences per optimizer step"),
+    "--grad-accum": ("train.grad_accum", int, "micro-batches per step on each worker"),
+    "--max-steps": ("train.max_steps", int, "optimizer steps"),
+    "--seed": ("train.seed", int, "seed of init, data order and dropout"),
+    "--log-every": ("train.log_every", int, "steps between progress lines"),
+    "--checkpoint-every": ("train.checkpoint_every", int, "steps between checkpoints"),
+    "--time-budget-min": ("train.time_budget_min", float, "wall-clock minutes; then stop with a final checkpoint"),
+    "--stop-at-step": ("train.stop_at_step", int, "stop cleanly at this step (schedule unchanged)"),
+    "--fail-at-step": ("train.fail_at_step", int, "fault injection: a worker fails once at this step"),
+    "--num-threads": ("train.num_threads", int, "torch threads per worker"),
+    "--num-workers": ("scale.num_workers", int, "Ray Train workers"),
+    "--use-gpu": ("scale.use_gpu", bool, "one GPU per worker, bf16 autocast"),
+    "--cpus-per-worker": ("scale.cpus_per_worker", float, "CPUs reserved per worker"),
+    "--gpus-per-worker": ("scale.gpus_per_worker", float, "GPUs reserved per worker (with --use-gpu)"),
+    "--storage-path": ("run.storage_path", str, "local folder or URI (s3://...) for checkpoints and results"),
+    "--name": ("run.name", str, "run name (default: deterministic from the config)"),
+    "--max-failures": ("run.max_failures", int, "worker-group restarts from the last checkpoint"),
+    "--init-from": ("init_from", str, "finetune from a speed checkpoint, or hf:<T5 v1.1 name or path>"),
+    "--resume": ("resume", str, "continue from a checkpoint or run directory"),
+    "--eval-split": ("eval.split", str, "split evaluated after finetuning"),
+    "--eval-limit": ("eval.limit", int, "first N records of the evaluation split"),
+    "--no-eval": ("eval.enabled", "false", "skip the evaluation after finetuning"),
+}
+
+
+def build_parser(kind: str, description: str) -> argparse.ArgumentParser:
+    """The jobs' shared flag parser; flags left out keep the YAML or default value."""
+    parser = argparse.ArgumentParser(
+        prog=f"{kind}.py",
+        description=description,
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,  # a truncated or misspelled flag is an error, never a guess
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML job file (sections: model, data, optim, train, scale, run, eval)")
+    parser.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="any other field, e.g. optim.betas=[0.9,0.99]"
+    )
+    for flag, (key, kind_, help_) in FLAGS.items():
+        if kind_ is bool:
+            parser.add_argument(flag, dest=key, action="store_true", help=help_)
+        elif kind_ == "false":
+            parser.add_argument(flag, dest=key, action="store_false", help=help_)
+        else:
+            parser.add_argument(flag, dest=key, type=kind_, metavar=key.rpartition(".")[2].upper(), help=help_)
+    return parser
+
+
+def job_from_args(kind: str, argv: list[str] | None = None, description: str = "") -> JobConfig:
+    """Parse a job's command line (``--config`` YAML, flags, ``--set``) into its ``JobConfig``."""
+    args = vars(build_parser(kind, description).parse_args(argv))
+    return job_from_layers(kind, args.pop("config", None), args.pop("set", None) or [], args)
+
+
+def job_from_layers(kind: str, config_path: str | Path | None, sets: list[str], flags: dict[str, Any]) -> JobConfig:
+    """``defaults[kind] < YAML < --set < flags`` -> ``JobConfig``; ``resume`` starts from the checkpoint's job."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown job kind {kind!r}; choose one of {list(KINDS)}")
+    user: dict[str, Any] = load_yaml(config_path) if config_path else {}
+    if user.get("kind", kind) != kind:
+        raise ValueError(f"{config_path} is a {user['kind']!r} config, not {kind!r}")
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        user = merge(user, _dotted(key, yaml.safe_load(value)))
+    for key, value in flags.items():
+        user = merge(user, _dotted(key, value))
+    base = merge(DEFAULTS[kind], {"kind": kind})
+    if user.get("resume"):
+        from speed.train.state import resumable_job  # the checkpoint's own job, launch-only fields cleared
+
+        base = resumable_job(user["resume"])
+        if base.get("kind") != kind:
+            raise ValueError(f"--resume {user['resume']} is a {base.get('kind')!r} run, not {kind!r}")
+    return job_from_dict(merge(base, user))
+
+
+def _dotted(key: str, value: Any) -> dict[str, Any]:
+    head, _, rest = key.partition(".")
+    return {head: _dotted(rest, value) if rest else value}

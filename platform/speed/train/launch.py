@@ -1,0 +1,278 @@
+"""The driver side of a training job: resolve tokenizer and model, run the ``TorchTrainer``, evaluate.
+
+``run_job(job)`` is what ``jobs/pretrain.py``, ``jobs/finetune.py`` and
+``jobs/demo.py`` call. It connects to ``$RAY_ADDRESS`` when set (``ray job
+submit`` sets it) and otherwise starts a local Ray in-process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from speed.checkpoint import TOKENIZER_FILE
+from speed.config import ModelConfig, from_dict, to_dict
+from speed.paths import data_dir
+from speed.tokenizer import Tokenizer, train_tokenizer
+from speed.train.config import JobConfig, job_to_dict, run_name
+from speed.train.state import local_checkpoint, read_checkpoint_config
+
+HF_PREFIX = "hf:"
+_VOCAB_MULTIPLE = 128  # model vocabularies are padded to a multiple of 128, as in T5
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """Where a finished job left its results."""
+
+    job: JobConfig  # resolved: model vocabulary, initial model and run name filled in
+    run_dir: str  # storage_path/name (a local path or a URI)
+    checkpoint: str  # the final checkpoint (path or URI), readable by speed.checkpoint.load_model
+    metrics: dict[str, Any]  # the last metrics rank 0 reported
+    evaluation: dict[str, Any] | None  # speed.evaluate summary (finetuning), else None
+
+
+# ----- resolving the tokenizer and the model config -------------------------------------------------
+
+
+def storage_uri(path: str) -> str:
+    """A URI as given; a local path made absolute (Ray needs absolute local storage paths)."""
+    return path if "://" in path else str(Path(path).expanduser().resolve())
+
+
+def prepare(job: JobConfig) -> tuple[JobConfig, Path]:
+    """Resolve the tokenizer and the model config; returns the completed job and a local tokenizer file.
+
+    Resume and ``--init-from`` take model and tokenizer from the checkpoint (or
+    the Hugging Face model); otherwise the tokenizer is ``data.tokenizer`` or is
+    trained (and cached) on ``data.tokenizer_tasks``, and the model vocabulary
+    is padded up from the tokenizer's size.
+    """
+    origin = job.resume or job.init_from
+    if origin and not origin.startswith(HF_PREFIX):
+        cache = Path(tempfile.mkdtemp(prefix="speed-tokenizer-"))
+        with local_checkpoint(origin) as directory:
+            saved = read_checkpoint_config(directory)
+            if not (directory / TOKENIZER_FILE).is_file():
+                raise FileNotFoundError(f"checkpoint {origin} has no {TOKENIZER_FILE}; cannot tokenize for it")
+            tokenizer_path = cache / TOKENIZER_FILE
+            tokenizer_path.write_bytes((directory / TOKENIZER_FILE).read_bytes())
+        model = from_dict(ModelConfig, saved["model"])
+        _note_replaced(job.model, model, origin)
+        return replace(job, model=model), tokenizer_path
+    if origin:
+        name = origin[len(HF_PREFIX) :]
+        model = _hf_model_config(name, job.model.pattern)
+        _note_replaced(job.model, model, origin)
+        return replace(job, model=model), _hf_tokenizer(name)
+    tokenizer_path = Path(job.data.tokenizer) if job.data.tokenizer else _trained_tokenizer(job)
+    tokenizer = Tokenizer.load(tokenizer_path)
+    vocab = -(-tokenizer.vocab_size // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+    return replace(job, model=job.model.replace(vocab_size=vocab)), tokenizer_path
+
+
+def _note_replaced(asked: ModelConfig, used: ModelConfig, origin: str) -> None:
+    changed = {k: v for k, v in to_dict(used).items() if to_dict(asked)[k] != v}
+    if changed:
+        print(f"model config taken from {origin}: {changed}", flush=True)
+
+
+def _hf_model_config(name: str, pattern: str) -> ModelConfig:
+    from transformers import T5Config
+
+    from speed.convert import config_from_hf
+
+    return config_from_hf(T5Config.from_pretrained(name), pattern)
+
+
+def _hf_tokenizer(name: str) -> Path:
+    local = Path(name).expanduser() / "spiece.model"
+    if local.is_file():
+        return local
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(name, "spiece.model"))
+
+
+def _trained_tokenizer(job: JobConfig) -> Path:
+    """Train a tokenizer on the job's corpora, cached by everything that determines it."""
+    from speed.data import load_records
+
+    tasks = job.data.tokenizer_tasks or (job.data.task,)
+    key = json.dumps(
+        {"tasks": tasks, "source": job.data.source, "limit": job.data.limit, "vocab": job.data.vocab_size},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256((key + str(data_dir())).encode()).hexdigest()[:12]
+    storage = job.run.storage_path
+    root = Path(storage_uri(storage)) / "tokenizers" if "://" not in storage else Path.home() / ".cache" / "speed"
+    path = root / f"spm-{digest}" / TOKENIZER_FILE
+    if path.is_file():
+        print(f"tokenizer: reusing {path}", flush=True)
+        return path
+    texts: list[str] = []
+    for task in tasks:
+        own = task == job.data.task
+        records = load_records(task, "train", job.data.source if own else None, job.data.limit if own else None)
+        for column in ("text", "source", "target"):
+            if column in records.column_names:
+                texts.extend(records[column])
+    start = time.perf_counter()
+    tmp = path.with_name(f"{TOKENIZER_FILE}.{os.getpid()}.tmp")
+    train_tokenizer(texts, tmp, vocab_size=job.data.vocab_size)
+    tmp.replace(path)  # atomic: concurrent jobs never read a half-written file
+    print(f"tokenizer: trained {job.data.vocab_size} pieces on {tasks} in {time.perf_counter() - start:.0f}s -> {path}")
+    return path
+
+
+# ----- Ray -------------------------------------------------------------------------------------------
+
+
+def ensure_ray() -> None:
+    """Connect to ``$RAY_ADDRESS`` when set, else start a local Ray (never joins a stray local cluster)."""
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
+
+
+def build_trainer(job: JobConfig, tokenizer_path: Path, deadline: float | None) -> TorchTrainer:
+    """A ``TorchTrainer`` running ``train_loop_per_worker`` with the job's scaling, storage, name and retries."""
+    from speed.train.loop import train_loop_per_worker
+
+    resources = {"CPU": job.scale.cpus_per_worker}
+    if job.scale.use_gpu:
+        resources["GPU"] = job.scale.gpus_per_worker
+    # Ray Train's print patch sends worker prints through its logger too (every line shows twice) and
+    # bypasses stdout captures (datasets' dill hashing then spills bytecode); plain stdout is forwarded once.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    local_data = data_dir()
+    loop_config = {
+        "job": job_to_dict(job),
+        "tokenizer": tokenizer_path.read_bytes(),  # shipped, so workers on any node can read it
+        "deadline": deadline,
+        "data_dir": str(local_data) if local_data.is_dir() else None,
+    }
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=job.scale.num_workers, use_gpu=job.scale.use_gpu, resources_per_worker=resources
+        ),
+        run_config=ray.train.RunConfig(
+            name=job.run.name,
+            storage_path=storage_uri(job.run.storage_path),
+            failure_config=ray.train.FailureConfig(max_failures=job.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
+        ),
+    )
+
+
+def run_job(job: JobConfig) -> TrainOutcome:
+    """Train (pretrain or finetune) as configured, evaluate a finetuned model, print the run layout."""
+    started = time.time()
+    deadline = started + 60 * job.train.time_budget_min if job.train.time_budget_min else None
+    job, tokenizer_path = prepare(job)
+    job = replace(job, run=replace(job.run, name=job.run.name or run_name(job)))
+    run_dir = f"{storage_uri(job.run.storage_path).rstrip('/')}/{job.run.name}"
+    print(f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_dir}", flush=True)
+    ensure_ray()
+    result = build_trainer(job, tokenizer_path, deadline).fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"run {job.run.name} finished without a checkpoint in {run_dir}")
+    checkpoint = _uri(result.checkpoint)
+    evaluation = None
+    if job.kind == "finetune" and job.eval.enabled:
+        evaluation = evaluate_checkpoint(job, checkpoint, f"{run_dir}/eval_{job.eval.split}")
+    outcome = TrainOutcome(job, run_dir, checkpoint, dict(result.metrics or {}), evaluation)
+    print(describe(outcome, time.time() - started), flush=True)
+    return outcome
+
+
+def _uri(checkpoint: ray.train.Checkpoint) -> str:
+    fs = checkpoint.filesystem
+    if fs is None or isinstance(fs, pafs.LocalFileSystem):
+        return checkpoint.path
+    return f"{fs.type_name}://{checkpoint.path}"
+
+
+# ----- evaluation after finetuning -----------------------------------------------------------------------
+
+
+def evaluate_checkpoint(job: JobConfig, checkpoint: str, out_uri: str) -> dict[str, Any]:
+    """Run ``speed.evaluate.run_evaluation`` on a checkpoint in a Ray task sized like one worker.
+
+    The Parquet files and summary are written locally, then copied to ``out_uri``.
+    """
+    ensure_ray()
+    gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
+    task = ray.remote(_evaluate).options(num_cpus=job.scale.cpus_per_worker, num_gpus=gpus)
+    return ray.get(task.remote(job_to_dict(job), checkpoint, out_uri))
+
+
+def _evaluate(job_dict: dict[str, Any], checkpoint: str, out_uri: str) -> dict[str, Any]:
+    import torch
+
+    from speed.checkpoint import load_model
+    from speed.evaluate import run_evaluation
+    from speed.train.config import job_from_dict
+
+    job = job_from_dict(job_dict)
+    e = job.eval
+    device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
+    with local_checkpoint(checkpoint) as directory, tempfile.TemporaryDirectory() as out:
+        loaded = load_model(directory, map_location=device)
+        tokenizer = Tokenizer.load(loaded.tokenizer_path)
+        summary = run_evaluation(
+            loaded.model.to(device),
+            tokenizer,
+            job.data.task,
+            e.split,
+            out,
+            source=job.data.source,
+            limit=e.limit,
+            batch_size=e.batch_size,
+            max_new_tokens=e.max_new_tokens,
+            launch_loop=e.launch_loop,
+            invalidation=e.invalidation,
+            check_sequential=e.check_sequential,
+        )
+        copy_tree(out, out_uri)
+    return summary
+
+
+def copy_tree(local_dir: str | Path, uri: str) -> None:
+    """Copy a local folder's files to a local path or URI (created as needed)."""
+    fs, path = pafs.FileSystem.from_uri(storage_uri(uri))
+    fs.create_dir(path, recursive=True)
+    pafs.copy_files(str(local_dir), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
+# ----- the run directory ---------------------------------------------------------------------------------
+
+
+def describe(outcome: TrainOutcome, seconds: float) -> str:
+    """What the run left where: the run directory's entries, the final checkpoint, the evaluation."""
+    fs, path = pafs.FileSystem.from_uri(storage_uri(outcome.run_dir))
+    entries = sorted(fs.get_file_info(pafs.FileSelector(path)), key=lambda i: i.base_name)
+    lines = [f"finished in {seconds / 60:.1f} min; run directory {outcome.run_dir}"]
+    for info in entries:
+        if info.type == pafs.FileType.Directory:
+            files = sorted(c.base_name for c in fs.get_file_info(pafs.FileSelector(info.path)))
+            lines.append(f"  {info.base_name}/  {' '.join(files)}")
+        else:
+            lines.append(f"  {info.base_name}")
+    lines.append(f"final checkpoint: {outcome.checkpoint}")
+    if outcome.evaluation is not None:
+        lines.append(f"evaluation: {outcome.run_dir}/eval_{outcome.job.eval.split}/summary.json")
+    return "\n".join(lines)

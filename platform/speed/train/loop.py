@@ -1,0 +1,310 @@
+"""``train_loop_per_worker``: what every Ray Train worker runs.
+
+DDP through ``ray.train.torch.prepare_model``; each worker trains on its own
+shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
+warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
+the shared early-exit loss ``L_w = sum_i w_i L_i``. Rank 0 logs every loop's
+loss and tokens/s, and writes checkpoints reported through ``ray.train.report``.
+A worker (re)started by Ray resumes from ``ray.train.get_checkpoint()``; a
+``--resume`` run from the checkpoint it names.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from speed.checkpoint import MODEL_FILE, TOKENIZER_FILE, load_model
+from speed.losses import loss_weights
+from speed.model import SpeedT5
+from speed.paths import DATA_DIR_ENV
+from speed.tokenizer import Tokenizer
+from speed.train.batches import BatchPlan
+from speed.train.config import JobConfig, job_from_dict
+from speed.train.optim import build_optimizer, build_scheduler, lr_factor
+from speed.train.progress import TRAIN_LOG_SCHEMA, StepRecord, eta_seconds, progress_line, records_to_table
+from speed.train.state import (
+    TrainingState,
+    check_compatible,
+    checkpoint_name,
+    load_training_state,
+    local_checkpoint,
+    read_checkpoint_config,
+    rng_state,
+    save_training_checkpoint,
+    set_rng_state,
+)
+
+_PACE_WINDOW = 20  # steps averaged for the ETA
+
+
+class InjectedFailure(RuntimeError):
+    """The failure ``train.fail_at_step`` asks for (fault-tolerance tests and drills)."""
+
+
+def load_examples(job: JobConfig, tokenizer: Tokenizer) -> list[dict[str, list[int]]]:
+    """The tokenized training split (span-corrupted for pretraining) as ``input_ids``/``labels`` lists."""
+    from speed.data import load_records, tokenize_records
+
+    d = job.data
+    records = load_records(d.task, "train", source=d.source, limit=d.limit)
+    if not hasattr(records, "__len__"):
+        raise ValueError(f"task {d.task!r} from {d.source!r} is an unbounded stream: pass --limit N to train on it")
+    ds = tokenize_records(
+        records, d.task, tokenizer, d.max_source_len, d.max_target_len, seed=job.train.seed, pack=d.pack
+    )
+    return [{"input_ids": i, "labels": t} for i, t in zip(ds["input_ids"], ds["labels"])]
+
+
+def initial_model(job: JobConfig) -> SpeedT5:
+    """A fresh model (seeded), or the weights of ``init_from`` (a speed checkpoint or ``hf:`` T5 v1.1)."""
+    torch.manual_seed(job.train.seed)
+    if job.init_from is None:
+        return SpeedT5(job.model)
+    if job.init_from.startswith("hf:"):
+        from speed.convert import from_pretrained
+
+        model = from_pretrained(job.init_from[3:], pattern=job.model.pattern)
+    else:
+        with local_checkpoint(job.init_from) as directory:
+            model = load_model(directory).model
+    if model.config != job.model:
+        raise ValueError(f"--init-from {job.init_from} holds model {model.config}, but the job resolved {job.model}")
+    return model.train()
+
+
+def _unwrap(model: nn.Module) -> SpeedT5:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _seed_worker(seed: int, rank: int) -> None:
+    """Distinct, reproducible dropout and sampling streams per rank (after the shared model init)."""
+    torch.manual_seed(seed * 10_007 + rank + 1)
+    random.seed(seed * 10_007 + rank + 1)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Train this worker's share of the job.
+
+    ``config``: ``job`` (a resolved JobConfig dict), ``tokenizer`` (the .model bytes),
+    ``deadline`` (Unix time or None) and ``data_dir`` (the driver's local corpora).
+    """
+    import datasets
+
+    datasets.disable_progress_bars()  # one bar per map per worker drowns the progress lines
+    job = job_from_dict(config["job"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if config.get("data_dir") and Path(config["data_dir"]).is_dir():
+        os.environ.setdefault(DATA_DIR_ENV, config["data_dir"])
+    torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
+    device = ray.train.torch.get_device()
+    workdir = Path(tempfile.mkdtemp(prefix="speed-worker-"))
+    tokenizer_path = workdir / TOKENIZER_FILE
+    tokenizer_path.write_bytes(config["tokenizer"])
+    tokenizer = Tokenizer.load(tokenizer_path)
+
+    examples = load_examples(job, tokenizer)
+    lengths = [len(e["input_ids"]) + len(e["labels"]) for e in examples]
+    plan = BatchPlan(
+        lengths, job.train.batch_size, world, rank, job.train.grad_accum, job.train.seed, job.train.group_by_length
+    )
+    model = initial_model(job)
+    optimizer = build_optimizer(model, job.optim)
+    scheduler = build_scheduler(optimizer, job.optim, job.train.max_steps)
+    _seed_worker(job.train.seed, rank)
+
+    ray_checkpoint = ray.train.get_checkpoint()  # set when Ray restarts this run after a failure
+    history = TRAIN_LOG_SCHEMA.empty_table()
+    step = 0
+    if ray_checkpoint is not None or job.resume is not None:
+        source = ray_checkpoint.as_directory() if ray_checkpoint is not None else local_checkpoint(job.resume)
+        with source as directory:
+            step, history = _restore(
+                Path(directory), job, config["tokenizer"], model, optimizer, scheduler, rank, world
+            )
+        if rank == 0:
+            print(f"resumed at step {step} from {'the last checkpoint of this run' if ray_checkpoint else job.resume}")
+    if rank == 0:
+        print(
+            f"{len(examples)} training examples, {plan.steps_per_epoch} steps/epoch, {world} worker(s) x "
+            f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {device}",
+            flush=True,
+        )
+    model = ray.train.torch.prepare_model(model)
+    _train(job, model, optimizer, scheduler, plan, examples, tokenizer_path, step, history, config, ray_checkpoint)
+
+
+def _restore(
+    directory: Path,
+    job: JobConfig,
+    tokenizer_bytes: bytes,
+    model: SpeedT5,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rank: int,
+    world: int,
+) -> tuple[int, pa.Table]:
+    """Load weights, optimizer, scheduler and this rank's RNG from a training checkpoint; returns (step, log)."""
+    check_compatible(read_checkpoint_config(directory), job, tokenizer_bytes, str(directory))
+    state = load_training_state(directory)
+    model.load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
+    optimizer.load_state_dict(state.optimizer)
+    scheduler.load_state_dict(state.scheduler)
+    # The schedule follows this run's config (its lr and max_steps), not the one saved.
+    scheduler.base_lrs = [job.optim.lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = job.optim.lr
+        group["lr"] = job.optim.lr * lr_factor(state.step, job.optim, job.train.max_steps)
+    if len(state.rng) == world:
+        set_rng_state(state.rng[rank])
+    else:  # another worker count: the data order still resumes exactly, dropout streams restart
+        _seed_worker(job.train.seed + state.step, rank)
+    return state.step, state.log
+
+
+def _train(
+    job: JobConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    plan: BatchPlan,
+    examples: list[dict[str, list[int]]],
+    tokenizer_path: Path,
+    step: int,
+    history: pa.Table,
+    config: dict[str, Any],
+    ray_checkpoint: ray.train.Checkpoint | None,
+) -> None:
+    """The step loop, from ``step`` to ``max_steps`` (or a clean early stop), checkpointing on the way."""
+    from speed.data import collate
+
+    t = job.train
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    n_loops = _unwrap(model).n_loops
+    weights = loss_weights(t.loss_weights, n_loops).to(device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and t.bf16 else nullcontext()
+    clip = job.optim.grad_clip if job.optim.grad_clip > 0 else math.inf
+    deadline = config.get("deadline")
+    last_step = min(t.max_steps, t.stop_at_step or t.max_steps)
+    launched = time.perf_counter()
+    records: list[StepRecord] = []
+    saved_at = step if ray_checkpoint is not None else None
+    restarts = history.column("restarts")[-1].as_py() + 1 if history.num_rows else 0
+
+    while step < last_step:
+        if t.fail_at_step == step + 1 and ray_checkpoint is None and rank == world - 1:
+            raise InjectedFailure(f"injected failure on rank {rank} before step {step + 1} (train.fail_at_step)")
+        started = time.perf_counter()
+        model.train()
+        micro = plan.micro_batches(step)
+        loop_sum = torch.zeros(n_loops, device=device)
+        tokens = 0
+        for i, indices in enumerate(micro):
+            batch = {k: v.to(device) for k, v in collate([examples[j] for j in indices]).items()}
+            sync = world == 1 or i == len(micro) - 1  # all-reduce gradients once per optimizer step
+            with nullcontext() if sync else model.no_sync(), autocast:
+                out = model(
+                    input_ids=batch["input_ids"],
+                    decoder_input_ids=batch["decoder_input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    labels=batch["labels"],
+                    weights=weights,
+                )
+                (out.loss / len(micro)).backward()
+            loop_sum += out.loop_losses.detach().float()
+            tokens += int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        # One all-reduce per step: loop losses, token count, and rank 0's out-of-time flag.
+        out_of_time = rank == 0 and deadline is not None and _past_deadline(deadline, records, started)
+        stats = torch.cat([loop_sum / len(micro), torch.tensor([tokens, float(out_of_time)], device=device)])
+        if world > 1:
+            dist.all_reduce(stats)
+        loop_losses = (stats[:n_loops] / world).tolist()
+        elapsed = time.perf_counter() - started
+        record = StepRecord(
+            step=step,
+            loss=float(sum(w * x for w, x in zip(weights.tolist(), loop_losses))),
+            loop_losses=loop_losses,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=int(stats[n_loops]),
+            step_time_s=elapsed,
+            tokens_per_s=float(stats[n_loops]) / elapsed,
+            elapsed_s=time.perf_counter() - launched,
+            restarts=restarts,
+        )
+        records.append(record)
+        stop = bool(stats[n_loops + 1] > 0) or step >= last_step
+        if rank == 0 and (step % t.log_every == 0 or stop):
+            pace = sum(r.step_time_s for r in records[-_PACE_WINDOW:]) / len(records[-_PACE_WINDOW:])
+            budget_left = deadline - time.time() if deadline is not None else None
+            print(progress_line(record, t.max_steps, eta_seconds(last_step - step, pace, budget_left)), flush=True)
+        if step % t.checkpoint_every == 0 or stop:
+            _checkpoint(job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world)
+            saved_at = step
+        if stop:
+            if rank == 0 and step < last_step:
+                print(f"time budget of {t.time_budget_min} min reached: stopped at step {step}", flush=True)
+            break
+    if saved_at != step:  # nothing left to train (a finished run resumed): still leave a checkpoint here
+        _checkpoint(job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world)
+
+
+def _past_deadline(deadline: float, records: list[StepRecord], started: float) -> bool:
+    """Whether another step (at the recent pace) would overrun the wall-clock budget."""
+    pace = records[-1].step_time_s if records else time.perf_counter() - started
+    return time.time() + pace > deadline
+
+
+def _checkpoint(
+    job: JobConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    tokenizer_path: Path,
+    step: int,
+    history: pa.Table,
+    records: list[StepRecord],
+    rank: int,
+    world: int,
+) -> None:
+    """Every rank reports (a barrier); rank 0 alone writes the checkpoint, with every rank's RNG state."""
+    rngs = [rng_state()]
+    if world > 1:
+        rngs = [None] * world
+        dist.all_gather_object(rngs, rng_state())
+    last = records[-1] if records else None
+    metrics: dict[str, Any] = {"step": step}
+    if last is not None:
+        metrics |= {"loss": last.loss, "tokens_per_s": last.tokens_per_s, "lr": last.lr}
+        metrics |= {f"loss_loop{i + 1}": x for i, x in enumerate(last.loop_losses)}
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if rank == 0:
+            log = pa.concat_tables([history, records_to_table(records)])
+            state = TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), rngs, log)
+            save_training_checkpoint(tmp, _unwrap(model), tokenizer_path, job, state)
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(step))

@@ -1,0 +1,187 @@
+"""Training checkpoints: the model part (``speed.checkpoint``) plus the state that resumes a run exactly.
+
+A training checkpoint directory holds
+    model.pt, config.json, spm.model   speed.checkpoint.save_model (config.json: {"model", "job", "step"})
+    train_state.pt                     step, optimizer, scheduler, every rank's RNG states, world size
+    train_log.parquet                  speed.train.progress.TRAIN_LOG_SCHEMA, one row per step so far
+so ``speed.checkpoint.load_model(dir)`` (evaluation, serving) reads any of them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from speed.checkpoint import CONFIG_FILE, TOKENIZER_FILE, save_model
+from speed.config import to_dict
+from speed.model import SpeedT5
+from speed.train.config import JobConfig, job_to_dict
+from speed.train.progress import TRAIN_LOG_SCHEMA
+
+TRAIN_STATE_FILE = "train_state.pt"
+TRAIN_LOG_FILE = "train_log.parquet"
+CHECKPOINT_PREFIX = "checkpoint_"
+
+# Launch-only settings a resumed run must not inherit from the run it continues.
+_LAUNCH_ONLY = {"train": ("time_budget_min", "stop_at_step", "fail_at_step"), "run": ("name",)}
+
+
+class IncompatibleCheckpointError(ValueError):
+    """A checkpoint whose model, task, tokenizer or optimizer cannot continue the requested run."""
+
+
+@dataclass
+class TrainingState:
+    """Everything besides the weights that continues a run exactly where a checkpoint left it."""
+
+    step: int  # optimizer steps completed
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: list[dict[str, Any]]  # per rank: torch, CUDA and Python generator states
+    log: pa.Table  # TRAIN_LOG_SCHEMA rows of steps 1..step
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint after ``step`` optimizer steps (sorts by step)."""
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's global random generator states (torch, CUDA, Python); data order needs none."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore states captured by ``rng_state``."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+
+
+def save_training_checkpoint(
+    directory: str | Path,
+    model: SpeedT5,
+    tokenizer_path: str | Path,
+    job: JobConfig,
+    state: TrainingState,
+) -> Path:
+    """Write a resumable checkpoint (model part via ``speed.checkpoint.save_model``) into ``directory``."""
+    directory = Path(directory)
+    job_dict = job_to_dict(job)
+    job_dict.pop("model")  # stored once, as config.json's "model" section
+    save_model(directory, model, tokenizer_path, {"job": job_dict, "step": state.step})
+    torch.save(
+        {"step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler, "rng": state.rng},
+        directory / TRAIN_STATE_FILE,
+    )
+    pq.write_table(state.log.cast(TRAIN_LOG_SCHEMA), directory / TRAIN_LOG_FILE)
+    return directory
+
+
+def load_training_state(directory: str | Path) -> TrainingState:
+    """The ``TrainingState`` of a local checkpoint directory; a missing file is named in the error."""
+    directory = Path(directory)
+    path = directory / TRAIN_STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{directory} has no {TRAIN_STATE_FILE}: it is a model checkpoint, not a training checkpoint "
+            "(use --init-from to start a new run from its weights)"
+        )
+    raw = torch.load(path, map_location="cpu", weights_only=False)  # our own file: Python RNG tuples
+    log_path = directory / TRAIN_LOG_FILE
+    log = pq.read_table(log_path).cast(TRAIN_LOG_SCHEMA) if log_path.is_file() else TRAIN_LOG_SCHEMA.empty_table()
+    return TrainingState(raw["step"], raw["optimizer"], raw["scheduler"], raw["rng"], log)
+
+
+def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
+    """A local checkpoint's config.json (sections ``model``, ``job``, ``step``)."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}")
+    return json.loads(path.read_text())
+
+
+def check_compatible(saved: dict[str, Any], job: JobConfig, tokenizer_bytes: bytes, where: str) -> None:
+    """Refuse a checkpoint (config.json dict) whose model, task, optimizer or tokenizer differs from ``job``'s."""
+    problems = []
+    ours = to_dict(job.model)
+    for key in sorted(set(ours) | set(saved.get("model", {}))):
+        if saved.get("model", {}).get(key) != ours.get(key):
+            problems.append(f"model.{key} is {saved.get('model', {}).get(key)!r} there, {ours.get(key)!r} here")
+    saved_job = saved.get("job", {})
+    for section, key in (("data", "task"), ("optim", "name")):
+        theirs, mine = saved_job.get(section, {}).get(key), getattr(getattr(job, section), key)
+        if theirs != mine:
+            problems.append(f"{section}.{key} is {theirs!r} there, {mine!r} here")
+    tokenizer = Path(where) / TOKENIZER_FILE
+    if tokenizer.is_file() and tokenizer.read_bytes() != tokenizer_bytes:
+        problems.append("its tokenizer (spm.model) differs from this run's")
+    if problems:
+        raise IncompatibleCheckpointError(f"checkpoint {where} cannot continue this run: " + "; ".join(problems))
+
+
+# ----- locating checkpoints (local folders and URIs alike) ------------------------------------------
+
+
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    if "://" not in uri:
+        uri = str(Path(uri).expanduser().resolve())
+    return pafs.FileSystem.from_uri(uri)
+
+
+def latest_checkpoint(path: str) -> str:
+    """``path`` itself when it is a checkpoint, else the newest ``checkpoint_*`` inside a run directory."""
+    fs, root = _filesystem(path)
+    info = fs.get_file_info(root)
+    if info.type != pafs.FileType.Directory:
+        raise FileNotFoundError(f"no checkpoint or run directory at {path}")
+    if fs.get_file_info(f"{root}/{CONFIG_FILE}").type == pafs.FileType.File:
+        return path
+    children = fs.get_file_info(pafs.FileSelector(root))
+    names = sorted(
+        c.base_name for c in children if c.base_name.startswith(CHECKPOINT_PREFIX) and c.type == pafs.FileType.Directory
+    )
+    if not names:
+        raise FileNotFoundError(f"{path} holds no {CONFIG_FILE} and no {CHECKPOINT_PREFIX}* directories")
+    return f"{path.rstrip('/')}/{names[-1]}"
+
+
+@contextmanager
+def local_checkpoint(path: str) -> Iterator[Path]:
+    """A checkpoint (or the newest one of a run) as a local directory, downloaded first when ``path`` is a URI."""
+    from ray.train import Checkpoint
+
+    uri = latest_checkpoint(path)
+    if "://" not in uri:
+        yield Path(uri).expanduser().resolve()
+        return
+    with Checkpoint(uri).as_directory() as local:
+        yield Path(local)
+
+
+def resumable_job(path: str) -> dict[str, Any]:
+    """The resolved job of the checkpoint a ``--resume`` names, minus launch-only settings; ``resume`` set."""
+    with local_checkpoint(path) as directory:
+        saved = read_checkpoint_config(directory)
+    if "job" not in saved:
+        raise IncompatibleCheckpointError(f"{path} is a model checkpoint without a training job; use --init-from")
+    job = {**saved["job"], "model": saved["model"], "resume": path}
+    for section, keys in _LAUNCH_ONLY.items():
+        for key in keys:
+            job[section][key] = None
+    return job

@@ -1,0 +1,53 @@
+"""Data sharding is a pure function of (seed, step): shards tile the global batch, epochs are permutations."""
+
+import numpy as np
+import pytest
+
+from speed.train.batches import BatchPlan
+
+
+def test_rank_shards_tile_the_one_worker_global_batch():
+    lengths = list(range(1, 101))
+    one = BatchPlan(lengths, global_batch=8, seed=3)
+    for step in (0, 5, 12, 30):  # 30 is in the third epoch
+        expected = one.global_batch_at(step)
+        shards = [BatchPlan(lengths, 8, world_size=2, rank=r, grad_accum=2, seed=3).micro_batches(step) for r in (0, 1)]
+        flat = np.concatenate([m for shard in shards for m in shard])
+        assert flat.tolist() == expected.tolist()
+        assert [len(m) for shard in shards for m in shard] == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_each_epoch_is_a_permutation_and_the_order_replays(group):
+    lengths = np.random.default_rng(0).integers(1, 50, size=103).tolist()
+    plan = BatchPlan(lengths, global_batch=10, seed=7, group_by_length=group)
+    assert plan.steps_per_epoch == 10
+    epoch0 = np.concatenate([plan.global_batch_at(s) for s in range(10)])
+    assert len(set(epoch0.tolist())) == 100  # no repeats; 3 examples dropped
+    epoch1 = np.concatenate([plan.global_batch_at(s) for s in range(10, 20)])
+    assert epoch1.tolist() != epoch0.tolist()
+    fresh = BatchPlan(lengths, global_batch=10, seed=7, group_by_length=group)  # a resumed run: no history
+    assert fresh.global_batch_at(14).tolist() == plan.global_batch_at(14).tolist()
+    other_seed = BatchPlan(lengths, global_batch=10, seed=8, group_by_length=group)
+    assert other_seed.global_batch_at(0).tolist() != plan.global_batch_at(0).tolist()
+
+
+def test_grouping_by_length_cuts_padding():
+    lengths = np.random.default_rng(1).integers(5, 60, size=2000)
+
+    def padding(plan):
+        batches = [lengths[plan.global_batch_at(s)] for s in range(plan.steps_per_epoch)]
+        return sum(int(b.max() * len(b) - b.sum()) for b in batches)
+
+    plain = BatchPlan(lengths.tolist(), 16, seed=0)
+    grouped = BatchPlan(lengths.tolist(), 16, seed=0, group_by_length=True)
+    assert padding(grouped) < 0.2 * padding(plain)
+
+
+def test_invalid_plans_are_refused():
+    with pytest.raises(ValueError, match="does not split into 3 workers"):
+        BatchPlan([1] * 20, 8, world_size=3)
+    with pytest.raises(ValueError, match="cannot fill one global batch"):
+        BatchPlan([1] * 5, 8)
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        BatchPlan([1] * 20, 8, world_size=2, rank=2)

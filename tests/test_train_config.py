@@ -1,0 +1,104 @@
+"""Job configs: defaults < YAML < --set < flags, unknown keys rejected, deterministic run names."""
+
+import pytest
+
+from speed.config import preset
+from speed.train.config import (
+    JobConfig,
+    TrainConfig,
+    job_from_args,
+    job_from_dict,
+    job_to_dict,
+    resolve_model,
+    run_name,
+)
+
+
+def test_defaults_are_a_small_2x6_model():
+    job = job_from_args("pretrain", [])
+    assert job.kind == "pretrain" and job.data.task == "pretrain" and job.data.pack
+    assert job.model == preset("mini", pattern="2x6")
+    finetune = job_from_args("finetune", [])
+    assert finetune.data.task == "translate_en_de" and finetune.eval.enabled
+
+
+def test_yaml_then_set_then_flags(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("model: {preset: tiny, pattern: 3x2}\noptim: {name: adafactor, lr: 0.01}\ntrain: {max_steps: 7}\n")
+    job = job_from_args(
+        "pretrain", ["--config", str(cfg), "--set", "optim.lr=0.02", "--set", "optim.betas=[0.8, 0.9]", "--lr", "0.03"]
+    )
+    assert job.model == preset("tiny", pattern="3x2")
+    assert (job.optim.name, job.optim.lr, job.optim.betas) == ("adafactor", 0.03, (0.8, 0.9))
+    assert job.train.max_steps == 7
+    assert job.train.batch_size == 16  # pretrain default, untouched by the YAML
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("train: {max_step: 3}\n", r"unknown TrainConfig key\(s\) \['max_step'\]"),
+        ("model: {d_modle: 8}\n", r"unknown ModelConfig key\(s\) \['d_modle'\]"),
+        ("optimizer: {lr: 1}\n", r"unknown JobConfig key\(s\) \['optimizer'\]"),
+        ("model: {preset: huge}\n", "unknown model preset 'huge'"),
+        ("data: {task: translate_fr}\n", "unknown task 'translate_fr'"),
+        ("optim: {name: sgd}\n", "unknown optimizer 'sgd'"),
+        ("train: {loss_weights: cubic}\n", "unknown loss-weight scheme 'cubic'"),
+    ],
+)
+def test_unknown_or_invalid_keys_are_errors(tmp_path, text, fragment):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ValueError, match=fragment):
+        job_from_args("pretrain", ["--config", str(cfg)])
+
+
+def test_set_and_flags_reject_unknowns():
+    with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) \['nope'\]"):
+        job_from_args("pretrain", ["--set", "train.nope=1"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        job_from_args("pretrain", ["--set", "train.max_steps"])
+    with pytest.raises(SystemExit):
+        job_from_args("pretrain", ["--max-step", "3"])  # argparse: no such flag (no prefix guessing of a typo)
+
+
+def test_a_config_of_the_other_kind_is_refused(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("kind: finetune\n")
+    with pytest.raises(ValueError, match="is a 'finetune' config, not 'pretrain'"):
+        job_from_args("pretrain", ["--config", str(cfg)])
+
+
+def test_resolved_job_round_trips():
+    job = job_from_args("finetune", ["--preset", "tiny", "--pattern", "2x3", "--use-gpu", "--num-workers", "4"])
+    assert job.scale.use_gpu and job.scale.num_workers == 4
+    assert job_from_dict(job_to_dict(job)) == job
+    assert "preset" not in job_to_dict(job)["model"]  # stored fully resolved
+
+
+def test_resolve_model_preset_plus_overrides():
+    assert resolve_model({"preset": "tiny", "pattern": "1x4"}) == preset("tiny", pattern="1x4")
+    assert resolve_model({"d_model": 64}).d_model == 64
+
+
+def test_batch_must_split_over_workers_and_accumulation():
+    with pytest.raises(ValueError, match="batch_size=10 must divide evenly into num_workers=2 x grad_accum=2"):
+        job_from_args("pretrain", ["--batch-size", "10", "--num-workers", "2", "--grad-accum", "2"])
+    job = job_from_args("pretrain", ["--batch-size", "12", "--num-workers", "2", "--grad-accum", "3"])
+    assert job.micro_batch == 2
+
+
+def test_fault_injection_must_follow_a_checkpoint():
+    with pytest.raises(ValueError, match="fail_at_step=2 must lie after the first checkpoint"):
+        TrainConfig(checkpoint_every=2, fail_at_step=2, max_steps=5)
+    assert TrainConfig(checkpoint_every=2, fail_at_step=3, max_steps=5).fail_at_step == 3
+
+
+def test_run_name_is_deterministic_and_ignores_launch_settings():
+    job = job_from_args("pretrain", ["--preset", "tiny"])
+    assert run_name(job) == run_name(job_from_args("pretrain", ["--preset", "tiny"]))
+    assert run_name(job).startswith("pretrain-pretrain-2x6-")
+    same = job_from_args("pretrain", ["--preset", "tiny", "--time-budget-min", "3", "--num-workers", "2"])
+    assert run_name(same) == run_name(job)
+    assert run_name(job_from_args("pretrain", ["--preset", "tiny", "--lr", "0.5"])) != run_name(job)
+    assert isinstance(job, JobConfig)
