@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
 from speed.data import (
     TASKS,
     RecordError,

@@ -8,8 +8,9 @@ import json
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-import speed.evaluate
 import torch
+
+import speed.evaluate
 from speed import SpeedT5, preset
 from speed.checkpoint import save_model
 from speed.data import load_records
@@ -101,7 +102,7 @@ def test_a_speed_sequential_mismatch_is_an_error(checkpoint, tmp_path, monkeypat
 
     def broken(*args, **kwargs):
         result = real(*args, **kwargs)
-        if kwargs["method"] == "sequential":
+        if kwargs["method"] == "sequential" and len(result.tokens) == 2:  # the timed batch, not the warm-up
             result.tokens[1] = [*result.tokens[1], 5]
         return result
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from speed.data import CorruptionLengths, corruption_lengths, random_spans_noise_mask, span_corruption
 from speed.data.spans import span_counts
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import sentencepiece as spm
+
 from speed.paths import data_dir
 from speed.tokenizer import Tokenizer, train_tokenizer
 
