@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from speed.checkpoint import load_model
 from speed.data import TASKS
 from speed.evaluate import EvalConfig, format_summary, run_evaluation
