@@ -43,7 +43,7 @@ class Records:
 
 def load_records(
     task: str, split: str, source: str | Sequence[str] | None = None, limit: int | None = None
-) -> datasets.Dataset:
+) -> datasets.Dataset | datasets.IterableDataset:
     """Columns ``source``/``target`` (prefix applied) or ``text`` (pretraining) of a task split.
 
     The first ``limit`` usable records when given. An unbounded hub stream
