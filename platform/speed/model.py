@@ -69,6 +69,18 @@ def _mask_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+def row_linear(layer: nn.Linear, x: Tensor) -> Tensor:
+    """``layer(x)`` for a handful of decode rows (..., in) -> (..., out).
+
+    Computed as W @ x^T: for few rows MKL then streams the weight once, like a
+    matrix-vector product, where ``F.linear``'s small-M GEMM path can take
+    several times longer on the CPU (see jobs/bench_decode.py). Decoding is
+    bound by reading weights, so this shape matters.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    return (layer.weight @ flat.T).T.reshape(*x.shape[:-1], layer.out_features)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention with fused QKV; T5 applies no 1/sqrt(D) scaling."""
 
@@ -91,10 +103,10 @@ class SelfAttention(nn.Module):
     def decode(self, x: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
         """One new token per row (R, 1, d), attending to its own depth's cache."""
         R = x.shape[0]
-        q, k, v = self.qkv(x).view(R, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (R, H, D)
+        q, k, v = row_linear(self.qkv, x).view(R, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (R, H, D)
         keys, values = cache.write(layer, rows, k, v)  # (R, H, span, D)
         y = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=bias, scale=1.0)  # (R, H, 1, D)
-        return self.o(y.reshape(R, 1, -1))
+        return row_linear(self.o, y.reshape(R, 1, -1))
 
 
 class CrossAttention(nn.Module):
@@ -123,6 +135,13 @@ class CrossAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=p, scale=1.0)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
+    def decode(self, x: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+        """One token per row (R, 1, d) against per-row keys/values (R, H, S, D)."""
+        R = x.shape[0]
+        q = row_linear(self.q, x).view(R, 1, self.n_heads, self.d_kv).transpose(1, 2)  # (R, H, 1, D)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)  # (R, H, 1, D)
+        return row_linear(self.o, y.reshape(R, 1, -1))
+
 
 class GatedFFN(nn.Module):
     """T5 v1.1 gated-GELU feed-forward: wo(gelu(x wi_0) * (x wi_1)), wi_0/wi_1 fused."""
@@ -136,6 +155,11 @@ class GatedFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, linear = self.wi(x).chunk(2, dim=-1)
         return self.wo(self.dropout(F.gelu(gate, approximate="tanh") * linear))
+
+    def decode(self, x: Tensor) -> Tensor:
+        """The same for a handful of decode rows (no dropout)."""
+        gate, linear = row_linear(self.wi, x).chunk(2, dim=-1)
+        return row_linear(self.wo, F.gelu(gate, approximate="tanh") * linear)
 
 
 class EncoderLayer(nn.Module):
@@ -180,8 +204,8 @@ class DecoderLayer(nn.Module):
         cross_bias: Tensor,
     ) -> Tensor:
         x = x + self.self_attn.decode(self.self_norm(x), rows, cache, layer, self_bias)
-        x = x + self.cross_attn(self.cross_norm(x), keys, values, cross_bias)
-        return x + self.ffn(self.ffn_norm(x))
+        x = x + self.cross_attn.decode(self.cross_norm(x), keys, values, cross_bias)
+        return x + self.ffn.decode(self.ffn_norm(x))
 
 
 @dataclass
@@ -375,7 +399,7 @@ class SpeedT5(nn.Module):
         for j, layer in enumerate(self.decoder_layers):
             x = layer.decode(x, rows, cache, j, self_bias, gather(memory.keys[j]), gather(memory.values[j]), cross_bias)
         x = x.squeeze(1)
-        return x, (self.lm_head(self.decoder_norm(x)) if with_logits else None)
+        return x, (row_linear(self.lm_head, self.decoder_norm(x)) if with_logits else None)
 
 
 def shift_right(labels: Tensor, start_id: int = 0, pad_id: int = 0) -> Tensor:

@@ -1,0 +1,63 @@
+"""Decode-latency benchmark: sequential NxM, SPEED NxM (own and oracle speculation), shallow Nx1.
+
+    python jobs/bench_decode.py                       # base dims, 16k vocabulary, 2x6
+    python jobs/bench_decode.py --pattern 3x4 --json  # one JSON object on stdout
+
+Speed-up is the baseline's ms/token divided by the variant's (baseline:
+sequential NxM; for ours_deep, transformers' generate of the same random
+(N*M)x1 T5); "vs shallow" is the variant's ms/token over the shallow Nx1's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from speed.bench import BenchConfig, format_table, run_benchmark
+from speed.config import preset
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="base")
+    p.add_argument("--pattern", default="2x6")
+    p.add_argument("--vocab-size", type=int, default=16384)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--source-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
+    p.add_argument("--out", type=Path, default=Path("results/bench_decode.parquet"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = BenchConfig(
+        model=preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size),
+        batch=args.batch,
+        source_len=args.source_len,
+        new_tokens=args.new_tokens,
+        reps=args.reps,
+        seed=args.seed,
+        compare_hf=not args.no_hf,
+    )
+    table = run_benchmark(cfg)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, args.out)
+    if args.json:
+        print(json.dumps({"config": vars(args) | {"out": str(args.out)}, "rows": table.to_pylist()}, default=str))
+    else:
+        print(format_table(table))
+        print(f"rows written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

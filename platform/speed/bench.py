@@ -1,0 +1,208 @@
+"""Side-by-side decode latency: sequential vs SPEED vs a shallow decoder, in one process.
+
+Every variant decodes the same input; repetitions are interleaved (the order
+rotates each round) and medians reported, so that a noisy machine shifts all
+variants alike. Ratios are computed from these medians, never typed in.
+"""
+
+from __future__ import annotations
+
+import platform as _platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from speed.config import ModelConfig
+from speed.decoding import GenerateResult, generate
+from speed.model import SpeedT5
+
+BENCH_SCHEMA = pa.schema(
+    [
+        pa.field("variant", pa.string()),  # sequential | speed | speed_oracle | shallow | ours_deep | hf_generate
+        pa.field("pattern", pa.string()),
+        pa.field("ms_per_token", pa.float64()),  # median over repetitions
+        pa.field("ms_per_token_min", pa.float64()),
+        pa.field("baseline", pa.string()),  # the variant this row's speed-up is measured against
+        pa.field("speedup", pa.float64()),  # baseline ms / this ms
+        pa.field("ratio_vs_shallow", pa.float64()),  # this ms / shallow Nx1 ms
+        pa.field("tokens", pa.int64()),
+        pa.field("steps", pa.int64()),
+        pa.field("rows", pa.int64()),
+        pa.field("flushes", pa.int64()),
+        pa.field("wasted_rows", pa.int64()),
+        pa.field("reps", pa.int32()),
+        pa.field("d_model", pa.int32()),
+        pa.field("vocab_size", pa.int32()),
+        pa.field("batch", pa.int32()),
+        pa.field("threads", pa.int32()),
+        pa.field("torch", pa.string()),
+        pa.field("machine", pa.string()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure: model dims, pattern, input and output lengths, repetitions."""
+
+    model: ModelConfig
+    batch: int = 1
+    source_len: int = 32
+    new_tokens: int = 64
+    reps: int = 5
+    seed: int = 0
+    compare_hf: bool = True  # also time our sequential Dx1 (D = N*M) against transformers' generate
+
+
+def random_model(config: ModelConfig, seed: int) -> SpeedT5:
+    """A random model whose EOS row is zeroed, so that every run decodes the full length."""
+    torch.manual_seed(seed)
+    model = SpeedT5(config.replace(dropout=0.0)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[config.eos_id].zero_()
+    return model
+
+
+def _interleave(variants: dict[str, Callable[[], object]], reps: int, tokens: int) -> dict[str, list[float]]:
+    """Run each variant once untimed, then ``reps`` timed rounds in rotating order; ms per token."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append((time.perf_counter() - t0) * 1000 / tokens)
+        print(
+            f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1]:.1f}" for n in names) + " ms/token", flush=True
+        )
+    return times
+
+
+def run_benchmark(cfg: BenchConfig) -> pa.Table:
+    """Measure all variants side by side and return one row per variant (``BENCH_SCHEMA``)."""
+    sharing = cfg.model.sharing
+    model = random_model(cfg.model, cfg.seed)
+    shallow = random_model(cfg.model.replace(pattern=f"{sharing.n_unique}x1"), cfg.seed)
+    torch.manual_seed(cfg.seed + 1)
+    ids = torch.randint(3, cfg.model.vocab_size, (cfg.batch, cfg.source_len))
+    n = cfg.new_tokens
+    reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
+    tokens = sum(map(len, reference.tokens))
+    results: dict[str, GenerateResult] = {}
+
+    def run(name: str, m: SpeedT5, **kw) -> Callable[[], None]:
+        def go() -> None:
+            results[name] = generate(m, ids, max_new_tokens=n, trace=False, **kw)
+
+        return go
+
+    variants = {
+        "sequential": run("sequential", model, method="sequential"),
+        "speed": run("speed", model, method="speed"),
+        "speed_oracle": run("speed_oracle", model, method="speed", oracle=reference.tokens),
+        "shallow": run("shallow", shallow, method="sequential"),
+    }
+    hf_pair = _hf_pair(cfg, ids) if cfg.compare_hf else None
+    if hf_pair is not None:
+        ours, hf_go = hf_pair
+        variants["ours_deep"] = run("ours_deep", ours, method="sequential")
+        variants["hf_generate"] = hf_go
+    print(
+        f"benchmark: {cfg.model.pattern} d_model={cfg.model.d_model} vocab={cfg.model.vocab_size} "
+        f"batch={cfg.batch} tokens={n} reps={cfg.reps} threads={torch.get_num_threads()}",
+        flush=True,
+    )
+    times = _interleave(variants, cfg.reps, tokens)
+    for name in ("speed", "speed_oracle"):
+        if results[name].tokens != reference.tokens:
+            raise AssertionError(f"{name} output differs from sequential greedy decoding")
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    rows = []
+    for name, ts in times.items():
+        stats = results[name].stats if name in results else None
+        baseline = "hf_generate" if name in ("ours_deep", "hf_generate") else "sequential"
+        rows.append(
+            {
+                "variant": name,
+                "pattern": _pattern_of(name, cfg.model),
+                "ms_per_token": med[name],
+                "ms_per_token_min": min(ts),
+                "baseline": baseline,
+                "speedup": med[baseline] / med[name],
+                "ratio_vs_shallow": med[name] / med["shallow"],
+                "tokens": stats.tokens if stats else tokens,
+                "steps": stats.steps if stats else None,
+                "rows": stats.rows if stats else None,
+                "flushes": stats.flushes if stats else None,
+                "wasted_rows": stats.wasted_rows if stats else None,
+                "reps": cfg.reps,
+                "d_model": cfg.model.d_model,
+                "vocab_size": cfg.model.vocab_size,
+                "batch": cfg.batch,
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "machine": f"{_platform.machine()} {_platform.processor() or ''}".strip(),
+            }
+        )
+    return pa.Table.from_pylist(rows, schema=BENCH_SCHEMA)
+
+
+def _pattern_of(name: str, config: ModelConfig) -> str:
+    s = config.sharing
+    return {"shallow": f"{s.n_unique}x1", "ours_deep": f"{s.depth}x1", "hf_generate": f"{s.depth}x1"}.get(
+        name, config.pattern
+    )
+
+
+def _hf_pair(cfg: BenchConfig, ids: torch.Tensor):
+    """Our sequential Dx1 and transformers' T5 ``generate`` on the same random weights."""
+    try:
+        from transformers import T5ForConditionalGeneration
+
+        from speed.convert import from_hf_model, hf_config_from
+    except ImportError as err:  # transformers is a test/bench extra
+        print(f"skipping the transformers comparison: {err}")
+        return None
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    depth = cfg.model.sharing.depth
+    torch.manual_seed(cfg.seed)
+    hf = T5ForConditionalGeneration(hf_config_from(cfg.model.replace(dropout=0.0), n_decoder_layers=depth)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight[cfg.model.eos_id].zero_()
+    ours = from_hf_model(hf, pattern=f"{depth}x1").eval()
+    n = cfg.new_tokens
+
+    def hf_generate() -> torch.Tensor:
+        # An explicit cache: transformers 5.x sizes T5's default one by the encoder depth.
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1, cache=cache)
+        assert out.shape[1] == n + 1  # decoder start + n tokens
+        return out[:, 1:]
+
+    check = generate(ours, ids, method="sequential", max_new_tokens=n, trace=False).tokens
+    if check != hf_generate().tolist():
+        print("warning: our Dx1 greedy tokens differ from transformers' (numerical near-ties on random weights?)")
+    return ours, hf_generate
+
+
+def format_table(table: pa.Table) -> str:
+    """A fixed-width text table of the benchmark rows."""
+    head = f"{'variant':<14}{'pattern':>8}{'ms/token':>10}{'speed-up':>9}{'over':>13}{'vs shallow':>12}"
+    head += f"{'steps':>7}{'flushes':>9}"
+    lines = [head, "-" * len(head)]
+    for r in table.to_pylist():
+        steps = "" if r["steps"] is None else r["steps"]
+        flushes = "" if r["flushes"] is None else r["flushes"]
+        lines.append(
+            f"{r['variant']:<14}{r['pattern']:>8}{r['ms_per_token']:>10.2f}{r['speedup']:>8.2f}x{r['baseline']:>13}"
+            f"{r['ratio_vs_shallow']:>11.2f}x{steps:>7}{flushes:>9}"
+        )
+    return "\n".join(lines)
