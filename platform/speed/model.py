@@ -136,10 +136,18 @@ class CrossAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
     def decode(self, x: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-        """One token per row (R, 1, d) against per-row keys/values (R, H, S, D)."""
+        """One token per row (R, 1, d) against per-row keys/values (R, H, S, D) and bias (R, 1, 1, S).
+
+        When every row reads the same request (keys of batch 1), the rows are
+        attended as R queries of that one request: no per-row copy of the keys.
+        """
         R = x.shape[0]
-        q = row_linear(self.q, x).view(R, 1, self.n_heads, self.d_kv).transpose(1, 2)  # (R, H, 1, D)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)  # (R, H, 1, D)
+        q = row_linear(self.q, x).view(R, self.n_heads, self.d_kv)  # (R, H, D)
+        if keys.shape[0] == 1:
+            y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=bias, scale=1.0)
+            y = y[0].transpose(0, 1)  # (1, H, R, D) -> (R, H, D)
+        else:
+            y = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=bias, scale=1.0)  # (R, H, 1, D)
         return row_linear(self.o, y.reshape(R, 1, -1))
 
 
@@ -387,11 +395,10 @@ class SpeedT5(nn.Module):
         ``hidden`` (R, d) is each row's input to this loop; returns its output
         (R, d) and, if asked, the early-exit logits (R, V).
         """
-        R = hidden.shape[0]
         span = rows.span
         self_bias = memory.self_bias[rows.pos_t, :, :span].unsqueeze(2)  # (R, H, 1, span)
-        if memory.batch == 1:  # every row reads the same request: view, don't copy
-            gather = lambda t: t.expand(R, *t.shape[1:])  # noqa: E731
+        if memory.batch == 1:  # every row reads the same request: CrossAttention.decode shares it
+            gather = lambda t: t  # noqa: E731
         else:
             gather = lambda t: t.index_select(0, rows.seq_t)  # noqa: E731
         cross_bias = gather(memory.cross_bias)
