@@ -11,9 +11,9 @@ trace.parquet, summary.json). Without $RAY_ADDRESS a local Ray starts in-process
 
 from __future__ import annotations
 
-import json
 import sys
 
+from speed.evaluate import format_summary
 from speed.train import job_from_args, run_job
 
 
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     outcome = run_job(job)
     print(f"finetuned checkpoint: {outcome.checkpoint}")
     if outcome.evaluation is not None:
-        print(json.dumps(outcome.evaluation, indent=2, default=str))
+        print(format_summary(outcome.evaluation))
     return 0
 
 

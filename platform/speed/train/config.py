@@ -155,8 +155,11 @@ class RunSettings:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
-    """The evaluation a finetuning job runs on its final checkpoint (speed.evaluate.run_evaluation)."""
+class EvalSettings:
+    """The evaluation a finetuning job runs on its final checkpoint (speed.evaluate.run_evaluation).
+
+    Task, source and input length come from the job's ``data`` section.
+    """
 
     enabled: bool = True
     split: str = "test"
@@ -179,7 +182,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     scale: ScaleConfig = field(default_factory=ScaleConfig)
     run: RunSettings = field(default_factory=RunSettings)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalSettings = field(default_factory=EvalSettings)
     init_from: str | None = None  # finetune: a speed checkpoint dir/URI, or "hf:<name or path>" (T5 v1.1 weights)
     resume: str | None = None  # continue a finished or interrupted run from this checkpoint (or run) dir/URI
 

@@ -29,7 +29,6 @@ from speed.train.config import JobConfig, job_to_dict, run_name
 from speed.train.state import local_checkpoint, read_checkpoint_config
 
 HF_PREFIX = "hf:"
-_VOCAB_MULTIPLE = 128  # model vocabularies are padded to a multiple of 128, as in T5
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,8 @@ class TrainOutcome:
     job: JobConfig  # resolved: model vocabulary, initial model and run name filled in
     run_dir: str  # storage_path/name (a local path or a URI)
     checkpoint: str  # the final checkpoint (path or URI), readable by speed.checkpoint.load_model
-    metrics: dict[str, Any]  # the last metrics rank 0 reported
+    step: int  # optimizer steps in that checkpoint
+    metrics: dict[str, Any]  # the last metrics rank 0 reported in this launch (empty if it trained no step)
     evaluation: dict[str, Any] | None  # speed.evaluate summary (finetuning), else None
 
 
@@ -56,8 +56,8 @@ def prepare(job: JobConfig) -> tuple[JobConfig, Path]:
 
     Resume and ``--init-from`` take model and tokenizer from the checkpoint (or
     the Hugging Face model); otherwise the tokenizer is ``data.tokenizer`` or is
-    trained (and cached) on ``data.tokenizer_tasks``, and the model vocabulary
-    is padded up from the tokenizer's size.
+    trained (and cached) on ``data.tokenizer_tasks``, and the model's vocabulary
+    is exactly the tokenizer's.
     """
     origin = job.resume or job.init_from
     if origin and not origin.startswith(HF_PREFIX):
@@ -77,8 +77,8 @@ def prepare(job: JobConfig) -> tuple[JobConfig, Path]:
         _note_replaced(job.model, model, origin)
         return replace(job, model=model), _hf_tokenizer(name)
     tokenizer_path = Path(job.data.tokenizer) if job.data.tokenizer else _trained_tokenizer(job)
-    tokenizer = Tokenizer.load(tokenizer_path)
-    vocab = -(-tokenizer.vocab_size // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+    # Exactly the tokenizer's size, unpadded: ids past it would be undecodable if an undertrained model chose them.
+    vocab = Tokenizer.load(tokenizer_path).vocab_size
     return replace(job, model=job.model.replace(vocab_size=vocab)), tokenizer_path
 
 
@@ -193,7 +193,8 @@ def run_job(job: JobConfig) -> TrainOutcome:
     evaluation = None
     if job.kind == "finetune" and job.eval.enabled:
         evaluation = evaluate_checkpoint(job, checkpoint, f"{run_dir}/eval_{job.eval.split}")
-    outcome = TrainOutcome(job, run_dir, checkpoint, dict(result.metrics or {}), evaluation)
+    step = read_checkpoint_config(checkpoint)["step"]
+    outcome = TrainOutcome(job, run_dir, checkpoint, step, dict(result.metrics or {}), evaluation)
     print(describe(outcome, time.time() - started), flush=True)
     return outcome
 
@@ -246,6 +247,7 @@ def _evaluate(job_dict: dict[str, Any], checkpoint: str, out_uri: str) -> dict[s
             launch_loop=e.launch_loop,
             invalidation=e.invalidation,
             check_sequential=e.check_sequential,
+            max_source_len=job.data.max_source_len,
         )
         copy_tree(out, out_uri)
     return summary
@@ -272,7 +274,12 @@ def describe(outcome: TrainOutcome, seconds: float) -> str:
             lines.append(f"  {info.base_name}/  {' '.join(files)}")
         else:
             lines.append(f"  {info.base_name}")
-    lines.append(f"final checkpoint: {outcome.checkpoint}")
+    lines.append(f"final checkpoint: {outcome.checkpoint} (step {outcome.step})")
+    if "loss" in outcome.metrics:
+        loops = " ".join(
+            f"{outcome.metrics[f'loss_loop{i + 1}']:.3f}" for i in range(outcome.job.model.sharing.n_loops)
+        )
+        lines.append(f"final loss {outcome.metrics['loss']:.4f}, per loop L_i: {loops}")
     if outcome.evaluation is not None:
         lines.append(f"evaluation: {outcome.run_dir}/eval_{outcome.job.eval.split}/summary.json")
     return "\n".join(lines)

@@ -69,10 +69,10 @@ def load_examples(job: JobConfig, tokenizer: Tokenizer) -> list[dict[str, list[i
     return [{"input_ids": i, "labels": t} for i, t in zip(ds["input_ids"], ds["labels"])]
 
 
-def initial_model(job: JobConfig) -> SpeedT5:
+def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5:
     """A fresh model (seeded), or the weights of ``init_from`` (a speed checkpoint or ``hf:`` T5 v1.1)."""
     torch.manual_seed(job.train.seed)
-    if job.init_from is None:
+    if job.init_from is None or not load_init:
         return SpeedT5(job.model)
     if job.init_from.startswith("hf:"):
         from speed.convert import from_pretrained
@@ -122,15 +122,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     plan = BatchPlan(
         lengths, job.train.batch_size, world, rank, job.train.grad_accum, job.train.seed, job.train.group_by_length
     )
-    model = initial_model(job)
+    ray_checkpoint = ray.train.get_checkpoint()  # set when Ray restarts this run (a failure, or a rerun)
+    resuming = ray_checkpoint is not None or job.resume is not None
+    model = initial_model(job, load_init=not resuming)  # resumed weights come from the checkpoint
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.optim, job.train.max_steps)
     _seed_worker(job.train.seed, rank)
 
-    ray_checkpoint = ray.train.get_checkpoint()  # set when Ray restarts this run after a failure
     history = TRAIN_LOG_SCHEMA.empty_table()
     step = 0
-    if ray_checkpoint is not None or job.resume is not None:
+    if resuming:
         source = ray_checkpoint.as_directory() if ray_checkpoint is not None else local_checkpoint(job.resume)
         with source as directory:
             step, history = _restore(
@@ -218,14 +219,15 @@ def _train(
         for i, indices in enumerate(micro):
             batch = {k: v.to(device) for k, v in collate([examples[j] for j in indices]).items()}
             sync = world == 1 or i == len(micro) - 1  # all-reduce gradients once per optimizer step
-            with nullcontext() if sync else model.no_sync(), autocast:
-                out = model(
-                    input_ids=batch["input_ids"],
-                    decoder_input_ids=batch["decoder_input_ids"],
-                    attention_mask=batch["attention_mask"],
-                    labels=batch["labels"],
-                    weights=weights,
-                )
+            with nullcontext() if sync else model.no_sync():
+                with autocast:  # the forward only; backward runs in the dtypes autocast chose
+                    out = model(
+                        input_ids=batch["input_ids"],
+                        decoder_input_ids=batch["decoder_input_ids"],
+                        attention_mask=batch["attention_mask"],
+                        labels=batch["labels"],
+                        weights=weights,
+                    )
                 (out.loss / len(micro)).backward()
             loop_sum += out.loop_losses.detach().float()
             tokens += int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())

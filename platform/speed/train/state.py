@@ -109,11 +109,13 @@ def load_training_state(directory: str | Path) -> TrainingState:
 
 
 def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
-    """A local checkpoint's config.json (sections ``model``, ``job``, ``step``)."""
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
+    """A checkpoint's config.json (sections ``model``, ``job``, ``step``), from a local path or a URI."""
+    fs, root = _filesystem(str(directory))
+    path = f"{root}/{CONFIG_FILE}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
         raise FileNotFoundError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}")
-    return json.loads(path.read_text())
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read().decode())
 
 
 def check_compatible(saved: dict[str, Any], job: JobConfig, tokenizer_bytes: bytes, where: str) -> None:
