@@ -9,7 +9,6 @@ TORCH ?= torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
@@ -17,9 +16,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
+# Tests use tiny models: one intra-op thread each avoids oversubscribing the cores.
 test: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests
