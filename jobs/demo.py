@@ -1,13 +1,14 @@
 """The whole SPEED story on this machine (`make demo`): pretrain, finetune, evaluate SPEED against sequential.
 
-1. pretrain a small shared decoder (mini preset, 2 unique layers x 6 loops) on pretrain_text;
+1. pretrain a small shared decoder (2 unique layers x 6 loops, d_model 128) on pretrain_text;
 2. finetune it on Multi30k EN-DE (multi30k_en_de);
 3. decode the test split with SPEED and sequentially (identical output required) and print
    BLEU, the flip rate of every loop's early exit, and SPEED's decode speed-up.
 
 Uses the same library calls as jobs/pretrain.py and jobs/finetune.py, with the YAML
-configs in jobs/configs/demo_*.yaml, on a local Ray. Runs live in runs/demo/ (their
-names are deterministic: a second `make demo` reuses finished runs; --fresh retrains).
+configs in jobs/configs/demo_*.yaml, on a local Ray. Each training part stops at its
+wall-clock budget with a final checkpoint. Runs live in runs/demo/ under deterministic
+names, so a second `make demo` continues them where they stopped; --fresh starts over.
 """
 
 from __future__ import annotations
@@ -49,10 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = finetuned.evaluation
     assert summary is not None, "the finetune config enables evaluation"
     print("\n== SPEED demo results ==")
-    print(
-        f"model {finetuned.job.model.pattern} (mini preset), pretrained {pretrained.step} steps, "
-        f"finetuned {finetuned.step} steps"
-    )
+    model, steps = finetuned.job.model, f"{pretrained.step} pretraining + {finetuned.step} finetuning steps"
+    print(f"model {model.pattern}, d_model {model.d_model}, {steps}")
     print(format_summary(summary))
     print(f"total {((time.time() - started) / 60):.1f} min; runs in {args.storage_path}")
     return 0
