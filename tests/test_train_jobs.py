@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -109,6 +110,7 @@ def local_cluster():
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
         _stop(temp)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_ray_job_submit_pretrains_and_checkpoints(local_cluster, tiny_tokenizer, tmp_path):
