@@ -11,6 +11,7 @@ H heads, D d_kv, V vocabulary, M loops, N unique decoder layers.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +73,49 @@ def _mask_value(dtype: torch.dtype) -> float:
 def row_linear(layer: nn.Linear, x: Tensor) -> Tensor:
     """``layer(x)`` for a handful of decode rows (..., in) -> (..., out).
 
-    Computed as W @ x^T: for few rows MKL then streams the weight once, like a
-    matrix-vector product, where ``F.linear``'s small-M GEMM path can take
-    several times longer on the CPU (see jobs/bench_decode.py). Decoding is
-    bound by reading weights, so this shape matters.
+    Decoding reads every weight once per step for 1 to M rows, so the kernel
+    must stay bound by memory traffic whatever the row count; on the CPU the
+    default paths are not (measured on 2 cores, base dims: one row goes to a
+    single-threaded GEMV, six rows take 2-3x the time of one). So: one row is
+    computed as a two-column MKL GEMM (the row twice), which uses every core;
+    several rows use oneDNN with the weight packed once for its kernels, whose
+    cost barely grows from 1 to 12 rows. Elsewhere (GPU, no oneDNN) ``W @ x^T``.
     """
-    flat = x.reshape(-1, x.shape[-1])
-    return (layer.weight @ flat.T).T.reshape(*x.shape[:-1], layer.out_features)
+    flat = x.reshape(-1, x.shape[-1])  # (R, in)
+    weight = layer.weight
+    if flat.shape[0] == 1 and weight.device.type == "cpu":
+        out = (weight @ flat.repeat(2, 1).T)[:, :1]  # (out, 1)
+    else:
+        packed = _packed_weight(weight)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+        out = weight @ flat.T  # (out, R)
+    return out.T.reshape(*x.shape[:-1], layer.out_features)
+
+
+# id(weight) -> ((version, data_ptr), packed copy); an entry is dropped when its weight is freed
+_PACKED: dict[int, tuple[tuple[int, int], Tensor]] = {}
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def _packed_weight(weight: Tensor) -> Tensor | None:
+    """A oneDNN-packed copy of a CPU float32 weight, cached until the weight changes; None if unsupported."""
+    global _ONEDNN
+    if not _ONEDNN or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    key = (weight._version, weight.data_ptr())
+    hit = _PACKED.get(id(weight))
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 6)  # 6: a typical row count (M)
+    except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
+        _ONEDNN = False
+        return None
+    if hit is None:
+        weakref.finalize(weight, _PACKED.pop, id(weight), None)
+    _PACKED[id(weight)] = (key, packed)
+    return packed
 
 
 class SelfAttention(nn.Module):
