@@ -62,7 +62,7 @@ class DecodeStats:
 
     @property
     def tokens_per_pass(self) -> float:
-        """Committed tokens per group pass: 1/M for sequential, up to 1 for SPEED."""
+        """Committed tokens per group pass: for one sequence 1/M sequential, up to 1 SPEED (x batch size)."""
         return self.tokens / self.group_passes if self.group_passes else 0.0
 
 
