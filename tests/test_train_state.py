@@ -10,7 +10,7 @@ from speed.config import preset
 from speed.model import SpeedT5
 from speed.train.config import job_from_args
 from speed.train.optim import build_optimizer, build_scheduler
-from speed.train.progress import StepRecord, format_duration, progress_line, records_to_table
+from speed.train.progress import StepRecord, format_duration, progress_line, records_to_table, window_mean
 from speed.train.state import (
     IncompatibleCheckpointError,
     TrainingState,
@@ -110,3 +110,13 @@ def test_progress_line_shows_every_loop_and_eta():
     assert line.startswith("step 2/10 | loss 1.0000 | L_i 1.500 1.000 |")
     assert "200 tok/s" in line and line.endswith("ETA 1h02m05s")
     assert (format_duration(65), format_duration(7.2)) == ("1m05s", "7s")
+
+
+def test_progress_shows_the_mean_of_the_window():
+    records = [_record(1), _record(2), _record(4)]  # losses 2, 1, 0.5; 100 tokens in 0.5 s each
+    mean = window_mean(records)
+    assert mean.step == 4
+    assert mean.loss == pytest.approx(3.5 / 3)
+    assert mean.loop_losses == pytest.approx([5.25 / 3, 3.5 / 3])
+    assert mean.tokens_per_s == pytest.approx(200.0) and mean.step_time_s == pytest.approx(0.5)
+    assert window_mean(records[-1:]) == records[-1]

@@ -35,7 +35,14 @@ from speed.tokenizer import Tokenizer
 from speed.train.batches import BatchPlan
 from speed.train.config import JobConfig, job_from_dict
 from speed.train.optim import build_optimizer, build_scheduler, lr_factor
-from speed.train.progress import TRAIN_LOG_SCHEMA, StepRecord, eta_seconds, progress_line, records_to_table
+from speed.train.progress import (
+    TRAIN_LOG_SCHEMA,
+    StepRecord,
+    eta_seconds,
+    progress_line,
+    records_to_table,
+    window_mean,
+)
 from speed.train.state import (
     TrainingState,
     check_compatible,
@@ -262,7 +269,8 @@ def _train(
         if rank == 0 and (step % t.log_every == 0 or stop):
             pace = sum(r.step_time_s for r in records[-_PACE_WINDOW:]) / len(records[-_PACE_WINDOW:])
             budget_left = deadline - time.time() if deadline is not None else None
-            print(progress_line(record, t.max_steps, eta_seconds(last_step - step, pace, budget_left)), flush=True)
+            window = window_mean(records[-t.log_every :])  # the steps since the previous line
+            print(progress_line(window, t.max_steps, eta_seconds(last_step - step, pace, budget_left)), flush=True)
         if step % t.checkpoint_every == 0 or stop:
             _checkpoint(job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world)
             saved_at = step

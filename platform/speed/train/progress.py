@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -59,6 +60,24 @@ def eta_seconds(steps_left: int, seconds_per_step: float, budget_left_s: float |
     """Time to the end of the run: remaining steps at the recent pace, capped by a wall-clock budget."""
     eta = steps_left * seconds_per_step
     return min(eta, budget_left_s) if budget_left_s is not None else eta
+
+
+def window_mean(records: list[StepRecord]) -> StepRecord:
+    """The last record with its losses averaged over ``records`` and tokens/s over their total time.
+
+    Progress lines show this for the steps since the previous line: one step's
+    loss on one batch is too noisy to follow a run by.
+    """
+    n = len(records)
+    loops = [sum(r.loop_losses[i] for r in records) / n for i in range(len(records[-1].loop_losses))]
+    seconds = sum(r.step_time_s for r in records)
+    return dataclasses.replace(
+        records[-1],
+        loss=sum(r.loss for r in records) / n,
+        loop_losses=loops,
+        tokens_per_s=sum(r.tokens for r in records) / seconds if seconds > 0 else records[-1].tokens_per_s,
+        step_time_s=seconds / n,
+    )
 
 
 def progress_line(record: StepRecord, max_steps: int, eta_s: float) -> str:
