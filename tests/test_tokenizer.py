@@ -6,7 +6,6 @@ import gzip
 import io
 import json
 import pickle
-import time
 
 import pytest
 import sentencepiece as spm
@@ -100,13 +99,11 @@ def test_training_errors_are_clear(tmp_path):
         train_tokenizer(["tiny corpus."] * 3, tmp_path / "b.model", vocab_size=5000)
 
 
-def test_pretraining_corpus_trains_in_seconds(tmp_path):
+def test_trains_on_the_whole_pretraining_corpus(tmp_path):
+    # Its time is bounded by sampling (max_sentences / max_chars), not asserted here: no timed tests.
     with gzip.open(data_dir() / "pretrain_text" / "train.jsonl.gz", "rt") as f:
         texts = (json.loads(line)["text"] for line in f)
-        start = time.perf_counter()
         tok = train_tokenizer(texts, tmp_path / "spm.model", vocab_size=8000)
-        seconds = time.perf_counter() - start
-    assert seconds < 60, f"tokenizer training took {seconds:.0f} s"
     assert tok.vocab_size == 8100 and tok.sentinel_id(0) == 8099
     text = "The President addressed the Congress on the state of the Union."
     assert tok.decode(tok.encode(text)) == text
