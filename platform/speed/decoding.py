@@ -88,7 +88,8 @@ def generate(
         ids = [engine.add(r) for r in requests]  # validates launch_loop, invalidation, ids
         done: dict[int, Finished] = {}
         while engine.has_work:
-            done.update((f.id, f) for f in engine.step().finished)
+            for f in engine.step().finished:
+                done[f.id] = f
     finally:
         if was_training:
             model.train()  # type: ignore[attr-defined]

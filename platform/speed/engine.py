@@ -325,12 +325,11 @@ class Engine:
             M = self.model.n_loops
             rows = Rows.build([s.row for s, _ in work], [len(t.preds) for _, t in work], [t.pos for _, t in work])
             with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
-            hidden, logits = self.model.step(
-                self._memory, self._cache, rows, torch.stack([t.hidden for _, t in work]), with_logits=with_logits
-            )
+            inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
+            hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
             preds = logits.argmax(-1).tolist() if logits is not None else [NO_EXIT] * len(work)
             ran: dict[int, Sequence] = {}
-            for (seq, slot), h, pred in zip(work, hidden, preds):
+            for (seq, slot), h, pred in zip(work, hidden.unbind(0), preds):
                 slot.hidden = h
                 slot.preds.append(pred)
                 seq.rows += 1
@@ -403,7 +402,9 @@ class Engine:
         """This step's rows, in admission order: all in-flight rows, or the row budget's choice."""
         seqs = self._active.values()
         budget = self.config.row_budget
-        if budget is None or sum(len(s.slots) for s in seqs) <= budget:
+        if budget is None:
+            return [(s, slot) for s in seqs for slot in s.slots]
+        if sum(len(s.slots) for s in seqs) <= budget:
             for s in seqs:
                 s.last_served = self._step
             return [(s, slot) for s in seqs for slot in s.slots]
