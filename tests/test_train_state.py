@@ -1,5 +1,6 @@
 """Training checkpoints: readable by speed.checkpoint.load_model, resumable, refused when incompatible."""
 
+import json
 import random
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from speed.checkpoint import load_model
 from speed.config import preset
+from speed.evaluate import EvalConfig
 from speed.model import SpeedT5
 from speed.train.config import job_from_args, job_to_dict, resumable_job
 from speed.train.optim import build_optimizer, build_scheduler
@@ -129,3 +131,15 @@ def test_progress_shows_the_mean_of_the_window():
     assert mean.loop_losses == pytest.approx([5.25 / 3, 3.5 / 3])
     assert mean.tokens_per_s == pytest.approx(200.0) and mean.step_time_s == pytest.approx(0.5)
     assert window_mean(records[-1:]) == records[-1]
+
+
+def test_a_checkpoint_written_before_evalconfig_resumes(saved):
+    _, _, _, directory = saved
+    config = json.loads((directory / "config.json").read_text())
+    old = {"split": "test", "limit": None, "batch_size": 16, "max_new_tokens": 64, "launch_loop": 1}
+    old |= {"invalidation": "eager", "check_sequential": True}  # EvalSettings' fields
+    for enabled, expected in ((False, None), (True, {**old})):
+        config["job"]["eval"] = {**old, "enabled": enabled}
+        (directory / "config.json").write_text(json.dumps(config))
+        assert resumable_job(str(directory))["eval"] == expected
+        assert job_from_args("pretrain", ["--resume", str(directory)]).eval == (expected and EvalConfig(**expected))

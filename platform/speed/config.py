@@ -147,6 +147,10 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+class ConfigError(ValueError):
+    """A config value that does not fit its field, or a key that names no field."""
+
+
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     """Build the dataclass ``cls`` from ``data``; unknown keys and values of the wrong type are errors.
 
@@ -165,10 +169,6 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     hints = typing.get_type_hints(cls)
     kwargs = {key: coerce(value, hints[key], f"{where}.{key}" if where else key) for key, value in data.items()}
     return cls(**kwargs)
-
-
-class ConfigError(ValueError):
-    """A config value that does not fit its field, or a key that names no field."""
 
 
 _TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")

@@ -294,6 +294,9 @@ def resumable_job(path: str) -> dict[str, Any]:
     if "job" not in saved:
         raise IncompatibleCheckpointError(f"{path} is a model checkpoint without a training job; use --init-from")
     job = {**saved["job"], "model": saved["model"], "resume": path}
+    settings = job.get("eval")
+    if isinstance(settings, dict) and "enabled" in settings:  # written before EvalConfig, as EvalSettings
+        job["eval"] = {k: v for k, v in settings.items() if k != "enabled"} if settings["enabled"] else None
     for section, keys in LAUNCH_ONLY.items():
         for key in keys:
             job[section][key] = None

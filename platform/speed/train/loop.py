@@ -5,8 +5,9 @@ shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
 warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
 the shared early-exit loss ``L_w = sum_i w_i L_i``. Rank 0 logs every loop's
 loss and tokens/s, and writes checkpoints reported through ``ray.train.report``.
-A worker (re)started by Ray resumes from ``ray.train.get_checkpoint()``; a
-``--resume`` run from the checkpoint it names.
+A worker (re)started by Ray, or a rerun of the same command, resumes from the
+run's newest complete checkpoint on storage; a ``--resume`` run from the
+checkpoint it names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -110,7 +112,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Train this worker's share of the job (in a scratch folder removed at the end, also on failure).
 
     ``config``: ``job`` (a resolved JobConfig dict), ``tokenizer`` (the .model bytes),
-    ``deadline`` (Unix time or None) and ``data_dir`` (the driver's local corpora).
+    ``deadline`` (Unix time or None), ``data_dir`` (the driver's local corpora) and
+    ``run_dir`` (this run's directory on storage: its newest checkpoint there resumes it).
     """
     with tempfile.TemporaryDirectory(prefix="speed-worker-") as workdir:
         _work(config, Path(workdir))
@@ -166,9 +169,8 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
 def _own_checkpoint(run_dir: str, registered: ray.train.Checkpoint | None, world: int) -> str | None:
     """This run's newest checkpoint (path or URI), as rank 0 sees it; None when the run has none yet.
 
-    The newest complete checkpoint on storage, or the newest Ray registered when
-    that is newer (a checkpoint whose marker the stopped run had no time to write:
-    Ray registers a checkpoint only once it is uploaded).
+    The newest complete checkpoint on storage; Ray's registered one (which lags
+    it) only when newer, as in runs checkpointed before the completion markers.
     """
     chosen = [None]
     if ray.train.get_context().get_world_rank() == 0:
@@ -343,8 +345,22 @@ def _checkpoint(
             state = TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), rngs, log)
             save_training_checkpoint(tmp, _unwrap(model), tokenizer_path, job_to_dict(job), state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(step))
-    if rank == 0:  # report returns once the upload is done: the marker comes last
-        persisted = ray.train.get_checkpoint()
-        if persisted is not None and persisted.path.rstrip("/").endswith(checkpoint_name(step)):
-            mark_complete(checkpoint_uri(persisted), step)
+        name = checkpoint_name(step)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=_upload(step))
+
+
+def _upload(step: int) -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint]:
+    """Ray's upload of a checkpoint, then its completion marker.
+
+    The marker is written as soon as every file is on storage, before the report
+    reaches Ray's controller (which a killed driver never lets happen), so a run
+    stopped hard loses at most the interval since its last upload.
+    """
+    storage = ray.train.get_context().get_storage()
+
+    def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+        persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
+        mark_complete(checkpoint_uri(persisted), step)
+        return persisted
+
+    return upload
