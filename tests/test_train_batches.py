@@ -26,6 +26,7 @@ def test_each_epoch_is_a_permutation_and_the_order_replays(group):
     assert len(set(epoch0.tolist())) == 100  # no repeats; 3 examples dropped
     epoch1 = np.concatenate([plan.global_batch_at(s) for s in range(10, 20)])
     assert epoch1.tolist() != epoch0.tolist()
+    assert [plan.epoch_at(s) for s in (0, 9, 10, 25)] == [0, 0, 1, 2]
     fresh = BatchPlan(lengths, global_batch=10, seed=7, group_by_length=group)  # a resumed run: no history
     assert fresh.global_batch_at(14).tolist() == plan.global_batch_at(14).tolist()
     other_seed = BatchPlan(lengths, global_batch=10, seed=8, group_by_length=group)

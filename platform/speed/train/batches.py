@@ -73,6 +73,10 @@ class BatchPlan:
         self._cached = (epoch, batches)
         return batches
 
+    def epoch_at(self, step: int) -> int:
+        """The epoch (0-based) that 0-based ``step`` belongs to."""
+        return step // self.steps_per_epoch
+
     def global_batch_at(self, step: int) -> np.ndarray:
         """(global_batch,) indices trained on by all workers together at 0-based ``step``."""
         epoch, index = divmod(step, self.steps_per_epoch)
