@@ -134,6 +134,7 @@ class PrepareRun:
     shards: int
     peak_mib: float
     uri: str
+    cached: bool  # found prepared: the time is a cache hit's, not a preparation's
 
 
 def measure_prepare(spec_json: str, tokenizer: str, root: str, docs_per_shard: int, use_ray: bool) -> PrepareRun:
@@ -155,7 +156,8 @@ def measure_prepare(spec_json: str, tokenizer: str, root: str, docs_per_shard: i
         log=lambda line: print(line, file=sys.stderr),
     )
     m = prepared.manifest
-    return PrepareRun(time.perf_counter() - started, m.records, m.examples, len(m.shards), peak_mib(), prepared.uri)
+    seconds = time.perf_counter() - started
+    return PrepareRun(seconds, m.records, m.examples, len(m.shards), peak_mib(), prepared.uri, prepared.cached)
 
 
 def as_row(scale: int, prep: dict, worker: dict, before: dict | None) -> dict:
@@ -166,6 +168,7 @@ def as_row(scale: int, prep: dict, worker: dict, before: dict | None) -> dict:
         "examples": prep["examples"],
         "shards": prep["shards"],
         "prepare_s": prep["seconds"],
+        "cached": prep["cached"],
         "prepare_peak_mib": prep["peak_mib"],
         "worker_peak_mib": worker["peak_mib"],
         "worker_data_mib": worker["peak_mib"] - worker["baseline_mib"],
@@ -187,7 +190,8 @@ def format_rows(rows: list[dict]) -> str:
             f"{r['before_peak_mib']:.0f} | {r['before_s']:.0f}" if r["before_peak_mib"] is not None else "not run | "
         )
         lines.append(
-            f"| {r['scale']}x | {r['records']:,} | {r['examples']:,} | {r['shards']} | {r['prepare_s']:.0f} | "
+            f"| {r['scale']}x | {r['records']:,} | {r['examples']:,} | {r['shards']} | {r['prepare_s']:.0f}"
+            f"{' (cached)' if r['cached'] else ''} | "
             f"{r['prepare_peak_mib']:.0f} | {r['worker_peak_mib']:.0f} | {r['worker_data_mib']:.0f} | {before} |"
         )
     return "\n".join(lines)
