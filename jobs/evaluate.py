@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out) if args.out else Path(args.checkpoint) / "eval" / f"{config.task}-{config.split}"
     params = dataclasses.asdict(config)
     task, split = params.pop("task"), params.pop("split")
-    summary = run_evaluation(loaded.model, Tokenizer.load(tokenizer_path), task, split, out, **params)
+    model = loaded.model.to(args.device)  # load_model fills a CPU-built model: move it where it should decode
+    summary = run_evaluation(model, Tokenizer.load(tokenizer_path), task, split, out, **params)
     print(format_summary(summary))
     print(f"wrote {', '.join(summary['files'].values())}")
     return summary

@@ -42,7 +42,7 @@ class Stepper(Protocol):
 
     def prepare(self, input_ids: Tensor, attention_mask: Tensor | None, max_len: int) -> Any: ...
 
-    def embed(self, tokens: Tensor) -> Tensor: ...
+    def embed(self, tokens: list[int]) -> Tensor: ...  # (R,) ids -> (R, d), on the model's device
 
     def step(
         self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
@@ -197,7 +197,7 @@ def _run_sequential(
         stats.steps += 1
         R = len(active)
         inputs = [s.out[-1] if s.out else model.start_id for s in active]
-        hidden = model.embed(torch.tensor(inputs))
+        hidden = model.embed(inputs)
         per_loop: list[list[int]] = []
         for loop in range(M):
             rows = Rows.build([s.row for s in active], [loop] * R, [pos] * R)
@@ -240,7 +240,7 @@ def _run_speed(
             return
         fresh = [slot for _, slot in flat if slot.hidden is None]
         if fresh:
-            for slot, h in zip(fresh, model.embed(torch.tensor([slot.token for slot in fresh]))):
+            for slot, h in zip(fresh, model.embed([slot.token for slot in fresh])):
                 slot.hidden = h
         rows = Rows.build(
             [s.row for s, _ in flat], [len(slot.preds) for _, slot in flat], [slot.pos for _, slot in flat]
