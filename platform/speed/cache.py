@@ -114,10 +114,6 @@ class KVCache:
         seq_t, loop_t, _ = rows.tensors(self.device)
         return self.keys[layer][loop_t, seq_t], self.values[layer][loop_t, seq_t]
 
-    @property
-    def device(self) -> torch.device:
-        return self.keys[0].device
-
     def invalidate(self, seq: int, from_pos: int) -> None:
         """Drop positions >= ``from_pos`` of sequence ``seq`` at every depth (no copy)."""
         np.minimum(self.lengths[:, :, seq], from_pos, out=self.lengths[:, :, seq])
