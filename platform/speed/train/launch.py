@@ -23,6 +23,7 @@ from ray.train.torch import TorchTrainer
 
 from speed.checkpoint import TOKENIZER_FILE
 from speed.config import ModelConfig, from_dict, to_dict
+from speed.data.prepare import CorpusSpec, PreparedCorpus, cache_root, prepare_corpus
 from speed.paths import data_dir
 from speed.tokenizer import Tokenizer, train_tokenizer
 from speed.train import local_ray
@@ -180,8 +181,17 @@ def ensure_ray() -> None:
         local_ray.start()
 
 
-def build_trainer(job: JobConfig, tokenizer: bytes, run_dir: str, deadline: float | None) -> TorchTrainer:
-    """A ``TorchTrainer`` running ``train_loop_per_worker`` with the job's scaling, storage, name and retries."""
+def prepare_data(job: JobConfig, tokenizer_path: Path) -> PreparedCorpus:
+    """The job's training split, tokenized once into shards under ``<storage_path>/data`` (or found there)."""
+    d = job.data
+    spec = CorpusSpec(d.task, "train", d.source, d.limit, d.max_source_len, d.max_target_len, d.pack)
+    return prepare_corpus(spec, tokenizer_path, cache_root(storage_uri(job.run.storage_path)))
+
+
+def build_trainer(
+    job: JobConfig, tokenizer: bytes, corpus: str, run_dir: str, deadline: float | None
+) -> TorchTrainer:
+    """A ``TorchTrainer`` running ``train_loop_per_worker`` on the prepared ``corpus`` (path or URI)."""
     from speed.train.loop import train_loop_per_worker
 
     resources = {"CPU": job.scale.cpus_per_worker}
@@ -190,13 +200,12 @@ def build_trainer(job: JobConfig, tokenizer: bytes, run_dir: str, deadline: floa
     # Ray Train's print patch sends worker prints through its logger too (every line shows twice) and
     # bypasses stdout captures (datasets' dill hashing then spills bytecode); plain stdout is forwarded once.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    local_data = data_dir()
     loop_config = {
         "job": job_to_dict(job),
         "tokenizer": tokenizer,  # the .model file's bytes, shipped so that workers on any node can read it
+        "corpus": corpus,
         "deadline": deadline,
         "run_dir": run_dir,
-        "data_dir": str(local_data) if local_data.is_dir() else None,
     }
     return TorchTrainer(
         train_loop_per_worker,
@@ -220,11 +229,12 @@ def run_job(job: JobConfig) -> TrainOutcome:
     with tempfile.TemporaryDirectory(prefix="speed-tokenizer-") as scratch:
         job, tokenizer_path = prepare(job, Path(scratch))
         tokenizer = tokenizer_path.read_bytes()
-    job = replace(job, run=replace(job.run, name=job.run.name or run_name(job)))
-    run_dir = f"{storage_uri(job.run.storage_path).rstrip('/')}/{job.run.name}"
-    print(f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_dir}", flush=True)
-    ensure_ray()
-    result = build_trainer(job, tokenizer, run_dir, deadline).fit()
+        job = replace(job, run=replace(job.run, name=job.run.name or run_name(job)))
+        run_dir = f"{storage_uri(job.run.storage_path).rstrip('/')}/{job.run.name}"
+        print(f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_dir}", flush=True)
+        ensure_ray()
+        corpus = prepare_data(job, tokenizer_path).uri
+    result = build_trainer(job, tokenizer, corpus, run_dir, deadline).fit()
     # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
     checkpoint = newest_complete_checkpoint(run_dir)
     if checkpoint is None and result.checkpoint is not None:
