@@ -63,7 +63,11 @@ def local_cluster():
         "--metrics-export-port", str(metrics), "--temp-dir", temp, "--disable-usage-stats",
     ]  # fmt: skip
     try:
-        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+        for _ in range(2):  # on a loaded machine the raylet can miss Ray's fixed 30 s registration window
+            started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+            if started.returncode == 0 or "timed out during startup" not in started.stderr:
+                break
+            end_processes(marked_processes(token))
         assert started.returncode == 0, f"ray start failed: {started.stdout[-3000:]}{started.stderr[-3000:]}"
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
@@ -128,7 +132,7 @@ def _newest_step(storage: Path) -> int:
 
 def _steps_on_storage(storage: Path) -> tuple[int, int]:
     """(newest complete checkpoint, newest checkpoint folder, complete or not): at most one interval apart."""
-    folders = [int(p.name.rsplit("_", 1)[1]) for p in storage.glob("pretrain-pretrain-2x2-*/checkpoint_*")]
+    folders = [int(p.name.rsplit("_", 1)[1]) for p in storage.glob("pretrain-pretrain-2x2-*/checkpoint_[0-9]*")]
     return _newest_step(storage), max(folders, default=0)
 
 
