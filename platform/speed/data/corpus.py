@@ -124,6 +124,7 @@ class TokenizedCorpus:
                 lengths = batch.column("length").to_numpy(zero_copy_only=True)
                 self._segments.append(_Segment(start, lists, lengths, mapping))
                 start += batch.num_rows
+            mapping.madvise(mmap.MADV_DONTNEED)  # the footer and metadata pages reading it mapped
         self._starts = np.array([s.start for s in self._segments], dtype=np.int64)
         self._size = start
 
