@@ -117,6 +117,7 @@ def test_memory_mapped_batches_equal_the_in_memory_ones(spec, tiny_tokenizer, tm
     allocated = pa.total_allocated_bytes()
     corpus = open_corpus(prepared.uri)
     assert pa.total_allocated_bytes() - allocated < 10_000  # the shards are mapped, not read into memory
+    assert _resident_kib(corpus.directory) == 0
     before = _tokenized_before(spec, tiny_tokenizer, seed=3)  # its noise is epoch 0's
     examples = [{"input_ids": i, "labels": t} for i, t in zip(before["input_ids"], before["labels"])]
     assert len(corpus) == len(examples)
@@ -127,6 +128,18 @@ def test_memory_mapped_batches_equal_the_in_memory_ones(spec, tiny_tokenizer, tm
             mapped = collate(corpus.examples(indices, epoch=0, seed=3))
             expected = collate([examples[i] for i in indices])
             assert all(mapped[k].equal(expected[k]) for k in expected)
+    assert _resident_kib(corpus.directory) == 0  # reads leave no mapped pages behind in the worker
+
+
+def _resident_kib(directory: Path) -> int:
+    """KiB of this process's mappings of files in ``directory`` that are resident (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:  # a mapping's header line
+            inside = str(directory) in line
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
 
 
 def _merge(inputs: list[int], labels: list[int], first_sentinel: int) -> list[int]:

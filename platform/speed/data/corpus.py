@@ -11,13 +11,17 @@ token runs (``tokens``) and span-corrupts them as a batch is read, with noise
 drawn from ``(seed, epoch, example index)``: new each epoch, replayed exactly on
 resume. Every row has ``length``, the tokens the example costs (inputs plus
 targets, EOS included), known before any noise: the batch plan groups by it.
-Workers read the shards through ``pyarrow.memory_map``, so a worker's memory
-holds the batches it trains on, not the corpus; the page cache is shared.
+Workers memory-map the shards, so a worker's memory holds the batches it
+trains on, not the corpus. The pages a read maps are unmapped again after it
+(``MADV_DONTNEED``): the kernel maps generously around each fault, and a long
+run would otherwise accumulate most of the corpus in the worker's resident
+set; the page cache, shared by the workers of a node, still serves re-reads.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -97,6 +101,7 @@ class _Segment:
     start: int  # global index of its first example
     lists: dict[str, tuple[np.ndarray, np.ndarray]]
     lengths: np.ndarray
+    mapping: mmap.mmap  # the shard file's mapping, which these views point into
 
 
 class TokenizedCorpus:
@@ -111,12 +116,15 @@ class TokenizedCorpus:
         self._segments: list[_Segment] = []
         start = 0
         for shard in self.manifest.shards:
-            table = pa.ipc.open_file(pa.memory_map(str(directory / shard.file), "r")).read_all()
+            with open(directory / shard.file, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            table = pa.ipc.open_file(pa.py_buffer(mapping)).read_all()  # zero-copy: buffers point into the map
             for batch in table.to_batches():
                 lists = {name: _list_views(batch.column(name)) for name in batch.schema.names if name != "length"}
                 lengths = batch.column("length").to_numpy(zero_copy_only=True)
-                self._segments.append(_Segment(start, lists, lengths))
+                self._segments.append(_Segment(start, lists, lengths, mapping))
                 start += batch.num_rows
+            mapping.madvise(mmap.MADV_DONTNEED)  # the footer and metadata pages reading it mapped
         self._starts = np.array([s.start for s in self._segments], dtype=np.int64)
         self._size = start
 
@@ -147,7 +155,14 @@ class TokenizedCorpus:
                 example = {"input_ids": _row(segment, "input_ids", row), "labels": _row(segment, "labels", row)}
             out["input_ids"].append(example["input_ids"])
             out["labels"].append(example["labels"])
+        self._unmap(indices)
         return out
+
+    def _unmap(self, indices: np.ndarray) -> None:
+        """Drop the pages that reading ``indices`` mapped (the values were copied out)."""
+        segments, _ = self._locate(indices)
+        for mapping in {id(m): m for m in (self._segments[i].mapping for i in np.unique(segments))}.values():
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(segment, row within it) of each global example index."""
@@ -175,6 +190,7 @@ class MappedLengths:
         for segment in np.unique(segments):
             chosen = segments == segment
             out[chosen] = self._corpus._segments[segment].lengths[rows[chosen]]
+        self._corpus._unmap(indices)
         return out
 
     def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:

@@ -120,14 +120,14 @@ def prepare_corpus(
     name = f"{spec.task}-{spec.split}-{key}"
     fs, root_path = _filesystem(root)
     final = f"{root_path.rstrip('/')}/{name}"
-    uri = f"{root.rstrip('/')}/{name}"
+    local = isinstance(fs, pafs.LocalFileSystem)
+    uri = final if local else f"{root.rstrip('/')}/{name}"
     if fs.get_file_info(f"{final}/{COMPLETE_MARKER}").type == pafs.FileType.File:
         with fs.open_input_stream(f"{final}/{MANIFEST_FILE}") as f:
             manifest = Manifest.from_json(f.read().decode())
         log(f"data: reusing {uri} ({manifest.examples:,} examples of {manifest.records:,} records)")
         return PreparedCorpus(uri, manifest, cached=True)
 
-    local = isinstance(fs, pafs.LocalFileSystem)
     if local:
         Path(root_path).mkdir(parents=True, exist_ok=True)
         _remove_abandoned(Path(root_path), name)
