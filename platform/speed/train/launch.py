@@ -22,6 +22,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from speed.checkpoint import TOKENIZER_FILE
+from speed.cluster import code_runtime_env
 from speed.config import ModelConfig, from_dict, to_dict
 from speed.paths import data_dir
 from speed.tokenizer import Tokenizer, train_tokenizer
@@ -140,9 +141,13 @@ def _trained_tokenizer(job: JobConfig) -> Path:
 
 
 def ensure_ray() -> None:
-    """Connect to ``$RAY_ADDRESS`` when set, else start a local Ray (never joins a stray local cluster)."""
+    """Connect to ``$RAY_ADDRESS`` when set, else start a local Ray (never joins a stray local cluster).
+
+    The workers import this driver's ``speed`` (``speed.cluster``), whatever copy their nodes hold.
+    """
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, log_to_driver=True, runtime_env=code_runtime_env())
 
 
 def build_trainer(job: JobConfig, tokenizer_path: Path, deadline: float | None) -> TorchTrainer:
