@@ -94,13 +94,32 @@ def local_cluster(num_cpus: int = 2, keep_pythonpath: bool = True) -> Iterator[t
     temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's unix socket paths are length-limited
     token = Path(temp) / "auth_token"
     token.write_text(secrets.token_hex(32))
-    gcs, dashboard, node, objects, client, agent, agent_grpc, env_agent, metrics = free_ports(9)
     drop = {"RAY_ADDRESS", "RAY_AUTH_TOKEN"} | (set() if keep_pythonpath else {"PYTHONPATH"})
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the job's `python` is this venv's
     # Token auth on explicitly, with a token of this cluster's own: the server and the CLI both read these.
     env["RAY_AUTH_MODE"] = "token"
     env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    try:
+        # A second try on fresh ports: another Ray on the machine may take a port between our probe and its bind.
+        for attempt in (1, 2):
+            dashboard, started = _start_head(num_cpus, temp, env)
+            if started.returncode == 0:
+                break
+            output = started.stdout[-3000:] + started.stderr[-3000:]
+            print(f"ray start failed ({started.returncode}, attempt {attempt}):\n{output}", file=sys.stderr)
+            stop_processes_of(temp)
+        else:
+            raise RuntimeError("ray start failed twice (its output is above)")
+        yield f"http://127.0.0.1:{dashboard}", env
+    finally:
+        stop_processes_of(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _start_head(num_cpus: int, temp: str, env: dict[str, str]) -> tuple[int, subprocess.CompletedProcess]:
+    """`ray start --head` on loopback with every port explicit and free; (dashboard port, the finished command)."""
+    gcs, dashboard, node, objects, client, agent, agent_grpc, env_agent, metrics = free_ports(9)
     command = [
         RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", str(num_cpus),
         "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
@@ -109,9 +128,4 @@ def local_cluster(num_cpus: int = 2, keep_pythonpath: bool = True) -> Iterator[t
         "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(env_agent),
         "--metrics-export-port", str(metrics), "--temp-dir", temp, "--disable-usage-stats",
     ]  # fmt: skip
-    try:
-        subprocess.run(command, check=True, env=env, capture_output=True, text=True, timeout=180)
-        yield f"http://127.0.0.1:{dashboard}", env
-    finally:
-        stop_processes_of(temp)
-        shutil.rmtree(temp, ignore_errors=True)
+    return dashboard, subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
