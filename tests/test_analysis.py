@@ -20,7 +20,7 @@ from speed.analysis import discover, flip_rates_by_position, load_evaluation, lo
 from speed.analysis.notebooks import notebook_paths
 from speed.analysis.serving import in_flight_at, max_in_flight
 from speed.bench import BenchConfig, run_benchmark
-from speed.evaluate import run_evaluation
+from speed.evaluate import EvalConfig, run_evaluation
 from speed.paths import repo_root
 from speed.tokenizer import Tokenizer
 from speed.trace import TraceBuilder, flip_rates
@@ -45,10 +45,11 @@ def results(tmp_path_factory, tiny_tokenizer):
         for pattern in ("2x3", "2x1"):
             torch.manual_seed(0)
             model = SpeedT5(preset("tiny", vocab_size=tok.vocab_size, pattern=pattern)).eval()
-            run_evaluation(
-                model, tok, "translate_en_de", "validation", root / f"eval-{pattern}",
-                limit=6, batch_size=3, max_new_tokens=10, check_sequential=True, progress=False,
+            config = EvalConfig(
+                "translate_en_de", "validation", limit=6, batch_size=3, max_new_tokens=10, max_source_len=64,
+                check_sequential=True,
             )  # fmt: skip
+            run_evaluation(model, tok, config, root / f"eval-{pattern}", progress=False)
         bench = run_benchmark(BenchConfig(model=preset("tiny", pattern="2x3"), new_tokens=6, reps=1, compare_hf=False))
         pq.write_table(bench, root / "bench_decode.parquet")
         _load_runs(model_2x3(tok.vocab_size), root)

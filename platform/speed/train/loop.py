@@ -1,21 +1,23 @@
 """``train_loop_per_worker``: what every Ray Train worker runs.
 
-DDP through ``ray.train.torch.prepare_model``; each worker trains on its own
+DDP through ``ray.train.torch.prepare_model``; each worker memory-maps the
+corpus the driver prepared (``speed.data.prepare``) and trains on its own
 shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
 warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
 the shared early-exit loss ``L_w = sum_i w_i L_i``. Rank 0 logs every loop's
 loss and tokens/s, and writes checkpoints reported through ``ray.train.report``.
-A worker (re)started by Ray resumes from ``ray.train.get_checkpoint()``; a
-``--resume`` run from the checkpoint it names.
+A worker (re)started by Ray, or a rerun of the same command, resumes from the
+run's newest complete checkpoint on storage; a ``--resume`` run from the
+checkpoint it names.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -28,12 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from speed.checkpoint import MODEL_FILE, TOKENIZER_FILE, load_model
+from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.losses import loss_weights
 from speed.model import SpeedT5
-from speed.paths import DATA_DIR_ENV
-from speed.tokenizer import Tokenizer
 from speed.train.batches import BatchPlan
-from speed.train.config import JobConfig, job_from_dict
+from speed.train.config import JobConfig, job_from_dict, job_to_dict
 from speed.train.optim import build_optimizer, build_scheduler, lr_factor
 from speed.train.progress import (
     TRAIN_LOG_SCHEMA,
@@ -47,8 +48,11 @@ from speed.train.state import (
     TrainingState,
     check_compatible,
     checkpoint_name,
+    checkpoint_uri,
     load_training_state,
     local_checkpoint,
+    mark_complete,
+    newest_complete_checkpoint,
     read_checkpoint_config,
     rng_state,
     save_training_checkpoint,
@@ -60,20 +64,6 @@ _PACE_WINDOW = 20  # steps averaged for the ETA
 
 class InjectedFailure(RuntimeError):
     """The failure ``train.fail_at_step`` asks for (fault-tolerance tests and drills)."""
-
-
-def load_examples(job: JobConfig, tokenizer: Tokenizer) -> list[dict[str, list[int]]]:
-    """The tokenized training split (span-corrupted for pretraining) as ``input_ids``/``labels`` lists."""
-    from speed.data import load_records, tokenize_records
-
-    d = job.data
-    records = load_records(d.task, "train", source=d.source, limit=d.limit)
-    if not hasattr(records, "__len__"):
-        raise ValueError(f"task {d.task!r} from {d.source!r} is an unbounded stream: pass --limit N to train on it")
-    ds = tokenize_records(
-        records, d.task, tokenizer, d.max_source_len, d.max_target_len, seed=job.train.seed, pack=d.pack
-    )
-    return [{"input_ids": i, "labels": t} for i, t in zip(ds["input_ids"], ds["labels"])]
 
 
 def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5:
@@ -104,33 +94,37 @@ def _seed_worker(seed: int, rank: int) -> None:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Train this worker's share of the job.
+    """Train this worker's share of the job (in a scratch folder removed at the end, also on failure).
 
     ``config``: ``job`` (a resolved JobConfig dict), ``tokenizer`` (the .model bytes),
-    ``deadline`` (Unix time or None) and ``data_dir`` (the driver's local corpora).
+    ``corpus`` (the prepared training split: a path or URI), ``deadline`` (Unix time or None) and
+    ``run_dir`` (this run's directory on storage: its newest checkpoint there resumes it).
     """
-    import datasets
+    with tempfile.TemporaryDirectory(prefix="speed-worker-") as workdir:
+        _work(config, Path(workdir))
 
-    datasets.disable_progress_bars()  # one bar per map per worker drowns the progress lines
+
+def _work(config: dict[str, Any], workdir: Path) -> None:
     job = job_from_dict(config["job"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    if config.get("data_dir") and Path(config["data_dir"]).is_dir():
-        os.environ.setdefault(DATA_DIR_ENV, config["data_dir"])
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
     device = ray.train.torch.get_device()
-    workdir = Path(tempfile.mkdtemp(prefix="speed-worker-"))
     tokenizer_path = workdir / TOKENIZER_FILE
     tokenizer_path.write_bytes(config["tokenizer"])
-    tokenizer = Tokenizer.load(tokenizer_path)
 
-    examples = load_examples(job, tokenizer)
-    lengths = [len(e["input_ids"]) + len(e["labels"]) for e in examples]
+    corpus = open_corpus(config["corpus"])
     plan = BatchPlan(
-        lengths, job.train.batch_size, world, rank, job.train.grad_accum, job.train.seed, job.train.group_by_length
+        corpus.lengths,
+        job.train.batch_size,
+        world,
+        rank,
+        job.train.grad_accum,
+        job.train.seed,
+        job.train.group_by_length,
     )
-    ray_checkpoint = ray.train.get_checkpoint()  # set when Ray restarts this run (a failure, or a rerun)
-    resuming = ray_checkpoint is not None or job.resume is not None
+    own = _own_checkpoint(config["run_dir"], ray.train.get_checkpoint(), world)  # this run's newest, if any
+    resuming = own is not None or job.resume is not None
     model = initial_model(job, load_init=not resuming)  # resumed weights come from the checkpoint
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.optim, job.train.max_steps)
@@ -139,26 +133,43 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     history = TRAIN_LOG_SCHEMA.empty_table()
     step = 0
     if resuming:
-        source = ray_checkpoint.as_directory() if ray_checkpoint is not None else local_checkpoint(job.resume)
-        with source as directory:
+        origin = own if own is not None else job.resume
+        with local_checkpoint(origin) as directory:
             step, history = _restore(
-                Path(directory), job, config["tokenizer"], model, optimizer, scheduler, rank, world
+                Path(directory), config["job"], config["tokenizer"], model, optimizer, scheduler, rank, world
             )
         if rank == 0:
-            print(f"resumed at step {step} from {'the last checkpoint of this run' if ray_checkpoint else job.resume}")
+            print(f"resumed at step {step} from {origin}", flush=True)
     if rank == 0:
         print(
-            f"{len(examples)} training examples, {plan.steps_per_epoch} steps/epoch, {world} worker(s) x "
+            f"{len(corpus)} training examples, {plan.steps_per_epoch} steps/epoch, {world} worker(s) x "
             f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {device}",
             flush=True,
         )
     model = ray.train.torch.prepare_model(model)
-    _train(job, model, optimizer, scheduler, plan, examples, tokenizer_path, step, history, config, ray_checkpoint)
+    _train(job, model, optimizer, scheduler, plan, corpus, tokenizer_path, step, history, config, own is not None)
+
+
+def _own_checkpoint(run_dir: str, registered: ray.train.Checkpoint | None, world: int) -> str | None:
+    """This run's newest checkpoint (path or URI), as rank 0 sees it; None when the run has none yet.
+
+    The newest complete checkpoint on storage; Ray's registered one (which lags
+    it) only when newer, as in runs checkpointed before the completion markers.
+    """
+    chosen = [None]
+    if ray.train.get_context().get_world_rank() == 0:
+        on_storage = newest_complete_checkpoint(run_dir)
+        ray_uri = checkpoint_uri(registered) if registered is not None else None
+        candidates = [c for c in (on_storage, ray_uri) if c is not None]
+        chosen = [max(candidates, key=lambda c: c.rstrip("/").rsplit("/", 1)[-1]) if candidates else None]
+    if world > 1:
+        dist.broadcast_object_list(chosen, src=0)  # every rank resumes from the same step
+    return chosen[0]
 
 
 def _restore(
     directory: Path,
-    job: JobConfig,
+    job_dict: dict[str, Any],
     tokenizer_bytes: bytes,
     model: SpeedT5,
     optimizer: torch.optim.Optimizer,
@@ -167,7 +178,8 @@ def _restore(
     world: int,
 ) -> tuple[int, pa.Table]:
     """Load weights, optimizer, scheduler and this rank's RNG from a training checkpoint; returns (step, log)."""
-    check_compatible(read_checkpoint_config(directory), job, tokenizer_bytes, str(directory))
+    check_compatible(read_checkpoint_config(directory), job_dict, tokenizer_bytes, str(directory))
+    job = job_from_dict(job_dict)
     state = load_training_state(directory)
     model.load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
     optimizer.load_state_dict(state.optimizer)
@@ -190,12 +202,12 @@ def _train(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     plan: BatchPlan,
-    examples: list[dict[str, list[int]]],
+    corpus: TokenizedCorpus,
     tokenizer_path: Path,
     step: int,
     history: pa.Table,
     config: dict[str, Any],
-    ray_checkpoint: ray.train.Checkpoint | None,
+    resumed_own: bool,
 ) -> None:
     """The step loop, from ``step`` to ``max_steps`` (or a clean early stop), checkpointing on the way."""
     from speed.data import collate
@@ -212,19 +224,20 @@ def _train(
     last_step = min(t.max_steps, t.stop_at_step or t.max_steps)
     launched = time.perf_counter()
     records: list[StepRecord] = []
-    saved_at = step if ray_checkpoint is not None else None
+    saved_at = step if resumed_own else None  # this run's checkpoint of ``step`` is on storage already
     restarts = history.column("restarts")[-1].as_py() + 1 if history.num_rows else 0
 
     while step < last_step:
-        if t.fail_at_step == step + 1 and ray_checkpoint is None and rank == world - 1:
+        if t.fail_at_step == step + 1 and not resumed_own and rank == world - 1:
             raise InjectedFailure(f"injected failure on rank {rank} before step {step + 1} (train.fail_at_step)")
         started = time.perf_counter()
         model.train()
         micro = plan.micro_batches(step)
+        epoch = plan.epoch_at(step)  # span-corruption noise is drawn anew each epoch
         loop_sum = torch.zeros(n_loops, device=device)
         tokens = 0
         for i, indices in enumerate(micro):
-            batch = {k: v.to(device) for k, v in collate([examples[j] for j in indices]).items()}
+            batch = {k: v.to(device) for k, v in collate(corpus.examples(indices, epoch, t.seed)).items()}
             sync = world == 1 or i == len(micro) - 1  # all-reduce gradients once per optimizer step
             with nullcontext() if sync else model.no_sync():
                 with autocast:  # the forward only; backward runs in the dtypes autocast chose
@@ -315,6 +328,24 @@ def _checkpoint(
         if rank == 0:
             log = pa.concat_tables([history, records_to_table(records)])
             state = TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), rngs, log)
-            save_training_checkpoint(tmp, _unwrap(model), tokenizer_path, job, state)
+            save_training_checkpoint(tmp, _unwrap(model), tokenizer_path, job_to_dict(job), state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(step))
+        name = checkpoint_name(step)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=_upload(step))
+
+
+def _upload(step: int) -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint]:
+    """Ray's upload of a checkpoint, then its completion marker.
+
+    The marker is written as soon as every file is on storage, before the report
+    reaches Ray's controller (which a killed driver never lets happen), so a run
+    stopped hard loses at most the interval since its last upload.
+    """
+    storage = ray.train.get_context().get_storage()
+
+    def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+        persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
+        mark_complete(checkpoint_uri(persisted), step)
+        return persisted
+
+    return upload
