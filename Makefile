@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench analysis clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) jobs/bench_decode.py
+
+# Every notebook in analysis/ on a results folder (evaluations, benchmarks, load runs, Serve statistics, found
+# by content); figures are written as PNG beside the files they read, executed notebooks into RESULTS/notebooks.
+RESULTS ?= results
+analysis: $(VENV)/.installed
+	$(PY) jobs/analysis.py --results $(RESULTS)
 
 clean:
 	rm -rf $(VENV) runs results .pytest_cache

@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
+
 from speed.data import get_task, load_records
 from speed.data.bench import as_row, format_rows, in_subprocess, replicate
 from speed.data.prepare import DOCS_PER_SHARD, CorpusSpec

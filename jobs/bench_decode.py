@@ -18,6 +18,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
+
 from speed.bench import BenchConfig, format_table, run_benchmark
 from speed.cli import JobParser, user_errors
 from speed.config import preset

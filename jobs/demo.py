@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
+
 from speed.cli import JobParser, user_errors
 from speed.evaluate import format_summary
 from speed.paths import repo_root

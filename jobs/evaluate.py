@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
+
 from speed.checkpoint import load_model
 from speed.cli import JobParser, user_errors
 from speed.config import from_dict

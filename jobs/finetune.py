@@ -12,6 +12,9 @@ trace.parquet, summary.json). Without $RAY_ADDRESS a local Ray starts in-process
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import user_errors
 from speed.evaluate import format_summary

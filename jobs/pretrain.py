@@ -12,6 +12,9 @@ resumes its run from the last checkpoint; --resume PATH continues another one.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import user_errors
 from speed.train import job_from_args, run_job

@@ -1,31 +1,215 @@
-"""The analysis notebook runs on real result files (a tiny evaluation and benchmark)."""
+"""speed.analysis on real result files, and every notebook in analysis/ executed headless on tiny real runs."""
+
+from __future__ import annotations
 
 import importlib.util
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
 
+import nbformat
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
 import torch
 
+from speed import SpeedT5, generate, preset
+from speed.analysis import discover, flip_rates_by_position, load_evaluation, load_summary, rows_per_step, tradeoff
+from speed.analysis.notebooks import notebook_paths
+from speed.analysis.serving import in_flight_at, max_in_flight
 from speed.bench import BenchConfig, run_benchmark
-from speed.config import preset
 from speed.evaluate import EvalConfig, run_evaluation
-from speed.model import SpeedT5
 from speed.paths import repo_root
 from speed.tokenizer import Tokenizer
+from speed.trace import TraceBuilder, flip_rates
+
+NOTEBOOKS = notebook_paths()
+# The figures each notebook writes, relative to the results folder of _results().
+FIGURES = {
+    "flips.ipynb": ["flip_rate_per_loop.png", "eval-2x3/flips.png"],  # a one-loop 2x1 has no flips to draw
+    "tradeoff.ipynb": ["accuracy_vs_latency.png"],
+    "serving.ipynb": ["load/serving_load.png", "stats/requests/serving_rows_per_step.png"],
+}
 
 
-def test_flip_report_reads_evaluation_and_benchmark(tmp_path, tiny_tokenizer):
-    import pyarrow.parquet as pq
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, tiny_tokenizer):
+    """A results folder from tiny real runs: two evaluations, a decode benchmark and served-shaped load rows."""
+    root = tmp_path_factory.mktemp("results")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tok = Tokenizer.load(tiny_tokenizer)
+        for pattern in ("2x3", "2x1"):
+            torch.manual_seed(0)
+            model = SpeedT5(preset("tiny", vocab_size=tok.vocab_size, pattern=pattern)).eval()
+            config = EvalConfig(
+                "translate_en_de", "validation", limit=6, batch_size=3, max_new_tokens=10, max_source_len=64,
+                check_sequential=True,
+            )  # fmt: skip
+            run_evaluation(model, tok, config, root / f"eval-{pattern}", progress=False)
+        bench = run_benchmark(BenchConfig(model=preset("tiny", pattern="2x3"), new_tokens=6, reps=1, compare_hf=False))
+        pq.write_table(bench, root / "bench_decode.parquet")
+        _load_runs(model_2x3(tok.vocab_size), root)
+    finally:
+        torch.set_num_threads(threads)
+    return root
 
-    tok = Tokenizer.load(tiny_tokenizer)
+
+def model_2x3(vocab_size: int) -> SpeedT5:
     torch.manual_seed(0)
-    model = SpeedT5(preset("tiny", vocab_size=tok.vocab_size, pattern="2x3"))
-    config = EvalConfig("translate_en_de", "validation", limit=4, max_new_tokens=8, max_source_len=64)
-    run_evaluation(model, tok, config, tmp_path / "eval")
-    bench = run_benchmark(BenchConfig(model=preset("tiny", pattern="2x3"), new_tokens=6, reps=1, compare_hf=False))
-    pq.write_table(bench, tmp_path / "bench.parquet")
+    return SpeedT5(preset("tiny", vocab_size=vocab_size, pattern="2x3")).eval()
 
-    spec = importlib.util.spec_from_file_location("flip_report", repo_root() / "analysis" / "flip_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    text = module.report(tmp_path / "eval", tmp_path / "bench.parquet")
-    assert "pattern 2x3" in text and "flip_rate_final" in text
-    assert "speed_oracle" in text and "positions 0-4" in text
+
+def _load_runs(model: SpeedT5, root: Path) -> None:
+    """Closed-loop load at concurrency 1 and 2 on real in-process SPEED decoding, written in the columns of the
+    load generator's and the Serve replicas' Parquet rows (the Serve application is not part of this test)."""
+    load_rows, request_rows = [], []
+    ids = torch.randint(3, model.config.vocab_size, (8, 1, 6), generator=torch.Generator().manual_seed(1))
+    for concurrency in (1, 2):
+        start = time.perf_counter()
+
+        def one(i: int, concurrency=concurrency, start=start) -> None:
+            sent = time.perf_counter()
+            result = generate(model, ids[i], method="speed", max_new_tokens=8, trace=False)
+            done = time.perf_counter()
+            request_id = f"c{concurrency}-{i}"
+            arrived = datetime.fromtimestamp(time.time() - (done - sent), tz=timezone.utc)
+            tokens = result.stats.tokens
+            load_rows.append(
+                {"run": f"c{concurrency}", "request": i, "status": 200, "scheduled_s": sent - start,
+                 "start_s": sent - start, "latency_ms": 1000 * (done - sent), "ttft_ms": None,
+                 "completion_tokens": tokens, "replica": "replica-0"}
+            )  # fmt: skip
+            request_rows.append(
+                {"request_id": request_id, "replica": "replica-0", "method": "speed", "arrived": arrived,
+                 "total_ms": 1000 * (done - sent), "steps": result.stats.steps, "rows": result.stats.rows,
+                 "flushes": result.stats.flushes}
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(one, range(len(ids))))
+    (root / "load").mkdir()
+    (root / "stats" / "requests").mkdir(parents=True)
+    load_schema = pa.schema([("ttft_ms", pa.float64())])
+    pq.write_table(pa.Table.from_pylist(load_rows).cast(_with(load_rows, load_schema)), root / "load" / "runs.parquet")
+    pq.write_table(pa.Table.from_pylist(request_rows), root / "stats" / "requests" / "replica-0-1.parquet")
+
+
+def _with(rows: list[dict], override: pa.Schema) -> pa.Schema:
+    """The inferred schema of ``rows`` with the types of ``override``'s fields (all-null columns need one)."""
+    inferred = pa.Table.from_pylist(rows).schema
+    return pa.schema([override.field(f.name) if f.name in override.names else f for f in inferred])
+
+
+def test_discover_finds_every_kind_of_result(results):
+    found = discover(results)
+    assert [p.name for p in found.evaluations] == ["eval-2x1", "eval-2x3"]
+    assert [p.name for p in found.bench] == ["bench_decode.parquet"]
+    assert [p.name for p in found.load] == ["runs.parquet"]
+    assert [p.name for p in found.requests] == ["replica-0-1.parquet"]
+    ev = load_evaluation(found.evaluations[1])
+    assert ev.pattern == "2x3" and ev.loops == 3 and ev.predictions.num_rows == 6
+    assert set(ev.trace.column("loop").to_pylist()) == {1, 2, 3}
+
+
+def test_flip_rates_by_position_pools_buckets():
+    trace = TraceBuilder()
+    trace.add_token(0, 0, [5, 6, 6])
+    trace.add_token(0, 1, [1, 1, 1])
+    trace.add_token(1, 0, [7, 6, 6])
+    trace.add_token(0, 2, [2, 3, 2])
+    by_position = flip_rates_by_position(trace.table()).to_pylist()
+    assert [(r["position"], r["loop"], r["tokens"]) for r in by_position[:3]] == [(0, 1, 2), (0, 2, 2), (0, 3, 2)]
+    assert [r["flip_rate_final"] for r in by_position if r["loop"] == 1] == [1.0, 0.0, 0.0]
+    assert [r["flip_rate_prev"] for r in by_position if r["position"] == 2] == [0.0, 1.0, 1.0]
+    pooled = flip_rates_by_position(trace.table(), bucket=2).to_pylist()
+    assert [(r["position"], r["tokens"]) for r in pooled if r["loop"] == 1] == [(0, 3), (2, 1)]
+    assert pooled[0]["flip_rate_final"] == pytest.approx(2 / 3)
+    # One bucket spanning every position is the per-loop rate.
+    whole = flip_rates_by_position(trace.table(), bucket=100).column("flip_rate_final").to_pylist()
+    assert whole == flip_rates(trace.table()).column("flip_rate_final").to_pylist()
+    with pytest.raises(ValueError, match="bucket"):
+        flip_rates_by_position(trace.table(), bucket=0)
+
+
+def test_tradeoff_joins_evaluations_and_benchmark(results):
+    found = discover(results)
+    summaries = [(str(p), load_evaluation(p).summary) for p in found.evaluations]
+    bench = pq.read_table(found.bench[0])
+    rows = tradeoff(summaries, bench).to_pylist()
+    by_key = {(r["pattern"], r["method"], r["timing"]): r for r in rows}
+    shared = summaries[1][1]
+    seconds, tokens = shared["decode"]["speed"]["seconds"], shared["decode"]["speed"]["tokens"]
+    assert by_key[("2x3", "speed", "evaluation")]["ms_per_token"] == pytest.approx(1000 * seconds / tokens)
+    assert by_key[("2x3", "speed", "evaluation")]["score"] == shared["metrics"]["bleu"]["score"]
+    assert by_key[("2x3", "sequential", "evaluation")]["metric"] == "bleu"
+    bench_ms = {r["variant"]: r["ms_per_token"] for r in bench.to_pylist()}
+    assert by_key[("2x3", "speed_oracle", "benchmark")]["ms_per_token"] == bench_ms["speed_oracle"]
+    assert by_key[("2x1", "sequential", "benchmark")]["ms_per_token"] == bench_ms["shallow"]
+    # One loop: a single timing, sequential; the 2x1 is the shallow baseline of the 2x3.
+    assert {(r["method"], r["timing"]) for r in rows if r["pattern"] == "2x1"} == {
+        ("sequential", "evaluation"),
+        ("sequential", "benchmark"),
+    }
+    assert {r["role"] for r in rows if r["pattern"] == "2x1"} == {"shallow"}
+    assert {r["role"] for r in rows if r["pattern"] == "2x3"} == {"shared"}
+
+
+def test_in_flight_counts():
+    starts, ends = np.array([0.0, 1.0, 2.0, 5.0]), np.array([3.0, 2.0, 4.0, 6.0])
+    assert max_in_flight(starts, ends) == 2  # [1, 2) ends as [2, 4) starts
+    assert in_flight_at(starts, ends).tolist() == [1, 2, 2, 1]
+    assert max_in_flight(np.array([0.0, 0.0, 0.0]), np.array([1.0, 1.0, 1.0])) == 3
+
+
+def test_load_summary_and_rows_per_step(results):
+    found = discover(results)
+    load = pq.read_table(found.load[0])
+    runs = {r["run"]: r for r in load_summary(load).to_pylist()}
+    assert set(runs) == {"c1", "c2"}
+    assert runs["c1"]["concurrency"] == 1 and runs["c2"]["concurrency"] == 2  # read off the timings
+    for run, summary in runs.items():
+        part = [r for r in load.to_pylist() if r["run"] == run]
+        latencies = [r["latency_ms"] for r in part]
+        assert summary["requests"] == 8 and summary["errors"] == 0 and summary["replicas"] == 1
+        assert summary["p50_ms"] == pytest.approx(float(np.median(latencies)))
+        assert summary["p99_ms"] <= max(latencies) and summary["ttft_p50_ms"] is None
+        tokens = sum(r["completion_tokens"] for r in part)
+        assert summary["tokens_per_s"] == pytest.approx(tokens / summary["seconds"])
+    requests = pq.read_table(found.requests[0])
+    per_request = rows_per_step(requests).to_pylist()
+    stats = {r["request_id"]: r for r in requests.to_pylist()}
+    for r in per_request:
+        assert r["rows_per_step"] == pytest.approx(stats[r["request_id"]]["rows"] / stats[r["request_id"]]["steps"])
+        assert 1 <= r["in_flight"] <= 2
+    assert max(r["rows_per_step"] for r in per_request) > 1  # a 2x3 pipelines more than one row per step
+
+
+def test_notebooks_are_stored_without_outputs():
+    assert [p.name for p in NOTEBOOKS] == sorted(FIGURES)
+    for path in NOTEBOOKS:
+        cells = nbformat.read(path, as_version=4).cells
+        assert all(c.outputs == [] and c.execution_count is None for c in cells if c.cell_type == "code"), path
+
+
+@pytest.mark.slow
+def test_every_notebook_runs_headless_and_writes_its_figures(results, capsys):
+    """`make analysis`'s job on the tiny results: every notebook executes and writes its figures."""
+    assert _analysis_job().main(["--results", str(results)]) == 0
+    for notebook, figures in FIGURES.items():
+        for figure in figures:
+            assert (results / figure).stat().st_size > 0, (notebook, figure)
+        assert nbformat.read(results / "notebooks" / notebook, as_version=4).cells[1].outputs  # executed
+    printed = capsys.readouterr().out
+    assert "2 evaluation(s), 1 benchmark file(s), 1 load file(s), 1 request-statistics file(s)" in printed
+    assert f"figure: {results / 'accuracy_vs_latency.png'}" in printed
+
+
+def _analysis_job():
+    spec = importlib.util.spec_from_file_location("analysis_job", repo_root() / "jobs" / "analysis.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job

@@ -1,8 +1,9 @@
 """The real cluster client: `ray start --head` on loopback, `ray job submit jobs/pretrain.py`, check, stop.
 
-The cluster gets its own --temp-dir and explicit free ports, and is stopped by
-ending exactly the processes it started, found by the owner mark in their
-environment (never `ray stop`, which would end every Ray on the machine).
+The cluster (tests/cluster_helpers.py) gets its own --temp-dir and explicit free
+ports, and is stopped by ending exactly the processes it started, found by the
+owner mark in their environment (never `ray stop`, which would end every Ray on
+the machine).
 Jobs run as real processes: stopped with Ctrl-C or SIGKILL, rerun, resumed.
 """
 
@@ -12,67 +13,28 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import cluster_helpers
 import pytest
 
 from speed.checkpoint import load_model
 from speed.paths import data_dir, repo_root
-from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
+from speed.train.local_ray import OWNER_ENV, marked_processes
 from speed.train.state import load_training_state, newest_complete_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-RAY = str(Path(sys.executable).parent / "ray")
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
 
 @pytest.fixture
 def local_cluster():
-    """A 2-CPU Ray head on 127.0.0.1 with explicit ports; yields (dashboard address, env for the CLI)."""
-    temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")  # short: Ray's unix socket paths are length-limited
-    gcs, dashboard, node, objects, client, agent, agent_grpc, env_agent, metrics = _free_ports(9)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the job's `python` is this venv's
-    # Token auth on both sides, told explicitly (the job CLI sends the token only when told to); the token is
-    # the session's own (conftest: RAY_AUTH_TOKEN_PATH), never ~/.ray/auth_token.
-    env["RAY_AUTH_MODE"] = "token"
-    token = env[OWNER_ENV] = secrets.token_hex(8)  # every process of this cluster inherits the mark
-    command = [
-        RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", "2",
-        "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-        "--node-manager-port", str(node), "--object-manager-port", str(objects),
-        "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
-        "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(env_agent),
-        "--metrics-export-port", str(metrics), "--temp-dir", temp, "--disable-usage-stats",
-    ]  # fmt: skip
-    try:
-        for _ in range(2):  # on a loaded machine the raylet can miss Ray's fixed 30 s registration window
-            started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-            if started.returncode == 0 or "timed out during startup" not in started.stderr:
-                break
-            end_processes(marked_processes(token))
-        assert started.returncode == 0, f"ray start failed: {started.stdout[-3000:]}{started.stderr[-3000:]}"
-        yield f"http://127.0.0.1:{dashboard}", env
-    finally:
-        end_processes(marked_processes(token))
-        shutil.rmtree(temp, ignore_errors=True)
+    """A 2-CPU Ray head on 127.0.0.1 (tests/cluster_helpers.py); yields (dashboard address, env for the CLI)."""
+    with cluster_helpers.local_cluster(num_cpus=2) as cluster:
+        yield cluster
 
 
 def test_ray_job_submit_pretrains_and_checkpoints(local_cluster, tiny_tokenizer, tmp_path):
@@ -80,7 +42,7 @@ def test_ray_job_submit_pretrains_and_checkpoints(local_cluster, tiny_tokenizer,
     storage = tmp_path / "runs"
     flags = ["--preset", "tiny", "--pattern", "2x3", "--limit", "40", "--tokenizer", str(tiny_tokenizer)]
     flags += ["--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--cpus-per-worker", "1"]
-    submit = [RAY, "job", "submit", "--address", address, "--working-dir", str(repo_root())]
+    submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--working-dir", str(repo_root())]
     submit += ["--runtime-env-json", json.dumps({"env_vars": {"SPEED_DATA_DIR": str(data_dir())}})]
     submit += ["--", "python", "jobs/pretrain.py", *flags, "--storage-path", str(storage)]
     done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600)

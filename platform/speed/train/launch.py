@@ -22,6 +22,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from speed.checkpoint import TOKENIZER_FILE
+from speed.cluster import code_runtime_env
 from speed.config import ModelConfig, from_dict, to_dict
 from speed.data.prepare import CorpusSpec, PreparedCorpus, cache_root, prepare_corpus
 from speed.paths import data_dir
@@ -172,13 +173,14 @@ def ensure_ray() -> None:
     """Connect to ``$RAY_ADDRESS`` when set, else start a private local Ray (``speed.train.local_ray``).
 
     Never joins a stray local cluster; the private one leaves no process behind when the driver ends.
+    The workers import this driver's ``speed`` (``speed.cluster``), whatever copy their nodes hold.
     """
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env=code_runtime_env())
     else:
-        local_ray.start()
+        local_ray.start(runtime_env=code_runtime_env())
 
 
 def prepare_data(job: JobConfig, tokenizer_path: Path) -> PreparedCorpus:

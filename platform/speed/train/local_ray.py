@@ -33,11 +33,11 @@ GRACE_S = 5.0  # between SIGTERM and SIGKILL
 _watchdog: subprocess.Popen | None = None  # held for the driver's lifetime: its stdin pipe must stay open
 
 
-def start(num_cpus: int | None = None) -> str:
+def start(num_cpus: int | None = None, runtime_env: dict | None = None) -> str:
     """Start a private local Ray for this driver, with the watchdog; returns the owner token.
 
     A token already in ``$SPEED_RAY_OWNER`` is kept (a caller that wants to find the
-    processes afterwards sets it).
+    processes afterwards sets it). ``runtime_env``: the job's, for ``ray.init``.
     """
     import ray
 
@@ -53,7 +53,7 @@ def start(num_cpus: int | None = None) -> str:
         start_new_session=True,  # outside the driver's process group: Ctrl-C and Ray's reaper do not reach it
         close_fds=True,
     )
-    ray.init(address="local", num_cpus=num_cpus, _temp_dir=temp_dir, log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, _temp_dir=temp_dir, log_to_driver=True, runtime_env=runtime_env)
     return token
 
 
