@@ -570,6 +570,7 @@ def start_app(
     device: str = "auto",
     num_cpus: float = 1,
     num_gpus: float = 0,
+    max_ongoing_requests: int | None = None,
     max_queued_requests: int | None = None,
     name: str = "speed",
 ) -> str:
@@ -582,8 +583,9 @@ def start_app(
         "user_config": dict(settings or {}),
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
     }
-    if max_queued_requests is not None:
-        options["max_queued_requests"] = max_queued_requests
+    for key, value in (("max_ongoing_requests", max_ongoing_requests), ("max_queued_requests", max_queued_requests)):
+        if value is not None:
+            options[key] = value
     deployment = SpeedServer.options(**options)
     app = deployment.bind(checkpoint, stats_path, model_name, device)
     serve.run(app, name=name, route_prefix="/")
