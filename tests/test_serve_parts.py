@@ -276,3 +276,24 @@ def test_serve_settings_reject_unknown_and_bad_values():
         ServeSettings(max_tokens=200, max_target_len=100)
     with pytest.raises(ValueError, match="unknown task"):
         ServeSettings(task="nope")
+
+
+def test_bench_ratios_and_table_against_the_bars():
+    from speed.serve.bench import ServeBenchResult, format_table, ratios
+
+    def s(tps, p50):
+        return {"tokens_per_s": tps, "p50_ms": p50, "p99_ms": 2 * p50, "ttft_p50_ms": None, "requests": 8, "errors": 0}
+
+    summary = {("a", 1): s(10, 100), ("b", 1): s(10, 100), ("c", 1): s(20, 50)}
+    summary |= {("a", 16): s(10, 1600), ("b", 16): s(100, 160), ("c", 16): s(94, 170)}
+    r = ratios(summary)
+    assert r == {
+        "c_over_a_tokens_per_s_at_16": 9.4,
+        "c_over_b_tokens_per_s_at_1": 2.0,
+        "c_over_b_tokens_per_s_at_16": 0.94,
+        "c_over_b_p50_at_1": 0.5,
+    }
+    table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
+    assert "c_over_b_tokens_per_s_at_16 = 0.94 (bar >= 0.95: NOT met)" in table
+    assert "c_over_b_p50_at_1 = 0.50 (bar <= 0.6: met)" in table
+    assert "| (c) continuous batching, SPEED | 16 | 94.0 | 170 | 340 |  | 8 | 0 |" in table

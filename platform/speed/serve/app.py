@@ -573,9 +573,11 @@ def start_app(
     max_ongoing_requests: int | None = None,
     max_queued_requests: int | None = None,
     name: str = "speed",
+    route_prefix: str = "/",
 ) -> str:
-    """Start Serve's HTTP proxy on ``host:port`` (loopback by default) and deploy the application on the
-    connected Ray; returns its URL. ``settings`` is the ``user_config`` (``ServeSettings`` keys)."""
+    """Start Serve's HTTP proxy on ``host:port`` (loopback by default) and deploy the application under
+    ``route_prefix`` on the connected Ray; returns its URL. ``settings`` is the ``user_config``
+    (``ServeSettings`` keys)."""
     from_dict(ServeSettings, dict(settings or {}))  # fail here, not in a replica
     serve.start(http_options={"host": host, "port": port})
     options: dict[str, Any] = {
@@ -588,5 +590,5 @@ def start_app(
             options[key] = value
     deployment = SpeedServer.options(**options)
     app = deployment.bind(checkpoint, stats_path, model_name, device)
-    serve.run(app, name=name, route_prefix="/")
-    return f"http://{host}:{port}"
+    serve.run(app, name=name, route_prefix=route_prefix)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
