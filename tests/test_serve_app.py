@@ -214,6 +214,8 @@ def test_load_generator_closed_and_open_loop(server):
         assert all(r["text"] == _offline(server, prompts[r["prompt"]], 5)[0] for r in rows)
         server["answered"] += [(r["request_id"], 1) for r in rows]
     assert all(r["ttft_ms"] is not None and r["ttft_ms"] <= r["latency_ms"] for r in closed.table.to_pylist())
+    assert all(r["scheduled_s"] == r["start_s"] for r in closed.table.to_pylist())  # closed loop: from the send
+    assert all(r["scheduled_s"] <= r["start_s"] for r in opened.table.to_pylist())  # open loop: from the arrival
 
 
 def test_redeploy_applies_settings_and_the_old_replica_loses_no_statistics(server):

@@ -149,7 +149,8 @@ async def _run(config: LoadConfig, prompts: list[str | list[int]]) -> LoadResult
                     "max_tokens": config.max_tokens,
                     "stream": config.stream,
                 }
-                rows[i] = await _send(session, url, body, start, planned[i], deadline)
+                scheduled = planned[i] if config.rate is not None else None  # closed loop: from the send
+                rows[i] = await _send(session, url, body, start, scheduled, deadline)
                 rows[i].update(run=config.label, request=i, prompt=prompt_index)
 
         tasks = [asyncio.create_task(one(i)) for i in range(config.requests)]
@@ -160,10 +161,17 @@ async def _run(config: LoadConfig, prompts: list[str | list[int]]) -> LoadResult
 
 
 async def _send(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], start: float, planned: float, deadline: float
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    start: float,
+    planned: float | None,
+    deadline: float,
 ) -> dict[str, Any]:
-    """One request; its row (latency counts from the planned send time, so open-loop queueing shows)."""
+    """One request; its row. Latency counts from the planned arrival (open loop: waiting for a free slot
+    shows) or, with ``planned`` None (closed loop), from the send."""
     sent = time.perf_counter()
+    planned = sent - start if planned is None else planned
     row: dict[str, Any] = {"status": 0, "error": None, "scheduled_s": planned, "start_s": sent - start}
     first: float | None = None
     try:

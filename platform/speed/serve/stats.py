@@ -82,10 +82,10 @@ LOADGEN_SCHEMA = pa.schema(
         pa.field("status", pa.int32(), nullable=False),  # HTTP status; 0 when no answer came
         pa.field("error", pa.string()),  # the server's or client's error message; null when fine
         pa.field("request_id", pa.string()),  # the completion's id (REQUEST_SCHEMA.request_id); null if none
-        pa.field("scheduled_s", pa.float64(), nullable=False),  # planned send time, seconds from the run's start
+        pa.field("scheduled_s", pa.float64(), nullable=False),  # arrival (open loop: planned; closed: the send)
         pa.field("start_s", pa.float64(), nullable=False),  # actual send time, seconds from the run's start
-        pa.field("latency_ms", pa.float64(), nullable=False),  # from the planned send time to the last byte
-        pa.field("ttft_ms", pa.float64()),  # to the first streamed text (streaming only)
+        pa.field("latency_ms", pa.float64(), nullable=False),  # from the arrival to the last byte
+        pa.field("ttft_ms", pa.float64()),  # from the arrival to the first streamed text (streaming only)
         pa.field("prompt_tokens", pa.int32()),
         pa.field("completion_tokens", pa.int32()),
         pa.field("finish_reason", pa.string()),
