@@ -1,0 +1,87 @@
+"""The serving benchmark (not a test): (a) one request at a time, sequential; (b) continuous batching,
+sequential; (c) continuous batching, SPEED; closed-loop HTTP load at concurrency 1, 4 and 16.
+
+    python jobs/bench_serve.py --checkpoint runs/demo/<finetune run> [--rounds 2] [--row-budget 48] [--json]
+
+Prompts are Multi30k test sources (task translate_en_de). Starts a private local
+Ray (all of this machine's CPUs), deploys the checkpoint twice behind Ray Serve on
+a free loopback port, prints a Markdown table and the ratios against the issue's
+bars, and writes rows to --out (speed.serve.stats.BENCH_SERVE_SCHEMA) and every
+request to <out stem>_requests.parquet (LOADGEN_SCHEMA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import ray
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
+
+from speed.paths import repo_root
+from speed.serve.bench import ServeBenchConfig, format_table, run_serve_bench
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = ServeBenchConfig(checkpoint="")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory (the demo's finetuned 2x6)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=list(d.concurrency))
+    p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--requests-per-client", type=int, default=d.requests_per_client)
+    p.add_argument("--min-requests", type=int, default=d.min_requests)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--max-active", type=int, default=d.max_active, help="engine capacity of (b) and (c)")
+    p.add_argument("--row-budget", type=int, default=d.row_budget, help="rows per engine step of (b) and (c)")
+    p.add_argument("--launch-loop", type=int, default=d.launch_loop)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per replica")
+    p.add_argument("--out", default=str(repo_root() / "results" / "bench_serve.parquet"))
+    p.add_argument("--json", action="store_true", help="also print the summary and ratios as one JSON object")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark the flags describe; print the table; write the rows."""
+    args = parse_args(argv)
+    config = ServeBenchConfig(
+        checkpoint=str(Path(args.checkpoint).resolve()) if "://" not in args.checkpoint else args.checkpoint,
+        concurrency=tuple(args.concurrency),
+        rounds=args.rounds,
+        requests_per_client=args.requests_per_client,
+        min_requests=args.min_requests,
+        max_tokens=args.max_tokens,
+        max_active=args.max_active,
+        row_budget=args.row_budget,
+        launch_loop=args.launch_loop,
+        threads=args.threads,
+    )
+    # Ray starts workers at niceness 15; the replicas here run at the client's priority, so that other work on
+    # the machine slows server and client alike.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        result = run_serve_bench(config)
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(result.runs, out)
+    pq.write_table(result.requests, out.with_name(out.stem + "_requests.parquet"))
+    print(format_table(result))
+    print(f"rows in {out} and {out.with_name(out.stem + '_requests.parquet')}")
+    if args.json:
+        summary = {f"{v}@{c}": s for (v, c), s in result.summary.items()}
+        print(json.dumps({"summary": summary, "ratios": result.ratios, "mismatches": result.mismatches}))
+    return 0 if result.mismatches == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""One continuous-batching engine driven by an asyncio loop: what a Serve replica runs (no Ray here).
+
+Every engine call (``add``, ``step``, ``cancel``, rebuilding) runs on one
+worker thread, in submission order, so the event loop keeps answering HTTP
+while a step computes, and the engine is only ever touched by that thread.
+The stepping task runs while requests are active and sleeps otherwise.
+Committed tokens go to each request's queue as they come, for streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from speed.engine import Engine, EngineConfig, Finished, Request
+from speed.serve.stats import ServeCounters
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Submission:
+    """A request inside the runner: its engine id, its tokens as they commit, and its end."""
+
+    request: Request
+    meta: dict[str, Any] = field(default_factory=dict)  # the caller's own keys (request id, arrival, ...)
+    id: int = -1  # the engine's id, set when the engine accepted it
+    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)  # None after the last token
+    done: asyncio.Future[Finished] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    async def stream(self) -> AsyncIterator[int]:
+        """The committed tokens, in order, until the request finishes."""
+        while (token := await self.tokens.get()) is not None:
+            yield token
+
+
+class EngineRunner:
+    """Owns an ``Engine`` and steps it from a background task while requests are active.
+
+    ``on_finished(finished, submission)`` is called on the event loop with every
+    request that leaves the engine (finished or cancelled), before its
+    submission completes; ``on_step(rows, active, queued)`` after every step.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig,
+        on_finished: Callable[[Finished, Submission], None] | None = None,
+        on_step: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.on_finished = on_finished
+        self.on_step = on_step
+        self.counters = ServeCounters()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speed-engine")
+        self._engine = Engine(model, config)
+        self._pending: dict[int, Submission] = {}
+        self._adding = 0  # submissions waiting for the engine's add
+        self._wake: asyncio.Event | None = None
+        self._open: asyncio.Event | None = None  # cleared while the engine is rebuilt
+        self._task: asyncio.Task | None = None
+        self._cancels: set[asyncio.Task] = set()
+
+    # ----- public API --------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Requests holding an engine slot."""
+        return self._engine.active
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return self._engine.queued
+
+    @property
+    def loop_task(self) -> asyncio.Task | None:
+        """The stepping task (None before the first request)."""
+        return self._task
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._pending)
+
+    async def submit(self, request: Request, meta: dict[str, Any] | None = None) -> Submission:
+        """Queue a request (``ValueError`` from the engine says what is wrong with it)."""
+        self._start()
+        await self._open.wait()
+        submission = Submission(request, meta or {})
+        engine = self._engine
+
+        def add() -> None:  # on the engine thread: registered before any step can commit its tokens
+            submission.id = engine.add(request)
+            self._pending[submission.id] = submission
+
+        self._adding += 1
+        try:
+            await self._call(add)
+        finally:
+            self._adding -= 1
+        self._wake.set()
+        return submission
+
+    def cancel_soon(self, request_id: int) -> None:
+        """Cancel a request without waiting (safe inside ``finally`` of a cancelled task)."""
+        if request_id not in self._pending:
+            return
+        task = asyncio.get_running_loop().create_task(self.cancel(request_id))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def cancel(self, request_id: int) -> None:
+        """Remove a request from the engine, freeing its slot; its submission ends as cancelled."""
+        if request_id not in self._pending:
+            return
+        finished = await self._call(self._engine.cancel, request_id)
+        if finished is not None:
+            self._finish(finished)
+
+    async def reconfigure(self, config: EngineConfig) -> None:
+        """Use a new capacity or row budget: new requests wait, active ones finish, then the engine is rebuilt."""
+        if config == self.config:
+            return
+        self._start()
+        self._open.clear()
+        try:
+            while self._pending or self._adding:
+                await asyncio.sleep(0.01)
+            self._engine = await self._call(Engine, self.model, config)
+            self.config = config
+        finally:
+            self._open.set()
+
+    def close(self) -> None:
+        """Stop stepping and release the worker thread; requests still pending end with an error."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._fail_all(RuntimeError("the replica is shutting down"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ----- the stepping loop ---------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._task is None:
+            self._wake, self._open = asyncio.Event(), asyncio.Event()
+            self._open.set()
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="speed-engine-loop")
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            if not self._pending:
+                await self._wake.wait()
+                continue
+            try:
+                result = await self._call(self._engine.step)
+            except Exception as err:  # a fault in decoding: fail its requests, keep the replica serving
+                log.exception("engine step failed; failing %d requests and rebuilding the engine", len(self._pending))
+                self._fail_all(err)
+                self._engine = await self._call(Engine, self.model, self.config)
+                continue
+            self.counters.add_step(result.rows)
+            if self.on_step is not None:
+                self.on_step(result.rows, self._engine.active, self._engine.queued)
+            for request_id, token in result.committed:
+                submission = self._pending.get(request_id)
+                if submission is not None:
+                    submission.tokens.put_nowait(token)
+            for finished in result.finished:
+                self._finish(finished)
+
+    def _finish(self, finished: Finished) -> None:
+        submission = self._pending.pop(finished.id, None)
+        if submission is None:
+            return
+        s = finished.stats
+        self.counters.add_finished(s.tokens, s.flushes, s.wasted_rows, s.flip_rate, finished.cancelled)
+        if self.on_finished is not None:
+            try:
+                self.on_finished(finished, submission)
+            except Exception:  # statistics must never break an answer
+                log.exception("on_finished failed for request %d", finished.id)
+        submission.tokens.put_nowait(None)
+        submission.done.set_result(finished)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for submission in self._pending.values():
+            submission.tokens.put_nowait(None)
+            if not submission.done.done():
+                submission.done.set_exception(err)
+        self._pending.clear()

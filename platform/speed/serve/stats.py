@@ -1,0 +1,274 @@
+"""Serving statistics: the Parquet schemas, the replica's Parquet sink and its live counters.
+
+Every replica of the Serve application appends, for each finished request
+(one row per prompt of a completion request, ``choice`` its index), one
+``REQUEST_SCHEMA`` row and its flip-trace rows (``SERVE_TRACE_SCHEMA``) under a
+storage path, local or a URI that ``pyarrow.fs`` understands::
+
+    <storage>/requests/<replica>-<n>.parquet    REQUEST_SCHEMA, one file per flushed row group
+    <storage>/traces/<replica>-<n>.parquet      SERVE_TRACE_SCHEMA
+
+A flush writes each buffer as one new file (one row group), so files on object
+stores are never appended to and every file is readable while the replica
+runs. ``read_requests`` / ``read_traces`` read a storage path back.
+The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
+``BENCH_SERVE_SCHEMA`` rows.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from speed.trace import TRACE_SCHEMA
+
+REQUESTS_DIR = "requests"
+TRACES_DIR = "traces"
+
+REQUEST_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),  # the completion's id ("cmpl-...")
+        pa.field("choice", pa.int32(), nullable=False),  # index of the prompt within the request
+        pa.field("replica", pa.string(), nullable=False),  # Serve replica id that decoded it
+        pa.field("engine_id", pa.int64(), nullable=False),  # the engine's request id (trace ``sequence``)
+        pa.field("arrived", pa.timestamp("us", tz="UTC"), nullable=False),  # when the replica received it
+        pa.field("model", pa.string(), nullable=False),  # served model name
+        pa.field("task", pa.string()),  # task whose prefix was put before the prompt; null: none
+        pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
+        pa.field("launch_loop", pa.int16(), nullable=False),
+        pa.field("invalidation", pa.string(), nullable=False),  # "eager" or "final"
+        pa.field("stream", pa.bool_(), nullable=False),  # answered as server-sent events
+        pa.field("max_tokens", pa.int32(), nullable=False),
+        pa.field("prompt_tokens", pa.int32(), nullable=False),  # encoder tokens, task prefix and EOS included
+        pa.field("completion_tokens", pa.int32(), nullable=False),  # decoded tokens, EOS included when produced
+        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS), "length" or "cancelled"
+        pa.field("steps", pa.int32(), nullable=False),  # engine steps that computed one of its rows
+        pa.field("rows", pa.int64(), nullable=False),  # its rows (token-loops) computed
+        pa.field("flushes", pa.int32(), nullable=False),  # misprediction flushes
+        pa.field("wasted_rows", pa.int64(), nullable=False),  # rows of flushed, past-EOS or cancelled tokens
+        pa.field("flip_rate", pa.list_(pa.float64()), nullable=False),  # per loop, vs the final token; [] if unknown
+        pa.field("queued_ms", pa.float64(), nullable=False),  # engine queue, until it got a slot
+        pa.field("ttft_ms", pa.float64()),  # until its first token was committed; null if none
+        pa.field("latency_ms", pa.float64(), nullable=False),  # engine: from add to finish
+        pa.field("total_ms", pa.float64(), nullable=False),  # replica: from arrival to the last byte's hand-off
+        pa.field("max_active", pa.int32(), nullable=False),  # the engine's capacity when it ran
+        pa.field("row_budget", pa.int32()),  # the engine's rows per step; null: unlimited
+    ]
+)
+
+# The flip trace of served requests: one row per (request, position, loop); ``sequence`` is ``engine_id``.
+SERVE_TRACE_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("choice", pa.int32(), nullable=False),
+        pa.field("replica", pa.string(), nullable=False),
+        *TRACE_SCHEMA,
+    ]
+)
+
+LOADGEN_SCHEMA = pa.schema(
+    [
+        pa.field("run", pa.string(), nullable=False),  # label of the load run
+        pa.field("request", pa.int32(), nullable=False),  # index in the run, in send order
+        pa.field("prompt", pa.int32(), nullable=False),  # index into the prompt list
+        pa.field("status", pa.int32(), nullable=False),  # HTTP status; 0 when no answer came
+        pa.field("error", pa.string()),  # the server's or client's error message; null when fine
+        pa.field("request_id", pa.string()),  # the completion's id (REQUEST_SCHEMA.request_id); null if none
+        pa.field("scheduled_s", pa.float64(), nullable=False),  # arrival (open loop: planned; closed: the send)
+        pa.field("start_s", pa.float64(), nullable=False),  # actual send time, seconds from the run's start
+        pa.field("latency_ms", pa.float64(), nullable=False),  # from the arrival to the last byte
+        pa.field("ttft_ms", pa.float64()),  # from the arrival to the first streamed text (streaming only)
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("replica", pa.string()),
+        pa.field("flushes", pa.int32()),
+        pa.field("text", pa.string()),
+    ]
+)
+
+BENCH_SERVE_SCHEMA = pa.schema(
+    [
+        pa.field("variant", pa.string(), nullable=False),  # "a", "b", "c"
+        pa.field("description", pa.string(), nullable=False),
+        pa.field("method", pa.string(), nullable=False),
+        pa.field("max_active", pa.int32(), nullable=False),
+        pa.field("row_budget", pa.int32()),
+        pa.field("concurrency", pa.int32(), nullable=False),
+        pa.field("round", pa.int32(), nullable=False),
+        pa.field("requests", pa.int32(), nullable=False),
+        pa.field("errors", pa.int32(), nullable=False),
+        pa.field("tokens", pa.int64(), nullable=False),
+        pa.field("seconds", pa.float64(), nullable=False),
+        pa.field("tokens_per_s", pa.float64(), nullable=False),
+        pa.field("p50_ms", pa.float64(), nullable=False),
+        pa.field("p99_ms", pa.float64(), nullable=False),
+        pa.field("ttft_p50_ms", pa.float64()),
+        pa.field("load_1m", pa.float64(), nullable=False),  # the machine's 1-minute load average after the run
+        pa.field("checkpoint", pa.string(), nullable=False),
+    ]
+)
+
+
+def storage_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
+    """The ``pyarrow.fs`` file system and path of a local path or a URI (``s3://``, ``gs://``, ``file://``)."""
+    return pafs.FileSystem.from_uri(path if "://" in path else str(Path(path).expanduser().resolve()))
+
+
+def file_tag(replica: str) -> str:
+    """A replica id as a file-name prefix (Serve's ids hold characters like ``#``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", replica) or "replica"
+
+
+def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
+    fs, root = storage_filesystem(storage)
+    path = f"{root.rstrip('/')}/{folder}"
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return schema.empty_table()
+    return pads.dataset(path, schema=schema, format="parquet", filesystem=fs).to_table()
+
+
+def read_requests(storage: str) -> pa.Table:
+    """Every request row written under ``storage`` (``REQUEST_SCHEMA``); empty if none yet."""
+    return _read(storage, REQUESTS_DIR, REQUEST_SCHEMA)
+
+
+def read_traces(storage: str) -> pa.Table:
+    """Every trace row written under ``storage`` (``SERVE_TRACE_SCHEMA``); empty if none yet."""
+    return _read(storage, TRACES_DIR, SERVE_TRACE_SCHEMA)
+
+
+class StatsSink:
+    """Buffers request and trace rows of one replica; writes them as Parquet on a size or time bound.
+
+    ``add`` never writes; the owner calls ``flush`` when ``due()`` (and on
+    shutdown), possibly from another thread: ``take`` swaps the buffers out
+    first, so rows added during a write go into the next file.
+    """
+
+    def __init__(self, storage: str, replica: str, max_rows: int = 256, max_seconds: float = 30.0) -> None:
+        if max_rows < 1 or max_seconds <= 0:
+            raise ValueError(f"flush bounds must be positive, got max_rows={max_rows}, max_seconds={max_seconds}")
+        self.fs, root = storage_filesystem(storage)
+        self.root = root.rstrip("/")
+        self.tag = file_tag(replica)
+        self.max_rows, self.max_seconds = max_rows, max_seconds
+        self._requests: list[dict[str, Any]] = []
+        self._traces: list[pa.Table] = []
+        self._since = time.monotonic()
+        self._files = 0
+        for folder in (REQUESTS_DIR, TRACES_DIR):
+            self.fs.create_dir(f"{self.root}/{folder}", recursive=True)
+
+    @property
+    def pending(self) -> int:
+        """Request rows waiting for the next flush."""
+        return len(self._requests)
+
+    def add(self, request: dict[str, Any], trace: pa.Table | None) -> None:
+        """Buffer one request row (``REQUEST_SCHEMA`` keys) and its trace rows (``SERVE_TRACE_SCHEMA``)."""
+        if not self._requests:
+            self._since = time.monotonic()
+        self._requests.append(request)
+        if trace is not None and trace.num_rows:
+            self._traces.append(trace.select(SERVE_TRACE_SCHEMA.names).cast(SERVE_TRACE_SCHEMA))
+
+    def due(self) -> bool:
+        """Whether the buffer reached ``max_rows`` or holds rows older than ``max_seconds``."""
+        return bool(self._requests) and (
+            len(self._requests) >= self.max_rows or time.monotonic() - self._since >= self.max_seconds
+        )
+
+    def take(self) -> tuple[pa.Table, pa.Table] | None:
+        """Swap the buffers out as (requests, traces) tables; None when empty."""
+        if not self._requests:
+            return None
+        requests = pa.Table.from_pylist(self._requests, schema=REQUEST_SCHEMA)
+        traces = pa.concat_tables(self._traces) if self._traces else SERVE_TRACE_SCHEMA.empty_table()
+        self._requests, self._traces = [], []
+        return requests, traces
+
+    def write(self, tables: tuple[pa.Table, pa.Table]) -> None:
+        """Write taken tables as one new file each (a single row group)."""
+        self._files += 1
+        name = f"{self.tag}-{self._files:06d}.parquet"
+        requests, traces = tables
+        pq.write_table(requests, f"{self.root}/{REQUESTS_DIR}/{name}", filesystem=self.fs, row_group_size=None)
+        if traces.num_rows:
+            pq.write_table(traces, f"{self.root}/{TRACES_DIR}/{name}", filesystem=self.fs, row_group_size=None)
+
+    def flush(self) -> int:
+        """Write whatever is buffered now; returns the request rows written."""
+        tables = self.take()
+        if tables is None:
+            return 0
+        self.write(tables)
+        return tables[0].num_rows
+
+
+@dataclass
+class ServeCounters:
+    """A replica's running totals, served by ``GET /v1/stats``."""
+
+    requests: int = 0  # completion requests accepted (each may hold several prompts)
+    rejected: int = 0  # requests answered with a 4xx before decoding
+    finished: int = 0  # prompts decoded to the end
+    cancelled: int = 0  # prompts cancelled (client gone)
+    tokens: int = 0  # committed tokens
+    flushes: int = 0
+    wasted_rows: int = 0
+    steps: int = 0  # engine steps that computed rows
+    rows: int = 0  # rows over those steps
+    max_rows_per_step: int = 0
+    flips: list[float] = field(default_factory=list)  # per loop: tokens whose early exit differed from the final
+    flip_tokens: int = 0  # committed tokens of requests with known flip rates (the flip-rate denominator)
+
+    def add_step(self, rows: int) -> None:
+        """Count one engine step of ``rows`` rows (steps without rows are not counted)."""
+        if rows:
+            self.steps += 1
+            self.rows += rows
+            self.max_rows_per_step = max(self.max_rows_per_step, rows)
+
+    def add_finished(
+        self, tokens: int, flushes: int, wasted_rows: int, flip_rate: list[float], cancelled: bool
+    ) -> None:
+        """Count one prompt that left the engine."""
+        self.cancelled += cancelled
+        self.finished += not cancelled
+        self.tokens += tokens
+        self.flushes += flushes
+        self.wasted_rows += wasted_rows
+        if flip_rate and tokens:
+            if len(self.flips) < len(flip_rate):
+                self.flips += [0.0] * (len(flip_rate) - len(self.flips))
+            for loop, rate in enumerate(flip_rate):
+                self.flips[loop] += rate * tokens
+            self.flip_tokens += tokens
+
+    def snapshot(self, active: int, queued: int) -> dict[str, Any]:
+        """The counters as JSON, with derived rates and the engine's current load."""
+        return {
+            "requests": self.requests,
+            "rejected": self.rejected,
+            "finished": self.finished,
+            "cancelled": self.cancelled,
+            "tokens": self.tokens,
+            "flushes": self.flushes,
+            "wasted_rows": self.wasted_rows,
+            "steps": self.steps,
+            "rows": self.rows,
+            "rows_per_step": self.rows / self.steps if self.steps else 0.0,
+            "max_rows_per_step": self.max_rows_per_step,
+            "flip_rate": [f / self.flip_tokens for f in self.flips] if self.flip_tokens else [],
+            "active": active,
+            "queue_depth": queued,
+        }

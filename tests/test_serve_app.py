@@ -1,0 +1,250 @@
+"""The Serve application for real: deployed on the session's local Ray, answering HTTP on a free loopback port.
+
+One tiny 2x3 model (its EOS logit pinned to 0, so answers run to max_tokens and
+disconnects find work to cancel) behind one replica. Answers must equal offline
+sequential decoding of the same input; after the app is deleted, the Parquet
+statistics hold exactly one finished row per answered prompt. The tests share
+one deployment and run in file order; the last one deletes it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow.compute as pc
+import pytest
+import requests
+import torch
+
+from speed import SpeedT5, generate, preset
+from speed.checkpoint import save_model
+from speed.data import get_task
+from speed.serve.loadgen import LoadConfig, run_load
+from speed.serve.stats import read_requests, read_traces
+from speed.tokenizer import EOS_ID, Tokenizer
+
+pytestmark = pytest.mark.ray
+
+APP = "speed-test"
+SETTINGS = {"max_active": 4, "max_source_len": 48, "max_target_len": 400, "row_budget": 8, "max_tokens": 12}
+SETTINGS |= {"flush_rows": 3, "flush_s": 60}  # the size bound writes during the tests, __del__ the rest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tiny_tokenizer, tmp_path_factory):
+    """URL, model, tokenizer, stats path and the list of answered (request id, prompts) of one deployment."""
+    from ray import serve
+
+    from speed.serve.app import start_app
+
+    tokenizer = Tokenizer.load(tiny_tokenizer)
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=tokenizer.vocab_size)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[EOS_ID] = 0  # never the argmax: answers run to max_tokens
+    root = tmp_path_factory.mktemp("serve")
+    save_model(root / "ckpt", model, tiny_tokenizer)
+    options = {"stats_path": str(root / "stats"), "model_name": "tiny", "device": "cpu", "name": APP}
+    options |= {"port": _free_port(), "num_cpus": 1, "max_ongoing_requests": 8, "max_queued_requests": 8}
+    url = start_app(str(root / "ckpt"), settings=SETTINGS, **options)
+    state = {"url": url, "model": model, "tokenizer": tokenizer, "stats": options["stats_path"], "answered": []}
+    state["redeploy"] = lambda settings: start_app(str(root / "ckpt"), settings=settings, **options)
+    yield state
+    if APP in serve.status().applications:
+        serve.delete(APP)
+    serve.shutdown()
+
+
+def _complete(server, body, answered=True):
+    r = requests.post(server["url"] + "/v1/completions", json=body, timeout=120)
+    if answered and r.status_code == 200:
+        server["answered"].append((r.json()["id"], len(r.json()["choices"])))
+    return r
+
+
+def _offline(server, prompt, max_tokens, task=None):
+    """Text and token count of sequential greedy decoding of the same input, alone."""
+    tok = server["tokenizer"]
+    ids = prompt if isinstance(prompt, list) else tok.encode((get_task(task).prefix if task else "") + prompt)
+    tokens = generate(server["model"], torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens).tokens[0]
+    return tok.decode(tokens), len(tokens)
+
+
+def test_health_and_models(server):
+    health = requests.get(server["url"] + "/healthz", timeout=30).json()
+    assert health["status"] == "ok" and health["replica"].startswith(APP)
+    (card,) = requests.get(server["url"] + "/v1/models", timeout=30).json()["data"]
+    assert (card["id"], card["pattern"], card["n_loops"], card["max_source_len"]) == ("tiny", "2x3", 3, 48)
+
+
+def test_concurrent_answers_equal_offline_decoding(server):
+    bodies = [
+        {"prompt": "A dog runs on the grass.", "max_tokens": 10},
+        {"prompt": "Two men play chess in a park.", "max_tokens": 14, "method": "sequential"},
+        {"prompt": "A child is eating.", "max_tokens": 9, "task": "translate_en_de", "launch_loop": 2},
+        {"prompt": "People walk down a busy street.", "invalidation": "final"},
+        {"prompt": [37, 52, 9, 101, 1], "max_tokens": 11},
+        {"prompt": "The sun sets over the sea.", "max_tokens": 16, "launch_loop": 3},
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: _complete(server, b), bodies))
+    for body, answer in zip(bodies, answers):
+        assert answer.status_code == 200, answer.text
+        a = answer.json()
+        text, n = _offline(server, body["prompt"], body.get("max_tokens", SETTINGS["max_tokens"]), body.get("task"))
+        (choice,) = a["choices"]
+        assert (choice["text"], a["usage"]["completion_tokens"]) == (text, n)
+        assert choice["finish_reason"] == "length" and a["object"] == "text_completion" and a["model"] == "tiny"
+        stats = a["speed"]["choices"][0]
+        assert stats["tokens"] == n and len(stats["flip_rate"]) == 3 and stats["latency_ms"] > 0
+        assert a["speed"]["method"] == body.get("method", "speed")
+
+
+def test_prompt_list_answers_each_prompt(server):
+    prompts = ["A red car.", "A woman sings on a stage.", "Kids jump."]
+    a = _complete(server, {"prompt": prompts, "max_tokens": 7}).json()
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in a["choices"]] == [_offline(server, p, 7)[0] for p in prompts]
+    assert a["usage"]["completion_tokens"] == 21 and len(a["speed"]["choices"]) == 3
+
+
+def test_streaming_sends_deltas_then_usage_then_done(server):
+    body = {"prompt": ["A man reads a book.", "Birds fly."], "max_tokens": 9, "stream": True}
+    with requests.post(server["url"] + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line.decode()[len("data: ") :] for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 18
+    server["answered"].append((final["id"], 2))
+    for index, prompt in enumerate(body["prompt"]):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == _offline(server, prompt, 9)[0]
+        assert [c["finish_reason"] for c in mine][-1] == "length" and len(mine) >= 2  # streamed, not in one piece
+
+
+@pytest.mark.parametrize(
+    "body, status, says",
+    [
+        ({"prompt": ""}, 400, "prompt is empty"),
+        ({"prompt": "x", "temperature": 0.8}, 400, "greedily only"),
+        ({"prompt": "x", "foo": 1}, 400, "foo: unknown field"),
+        ({"prompt": 12}, 400, "prompt must be"),
+        ({"prompt": "x", "max_tokens": 401}, 400, "max_tokens must be at most 400"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "word " * 80}, 400, "this server accepts at most 48: shorten it"),
+        ({"prompt": "x", "launch_loop": 4}, 400, "launch_loop must be in 1..3"),
+        ({"prompt": "x", "task": "nope"}, 400, "unknown task 'nope'"),
+        ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
+        ({"prompt": [5, 6], "task": "translate_en_de"}, 400, "task applies to text prompts only"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "this server serves 'tiny'"),
+        ("not json {", 400, "not valid JSON"),
+    ],
+)
+def test_bad_requests_are_4xx_saying_what_to_fix(server, body, status, says):
+    url = server["url"] + "/v1/completions"
+    if isinstance(body, str):
+        r = requests.post(url, data=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        r = requests.post(url, json=body, timeout=60)
+    assert r.status_code == status
+    assert says in r.json()["error"]["message"]
+
+
+def test_replica_healthy_after_bad_requests(server):
+    assert _complete(server, {"prompt": "Still here?", "max_tokens": 4}).status_code == 200
+    stats = requests.get(server["url"] + "/v1/stats", timeout=30).json()
+    assert stats["rejected"] >= 13 and stats["active"] == 0
+
+
+def test_disconnect_frees_the_rows(server):
+    before = requests.get(server["url"] + "/v1/stats", timeout=30).json()["cancelled"]
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "method": "sequential", "stream": True}
+    with requests.post(server["url"] + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        next(line for line in r.iter_lines() if line)  # one token arrived: it is decoding
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stats = requests.get(server["url"] + "/v1/stats", timeout=30).json()
+        if stats["cancelled"] > before and stats["active"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["cancelled"] == before + 1 and stats["active"] == 0 and stats["queue_depth"] == 0
+
+
+def test_overload_is_a_fast_503_never_a_hang(server):
+    """8 ongoing requests in the replica + 8 queued at the proxy: 48 long requests at once overflow."""
+    body = {"prompt": "Overload me.", "max_tokens": 24}
+
+    def timed(_):
+        start = time.monotonic()
+        r = _complete(server, body)
+        return r.status_code, time.monotonic() - start
+
+    with ThreadPoolExecutor(48) as pool:
+        results = list(pool.map(timed, range(48)))
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 503} and 200 in codes and 503 in codes
+    rejected_s = max(s for c, s in results if c == 503)
+    answered_s = max(s for c, s in results if c == 200)
+    assert rejected_s < answered_s  # turned away at once, not after waiting for decoding
+
+
+def test_load_generator_closed_and_open_loop(server):
+    prompts = ["A dog.", "A cat sleeps.", "Rain falls on the city."]
+    closed = run_load(LoadConfig(url=server["url"], concurrency=3, requests=6, max_tokens=5, label="closed"), prompts)
+    opened = run_load(
+        LoadConfig(url=server["url"], concurrency=4, requests=5, rate=20.0, max_tokens=5, stream=False, label="open"),
+        prompts,
+    )
+    for result, n in ((closed, 6), (opened, 5)):
+        s = result.summary()
+        assert (s["requests"], s["errors"], s["tokens"]) == (n, 0, 5 * n) and s["tokens_per_s"] > 0
+        assert s["p50_ms"] <= s["p99_ms"]
+        rows = result.table.to_pylist()
+        assert all(r["text"] == _offline(server, prompts[r["prompt"]], 5)[0] for r in rows)
+        server["answered"] += [(r["request_id"], 1) for r in rows]
+    assert all(r["ttft_ms"] is not None and r["ttft_ms"] <= r["latency_ms"] for r in closed.table.to_pylist())
+    assert all(r["scheduled_s"] == r["start_s"] for r in closed.table.to_pylist())  # closed loop: from the send
+    assert all(r["scheduled_s"] <= r["start_s"] for r in opened.table.to_pylist())  # open loop: from the arrival
+
+
+def test_redeploy_applies_settings_and_the_old_replica_loses_no_statistics(server):
+    """A redeploy through the Python API replaces the replica: Serve drains the old one and calls its
+    ``__del__``, which must write every buffered row; the new one gets the settings via ``reconfigure``."""
+    before = requests.get(server["url"] + "/v1/stats", timeout=30).json()
+    server["redeploy"]({**SETTINGS, "max_active": 2, "row_budget": None})
+    after = requests.get(server["url"] + "/v1/stats", timeout=30).json()
+    assert after["settings"]["max_active"] == 2 and after["settings"]["row_budget"] is None
+    assert after["replica"] != before["replica"] and after["finished"] == 0
+    rows = read_requests(server["stats"])
+    finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
+    assert finished.num_rows == sum(n for _, n in server["answered"])  # the old replica's rows, none left behind
+    a = _complete(server, {"prompt": "After the change.", "max_tokens": 6}).json()
+    assert a["choices"][0]["text"] == _offline(server, "After the change.", 6)[0]
+
+
+def test_statistics_hold_one_row_per_answered_prompt_after_shutdown(server):
+    from ray import serve
+
+    serve.delete(APP)  # drains the replica; its __del__ writes what is buffered
+    rows = read_requests(server["stats"])
+    finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
+    answered = sorted((rid, choice) for rid, n in server["answered"] for choice in range(n))
+    got = sorted(zip(finished["request_id"].to_pylist(), finished["choice"].to_pylist()))
+    assert got == answered  # exactly one row each, none missing, none extra
+    assert rows.num_rows - finished.num_rows == 1  # the disconnected stream
+    traces = read_traces(server["stats"])
+    tokens = sum(finished["completion_tokens"].to_pylist()) + sum(
+        rows.filter(pc.equal(rows["finish_reason"], "cancelled"))["completion_tokens"].to_pylist()
+    )
+    assert traces.num_rows == 3 * tokens  # one trace row per committed token and loop

@@ -1,0 +1,299 @@
+"""The serving parts without Ray: request validation, streaming text, the statistics sink, the engine runner,
+the load generator's arrival times and the Serve config file."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pyarrow as pa
+import pytest
+import torch
+import yaml
+
+from speed import SpeedT5, generate, preset
+from speed.engine import EngineConfig, Request
+from speed.paths import repo_root
+from speed.serve.loadgen import LoadConfig, arrival_times, summarize
+from speed.serve.protocol import CompletionRequest, TextStream, validation_message
+from speed.serve.runner import EngineRunner
+from speed.serve.stats import (
+    LOADGEN_SCHEMA,
+    REQUEST_SCHEMA,
+    SERVE_TRACE_SCHEMA,
+    ServeCounters,
+    StatsSink,
+    read_requests,
+    read_traces,
+)
+from speed.trace import TRACE_SCHEMA
+
+# ----- request validation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": "  "}, "prompt is empty"),
+        ({"prompt": []}, "prompt must be a non-empty string"),
+        ({"prompt": 7}, "prompt must be a non-empty string"),
+        ({"prompt": ["a", ""]}, "prompt[1] is empty"),
+        ({"prompt": [1, "a"]}, "not a mixture"),
+        ({"prompt": [[1, 2], []]}, "prompt[1] must be a non-empty list of token ids"),
+        ({"prompt": [-3]}, "not a mixture"),
+        ({"prompt": "x", "temperature": 0.7}, "greedily only"),
+        ({"prompt": "x", "n": 2}, "n must be 1"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
+        ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
+        ({"prompt": "x", "method": "fast"}, "method: Input should be 'speed' or 'sequential'"),
+        ({"prompt": "x", "best_of": 3}, "best_of: unknown field; the fields are: prompt, model, max_tokens"),
+        ({}, "prompt: Field required"),
+    ],
+)
+def test_bad_requests_say_what_to_fix(body, says):
+    with pytest.raises(Exception) as caught:
+        CompletionRequest.model_validate(body)
+    message, _ = validation_message(caught.value)
+    assert says in message
+
+
+def test_prompt_shapes():
+    assert CompletionRequest.model_validate({"prompt": "hi", "temperature": 0}).prompts() == ["hi"]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompts() == [[5, 6]]
+    assert CompletionRequest.model_validate({"prompt": [[5], [6, 7]]}).prompts() == [[5], [6, 7]]
+
+
+def test_text_stream_deltas_add_up_to_the_whole_decode(tiny_tokenizer):
+    from speed.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tiny_tokenizer)
+    ids = tok.encode("The quick brown fox, don't you know, jumps over 12 lazy dogs.", add_eos=False)
+    stream = TextStream(tok.decode)
+    text = "".join(stream.push(t) for t in ids) + stream.finish()
+    assert text == tok.decode(ids)
+
+
+# ----- statistics ---------------------------------------------------------------------------------
+
+
+def _row(i: int, **extra) -> dict:
+    row = {f.name: None for f in REQUEST_SCHEMA}
+    row.update(
+        request_id=f"cmpl-{i}", choice=0, replica="r#1", engine_id=i, arrived=pa.scalar(0, pa.timestamp("us")).as_py(),
+        model="m", method="speed", launch_loop=1, invalidation="eager", stream=False, max_tokens=8,
+        prompt_tokens=3, completion_tokens=4, finish_reason="length", steps=5, rows=9, flushes=1, wasted_rows=2,
+        flip_rate=[0.5, 0.0], queued_ms=0.1, ttft_ms=1.0, latency_ms=2.0, total_ms=3.0, max_active=4,
+    )  # fmt: skip
+    row.update(extra)
+    return row
+
+
+def _trace(request_id: str, n: int) -> pa.Table:
+    cols = {"request_id": [request_id] * n, "choice": [0] * n, "replica": ["r#1"] * n}
+    cols.update({f.name: [0] * n if f.type != pa.bool_() else [False] * n for f in TRACE_SCHEMA})
+    return pa.table(cols)
+
+
+def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
+    sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_rows=3, max_seconds=0.2)
+    for i in range(2):
+        sink.add(_row(i), _trace(f"cmpl-{i}", 2))
+    assert not sink.due() and read_requests(str(tmp_path)).num_rows == 0
+    sink.add(_row(2), None)
+    assert sink.due()  # the size bound
+    assert sink.flush() == 3 and sink.pending == 0
+    sink.add(_row(3), _trace("cmpl-3", 1))
+    assert not sink.due()
+    time.sleep(0.25)
+    assert sink.due()  # the time bound
+    sink.flush()
+    requests, traces = read_requests(str(tmp_path)), read_traces(str(tmp_path))
+    assert requests.schema == REQUEST_SCHEMA and traces.schema == SERVE_TRACE_SCHEMA
+    assert sorted(requests["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(4)]
+    assert traces.num_rows == 5
+    assert len(list((tmp_path / "requests").iterdir())) == 2  # one file (row group) per flush
+    assert all(" " not in p.name and "#" not in p.name for p in (tmp_path / "requests").iterdir())
+
+
+def test_sink_on_a_uri(tmp_path):
+    sink = StatsSink(f"file://{tmp_path}/stats", "r")
+    sink.add(_row(0), None)
+    sink.flush()
+    assert read_requests(f"file://{tmp_path}/stats")["request_id"].to_pylist() == ["cmpl-0"]
+
+
+def test_counters_weight_flip_rates_by_tokens():
+    c = ServeCounters()
+    c.add_step(4)
+    c.add_step(0)
+    c.add_step(8)
+    c.add_finished(tokens=10, flushes=2, wasted_rows=3, flip_rate=[0.5, 0.1, 0.0], cancelled=False)
+    c.add_finished(tokens=30, flushes=0, wasted_rows=0, flip_rate=[0.1, 0.0, 0.0], cancelled=False)
+    c.add_finished(tokens=2, flushes=0, wasted_rows=1, flip_rate=[], cancelled=True)
+    s = c.snapshot(active=1, queued=2)
+    assert (s["steps"], s["rows"], s["rows_per_step"], s["max_rows_per_step"]) == (2, 12, 6.0, 8)
+    assert (s["finished"], s["cancelled"], s["tokens"], s["flushes"]) == (2, 1, 42, 2)
+    assert s["flip_rate"] == pytest.approx([(5 + 3) / 40, 1 / 40, 0.0])
+    assert (s["active"], s["queue_depth"]) == (1, 2)
+
+
+# ----- the engine runner ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return SpeedT5(preset("tiny", pattern="2x3")).eval()
+
+
+def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
+    """Concurrent requests joining a running batch, streamed token by token, equal decoding each alone."""
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(3, tiny_model.config.vocab_size, (n,), generator=gen).tolist() + [1] for n in (5, 9, 3, 7)]
+    methods = ["speed", "sequential", "speed", "speed"]
+
+    async def run():
+        left = []
+        config = EngineConfig(max_active=2, max_source_len=16, max_target_len=24, row_budget=5)
+        runner = EngineRunner(tiny_model, config, lambda f, s: left.append(s.meta["i"]))
+        subs = []
+        for i, (ids, method) in enumerate(zip(inputs, methods)):
+            subs.append(await runner.submit(Request(ids, 12 + i, method, launch_loop=1 + i % 3), {"i": i}))
+            await asyncio.sleep(0.005)  # arrivals while others decode
+
+        async def collect(s):
+            return [t async for t in s.stream()]
+
+        streamed = await asyncio.gather(*(collect(s) for s in subs))
+        finished = [await s.done for s in subs]
+        runner.close()
+        return streamed, finished, left, runner.counters
+
+    streamed, finished, left, counters = asyncio.run(run())
+    for i, ids in enumerate(inputs):
+        alone = generate(tiny_model, torch.tensor([ids]), method="sequential", max_new_tokens=12 + i).tokens[0]
+        assert finished[i].tokens == alone == streamed[i]
+    assert sorted(left) == [0, 1, 2, 3]
+    assert counters.finished == 4 and counters.tokens == sum(len(f.tokens) for f in finished)
+    assert counters.max_rows_per_step <= 5  # the row budget
+
+
+def test_runner_cancel_frees_the_slot_and_reconfigure_rebuilds(tiny_model):
+    async def run():
+        runner = EngineRunner(tiny_model, EngineConfig(max_active=1, max_source_len=8, max_target_len=64))
+        long = await runner.submit(Request([5, 6, 7, 1], 64, "sequential"))
+        waiting = await runner.submit(Request([8, 9, 1], 4))
+        async for _ in long.stream():
+            break  # one token committed: it holds the only slot
+        assert runner.active == 1
+        await runner.cancel(long.id)
+        cancelled = await long.done
+        second = await waiting.done  # got the freed slot
+        await runner.reconfigure(EngineConfig(max_active=3, max_source_len=8, max_target_len=16, row_budget=2))
+        after = await (await runner.submit(Request([8, 9, 1], 4))).done
+        runner.close()
+        return cancelled, second, after, runner
+
+    cancelled, second, after, runner = asyncio.run(run())
+    assert cancelled.cancelled and 1 <= len(cancelled.tokens) < 64
+    assert not second.cancelled and second.tokens == after.tokens
+    assert runner.config.max_active == 3 and runner.counters.cancelled == 1 and runner.active == 0
+
+
+def test_runner_turns_an_engine_error_into_a_failed_request(tiny_model):
+    async def run():
+        runner = EngineRunner(tiny_model, EngineConfig(max_active=2, max_source_len=8, max_target_len=8))
+        with pytest.raises(ValueError, match="max_new_tokens must be at most 8"):
+            await runner.submit(Request([5, 1], 50))
+        ok = await (await runner.submit(Request([5, 1], 3))).done
+        runner.close()
+        return ok
+
+    assert len(asyncio.run(run()).tokens) >= 1
+
+
+# ----- load generator and config file --------------------------------------------------------------------
+
+
+def test_arrival_times_closed_and_poisson():
+    assert arrival_times(4, None, 0) == [0.0] * 4
+    times = arrival_times(4000, 50.0, 0)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.1)  # mean gap of a 50/s Poisson process
+
+
+def test_load_config_checks():
+    with pytest.raises(ValueError, match="url"):
+        LoadConfig(url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="rate"):
+        LoadConfig(rate=0)
+    with pytest.raises(ValueError, match="must not set"):
+        LoadConfig(body={"prompt": "x"})
+
+
+def test_summary_counts_only_answered_requests():
+    rows = [
+        {"run": "t", "request": 0, "prompt": 0, "status": 200, "scheduled_s": 0.0, "start_s": 0.0,
+         "latency_ms": 100.0, "ttft_ms": 10.0, "completion_tokens": 10},
+        {"run": "t", "request": 1, "prompt": 1, "status": 200, "scheduled_s": 0.0, "start_s": 0.0,
+         "latency_ms": 300.0, "ttft_ms": 30.0, "completion_tokens": 30},
+        {"run": "t", "request": 2, "prompt": 2, "status": 503, "error": "overloaded", "scheduled_s": 0.0,
+         "start_s": 0.0, "latency_ms": 1.0},
+    ]  # fmt: skip
+    s = summarize(pa.Table.from_pylist(rows, schema=LOADGEN_SCHEMA), seconds=2.0)
+    assert (s["requests"], s["errors"], s["tokens"], s["tokens_per_s"]) == (3, 1, 40, 20.0)
+    assert s["p50_ms"] == 200.0 and s["ttft_p50_ms"] == 20.0
+
+
+def test_serve_config_file_is_valid_and_binds_loopback():
+    from ray.serve.schema import ServeDeploySchema
+
+    from speed.config import from_dict
+    from speed.serve.app import ServeSettings
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((repo_root() / "jobs/configs/serve.yaml").read_text()))
+    assert config.http_options.host == "127.0.0.1"
+    (app,) = config.applications
+    assert app.import_path == "speed.serve.app:build_app"
+    (deployment,) = app.deployments
+    assert deployment.name == "SpeedServer"
+    from_dict(ServeSettings, deployment.user_config)  # every key is a setting
+
+
+def test_serve_settings_reject_unknown_and_bad_values():
+    from speed.config import from_dict
+    from speed.serve.app import ServeSettings
+
+    with pytest.raises(ValueError, match="unknown ServeSettings key"):
+        from_dict(ServeSettings, {"max_actives": 3})
+    with pytest.raises(ValueError, match="row_budget"):
+        ServeSettings(row_budget=0)
+    with pytest.raises(ValueError, match="exceeds max_target_len"):
+        ServeSettings(max_tokens=200, max_target_len=100)
+    with pytest.raises(ValueError, match="unknown task"):
+        ServeSettings(task="nope")
+
+
+def test_bench_ratios_and_table_against_the_bars():
+    from speed.serve.bench import ServeBenchResult, format_table, ratios
+
+    def s(tps, p50):
+        return {"tokens_per_s": tps, "p50_ms": p50, "p99_ms": 2 * p50, "ttft_p50_ms": None, "requests": 8, "errors": 0}
+
+    summary = {("a", 1): s(10, 100), ("b", 1): s(10, 100), ("c", 1): s(20, 50)}
+    summary |= {("a", 16): s(10, 1600), ("b", 16): s(100, 160), ("c", 16): s(94, 170)}
+    r = ratios(summary)
+    assert r == {
+        "c_over_a_tokens_per_s_at_16": 9.4,
+        "c_over_b_tokens_per_s_at_1": 2.0,
+        "c_over_b_tokens_per_s_at_16": 0.94,
+        "c_over_b_p50_at_1": 0.5,
+    }
+    table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
+    assert "c_over_b_tokens_per_s_at_16 = 0.94 (bar >= 0.95: NOT met)" in table
+    assert "c_over_b_p50_at_1 = 0.50 (bar <= 0.6: met)" in table
+    assert "| (c) continuous batching, SPEED | 16 | 94.0 | 170 | 340 |  | 8 | 0 |" in table
