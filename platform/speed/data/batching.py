@@ -1,8 +1,9 @@
 """Tokenisation (parallel ``datasets.map``), span corruption with optional packing, and padding.
 
 Every example is EOS-terminated and truncated to explicit limits. Span
-corruption draws from ``numpy.random.default_rng([seed, index])`` per example,
-so the result does not depend on ``num_proc`` or on how the work was split.
+corruption draws from ``noise_rng(seed, 0, index)`` per example (the noise of
+epoch 0 of a prepared corpus, ``speed.data.corpus``), so the result does not
+depend on ``num_proc`` or on how the work was split.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from speed.data.spans import corruption_lengths, span_corruption, span_counts
+from speed.data.spans import corruption_lengths, noise_rng, span_corruption, span_counts
 from speed.data.tasks import get_task
 from speed.model import shift_right
 from speed.tokenizer import EOS_ID, LABEL_PAD, Tokenizer
@@ -58,21 +59,27 @@ def tokenize_records(
         if pack:
             raise ValueError("pack=True applies to pretraining only: source/target pairs are never joined")
         kwargs = {"tokenizer": tokenizer, "max_source_len": max_source_len, "max_target_len": max_target_len}
-        return _map(ds, _encode_pairs, kwargs, columns, f"tokenize {task}", procs, features=_FEATURES)
-    lengths = corruption_lengths(max_source_len, max_target_len, noise_density, mean_span_length)
-    spans = span_counts(lengths.tokens, noise_density, mean_span_length)[1]
-    if spans > tokenizer.num_extra:
-        raise ValueError(
-            f"runs of {lengths.tokens} tokens need {spans} sentinels, the tokenizer has {tokenizer.num_extra}"
-        )
-    runs = _map(ds, _encode_runs, {"tokenizer": tokenizer, "run": lengths.tokens}, columns, "tokenize text", procs)
+        return _map(ds, encode_pairs, kwargs, columns, f"tokenize {task}", procs, features=_FEATURES)
+    run = pretrain_run_length(tokenizer, max_source_len, max_target_len, noise_density, mean_span_length)
+    runs = _map(ds, encode_runs, {"tokenizer": tokenizer, "run": run}, columns, "tokenize text", procs)
     if pack:  # one process: joining lists is cheap, and batch boundaries then never depend on num_proc
-        runs = _map(runs, _pack_runs, {"run": lengths.tokens}, ["tokens"], "pack", None)
+        runs = _map(runs, pack_runs, {"run": run}, ["tokens"], "pack", None)
     corrupt = {"seed": seed, "noise_density": noise_density, "mean_span_length": mean_span_length}
     kwargs = {**corrupt, "sentinel_id": tokenizer.sentinel_id}
     return _map(
         runs, _corrupt_runs, kwargs, ["tokens"], "span corruption", procs, with_indices=True, features=_FEATURES
     )
+
+
+def pretrain_run_length(
+    tokenizer: Tokenizer, max_source_len: int, max_target_len: int, noise_density: float, mean_span_length: float
+) -> int:
+    """Raw tokens per pretraining run: the longest whose corruption fits the limits and the tokenizer's sentinels."""
+    run = corruption_lengths(max_source_len, max_target_len, noise_density, mean_span_length).tokens
+    spans = span_counts(run, noise_density, mean_span_length)[1]
+    if spans > tokenizer.num_extra:
+        raise ValueError(f"runs of {run} tokens need {spans} sentinels, the tokenizer has {tokenizer.num_extra}")
+    return run
 
 
 def _map(
@@ -96,9 +103,10 @@ def truncate(ids: list[int], max_len: int) -> list[int]:
     return ids if len(ids) <= max_len else ids[: max_len - 1] + [EOS_ID]
 
 
-def _encode_pairs(
+def encode_pairs(
     batch: dict[str, list], tokenizer: Tokenizer, max_source_len: int, max_target_len: int
 ) -> dict[str, list]:
+    """Columns ``source``/``target`` -> ``input_ids``/``labels``, each truncated with EOS last."""
     sources = tokenizer.encode_batch(batch["source"])
     targets = tokenizer.encode_batch(batch["target"])
     return {
@@ -107,7 +115,7 @@ def _encode_pairs(
     }
 
 
-def _encode_runs(batch: dict[str, list], tokenizer: Tokenizer, run: int) -> dict[str, list]:
+def encode_runs(batch: dict[str, list], tokenizer: Tokenizer, run: int) -> dict[str, list]:
     """Each text's tokens (no EOS) cut into runs of at most ``run`` tokens; nothing dropped."""
     runs = []
     for ids in tokenizer.encode_batch(batch["text"], add_eos=False):
@@ -115,7 +123,7 @@ def _encode_runs(batch: dict[str, list], tokenizer: Tokenizer, run: int) -> dict
     return {"tokens": runs}
 
 
-def _pack_runs(batch: dict[str, list], run: int) -> dict[str, list]:
+def pack_runs(batch: dict[str, list], run: int) -> dict[str, list]:
     """The batch's runs joined end to end and cut again into runs of exactly ``run`` (the last may be short)."""
     joined = [t for ids in batch["tokens"] for t in ids]
     return {"tokens": [joined[i : i + run] for i in range(0, len(joined), run)]}
@@ -131,11 +139,23 @@ def _corrupt_runs(
 ) -> dict[str, list]:
     inputs, labels = [], []
     for index, tokens in zip(indices, batch["tokens"]):
-        rng = np.random.default_rng([seed, index])
-        corrupted = span_corruption(tokens, noise_density, mean_span_length, rng=rng, sentinel_id=sentinel_id)
-        inputs.append(corrupted.inputs + [EOS_ID])
-        labels.append(corrupted.targets + [EOS_ID])
+        rng = noise_rng(seed, 0, index)
+        example = corrupt_run(tokens, rng, sentinel_id, noise_density, mean_span_length)
+        inputs.append(example["input_ids"])
+        labels.append(example["labels"])
     return {"input_ids": inputs, "labels": labels}
+
+
+def corrupt_run(
+    tokens: Sequence[int],
+    rng: np.random.Generator,
+    sentinel_id: Callable[[int], int],
+    noise_density: float = 0.15,
+    mean_span_length: float = 3.0,
+) -> dict[str, list[int]]:
+    """One pretraining example of a token run: span-corrupted ``input_ids`` and ``labels``, both EOS-terminated."""
+    corrupted = span_corruption(tokens, noise_density, mean_span_length, rng=rng, sentinel_id=sentinel_id)
+    return {"input_ids": corrupted.inputs + [EOS_ID], "labels": corrupted.targets + [EOS_ID]}
 
 
 # ----- batching --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from speed.data.sources import PARQUET_SUFFIX, Source, resolve_source
@@ -245,3 +246,105 @@ def _stream_batch(batch: dict[str, list], indices: list[int], task: Task) -> dic
             for name, value in values.items():
                 out[name].append(value)
     return out
+
+
+# ----- streaming: the same columns, batch by batch, never the whole split in memory ------------------
+
+_LINE_SUFFIXES = (".jsonl.gz", ".jsonl")  # JSON Lines: pyarrow streams them; .json may hold one array
+
+
+@dataclass
+class RecordCount:
+    """Records read and blank records skipped so far by ``iter_records``."""
+
+    read: int = 0
+    skipped: int = 0
+
+
+def iter_records(
+    task: str | Task,
+    split: str,
+    source: str | Sequence[str] | None = None,
+    limit: int | None = None,
+    batch_size: int = 1000,
+    count: RecordCount | None = None,
+) -> Iterator[pa.Table]:
+    """The columns of ``read_records`` in tables of ``batch_size`` usable records (the last may be short).
+
+    Local JSON Lines and Parquet files stream block by block, so memory does
+    not grow with the split; other sources are read as ``read_records`` does.
+    Batches are cut at multiples of ``batch_size`` counted from the first
+    record, whatever the file blocks. ``count`` (if given) accumulates records
+    read and skipped; a split without a usable record is an error.
+    """
+    task = get_task(task) if isinstance(task, str) else task
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be positive or None, got {limit}")
+    count = RecordCount() if count is None else count
+    src = resolve_source(task, split, source)
+    if src.files and all(f.name.endswith((*_LINE_SUFFIXES, PARQUET_SUFFIX)) for f in src.files):
+        tables = (t for path in src.files for t in _stream_file(path, task, count))
+    else:
+        records = read_records(task, split, source, limit)
+        if records.read is None:
+            raise ValueError(f"task {task.name!r} from {src} is an unbounded stream: pass a limit to read it")
+        count.read, count.skipped = records.read, records.skipped
+        tables = iter([records.dataset.with_format("arrow")[:]])
+    yielded = 0
+    for table in _rebatch(tables, batch_size):
+        if limit is not None and yielded + table.num_rows >= limit:
+            yield table.slice(0, limit - yielded)
+            return
+        yielded += table.num_rows
+        yield table
+    if yielded == 0:
+        raise ValueError(f"task {task.name!r}: no usable records in {src} split {split!r} ({count.read} read)")
+
+
+def _stream_file(path: Path, task: Task, count: RecordCount) -> Iterator[pa.Table]:
+    """One file's task columns, blanks dropped, block by block; a bad record names its file and line."""
+    try:
+        if path.name.endswith(PARQUET_SUFFIX):
+            batches: Iterable[pa.RecordBatch] = pq.ParquetFile(path).iter_batches()
+        else:
+            options = pj.ParseOptions(explicit_schema=_json_schema(task), unexpected_field_behavior="ignore")
+            batches = pj.open_json(path, parse_options=options)
+        for batch in batches:
+            table, skipped = _extract(pa.Table.from_batches([batch]), task)
+            count.read += batch.num_rows
+            count.skipped += skipped
+            yield table
+    except (_FieldProblem, pa.ArrowException) as err:
+        where = _locate_problem((path,), task)
+        raise RecordError(f"task {task.name!r}: {where or f'{path}: {err}'}") from err
+
+
+def _json_schema(task: Task) -> pa.Schema:
+    """The task's fields as string columns (dotted paths become structs): all that is parsed of a record."""
+    tree: dict = {}
+    for field in task.columns.values():
+        node = tree
+        *heads, leaf = field.split(".")
+        for key in heads:
+            node = node.setdefault(key, {})
+        node[leaf] = None
+
+    def arrow_type(node: dict | None) -> pa.DataType:
+        return pa.string() if node is None else pa.struct([(k, arrow_type(v)) for k, v in node.items()])
+
+    return pa.schema([(key, arrow_type(node)) for key, node in tree.items()])
+
+
+def _rebatch(tables: Iterable[pa.Table], size: int) -> Iterator[pa.Table]:
+    """The rows of ``tables`` in order, re-cut into tables of exactly ``size`` rows (the last may be short)."""
+    pending: list[pa.Table] = []
+    held = 0
+    for table in tables:
+        pending.append(table)
+        held += table.num_rows
+        while held >= size:
+            joined = pa.concat_tables(pending)
+            yield joined.slice(0, size).combine_chunks()
+            pending, held = [joined.slice(size)], held - size
+    if held:
+        yield pa.concat_tables(pending).combine_chunks()

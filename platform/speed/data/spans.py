@@ -102,20 +102,35 @@ def corruption_lengths(
     114 targets at the defaults), also bounded by ``max_targets``.
     """
 
-    def lengths(n: int) -> tuple[int, int]:
-        noise, spans = span_counts(n, noise_density, mean_span_length)
-        return n - noise + spans + 1, noise + spans + 1
-
     def fits(n: int) -> bool:
-        inputs, targets = lengths(n)
+        inputs, targets = corrupted_sizes(n, noise_density, mean_span_length)
         return inputs <= max_inputs and targets <= max_targets
 
     if not fits(2):
         raise ValueError(
             f"span corruption needs room for a span, a sentinel and EOS: max_source_len={max_inputs} and "
-            f"max_target_len={max_targets} cannot hold even 2 tokens (need at least {lengths(2)})"
+            f"max_target_len={max_targets} cannot hold even 2 tokens "
+            f"(need at least {corrupted_sizes(2, noise_density, mean_span_length)})"
         )
     n = 2
     while fits(n + 1):
         n += 1
-    return CorruptionLengths(n, *lengths(n))
+    return CorruptionLengths(n, *corrupted_sizes(n, noise_density, mean_span_length))
+
+
+def corrupted_sizes(length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[int, int]:
+    """Lengths of the inputs and targets (EOS included) that ``span_corruption`` makes of ``length`` tokens.
+
+    They do not depend on the random draw, so an example's cost is known before its noise is.
+    """
+    if length == 0:
+        return 1, 1
+    if noise_density == 0.0 or length == 1:  # no noise: the whole run is kept, one sentinel is the target
+        return length + 1, 2
+    noise, spans = span_counts(length, noise_density, mean_span_length)
+    return length - noise + spans + 1, noise + spans + 1
+
+
+def noise_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The noise of example ``index`` in ``epoch``: new every epoch, the same whenever it is replayed."""
+    return np.random.default_rng([seed, epoch, index])

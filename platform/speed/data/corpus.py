@@ -1,0 +1,195 @@
+"""A tokenized corpus on storage: its folder layout, and memory-mapped reading by example index.
+
+One prepared split (``speed.data.prepare``) is one folder::
+
+    shard-00000-00000.arrow ...   Arrow IPC files, uncompressed, so they map without a copy
+    manifest.json                 what the folder holds (``Manifest``)
+    _COMPLETE                     written last: a folder without it is never read
+
+Source/target tasks store ``input_ids`` and ``labels``. Pretraining stores the
+token runs (``tokens``) and span-corrupts them as a batch is read, with noise
+drawn from ``(seed, epoch, example index)``: new each epoch, replayed exactly on
+resume. Every row has ``length``, the tokens the example costs (inputs plus
+targets, EOS included), known before any noise: the batch plan groups by it.
+Workers read the shards through ``pyarrow.memory_map``, so a worker's memory
+holds the batches it trains on, not the corpus; the page cache is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from speed.data.batching import corrupt_run
+from speed.data.spans import noise_rng
+
+FORMAT_VERSION = 1  # bump when the layout or the meaning of a column changes: old caches are then missed
+MANIFEST_FILE = "manifest.json"
+COMPLETE_MARKER = "_COMPLETE"
+TOKEN_LIST = pa.list_(pa.int32())
+PAIRS_SCHEMA = pa.schema([("input_ids", TOKEN_LIST), ("labels", TOKEN_LIST), ("length", pa.int32())])
+RUNS_SCHEMA = pa.schema([("tokens", TOKEN_LIST), ("length", pa.int32())])
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One Arrow IPC file of a prepared split."""
+
+    file: str  # name inside the split's folder
+    rows: int  # examples
+    records: int  # source records they came from
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a prepared split holds and how it was made (``manifest.json``)."""
+
+    format: int
+    key: str  # the cache key: corpus files, tokenizer bytes and settings
+    spec: dict[str, Any]  # the CorpusSpec it was prepared with
+    kind: str  # "pairs" (input_ids, labels) or "runs" (pretraining token runs)
+    vocab_size: int  # the tokenizer's, sentinels included: sentinel i is vocab_size - 1 - i
+    noise_density: float
+    mean_span_length: float
+    shards: tuple[Shard, ...]
+    records: int  # usable records tokenized
+    skipped: int  # blank records dropped
+    seconds: float  # preparation wall time
+
+    @property
+    def examples(self) -> int:
+        """Examples over all shards."""
+        return sum(s.rows for s in self.shards)
+
+    def to_json(self) -> str:
+        """The manifest as JSON text."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        """Parse ``manifest.json``."""
+        data = json.loads(text)
+        return cls(**{**data, "shards": tuple(Shard(**s) for s in data["shards"])})
+
+
+def write_shard(path: Path, columns: dict[str, list], kind: str) -> None:
+    """Write one shard (a single record batch) as an uncompressed Arrow IPC file."""
+    schema = RUNS_SCHEMA if kind == "runs" else PAIRS_SCHEMA
+    table = pa.table({name: pa.array(columns[name], type=schema.field(name).type) for name in schema.names})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        writer.write_table(table.combine_chunks(), max_chunksize=max(1, table.num_rows))
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One record batch of a mapped shard: list columns as (offsets, values) views over the file."""
+
+    start: int  # global index of its first example
+    lists: dict[str, tuple[np.ndarray, np.ndarray]]
+    lengths: np.ndarray
+
+
+class TokenizedCorpus:
+    """A prepared split, memory-mapped: example lengths for the batch plan, and examples by index."""
+
+    def __init__(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        if not (directory / COMPLETE_MARKER).is_file():
+            raise FileNotFoundError(f"{directory} is not a complete prepared corpus (no {COMPLETE_MARKER})")
+        self.directory = directory
+        self.manifest = Manifest.from_json((directory / MANIFEST_FILE).read_text())
+        self._segments: list[_Segment] = []
+        start = 0
+        for shard in self.manifest.shards:
+            table = pa.ipc.open_file(pa.memory_map(str(directory / shard.file), "r")).read_all()
+            for batch in table.to_batches():
+                lists = {name: _list_views(batch.column(name)) for name in batch.schema.names if name != "length"}
+                lengths = batch.column("length").to_numpy(zero_copy_only=True)
+                self._segments.append(_Segment(start, lists, lengths))
+                start += batch.num_rows
+        self._starts = np.array([s.start for s in self._segments], dtype=np.int64)
+        self._size = start
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(examples,) int32: tokens each example costs (inputs + targets), as the batch plan needs."""
+        return np.concatenate([s.lengths for s in self._segments])
+
+    def examples(self, indices: Sequence[int], epoch: int, seed: int) -> dict[str, list[list[int]]]:
+        """Columns ``input_ids`` and ``labels`` of the examples at ``indices``; runs are corrupted for ``epoch``."""
+        m = self.manifest
+        out: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+        for index in indices:
+            index = int(index)
+            if not 0 <= index < self._size:
+                raise IndexError(f"example {index} outside the corpus's {self._size}")
+            segment = self._segments[int(np.searchsorted(self._starts, index, side="right")) - 1]
+            row = index - segment.start
+            if m.kind == "runs":
+                example = corrupt_run(
+                    _row(segment, "tokens", row),
+                    noise_rng(seed, epoch, index),
+                    lambda i: m.vocab_size - 1 - i,
+                    m.noise_density,
+                    m.mean_span_length,
+                )
+            else:
+                example = {"input_ids": _row(segment, "input_ids", row), "labels": _row(segment, "labels", row)}
+            out["input_ids"].append(example["input_ids"])
+            out["labels"].append(example["labels"])
+        return out
+
+
+def _list_views(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list<int32> column, zero-copy views of the mapped buffers."""
+    return column.offsets.to_numpy(zero_copy_only=True), column.values.to_numpy(zero_copy_only=True)
+
+
+def _row(segment: _Segment, name: str, row: int) -> list[int]:
+    offsets, values = segment.lists[name]
+    return values[offsets[row] : offsets[row + 1]].tolist()
+
+
+def open_corpus(uri: str) -> TokenizedCorpus:
+    """The prepared split at a local path or a URI (a remote one is first copied to this node's cache)."""
+    fs, path = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
+    if isinstance(fs, pafs.LocalFileSystem):
+        return TokenizedCorpus(path)
+    return TokenizedCorpus(local_copy(fs, path, Path(tempfile.gettempdir()) / "speed-data"))
+
+
+def local_copy(fs: pafs.FileSystem, path: str, cache: Path) -> Path:
+    """A complete local copy of the prepared split at ``path`` on ``fs``, shared by the workers of a node.
+
+    The folder's name holds its cache key, so a copy made once serves every
+    later run; it is fetched under a temporary name and renamed when complete.
+    """
+    target = cache / path.rstrip("/").rsplit("/", 1)[-1]
+    if (target / COMPLETE_MARKER).is_file():
+        return target
+    if fs.get_file_info(f"{path}/{COMPLETE_MARKER}").type != pafs.FileType.File:
+        raise FileNotFoundError(f"{path} is not a complete prepared corpus (no {COMPLETE_MARKER})")
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache))
+    try:
+        pafs.copy_files(path, str(staging), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        os.replace(staging, target)  # fails if another worker got there first: its copy is as good
+    except OSError:
+        if not (target / COMPLETE_MARKER).is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
