@@ -145,8 +145,20 @@ def ensure_ray() -> None:
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
 
 
-def build_trainer(job: JobConfig, tokenizer_path: Path, deadline: float | None) -> TorchTrainer:
-    """A ``TorchTrainer`` running ``train_loop_per_worker`` with the job's scaling, storage, name and retries."""
+def build_trainer(
+    job: JobConfig,
+    tokenizer_path: Path,
+    deadline: float | None,
+    *,
+    validation: str | None = None,
+    callbacks: list[ray.train.UserCallback] | None = None,
+) -> TorchTrainer:
+    """A ``TorchTrainer`` running ``train_loop_per_worker`` with the job's scaling, storage, name and retries.
+
+    ``validation``: a prepared validation split (``speed.data.prepare``) whose every-loop
+    losses each checkpoint report carries; ``callbacks``: Ray Train callbacks (a sweep's
+    ``TuneReportCallback``).
+    """
     from speed.train.loop import train_loop_per_worker
 
     resources = {"CPU": job.scale.cpus_per_worker}
@@ -161,6 +173,7 @@ def build_trainer(job: JobConfig, tokenizer_path: Path, deadline: float | None) 
         "tokenizer": tokenizer_path.read_bytes(),  # shipped, so workers on any node can read it
         "deadline": deadline,
         "data_dir": str(local_data) if local_data.is_dir() else None,
+        "validation": validation,
     }
     return TorchTrainer(
         train_loop_per_worker,
@@ -173,6 +186,7 @@ def build_trainer(job: JobConfig, tokenizer_path: Path, deadline: float | None) 
             storage_path=storage_uri(job.run.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=job.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
+            callbacks=callbacks,
         ),
     )
 
@@ -189,7 +203,7 @@ def run_job(job: JobConfig) -> TrainOutcome:
     result = build_trainer(job, tokenizer_path, deadline).fit()
     if result.checkpoint is None:
         raise RuntimeError(f"run {job.run.name} finished without a checkpoint in {run_dir}")
-    checkpoint = _uri(result.checkpoint)
+    checkpoint = checkpoint_uri(result.checkpoint)
     evaluation = None
     if job.kind == "finetune" and job.eval.enabled:
         evaluation = evaluate_checkpoint(job, checkpoint, f"{run_dir}/eval_{job.eval.split}")
@@ -199,7 +213,8 @@ def run_job(job: JobConfig) -> TrainOutcome:
     return outcome
 
 
-def _uri(checkpoint: ray.train.Checkpoint) -> str:
+def checkpoint_uri(checkpoint: ray.train.Checkpoint) -> str:
+    """A Ray Train checkpoint's location as a local path or a URI (readable by speed.checkpoint.load_model)."""
     fs = checkpoint.filesystem
     if fs is None or isinstance(fs, pafs.LocalFileSystem):
         return checkpoint.path
