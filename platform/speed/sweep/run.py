@@ -102,9 +102,10 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
         )
     grid = tuner.fit()
     results = results_table(grid, setup)
-    unfinished = results.column("status").to_pylist().count("unfinished")
+    # Tune creates trials as it goes: an interrupted sweep may not have created them all yet.
+    unfinished = results.column("status").to_pylist().count("unfinished") + sweep.trials - results.num_rows
     if unfinished:
-        print(f"sweep {name}: interrupted with {unfinished} trial(s) unfinished; rerun the command to resume")
+        print(f"sweep {name}: interrupted with {unfinished} of {sweep.trials} trials not done; rerun to resume")
     front = frontier(results)
     _write(results, directory, RESULTS_FILE)
     _write(front, directory, FRONTIER_FILE)
@@ -135,10 +136,10 @@ def tune_config(sweep: SweepConfig, job: JobConfig) -> tune.TuneConfig:
     return tune.TuneConfig(
         metric=METRIC,
         mode="min",
-        search_alg=BasicVariantGenerator(random_state=t.seed),  # grid, or seeded random draws
+        # Grid or seeded random draws. Tune applies max_concurrent_trials only to the generator it builds itself.
+        search_alg=BasicVariantGenerator(max_concurrent=max_concurrent_trials(job), random_state=t.seed),
         scheduler=scheduler,
         num_samples=sweep.samples,
-        max_concurrent_trials=max_concurrent_trials(job),
         trial_name_creator=trial_name,
         trial_dirname_creator=trial_name,
     )

@@ -77,6 +77,13 @@ class SweepConfig:
         return expand_patterns(self.patterns, self.max_depth)
 
     @property
+    def trials(self) -> int:
+        """How many trials the sweep runs: the grid times ``samples``, or ``samples`` random draws."""
+        if self.search == "random":
+            return self.samples
+        return len(self.expanded_patterns) * len(self.schemes) * self.samples
+
+    @property
     def schemes(self) -> tuple[str, ...]:
         """The loss-weight schemes of a grid (for a family: its range's ends and midpoint)."""
         if self.loss_family is None:

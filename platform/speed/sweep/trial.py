@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 from ray import tune
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from speed.checkpoint import TOKENIZER_FILE
 from speed.sweep.measure import Measurement
@@ -85,7 +86,9 @@ def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:
     checkpoint = checkpoint_uri(result.checkpoint)
     run_dir = f"{setup.train_storage.rstrip('/')}/{job.run.name}"
     gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
-    task = ray.remote(_measure).options(num_cpus=job.scale.cpus_per_worker, num_gpus=gpus)
+    # Outside the trial's placement group (a bundle of memory only): the task takes the workers' resources.
+    outside = PlacementGroupSchedulingStrategy(placement_group=None)
+    task = ray.remote(_measure).options(num_cpus=job.scale.cpus_per_worker, num_gpus=gpus, scheduling_strategy=outside)
     measurement = ray.get(task.remote(job_to_dict(job), checkpoint, setup, f"{run_dir}/{EVAL_DIR}"))
     final = dict(result.metrics or {})
     report = {"step": final["step"], "loss": final.get("loss"), METRIC: final[METRIC], "checkpoint": checkpoint}
