@@ -23,6 +23,7 @@ from speed.data import (
     read_records,
     tokenize_records,
 )
+from speed.data.records import RecordCount, iter_records
 from speed.model import shift_right
 from speed.paths import DATA_DIR_ENV
 from speed.tokenizer import Tokenizer, train_tokenizer
@@ -146,6 +147,26 @@ def test_parquet_glob_and_file_lists(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"document": "d"}]), tmp_path / "bad.parquet")
     with pytest.raises(RecordError, match=r"bad.parquet, row 1: record has no field 'summary'"):
         load_records("summarize", "x", str(tmp_path / "bad.parquet"))
+
+
+def test_streamed_batches_equal_the_whole_split(tmp_path):
+    count = RecordCount()
+    batches = list(iter_records("pretrain", "train", batch_size=1000, count=count))
+    assert [b.num_rows for b in batches] == [1000, 1000, 1000, 314] and (count.read, count.skipped) == (3314, 0)
+    assert [t for b in batches for t in b.column("text").to_pylist()] == load_records("pretrain", "train")["text"][:]
+    pairs = list(iter_records("translate_en_de", "validation", limit=700, batch_size=300))
+    assert [b.num_rows for b in pairs] == [300, 300, 100]
+    assert pa.concat_tables(pairs).to_pydict() == load_records("translate_en_de", "validation", limit=700)[:]
+    path = write_jsonl(tmp_path / "train.jsonl.gz", [pair("one", "eins"), pair(" ", "zwei"), pair("three", "drei")])
+    count = RecordCount()
+    assert pa.concat_tables(iter_records("translate_en_de", "train", str(path), count=count))["target"].to_pylist() == [
+        "eins",
+        "drei",
+    ]
+    assert (count.read, count.skipped) == (3, 1)
+    write_jsonl(tmp_path / "test.jsonl", [pair("a", "b"), {"translation": {"en": "c"}}])
+    with pytest.raises(RecordError, match=r"test.jsonl, line 2: record has no field 'translation.de'"):
+        list(iter_records("translate_en_de", "test", str(tmp_path)))
 
 
 # ----- the hub (no network here: datasets.load_dataset is replaced, its arguments asserted) --------

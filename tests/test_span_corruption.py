@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speed.data import CorruptionLengths, corruption_lengths, random_spans_noise_mask, span_corruption
-from speed.data.spans import span_counts
+from speed.data.spans import corrupted_sizes, span_counts
 
 TOP = 100_000  # sentinel ids count down from here, far above the token ids
 
@@ -75,6 +75,15 @@ def test_noise_density_and_span_count(n, density, mean, seed):
     starts = int(np.sum(mask & ~np.concatenate([[False], mask[:-1]])))  # noise spans
     assert (noise, starts) == span_counts(n, density, mean)
     assert not mask[0]
+
+
+@PROPERTY
+@given(lengths, st.sampled_from([0.0, 0.15, 0.5, 0.9]), span_means, seeds)
+def test_corrupted_sizes_are_known_before_the_draw(n, density, mean, seed):
+    inputs, targets = span_corruption(
+        list(range(10, 10 + n)), density, mean, rng=np.random.default_rng(seed), sentinel_id=sentinel
+    )
+    assert (len(inputs) + 1, len(targets) + 1) == corrupted_sizes(n, density, mean)  # + EOS each
 
 
 def test_mean_span_length_on_a_long_sequence():

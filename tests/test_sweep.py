@@ -27,7 +27,11 @@ def test_pattern_families():
     assert expand_patterns(("depth=12",)) == ("1x12", "2x6", "3x4", "4x3", "6x2", "12x1")
     assert expand_patterns(("unique=3",), max_depth=12) == ("3x1", "3x2", "3x3", "3x4")
     assert expand_patterns(("2x6", "depth=4", "2x2")) == ("2x6", "1x4", "2x2", "4x1")  # in order, no repeats
-    for bad, match in [(("depth=0",), "positive integer"), (("width=3",), "unknown pattern family"), (("2y6",), "has no 'x'")]:
+    for bad, match in [
+        (("depth=0",), "positive integer"),
+        (("width=3",), "unknown pattern family"),
+        (("2y6",), "has no 'x'"),
+    ]:
         with pytest.raises(ValueError, match=match):
             expand_patterns(bad)
 

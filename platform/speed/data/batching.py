@@ -8,6 +8,7 @@ depend on ``num_proc`` or on how the work was split.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -125,7 +126,7 @@ def encode_runs(batch: dict[str, list], tokenizer: Tokenizer, run: int) -> dict[
 
 def pack_runs(batch: dict[str, list], run: int) -> dict[str, list]:
     """The batch's runs joined end to end and cut again into runs of exactly ``run`` (the last may be short)."""
-    joined = [t for ids in batch["tokens"] for t in ids]
+    joined = list(itertools.chain.from_iterable(batch["tokens"]))
     return {"tokens": [joined[i : i + run] for i in range(0, len(joined), run)]}
 
 

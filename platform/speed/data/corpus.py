@@ -124,20 +124,17 @@ class TokenizedCorpus:
         return self._size
 
     @property
-    def lengths(self) -> np.ndarray:
-        """(examples,) int32: tokens each example costs (inputs + targets), as the batch plan needs."""
-        return np.concatenate([s.lengths for s in self._segments])
+    def lengths(self) -> MappedLengths:
+        """Tokens each example costs (inputs + targets), indexable by arrays, as the batch plan needs."""
+        return MappedLengths(self)
 
     def examples(self, indices: Sequence[int], epoch: int, seed: int) -> dict[str, list[list[int]]]:
         """Columns ``input_ids`` and ``labels`` of the examples at ``indices``; runs are corrupted for ``epoch``."""
         m = self.manifest
         out: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
-        for index in indices:
-            index = int(index)
-            if not 0 <= index < self._size:
-                raise IndexError(f"example {index} outside the corpus's {self._size}")
-            segment = self._segments[int(np.searchsorted(self._starts, index, side="right")) - 1]
-            row = index - segment.start
+        indices = np.asarray(indices, dtype=np.int64)
+        for index, segment_index, row in zip(indices.tolist(), *self._locate(indices)):
+            segment = self._segments[segment_index]
             if m.kind == "runs":
                 example = corrupt_run(
                     _row(segment, "tokens", row),
@@ -151,6 +148,38 @@ class TokenizedCorpus:
             out["input_ids"].append(example["input_ids"])
             out["labels"].append(example["labels"])
         return out
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(segment, row within it) of each global example index."""
+        if indices.size and (indices.min() < 0 or indices.max() >= self._size):
+            bad = indices[(indices < 0) | (indices >= self._size)][0]
+            raise IndexError(f"example {bad} outside the corpus's {self._size}")
+        segments = np.searchsorted(self._starts, indices, side="right") - 1
+        return segments, indices - self._starts[segments]
+
+
+class MappedLengths:
+    """A corpus's example lengths, read from the mapped shards by index; never joined into one array."""
+
+    def __init__(self, corpus: TokenizedCorpus) -> None:
+        self._corpus = corpus
+
+    def __len__(self) -> int:
+        return len(self._corpus)
+
+    def __getitem__(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """(k,) int32 lengths of the examples at ``indices``."""
+        indices = np.asarray(indices, dtype=np.int64)
+        segments, rows = self._corpus._locate(indices)
+        out = np.empty(indices.shape, dtype=np.int32)
+        for segment in np.unique(segments):
+            chosen = segments == segment
+            out[chosen] = self._corpus._segments[segment].lengths[rows[chosen]]
+        return out
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        """All lengths as one array (a copy: for small corpora and checks)."""
+        return np.concatenate([s.lengths for s in self._corpus._segments]).astype(dtype or np.int32)
 
 
 def _list_views(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:

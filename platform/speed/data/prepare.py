@@ -230,9 +230,7 @@ def _build(
     pieces = _pieces(spec, resolve_source(task, spec.split, spec.source))
     started = time.perf_counter()
     progress = _Progress(f"{spec.task}/{spec.split}", len(pieces), started, log)
-    import ray
-
-    if len(pieces) > 1 and (use_ray if use_ray is not None else ray.is_initialized()):
+    if len(pieces) > 1 and (use_ray if use_ray is not None else _ray_running()):
         results = _build_with_ray(pieces, spec, tokenizer, out, docs_per_shard, progress)
     else:
         results = []
@@ -255,6 +253,12 @@ def _build(
         skipped=sum(r.skipped for r in results),
         seconds=time.perf_counter() - started,
     )
+
+
+def _ray_running() -> bool:
+    import ray  # only here: preparing without Ray should not pay for importing it
+
+    return ray.is_initialized()
 
 
 def _pieces(spec: CorpusSpec, src: Source) -> list[_Piece]:
@@ -375,8 +379,9 @@ class _RunsEncoder:
         return pack_runs({"tokens": runs}, self.run)["tokens"]
 
     def _columns(self, runs: list[list[int]]) -> dict[str, list]:
-        sizes = [corrupted_sizes(len(r), self.spec.noise_density, self.spec.mean_span_length) for r in runs]
-        return {"tokens": runs, "length": [i + t for i, t in sizes]}
+        lengths = [len(r) for r in runs]
+        cost = {n: sum(corrupted_sizes(n, self.spec.noise_density, self.spec.mean_span_length)) for n in set(lengths)}
+        return {"tokens": runs, "length": [cost[n] for n in lengths]}
 
 
 class _Progress:

@@ -2,8 +2,8 @@
 
 ``run_sweep(sweep, job)`` is what ``jobs/sweep.py`` calls. Stages:
 
-1. the tokenizer (``speed.train.launch.prepare``: trained once, cached) and
-   the validation split (``speed.data.prepare``), shared by every trial;
+1. the tokenizer (``speed.train.launch.prepare``: trained once, cached), the
+   tokenized training and validation splits (``speed.data.prepare``), shared by every trial;
 2. the trials (``speed.sweep.trial``) under ``<storage>/<name>``: a second run
    of the same sweep finds that folder and continues it with ``Tuner.restore``
    (finished and failed trials stay as they are, unfinished ones resume);
@@ -38,7 +38,7 @@ from speed.sweep.results import (
 from speed.sweep.space import METRIC, SweepConfig, param_space, sweep_digest, trial_scheme
 from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job, trial_name
 from speed.train.config import JobConfig, job_to_dict
-from speed.train.launch import ensure_ray, prepare, storage_uri
+from speed.train.launch import ensure_ray, prepare, prepare_data, storage_uri
 
 # A trial's own process only waits on its Train run and its measurement task, which reserve the CPUs and
 # GPUs; Tune needs a non-empty bundle, so it asks for a little memory instead of a CPU a worker would miss.
@@ -75,6 +75,7 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
         sweep=name,
         job=job_to_dict(job),
         tokenizer=tokenizer_path.read_bytes(),
+        corpus=prepare_data(job, tokenizer_path).uri,
         validation=validation.uri,
         train_storage=f"{directory}/train",
         measure_limit=sweep.measure_limit,

@@ -40,6 +40,7 @@ class SweepSetup:
     sweep: str  # the sweep's name
     job: dict[str, Any]  # the base finetuning job, resolved (model vocabulary = the tokenizer's)
     tokenizer: bytes  # the sweep's SentencePiece model, trained once
+    corpus: str  # the prepared training split (speed.data.prepare), tokenized once for all trials
     validation: str  # the prepared validation split (speed.data.prepare) for the periodic losses
     train_storage: str  # where the trials' Train runs live: <storage>/<sweep>/train
     measure_limit: int
@@ -82,7 +83,9 @@ def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:
         tokenizer_path = Path(tmp) / TOKENIZER_FILE
         tokenizer_path.write_bytes(setup.tokenizer)
         callbacks = [TuneReportCallback()]  # rank 0's reports -> tune.report
-        result = build_trainer(job, tokenizer_path, None, validation=setup.validation, callbacks=callbacks).fit()
+        result = build_trainer(
+            job, tokenizer_path, setup.corpus, None, validation=setup.validation, callbacks=callbacks
+        ).fit()
     checkpoint = checkpoint_uri(result.checkpoint)
     run_dir = f"{setup.train_storage.rstrip('/')}/{job.run.name}"
     gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0

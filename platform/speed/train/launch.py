@@ -23,6 +23,7 @@ from ray.train.torch import TorchTrainer
 
 from speed.checkpoint import TOKENIZER_FILE
 from speed.config import ModelConfig, from_dict, to_dict
+from speed.data.prepare import CorpusSpec, PreparedCorpus, cache_root, prepare_corpus
 from speed.paths import data_dir
 from speed.tokenizer import Tokenizer, train_tokenizer
 from speed.train.config import JobConfig, job_to_dict, run_name
@@ -145,15 +146,23 @@ def ensure_ray() -> None:
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
 
 
+def prepare_data(job: JobConfig, tokenizer_path: Path) -> PreparedCorpus:
+    """The job's training split, tokenized once into shards under ``<storage_path>/data`` (or found there)."""
+    d = job.data
+    spec = CorpusSpec(d.task, "train", d.source, d.limit, d.max_source_len, d.max_target_len, d.pack)
+    return prepare_corpus(spec, tokenizer_path, cache_root(storage_uri(job.run.storage_path)))
+
+
 def build_trainer(
     job: JobConfig,
     tokenizer_path: Path,
+    corpus: str,
     deadline: float | None,
     *,
     validation: str | None = None,
     callbacks: list[ray.train.UserCallback] | None = None,
 ) -> TorchTrainer:
-    """A ``TorchTrainer`` running ``train_loop_per_worker`` with the job's scaling, storage, name and retries.
+    """A ``TorchTrainer`` running ``train_loop_per_worker`` on the prepared ``corpus`` (path or URI).
 
     ``validation``: a prepared validation split (``speed.data.prepare``) whose every-loop
     losses each checkpoint report carries; ``callbacks``: Ray Train callbacks (a sweep's
@@ -167,12 +176,11 @@ def build_trainer(
     # Ray Train's print patch sends worker prints through its logger too (every line shows twice) and
     # bypasses stdout captures (datasets' dill hashing then spills bytecode); plain stdout is forwarded once.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    local_data = data_dir()
     loop_config = {
         "job": job_to_dict(job),
         "tokenizer": tokenizer_path.read_bytes(),  # shipped, so workers on any node can read it
+        "corpus": corpus,
         "deadline": deadline,
-        "data_dir": str(local_data) if local_data.is_dir() else None,
         "validation": validation,
     }
     return TorchTrainer(
@@ -200,7 +208,8 @@ def run_job(job: JobConfig) -> TrainOutcome:
     run_dir = f"{storage_uri(job.run.storage_path).rstrip('/')}/{job.run.name}"
     print(f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_dir}", flush=True)
     ensure_ray()
-    result = build_trainer(job, tokenizer_path, deadline).fit()
+    corpus = prepare_data(job, tokenizer_path)
+    result = build_trainer(job, tokenizer_path, corpus.uri, deadline).fit()
     if result.checkpoint is None:
         raise RuntimeError(f"run {job.run.name} finished without a checkpoint in {run_dir}")
     checkpoint = checkpoint_uri(result.checkpoint)

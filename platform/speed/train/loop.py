@@ -1,6 +1,7 @@
 """``train_loop_per_worker``: what every Ray Train worker runs.
 
-DDP through ``ray.train.torch.prepare_model``; each worker trains on its own
+DDP through ``ray.train.torch.prepare_model``; each worker memory-maps the
+corpus the driver prepared (``speed.data.prepare``) and trains on its own
 shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
 warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
 the shared early-exit loss ``L_w = sum_i w_i L_i``. Rank 0 logs every loop's
@@ -12,7 +13,6 @@ A worker (re)started by Ray resumes from ``ray.train.get_checkpoint()``; a
 from __future__ import annotations
 
 import math
-import os
 import random
 import tempfile
 import time
@@ -31,8 +31,6 @@ from speed.checkpoint import MODEL_FILE, TOKENIZER_FILE, load_model
 from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.losses import loss_weights
 from speed.model import SpeedT5
-from speed.paths import DATA_DIR_ENV
-from speed.tokenizer import Tokenizer
 from speed.train.batches import BatchPlan
 from speed.train.config import JobConfig, job_from_dict
 from speed.train.optim import build_optimizer, build_scheduler, lr_factor
@@ -62,20 +60,6 @@ _PACE_WINDOW = 20  # steps averaged for the ETA
 
 class InjectedFailure(RuntimeError):
     """The failure ``train.fail_at_step`` asks for (fault-tolerance tests and drills)."""
-
-
-def load_examples(job: JobConfig, tokenizer: Tokenizer) -> list[dict[str, list[int]]]:
-    """The tokenized training split (span-corrupted for pretraining) as ``input_ids``/``labels`` lists."""
-    from speed.data import load_records, tokenize_records
-
-    d = job.data
-    records = load_records(d.task, "train", source=d.source, limit=d.limit)
-    if not hasattr(records, "__len__"):
-        raise ValueError(f"task {d.task!r} from {d.source!r} is an unbounded stream: pass --limit N to train on it")
-    ds = tokenize_records(
-        records, d.task, tokenizer, d.max_source_len, d.max_target_len, seed=job.train.seed, pack=d.pack
-    )
-    return [{"input_ids": i, "labels": t} for i, t in zip(ds["input_ids"], ds["labels"])]
 
 
 def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5:
@@ -109,27 +93,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Train this worker's share of the job.
 
     ``config``: ``job`` (a resolved JobConfig dict), ``tokenizer`` (the .model bytes),
-    ``deadline`` (Unix time or None) and ``data_dir`` (the driver's local corpora).
+    ``corpus`` (the prepared training split: a path or URI) and ``deadline`` (Unix time or None).
     """
-    import datasets
-
-    datasets.disable_progress_bars()  # one bar per map per worker drowns the progress lines
     job = job_from_dict(config["job"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    if config.get("data_dir") and Path(config["data_dir"]).is_dir():
-        os.environ.setdefault(DATA_DIR_ENV, config["data_dir"])
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
     device = ray.train.torch.get_device()
     workdir = Path(tempfile.mkdtemp(prefix="speed-worker-"))
     tokenizer_path = workdir / TOKENIZER_FILE
     tokenizer_path.write_bytes(config["tokenizer"])
-    tokenizer = Tokenizer.load(tokenizer_path)
 
-    examples = load_examples(job, tokenizer)
-    lengths = [len(e["input_ids"]) + len(e["labels"]) for e in examples]
+    corpus = open_corpus(config["corpus"])
     plan = BatchPlan(
-        lengths, job.train.batch_size, world, rank, job.train.grad_accum, job.train.seed, job.train.group_by_length
+        corpus.lengths,
+        job.train.batch_size,
+        world,
+        rank,
+        job.train.grad_accum,
+        job.train.seed,
+        job.train.group_by_length,
     )
     ray_checkpoint = ray.train.get_checkpoint()  # set when Ray restarts this run (a failure, or a rerun)
     resuming = ray_checkpoint is not None or job.resume is not None
@@ -150,12 +133,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             print(f"resumed at step {step} from {'the last checkpoint of this run' if ray_checkpoint else job.resume}")
     if rank == 0:
         print(
-            f"{len(examples)} training examples, {plan.steps_per_epoch} steps/epoch, {world} worker(s) x "
+            f"{len(corpus)} training examples, {plan.steps_per_epoch} steps/epoch, {world} worker(s) x "
             f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {device}",
             flush=True,
         )
     model = ray.train.torch.prepare_model(model)
-    _train(job, model, optimizer, scheduler, plan, examples, tokenizer_path, step, history, config, ray_checkpoint)
+    _train(job, model, optimizer, scheduler, plan, corpus, tokenizer_path, step, history, config, ray_checkpoint)
 
 
 def _restore(
@@ -192,7 +175,7 @@ def _train(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     plan: BatchPlan,
-    examples: list[dict[str, list[int]]],
+    corpus: TokenizedCorpus,
     tokenizer_path: Path,
     step: int,
     history: pa.Table,
@@ -225,10 +208,11 @@ def _train(
         started = time.perf_counter()
         model.train()
         micro = plan.micro_batches(step)
+        epoch = plan.epoch_at(step)  # span-corruption noise is drawn anew each epoch
         loop_sum = torch.zeros(n_loops, device=device)
         tokens = 0
         for i, indices in enumerate(micro):
-            batch = {k: v.to(device) for k, v in collate([examples[j] for j in indices]).items()}
+            batch = {k: v.to(device) for k, v in collate(corpus.examples(indices, epoch, t.seed)).items()}
             sync = world == 1 or i == len(micro) - 1  # all-reduce gradients once per optimizer step
             with nullcontext() if sync else model.no_sync():
                 with autocast:  # the forward only; backward runs in the dtypes autocast chose
