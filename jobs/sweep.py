@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from speed.sweep import SweepConfig, run_sweep
-from speed.train.config import build_parser, job_from_layers
+from speed.train.config import JobConfig, build_parser, job_from_layers
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sweep_local.yaml"
 
@@ -44,8 +44,8 @@ SWEEP_FLAGS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the sweep and its base job, run or resume the sweep; the tables are printed and written."""
+def parse(argv: list[str] | None = None) -> tuple[SweepConfig, JobConfig]:
+    """The sweep (sweep flags) and its base finetuning job (``--config`` YAML, job flags, ``--set``)."""
     parser = build_parser("finetune", __doc__)
     parser.prog = "sweep.py"
     group = parser.add_argument_group("sweep")
@@ -55,10 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     for swept in ("model.pattern", "train.loss_weights"):
         if swept in args:
             parser.error(f"the sweep sets {swept} per trial: use --patterns and --schemes")
-    sweep = SweepConfig(**{k.removeprefix("sweep."): v for k, v in list(args.items()) if k.startswith("sweep.")})
+    sweep = SweepConfig(**{k.removeprefix("sweep."): v for k, v in args.items() if k.startswith("sweep.")})
     flags = {k: v for k, v in args.items() if not k.startswith("sweep.") and k not in ("config", "set")}
-    job = job_from_layers("finetune", args.get("config", DEFAULT_CONFIG), args.get("set") or [], flags)
-    run_sweep(sweep, job)
+    return sweep, job_from_layers("finetune", args.get("config", DEFAULT_CONFIG), args.get("set") or [], flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run or resume the sweep; the tables are printed and written."""
+    run_sweep(*parse(argv))
     return 0
 
 

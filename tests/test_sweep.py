@@ -1,12 +1,13 @@
 """Sweeps: search-space expansion, the Pareto frontier, and one tiny real sweep on the local Ray.
 
-The real sweep (three tiny trials of four steps, ~2 min) is interrupted with
+The real sweep (three tiny trials of four steps on the session's local Ray) is interrupted with
 SIGINT after its first trial, then resumed by running it again; one of its
 trials is made to fail in training.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from ray import tune
 
+from speed.paths import repo_root
 from speed.sweep import FRONTIER_SCHEMA, RESULTS_SCHEMA, SweepConfig, expand_patterns, frontier, pareto_front, run_sweep
 from speed.sweep.results import FRONTIER_FILE, LATENCY_FILE, LATENCY_SCHEMA, RESULTS_FILE
 from speed.sweep.space import param_space, trial_scheme
@@ -49,6 +51,21 @@ def test_sweep_config_is_validated():
     assert grid.schemes == ("power:0", "power:1", "power:2")
     assert grid.trials == 4 * 3 * 2
     assert SweepConfig(search="random", samples=5).trials == 5
+
+
+def test_sweep_job_flags():
+    spec = importlib.util.spec_from_file_location("sweep_job", repo_root() / "jobs" / "sweep.py")
+    job_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job_module)
+    sweep, job = job_module.parse(
+        ["--patterns", "depth=6", "2x1", "--schemes", "linear", "power:1.5", "--max-steps", "7", "--scheduler", "fifo"]
+    )
+    assert sweep.expanded_patterns == ("1x6", "2x3", "3x2", "6x1", "2x1") and sweep.scheduler == "fifo"
+    assert sweep.loss_weights == ("linear", "power:1.5") and sweep.trials == 10
+    assert job.kind == "finetune" and job.train.max_steps == 7
+    assert job.train.checkpoint_every == 20  # the rest from jobs/configs/sweep_local.yaml
+    with pytest.raises(SystemExit):
+        job_module.parse(["--pattern", "2x6"])  # the sweep sets the pattern per trial
 
 
 def test_random_search_samples_the_parametric_family():
