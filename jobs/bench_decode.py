@@ -19,11 +19,12 @@ import pyarrow.parquet as pq
 import torch
 
 from speed.bench import BenchConfig, format_table, run_benchmark
+from speed.cli import JobParser, user_errors
 from speed.config import preset
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = JobParser(prog="bench_decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="base")
     p.add_argument("--pattern", default="2x6")
     p.add_argument("--vocab-size", type=int, default=16384)
@@ -39,15 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = BenchConfig(
-        model=preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size),
-        batch=args.batch,
-        source_len=args.source_len,
-        new_tokens=args.new_tokens,
-        reps=args.reps,
-        seed=args.seed,
-        compare_hf=not args.no_hf,
-    )
+    with user_errors():  # an unknown preset, a bad pattern or size: one line, status 2
+        cfg = BenchConfig(
+            model=preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size),
+            batch=args.batch,
+            source_len=args.source_len,
+            new_tokens=args.new_tokens,
+            reps=args.reps,
+            seed=args.seed,
+            compare_hf=not args.no_hf,
+        )
     table = run_benchmark(cfg)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, args.out)

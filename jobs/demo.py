@@ -19,17 +19,19 @@ import sys
 import time
 from pathlib import Path
 
+from speed.cli import JobParser, user_errors
 from speed.evaluate import format_summary
 from speed.paths import repo_root
 from speed.train import run_job
 from speed.train.config import job_from_layers
+from speed.train.launch import check_inputs
 
 CONFIGS = repo_root() / "jobs" / "configs"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run pretrain -> finetune -> evaluate and print the results; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = JobParser(prog="demo.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--storage-path", default=str(repo_root() / "runs" / "demo"), help="where the runs go")
     parser.add_argument("--fresh", action="store_true", help="delete earlier demo runs first")
     args = parser.parse_args(argv)
@@ -38,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     where = {"run.storage_path": args.storage_path}
 
+    with user_errors():  # e.g. the local corpora are missing
+        pretrain = job_from_layers("pretrain", CONFIGS / "demo_pretrain.yaml", [], where)
+        check_inputs(pretrain)
     print("== 1/3 pretraining (span corruption on pretrain_text) ==", flush=True)
-    pretrained = run_job(job_from_layers("pretrain", CONFIGS / "demo_pretrain.yaml", [], where))
+    pretrained = run_job(pretrain)
 
     print("== 2/3 finetuning on Multi30k EN-DE, then 3/3 evaluation ==", flush=True)
     finetune = job_from_layers(

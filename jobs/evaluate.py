@@ -1,16 +1,17 @@
 """Evaluate a checkpoint: decode a task split with SPEED, score it, write predictions, trace and summary.
 
-    .venv/bin/python jobs/evaluate.py --checkpoint runs/finetune/checkpoint --task translate_en_de \
-        --split test --limit 200 --check-sequential
+    .venv/bin/python jobs/evaluate.py --checkpoint runs/finetune/checkpoint --split test --limit 200
 
-Writes predictions.parquet, trace.parquet and summary.json to --out (default
+The settings are speed.evaluate.EvalConfig's, with its defaults: the task, source
+and input length the checkpoint was trained with unless given; SPEED output is
+checked against sequential decoding unless --no-check-sequential. Writes
+predictions.parquet, trace.parquet and summary.json to --out (default
 <checkpoint>/eval/<task>-<split>) and prints the metrics with their signatures.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,25 +19,39 @@ from typing import Any
 import torch
 
 from speed.checkpoint import load_model
-from speed.data import TASKS
+from speed.cli import JobParser, user_errors
+from speed.config import from_dict
+from speed.data import TASKS, get_task, resolve_source
 from speed.evaluate import EvalConfig, format_summary, run_evaluation
 from speed.tokenizer import Tokenizer
 
+# EvalConfig field -> help; each is the flag --<field-name>, left out = EvalConfig's default.
+EVAL_TASKS = sorted(name for name, task in TASKS.items() if not task.is_pretrain)
+SETTINGS = {
+    "task": f"one of {', '.join(EVAL_TASKS)} (default: the training task)",
+    "split": "split to decode (default: test)",
+    "source": "'hub', a hub name[:config], or files/glob (default: the training data's, else the local corpus)",
+    "limit": "first N records (default: the whole split)",
+    "batch_size": "sequences decoded together",
+    "max_new_tokens": "output tokens per sequence at most",
+    "max_source_len": "encoder tokens per input (default: the training data's, else 512)",
+    "launch_loop": "SPEED launches a successor after this many loops",
+    "invalidation": "eager or final",
+    "check_sequential": "also decode sequentially: outputs must be identical; reports the speed-up",
+}
+UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted weights): T5's input length
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = EvalConfig()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = JobParser(prog="evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (model.pt, config.json, spm.model)")
-    p.add_argument("--task", default=defaults.task, choices=sorted(n for n, t in TASKS.items() if not t.is_pretrain))
-    p.add_argument("--split", default=defaults.split)
-    p.add_argument("--source", default=None, help="'hub', a hub name[:config], or files/glob (default: local corpus)")
-    p.add_argument("--limit", type=int, default=None, help="first N records (default: the whole split)")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    p.add_argument("--max-source-len", type=int, default=defaults.max_source_len)
-    p.add_argument("--launch-loop", type=int, default=defaults.launch_loop)
-    p.add_argument("--invalidation", choices=("eager", "final"), default=defaults.invalidation)
-    p.add_argument("--check-sequential", action="store_true", help="also decode sequentially; outputs must match")
+    settings = p.add_argument_group("evaluation (speed.evaluate.EvalConfig)")
+    for name, help_ in SETTINGS.items():
+        flag = f"--{name.replace('_', '-')}"
+        if name == "check_sequential":
+            settings.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
+        else:
+            settings.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_)
     p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's spm.model)")
     p.add_argument("--out", default=None, help="output folder (default: <checkpoint>/eval/<task>-<split>)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -46,18 +61,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the evaluation the flags describe; returns its summary."""
-    args = parse_args(argv)
-    config = EvalConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalConfig)})
+    with user_errors():  # a mistake in the flags or the files they name: one line, status 2
+        args = parse_args(argv)
+        given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
+        config = from_dict(EvalConfig, given)  # flag strings coerced by the field types, checked
+        loaded = load_model(args.checkpoint, map_location=args.device)
+        data = loaded.config.get("job", {}).get("data", {})
+        config = config.following(data.get("task"), data.get("source"), data.get("max_source_len"))
+        config = config.following(None, None, UNTRAINED_MAX_SOURCE_LEN)
+        if config.task is None:
+            raise ValueError(f"checkpoint {args.checkpoint} records no training task; pass --task")
+        resolve_source(get_task(config.task), config.split, config.source)  # the split exists
+        tokenizer_path = args.tokenizer or loaded.tokenizer_path
+        if tokenizer_path is None:
+            raise FileNotFoundError(f"checkpoint {args.checkpoint} holds no spm.model; pass --tokenizer")
+        tokenizer = Tokenizer.load(tokenizer_path)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.checkpoint, map_location=args.device)
-    tokenizer_path = args.tokenizer or loaded.tokenizer_path
-    if tokenizer_path is None:
-        raise SystemExit(f"checkpoint {args.checkpoint} holds no spm.model; pass --tokenizer")
     out = Path(args.out) if args.out else Path(args.checkpoint) / "eval" / f"{config.task}-{config.split}"
-    params = dataclasses.asdict(config)
-    task, split = params.pop("task"), params.pop("split")
-    summary = run_evaluation(loaded.model, Tokenizer.load(tokenizer_path), task, split, out, **params)
+    summary = run_evaluation(loaded.model, tokenizer, config, out)
     print(format_summary(summary))
     print(f"wrote {', '.join(summary['files'].values())}")
     return summary

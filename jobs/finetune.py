@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import sys
 
+from speed.cli import user_errors
 from speed.evaluate import format_summary
 from speed.train import job_from_args, run_job
+from speed.train.launch import check_inputs
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags (and --config YAML) into a JobConfig, train, evaluate; prints checkpoint and summary."""
-    job = job_from_args("finetune", argv, description=__doc__)
+    with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
+        job = job_from_args("finetune", argv, description=__doc__)
+        check_inputs(job)
     outcome = run_job(job)
     print(f"finetuned checkpoint: {outcome.checkpoint}")
     if outcome.evaluation is not None:

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import sys
 
+from speed.cli import user_errors
 from speed.train import job_from_args, run_job
+from speed.train.launch import check_inputs
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags (and --config YAML) into a JobConfig and train; prints the checkpoint's location."""
-    job = job_from_args("pretrain", argv, description=__doc__)
+    with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
+        job = job_from_args("pretrain", argv, description=__doc__)
+        check_inputs(job)
     outcome = run_job(job)
     print(f"pretrained checkpoint: {outcome.checkpoint}")
     return 0

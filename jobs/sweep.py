@@ -18,8 +18,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from speed.cli import user_errors
 from speed.sweep import SweepConfig, run_sweep
 from speed.train.config import JobConfig, build_parser, job_from_layers
+from speed.train.launch import check_inputs
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sweep_local.yaml"
 
@@ -62,7 +64,10 @@ def parse(argv: list[str] | None = None) -> tuple[SweepConfig, JobConfig]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run or resume the sweep; the tables are printed and written."""
-    run_sweep(*parse(argv))
+    with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
+        sweep, job = parse(argv)
+        check_inputs(job)
+    run_sweep(sweep, job)
     return 0
 
 

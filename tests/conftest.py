@@ -1,8 +1,31 @@
-"""Shared fixtures: one local Ray instance for the whole test session, a tiny tokenizer for training tests."""
+"""Shared fixtures: one local Ray instance for the whole test session, a tiny tokenizer for training tests.
+
+Ray 2.60 uses token authentication for every local cluster and, on a machine
+without one, writes a new token into ``~/.ray/auth_token``. The test session
+brings a token of its own (``RAY_AUTH_TOKEN_PATH``, inherited by every Ray
+process and job it starts), so tests pass with an empty ``HOME`` and never read
+or write the user's ``~/.ray``.
+"""
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="speed-test-ray-"))
+    token = folder / "auth_token"
+    token.write_text(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes: 256 random bits
+    token.chmod(0o600)
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # takes precedence over the path
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 @pytest.fixture(scope="session")

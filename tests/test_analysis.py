@@ -6,7 +6,7 @@ import torch
 
 from speed.bench import BenchConfig, run_benchmark
 from speed.config import preset
-from speed.evaluate import run_evaluation
+from speed.evaluate import EvalConfig, run_evaluation
 from speed.model import SpeedT5
 from speed.paths import repo_root
 from speed.tokenizer import Tokenizer
@@ -18,7 +18,8 @@ def test_flip_report_reads_evaluation_and_benchmark(tmp_path, tiny_tokenizer):
     tok = Tokenizer.load(tiny_tokenizer)
     torch.manual_seed(0)
     model = SpeedT5(preset("tiny", vocab_size=tok.vocab_size, pattern="2x3"))
-    run_evaluation(model, tok, "translate_en_de", "validation", tmp_path / "eval", limit=4, max_new_tokens=8)
+    config = EvalConfig("translate_en_de", "validation", limit=4, max_new_tokens=8, max_source_len=64)
+    run_evaluation(model, tok, config, tmp_path / "eval")
     bench = run_benchmark(BenchConfig(model=preset("tiny", pattern="2x3"), new_tokens=6, reps=1, compare_hf=False))
     pq.write_table(bench, tmp_path / "bench.parquet")
 

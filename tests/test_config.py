@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from speed.config import PRESETS, ModelConfig, SharingPattern, from_dict, preset, to_dict
+from speed.config import PRESETS, ConfigError, ModelConfig, SharingPattern, from_dict, preset, to_dict
 
 
 @pytest.mark.parametrize(
@@ -63,3 +63,12 @@ def test_presets():
 def test_model_config_validates(field, value):
     with pytest.raises(ValueError):
         preset("tiny", **{field: value})
+
+
+def test_from_dict_coerces_by_field_type():
+    cfg = from_dict(ModelConfig, {"layer_norm_eps": "1e-5", "d_model": "64", "dropout": 0, "pattern": "3x2"})
+    assert (cfg.layer_norm_eps, cfg.d_model, cfg.dropout) == (1e-5, 64, 0.0) and isinstance(cfg.dropout, float)
+    with pytest.raises(ConfigError, match="model.d_model: expected an integer, got True"):
+        from_dict(ModelConfig, {"d_model": True}, "model")
+    with pytest.raises(ConfigError, match="pattern: expected a string, got 26"):
+        from_dict(ModelConfig, {"pattern": 26})

@@ -29,8 +29,15 @@ class StubModel:
     def cache(self, batch, max_len):
         return KVCache(self.n_loops, 1, batch, 1, max_len, 1)
 
-    def prepare(self, input_ids, attention_mask, max_len):
+    @property
+    def vocab_size(self):
+        return self.vocab
+
+    def memory(self, capacity, max_source_len, max_len):
         return None
+
+    def admit(self, memory, slot, input_ids):
+        pass
 
     def embed(self, tokens):
         return torch.zeros(len(tokens), 1)

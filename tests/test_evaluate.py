@@ -13,6 +13,7 @@ import torch
 import speed.evaluate
 from speed import SpeedT5, preset
 from speed.checkpoint import save_model
+from speed.config import ConfigError, from_dict
 from speed.data import load_records
 from speed.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, EvalConfig, run_evaluation
 from speed.paths import repo_root
@@ -49,12 +50,15 @@ def _job():
 def test_job_end_to_end(checkpoint, tmp_path, capsys):
     directory, _, tok = checkpoint
     out = tmp_path / "eval"
-    flags = ["--checkpoint", str(directory), "--split", "test", "--limit", "6", "--batch-size", "4"]
-    summary = _job().main([*flags, "--max-new-tokens", "8", "--check-sequential", "--threads", "1", "--out", str(out)])
+    flags = ["--checkpoint", str(directory), "--task", "translate_en_de", "--limit", "6", "--batch-size", "4"]
+    summary = _job().main([*flags, "--max-new-tokens", "8", "--threads", "1", "--out", str(out)])
 
     printed = capsys.readouterr()
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in printed.out and "speed-up" in printed.out
-    assert "[evaluate speed] 6/6 examples" in printed.err  # progress while decoding
+    # Not a terminal: a progress line at the first batch and at the end (not one per batch), with rate and ETA.
+    bars = [line.split(" [#")[0] for line in printed.err.splitlines() if line.startswith("[evaluate ")]
+    assert bars == [f"[evaluate {m}] {n}/6 examples" for m in ("speed", "sequential") for n in (4, 6)]
+    assert "examples/s | ETA 0s" in printed.err.splitlines()[-1]
 
     predictions = pq.read_table(out / "predictions.parquet")
     trace = pq.read_table(out / "trace.parquet")
@@ -76,22 +80,15 @@ def test_job_end_to_end(checkpoint, tmp_path, capsys):
     assert decode["identical"] and decode["speedup"] > 0
     assert decode["speed"]["tokens"] == decode["sequential"]["tokens"] == sum(predictions["output_tokens"].to_pylist())
     assert decode["speed"]["tokens_per_s"] > 0
-    assert summary["config"]["limit"] == 6 and summary["model"]["pattern"] == "2x3"
+    config = summary["config"]  # EvalConfig's defaults; no training job in this checkpoint: 512 input tokens
+    assert [config[k] for k in ("limit", "split", "max_source_len", "check_sequential")] == [6, "test", 512, True]
+    assert summary["model"]["pattern"] == "2x3"
 
 
 def test_summarization_reports_rouge(checkpoint, tmp_path):
     _, model, tok = checkpoint
-    summary = run_evaluation(
-        model,
-        tok.path,
-        "summarize",
-        "validation",
-        tmp_path,
-        limit=3,
-        max_new_tokens=4,
-        max_source_len=32,
-        progress=False,
-    )
+    config = EvalConfig("summarize", "validation", limit=3, max_new_tokens=4, max_source_len=32, check_sequential=False)
+    summary = run_evaluation(model, tok.path, config, tmp_path, progress=False)
     assert set(summary["metrics"]) == {"rouge"} and set(summary["metrics"]["rouge"]) >= {"rouge1", "rouge2", "rougeL"}
     assert "sequential" not in summary["decode"] and summary["examples"] == 3
 
@@ -108,7 +105,7 @@ def test_a_speed_sequential_mismatch_is_an_error(checkpoint, tmp_path, monkeypat
 
     monkeypatch.setattr(speed.evaluate, "generate", broken)
     with pytest.raises(RuntimeError, match="differ on example 1"):
-        run_evaluation(model, tok, "translate_en_de", "test", tmp_path, limit=2, check_sequential=True, progress=False)
+        run_evaluation(model, tok, EvalConfig("translate_en_de", limit=2, max_source_len=64), tmp_path, progress=False)
 
 
 def test_bad_settings(checkpoint, tmp_path):
@@ -119,6 +116,19 @@ def test_bad_settings(checkpoint, tmp_path):
         EvalConfig(invalidation="lazy")
     with pytest.raises(ValueError, match="batch_size"):
         EvalConfig(batch_size=0)
+    with pytest.raises(ValueError, match="evaluation needs task and max_source_len"):
+        run_evaluation(model, tok, EvalConfig(), tmp_path)
     small = SpeedT5(preset("tiny", vocab_size=tok.vocab_size - 1))
     with pytest.raises(ValueError, match=f"tokenizer has {tok.vocab_size} ids"):
-        run_evaluation(small, tok, "translate_en_de", "test", tmp_path, limit=1)
+        run_evaluation(small, tok, EvalConfig("translate_en_de", limit=1, max_source_len=64), tmp_path)
+
+
+def test_settings_are_coerced_by_type_and_follow_the_training_data():
+    config = from_dict(EvalConfig, {"limit": "5", "check_sequential": "false", "invalidation": "final"})
+    assert (config.limit, config.check_sequential, config.invalidation) == (5, False, "final")
+    with pytest.raises(ConfigError, match=r"invalidation: expected one of \['eager', 'final'\], got 'lazy'"):
+        from_dict(EvalConfig, {"invalidation": "lazy"})
+    with pytest.raises(ConfigError, match="batch_size: expected an integer, got 'two'"):
+        from_dict(EvalConfig, {"batch_size": "two"})
+    followed = EvalConfig(max_source_len=32).following("summarize", "some/folder", 128)
+    assert (followed.task, followed.source, followed.max_source_len) == ("summarize", "some/folder", 32)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from speed.config import preset
+from speed.config import ConfigError, preset
 from speed.train.config import (
     JobConfig,
     TrainConfig,
@@ -19,7 +19,16 @@ def test_defaults_are_a_small_2x6_model():
     assert job.kind == "pretrain" and job.data.task == "pretrain" and job.data.pack
     assert job.model == preset("mini", pattern="2x6")
     finetune = job_from_args("finetune", [])
-    assert finetune.data.task == "translate_en_de" and finetune.eval.enabled
+    assert finetune.data.task == "translate_en_de" and finetune.eval is not None and job.eval is None
+    final = finetune.final_eval  # follows the data section; the rest are EvalConfig's defaults
+    assert (final.task, final.max_source_len, final.split, final.limit, final.check_sequential) == (
+        "translate_en_de",
+        64,
+        "test",
+        100,
+        True,
+    )
+    assert job_from_args("finetune", ["--no-eval"]).eval is None
 
 
 def test_yaml_then_set_then_flags(tmp_path):
@@ -102,3 +111,33 @@ def test_run_name_is_deterministic_and_ignores_launch_settings():
     assert run_name(same) == run_name(job)
     assert run_name(job_from_args("pretrain", ["--preset", "tiny", "--lr", "0.5"])) != run_name(job)
     assert isinstance(job, JobConfig)
+
+
+def test_values_are_coerced_by_field_type_and_misfits_name_the_key(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("optim: {lr: 1e-3, betas: [0.9, 0.95]}\ntrain: {bf16: false, time_budget_min: 2}\n")
+    job = job_from_args("pretrain", ["--config", str(cfg), "--set", "train.max_steps=30"])
+    assert job.optim.lr == 0.001 and isinstance(job.optim.lr, float)  # YAML reads 1e-3 as a string
+    assert job.optim.betas == (0.9, 0.95) and job.train.bf16 is False and job.train.max_steps == 30
+    assert job_from_args("pretrain", ["--set", "optim.lr=1e-3"]).optim.lr == 0.001
+    for setting, message in [
+        ("train.bf16=maybe", "train.bf16: expected true or false, got 'maybe'"),
+        ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
+        ("train.max_steps=2.5", "train.max_steps: expected an integer, got 2.5"),
+        ("optim.betas=[0.9]", r"optim.betas: expected 2 values, got 1"),
+        ("model.d_model=wide", "model.d_model: expected an integer, got 'wide'"),
+        ("data.task=[a]", r"data.task: expected a string, got \['a'\]"),
+        ("eval.invalidation=lazy", r"eval.invalidation: expected one of \['eager', 'final'\], got 'lazy'"),
+        ("optim.betas=[0.9", "--set optim.betas=\\[0.9: not valid YAML"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            job_from_args("finetune", ["--set", setting])
+
+
+def test_evaluation_settings_are_checked_when_the_job_starts():
+    with pytest.raises(ValueError, match="task 'pretrain' has no references"):
+        job_from_args("finetune", ["--task", "pretrain"])  # not after training: at parse time
+    with pytest.raises(ValueError, match="EvalConfig.batch_size must be at least 1"):
+        job_from_args("finetune", ["--set", "eval.batch_size=0"])
+    job = job_from_args("finetune", ["--task", "summarize", "--set", "eval.task=translate_en_de"])
+    assert job.final_eval.task == "translate_en_de" and job.data.task == "summarize"

@@ -1,14 +1,17 @@
 """The real cluster client: `ray start --head` on loopback, `ray job submit jobs/pretrain.py`, check, stop.
 
 The cluster gets its own --temp-dir and explicit free ports, and is stopped by
-ending exactly the processes it started (never `ray stop`, which would end every
-Ray on the machine).
+ending exactly the processes it started, found by the owner mark in their
+environment (never `ray stop`, which would end every Ray on the machine).
+Jobs run as real processes: stopped with Ctrl-C or SIGKILL, rerun, resumed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -22,7 +25,8 @@ import pytest
 
 from speed.checkpoint import load_model
 from speed.paths import data_dir, repo_root
-from speed.train.state import load_training_state
+from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
+from speed.train.state import load_training_state, newest_complete_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -39,54 +43,6 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _processes_of(marker: str) -> list[int]:
-    """Processes whose command line names ``marker`` (this cluster's temp dir), plus all their descendants."""
-    parents: dict[int, int] = {}
-    roots = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if marker in cmdline:
-            roots.append(int(entry.name))
-    found, frontier = set(roots), list(roots)
-    while frontier:
-        pid = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == pid and child not in found]
-        found.update(children)
-        frontier.extend(children)
-    return sorted(found)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie, already dead and waiting to be reaped, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _stop(marker: str) -> None:
-    pids = _processes_of(marker)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.time() + 5
-    while time.time() < deadline and any(_alive(pid) for pid in pids):
-        time.sleep(0.5)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture
 def local_cluster():
     """A 2-CPU Ray head on 127.0.0.1 with explicit ports; yields (dashboard address, env for the CLI)."""
@@ -94,9 +50,10 @@ def local_cluster():
     gcs, dashboard, node, objects, client, agent, agent_grpc, env_agent, metrics = _free_ports(9)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the job's `python` is this venv's
-    # Ray 2.60 clusters use token auth when a token exists (~/.ray/auth_token); the job CLI only sends
-    # it when told to, so both sides are told explicitly.
+    # Token auth on both sides, told explicitly (the job CLI sends the token only when told to); the token is
+    # the session's own (conftest: RAY_AUTH_TOKEN_PATH), never ~/.ray/auth_token.
     env["RAY_AUTH_MODE"] = "token"
+    token = env[OWNER_ENV] = secrets.token_hex(8)  # every process of this cluster inherits the mark
     command = [
         RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", "2",
         "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
@@ -106,10 +63,11 @@ def local_cluster():
         "--metrics-export-port", str(metrics), "--temp-dir", temp, "--disable-usage-stats",
     ]  # fmt: skip
     try:
-        subprocess.run(command, check=True, env=env, capture_output=True, text=True, timeout=180)
+        started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, f"ray start failed: {started.stdout[-3000:]}{started.stderr[-3000:]}"
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
-        _stop(temp)
+        end_processes(marked_processes(token))
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -134,3 +92,87 @@ def test_ray_job_submit_pretrains_and_checkpoints(local_cluster, tiny_tokenizer,
     loaded = load_model(final)
     assert loaded.model.config.pattern == "2x3" and loaded.config["job"]["train"]["max_steps"] == 4
     assert loaded.tokenizer_path is not None and loaded.tokenizer_path.read_bytes() == tiny_tokenizer.read_bytes()
+
+
+# ----- a run stopped by Ctrl-C or killed resumes from its newest complete checkpoint, leaving no process --------
+
+
+def _launch(storage: Path, tokenizer: Path, token: str, log: Path, *extra: str) -> subprocess.Popen:
+    """``jobs/pretrain.py`` with a private local Ray whose processes carry ``SPEED_RAY_OWNER=token``."""
+    flags = ["--preset", "tiny", "--pattern", "2x2", "--limit", "40", "--tokenizer", str(tokenizer)]
+    flags += ["--batch-size", "4", "--max-steps", "5000", "--checkpoint-every", "5", "--log-every", "500"]
+    flags += ["--cpus-per-worker", "1", "--storage-path", str(storage), *extra]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {OWNER_ENV: token}
+    command = [sys.executable, str(repo_root() / "jobs" / "pretrain.py"), *flags]
+    with log.open("w") as out:  # its own session: Ctrl-C reaches its whole process group, as in a terminal
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(condition, what: str, timeout_s: float = 300.0, process: subprocess.Popen | None = None):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        assert process is None or process.poll() is None, f"the job ended (status {process.poll()}) before {what}"
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def _newest_step(storage: Path) -> int:
+    """The step of the newest complete checkpoint in the storage's one run (0 while there is none)."""
+    runs = list(storage.glob("pretrain-pretrain-2x2-*"))
+    newest = newest_complete_checkpoint(str(runs[0])) if runs else None
+    return int(newest.rsplit("_", 1)[1]) if newest else 0
+
+
+def _steps_on_storage(storage: Path) -> tuple[int, int]:
+    """(newest complete checkpoint, newest checkpoint folder, complete or not): at most one interval apart."""
+    folders = [int(p.name.rsplit("_", 1)[1]) for p in storage.glob("pretrain-pretrain-2x2-*/checkpoint_*")]
+    return _newest_step(storage), max(folders, default=0)
+
+
+def _resumed_at(log: Path) -> int | None:
+    found = re.search(r"resumed at step (\d+) from (\S+)", log.read_text())
+    return int(found.group(1)) if found else None
+
+
+def _check_resumed(log: Path, newest: int) -> int:
+    """The run resumed from the newest complete checkpoint on storage."""
+    resumed = _resumed_at(log)
+    assert resumed == newest, f"resumed at {resumed}, newest complete checkpoint {newest}: {log.read_text()[-3000:]}"
+    return resumed
+
+
+def test_a_stopped_run_resumes_from_its_newest_checkpoint_and_leaves_no_process(tiny_tokenizer, tmp_path):
+    storage = tmp_path / "runs"
+    tokens = [secrets.token_hex(8) for _ in range(3)]
+    logs = [tmp_path / f"launch{i}.log" for i in range(3)]
+
+    # 1. Ctrl-C (SIGINT to the job's process group) once a few checkpoints are on storage.
+    first = _launch(storage, tiny_tokenizer, tokens[0], logs[0])
+    _wait(lambda: _newest_step(storage) >= 10, "checkpoint 10", process=first)
+    os.killpg(first.pid, signal.SIGINT)
+    first.wait(timeout=120)
+    _wait(lambda: not marked_processes(tokens[0]), "the first run's Ray processes to end", timeout_s=60)
+
+    # 2. The same command resumes from the newest complete checkpoint; then its driver is SIGKILLed.
+    newest, folder = _steps_on_storage(storage)
+    assert folder - newest <= 5  # at most the checkpoint being written when stopped is lost
+    second = _launch(storage, tiny_tokenizer, tokens[1], logs[1])
+    _wait(lambda: _resumed_at(logs[1]) is not None, "the second run to resume", process=second)
+    resumed = _check_resumed(logs[1], newest)
+    _wait(lambda: _newest_step(storage) >= resumed + 10, "two more checkpoints", process=second)
+    assert marked_processes(tokens[1]), "the second run's Ray processes carry the owner mark"
+    second.kill()  # the driver alone: Ray's processes would outlive it
+    second.wait(timeout=30)
+    _wait(lambda: not marked_processes(tokens[1]), "the killed run's Ray processes to end", timeout_s=60)
+
+    # 3. And again, for six steps: it resumes from the newest complete checkpoint the killed run left.
+    newest, folder = _steps_on_storage(storage)
+    assert folder - newest <= 5
+    third = _launch(storage, tiny_tokenizer, tokens[2], logs[2], "--stop-at-step", str(newest + 6))
+    assert third.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
+    _check_resumed(logs[2], newest)
+    assert f"(step {newest + 6})" in logs[2].read_text()
+    _wait(lambda: not marked_processes(tokens[2]), "the finished run's Ray processes to end", timeout_s=60)

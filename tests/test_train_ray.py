@@ -6,6 +6,8 @@ steps of ``preset("tiny")`` on 40 pretraining documents, ~20 s each.
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -39,10 +41,14 @@ def straight(ray_session, tiny_tokenizer, tmp_path_factory):
     return run_job(_job(tmp_path_factory.mktemp("straight"), tiny_tokenizer))
 
 
-def test_resume_gives_the_weights_of_an_uninterrupted_run(straight, tiny_tokenizer, tmp_path):
+def test_resume_gives_the_weights_of_an_uninterrupted_run(straight, tiny_tokenizer, tmp_path, monkeypatch):
     first = run_job(_job(tmp_path / "a", tiny_tokenizer, "--stop-at-step", "3"))
     assert load_training_state(first.checkpoint).step == 3
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # the driver's temporary folders go here
     resumed = run_job(_job(tmp_path / "b", tiny_tokenizer, "--resume", first.run_dir))
+    assert list(scratch.iterdir()) == []  # the tokenizer copied from the checkpoint (speed-tokenizer-*) is gone
     assert resumed.metrics["step"] == 6 and load_training_state(resumed.checkpoint).step == 6
     for (name, a), b in zip(_weights(straight.checkpoint).items(), _weights(resumed.checkpoint).values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,5 +1,6 @@
 """Training checkpoints: readable by speed.checkpoint.load_model, resumable, refused when incompatible."""
 
+import json
 import random
 
 import pytest
@@ -7,19 +8,22 @@ import torch
 
 from speed.checkpoint import load_model
 from speed.config import preset
+from speed.evaluate import EvalConfig
 from speed.model import SpeedT5
-from speed.train.config import job_from_args
+from speed.train.config import job_from_args, job_to_dict, resumable_job
 from speed.train.optim import build_optimizer, build_scheduler
 from speed.train.progress import StepRecord, format_duration, progress_line, records_to_table, window_mean
 from speed.train.state import (
+    COMPLETE_FILE,
     IncompatibleCheckpointError,
     TrainingState,
     check_compatible,
     checkpoint_name,
     latest_checkpoint,
     load_training_state,
+    mark_complete,
+    newest_complete_checkpoint,
     read_checkpoint_config,
-    resumable_job,
     rng_state,
     save_training_checkpoint,
     set_rng_state,
@@ -46,7 +50,9 @@ def saved(tmp_path):
     state = TrainingState(
         3, opt.state_dict(), sched.state_dict(), [rng_state()], records_to_table([_record(s) for s in (1, 2, 3)])
     )
-    directory = save_training_checkpoint(tmp_path / "run" / checkpoint_name(3), model, tokenizer, job, state)
+    where = tmp_path / "run" / checkpoint_name(3)
+    directory = save_training_checkpoint(where, model, tokenizer, job_to_dict(job), state)
+    mark_complete(str(directory), 3)
     return job, model, opt, directory
 
 
@@ -77,23 +83,28 @@ def test_incompatible_checkpoints_are_refused_by_name(saved):
     job, _, _, directory = saved
     config = read_checkpoint_config(directory)
     tokenizer = (directory / "spm.model").read_bytes()
-    check_compatible(config, job, tokenizer, str(directory))  # itself: fine
+    check_compatible(config, job_to_dict(job), tokenizer, str(directory))  # itself: fine
     other = job.__class__(**{**job.__dict__, "model": preset("tiny", pattern="2x3")})
     with pytest.raises(IncompatibleCheckpointError, match=r"model.pattern is '2x2' there, '2x3' here"):
-        check_compatible(config, other, tokenizer, str(directory))
+        check_compatible(config, job_to_dict(other), tokenizer, str(directory))
     with pytest.raises(IncompatibleCheckpointError, match="tokenizer"):
-        check_compatible(config, job, b"another tokenizer", str(directory))
+        check_compatible(config, job_to_dict(job), b"another tokenizer", str(directory))
     adafactor = job_from_args("pretrain", ["--preset", "tiny", "--pattern", "2x2", "--optimizer", "adafactor"])
     with pytest.raises(IncompatibleCheckpointError, match="optim.name is 'adamw' there, 'adafactor' here"):
-        check_compatible(config, adafactor, tokenizer, str(directory))
+        check_compatible(config, job_to_dict(adafactor), tokenizer, str(directory))
 
 
 def test_latest_checkpoint_and_resumable_job(saved, tmp_path):
     job, _, _, directory = saved
     run = directory.parent
     (run / checkpoint_name(1)).mkdir()
+    mark_complete(str(run / checkpoint_name(1)), 1)
+    (run / checkpoint_name(4)).mkdir()  # a checkpoint cut off while written: no marker
+    (run / checkpoint_name(4) / "model.pt").write_bytes(b"half")
     (run / "checkpoint_manager_snapshot.json").write_text("{}")
-    assert latest_checkpoint(str(run)) == f"{run}/{checkpoint_name(3)}"
+    assert latest_checkpoint(str(run)) == newest_complete_checkpoint(str(run)) == f"{run}/{checkpoint_name(3)}"
+    assert (directory / COMPLETE_FILE).read_text() == "3\n"
+    assert newest_complete_checkpoint(str(tmp_path / "missing")) is None
     assert latest_checkpoint(str(directory)) == str(directory)
     with pytest.raises(FileNotFoundError, match="no checkpoint or run directory"):
         latest_checkpoint(str(tmp_path / "missing"))
@@ -120,3 +131,15 @@ def test_progress_shows_the_mean_of_the_window():
     assert mean.loop_losses == pytest.approx([5.25 / 3, 3.5 / 3])
     assert mean.tokens_per_s == pytest.approx(200.0) and mean.step_time_s == pytest.approx(0.5)
     assert window_mean(records[-1:]) == records[-1]
+
+
+def test_a_checkpoint_written_before_evalconfig_resumes(saved):
+    _, _, _, directory = saved
+    config = json.loads((directory / "config.json").read_text())
+    old = {"split": "test", "limit": None, "batch_size": 16, "max_new_tokens": 64, "launch_loop": 1}
+    old |= {"invalidation": "eager", "check_sequential": True}  # EvalSettings' fields
+    for enabled, expected in ((False, None), (True, {**old})):
+        config["job"]["eval"] = {**old, "enabled": enabled}
+        (directory / "config.json").write_text(json.dumps(config))
+        assert resumable_job(str(directory))["eval"] == expected
+        assert job_from_args("pretrain", ["--resume", str(directory)]).eval == (expected and EvalConfig(**expected))

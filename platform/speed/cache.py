@@ -100,6 +100,10 @@ class KVCache:
         span = rows.span
         return keys[rows.loop_t, rows.seq_t, :, :span], values[rows.loop_t, rows.seq_t, :, :span]
 
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
     def invalidate(self, seq: int, from_pos: int) -> None:
         """Drop positions >= ``from_pos`` of sequence ``seq`` at every depth (no copy)."""
         np.minimum(self.lengths[:, :, seq], from_pos, out=self.lengths[:, :, seq])

@@ -1,13 +1,16 @@
 """Frozen, typed configuration: the sharing pattern and the model dimensions.
 
 Configs are plain frozen dataclasses. Dicts (from YAML, flags or a checkpoint)
-become configs only through ``from_dict``, which rejects unknown keys by name.
+become configs only through ``from_dict``, which rejects unknown keys by name
+and coerces values by the field types.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -144,29 +147,96 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-    """Build the dataclass ``cls`` from ``data``; unknown keys are an error, never ignored.
+class ConfigError(ValueError):
+    """A config value that does not fit its field, or a key that names no field."""
 
-    Nested dataclass fields are built recursively from nested dicts.
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build the dataclass ``cls`` from ``data``; unknown keys and values of the wrong type are errors.
+
+    Values are coerced by the field types (``int``, ``float``, ``bool``, ``str``,
+    ``Literal``, optionals, tuples, nested dataclasses from nested dicts): YAML's
+    ``1e-3`` (a string to YAML) becomes a float, while ``"maybe"`` for a ``bool``
+    is a ``ConfigError`` naming the key (``where`` is the dotted prefix of this
+    section in those messages, e.g. ``"train"``).
     """
     if not isinstance(data, dict):
-        raise TypeError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{where or cls.__name__} must be a mapping of keys to values, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(fields)}")
-    kwargs = {}
-    for key, value in data.items():
-        ftype = fields[key].type
-        target = _dataclass_type(cls, ftype)
-        kwargs[key] = from_dict(target, value) if target is not None and isinstance(value, dict) else value
+        raise ConfigError(f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {key: coerce(value, hints[key], f"{where}.{key}" if where else key) for key, value in data.items()}
     return cls(**kwargs)
 
 
-def _dataclass_type(owner: type, annotation: Any) -> type | None:
-    """The dataclass named by a field annotation (string annotations resolved in the owner's module)."""
-    if isinstance(annotation, str):
-        import sys
+_TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
 
-        annotation = vars(sys.modules[owner.__module__]).get(annotation)
-    return annotation if dataclasses.is_dataclass(annotation) else None
+
+def coerce(value: Any, annotation: Any, key: str) -> Any:
+    """``value`` as the type ``annotation`` names, or a ``ConfigError`` naming ``key``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {options}")
+    if origin is typing.Literal:
+        for choice in args:
+            try:
+                if coerce(value, type(choice), key) == choice:
+                    return choice
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}: {value!r}")
+        return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if dataclasses.is_dataclass(annotation):
+        return value if isinstance(value, annotation) else from_dict(annotation, value, key)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        return _number(value, int, key)
+    if annotation is float:
+        return _number(value, float, key)
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r} (quote it in YAML)")
+    return value
+
+
+def _number(value: Any, kind: type, key: str) -> Any:
+    """An int or float from a number or a numeric string; bools and fractional ints are refused."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value) if kind is float or not value.strip().lstrip("+-").isdigit() else int(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise ConfigError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if kind is int:
+        if isinstance(number, float) and not number.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(number)
+    return float(number)

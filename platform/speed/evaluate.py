@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -27,6 +26,7 @@ from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
 from speed.decoding import DecodeStats, generate
 from speed.model import SpeedT5
+from speed.progress import ProgressBar
 from speed.tokenizer import EOS_ID, Tokenizer
 from speed.trace import TRACE_SCHEMA, flip_rates
 
@@ -51,32 +51,53 @@ METRICS = {"bleu": metrics.bleu, "chrf": metrics.chrf, "rouge": metrics.rouge}  
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """What to evaluate and how to decode it."""
+    """What to evaluate and how to decode it: the one evaluation config.
 
-    task: str = "translate_en_de"
-    split: str = "validation"
-    source: str | None = None  # None: the task's local corpus (see speed.data.sources)
+    ``jobs/evaluate.py``'s flags and a finetuning job's ``eval`` section both
+    fill it (``speed.config.from_dict`` coerces and checks the values). ``task``,
+    ``source`` and ``max_source_len`` left at None follow the training data (the
+    finetuning job's ``data`` section, or the evaluated checkpoint's): see
+    ``following``.
+    """
+
+    task: str | None = None  # a source/target task; None: the training task
+    split: str = "test"
+    source: str | None = None  # corpus folder, files or hub name; None: the training data's (its local corpus)
     limit: int | None = None  # first N usable records; None: the whole split
     batch_size: int = 16
     max_new_tokens: int = 64
+    max_source_len: int | None = None  # encoder inputs are truncated to this many tokens; None: the training data's
     launch_loop: int = 1  # SPEED launches a successor after this many loops
-    invalidation: str = "eager"  # "eager" or "final"
-    check_sequential: bool = False  # also decode sequentially, require identical output, report the speed-up
-    max_source_len: int = 512  # encoder inputs are truncated to this many tokens (EOS included)
+    invalidation: Literal["eager", "final"] = "eager"
+    check_sequential: bool = True  # also decode sequentially, require identical output, report the speed-up
 
     def __post_init__(self) -> None:
-        spec = get_task(self.task)
-        if spec.is_pretrain:
+        if self.task is not None and get_task(self.task).is_pretrain:
             raise ValueError(f"task {self.task!r} has no references to score; evaluate a source/target task")
         for name in ("batch_size", "max_new_tokens", "launch_loop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EvalConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_source_len < 2:
+        if self.max_source_len is not None and self.max_source_len < 2:
             raise ValueError(f"EvalConfig.max_source_len must be at least 2, got {self.max_source_len}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"EvalConfig.limit must be positive or None, got {self.limit}")
         if self.invalidation not in ("eager", "final"):
             raise ValueError(f"EvalConfig.invalidation must be 'eager' or 'final', got {self.invalidation!r}")
+
+    def following(self, task: str | None, source: str | None, max_source_len: int | None) -> EvalConfig:
+        """This config with its unset ``task``, ``source`` and ``max_source_len`` taken from the training data."""
+        return dataclasses.replace(
+            self,
+            task=self.task if self.task is not None else task,
+            source=self.source if self.source is not None else source,
+            max_source_len=self.max_source_len if self.max_source_len is not None else max_source_len,
+        )
+
+    def check_complete(self) -> None:
+        """Raise unless the task and the input length are known (after ``following``)."""
+        missing = [name for name in ("task", "max_source_len") if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"evaluation needs {' and '.join(missing)}: none given and no training data to follow")
 
 
 @dataclass
@@ -92,36 +113,17 @@ class _Decoded:
 def run_evaluation(
     model: SpeedT5,
     tokenizer: Tokenizer | str | Path,
-    task: str,
-    split: str,
+    config: EvalConfig,
     out_dir: str | Path,
     *,
-    source: str | None = None,
-    limit: int | None = None,
-    batch_size: int = 16,
-    max_new_tokens: int = 64,
-    launch_loop: int = 1,
-    invalidation: str = "eager",
-    check_sequential: bool = False,
-    max_source_len: int = 512,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Decode a task split with SPEED, score it, write the three files; returns the summary.
 
-    ``progress`` prints one line per batch to stderr.
+    ``config`` must name its task and input length (``EvalConfig.following``).
+    ``progress`` shows one progress bar per decoding method on stderr.
     """
-    config = EvalConfig(
-        task=task,
-        split=split,
-        source=source,
-        limit=limit,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        launch_loop=launch_loop,
-        invalidation=invalidation,
-        check_sequential=check_sequential,
-        max_source_len=max_source_len,
-    )
+    config.check_complete()
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     if tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
@@ -186,6 +188,7 @@ def _decode(model: SpeedT5, inputs: list[list[int]], config: EvalConfig, method:
     traces: list[pa.Table] = []
     stats = DecodeStats()
     seconds = 0.0
+    bar = ProgressBar(len(inputs), f"evaluate {method}", "examples") if progress else None
     for start in range(0, len(inputs), config.batch_size):
         input_ids, attention_mask = pad_inputs(inputs[start : start + config.batch_size])  # (B, S), (B, S)
         begin = time.perf_counter()
@@ -206,13 +209,8 @@ def _decode(model: SpeedT5, inputs: list[list[int]], config: EvalConfig, method:
         if result.trace is not None:
             example = pc.add(result.trace.column("sequence"), pa.scalar(start, pa.int32()))
             traces.append(pa.Table.from_arrays([example, *result.trace.columns], schema=EVAL_TRACE_SCHEMA))
-        if progress:
-            print(
-                f"[evaluate {method}] {len(tokens)}/{len(inputs)} examples, {stats.tokens} tokens, "
-                f"{stats.tokens / seconds:.0f} tokens/s",
-                file=sys.stderr,
-                flush=True,
-            )
+        if bar is not None:
+            bar.update(len(result.tokens), f"{stats.tokens / seconds:.0f} tokens/s")
     trace = pa.concat_tables(traces) if traces else None
     return _Decoded(tokens, stats, seconds, trace)
 

@@ -255,12 +255,14 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class Memory:
-    """Per-request decoding inputs, computed once and shared by every loop.
+    """Slot-addressed decoding inputs: one slot per request decoded at once, shared by every loop.
 
-    ``keys[j]``/``values[j]``: cross-attention keys/values (B, H, S, D) of
-    physical layer j. ``cross_bias``: (B, 1, 1, S) padding mask.
+    ``keys[j]``/``values[j]``: cross-attention keys/values (C, H, S, D) of
+    physical layer j for C slots of up to S encoder tokens, written once when
+    a request is admitted to its slot. ``cross_bias``: (C, 1, 1, S) mask of
+    each slot's real tokens (0) and unused tail (a large negative).
     ``self_bias``: (max_len, H, max_len) decoder position bias plus causal
-    mask, indexed by query position.
+    mask, indexed by query position; it does not depend on the request.
     """
 
     keys: list[Tensor]
@@ -392,7 +394,7 @@ class SpeedT5(nn.Module):
             )
         return SpeedT5Output(loop_losses, (weights * loop_losses).sum(), all_logits if return_logits else None)
 
-    # ----- decoding primitives (used by speed.decoding) --------------------------------
+    # ----- decoding primitives (used by speed.engine) ----------------------------------
 
     @property
     def eos_id(self) -> int:
@@ -409,16 +411,39 @@ class SpeedT5(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.n_loops, len(self.decoder_layers), batch, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
 
-    @torch.no_grad()
-    def prepare(self, input_ids: Tensor, attention_mask: Tensor | None, max_len: int) -> Memory:
-        """Encode once per request: cross-attention keys/values per physical layer and bias tables."""
-        encoded = self.encode(input_ids, attention_mask)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        keys, values = zip(*(layer.cross_attn.memory(encoded) for layer in self.decoder_layers))
-        causal = torch.full((max_len, max_len), _mask_value(encoded.dtype), device=encoded.device).triu(1)
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def memory(self, capacity: int, max_source_len: int, max_len: int) -> Memory:
+        """Empty decoding memory: ``capacity`` slots of up to ``max_source_len`` encoder tokens.
+
+        The decoder position bias for ``max_len`` positions is built here, once.
+        """
+        c, p = self.config, self.lm_head.weight
+        shape = (capacity, c.n_heads, max_source_len, c.d_kv)
+        keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.decoder_layers]
+        values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.decoder_layers]
+        cross_bias = torch.full((capacity, 1, 1, max_source_len), _mask_value(p.dtype), dtype=p.dtype, device=p.device)
+        causal = torch.full((max_len, max_len), _mask_value(p.dtype), dtype=p.dtype, device=p.device).triu(1)
         self_bias = (self.decoder_bias(max_len, max_len) + causal).transpose(0, 1).contiguous()  # (q, H, k)
-        return Memory(list(keys), list(values), self._padding_bias(attention_mask, encoded.dtype), self_bias)
+        return Memory(keys, values, cross_bias, self_bias)
+
+    @torch.no_grad()
+    def admit(self, memory: Memory, slot: int, input_ids: Tensor) -> None:
+        """Encode one request's ids (1, S) into ``slot``: its cross-attention keys/values and mask.
+
+        Each request is encoded alone, so its keys do not depend on which
+        requests arrive with it; the slot's stale tail past S is masked.
+        """
+        S = input_ids.shape[1]
+        encoded = self.encode(input_ids)  # (1, S, d)
+        for j, layer in enumerate(self.decoder_layers):
+            k, v = layer.cross_attn.memory(encoded)  # 2 x (1, H, S, D)
+            memory.keys[j][slot, :, :S] = k[0]
+            memory.values[j][slot, :, :S] = v[0]
+        memory.cross_bias[slot, ..., :S] = 0.0
+        memory.cross_bias[slot, ..., S:] = _mask_value(memory.cross_bias.dtype)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Decoder input embeddings (R, d) of token ids (R,)."""

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from speed.data import pad_inputs, truncate
 from speed.decoding import DecodeStats, generate
-from speed.evaluate import PREDICTIONS_FILE, run_evaluation
+from speed.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
 from speed.model import SpeedT5
 from speed.tokenizer import Tokenizer
 
@@ -57,19 +57,16 @@ def measure(
     out_dir: str | Path,
 ) -> Measurement:
     """Evaluate ``model`` on the first ``limit`` validation examples; the evaluation files go to ``out_dir``."""
-    summary = run_evaluation(
-        model,
-        tokenizer,
-        task,
-        "validation",
-        out_dir,
+    config = EvalConfig(
+        task=task,
+        split="validation",
         source=source,
         limit=limit,
         max_new_tokens=max_new_tokens,
-        check_sequential=True,  # SPEED's output must be the sequential output: the run fails otherwise
         max_source_len=max_source_len,
-        progress=False,
+        check_sequential=True,  # SPEED's output must be the sequential output: the measurement fails otherwise
     )
+    summary = run_evaluation(model, tokenizer, config, out_dir, progress=False)
     scores = _scores(summary["metrics"])
     primary = "bleu" if "bleu" in scores else "rougeL"
     flips = sorted(summary["flip_rates"], key=lambda r: r["loop"])

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,25 +59,30 @@ class SweepOutcome:
 
 def sweep_name(sweep: SweepConfig, job: JobConfig) -> str:
     """``sweep-<task>-<hash of the sweep and the base job>``, unless the job names its run."""
-    return job.run.name or f"sweep-{job.data.task}-{sweep_digest(sweep, job_to_dict(replace(job, run=None)))}"
+    where = job_to_dict(job)
+    where.pop("run")  # storage, retries: where the sweep runs, not what it finds
+    return job.run.name or f"sweep-{job.data.task}-{sweep_digest(sweep, where)}"
 
 
 def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback] | None = None) -> SweepOutcome:
     """Run (or resume) the sweep; write and print its tables. ``callbacks``: Tune callbacks of a new sweep."""
-    job, tokenizer_path = prepare(job)
-    job = replace(job, eval=replace(job.eval, enabled=False))  # trials measure on the validation split instead
-    name = sweep_name(sweep, job)
-    storage = storage_uri(job.run.storage_path)
-    directory = f"{storage.rstrip('/')}/{name}"
-    d = job.data
-    spec = CorpusSpec(d.task, "validation", d.source, sweep.val_limit, d.max_source_len, d.max_target_len)
-    validation = prepare_corpus(spec, tokenizer_path, cache_root(storage))
+    with tempfile.TemporaryDirectory(prefix="speed-tokenizer-") as scratch:
+        job, tokenizer_path = prepare(job, Path(scratch))
+        job = replace(job, eval=None)  # trials measure on the validation split instead (speed.sweep.measure)
+        name = sweep_name(sweep, job)
+        storage = storage_uri(job.run.storage_path)
+        directory = f"{storage.rstrip('/')}/{name}"
+        d = job.data
+        spec = CorpusSpec(d.task, "validation", d.source, sweep.val_limit, d.max_source_len, d.max_target_len)
+        validation = prepare_corpus(spec, tokenizer_path, cache_root(storage)).uri
+        corpus = prepare_data(job, tokenizer_path).uri
+        tokenizer = tokenizer_path.read_bytes()
     setup = SweepSetup(
         sweep=name,
         job=job_to_dict(job),
-        tokenizer=tokenizer_path.read_bytes(),
-        corpus=prepare_data(job, tokenizer_path).uri,
-        validation=validation.uri,
+        tokenizer=tokenizer,
+        corpus=corpus,
+        validation=validation,
         train_storage=f"{directory}/train",
         measure_limit=sweep.measure_limit,
         max_new_tokens=sweep.max_new_tokens,

@@ -23,11 +23,11 @@ import ray
 from ray import tune
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from speed.checkpoint import TOKENIZER_FILE
 from speed.sweep.measure import Measurement
 from speed.sweep.space import METRIC, trial_scheme
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
-from speed.train.launch import build_trainer, checkpoint_uri, copy_tree
+from speed.train.launch import build_trainer, copy_tree
+from speed.train.state import checkpoint_uri, newest_complete_checkpoint
 
 MEASUREMENT_FILE = "measurement.json"
 EVAL_DIR = "eval_validation"  # in the trial's Train run directory: predictions, trace, summary
@@ -79,15 +79,14 @@ def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:
             tune.report(json.loads((Path(directory) / MEASUREMENT_FILE).read_text())["report"])
         return
     job = trial_job(setup, trial_config, tune.get_context().get_trial_name())
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer_path = Path(tmp) / TOKENIZER_FILE
-        tokenizer_path.write_bytes(setup.tokenizer)
-        callbacks = [TuneReportCallback()]  # rank 0's reports -> tune.report
-        result = build_trainer(
-            job, tokenizer_path, setup.corpus, None, validation=setup.validation, callbacks=callbacks
-        ).fit()
-    checkpoint = checkpoint_uri(result.checkpoint)
     run_dir = f"{setup.train_storage.rstrip('/')}/{job.run.name}"
+    callbacks = [TuneReportCallback()]  # rank 0's reports -> tune.report
+    trainer = build_trainer(
+        job, setup.tokenizer, setup.corpus, run_dir, None, validation=setup.validation, callbacks=callbacks
+    )
+    result = trainer.fit()
+    # The run's newest complete checkpoint on storage: Ray's result lags it when a resumed run trained no step.
+    checkpoint = newest_complete_checkpoint(run_dir) or checkpoint_uri(result.checkpoint)
     gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
     # Outside the trial's placement group (a bundle of memory only): the task takes the workers' resources.
     outside = PlacementGroupSchedulingStrategy(placement_group=None)

@@ -22,9 +22,12 @@ from typing import Any
 
 import yaml
 
-from speed.config import ModelConfig, from_dict, preset, to_dict
+from speed.cli import JobParser
+from speed.config import ConfigError, ModelConfig, from_dict, preset, to_dict
 from speed.data.tasks import TASKS
+from speed.evaluate import EvalConfig
 from speed.losses import SCHEMES, check_scheme
+from speed.train.state import IncompatibleCheckpointError, local_checkpoint, read_checkpoint_config
 
 KINDS = ("pretrain", "finetune")
 OPTIMIZERS = ("adamw", "adafactor")
@@ -154,23 +157,6 @@ class RunSettings:
 
 
 @dataclass(frozen=True)
-class EvalSettings:
-    """The evaluation a finetuning job runs on its final checkpoint (speed.evaluate.run_evaluation).
-
-    Task, source and input length come from the job's ``data`` section.
-    """
-
-    enabled: bool = True
-    split: str = "test"
-    limit: int | None = None  # first N records of the split
-    batch_size: int = 16
-    max_new_tokens: int = 64
-    launch_loop: int = 1
-    invalidation: str = "eager"
-    check_sequential: bool = True  # also decode sequentially: exactness check and the speed-up
-
-
-@dataclass(frozen=True)
 class JobConfig:
     """Everything a pretraining or finetuning job needs; travels inside every checkpoint."""
 
@@ -181,7 +167,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     scale: ScaleConfig = field(default_factory=ScaleConfig)
     run: RunSettings = field(default_factory=RunSettings)
-    eval: EvalSettings = field(default_factory=EvalSettings)
+    eval: EvalConfig | None = field(default_factory=EvalConfig)  # finetune: evaluated at the end; None: not
     init_from: str | None = None  # finetune: a speed checkpoint dir/URI, or "hf:<name or path>" (T5 v1.1 weights)
     resume: str | None = None  # continue a finished or interrupted run from this checkpoint (or run) dir/URI
 
@@ -194,6 +180,15 @@ class JobConfig:
                 f"batch_size={self.train.batch_size} must divide evenly into num_workers={self.scale.num_workers} "
                 f"x grad_accum={self.train.grad_accum} micro-batches"
             )
+        if self.kind == "finetune" and self.eval is not None:
+            self.final_eval.check_complete()  # checked now, not after training: e.g. a task without references
+
+    @property
+    def final_eval(self) -> EvalConfig:
+        """The evaluation of a finetuning job's final checkpoint: ``eval`` following the ``data`` section."""
+        if self.eval is None:
+            raise ValueError("this job has no evaluation (eval: null)")
+        return self.eval.following(self.data.task, self.data.source, self.data.max_source_len)
 
     @property
     def micro_batch(self) -> int:
@@ -210,7 +205,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "data": {"task": "pretrain", "max_source_len": 128, "max_target_len": 32, "pack": True},
         "optim": {"lr": 1e-3, "warmup_steps": 10},
         "train": {"batch_size": 16, "max_steps": 100, "log_every": 10, "checkpoint_every": 50},
-        "eval": {"enabled": False},
+        "eval": None,
     },
     "finetune": {
         "model": {"preset": "mini", "pattern": "2x6"},
@@ -227,17 +222,17 @@ def resolve_model(section: dict[str, Any]) -> ModelConfig:
     section = dict(section)
     name = section.pop("preset", None)
     base = preset(name) if name is not None else ModelConfig()
-    return base.replace(**section) if section else base
+    return from_dict(ModelConfig, {**to_dict(base), **section}, "model") if section else base
 
 
 def job_from_dict(data: dict[str, Any]) -> JobConfig:
     """Build a ``JobConfig`` from a nested dict (YAML layout or a checkpoint's resolved ``job`` section)."""
     if not isinstance(data, dict):
-        raise TypeError(f"a job config must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"a job config must be a mapping, got {type(data).__name__}")
     data = dict(data)
     model = data.pop("model", {})
     if not isinstance(model, dict):
-        raise TypeError(f"the 'model' section must be a mapping, got {type(model).__name__}")
+        raise ConfigError(f"the 'model' section must be a mapping, got {type(model).__name__}")
     job = from_dict(JobConfig, data)
     return JobConfig(**{**_shallow(job), "model": resolve_model(model)})
 
@@ -263,7 +258,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no config file at {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = _yaml(path.read_text(), str(path)) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of sections (model, data, optim, ...), got {type(data).__name__}")
     return data
@@ -277,12 +272,34 @@ def run_name(job: JobConfig) -> str:
     in the same run and Ray resumes it from its last checkpoint.
     """
     d = job_to_dict(job)
-    for key in ("time_budget_min", "stop_at_step", "fail_at_step", "num_threads", "log_every"):
+    for key in (*LAUNCH_ONLY["train"], "num_threads", "log_every"):
         d["train"].pop(key)
     for key in ("run", "eval", "resume", "scale"):
         d.pop(key)
     digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
     return f"{job.kind}-{job.data.task}-{job.model.pattern}-{digest}"
+
+
+# ----- resuming a run --------------------------------------------------------------------------------
+
+# Launch-only settings a resumed run must not inherit from the run it continues.
+LAUNCH_ONLY = {"train": ("time_budget_min", "stop_at_step", "fail_at_step"), "run": ("name",)}
+
+
+def resumable_job(path: str) -> dict[str, Any]:
+    """The resolved job of the checkpoint a ``--resume`` names, minus launch-only settings; ``resume`` set."""
+    with local_checkpoint(path) as directory:
+        saved = read_checkpoint_config(directory)
+    if "job" not in saved:
+        raise IncompatibleCheckpointError(f"{path} is a model checkpoint without a training job; use --init-from")
+    job = {**saved["job"], "model": saved["model"], "resume": path}
+    settings = job.get("eval")
+    if isinstance(settings, dict) and "enabled" in settings:  # written before EvalConfig, as EvalSettings
+        job["eval"] = {k: v for k, v in settings.items() if k != "enabled"} if settings["enabled"] else None
+    for section, keys in LAUNCH_ONLY.items():
+        for key in keys:
+            job[section][key] = None
+    return job
 
 
 def _shallow(obj: Any) -> dict[str, Any]:
@@ -330,13 +347,13 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--resume": ("resume", str, "continue from a checkpoint or run directory"),
     "--eval-split": ("eval.split", str, "split evaluated after finetuning"),
     "--eval-limit": ("eval.limit", int, "first N records of the evaluation split"),
-    "--no-eval": ("eval.enabled", "false", "skip the evaluation after finetuning"),
+    "--no-eval": ("eval", None, "skip the evaluation after finetuning"),
 }
 
 
 def build_parser(kind: str, description: str) -> argparse.ArgumentParser:
     """The jobs' shared flag parser; flags left out keep the YAML or default value."""
-    parser = argparse.ArgumentParser(
+    parser = JobParser(
         prog=f"{kind}.py",
         description=description,
         argument_default=argparse.SUPPRESS,
@@ -350,8 +367,8 @@ def build_parser(kind: str, description: str) -> argparse.ArgumentParser:
     for flag, (key, kind_, help_) in FLAGS.items():
         if kind_ is bool:
             parser.add_argument(flag, dest=key, action="store_true", help=help_)
-        elif kind_ == "false":
-            parser.add_argument(flag, dest=key, action="store_false", help=help_)
+        elif kind_ is None:
+            parser.add_argument(flag, dest=key, action="store_const", const=None, help=help_)
         else:
             parser.add_argument(flag, dest=key, type=kind_, metavar=key.rpartition(".")[2].upper(), help=help_)
     return parser
@@ -373,18 +390,23 @@ def job_from_layers(kind: str, config_path: str | Path | None, sets: list[str], 
     for item in sets:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        user = merge(user, _dotted(key, yaml.safe_load(value)))
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        user = merge(user, _dotted(key, _yaml(value, f"--set {item}")))
     for key, value in flags.items():
         user = merge(user, _dotted(key, value))
     base = merge(DEFAULTS[kind], {"kind": kind})
     if user.get("resume"):
-        from speed.train.state import resumable_job  # the checkpoint's own job, launch-only fields cleared
-
         base = resumable_job(user["resume"])
         if base.get("kind") != kind:
             raise ValueError(f"--resume {user['resume']} is a {base.get('kind')!r} run, not {kind!r}")
     return job_from_dict(merge(base, user))
+
+
+def _yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
 
 
 def _dotted(key: str, value: Any) -> dict[str, Any]:

@@ -26,8 +26,15 @@ from speed.config import ModelConfig, from_dict, to_dict
 from speed.data.prepare import CorpusSpec, PreparedCorpus, cache_root, prepare_corpus
 from speed.paths import data_dir
 from speed.tokenizer import Tokenizer, train_tokenizer
+from speed.train import local_ray
 from speed.train.config import JobConfig, job_to_dict, run_name
-from speed.train.state import local_checkpoint, read_checkpoint_config
+from speed.train.state import (
+    checkpoint_uri,
+    latest_checkpoint,
+    local_checkpoint,
+    newest_complete_checkpoint,
+    read_checkpoint_config,
+)
 
 HF_PREFIX = "hf:"
 
@@ -44,7 +51,27 @@ class TrainOutcome:
     evaluation: dict[str, Any] | None  # speed.evaluate summary (finetuning), else None
 
 
-# ----- resolving the tokenizer and the model config -------------------------------------------------
+# ----- checking inputs, resolving the tokenizer and the model config -----------------------------------
+
+
+def check_inputs(job: JobConfig) -> None:
+    """Fail now, not after training, on what the job names but cannot find.
+
+    The training split and the split evaluated at the end (local sources; hub data
+    sets are not contacted), the tokenizer file, and the checkpoint ``init_from``
+    or ``resume`` names. Raises ``FileNotFoundError`` or ``ValueError`` naming it.
+    """
+    from speed.data import get_task, resolve_source
+
+    resolve_source(get_task(job.data.task), "train", job.data.source)
+    if job.kind == "finetune" and job.eval is not None:
+        final = job.final_eval
+        resolve_source(get_task(final.task), final.split, final.source)
+    if job.data.tokenizer is not None and not Path(job.data.tokenizer).expanduser().is_file():
+        raise FileNotFoundError(f"no tokenizer file at {job.data.tokenizer}")
+    for origin in (job.init_from, job.resume):
+        if origin is not None and not origin.startswith(HF_PREFIX):
+            latest_checkpoint(origin)
 
 
 def storage_uri(path: str) -> str:
@@ -52,8 +79,10 @@ def storage_uri(path: str) -> str:
     return path if "://" in path else str(Path(path).expanduser().resolve())
 
 
-def prepare(job: JobConfig) -> tuple[JobConfig, Path]:
+def prepare(job: JobConfig, scratch: Path) -> tuple[JobConfig, Path]:
     """Resolve the tokenizer and the model config; returns the completed job and a local tokenizer file.
+
+    A tokenizer taken from a checkpoint is copied into ``scratch`` (the caller's temporary folder).
 
     Resume and ``--init-from`` take model and tokenizer from the checkpoint (or
     the Hugging Face model); otherwise the tokenizer is ``data.tokenizer`` or is
@@ -62,12 +91,11 @@ def prepare(job: JobConfig) -> tuple[JobConfig, Path]:
     """
     origin = job.resume or job.init_from
     if origin and not origin.startswith(HF_PREFIX):
-        cache = Path(tempfile.mkdtemp(prefix="speed-tokenizer-"))
         with local_checkpoint(origin) as directory:
             saved = read_checkpoint_config(directory)
             if not (directory / TOKENIZER_FILE).is_file():
                 raise FileNotFoundError(f"checkpoint {origin} has no {TOKENIZER_FILE}; cannot tokenize for it")
-            tokenizer_path = cache / TOKENIZER_FILE
+            tokenizer_path = scratch / TOKENIZER_FILE
             tokenizer_path.write_bytes((directory / TOKENIZER_FILE).read_bytes())
         model = from_dict(ModelConfig, saved["model"])
         _note_replaced(job.model, model, origin)
@@ -141,9 +169,16 @@ def _trained_tokenizer(job: JobConfig) -> Path:
 
 
 def ensure_ray() -> None:
-    """Connect to ``$RAY_ADDRESS`` when set, else start a local Ray (never joins a stray local cluster)."""
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
+    """Connect to ``$RAY_ADDRESS`` when set, else start a private local Ray (``speed.train.local_ray``).
+
+    Never joins a stray local cluster; the private one leaves no process behind when the driver ends.
+    """
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:
+        local_ray.start()
 
 
 def prepare_data(job: JobConfig, tokenizer_path: Path) -> PreparedCorpus:
@@ -155,8 +190,9 @@ def prepare_data(job: JobConfig, tokenizer_path: Path) -> PreparedCorpus:
 
 def build_trainer(
     job: JobConfig,
-    tokenizer_path: Path,
+    tokenizer: bytes,
     corpus: str,
+    run_dir: str,
     deadline: float | None,
     *,
     validation: str | None = None,
@@ -178,9 +214,10 @@ def build_trainer(
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     loop_config = {
         "job": job_to_dict(job),
-        "tokenizer": tokenizer_path.read_bytes(),  # shipped, so workers on any node can read it
+        "tokenizer": tokenizer,  # the .model file's bytes, shipped so that workers on any node can read it
         "corpus": corpus,
         "deadline": deadline,
+        "run_dir": run_dir,
         "validation": validation,
     }
     return TorchTrainer(
@@ -203,31 +240,28 @@ def run_job(job: JobConfig) -> TrainOutcome:
     """Train (pretrain or finetune) as configured, evaluate a finetuned model, print the run layout."""
     started = time.time()
     deadline = started + 60 * job.train.time_budget_min if job.train.time_budget_min else None
-    job, tokenizer_path = prepare(job)
-    job = replace(job, run=replace(job.run, name=job.run.name or run_name(job)))
-    run_dir = f"{storage_uri(job.run.storage_path).rstrip('/')}/{job.run.name}"
-    print(f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_dir}", flush=True)
-    ensure_ray()
-    corpus = prepare_data(job, tokenizer_path)
-    result = build_trainer(job, tokenizer_path, corpus.uri, deadline).fit()
-    if result.checkpoint is None:
+    with tempfile.TemporaryDirectory(prefix="speed-tokenizer-") as scratch:
+        job, tokenizer_path = prepare(job, Path(scratch))
+        tokenizer = tokenizer_path.read_bytes()
+        job = replace(job, run=replace(job.run, name=job.run.name or run_name(job)))
+        run_dir = f"{storage_uri(job.run.storage_path).rstrip('/')}/{job.run.name}"
+        print(f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_dir}", flush=True)
+        ensure_ray()
+        corpus = prepare_data(job, tokenizer_path).uri
+    result = build_trainer(job, tokenizer, corpus, run_dir, deadline).fit()
+    # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
+    checkpoint = newest_complete_checkpoint(run_dir)
+    if checkpoint is None and result.checkpoint is not None:
+        checkpoint = checkpoint_uri(result.checkpoint)
+    if checkpoint is None:
         raise RuntimeError(f"run {job.run.name} finished without a checkpoint in {run_dir}")
-    checkpoint = checkpoint_uri(result.checkpoint)
     evaluation = None
-    if job.kind == "finetune" and job.eval.enabled:
-        evaluation = evaluate_checkpoint(job, checkpoint, f"{run_dir}/eval_{job.eval.split}")
+    if job.kind == "finetune" and job.eval is not None:
+        evaluation = evaluate_checkpoint(job, checkpoint, f"{run_dir}/eval_{job.final_eval.split}")
     step = read_checkpoint_config(checkpoint)["step"]
     outcome = TrainOutcome(job, run_dir, checkpoint, step, dict(result.metrics or {}), evaluation)
     print(describe(outcome, time.time() - started), flush=True)
     return outcome
-
-
-def checkpoint_uri(checkpoint: ray.train.Checkpoint) -> str:
-    """A Ray Train checkpoint's location as a local path or a URI (readable by speed.checkpoint.load_model)."""
-    fs = checkpoint.filesystem
-    if fs is None or isinstance(fs, pafs.LocalFileSystem):
-        return checkpoint.path
-    return f"{fs.type_name}://{checkpoint.path}"
 
 
 # ----- evaluation after finetuning -----------------------------------------------------------------------
@@ -252,27 +286,12 @@ def _evaluate(job_dict: dict[str, Any], checkpoint: str, out_uri: str) -> dict[s
     from speed.train.config import job_from_dict
 
     job = job_from_dict(job_dict)
-    e = job.eval
     device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
     with local_checkpoint(checkpoint) as directory, tempfile.TemporaryDirectory() as out:
         loaded = load_model(directory, map_location=device)
         tokenizer = Tokenizer.load(loaded.tokenizer_path)
-        summary = run_evaluation(
-            loaded.model.to(device),
-            tokenizer,
-            job.data.task,
-            e.split,
-            out,
-            source=job.data.source,
-            limit=e.limit,
-            batch_size=e.batch_size,
-            max_new_tokens=e.max_new_tokens,
-            launch_loop=e.launch_loop,
-            invalidation=e.invalidation,
-            check_sequential=e.check_sequential,
-            max_source_len=job.data.max_source_len,
-        )
+        summary = run_evaluation(loaded.model.to(device), tokenizer, job.final_eval, out)
         copy_tree(out, out_uri)
     return summary
 
@@ -305,5 +324,5 @@ def describe(outcome: TrainOutcome, seconds: float) -> str:
         )
         lines.append(f"final loss {outcome.metrics['loss']:.4f}, per loop L_i: {loops}")
     if outcome.evaluation is not None:
-        lines.append(f"evaluation: {outcome.run_dir}/eval_{outcome.job.eval.split}/summary.json")
+        lines.append(f"evaluation: {outcome.run_dir}/eval_{outcome.job.final_eval.split}/summary.json")
     return "\n".join(lines)

@@ -6,8 +6,9 @@ shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
 warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
 the shared early-exit loss ``L_w = sum_i w_i L_i``. Rank 0 logs every loop's
 loss and tokens/s, and writes checkpoints reported through ``ray.train.report``.
-A worker (re)started by Ray resumes from ``ray.train.get_checkpoint()``; a
-``--resume`` run from the checkpoint it names.
+A worker (re)started by Ray, or a rerun of the same command, resumes from the
+run's newest complete checkpoint on storage; a ``--resume`` run from the
+checkpoint it names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.losses import loss_weights
 from speed.model import SpeedT5
 from speed.train.batches import BatchPlan
-from speed.train.config import JobConfig, job_from_dict
+from speed.train.config import JobConfig, job_from_dict, job_to_dict
 from speed.train.optim import build_optimizer, build_scheduler, lr_factor
 from speed.train.progress import (
     TRAIN_LOG_SCHEMA,
@@ -46,8 +48,11 @@ from speed.train.state import (
     TrainingState,
     check_compatible,
     checkpoint_name,
+    checkpoint_uri,
     load_training_state,
     local_checkpoint,
+    mark_complete,
+    newest_complete_checkpoint,
     read_checkpoint_config,
     rng_state,
     save_training_checkpoint,
@@ -90,17 +95,22 @@ def _seed_worker(seed: int, rank: int) -> None:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Train this worker's share of the job.
+    """Train this worker's share of the job (in a scratch folder removed at the end, also on failure).
 
     ``config``: ``job`` (a resolved JobConfig dict), ``tokenizer`` (the .model bytes),
-    ``corpus`` (the prepared training split: a path or URI) and ``deadline`` (Unix time or None).
+    ``corpus`` (the prepared training split: a path or URI), ``deadline`` (Unix time or None) and
+    ``run_dir`` (this run's directory on storage: its newest checkpoint there resumes it).
     """
+    with tempfile.TemporaryDirectory(prefix="speed-worker-") as workdir:
+        _work(config, Path(workdir))
+
+
+def _work(config: dict[str, Any], workdir: Path) -> None:
     job = job_from_dict(config["job"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
     device = ray.train.torch.get_device()
-    workdir = Path(tempfile.mkdtemp(prefix="speed-worker-"))
     tokenizer_path = workdir / TOKENIZER_FILE
     tokenizer_path.write_bytes(config["tokenizer"])
 
@@ -114,8 +124,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         job.train.seed,
         job.train.group_by_length,
     )
-    ray_checkpoint = ray.train.get_checkpoint()  # set when Ray restarts this run (a failure, or a rerun)
-    resuming = ray_checkpoint is not None or job.resume is not None
+    own = _own_checkpoint(config["run_dir"], ray.train.get_checkpoint(), world)  # this run's newest, if any
+    resuming = own is not None or job.resume is not None
     model = initial_model(job, load_init=not resuming)  # resumed weights come from the checkpoint
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.optim, job.train.max_steps)
@@ -124,13 +134,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     history = TRAIN_LOG_SCHEMA.empty_table()
     step = 0
     if resuming:
-        source = ray_checkpoint.as_directory() if ray_checkpoint is not None else local_checkpoint(job.resume)
-        with source as directory:
+        origin = own if own is not None else job.resume
+        with local_checkpoint(origin) as directory:
             step, history = _restore(
-                Path(directory), job, config["tokenizer"], model, optimizer, scheduler, rank, world
+                Path(directory), config["job"], config["tokenizer"], model, optimizer, scheduler, rank, world
             )
         if rank == 0:
-            print(f"resumed at step {step} from {'the last checkpoint of this run' if ray_checkpoint else job.resume}")
+            print(f"resumed at step {step} from {origin}", flush=True)
     if rank == 0:
         print(
             f"{len(corpus)} training examples, {plan.steps_per_epoch} steps/epoch, {world} worker(s) x "
@@ -138,12 +148,29 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             flush=True,
         )
     model = ray.train.torch.prepare_model(model)
-    _train(job, model, optimizer, scheduler, plan, corpus, tokenizer_path, step, history, config, ray_checkpoint)
+    _train(job, model, optimizer, scheduler, plan, corpus, tokenizer_path, step, history, config, own is not None)
+
+
+def _own_checkpoint(run_dir: str, registered: ray.train.Checkpoint | None, world: int) -> str | None:
+    """This run's newest checkpoint (path or URI), as rank 0 sees it; None when the run has none yet.
+
+    The newest complete checkpoint on storage; Ray's registered one (which lags
+    it) only when newer, as in runs checkpointed before the completion markers.
+    """
+    chosen = [None]
+    if ray.train.get_context().get_world_rank() == 0:
+        on_storage = newest_complete_checkpoint(run_dir)
+        ray_uri = checkpoint_uri(registered) if registered is not None else None
+        candidates = [c for c in (on_storage, ray_uri) if c is not None]
+        chosen = [max(candidates, key=lambda c: c.rstrip("/").rsplit("/", 1)[-1]) if candidates else None]
+    if world > 1:
+        dist.broadcast_object_list(chosen, src=0)  # every rank resumes from the same step
+    return chosen[0]
 
 
 def _restore(
     directory: Path,
-    job: JobConfig,
+    job_dict: dict[str, Any],
     tokenizer_bytes: bytes,
     model: SpeedT5,
     optimizer: torch.optim.Optimizer,
@@ -152,7 +179,8 @@ def _restore(
     world: int,
 ) -> tuple[int, pa.Table]:
     """Load weights, optimizer, scheduler and this rank's RNG from a training checkpoint; returns (step, log)."""
-    check_compatible(read_checkpoint_config(directory), job, tokenizer_bytes, str(directory))
+    check_compatible(read_checkpoint_config(directory), job_dict, tokenizer_bytes, str(directory))
+    job = job_from_dict(job_dict)
     state = load_training_state(directory)
     model.load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
     optimizer.load_state_dict(state.optimizer)
@@ -180,7 +208,7 @@ def _train(
     step: int,
     history: pa.Table,
     config: dict[str, Any],
-    ray_checkpoint: ray.train.Checkpoint | None,
+    resumed_own: bool,
 ) -> None:
     """The step loop, from ``step`` to ``max_steps`` (or a clean early stop), checkpointing on the way."""
     from speed.data import collate
@@ -197,13 +225,13 @@ def _train(
     last_step = min(t.max_steps, t.stop_at_step or t.max_steps)
     launched = time.perf_counter()
     records: list[StepRecord] = []
-    saved_at = step if ray_checkpoint is not None else None
+    saved_at = step if resumed_own else None  # this run's checkpoint of ``step`` is on storage already
     restarts = history.column("restarts")[-1].as_py() + 1 if history.num_rows else 0
     # A prepared validation split (sweeps): rank 0 adds every loop's validation loss to each checkpoint's report.
     validation = open_corpus(config["validation"]) if rank == 0 and config.get("validation") else None
 
     while step < last_step:
-        if t.fail_at_step == step + 1 and ray_checkpoint is None and rank == world - 1:
+        if t.fail_at_step == step + 1 and not resumed_own and rank == world - 1:
             raise InjectedFailure(f"injected failure on rank {rank} before step {step + 1} (train.fail_at_step)")
         started = time.perf_counter()
         model.train()
@@ -308,6 +336,24 @@ def _checkpoint(
         if rank == 0:
             log = pa.concat_tables([history, records_to_table(records)])
             state = TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), rngs, log)
-            save_training_checkpoint(tmp, _unwrap(model), tokenizer_path, job, state)
+            save_training_checkpoint(tmp, _unwrap(model), tokenizer_path, job_to_dict(job), state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_name(step))
+        name = checkpoint_name(step)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=_upload(step))
+
+
+def _upload(step: int) -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint]:
+    """Ray's upload of a checkpoint, then its completion marker.
+
+    The marker is written as soon as every file is on storage, before the report
+    reaches Ray's controller (which a killed driver never lets happen), so a run
+    stopped hard loses at most the interval since its last upload.
+    """
+    storage = ray.train.get_context().get_storage()
+
+    def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+        persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
+        mark_complete(checkpoint_uri(persisted), step)
+        return persisted
+
+    return upload

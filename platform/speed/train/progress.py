@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from speed.progress import format_duration
+
 # One row per optimizer step; saved as train_log.parquet in every training checkpoint.
 TRAIN_LOG_SCHEMA = pa.schema(
     [
@@ -44,16 +46,6 @@ def records_to_table(records: list[StepRecord]) -> pa.Table:
     """Step records as a TRAIN_LOG_SCHEMA table."""
     columns = {name: [getattr(r, name) for r in records] for name in TRAIN_LOG_SCHEMA.names}
     return pa.table(columns, schema=TRAIN_LOG_SCHEMA)
-
-
-def format_duration(seconds: float) -> str:
-    """``3725`` -> ``'1h02m05s'``; ``65`` -> ``'1m05s'``; ``7.2`` -> ``'7s'``."""
-    seconds = max(0, round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m{secs:02d}s"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def eta_seconds(steps_left: int, seconds_per_step: float, budget_left_s: float | None) -> float:

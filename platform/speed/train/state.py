@@ -4,6 +4,7 @@ A training checkpoint directory holds
     model.pt, config.json, spm.model   speed.checkpoint.save_model (config.json: {"model", "job", "step"})
     train_state.pt                     step, optimizer, scheduler, every rank's RNG states, world size
     train_log.parquet                  speed.train.progress.TRAIN_LOG_SCHEMA, one row per step so far
+    complete                           the step, written last (``mark_complete``): the checkpoint is whole
 so ``speed.checkpoint.load_model(dir)`` (evaluation, serving) reads any of them.
 """
 
@@ -21,19 +22,16 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
+from pyarrow.fs import FileType
 
 from speed.checkpoint import CONFIG_FILE, TOKENIZER_FILE, save_model
-from speed.config import to_dict
 from speed.model import SpeedT5
-from speed.train.config import JobConfig, job_to_dict
 from speed.train.progress import TRAIN_LOG_SCHEMA
 
 TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_LOG_FILE = "train_log.parquet"
 CHECKPOINT_PREFIX = "checkpoint_"
-
-# Launch-only settings a resumed run must not inherit from the run it continues.
-_LAUNCH_ONLY = {"train": ("time_budget_min", "stop_at_step", "fail_at_step"), "run": ("name",)}
+COMPLETE_FILE = "complete"  # written after every other file of a checkpoint is on storage (holds the step)
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -77,13 +75,15 @@ def save_training_checkpoint(
     directory: str | Path,
     model: SpeedT5,
     tokenizer_path: str | Path,
-    job: JobConfig,
+    job: dict[str, Any],
     state: TrainingState,
 ) -> Path:
-    """Write a resumable checkpoint (model part via ``speed.checkpoint.save_model``) into ``directory``."""
+    """Write a resumable checkpoint (model part via ``speed.checkpoint.save_model``) into ``directory``.
+
+    ``job`` is the resolved job (``speed.train.config.job_to_dict``).
+    """
     directory = Path(directory)
-    job_dict = job_to_dict(job)
-    job_dict.pop("model")  # stored once, as config.json's "model" section
+    job_dict = {key: value for key, value in job.items() if key != "model"}  # the model: config.json's "model"
     save_model(directory, model, tokenizer_path, {"job": job_dict, "step": state.step})
     torch.save(
         {"step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler, "rng": state.rng},
@@ -112,22 +112,25 @@ def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
     """A checkpoint's config.json (sections ``model``, ``job``, ``step``), from a local path or a URI."""
     fs, root = _filesystem(str(directory))
     path = f"{root}/{CONFIG_FILE}"
-    if fs.get_file_info(path).type != pafs.FileType.File:
+    if fs.get_file_info(path).type != FileType.File:
         raise FileNotFoundError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}")
     with fs.open_input_stream(path) as f:
         return json.loads(f.read().decode())
 
 
-def check_compatible(saved: dict[str, Any], job: JobConfig, tokenizer_bytes: bytes, where: str) -> None:
-    """Refuse a checkpoint (config.json dict) whose model, task, optimizer or tokenizer differs from ``job``'s."""
+def check_compatible(saved: dict[str, Any], job: dict[str, Any], tokenizer_bytes: bytes, where: str) -> None:
+    """Refuse a checkpoint (config.json dict) whose model, task, optimizer or tokenizer differs from ``job``'s.
+
+    ``job`` is the resolved job of this run (``speed.train.config.job_to_dict``).
+    """
     problems = []
-    ours = to_dict(job.model)
+    ours = job["model"]
     for key in sorted(set(ours) | set(saved.get("model", {}))):
         if saved.get("model", {}).get(key) != ours.get(key):
             problems.append(f"model.{key} is {saved.get('model', {}).get(key)!r} there, {ours.get(key)!r} here")
     saved_job = saved.get("job", {})
     for section, key in (("data", "task"), ("optim", "name")):
-        theirs, mine = saved_job.get(section, {}).get(key), getattr(getattr(job, section), key)
+        theirs, mine = saved_job.get(section, {}).get(key), job[section][key]
         if theirs != mine:
             problems.append(f"{section}.{key} is {theirs!r} there, {mine!r} here")
     tokenizer = Path(where) / TOKENIZER_FILE
@@ -146,21 +149,51 @@ def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.FileSystem.from_uri(uri)
 
 
+def checkpoint_uri(checkpoint: Any) -> str:
+    """A ``ray.train.Checkpoint``'s location: a local path, or a URI on remote storage."""
+    fs = checkpoint.filesystem
+    if fs is None or isinstance(fs, pafs.LocalFileSystem):
+        return checkpoint.path
+    return f"{fs.type_name}://{checkpoint.path}"
+
+
+def mark_complete(checkpoint: str, step: int) -> None:
+    """Write the marker that says every file of ``checkpoint`` (a path or URI) is on storage: call it last."""
+    fs, root = _filesystem(checkpoint)
+    with fs.open_output_stream(f"{root}/{COMPLETE_FILE}") as f:
+        f.write(f"{step}\n".encode())
+
+
+def newest_complete_checkpoint(run_dir: str) -> str | None:
+    """The newest ``checkpoint_*`` of a run directory that holds the completion marker; None when there is none.
+
+    Checkpoints on storage, not Ray's ``checkpoint_manager_snapshot.json``, which
+    lags them: a run stopped hard resumes at most one checkpoint interval back.
+    """
+    fs, root = _filesystem(run_dir)
+    if fs.get_file_info(root).type != FileType.Directory:
+        return None
+    children = fs.get_file_info(pafs.FileSelector(root))
+    names = [c.base_name for c in children if c.type == FileType.Directory]
+    names = [name for name in names if name.startswith(CHECKPOINT_PREFIX)]
+    for name in sorted(names, reverse=True):
+        if fs.get_file_info(f"{root}/{name}/{COMPLETE_FILE}").type == FileType.File:
+            return f"{run_dir.rstrip('/')}/{name}"
+    return None
+
+
 def latest_checkpoint(path: str) -> str:
-    """``path`` itself when it is a checkpoint, else the newest ``checkpoint_*`` inside a run directory."""
+    """``path`` itself when it is a checkpoint, else the newest complete ``checkpoint_*`` inside a run directory."""
     fs, root = _filesystem(path)
     info = fs.get_file_info(root)
-    if info.type != pafs.FileType.Directory:
+    if info.type != FileType.Directory:
         raise FileNotFoundError(f"no checkpoint or run directory at {path}")
-    if fs.get_file_info(f"{root}/{CONFIG_FILE}").type == pafs.FileType.File:
+    if fs.get_file_info(f"{root}/{CONFIG_FILE}").type == FileType.File:
         return path
-    children = fs.get_file_info(pafs.FileSelector(root))
-    names = sorted(
-        c.base_name for c in children if c.base_name.startswith(CHECKPOINT_PREFIX) and c.type == pafs.FileType.Directory
-    )
-    if not names:
-        raise FileNotFoundError(f"{path} holds no {CONFIG_FILE} and no {CHECKPOINT_PREFIX}* directories")
-    return f"{path.rstrip('/')}/{names[-1]}"
+    newest = newest_complete_checkpoint(path)
+    if newest is None:
+        raise FileNotFoundError(f"{path} holds no {CONFIG_FILE} and no complete {CHECKPOINT_PREFIX}* directory")
+    return newest
 
 
 @contextmanager
@@ -174,16 +207,3 @@ def local_checkpoint(path: str) -> Iterator[Path]:
         return
     with Checkpoint(uri).as_directory() as local:
         yield Path(local)
-
-
-def resumable_job(path: str) -> dict[str, Any]:
-    """The resolved job of the checkpoint a ``--resume`` names, minus launch-only settings; ``resume`` set."""
-    with local_checkpoint(path) as directory:
-        saved = read_checkpoint_config(directory)
-    if "job" not in saved:
-        raise IncompatibleCheckpointError(f"{path} is a model checkpoint without a training job; use --init-from")
-    job = {**saved["job"], "model": saved["model"], "resume": path}
-    for section, keys in _LAUNCH_ONLY.items():
-        for key in keys:
-            job[section][key] = None
-    return job

@@ -1,0 +1,499 @@
+"""A continuous-batching decoding engine: requests join and leave a running SPEED pipeline.
+
+The engine never imports the model. It drives any ``Stepper``: an object that
+encodes a request into a memory slot (``admit``), embeds tokens, and runs ONE
+pass of its shared N-layer group over a set of rows, each row a token at its
+own loop depth, reading and writing an engine-owned ``KVCache``.
+
+SPEED (speculative pipelined execution): a token is launched from its
+predecessor's early-exit prediction after ``launch_loop`` loops, so one step
+advances up to M in-flight tokens of a request by one loop each, reading the
+shared weights once. When a later loop's prediction differs from the token a
+successor was launched with, the successor and everything after it are
+flushed (``eager``: at once; ``final``: only when the predecessor finishes its
+last loop) and relaunched from the new prediction. Committed tokens are always
+the last loop's predictions, so the output equals sequential greedy decoding.
+Sequential decoding is the same pipeline that never launches a successor
+before its predecessor's last loop.
+
+Capacity is fixed at construction: ``max_active`` slots, each a KV-cache row
+and an encoder-memory slot, handed out from a free list. A request waits in a
+queue until a slot is free; joining or leaving writes only its own slot. Each
+step computes every active request's in-flight rows, or at most
+``row_budget`` of them: the rows on the committed path (each request's oldest
+in-flight token, whose input is known to be right) first, speculative rows in
+what is left.
+
+Threads: ``add`` may be called from any thread at any time (it only queues);
+``step`` and ``cancel`` hold the engine's lock, so one step runs at a time and
+a cancel waits for a running step to end.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import pyarrow as pa
+import torch
+from torch import Tensor
+
+from speed.cache import KVCache, Rows
+from speed.trace import TraceBuilder
+
+Method = Literal["sequential", "speed"]
+Invalidation = Literal["eager", "final"]
+
+NO_EXIT = -1  # prediction of a loop whose early exit was not evaluated (sequential decoding without a trace)
+
+
+class Stepper(Protocol):
+    """What the engine needs from a looped decoder model."""
+
+    n_loops: int
+    eos_id: int
+    start_id: int
+    vocab_size: int
+
+    def cache(self, batch: int, max_len: int) -> KVCache: ...
+
+    def memory(self, capacity: int, max_source_len: int, max_len: int) -> Any: ...
+
+    def admit(self, memory: Any, slot: int, input_ids: Tensor) -> None: ...
+
+    def embed(self, tokens: Tensor) -> Tensor: ...
+
+    def step(
+        self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+    ) -> tuple[Tensor, Tensor | None]: ...
+
+
+# ----- settings, requests and results --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Fixed capacity, chosen at construction."""
+
+    max_active: int = 16  # requests decoded at once (KV-cache rows and encoder-memory slots)
+    max_source_len: int = 128  # encoder tokens per request
+    max_target_len: int = 128  # decoder positions per request (max_new_tokens <= this)
+    row_budget: int | None = None  # rows per step; None: every in-flight row. Committed-path rows go first
+    trace: bool = True  # per-request flip traces (sequential requests then evaluate every loop's exit)
+
+    def __post_init__(self) -> None:
+        for name in ("max_active", "max_source_len", "max_target_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.row_budget is not None and self.row_budget < 1:
+            raise ValueError(f"EngineConfig.row_budget must be at least 1 or None, got {self.row_budget}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One decoding request."""
+
+    input_ids: list[int]  # encoder ids (EOS-terminated as the tokenizer makes them)
+    max_new_tokens: int
+    method: Method = "speed"
+    launch_loop: int = 1  # loops a token runs before its successor launches from its prediction (1..M)
+    invalidation: Invalidation = "eager"
+    oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one decoding run or of an engine's life (all requests together)."""
+
+    tokens: int = 0  # committed output tokens
+    steps: int = 0  # engine iterations (SPEED: pipeline steps; generate's sequential: token positions)
+    group_passes: int = 0  # runs of the shared N-layer group, each reading its weights once
+    rows: int = 0  # token-loops computed (a row = one token through one loop)
+    flushes: int = 0  # misprediction flushes (each may drop several in-flight tokens)
+    wasted_rows: int = 0  # rows spent on tokens that were flushed, fell past EOS or were cancelled
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Committed tokens per group pass: for one sequence 1/M sequential, up to 1 SPEED (x batch size)."""
+        return self.tokens / self.group_passes if self.group_passes else 0.0
+
+
+@dataclass
+class RequestStats:
+    """Counters and timings of one request (times in seconds from ``add``)."""
+
+    tokens: int  # committed tokens
+    steps: int  # engine steps that computed at least one of its rows
+    rows: int  # its rows computed
+    flushes: int
+    wasted_rows: int
+    flip_rate: list[float]  # per loop: share of committed tokens whose loop-i exit differs; [] if not evaluated
+    queued_s: float  # until admitted to a slot
+    ttft_s: float  # until its first token was committed (nan if none)
+    latency_s: float  # until it finished or was cancelled
+
+
+@dataclass
+class Finished:
+    """A request that left the engine: finished, or cancelled (its tokens so far)."""
+
+    id: int
+    tokens: list[int]  # EOS included when produced
+    stats: RequestStats
+    trace: pa.Table | None  # speed.trace.TRACE_SCHEMA rows (sequence = request id), when the engine traces
+    cancelled: bool = False
+
+
+@dataclass
+class StepResult:
+    """What one ``step`` did."""
+
+    committed: list[tuple[int, int]]  # (request id, token) committed in this step, in order
+    finished: list[Finished]
+    rows: int  # rows computed in this step
+
+
+# ----- policies: small pure functions ------------------------------------------------------
+
+
+def should_launch(depth: int, launch_loop: int) -> bool:
+    """A token with ``depth`` finished loops may launch its successor from its latest prediction."""
+    return depth >= launch_loop
+
+
+def should_flush(invalidation: Invalidation, depth: int, n_loops: int) -> bool:
+    """Whether a prediction at ``depth`` that disagrees with the launched successor flushes it."""
+    return invalidation == "eager" or depth == n_loops
+
+
+def budget_rows(in_flight: list[int], budget: int) -> list[int]:
+    """Rows each request may compute this step: one per request in order (its committed path) while
+    the budget lasts, then speculative rows, one level deeper at a time across requests.
+
+    ``in_flight[i]`` is request i's in-flight token count; the result is a prefix length per
+    request, so a speculative token never runs while its predecessor waits.
+    """
+    take = [0] * len(in_flight)
+    left = budget
+    for level in range(max(in_flight, default=0)):
+        for i, n in enumerate(in_flight):
+            if left == 0:
+                return take
+            if n > level and take[i] == level:
+                take[i] += 1
+                left -= 1
+    return take
+
+
+# ----- engine state ----------------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    """A token in flight at decoder position ``pos`` with input ``token``."""
+
+    pos: int
+    token: int
+    hidden: Tensor | None = None  # (d,) input to its next loop; None until embedded
+    preds: list[int] = field(default_factory=list)  # early-exit prediction after each finished loop
+
+
+@dataclass
+class Sequence:
+    """One request's state, from ``add`` until it leaves."""
+
+    id: int
+    request: Request
+    launch_loop: int  # M for sequential decoding: nothing is launched before the last loop
+    all_exits: bool  # every loop's exit is evaluated (SPEED, or a traced sequential request)
+    added: float  # perf_counter at add
+    row: int = -1  # its slot: KV-cache row and encoder-memory slot; -1 while queued
+    out: list[int] = field(default_factory=list)  # committed tokens
+    slots: list[Slot] = field(default_factory=list)  # in flight, oldest first; slot i+1 launched from slot i
+    done: bool = False
+    admitted: float = float("nan")
+    first_token: float = float("nan")
+    last_served: int = -1  # the last step that computed its committed-path row (budget fairness)
+    steps: int = 0
+    rows: int = 0
+    flushes: int = 0
+    wasted_rows: int = 0
+    flips: list[int] = field(default_factory=list)  # per loop: committed tokens whose exit there differed
+    trace: TraceBuilder | None = None
+
+    def speculation(self, slot: Slot) -> int:
+        """The prediction to speculate from: the oracle's token if forced, else the latest exit."""
+        oracle = self.request.oracle
+        if oracle is not None and slot.pos < len(oracle):
+            return oracle[slot.pos]
+        return slot.preds[-1]
+
+
+# ----- the engine ------------------------------------------------------------------------------
+
+
+class Engine:
+    """Continuous-batching greedy decoder over a ``Stepper`` with fixed capacity (see the module doc)."""
+
+    def __init__(self, model: Stepper, config: EngineConfig = EngineConfig()) -> None:
+        if getattr(model, "training", False):
+            raise ValueError("the engine decodes with the model in eval mode: call model.eval() first")
+        self.model, self.config = model, config
+        with torch.inference_mode():
+            self._cache = model.cache(config.max_active, config.max_target_len)
+            self._memory = model.memory(config.max_active, config.max_source_len, config.max_target_len)
+        self._device = self._cache.device
+        self._free = list(range(config.max_active))  # a heap: the lowest free slot is taken first
+        self._waiting: deque[Sequence] = deque()
+        self._active: dict[int, Sequence] = {}  # by id, in admission order
+        self._next_id = 0
+        self._step = 0
+        self._lock = threading.Lock()  # the decoding state: step and cancel
+        self._queue_lock = threading.Lock()  # the waiting queue and ids: add
+        self.stats = DecodeStats()  # totals over the engine's life
+
+    # ----- public API ----------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Requests holding a slot."""
+        return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is active or queued."""
+        return bool(self._active or self._waiting)
+
+    def add(self, request: Request) -> int:
+        """Validate and queue a request (``ValueError`` says what is wrong); return its id."""
+        self._validate(request)
+        M = self.model.n_loops
+        seq_fields = {
+            "request": request,
+            "launch_loop": M if request.method == "sequential" else request.launch_loop,
+            "all_exits": request.method == "speed" or self.config.trace,
+            "added": time.perf_counter(),
+            "flips": [0] * M,
+            "trace": TraceBuilder() if self.config.trace else None,
+        }
+        with self._queue_lock:
+            seq = Sequence(self._next_id, **seq_fields)
+            self._next_id += 1
+            self._waiting.append(seq)
+        return seq.id
+
+    def cancel(self, request_id: int) -> Finished | None:
+        """Remove a queued or active request at once, freeing its slot; None if it is not here."""
+        with self._lock:
+            seq = self._active.get(request_id)
+            if seq is None:
+                with self._queue_lock:
+                    seq = next((s for s in self._waiting if s.id == request_id), None)
+                    if seq is None:
+                        return None
+                    self._waiting.remove(seq)
+            else:
+                dropped = sum(len(slot.preds) for slot in seq.slots)
+                seq.wasted_rows += dropped
+                self.stats.wasted_rows += dropped
+                seq.slots.clear()
+                self._release(seq)
+            return self._finished(seq, time.perf_counter(), cancelled=True)
+
+    def step(self) -> StepResult:
+        """Admit queued requests into free slots, then run one pipeline step over the active ones."""
+        with self._lock, torch.inference_mode():
+            self._admit()
+            if not self._active:
+                return StepResult([], [], 0)
+            work = self._select()
+            self._step += 1
+            fresh = [slot for _, slot in work if slot.hidden is None]
+            if fresh:
+                tokens = torch.tensor([slot.token for slot in fresh], device=self._device)
+                for slot, h in zip(fresh, self.model.embed(tokens)):
+                    slot.hidden = h
+            M = self.model.n_loops
+            rows = Rows.build([s.row for s, _ in work], [len(t.preds) for _, t in work], [t.pos for _, t in work])
+            with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
+            inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
+            hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
+            preds = logits.argmax(-1).tolist() if logits is not None else [NO_EXIT] * len(work)
+            ran: dict[int, Sequence] = {}
+            for (seq, slot), h, pred in zip(work, hidden.unbind(0), preds):
+                slot.hidden = h
+                slot.preds.append(pred)
+                seq.rows += 1
+                ran[seq.id] = seq
+            st = self.stats
+            st.steps += 1
+            st.group_passes += 1
+            st.rows += len(work)
+            committed: list[tuple[int, int]] = []
+            finished: list[Finished] = []
+            now = time.perf_counter()
+            for seq in ran.values():
+                seq.steps += 1
+                n = len(seq.out)
+                self._schedule(seq)
+                if len(seq.out) > n:
+                    if n == 0:
+                        seq.first_token = now
+                    committed.extend((seq.id, t) for t in seq.out[n:])
+                if seq.done:
+                    self._release(seq)
+                    finished.append(self._finished(seq, now, cancelled=False))
+            return StepResult(committed, finished, len(work))
+
+    # ----- internals -------------------------------------------------------------------------
+
+    def _validate(self, request: Request) -> None:
+        c, M = self.config, self.model.n_loops
+        if request.method not in ("sequential", "speed"):
+            raise ValueError(f"method must be 'sequential' or 'speed', got {request.method!r}")
+        if request.invalidation not in ("eager", "final"):
+            raise ValueError(f"invalidation must be 'eager' or 'final', got {request.invalidation!r}")
+        if type(request.launch_loop) is not int or not 1 <= request.launch_loop <= M:
+            raise ValueError(f"launch_loop must be in 1..{M} (the model's loops), got {request.launch_loop!r}")
+        n = request.max_new_tokens
+        if type(n) is not int or n < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {n!r}")
+        if n > c.max_target_len:
+            raise ValueError(
+                f"max_new_tokens must be at most {c.max_target_len} (the engine's max_target_len), got {n}"
+            )
+        ids = request.input_ids
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        if len(ids) > c.max_source_len:
+            raise ValueError(
+                f"input_ids has {len(ids)} tokens, more than {c.max_source_len} (the engine's max_source_len)"
+            )
+        V = self.model.vocab_size
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"input_ids must be token ids in [0, {V}), got {bad!r}")
+        if request.oracle is not None and request.method != "speed":
+            raise ValueError("an oracle needs method='speed'")
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots, encoding each alone into its slot."""
+        while self._free and self._waiting:
+            with self._queue_lock:
+                seq = self._waiting.popleft()
+            seq.row = heapq.heappop(self._free)
+            self._cache.reset(seq.row)
+            ids = torch.tensor([list(seq.request.input_ids)], device=self._device)  # (1, S)
+            self.model.admit(self._memory, seq.row, ids)
+            seq.slots.append(Slot(0, self.model.start_id))
+            seq.admitted = time.perf_counter()
+            self._active[seq.id] = seq
+
+    def _select(self) -> list[tuple[Sequence, Slot]]:
+        """This step's rows, in admission order: all in-flight rows, or the row budget's choice."""
+        seqs = self._active.values()
+        budget = self.config.row_budget
+        if budget is None:
+            return [(s, slot) for s in seqs for slot in s.slots]
+        if sum(len(s.slots) for s in seqs) <= budget:
+            for s in seqs:
+                s.last_served = self._step
+            return [(s, slot) for s in seqs for slot in s.slots]
+        order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
+        take = dict(zip((s.id for s in order), budget_rows([len(s.slots) for s in order], budget)))
+        work = []
+        for s in seqs:
+            if take[s.id]:
+                s.last_served = self._step
+                work.extend((s, slot) for slot in s.slots[: take[s.id]])
+        return work
+
+    def _schedule(self, seq: Sequence) -> None:
+        """After a step: commit a finished token, flush mispredicted successors, launch new ones."""
+        M, eos = self.model.n_loops, self.model.eos_id
+        invalidation = seq.request.invalidation
+        i = 0
+        while i < len(seq.slots):
+            slot = seq.slots[i]
+            depth = len(slot.preds)
+            if depth == 0:  # launched in this step, or left out by the row budget
+                return
+            succ = seq.slots[i + 1] if i + 1 < len(seq.slots) else None
+            if depth == M:  # the oldest token finished its last loop: commit it
+                token = slot.preds[-1]
+                seq.slots.pop(0)
+                self._commit(seq, slot)
+                if token == eos or len(seq.out) >= seq.request.max_new_tokens:
+                    self._flush(seq, 0, mispredicted=False)
+                    seq.done = True
+                    return
+                if succ is not None and succ.token != token:
+                    self._flush(seq, 0, mispredicted=True)
+                    succ = None
+                if succ is None:
+                    seq.slots.append(Slot(slot.pos + 1, token))
+                continue  # the successor is now the oldest, at index 0
+            guess = seq.speculation(slot)
+            if succ is not None and succ.token != guess and should_flush(invalidation, depth, M):
+                self._flush(seq, i + 1, mispredicted=True)
+                succ = None
+            if (
+                succ is None
+                and should_launch(depth, seq.launch_loop)
+                and guess != eos
+                and slot.pos + 1 < seq.request.max_new_tokens
+            ):
+                seq.slots.append(Slot(slot.pos + 1, guess))
+            i += 1
+
+    def _commit(self, seq: Sequence, slot: Slot) -> None:
+        token = slot.preds[-1]
+        seq.out.append(token)
+        self.stats.tokens += 1
+        if seq.all_exits:
+            for loop, pred in enumerate(slot.preds):
+                seq.flips[loop] += pred != token
+        if seq.trace is not None:
+            seq.trace.add_token(seq.id, slot.pos, slot.preds)
+
+    def _flush(self, seq: Sequence, start: int, mispredicted: bool) -> None:
+        """Drop in-flight slots from index ``start`` on and invalidate their cache entries."""
+        dropped = seq.slots[start:]
+        if not dropped:
+            return
+        del seq.slots[start:]
+        self._cache.invalidate(seq.row, dropped[0].pos)
+        wasted = sum(len(s.preds) for s in dropped)
+        seq.wasted_rows += wasted
+        seq.flushes += mispredicted
+        self.stats.wasted_rows += wasted
+        self.stats.flushes += mispredicted
+
+    def _release(self, seq: Sequence) -> None:
+        del self._active[seq.id]
+        heapq.heappush(self._free, seq.row)
+
+    def _finished(self, seq: Sequence, now: float, cancelled: bool) -> Finished:
+        tokens = len(seq.out)
+        stats = RequestStats(
+            tokens=tokens,
+            steps=seq.steps,
+            rows=seq.rows,
+            flushes=seq.flushes,
+            wasted_rows=seq.wasted_rows,
+            flip_rate=[f / tokens for f in seq.flips] if seq.all_exits and tokens else [],
+            queued_s=seq.admitted - seq.added,
+            ttft_s=seq.first_token - seq.added,
+            latency_s=now - seq.added,
+        )
+        trace = seq.trace.table() if seq.trace is not None else None
+        return Finished(seq.id, seq.out, stats, trace, cancelled)

@@ -1,0 +1,307 @@
+"""The continuous-batching engine: exactness under churn, row budget, cancellation, validation, threads.
+
+The differential test drives random arrival and cancellation schedules over
+random tiny models: every request that finishes must equal decoding it alone
+with sequential greedy decoding, token for token and exit for exit.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+
+import pyarrow.compute as pc
+import pytest
+import torch
+from test_decoding_schedule import EOS, StubModel, target
+
+from speed.config import preset
+from speed.decoding import generate
+from speed.engine import Engine, EngineConfig, Request, budget_rows
+from speed.model import SpeedT5
+from speed.trace import flip_rates
+
+PATTERNS = ["1x4", "4x1", "2x6", "3x4", "2x3", "1x5", "3x3", "1x1"]
+
+
+def tiny_model(seed: int, pattern: str) -> SpeedT5:
+    torch.manual_seed(seed)
+    model = SpeedT5(preset("tiny", pattern=pattern)).eval()
+    if seed % 2 == 0:  # make EOS likely so that requests end at different times
+        with torch.no_grad():
+            model.lm_head.weight[model.eos_id] *= 3.0
+    return model
+
+
+def alone(model, request: Request):
+    """Reference: the request decoded alone with sequential greedy decoding."""
+    ids = torch.tensor([request.input_ids])
+    return generate(model, ids, method="sequential", max_new_tokens=request.max_new_tokens)
+
+
+def random_request(rng: random.Random, model: SpeedT5, max_source: int, max_target: int) -> Request:
+    m = model.n_loops
+    return Request(
+        [rng.randrange(3, model.vocab_size) for _ in range(rng.randint(1, max_source))],
+        rng.randint(1, max_target),
+        method=rng.choice(["speed", "speed", "speed", "sequential"]),
+        launch_loop=rng.choice(sorted({1, rng.randint(1, m), m})),
+        invalidation=rng.choice(["eager", "final"]),
+    )
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_churn_equals_sequential_alone(block):
+    """Random arrivals, cancellations, capacities, budgets, policies: each finished request is exact."""
+    flushes = budget_bound = cancelled = 0
+    for seed in range(block * 10, block * 10 + 10):
+        rng = random.Random(seed)
+        model = tiny_model(seed, PATTERNS[seed % len(PATTERNS)])
+        config = EngineConfig(
+            max_active=rng.randint(1, 4),
+            max_source_len=10,
+            max_target_len=16,
+            row_budget=rng.choice([None, rng.randint(1, 8)]),
+        )
+        engine = Engine(model, config)
+        arrivals = sorted(rng.randrange(0, 40) for _ in range(rng.randint(3, 9)))
+        requests: dict[int, Request] = {}
+        to_cancel: dict[int, int] = {}  # request id -> step at which it is cancelled
+        finished, step = [], 0
+        while arrivals or engine.has_work:
+            while arrivals and arrivals[0] <= step:
+                arrivals.pop(0)
+                r = random_request(rng, model, 10, 16)
+                rid = engine.add(r)
+                requests[rid] = r
+                if rng.random() < 0.25:
+                    to_cancel[rid] = step + rng.randint(0, 12)
+            for rid in [r for r, at in to_cancel.items() if at <= step]:
+                del to_cancel[rid]
+                got = engine.cancel(rid)
+                if got is not None:
+                    assert got.cancelled
+                    finished.append(got)
+            result = engine.step()
+            assert config.row_budget is None or result.rows <= config.row_budget
+            budget_bound += config.row_budget is not None and result.rows == config.row_budget
+            finished.extend(result.finished)
+            step += 1
+        assert engine.active == engine.queued == 0
+        assert sorted(f.id for f in finished) == sorted(requests)
+        for f in finished:
+            ref = alone(model, requests[f.id])
+            assert f.stats.tokens == len(f.tokens)
+            if f.cancelled:
+                cancelled += 1
+                assert f.tokens == ref.tokens[0][: len(f.tokens)]
+                continue
+            assert f.tokens == ref.tokens[0], f"request {f.id} of seed {seed}: {requests[f.id]}"
+            # the same per-loop early exits as the reference, whoever shared the steps
+            exits = f.trace.drop_columns(["sequence"])
+            assert exits.equals(ref.trace.drop_columns(["sequence"]))
+            assert set(f.trace.column("sequence").to_pylist()) <= {f.id}
+            rates = flip_rates(ref.trace).column("flip_rate_final").to_pylist()
+            assert f.stats.flip_rate == pytest.approx(rates)
+            assert f.stats.rows == f.stats.tokens * model.n_loops + f.stats.wasted_rows
+            assert 0 <= f.stats.queued_s <= f.stats.ttft_s <= f.stats.latency_s
+            flushes += f.stats.flushes
+    assert flushes > 0 and budget_bound > 0 and cancelled > 0  # every path was exercised
+
+
+def test_budget_rows_committed_path_first():
+    assert budget_rows([3, 1, 2], 10) == [3, 1, 2]
+    assert budget_rows([3, 1, 2], 4) == [2, 1, 1]  # one per request, then one level deeper in order
+    assert budget_rows([3, 1, 2], 2) == [1, 1, 0]  # not even every committed-path row fits
+    assert budget_rows([3, 1, 2], 5) == [2, 1, 2]
+    assert budget_rows([], 3) == []
+
+
+class RecordingStub(StubModel):
+    """The schedule tests' stub, recording each step's rows as (slot, loop, position) triples."""
+
+    def __init__(self, n_loops, table):
+        super().__init__(n_loops, table)
+        self.steps: list[list[tuple[int, int, int]]] = []
+
+    def step(self, memory, cache, rows, hidden, with_logits=True):
+        self.steps.append(list(zip(rows.seq.tolist(), rows.loop.tolist(), rows.pos.tolist())))
+        return super().step(memory, cache, rows, hidden, with_logits)
+
+
+def run_all(engine: Engine) -> dict[int, list[int]]:
+    out = {}
+    while engine.has_work:
+        out.update((f.id, f.tokens) for f in engine.step().finished)
+    return out
+
+
+def test_row_budget_serves_the_committed_path_first():
+    model = RecordingStub(3, lambda s, p, lo: target(p))
+    engine = Engine(model, EngineConfig(max_active=2, max_source_len=3, max_target_len=8, row_budget=3))
+    a, b = (engine.add(Request([5], 4)) for _ in range(2))
+    assert run_all(engine) == {a: [target(p) for p in range(4)], b: [target(p) for p in range(4)]}
+    # step 1: both first tokens; then both committed-path rows and one speculative row (request a's)
+    assert model.steps[:3] == [
+        [(0, 0, 0), (1, 0, 0)],
+        [(0, 1, 0), (0, 0, 1), (1, 1, 0)],
+        [(0, 2, 0), (0, 1, 1), (1, 2, 0)],
+    ]
+    assert all(len(rows) <= 3 for rows in model.steps)
+    # every step computed each unfinished request's oldest in-flight token
+    unlimited = RecordingStub(3, lambda s, p, lo: target(p))
+    free = Engine(unlimited, EngineConfig(max_active=2, max_source_len=3, max_target_len=8))
+    for _ in range(2):
+        free.add(Request([5], 4))
+    run_all(free)
+    assert len(unlimited.steps) == 4 + 3 - 1 < len(model.steps)
+    assert max(map(len, unlimited.steps)) == 6  # M rows each, when nothing limits
+
+
+def test_row_budget_below_active_requests_takes_turns():
+    model = RecordingStub(2, lambda s, p, lo: target(p))
+    engine = Engine(model, EngineConfig(max_active=3, max_source_len=3, max_target_len=8, row_budget=1))
+    ids = [engine.add(Request([5], 2)) for _ in range(3)]
+    assert run_all(engine) == {i: [10, 11] for i in ids}
+    assert [rows[0][0] for rows in model.steps[:6]] == [0, 1, 2, 0, 1, 2]  # one row a step, in rotation
+    assert len(model.steps) == 3 * 2 * 2  # no speculation fits: 2 tokens x 2 loops each
+
+
+def test_cancel_frees_the_slot_for_a_waiting_request():
+    model = RecordingStub(3, lambda s, p, lo: target(p))
+    engine = Engine(model, EngineConfig(max_active=1, max_source_len=3, max_target_len=10))
+    first = engine.add(Request([5], 10))
+    second = engine.add(Request([6, 7], 3))
+    for _ in range(5):
+        engine.step()
+    assert (engine.active, engine.queued) == (1, 1)
+    gone = engine.cancel(first)
+    assert gone.cancelled and gone.tokens == [10, 11, 12]  # committed after steps 3, 4 and 5
+    assert gone.stats.wasted_rows == 2 + 1  # its two speculative tokens in flight
+    assert (engine.active, engine.queued) == (0, 1)
+    assert engine.cancel(first) is None and engine.cancel(99) is None
+    assert engine._cache.lengths[:, 0, 0].tolist() == [5, 4, 3]  # nothing copied or cleared yet
+    result = engine.step()
+    assert model.steps[-1] == [(0, 0, 0)]  # the waiting request took slot 0 from position 0
+    assert result.rows == 1
+    assert run_all(engine) == {second: [10, 11, 12]}
+
+
+def test_cancel_a_queued_request():
+    engine = Engine(StubModel(2, lambda s, p, lo: target(p)), EngineConfig(max_active=1, max_target_len=4))
+    engine.add(Request([5], 4))
+    queued = engine.add(Request([5], 4))
+    engine.step()
+    gone = engine.cancel(queued)
+    assert gone.cancelled and gone.tokens == [] and math.isnan(gone.stats.queued_s)
+    assert engine.queued == 0
+
+
+def test_step_result_reports_commits_in_order():
+    engine = Engine(StubModel(2, lambda s, p, lo: EOS if (s == 1 and p == 1) else target(p)), EngineConfig(4, 3, 6))
+    a = engine.add(Request([5], 3))
+    b = engine.add(Request([5], 3, method="sequential"))
+    committed, finished = [], []
+    while engine.has_work:
+        r = engine.step()
+        committed += r.committed
+        finished += r.finished
+    assert [t for i, t in committed if i == a] == [10, 11, 12]
+    assert [t for i, t in committed if i == b] == [10, EOS]
+    assert {f.id: f.tokens for f in finished} == {a: [10, 11, 12], b: [10, EOS]}
+    assert engine.stats.tokens == 5
+    seq_stats = next(f.stats for f in finished if f.id == b)
+    assert (seq_stats.steps, seq_stats.rows, seq_stats.flushes) == (4, 4, 0)  # 2 tokens x 2 loops, one row a step
+
+
+def test_sequential_without_trace_skips_early_exits():
+    calls = []
+    model = StubModel(3, lambda s, p, lo: target(p))
+    original = model.step
+
+    def step(memory, cache, rows, hidden, with_logits=True):
+        calls.append(with_logits)
+        return original(memory, cache, rows, hidden, with_logits)
+
+    model.step = step
+    engine = Engine(model, EngineConfig(1, 3, 4, trace=False))
+    engine.add(Request([5], 2, method="sequential"))
+    (done,) = [f for _ in range(6) for f in engine.step().finished]
+    assert calls == [False, False, True] * 2  # the head runs at the last loop only
+    assert done.tokens == [10, 11] and done.stats.flip_rate == [] and done.trace is None
+
+
+@pytest.mark.parametrize(
+    "request_kw, fragment",
+    [
+        ({"method": "beam"}, "method must be"),
+        ({"invalidation": "lazy"}, "invalidation must be"),
+        ({"launch_loop": 0}, r"launch_loop must be in 1\.\.3"),
+        ({"launch_loop": 4}, r"launch_loop must be in 1\.\.3"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+        ({"max_new_tokens": 9}, "max_new_tokens must be at most 8 .the engine's max_target_len"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be at least 1"),
+        ({"input_ids": []}, "non-empty list of token ids"),
+        ({"input_ids": "hello"}, "non-empty list of token ids"),
+        ({"input_ids": [3] * 7}, "7 tokens, more than 6 .the engine's max_source_len"),
+        ({"input_ids": [3, 128]}, r"token ids in \[0, 128\), got 128"),
+        ({"input_ids": [3, -1]}, r"token ids in \[0, 128\), got -1"),
+        ({"input_ids": [3, 4.0]}, r"got 4\.0"),
+        ({"method": "sequential", "oracle": [1]}, "oracle needs method='speed'"),
+    ],
+)
+def test_add_rejects_bad_requests(request_kw, fragment):
+    engine = Engine(StubModel(3, lambda s, p, lo: 5), EngineConfig(max_active=1, max_source_len=6, max_target_len=8))
+    kw = {"input_ids": [3, 4], "max_new_tokens": 4} | request_kw
+    with pytest.raises(ValueError, match=fragment):
+        engine.add(Request(**kw))
+    assert not engine.has_work
+
+
+def test_config_and_model_mode_are_checked():
+    with pytest.raises(ValueError, match="max_active must be at least 1"):
+        EngineConfig(max_active=0)
+    with pytest.raises(ValueError, match="row_budget must be at least 1"):
+        EngineConfig(row_budget=0)
+    with pytest.raises(ValueError, match="eval mode"):
+        Engine(SpeedT5(preset("tiny", pattern="1x2")).train())
+
+
+def test_inference_mode_and_threads():
+    """Built under inference_mode or not, stepped in one thread while another adds: the same tokens."""
+    model = tiny_model(3, "2x3")
+    rng = random.Random(0)
+    requests = [random_request(rng, model, 8, 10) for _ in range(6)]
+    expected = [alone(model, r).tokens[0] for r in requests]
+    with torch.inference_mode():
+        engine = Engine(model, EngineConfig(max_active=3, max_source_len=8, max_target_len=10))
+    ids: list[int] = []
+    finished: dict[int, list[int]] = {}
+
+    def producer():
+        for r in requests:
+            ids.append(engine.add(r))
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    while thread.is_alive() or engine.has_work:
+        finished.update((f.id, f.tokens) for f in engine.step().finished)
+    thread.join()
+    assert [finished[i] for i in ids] == expected
+    with torch.inference_mode():  # and stepped inside an outer inference_mode
+        again = Engine(model, EngineConfig(max_active=2, max_source_len=8, max_target_len=10))
+        first = again.add(requests[0])
+        assert run_all(again) == {first: expected[0]}
+
+
+def test_flip_rate_matches_trace():
+    model = tiny_model(4, "2x3")
+    engine = Engine(model, EngineConfig(max_active=2, max_source_len=8, max_target_len=12))
+    engine.add(Request([5, 6, 7], 12))
+    engine.add(Request([8, 9], 12, launch_loop=2))
+    for f in (f for _ in range(60) for f in engine.step().finished):
+        trace = f.trace
+        assert pc.all(pc.equal(trace.column("sequence"), f.id)).as_py()
+        assert f.stats.flip_rate == pytest.approx(flip_rates(trace).column("flip_rate_final").to_pylist())
+        assert len(f.stats.flip_rate) == model.n_loops and f.stats.flip_rate[-1] == 0.0
