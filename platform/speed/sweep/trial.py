@@ -24,10 +24,10 @@ from ray import tune
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from speed.sweep.measure import Measurement
-from speed.sweep.space import METRIC, trial_scheme
+from speed.sweep.space import trial_scheme
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
 from speed.train.launch import build_trainer, copy_tree
-from speed.train.state import checkpoint_uri, newest_complete_checkpoint
+from speed.train.state import checkpoint_uri, newest_complete_checkpoint, read_checkpoint_config
 
 MEASUREMENT_FILE = "measurement.json"
 EVAL_DIR = "eval_validation"  # in the trial's Train run directory: predictions, trace, summary
@@ -91,10 +91,10 @@ def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:
     # Outside the trial's placement group (a bundle of memory only): the task takes the workers' resources.
     outside = PlacementGroupSchedulingStrategy(placement_group=None)
     task = ray.remote(_measure).options(num_cpus=job.scale.cpus_per_worker, num_gpus=gpus, scheduling_strategy=outside)
-    measurement = ray.get(task.remote(job_to_dict(job), checkpoint, setup, f"{run_dir}/{EVAL_DIR}"))
-    final = dict(result.metrics or {})
-    report = {"step": final["step"], "loss": final.get("loss"), METRIC: final[METRIC], "checkpoint": checkpoint}
-    report |= {k: v for k, v in final.items() if k.startswith("val_loss_loop")}
+    measurement, validation = ray.get(task.remote(job_to_dict(job), checkpoint, setup, f"{run_dir}/{EVAL_DIR}"))
+    # From the final checkpoint, not from fit()'s metrics: a resumed run that had no step left reports none.
+    step = read_checkpoint_config(checkpoint)["step"]
+    report = {"step": step, "loss": (result.metrics or {}).get("loss"), "checkpoint": checkpoint, **validation}
     with tempfile.TemporaryDirectory() as tmp:
         data = {"report": report, "measurement": measurement}
         (Path(tmp) / MEASUREMENT_FILE).write_text(json.dumps(data))
@@ -113,13 +113,18 @@ def read_measurement(checkpoint: tune.Checkpoint | None) -> tuple[dict[str, Any]
     return data["report"], Measurement(**data["measurement"])
 
 
-def _measure(job_dict: dict[str, Any], checkpoint: str, setup: SweepSetup, out_uri: str) -> dict[str, Any]:
+def _measure(
+    job_dict: dict[str, Any], checkpoint: str, setup: SweepSetup, out_uri: str
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The measurement and the validation losses of a checkpoint (``val_loss_loop*``, ``val_loss_last``)."""
     import torch
 
     from speed.checkpoint import load_model
+    from speed.data.corpus import open_corpus
     from speed.sweep.measure import measure
     from speed.tokenizer import Tokenizer
     from speed.train.state import local_checkpoint
+    from speed.train.validation import validation_metrics
 
     job = job_from_dict(job_dict)
     device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")
@@ -137,4 +142,5 @@ def _measure(job_dict: dict[str, Any], checkpoint: str, setup: SweepSetup, out_u
             out,
         )
         copy_tree(out, out_uri)
-    return result.to_dict()
+        validation = validation_metrics(loaded.model, open_corpus(setup.validation), job.micro_batch)
+    return result.to_dict(), validation
