@@ -38,6 +38,8 @@ SETTINGS = {
     "launch_loop": "SPEED launches a successor after this many loops",
     "invalidation": "eager or final",
     "check_sequential": "also decode sequentially: outputs must be identical; reports the speed-up",
+    "bitwise": "with the check, fail on any difference (else only on one that is not a near-tie)",
+    "near_tie": "top-2 logit gap below which a difference is a near-tie (with --no-bitwise)",
 }
 UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted weights): T5's input length
 
@@ -48,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     settings = p.add_argument_group("evaluation (speed.evaluate.EvalConfig)")
     for name, help_ in SETTINGS.items():
         flag = f"--{name.replace('_', '-')}"
-        if name == "check_sequential":
+        if name in ("check_sequential", "bitwise"):
             settings.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
         else:
             settings.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_)
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else Path(args.checkpoint) / "eval" / f"{config.task}-{config.split}"
-    summary = run_evaluation(loaded.model, tokenizer, config, out)
+    model = loaded.model.to(args.device)  # load_model fills a CPU-built model: move it where it should decode
+    summary = run_evaluation(model, tokenizer, config, out)
     print(format_summary(summary))
     print(f"wrote {', '.join(summary['files'].values())}")
     return summary

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -9,9 +10,11 @@ def test_write_read_and_invalidate_copies_nothing():
     for pos in range(4):
         rows = Rows.build([0, 1], [0, 0], [pos, pos])
         k = torch.full((2, 1, 1), float(pos))
-        keys, values = cache.write(1, rows, k, -k)
-        assert keys.shape == (2, 1, pos + 1, 1)
-        assert keys[0, 0, :, 0].tolist() == list(range(pos + 1))
+        cache.write(1, rows, k, -k)
+        keys, values = cache.read(1, rows)
+        assert keys.shape == values.shape == (2, 1, 8, 1)  # always every slot: attention runs on one shape
+        assert keys[0, 0, :, 0].tolist() == [*range(pos + 1), *[0.0] * (7 - pos)]
+        assert torch.equal(values, -keys)
     assert cache.lengths[0, 1].tolist() == [4, 4]
     assert cache.lengths[0, 0].tolist() == [0, 0]  # another depth: untouched
     storage = cache.keys[1].data_ptr()
@@ -45,3 +48,14 @@ def test_reset_and_max_len():
         cache.write(0, Rows.build([0], [0], [1]), z, z)
     cache.reset(0)
     assert cache.lengths.sum() == 0
+
+
+def test_rows_take_and_device_tensors():
+    rows = Rows.build([0, 1, 2], [0, 1, 0], [3, 4, 5])
+    tile = rows.take(np.array([0, 2, 2, 2]))  # padded by repeating the last row
+    assert tile.seq.tolist() == [0, 2, 2, 2] and tile.pos.tolist() == [3, 5, 5, 5]
+    seq_t, loop_t, pos_t = tile.tensors("cpu")
+    assert seq_t.tolist() == [0, 2, 2, 2] and loop_t.dtype == torch.long
+    assert tile.tensors("cpu")[0] is seq_t  # made once per device
+    with pytest.raises(ValueError, match="differ in length"):
+        Rows.build([0], [0, 1], [0])

@@ -15,7 +15,8 @@ from speed import SpeedT5, preset
 from speed.checkpoint import save_model
 from speed.config import ConfigError, from_dict
 from speed.data import load_records
-from speed.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, EvalConfig, run_evaluation
+from speed.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, DecodingMismatch, EvalConfig, run_evaluation
+from speed.exactness import LogitRecorder
 from speed.paths import repo_root
 from speed.tokenizer import train_tokenizer
 
@@ -57,7 +58,7 @@ def test_job_end_to_end(checkpoint, tmp_path, capsys):
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in printed.out and "speed-up" in printed.out
     # Not a terminal: a progress line at the first batch and at the end (not one per batch), with rate and ETA.
     bars = [line.split(" [#")[0] for line in printed.err.splitlines() if line.startswith("[evaluate ")]
-    assert bars == [f"[evaluate {m}] {n}/6 examples" for m in ("speed", "sequential") for n in (4, 6)]
+    assert bars == [f"[evaluate speed+sequential] {n}/6 examples" for n in (4, 6)]
     assert "examples/s | ETA 0s" in printed.err.splitlines()[-1]
 
     predictions = pq.read_table(out / "predictions.parquet")
@@ -77,7 +78,7 @@ def test_job_end_to_end(checkpoint, tmp_path, capsys):
     assert set(summary["metrics"]) == {"bleu", "chrf"} and 0 <= summary["metrics"]["bleu"]["score"] <= 100
     assert [r["loop"] for r in summary["flip_rates"]] == [1, 2, 3] and summary["flip_rates"][2]["flip_rate_final"] == 0
     decode = summary["decode"]
-    assert decode["identical"] and decode["speedup"] > 0
+    assert decode["identical"] and decode["mismatches"] == [] and decode["speedup"] > 0
     assert decode["speed"]["tokens"] == decode["sequential"]["tokens"] == sum(predictions["output_tokens"].to_pylist())
     assert decode["speed"]["tokens_per_s"] > 0
     config = summary["config"]  # EvalConfig's defaults; no training job in this checkpoint: 512 input tokens
@@ -93,19 +94,49 @@ def test_summarization_reports_rouge(checkpoint, tmp_path):
     assert "sequential" not in summary["decode"] and summary["examples"] == 3
 
 
-def test_a_speed_sequential_mismatch_is_an_error(checkpoint, tmp_path, monkeypatch):
-    _, model, tok = checkpoint
+def _break_sequential(monkeypatch):
+    """Make sequential decoding of the second example of each 2-example batch emit another first token."""
     real = speed.evaluate.generate
+    calls = []
 
-    def broken(*args, **kwargs):
-        result = real(*args, **kwargs)
-        if kwargs["method"] == "sequential" and len(result.tokens) == 2:  # the timed batch, not the warm-up
-            result.tokens[1] = [*result.tokens[1], 5]
+    def broken(model, *args, **kwargs):
+        result = real(model, *args, **kwargs)
+        calls.append(kwargs["method"])
+        if kwargs["method"] == "sequential" and len(result.tokens) == 2 and not isinstance(model, LogitRecorder):
+            result.tokens[1][0] += 1  # the timed batch, not the warm-up nor the gap's re-run
         return result
 
     monkeypatch.setattr(speed.evaluate, "generate", broken)
-    with pytest.raises(RuntimeError, match="differ on example 1"):
-        run_evaluation(model, tok, EvalConfig("translate_en_de", limit=2, max_source_len=64), tmp_path, progress=False)
+    return calls
+
+
+def _config(**kw) -> EvalConfig:
+    return EvalConfig("translate_en_de", batch_size=2, max_new_tokens=8, max_source_len=64, **kw)
+
+
+def test_a_mismatch_is_recorded_written_then_fails(checkpoint, tmp_path, monkeypatch):
+    _, model, tok = checkpoint
+    calls = _break_sequential(monkeypatch)
+    with pytest.raises(DecodingMismatch, match="differ on 2 example.*bitwise mode.*example 1, position 0"):
+        run_evaluation(model, tok, _config(limit=4), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())  # finished work is kept
+    assert pq.read_table(tmp_path / "predictions.parquet").num_rows == 4 and (tmp_path / "trace.parquet").is_file()
+    decode = summary["decode"]
+    assert not decode["identical"] and decode["check"]["bitwise"]
+    assert [(m["example"], m["position"]) for m in decode["mismatches"]] == [(1, 0), (3, 0)]
+    assert all(m["sequential_token"] == m["speed_token"] + 1 and m["top2_gap"] > 0 for m in decode["mismatches"])
+    # interleaved timing: after the warm-up, batch 1 runs SPEED first, batch 2 sequential first
+    timed = [c for c in calls[2:] if c in ("speed", "sequential")]
+    assert timed[:2] == ["speed", "sequential"] and timed[3:5] == ["sequential", "speed"]
+
+
+def test_near_ties_may_be_allowed(checkpoint, tmp_path, monkeypatch):
+    _, model, tok = checkpoint
+    _break_sequential(monkeypatch)
+    with pytest.raises(DecodingMismatch, match="not a near-tie"):  # a real gap is not a near-tie
+        run_evaluation(model, tok, _config(limit=2, bitwise=False), tmp_path, progress=False)
+    summary = run_evaluation(model, tok, _config(limit=2, bitwise=False, near_tie=1e9), tmp_path, progress=False)
+    assert len(summary["decode"]["mismatches"]) == 1 and not summary["decode"]["identical"]
 
 
 def test_bad_settings(checkpoint, tmp_path):

@@ -25,30 +25,36 @@ class CacheError(RuntimeError):
 class Rows:
     """The tokens processed by one pass of the shared layer group, one row each.
 
-    Row r is the token at decoder position ``pos[r]`` of sequence ``seq[r]`` (its
-    row in the cache), running loop ``loop[r]`` (0-based).
+    Row r is the token at decoder position ``pos[r]`` of cache row ``seq[r]``,
+    running loop ``loop[r]`` (0-based).
     """
 
     seq: np.ndarray  # (R,) int64
     loop: np.ndarray  # (R,) int64
     pos: np.ndarray  # (R,) int64
-    seq_t: Tensor = field(repr=False)  # (R,) long, the same values as tensors
-    loop_t: Tensor = field(repr=False)
-    pos_t: Tensor = field(repr=False)
+    _tensors: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (seq, loop, pos)
 
     @classmethod
     def build(cls, seq: list[int], loop: list[int], pos: list[int]) -> Rows:
         """Rows from three equally long lists of ints."""
         s, lo, p = (np.asarray(x, dtype=np.int64) for x in (seq, loop, pos))
-        return cls(s, lo, p, torch.from_numpy(s), torch.from_numpy(lo), torch.from_numpy(p))
+        if not len(s) == len(lo) == len(p):
+            raise ValueError(f"seq, loop and pos differ in length: {len(s)}, {len(lo)}, {len(p)}")
+        return cls(s, lo, p)
 
     def __len__(self) -> int:
         return len(self.seq)
 
-    @property
-    def span(self) -> int:
-        """Key positions any row may attend to: max position + 1."""
-        return int(self.pos.max()) + 1
+    def take(self, index: np.ndarray) -> Rows:
+        """The rows at ``index`` (an index may repeat, e.g. to pad a tile)."""
+        return Rows(self.seq[index], self.loop[index], self.pos[index])
+
+    def tensors(self, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+        """(seq, loop, pos) as long tensors on ``device``, made once per device."""
+        key = str(device)
+        if key not in self._tensors:
+            self._tensors[key] = tuple(torch.as_tensor(a, device=device) for a in (self.seq, self.loop, self.pos))
+        return self._tensors[key]
 
 
 class KVCache:
@@ -75,14 +81,14 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lengths = np.zeros((n_loops, n_layers, batch), dtype=np.int64)
         self.max_len = max_len
+        self.device = torch.device(device)
 
-    def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append each row's key/value (R, H, D) at its depth; return the keys/values it attends to.
+    def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
+        """Append each row's key/value (R, H, D) at its depth.
 
         Each row must land exactly at the end of the valid prefix of its depth
         (a gap or an overwrite of a valid entry is a scheduling bug and raises
-        ``CacheError``). Returns (R, H, span, D) keys and values; entries past a
-        row's own position are stale or other rows' and must be masked.
+        ``CacheError``).
         """
         have = self.lengths[rows.loop, layer, rows.seq]
         if not np.array_equal(have, rows.pos):
@@ -94,15 +100,19 @@ class KVCache:
         if int(rows.pos.max()) >= self.max_len:
             raise CacheError(f"position {int(rows.pos.max())} beyond the cache's max_len {self.max_len}")
         self.lengths[rows.loop, layer, rows.seq] = rows.pos + 1
-        keys, values = self.keys[layer], self.values[layer]
-        keys[rows.loop_t, rows.seq_t, :, rows.pos_t] = k
-        values[rows.loop_t, rows.seq_t, :, rows.pos_t] = v
-        span = rows.span
-        return keys[rows.loop_t, rows.seq_t, :, :span], values[rows.loop_t, rows.seq_t, :, :span]
+        seq_t, loop_t, pos_t = rows.tensors(self.device)
+        self.keys[layer][loop_t, seq_t, :, pos_t] = k
+        self.values[layer][loop_t, seq_t, :, pos_t] = v
 
-    @property
-    def device(self) -> torch.device:
-        return self.keys[0].device
+    def read(self, layer: int, rows: Rows) -> tuple[Tensor, Tensor]:
+        """Keys and values (R, H, max_len, D) each row attends to, all ``max_len`` slots of its depth.
+
+        Always the full length, whatever the rows' positions, so that attention
+        runs on one shape; slots past a row's own position are stale or empty
+        and must be masked.
+        """
+        seq_t, loop_t, _ = rows.tensors(self.device)
+        return self.keys[layer][loop_t, seq_t], self.values[layer][loop_t, seq_t]
 
     def invalidate(self, seq: int, from_pos: int) -> None:
         """Drop positions >= ``from_pos`` of sequence ``seq`` at every depth (no copy)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
+import torch
 from torch import Tensor
 
 from speed.engine import (
@@ -87,9 +88,10 @@ def generate(
         engine = Engine(model, config)
         ids = [engine.add(r) for r in requests]  # validates launch_loop, invalidation, ids
         done: dict[int, Finished] = {}
-        while engine.has_work:
-            for f in engine.step().finished:
-                done[f.id] = f
+        with torch.inference_mode():
+            while engine.has_work:
+                for f in engine.step().finished:
+                    done[f.id] = f
     finally:
         if was_training:
             model.train()  # type: ignore[attr-defined]

@@ -251,7 +251,7 @@ class Engine:
         self._waiting: deque[Sequence] = deque()
         self._active: dict[int, Sequence] = {}  # by id, in admission order
         self._next_id = 0
-        self._step = 0
+        self._step_no = 0
         self._lock = threading.Lock()  # the decoding state: step and cancel
         self._queue_lock = threading.Lock()  # the waiting queue and ids: add
         self.stats = DecodeStats()  # totals over the engine's life
@@ -311,48 +311,54 @@ class Engine:
 
     def step(self) -> StepResult:
         """Admit queued requests into free slots, then run one pipeline step over the active ones."""
-        with self._lock, torch.inference_mode():
-            self._admit()
-            if not self._active:
-                return StepResult([], [], 0)
-            work = self._select()
-            self._step += 1
-            fresh = [slot for _, slot in work if slot.hidden is None]
-            if fresh:
-                tokens = torch.tensor([slot.token for slot in fresh], device=self._device)
-                for slot, h in zip(fresh, self.model.embed(tokens)):
-                    slot.hidden = h
-            M = self.model.n_loops
-            rows = Rows.build([s.row for s, _ in work], [len(t.preds) for _, t in work], [t.pos for _, t in work])
-            with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
-            inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
-            hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
-            preds = logits.argmax(-1).tolist() if logits is not None else [NO_EXIT] * len(work)
-            ran: dict[int, Sequence] = {}
-            for (seq, slot), h, pred in zip(work, hidden.unbind(0), preds):
+        with self._lock:
+            if torch.is_inference_mode_enabled():  # e.g. inside generate: entering it again costs per step
+                return self._step()
+            with torch.inference_mode():
+                return self._step()
+
+    def _step(self) -> StepResult:
+        self._admit()
+        if not self._active:
+            return StepResult([], [], 0)
+        work = self._select()
+        self._step_no += 1
+        fresh = [slot for _, slot in work if slot.hidden is None]
+        if fresh:
+            tokens = torch.tensor([slot.token for slot in fresh], device=self._device)
+            for slot, h in zip(fresh, self.model.embed(tokens)):
                 slot.hidden = h
-                slot.preds.append(pred)
-                seq.rows += 1
-                ran[seq.id] = seq
-            st = self.stats
-            st.steps += 1
-            st.group_passes += 1
-            st.rows += len(work)
-            committed: list[tuple[int, int]] = []
-            finished: list[Finished] = []
-            now = time.perf_counter()
-            for seq in ran.values():
-                seq.steps += 1
-                n = len(seq.out)
-                self._schedule(seq)
-                if len(seq.out) > n:
-                    if n == 0:
-                        seq.first_token = now
-                    committed.extend((seq.id, t) for t in seq.out[n:])
-                if seq.done:
-                    self._release(seq)
-                    finished.append(self._finished(seq, now, cancelled=False))
-            return StepResult(committed, finished, len(work))
+        M = self.model.n_loops
+        rows = Rows.build([s.row for s, _ in work], [len(t.preds) for _, t in work], [t.pos for _, t in work])
+        with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
+        inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
+        hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
+        preds = logits.argmax(-1).tolist() if logits is not None else [NO_EXIT] * len(work)
+        ran: dict[int, Sequence] = {}
+        for (seq, slot), h, pred in zip(work, hidden.unbind(0), preds):
+            slot.hidden = h
+            slot.preds.append(pred)
+            seq.rows += 1
+            ran[seq.id] = seq
+        st = self.stats
+        st.steps += 1
+        st.group_passes += 1
+        st.rows += len(work)
+        committed: list[tuple[int, int]] = []
+        finished: list[Finished] = []
+        now = time.perf_counter()
+        for seq in ran.values():
+            seq.steps += 1
+            n = len(seq.out)
+            self._schedule(seq)
+            if len(seq.out) > n:
+                if n == 0:
+                    seq.first_token = now
+                committed.extend((seq.id, t) for t in seq.out[n:])
+            if seq.done:
+                self._release(seq)
+                finished.append(self._finished(seq, now, cancelled=False))
+        return StepResult(committed, finished, len(work))
 
     # ----- internals -------------------------------------------------------------------------
 
@@ -406,14 +412,14 @@ class Engine:
             return [(s, slot) for s in seqs for slot in s.slots]
         if sum(len(s.slots) for s in seqs) <= budget:
             for s in seqs:
-                s.last_served = self._step
+                s.last_served = self._step_no
             return [(s, slot) for s in seqs for slot in s.slots]
         order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
         take = dict(zip((s.id for s in order), budget_rows([len(s.slots) for s in order], budget)))
         work = []
         for s in seqs:
             if take[s.id]:
-                s.last_served = self._step
+                s.last_served = self._step_no
                 work.extend((s, slot) for slot in s.slots[: take[s.id]])
         return work
 

@@ -11,15 +11,17 @@ H heads, D d_kv, V vocabulary, M loops, N unique decoder layers.
 from __future__ import annotations
 
 import math
-import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.cache import KVCache, Rows
 from speed.config import ModelConfig
+from speed.kernels import TILE_ROWS, attend, tile_index, tile_linear
 from speed.losses import loss_weights
 
 
@@ -70,54 +72,6 @@ def _mask_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
-def row_linear(layer: nn.Linear, x: Tensor) -> Tensor:
-    """``layer(x)`` for a handful of decode rows (..., in) -> (..., out).
-
-    Decoding reads every weight once per step for 1 to M rows, so the kernel
-    must stay bound by memory traffic whatever the row count; on the CPU the
-    default paths are not (measured on 2 cores, base dims: one row goes to a
-    single-threaded GEMV, six rows take 2-3x the time of one). So: one row is
-    computed as a two-column MKL GEMM (the row twice), which uses every core;
-    several rows use oneDNN with the weight packed once for its kernels, whose
-    cost barely grows from 1 to 12 rows. Elsewhere (GPU, no oneDNN) ``W @ x^T``.
-    """
-    flat = x.reshape(-1, x.shape[-1])  # (R, in)
-    weight = layer.weight
-    if flat.shape[0] == 1 and weight.device.type == "cpu":
-        out = (weight @ flat.repeat(2, 1).T)[:, :1]  # (out, 1)
-    else:
-        packed = _packed_weight(weight)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
-        out = weight @ flat.T  # (out, R)
-    return out.T.reshape(*x.shape[:-1], layer.out_features)
-
-
-# id(weight) -> ((version, data_ptr), packed copy); an entry is dropped when its weight is freed
-_PACKED: dict[int, tuple[tuple[int, int], Tensor]] = {}
-_ONEDNN = torch.backends.mkldnn.is_available()
-
-
-def _packed_weight(weight: Tensor) -> Tensor | None:
-    """A oneDNN-packed copy of a CPU float32 weight, cached until the weight changes; None if unsupported."""
-    global _ONEDNN
-    if not _ONEDNN or weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return None
-    key = (weight._version, weight.data_ptr())
-    hit = _PACKED.get(id(weight))
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 6)  # 6: a typical row count (M)
-    except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
-        _ONEDNN = False
-        return None
-    if hit is None:
-        weakref.finalize(weight, _PACKED.pop, id(weight), None)
-    _PACKED[id(weight)] = (key, packed)
-    return packed
-
-
 class SelfAttention(nn.Module):
     """Multi-head self-attention with fused QKV; T5 applies no 1/sqrt(D) scaling."""
 
@@ -137,13 +91,18 @@ class SelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=1.0)  # (B, H, T, D)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
-    def decode(self, x: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
-        """One new token per row (R, 1, d), attending to its own depth's cache."""
-        R = x.shape[0]
-        q, k, v = row_linear(self.qkv, x).view(R, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (R, H, D)
-        keys, values = cache.write(layer, rows, k, v)  # (R, H, span, D)
-        y = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=bias, scale=1.0)  # (R, H, 1, D)
-        return row_linear(self.o, y.reshape(R, 1, -1))
+    def decode(self, x: Tensor, rows: Rows, tile: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
+        """One new token per row of a tile (T, d): ``rows`` are its real rows (the first n), ``tile`` all T.
+
+        Writes the real rows' keys/values at their depths, then attends over
+        all ``max_len`` cache slots of each row's depth; ``bias`` (T, H, 1, L)
+        adds position bias and masks slots past each row's position.
+        """
+        T, n = x.shape[0], len(rows)
+        q, k, v = tile_linear(self.qkv, x).view(T, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (T, H, D)
+        cache.write(layer, rows, k[:n], v[:n])
+        keys, values = cache.read(layer, tile)  # (T, H, L, D)
+        return tile_linear(self.o, attend(q, keys, values, bias).reshape(T, -1))
 
 
 class CrossAttention(nn.Module):
@@ -173,19 +132,14 @@ class CrossAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
     def decode(self, x: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-        """One token per row (R, 1, d) against per-row keys/values (R, H, S, D) and bias (R, 1, 1, S).
+        """One query per row of a tile (T, d) against its own request's keys/values (T, H, S, D), bias (T, 1, 1, S).
 
-        When every row reads the same request (keys of batch 1), the rows are
-        attended as R queries of that one request: no per-row copy of the keys.
+        Always one query per row, even when rows share a request: attending R
+        queries of one request at once would change the kernel with R.
         """
-        R = x.shape[0]
-        q = row_linear(self.q, x).view(R, self.n_heads, self.d_kv)  # (R, H, D)
-        if keys.shape[0] == 1:
-            y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=bias, scale=1.0)
-            y = y[0].transpose(0, 1)  # (1, H, R, D) -> (R, H, D)
-        else:
-            y = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=bias, scale=1.0)  # (R, H, 1, D)
-        return row_linear(self.o, y.reshape(R, 1, -1))
+        T = x.shape[0]
+        q = tile_linear(self.q, x).view(T, self.n_heads, self.d_kv)  # (T, H, D)
+        return tile_linear(self.o, attend(q, keys, values, bias).reshape(T, -1))
 
 
 class GatedFFN(nn.Module):
@@ -202,9 +156,9 @@ class GatedFFN(nn.Module):
         return self.wo(self.dropout(F.gelu(gate, approximate="tanh") * linear))
 
     def decode(self, x: Tensor) -> Tensor:
-        """The same for a handful of decode rows (no dropout)."""
-        gate, linear = row_linear(self.wi, x).chunk(2, dim=-1)
-        return row_linear(self.wo, F.gelu(gate, approximate="tanh") * linear)
+        """The same for one tile of decode rows (T, d) (no dropout)."""
+        gate, linear = tile_linear(self.wi, x).chunk(2, dim=-1)  # 2 x (T, d_ff)
+        return tile_linear(self.wo, F.gelu(gate, approximate="tanh") * linear)
 
 
 class EncoderLayer(nn.Module):
@@ -241,6 +195,7 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         rows: Rows,
+        tile: Rows,
         cache: KVCache,
         layer: int,
         self_bias: Tensor,
@@ -248,7 +203,8 @@ class DecoderLayer(nn.Module):
         values: Tensor,
         cross_bias: Tensor,
     ) -> Tensor:
-        x = x + self.self_attn.decode(self.self_norm(x), rows, cache, layer, self_bias)
+        """One tile of decode rows (T, d) through this layer (see ``SelfAttention.decode``)."""
+        x = x + self.self_attn.decode(self.self_norm(x), rows, tile, cache, layer, self_bias)
         x = x + self.cross_attn.decode(self.cross_norm(x), keys, values, cross_bias)
         return x + self.ffn.decode(self.ffn_norm(x))
 
@@ -270,10 +226,6 @@ class Memory:
     cross_bias: Tensor
     self_bias: Tensor
 
-    @property
-    def batch(self) -> int:
-        return self.cross_bias.shape[0]
-
 
 @dataclass
 class SpeedT5Output:
@@ -290,8 +242,9 @@ class SpeedT5(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        sharing = config.sharing
+        self.sharing = sharing = config.sharing
         self.n_loops = sharing.n_loops
+        self.tile_rows = TILE_ROWS  # decode rows per fixed-shape kernel call (see speed.kernels)
         self.shared = nn.Embedding(config.vocab_size, config.d_model)  # encoder and decoder inputs
         self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
         self.encoder_bias = RelativeBias(config, bidirectional=True)
@@ -374,9 +327,12 @@ class SpeedT5(nn.Module):
 
         x = self.dropout(self.shared(decoder_input_ids))
         losses, all_logits = [], []
-        for _ in range(self.n_loops):
-            for layer, (k, v) in zip(self.decoder_layers, memories):
-                x = layer(x, self_bias, k, v, cross_bias)
+        sharing = self.sharing
+        for depth in range(sharing.depth):
+            j = sharing.physical_layer(depth)
+            x = self.decoder_layers[j](x, self_bias, *memories[j], cross_bias)
+            if depth + 1 < sharing.depth and sharing.loop_of(depth + 1) == sharing.loop_of(depth):
+                continue  # the early exit comes after the loop's last layer
             logits = self.exit_logits(x)  # (B, T, V)
             if labels is not None:
                 losses.append(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100))
@@ -412,6 +368,11 @@ class SpeedT5(nn.Module):
         return KVCache(self.n_loops, len(self.decoder_layers), batch, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights live; the decode path creates every tensor here."""
+        return self.lm_head.weight.device
+
+    @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
@@ -445,9 +406,9 @@ class SpeedT5(nn.Module):
         memory.cross_bias[slot, ..., :S] = 0.0
         memory.cross_bias[slot, ..., S:] = _mask_value(memory.cross_bias.dtype)
 
-    def embed(self, tokens: Tensor) -> Tensor:
+    def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
         """Decoder input embeddings (R, d) of token ids (R,)."""
-        return self.shared(tokens)
+        return self.shared(torch.as_tensor(tokens, dtype=torch.long, device=self.device))
 
     def step(
         self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
@@ -455,20 +416,35 @@ class SpeedT5(nn.Module):
         """One pass of the shared N-layer group over R rows, each at its own loop depth.
 
         ``hidden`` (R, d) is each row's input to this loop; returns its output
-        (R, d) and, if asked, the early-exit logits (R, V).
+        (R, d) and, if asked, the early-exit logits (R, V). Each row's results
+        are bit-identical whatever other rows share the step: the rows run in
+        fixed-shape tiles of ``tile_rows`` (see ``speed.kernels``).
         """
-        span = rows.span
-        self_bias = memory.self_bias[rows.pos_t, :, :span].unsqueeze(2)  # (R, H, 1, span)
-        if memory.batch == 1:  # every row reads the same request: CrossAttention.decode shares it
-            gather = lambda t: t  # noqa: E731
-        else:
-            gather = lambda t: t.index_select(0, rows.seq_t)  # noqa: E731
-        cross_bias = gather(memory.cross_bias)
-        x = hidden.unsqueeze(1)  # (R, 1, d)
-        for j, layer in enumerate(self.decoder_layers):
-            x = layer.decode(x, rows, cache, j, self_bias, gather(memory.keys[j]), gather(memory.values[j]), cross_bias)
-        x = x.squeeze(1)
-        return x, (row_linear(self.lm_head, self.decoder_norm(x)) if with_logits else None)
+        T = self.tile_rows
+        outputs, logits = [], []
+        for start in range(0, len(rows), T):
+            part = rows.take(np.arange(start, min(start + T, len(rows))))
+            pad = tile_index(len(part), T, hidden.device)  # (T,)
+            x, exit_logits = self._step_tile(memory, cache, part, hidden[start : start + len(part)][pad], with_logits)
+            outputs.append(x[: len(part)])
+            if exit_logits is not None:
+                logits.append(exit_logits[: len(part)])
+        return torch.cat(outputs), (torch.cat(logits) if with_logits else None)
+
+    def _step_tile(
+        self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor, with_logits: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """``step`` for one tile: the real ``rows`` (n) first in ``x`` (T, d), then copies of the last."""
+        tile = rows.take(np.minimum(np.arange(len(x)), len(rows) - 1))
+        seq_t, _, pos_t = tile.tensors(x.device)
+        self_bias = memory.self_bias.index_select(0, pos_t).unsqueeze(2)  # (T, H, 1, L)
+        cross_bias = memory.cross_bias.index_select(0, seq_t)  # (T, 1, 1, S)
+        # CYCLE order: loop l's pass runs virtual depths l*N .. l*N+N-1, whose physical layers are 0..N-1
+        for j in range(self.sharing.n_unique):
+            layer = self.decoder_layers[self.sharing.physical_layer(j)]
+            keys, values = memory.keys[j].index_select(0, seq_t), memory.values[j].index_select(0, seq_t)
+            x = layer.decode(x, rows, tile, cache, j, self_bias, keys, values, cross_bias)  # (T, d)
+        return x, (tile_linear(self.lm_head, self.decoder_norm(x)) if with_logits else None)
 
 
 def shift_right(labels: Tensor, start_id: int = 0, pad_id: int = 0) -> Tensor:

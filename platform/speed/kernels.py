@@ -1,0 +1,125 @@
+"""Batch-invariant decode kernels: a row's result never depends on the other rows of its step.
+
+A decode step computes 1 to M rows per sequence (many more across a batch or
+a server's requests), and the rows that share a step change all the time. A
+CPU or GPU kernel may pick its algorithm, blocking or reduction split by the
+shape it is given (MKL's GEMM rounds a 3-row product differently from an
+8-row one; a reduction with one output splits across threads; attention's
+softmax is blocked by its key length). So every decode op here runs on a
+fixed shape: the rows are processed in tiles of ``tile_rows`` (the last tile
+padded by repeating its last row), each matmul is one call on a (tile_rows,
+in) input, attention always runs over the cache's full ``max_len`` keys
+(masked) with per-row reductions, and cross-attention always runs one query
+per row against that row's own copy of its request's keys. Each row's result then depends only on
+its own inputs and its position in the tile, and ``tests/test_kernels.py``
+checks that the position does not matter either. The sequential reference and
+the SPEED engine call the same kernels, so their logits are equal bit for bit
+(on the same device, dtype and thread count).
+
+Matmuls use oneDNN with the weight packed once (its cost is nearly flat from
+1 to 8 rows, so a padded tile costs little more than one row); where its
+private ops are missing (or not CPU float32) a plain ``F.linear`` on the same
+fixed tile shape, which is also the GPU path.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+TILE_ROWS = 8  # rows per fixed-shape kernel call: at least M for a single sequence of the usual patterns
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A oneDNN-packed copy of ``weight``, valid while the weight keeps this identity, version and storage."""
+
+    weight: weakref.ref
+    version: int | None  # None for inference tensors, which keep no version counter
+    data_ptr: int
+    tile_rows: int
+    packed: Tensor
+
+
+_LOCK = threading.Lock()
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, _Packed] = weakref.WeakKeyDictionary()
+_ONEDNN: bool | None = None  # whether oneDNN's packed linear works here; probed once, on first use
+
+
+def _onednn_available() -> bool:
+    """Probe oneDNN's private linear ops once (some torch builds lack them); never raises."""
+    global _ONEDNN
+    if _ONEDNN is None:
+        try:
+            w = torch.ones(4, 4)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
+            out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4), packed, None, "none", [], "")
+            _ONEDNN = torch.backends.mkldnn.is_available() and bool(torch.equal(out, torch.full((2, 4), 4.0)))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _ONEDNN = False
+    return _ONEDNN
+
+
+def _version(weight: Tensor) -> int | None:
+    # Inference tensors (made under torch.inference_mode) track no version: they cannot be changed
+    # in place outside inference mode, so their storage pointer identifies them.
+    return None if weight.is_inference() else weight._version
+
+
+def _packed_weight(layer: nn.Linear, tile_rows: int) -> Tensor | None:
+    """``layer``'s weight packed by oneDNN for ``tile_rows`` rows, cached per module; None where unsupported."""
+    weight = layer.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_available():
+        return None
+    version, ptr = _version(weight), weight.data_ptr()
+    with _LOCK:  # decoding threads may share a model: pack each weight once, never read a half-built entry
+        hit = _PACKED.get(layer)
+        if (
+            hit is not None
+            and hit.weight() is weight
+            and hit.version == version
+            and hit.data_ptr == ptr
+            and hit.tile_rows == tile_rows
+        ):
+            return hit.packed
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tile_rows)
+        _PACKED[layer] = _Packed(weakref.ref(weight), version, ptr, tile_rows, packed)
+        return packed
+
+
+def tile_linear(layer: nn.Linear, x: Tensor) -> Tensor:
+    """``layer(x)`` (no bias) for one tile of rows (T, in) -> (T, out), with a kernel fixed by T alone."""
+    if layer.bias is not None:
+        raise ValueError("decode kernels expect bias-free linear layers (T5 has none)")
+    x = x.contiguous()  # strides select kernels too (a stride-0 input takes another GEMM path)
+    packed = _packed_weight(layer, x.shape[0])
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return F.linear(x, layer.weight)
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+    """One query per row: q (T, H, D) against keys/values (T, H, L, D) with additive bias (T, H or 1, 1, L).
+
+    Written as elementwise products, sums and a softmax, each of which treats
+    every (row, head) alike: the CPU's fused attention kernel does not (with
+    2 threads the rows of the second thread round differently, measured).
+    T5 applies no 1/sqrt(D) scaling. Masked keys (bias at the dtype's
+    minimum) get probability exactly zero, so a row's result does not depend
+    on what the masked slots hold.
+    """
+    scores = (q.unsqueeze(2) * keys).sum(-1) + bias.squeeze(2)  # (T, H, L)
+    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)  # (T, H, L)
+    return (probs.unsqueeze(-1) * values).sum(-2)  # (T, H, D)
+
+
+def tile_index(n: int, tile_rows: int, device: torch.device) -> Tensor:
+    """(tile_rows,) indices 0..n-1, the last repeated to fill the tile (n <= tile_rows)."""
+    if not 1 <= n <= tile_rows:
+        raise ValueError(f"a tile holds 1..{tile_rows} rows, got {n}")
+    return torch.arange(tile_rows, device=device).clamp(max=n - 1)
