@@ -67,8 +67,11 @@ def random_model(config: ModelConfig, seed: int) -> SpeedT5:
     return model
 
 
-def _interleave(variants: dict[str, Callable[[], object]], reps: int, tokens: int) -> dict[str, list[float]]:
-    """Run each variant once untimed, then ``reps`` timed rounds in rotating order; ms per token."""
+def interleave(variants: dict[str, Callable[[], int]], reps: int) -> dict[str, list[float]]:
+    """Run each variant once untimed, then ``reps`` timed rounds in rotating order; ms per token.
+
+    Each variant returns the number of tokens it decoded.
+    """
     for fn in variants.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -76,7 +79,7 @@ def _interleave(variants: dict[str, Callable[[], object]], reps: int, tokens: in
     for r in range(reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
-            variants[name]()
+            tokens = variants[name]()
             times[name].append((time.perf_counter() - t0) * 1000 / tokens)
         print(
             f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1]:.1f}" for n in names) + " ms/token", flush=True
@@ -96,9 +99,10 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
     tokens = sum(map(len, reference.tokens))
     results: dict[str, GenerateResult] = {}
 
-    def run(name: str, m: SpeedT5, **kw) -> Callable[[], None]:
-        def go() -> None:
+    def run(name: str, m: SpeedT5, **kw) -> Callable[[], int]:
+        def go() -> int:
             results[name] = generate(m, ids, max_new_tokens=n, trace=False, **kw)
+            return tokens
 
         return go
 
@@ -112,13 +116,13 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
     if hf_pair is not None:
         ours, hf_go = hf_pair
         variants["ours_deep"] = run("ours_deep", ours, method="sequential")
-        variants["hf_generate"] = hf_go
+        variants["hf_generate"] = lambda: hf_go().numel()  # batch x n tokens (EOS disabled)
     print(
         f"benchmark: {cfg.model.pattern} d_model={cfg.model.d_model} vocab={cfg.model.vocab_size} "
         f"batch={cfg.batch} tokens={n} reps={cfg.reps} threads={torch.get_num_threads()}",
         flush=True,
     )
-    times = _interleave(variants, cfg.reps, tokens)
+    times = interleave(variants, cfg.reps)
     for name in ("speed", "speed_oracle"):
         if results[name].tokens != reference.tokens:
             raise AssertionError(f"{name} output differs from sequential greedy decoding")

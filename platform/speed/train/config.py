@@ -26,7 +26,7 @@ from speed.cli import JobParser
 from speed.config import ConfigError, ModelConfig, from_dict, preset, to_dict
 from speed.data.tasks import TASKS
 from speed.evaluate import EvalConfig
-from speed.losses import SCHEMES
+from speed.losses import SCHEMES, check_scheme
 from speed.train.state import IncompatibleCheckpointError, local_checkpoint, read_checkpoint_config
 
 KINDS = ("pretrain", "finetune")
@@ -109,8 +109,7 @@ class TrainConfig:
     bf16: bool = True  # bf16 autocast when training on GPU
 
     def __post_init__(self) -> None:
-        if self.loss_weights not in SCHEMES:
-            raise ValueError(f"unknown loss-weight scheme {self.loss_weights!r}; choose one of {sorted(SCHEMES)}")
+        check_scheme(self.loss_weights)
         for name in ("batch_size", "grad_accum", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
@@ -326,7 +325,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--warmup-steps": ("optim.warmup_steps", int, "linear warm-up steps"),
     "--schedule": ("optim.schedule", str, f"decay after warm-up: {', '.join(SCHEDULES)}"),
     "--grad-clip": ("optim.grad_clip", float, "max global gradient norm (0: off)"),
-    "--loss-weights": ("train.loss_weights", str, f"loop-loss weights: {', '.join(sorted(SCHEMES))}"),
+    "--loss-weights": ("train.loss_weights", str, f"loop-loss weights: {', '.join(sorted(SCHEMES))}, power:P, ratio:R"),
     "--batch-size": ("train.batch_size", int, "global sequences per optimizer step"),
     "--grad-accum": ("train.grad_accum", int, "micro-batches per step on each worker"),
     "--max-steps": ("train.max_steps", int, "optimizer steps"),

@@ -191,9 +191,21 @@ def prepare_data(job: JobConfig, tokenizer_path: Path) -> PreparedCorpus:
 
 
 def build_trainer(
-    job: JobConfig, tokenizer: bytes, corpus: str, run_dir: str, deadline: float | None
+    job: JobConfig,
+    tokenizer: bytes,
+    corpus: str,
+    run_dir: str,
+    deadline: float | None,
+    *,
+    validation: str | None = None,
+    callbacks: list[ray.train.UserCallback] | None = None,
 ) -> TorchTrainer:
-    """A ``TorchTrainer`` running ``train_loop_per_worker`` on the prepared ``corpus`` (path or URI)."""
+    """A ``TorchTrainer`` running ``train_loop_per_worker`` on the prepared ``corpus`` (path or URI).
+
+    ``validation``: a prepared validation split (``speed.data.prepare``) whose every-loop
+    losses each checkpoint report carries; ``callbacks``: Ray Train callbacks (a sweep's
+    ``TuneReportCallback``).
+    """
     from speed.train.loop import train_loop_per_worker
 
     resources = {"CPU": job.scale.cpus_per_worker}
@@ -208,6 +220,7 @@ def build_trainer(
         "corpus": corpus,
         "deadline": deadline,
         "run_dir": run_dir,
+        "validation": validation,
     }
     return TorchTrainer(
         train_loop_per_worker,
@@ -220,6 +233,7 @@ def build_trainer(
             storage_path=storage_uri(job.run.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=job.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
+            callbacks=callbacks,
         ),
     )
 

@@ -58,6 +58,7 @@ from speed.train.state import (
     save_training_checkpoint,
     set_rng_state,
 )
+from speed.train.validation import validation_metrics
 
 _PACE_WINDOW = 20  # steps averaged for the ETA
 
@@ -226,6 +227,8 @@ def _train(
     records: list[StepRecord] = []
     saved_at = step if resumed_own else None  # this run's checkpoint of ``step`` is on storage already
     restarts = history.column("restarts")[-1].as_py() + 1 if history.num_rows else 0
+    # A prepared validation split (sweeps): rank 0 adds every loop's validation loss to each checkpoint's report.
+    validation = open_corpus(config["validation"]) if rank == 0 and config.get("validation") else None
 
     while step < last_step:
         if t.fail_at_step == step + 1 and not resumed_own and rank == world - 1:
@@ -285,14 +288,16 @@ def _train(
             window = window_mean(records[-t.log_every :])  # the steps since the previous line
             print(progress_line(window, t.max_steps, eta_seconds(last_step - step, pace, budget_left)), flush=True)
         if step % t.checkpoint_every == 0 or stop:
-            _checkpoint(job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world)
+            _checkpoint(
+                job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world, validation
+            )
             saved_at = step
         if stop:
             if rank == 0 and step < last_step:
                 print(f"time budget of {t.time_budget_min} min reached: stopped at step {step}", flush=True)
             break
     if saved_at != step:  # nothing left to train (a finished run resumed): still leave a checkpoint here
-        _checkpoint(job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world)
+        _checkpoint(job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world, validation)
 
 
 def _past_deadline(deadline: float, records: list[StepRecord], started: float) -> bool:
@@ -312,6 +317,7 @@ def _checkpoint(
     records: list[StepRecord],
     rank: int,
     world: int,
+    validation: TokenizedCorpus | None,
 ) -> None:
     """Every rank reports (a barrier); rank 0 alone writes the checkpoint, with every rank's RNG state."""
     rngs = [rng_state()]
@@ -323,6 +329,8 @@ def _checkpoint(
     if last is not None:
         metrics |= {"loss": last.loss, "tokens_per_s": last.tokens_per_s, "lr": last.lr}
         metrics |= {f"loss_loop{i + 1}": x for i, x in enumerate(last.loop_losses)}
+    if validation is not None:
+        metrics |= validation_metrics(_unwrap(model), validation, job.micro_batch)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if rank == 0:

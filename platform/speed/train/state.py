@@ -33,6 +33,7 @@ TRAIN_LOG_FILE = "train_log.parquet"
 CHECKPOINT_PREFIX = "checkpoint_"
 COMPLETE_FILE = "complete"  # written after every other file of a checkpoint is on storage (holds the step)
 
+
 class IncompatibleCheckpointError(ValueError):
     """A checkpoint whose model, task, tokenizer or optimizer cannot continue the requested run."""
 

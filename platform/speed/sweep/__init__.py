@@ -1,0 +1,23 @@
+"""Ray Tune sweeps over sharing patterns and loss-weight schemes, and the trade-off they answer.
+
+``run_sweep(SweepConfig(...), job)`` trains one Ray Train job per trial, measures
+each finished trial's accuracy, flip rates and SPEED cost on the validation split,
+and writes ``results.parquet`` / ``frontier.parquet`` / ``latency.parquet``
+(schemas in ``speed.sweep.results``).
+"""
+
+from speed.sweep.results import FRONTIER_SCHEMA, LATENCY_SCHEMA, RESULTS_SCHEMA, frontier, pareto_front
+from speed.sweep.run import SweepOutcome, run_sweep
+from speed.sweep.space import SweepConfig, expand_patterns
+
+__all__ = [
+    "FRONTIER_SCHEMA",
+    "LATENCY_SCHEMA",
+    "RESULTS_SCHEMA",
+    "SweepConfig",
+    "SweepOutcome",
+    "expand_patterns",
+    "frontier",
+    "pareto_front",
+    "run_sweep",
+]

@@ -1,0 +1,125 @@
+"""The latency stage: the frontier's checkpoints timed side by side in one process.
+
+Trials share nodes, so their wall-clock would measure their neighbours; this
+stage runs after them, alone, and times every variant on the same validation
+inputs (each decoded at batch 1) in interleaved rounds (``speed.bench.interleave``):
+SPEED at each frontier trial's best setting, the same checkpoint decoded
+sequentially (its full depth), and every trained ``Nx1`` of the sweep (the
+shallow decoders, and the unshared full-depth ``Dx1`` when one was trained).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from speed.bench import interleave
+from speed.checkpoint import load_model
+from speed.data import pad_inputs, read_records, truncate
+from speed.decoding import DecodeStats, generate
+from speed.model import SpeedT5
+from speed.sweep.results import LATENCY_SCHEMA
+from speed.tokenizer import Tokenizer
+from speed.train.state import local_checkpoint
+
+
+def time_frontier(
+    frontier: pa.Table,
+    results: pa.Table,
+    task: str,
+    source: str | None,
+    limit: int,
+    max_source_len: int,
+    max_new_tokens: int,
+    reps: int,
+    device: str = "cpu",
+) -> pa.Table:
+    """One ``LATENCY_SCHEMA`` row per timed variant; ratios from medians measured in this one run."""
+    finished = {r["trial"]: r for r in results.to_pylist() if r["status"] == "finished"}
+    timed = [r["trial"] for r in frontier.to_pylist()]
+    timed += [t for t, r in sorted(finished.items()) if r["n_loops"] == 1 and t not in timed]
+    models: dict[str, SpeedT5] = {}
+    tokenizer = None
+    for trial in timed:
+        with local_checkpoint(finished[trial]["checkpoint"]) as directory:
+            loaded = load_model(directory, map_location=device)
+            tokenizer = tokenizer or Tokenizer.load(loaded.tokenizer_path)
+            models[trial] = loaded.model.to(device).eval()
+    records = read_records(task, "validation", source, limit).dataset.to_dict()
+    inputs = [truncate(ids, max_source_len) for ids in tokenizer.encode_batch(records["source"])]
+
+    stats: dict[str, DecodeStats] = {}
+    variants: dict[str, Callable[[], int]] = {}
+    for trial in timed:
+        row = finished[trial]
+        name = f"{trial}/sequential"
+        variants[name] = _decoder(models[trial], inputs, max_new_tokens, stats, name)
+        if trial in frontier.column("trial").to_pylist() and row["n_loops"] > 1:
+            setting = {"launch_loop": row["best_launch_loop"], "invalidation": row["best_invalidation"]}
+            name = f"{trial}/speed"
+            variants[name] = _decoder(models[trial], inputs, max_new_tokens, stats, name, setting)
+    print(f"latency: {len(variants)} variants x {len(inputs)} inputs at batch 1, {reps} interleaved rounds", flush=True)
+    times = interleave(variants, reps)
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    shallow = {finished[t]["n_unique"]: median[f"{t}/sequential"] for t in timed if finished[t]["n_loops"] == 1}
+    rows = []
+    for name, ts in times.items():
+        trial, variant = name.rsplit("/", 1)
+        row = finished[trial]
+        speed = variant == "speed"
+        base = shallow.get(row["n_unique"])
+        rows.append(
+            {
+                "trial": trial,
+                "pattern": row["pattern"],
+                "variant": variant,
+                "launch_loop": row["best_launch_loop"] if speed else None,
+                "invalidation": row["best_invalidation"] if speed else None,
+                "ms_per_token": median[name],
+                "ms_per_token_min": min(ts),
+                "speedup_vs_sequential": median[f"{trial}/sequential"] / median[name],
+                "ratio_vs_shallow": median[name] / base if base is not None else None,
+                "tokens": stats[name].tokens,
+                "steps": stats[name].steps,
+                "reps": reps,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    return pa.Table.from_pylist(rows, schema=LATENCY_SCHEMA)
+
+
+def _decoder(
+    model: SpeedT5,
+    inputs: list[list[int]],
+    max_new_tokens: int,
+    stats: dict[str, DecodeStats],
+    name: str,
+    setting: dict[str, Any] | None = None,
+) -> Callable[[], int]:
+    """A variant for ``interleave``: decode every input alone; records its counters; returns the tokens."""
+    method = "speed" if setting else "sequential"
+
+    def run() -> int:
+        total = DecodeStats()
+        for ids in inputs:
+            input_ids, mask = pad_inputs([ids])  # (1, S), (1, S)
+            device = next(model.parameters()).device
+            result = generate(
+                model,
+                input_ids.to(device),
+                mask.to(device),
+                method=method,
+                max_new_tokens=max_new_tokens,
+                trace=False,
+                **(setting or {}),
+            )
+            total.tokens += result.stats.tokens
+            total.steps += result.stats.steps
+        stats[name] = total
+        return total.tokens
+
+    return run

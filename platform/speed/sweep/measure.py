@@ -1,0 +1,132 @@
+"""What every finished trial measures on the validation split, with no clock involved.
+
+Accuracy (BLEU or ROUGE of SPEED's output, checked identical to sequential
+decoding), the flip rate of every loop's early exit, and SPEED's pipeline steps
+per token for every launch loop 1..M under both invalidation policies. The
+steps are counted by the decoding engine (``DecodeStats``) one sequence at a
+time, so they are a property of the model and the data, not of the hardware
+or of the batch a sequence shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from speed.data import pad_inputs, truncate
+from speed.decoding import DecodeStats, generate
+from speed.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
+from speed.model import SpeedT5
+from speed.tokenizer import Tokenizer
+
+POLICIES = ("eager", "final")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One trial's validation measurements (plain data: it travels as JSON in the trial's Tune checkpoint)."""
+
+    accuracy_metric: str  # bleu | rougeL
+    accuracy: float
+    scores: dict[str, float]  # bleu, chrf | rouge1, rouge2, rougeL
+    flip_rate_prev: list[float]  # per loop
+    flip_rate_final: list[float]  # per loop
+    costs: list[dict[str, Any]]  # speed.sweep.results.COST_TYPE rows
+    examples: int
+
+    def best_cost(self) -> dict[str, Any]:
+        """The cheapest setting: fewest layer steps per token (ties: the lower launch loop, eager first)."""
+        return min(self.costs, key=lambda c: (c["layer_steps_per_token"], c["launch_loop"], c["invalidation"]))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (``Measurement(**d)`` parses it back)."""
+        return asdict(self)
+
+
+def measure(
+    model: SpeedT5,
+    tokenizer: Tokenizer,
+    task: str,
+    source: str | None,
+    limit: int,
+    max_source_len: int,
+    max_new_tokens: int,
+    out_dir: str | Path,
+) -> Measurement:
+    """Evaluate ``model`` on the first ``limit`` validation examples; the evaluation files go to ``out_dir``."""
+    config = EvalConfig(
+        task=task,
+        split="validation",
+        source=source,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        max_source_len=max_source_len,
+        check_sequential=True,  # SPEED's output must be the sequential output: the measurement fails otherwise
+    )
+    summary = run_evaluation(model, tokenizer, config, out_dir, progress=False)
+    scores = _scores(summary["metrics"])
+    primary = "bleu" if "bleu" in scores else "rougeL"
+    flips = sorted(summary["flip_rates"], key=lambda r: r["loop"])
+    inputs = _inputs(out_dir, tokenizer, max_source_len)
+    return Measurement(
+        accuracy_metric=primary,
+        accuracy=scores[primary],
+        scores=scores,
+        flip_rate_prev=[r["flip_rate_prev"] for r in flips],
+        flip_rate_final=[r["flip_rate_final"] for r in flips],
+        costs=speed_costs(model, inputs, max_new_tokens),
+        examples=summary["examples"],
+    )
+
+
+def speed_costs(model: SpeedT5, inputs: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
+    """SPEED's steps per token for launch loops 1..M and both policies, decoding each input alone."""
+    n_unique = model.config.sharing.n_unique
+    costs = []
+    for launch_loop in range(1, model.n_loops + 1):
+        for policy in POLICIES:
+            total = DecodeStats()
+            for ids in inputs:
+                input_ids, mask = pad_inputs([ids])  # (1, S), (1, S)
+                result = generate(
+                    model,
+                    input_ids,
+                    mask,
+                    method="speed",
+                    max_new_tokens=max_new_tokens,
+                    launch_loop=launch_loop,
+                    invalidation=policy,
+                    trace=False,
+                )
+                for name in ("tokens", "steps", "flushes", "wasted_rows"):
+                    setattr(total, name, getattr(total, name) + getattr(result.stats, name))
+            costs.append(
+                {
+                    "launch_loop": launch_loop,
+                    "invalidation": policy,
+                    "steps_per_token": total.steps / total.tokens,
+                    "layer_steps_per_token": total.steps * n_unique / total.tokens,
+                    "flushes_per_token": total.flushes / total.tokens,
+                    "wasted_rows_per_token": total.wasted_rows / total.tokens,
+                }
+            )
+    return costs
+
+
+def _scores(metrics: dict[str, Any]) -> dict[str, float]:
+    scores = {}
+    for name in ("bleu", "chrf"):
+        if name in metrics:
+            scores[name] = metrics[name]["score"]
+    if "rouge" in metrics:
+        scores |= {k: metrics["rouge"][k] for k in ("rouge1", "rouge2", "rougeL")}
+    return scores
+
+
+def _inputs(out_dir: str | Path, tokenizer: Tokenizer, max_source_len: int) -> list[list[int]]:
+    """The encoder inputs of the evaluated examples, as the evaluation built them (its predictions file)."""
+    sources = pq.read_table(Path(out_dir) / PREDICTIONS_FILE, columns=["source"]).column("source").to_pylist()
+    return [truncate(ids, max_source_len) for ids in tokenizer.encode_batch(sources)]

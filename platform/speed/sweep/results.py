@@ -1,0 +1,189 @@
+"""The sweep's result files: one row per trial, the Pareto frontier, the frontier's measured latency.
+
+``RESULTS_SCHEMA`` (``results.parquet``): every trial with its full resolved job
+config and all its metrics; failed and early-stopped trials are rows too.
+``FRONTIER_SCHEMA`` (``frontier.parquet``): the finished trials that no other
+finished trial beats on both accuracy and SPEED cost. ``LATENCY_SCHEMA``
+(``latency.parquet``): the frontier's checkpoints timed side by side.
+
+SPEED cost is hardware independent: *layer steps per token*, the pipeline steps
+a sequence needs per committed token times the N unique layers each step runs
+(one step reads the group's weights once, for every token in flight). A
+sequential NxM decoder costs N*M; a perfectly speculating one N. The best
+launch loop and invalidation policy of each trial set its cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+RESULTS_FILE = "results.parquet"
+FRONTIER_FILE = "frontier.parquet"
+LATENCY_FILE = "latency.parquet"
+
+# measured; stopped early by the scheduler; raised an error; not done when the sweep was interrupted
+STATUSES = ("finished", "stopped", "failed", "unfinished")
+
+# SPEED's cost at one decoding setting, measured on the validation split at batch 1.
+COST_TYPE = pa.struct(
+    [
+        pa.field("launch_loop", pa.int32()),  # 1..M
+        pa.field("invalidation", pa.string()),  # eager | final
+        pa.field("steps_per_token", pa.float64()),  # pipeline steps per committed token
+        pa.field("layer_steps_per_token", pa.float64()),  # steps_per_token * N
+        pa.field("flushes_per_token", pa.float64()),
+        pa.field("wasted_rows_per_token", pa.float64()),  # token-loops computed for flushed tokens
+    ]
+)
+
+RESULTS_SCHEMA = pa.schema(
+    [
+        pa.field("sweep", pa.string(), nullable=False),
+        pa.field("trial", pa.string(), nullable=False),  # deterministic: <index>-<pattern>-<loss weights>
+        pa.field("status", pa.string(), nullable=False),  # one of STATUSES
+        pa.field("error", pa.string()),  # the failure's last line (failed trials)
+        pa.field("task", pa.string(), nullable=False),
+        pa.field("pattern", pa.string(), nullable=False),
+        pa.field("n_unique", pa.int32(), nullable=False),  # N: unique decoder layers (the parameter count)
+        pa.field("n_loops", pa.int32(), nullable=False),  # M
+        pa.field("depth", pa.int32(), nullable=False),  # N*M: the sequential cost in layer steps per token
+        pa.field("loss_weights", pa.string(), nullable=False),  # speed.losses scheme
+        pa.field("job", pa.string(), nullable=False),  # the trial's resolved JobConfig as JSON
+        pa.field("steps", pa.int64()),  # optimizer steps trained
+        pa.field("train_loss", pa.float64()),  # weighted loss L_w at the last report
+        pa.field("val_loss_last", pa.float64()),  # the last loop's validation loss (what the scheduler ranks)
+        pa.field("val_loss_loops", pa.list_(pa.float64())),  # validation loss of every loop
+        pa.field("accuracy_metric", pa.string()),  # bleu (translation) | rougeL (summarization)
+        pa.field("accuracy", pa.float64()),  # that metric, 0-100, on the validation split
+        pa.field("bleu", pa.float64()),
+        pa.field("chrf", pa.float64()),
+        pa.field("rouge1", pa.float64()),
+        pa.field("rouge2", pa.float64()),
+        pa.field("rougeL", pa.float64()),
+        pa.field("flip_rate_prev", pa.list_(pa.float64())),  # per loop: prediction changed from the previous loop
+        pa.field("flip_rate_final", pa.list_(pa.float64())),  # per loop: prediction differs from the final token
+        pa.field("flip_rate_loop1", pa.float64()),  # flip_rate_final of loop 1
+        pa.field("costs", pa.list_(COST_TYPE)),  # every launch loop 1..M x both invalidation policies
+        pa.field("speed_cost", pa.float64()),  # best layer_steps_per_token over costs
+        pa.field("speed_steps_per_token", pa.float64()),  # steps_per_token at that setting
+        pa.field("best_launch_loop", pa.int32()),
+        pa.field("best_invalidation", pa.string()),
+        pa.field("examples", pa.int32()),  # validation examples decoded for the metrics
+        pa.field("checkpoint", pa.string()),  # the trial's final training checkpoint
+    ]
+)
+
+FRONTIER_SCHEMA = pa.schema(
+    [
+        pa.field("trial", pa.string(), nullable=False),
+        pa.field("pattern", pa.string(), nullable=False),
+        pa.field("loss_weights", pa.string(), nullable=False),
+        pa.field("accuracy_metric", pa.string(), nullable=False),
+        pa.field("accuracy", pa.float64(), nullable=False),
+        pa.field("speed_cost", pa.float64(), nullable=False),
+        pa.field("speed_steps_per_token", pa.float64(), nullable=False),
+        pa.field("depth", pa.int32(), nullable=False),
+        pa.field("best_launch_loop", pa.int32(), nullable=False),
+        pa.field("best_invalidation", pa.string(), nullable=False),
+        pa.field("flip_rate_loop1", pa.float64()),
+        pa.field("checkpoint", pa.string(), nullable=False),
+    ]
+)
+
+LATENCY_SCHEMA = pa.schema(
+    [
+        pa.field("trial", pa.string(), nullable=False),
+        pa.field("pattern", pa.string(), nullable=False),
+        pa.field("variant", pa.string(), nullable=False),  # speed | sequential | shallow (a trained Nx1 trial)
+        pa.field("launch_loop", pa.int32()),  # SPEED only
+        pa.field("invalidation", pa.string()),  # SPEED only
+        pa.field("ms_per_token", pa.float64(), nullable=False),  # median over the interleaved rounds
+        pa.field("ms_per_token_min", pa.float64(), nullable=False),
+        pa.field("speedup_vs_sequential", pa.float64()),  # the same checkpoint's sequential ms / this ms
+        pa.field("ratio_vs_shallow", pa.float64()),  # this ms / the shallow decoder's (when one was trained)
+        pa.field("tokens", pa.int64(), nullable=False),  # committed tokens per round
+        pa.field("steps", pa.int64(), nullable=False),  # pipeline steps per round (batch 1, summed over inputs)
+        pa.field("reps", pa.int32(), nullable=False),
+        pa.field("threads", pa.int32(), nullable=False),
+    ]
+)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points (accuracy, cost) no other point dominates, by increasing cost.
+
+    A point dominates another when its accuracy is at least as high and its cost
+    at most as high, one of them strictly. Of exact duplicates the first is kept.
+    """
+    order = sorted(range(len(points)), key=lambda i: (points[i][1], -points[i][0], i))
+    front: list[int] = []
+    best = -float("inf")
+    for i in order:
+        if points[i][0] > best:
+            front.append(i)
+            best = points[i][0]
+    return front
+
+
+def frontier(results: pa.Table) -> pa.Table:
+    """The Pareto frontier (accuracy against speed_cost) of the finished trials in a ``RESULTS_SCHEMA`` table."""
+    rows = [r for r in results.to_pylist() if r["status"] == "finished" and r["accuracy"] is not None]
+    keep = pareto_front([(r["accuracy"], r["speed_cost"]) for r in rows])
+    names = FRONTIER_SCHEMA.names
+    return pa.Table.from_pylist([{k: rows[i][k] for k in names} for i in keep], schema=FRONTIER_SCHEMA)
+
+
+def format_results(results: pa.Table) -> str:
+    """A fixed-width text table of every trial: status, losses, accuracy, flip rate at loop 1, SPEED cost."""
+    head = (
+        f"{'trial':<28}{'status':>9}{'steps':>6}{'val L_M':>9}{'metric':>8}{'score':>7}"
+        f"{'flip@1':>8}{'steps/tok':>10}{'cost':>7}{'depth':>6}  best setting"
+    )
+    lines = [head, "-" * len(head)]
+    for r in sorted(results.to_pylist(), key=lambda r: r["trial"]):
+        setting = f"launch {r['best_launch_loop']}, {r['best_invalidation']}" if r["best_launch_loop"] else ""
+        lines.append(
+            f"{r['trial']:<28}{r['status']:>9}{_num(r['steps'], 'd'):>6}{_num(r['val_loss_last'], '.3f'):>9}"
+            f"{r['accuracy_metric'] or '':>8}{_num(r['accuracy'], '.2f'):>7}{_num(r['flip_rate_loop1'], '.3f'):>8}"
+            f"{_num(r['speed_steps_per_token'], '.2f'):>10}{_num(r['speed_cost'], '.2f'):>7}{r['depth']:>6}  {setting}"
+        )
+        if r["error"]:
+            lines.append(f"{'':<28}error: {r['error']}")
+    return "\n".join(lines)
+
+
+def format_frontier(table: pa.Table) -> str:
+    """The frontier as a fixed-width text table, cheapest first."""
+    head = f"{'trial':<28}{'metric':>8}{'score':>7}{'cost':>7}{'steps/tok':>10}{'depth':>6}{'flip@1':>8}  setting"
+    lines = [head, "-" * len(head)]
+    for r in table.to_pylist():
+        lines.append(
+            f"{r['trial']:<28}{r['accuracy_metric']:>8}{r['accuracy']:>7.2f}{r['speed_cost']:>7.2f}"
+            f"{r['speed_steps_per_token']:>10.2f}{r['depth']:>6}{_num(r['flip_rate_loop1'], '.3f'):>8}"
+            f"  launch {r['best_launch_loop']}, {r['best_invalidation']}"
+        )
+    return "\n".join(lines)
+
+
+def format_latency(table: pa.Table) -> str:
+    """The latency stage's rows as a fixed-width text table."""
+    head = f"{'trial':<28}{'variant':>11}{'setting':>12}{'ms/token':>10}{'vs seq':>8}{'vs shallow':>11}{'steps':>7}"
+    lines = [head, "-" * len(head)]
+    for r in table.to_pylist():
+        setting = f"{r['launch_loop']},{r['invalidation']}" if r["launch_loop"] else ""
+        lines.append(
+            f"{r['trial']:<28}{r['variant']:>11}{setting:>12}{r['ms_per_token']:>10.2f}"
+            f"{_ratio(r['speedup_vs_sequential']):>8}{_ratio(r['ratio_vs_shallow']):>11}{r['steps']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"

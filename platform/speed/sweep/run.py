@@ -1,0 +1,264 @@
+"""The sweep driver: prepare once, run (or resume) the trials with Ray Tune, tabulate, find the frontier, time it.
+
+``run_sweep(sweep, job)`` is what ``jobs/sweep.py`` calls. Stages:
+
+1. the tokenizer (``speed.train.launch.prepare``: trained once, cached), the
+   tokenized training and validation splits (``speed.data.prepare``), shared by every trial;
+2. the trials (``speed.sweep.trial``) under ``<storage>/<name>``: a second run
+   of the same sweep finds that folder and continues it with ``Tuner.restore``
+   (finished and failed trials stay as they are, unfinished ones resume);
+3. ``results.parquet`` (one row per trial) and ``frontier.parquet``;
+4. the latency stage (``speed.sweep.latency``) in one Ray task: ``latency.parquet``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+from ray import tune
+
+from speed.data.prepare import CorpusSpec, cache_root, prepare_corpus
+from speed.sweep.results import (
+    FRONTIER_FILE,
+    LATENCY_FILE,
+    RESULTS_FILE,
+    RESULTS_SCHEMA,
+    format_frontier,
+    format_latency,
+    format_results,
+    frontier,
+)
+from speed.sweep.space import METRIC, SweepConfig, param_space, sweep_digest, trial_scheme
+from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job, trial_name
+from speed.train.config import JobConfig, job_to_dict
+from speed.train.launch import ensure_ray, prepare, prepare_data, storage_uri
+
+# A trial's own process only waits on its Train run and its measurement task, which reserve the CPUs and
+# GPUs; Tune needs a non-empty bundle, so it asks for a little memory instead of a CPU a worker would miss.
+TRIAL_DRIVER_RESOURCES = {"cpu": 0, "memory": 64 * 2**20}
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    """Where a sweep left its results, and the tables."""
+
+    name: str
+    directory: str  # <storage>/<name>: Tune's experiment, the trials' Train runs under train/, the Parquet files
+    results: pa.Table  # speed.sweep.results.RESULTS_SCHEMA
+    frontier: pa.Table  # FRONTIER_SCHEMA
+    latency: pa.Table | None  # LATENCY_SCHEMA; None when the stage is off or nothing finished
+
+
+def sweep_name(sweep: SweepConfig, job: JobConfig) -> str:
+    """``sweep-<task>-<hash of the sweep and the base job>``, unless the job names its run."""
+    where = job_to_dict(job)
+    where.pop("run")  # storage, retries: where the sweep runs, not what it finds
+    return job.run.name or f"sweep-{job.data.task}-{sweep_digest(sweep, where)}"
+
+
+def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback] | None = None) -> SweepOutcome:
+    """Run (or resume) the sweep; write and print its tables. ``callbacks``: Tune callbacks of a new sweep."""
+    with tempfile.TemporaryDirectory(prefix="speed-tokenizer-") as scratch:
+        job, tokenizer_path = prepare(job, Path(scratch))
+        job = replace(job, eval=None)  # trials measure on the validation split instead (speed.sweep.measure)
+        name = sweep_name(sweep, job)
+        storage = storage_uri(job.run.storage_path)
+        directory = f"{storage.rstrip('/')}/{name}"
+        d = job.data
+        spec = CorpusSpec(d.task, "validation", d.source, sweep.val_limit, d.max_source_len, d.max_target_len)
+        validation = prepare_corpus(spec, tokenizer_path, cache_root(storage)).uri
+        corpus = prepare_data(job, tokenizer_path).uri
+        tokenizer = tokenizer_path.read_bytes()
+    setup = SweepSetup(
+        sweep=name,
+        job=job_to_dict(job),
+        tokenizer=tokenizer,
+        corpus=corpus,
+        validation=validation,
+        train_storage=f"{directory}/train",
+        measure_limit=sweep.measure_limit,
+        max_new_tokens=sweep.max_new_tokens,
+        fail_pattern=sweep.fail_pattern,
+    )
+    ensure_ray()
+    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_DRIVER_RESOURCES)
+    if tune.Tuner.can_restore(directory):
+        print(f"sweep {name}: resuming {directory}", flush=True)
+        tuner = tune.Tuner.restore(directory, trainable, resume_unfinished=True, resume_errored=False)
+    else:
+        print(f"sweep {name}: {len(sweep.expanded_patterns)} patterns -> {directory}", flush=True)
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space(sweep),
+            tune_config=tune_config(sweep, job),
+            run_config=tune.RunConfig(
+                name=name,
+                storage_path=storage,
+                failure_config=tune.FailureConfig(max_failures=0),  # a failing trial is recorded, not retried
+                callbacks=callbacks,
+                verbose=1,
+            ),
+        )
+    grid = tuner.fit()
+    results = results_table(grid, setup)
+    # Tune creates trials as it goes: an interrupted sweep may not have created them all yet.
+    unfinished = results.column("status").to_pylist().count("unfinished") + sweep.trials - results.num_rows
+    if unfinished:
+        print(f"sweep {name}: interrupted with {unfinished} of {sweep.trials} trials not done; rerun to resume")
+    front = frontier(results)
+    _write(results, directory, RESULTS_FILE)
+    _write(front, directory, FRONTIER_FILE)
+    print(f"\nsweep {name}: {results.num_rows} trials -> {directory}/{RESULTS_FILE}\n{format_results(results)}")
+    print(f"\nPareto frontier (accuracy vs SPEED cost) -> {directory}/{FRONTIER_FILE}\n{format_frontier(front)}")
+    latency = None
+    if sweep.latency_limit and front.num_rows and not unfinished:
+        latency = _time_frontier(front, results, job, sweep)
+        _write(latency, directory, LATENCY_FILE)
+        print(f"\nlatency (batch 1, interleaved) -> {directory}/{LATENCY_FILE}\n{format_latency(latency)}", flush=True)
+    return SweepOutcome(name, directory, results, front, latency)
+
+
+def tune_config(sweep: SweepConfig, job: JobConfig) -> tune.TuneConfig:
+    """Searcher, scheduler, concurrency and deterministic trial names."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search import BasicVariantGenerator
+
+    t = job.train
+    if sweep.scheduler == "asha":
+        grace = sweep.grace_steps or max(t.checkpoint_every, t.max_steps // 4)
+        # max_t past the last training report: ASHA stops a trial that reaches max_t, before it is measured.
+        scheduler = ASHAScheduler(
+            time_attr="step", max_t=t.max_steps + 1, grace_period=grace, reduction_factor=sweep.reduction_factor
+        )
+    else:
+        scheduler = FIFOScheduler()
+    return tune.TuneConfig(
+        metric=METRIC,
+        mode="min",
+        # Grid or seeded random draws. Tune applies max_concurrent_trials only to the generator it builds itself.
+        search_alg=BasicVariantGenerator(max_concurrent=max_concurrent_trials(job), random_state=t.seed),
+        scheduler=scheduler,
+        num_samples=sweep.samples,
+        trial_name_creator=trial_name,
+        trial_dirname_creator=trial_name,
+    )
+
+
+def max_concurrent_trials(job: JobConfig) -> int:
+    """How many trials the cluster's CPUs (and GPUs) hold at once, each with all its workers."""
+    total = ray.cluster_resources()
+    s = job.scale
+    n = int(total.get("CPU", 0) // (s.num_workers * s.cpus_per_worker))
+    if s.use_gpu:
+        n = min(n, int(total.get("GPU", 0) // (s.num_workers * s.gpus_per_worker)))
+    return max(1, n)
+
+
+def results_table(grid: tune.ResultGrid, setup: SweepSetup) -> pa.Table:
+    """One ``RESULTS_SCHEMA`` row per trial: finished (measured), stopped by the scheduler, or failed."""
+    rows = [_row(result, setup) for result in grid]
+    return pa.Table.from_pylist(sorted(rows, key=lambda r: r["trial"]), schema=RESULTS_SCHEMA)
+
+
+def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
+    name = Path(result.path).name
+    config = result.config
+    job = trial_job(setup, config, name)
+    sharing = job.model.sharing
+    metrics = result.metrics or {}
+    measured = None if result.error is not None else read_measurement(result.checkpoint)
+    row: dict[str, Any] = dict.fromkeys(RESULTS_SCHEMA.names)
+    row |= {
+        "sweep": setup.sweep,
+        "trial": name,
+        "status": _status(result, measured is not None),
+        "error": _last_line(result.error) if result.error is not None else None,
+        "task": job.data.task,
+        "pattern": str(sharing),
+        "n_unique": sharing.n_unique,
+        "n_loops": sharing.n_loops,
+        "depth": sharing.depth,
+        "loss_weights": trial_scheme(config),
+        "job": json.dumps(job_to_dict(job), sort_keys=True),
+        "steps": metrics.get("step"),
+        "train_loss": metrics.get("loss"),
+        "val_loss_last": metrics.get(METRIC),
+        "checkpoint": metrics.get("checkpoint") or metrics.get("checkpoint_path"),
+    }
+    losses = [metrics.get(f"val_loss_loop{i + 1}") for i in range(sharing.n_loops)]
+    row["val_loss_loops"] = losses if None not in losses else None
+    if measured is not None:
+        _, m = measured
+        best = m.best_cost()
+        row |= {
+            "accuracy_metric": m.accuracy_metric,
+            "accuracy": m.accuracy,
+            **{k: m.scores.get(k) for k in ("bleu", "chrf", "rouge1", "rouge2", "rougeL")},
+            "flip_rate_prev": m.flip_rate_prev,
+            "flip_rate_final": m.flip_rate_final,
+            "flip_rate_loop1": m.flip_rate_final[0],
+            "costs": m.costs,
+            "speed_cost": best["layer_steps_per_token"],
+            "speed_steps_per_token": best["steps_per_token"],
+            "best_launch_loop": best["launch_loop"],
+            "best_invalidation": best["invalidation"],
+            "examples": m.examples,
+        }
+    return row
+
+
+def _status(result: tune.Result, measured: bool) -> str:
+    if result.error is not None:
+        return "failed"
+    if measured:
+        return "finished"
+    return "stopped" if (result.metrics or {}).get("done") else "unfinished"  # Tune marks a stopped trial done
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
+
+
+def _time_frontier(front: pa.Table, results: pa.Table, job: JobConfig, sweep: SweepConfig) -> pa.Table:
+    """The latency stage in one Ray task sized like one training worker."""
+    gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
+    task = ray.remote(_latency_task).options(num_cpus=job.scale.cpus_per_worker, num_gpus=gpus)
+    return ray.get(task.remote(front, results, job_to_dict(job), sweep))
+
+
+def _latency_task(front: pa.Table, results: pa.Table, job_dict: dict[str, Any], sweep: SweepConfig) -> pa.Table:
+    import torch
+
+    from speed.sweep.latency import time_frontier
+    from speed.train.config import job_from_dict
+
+    job = job_from_dict(job_dict)
+    torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
+    device = "cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu"
+    d = job.data
+    return time_frontier(
+        front,
+        results,
+        d.task,
+        d.source,
+        sweep.latency_limit,
+        d.max_source_len,
+        sweep.max_new_tokens,
+        sweep.latency_reps,
+        device,
+    )
+
+
+def _write(table: pa.Table, directory: str, file: str) -> None:
+    fs, path = pafs.FileSystem.from_uri(directory) if "://" in directory else (pafs.LocalFileSystem(), directory)
+    fs.create_dir(path, recursive=True)
+    pq.write_table(table, f"{path}/{file}", filesystem=fs)

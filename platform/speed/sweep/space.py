@@ -1,0 +1,150 @@
+"""What a sweep searches: sharing patterns, loss-weight schemes, the searcher and the scheduler.
+
+A ``SweepConfig`` is frozen and validated; patterns may be named families
+(``expand_patterns``), and the loss weights may be a continuous parameter of a
+``speed.losses`` family (``power`` or ``ratio``) sampled over a range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from speed.config import SharingPattern
+from speed.losses import PARAMETRIC, check_scheme, parametric
+
+SEARCHES = ("grid", "random")  # Tune's BasicVariantGenerator: every combination, or num_samples draws
+SCHEDULERS = ("asha", "fifo")  # ASHA stops trials whose last-loop validation loss lags; fifo runs all to the end
+METRIC = "val_loss_last"  # what ASHA ranks: the last loop's loss is comparable across loss-weight schemes
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """One sweep: the search space, how it is searched, and the per-trial measurements."""
+
+    patterns: tuple[str, ...] = ("depth=4",)  # NxM, or a family: depth=D (N*M = D), unique=N (Nx1 .. Nx(max_depth/N))
+    loss_weights: tuple[str, ...] = ("linear", "uniform")  # speed.losses schemes (grid: all; random: a choice)
+    loss_family: str | None = None  # a PARAMETRIC family sampled over loss_range instead of loss_weights
+    loss_range: tuple[float, float] = (0.0, 2.0)  # the family parameter's range (random: uniform; grid: 3 points)
+    max_depth: int = 12  # bound of the unique=N family
+    search: str = "grid"
+    samples: int = 1  # Tune num_samples: grid repeats, random draws
+    scheduler: str = "asha"
+    grace_steps: int | None = None  # ASHA: steps every trial runs before it may be stopped; None = max_steps / 4
+    reduction_factor: int = 2  # ASHA: keep the best 1/reduction_factor at each rung
+    measure_limit: int = 64  # validation examples each finished trial decodes (metrics, flips, SPEED steps)
+    val_limit: int = 256  # validation examples of the periodic validation loss
+    max_new_tokens: int = 64
+    latency_limit: int = 16  # validation examples the latency stage decodes (batch 1) per variant
+    latency_reps: int = 3
+    fail_pattern: str | None = None  # fault drill: trials of this pattern fail in training (train.fail_at_step)
+
+    def __post_init__(self) -> None:
+        for name in ("patterns", "loss_weights", "loss_range"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.search not in SEARCHES:
+            raise ValueError(f"unknown search {self.search!r}; choose one of {list(SEARCHES)}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}; choose one of {list(SCHEDULERS)}")
+        expand_patterns(self.patterns, self.max_depth)  # raises on a bad pattern or family
+        for scheme in self.loss_weights:
+            check_scheme(scheme)
+        if self.loss_family is not None:
+            if self.loss_family not in PARAMETRIC:
+                raise ValueError(f"unknown loss_family {self.loss_family!r}; choose one of {sorted(PARAMETRIC)}")
+            lo, hi = self.loss_range
+            if not lo < hi:
+                raise ValueError(f"loss_range must be (low, high) with low < high, got {self.loss_range}")
+            for end in (lo, hi):
+                parametric(self.loss_family, end)  # raises when the range leaves the family's
+        elif not self.loss_weights:
+            raise ValueError("loss_weights is empty and no loss_family is set: nothing to train")
+        for name in ("samples", "reduction_factor", "measure_limit", "val_limit", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SweepConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.latency_limit < 0 or self.latency_reps < 1:
+            raise ValueError("SweepConfig.latency_limit must be >= 0 (0: no latency stage) and latency_reps >= 1")
+        if self.grace_steps is not None and self.grace_steps < 1:
+            raise ValueError(f"SweepConfig.grace_steps must be positive or None, got {self.grace_steps}")
+        if self.fail_pattern is not None and self.fail_pattern not in self.expanded_patterns:
+            raise ValueError(f"fail_pattern {self.fail_pattern!r} is not among the swept patterns")
+
+    @property
+    def expanded_patterns(self) -> tuple[str, ...]:
+        """The concrete NxM patterns, families expanded, in order, without repeats."""
+        return expand_patterns(self.patterns, self.max_depth)
+
+    @property
+    def trials(self) -> int:
+        """How many trials the sweep runs: the grid times ``samples``, or ``samples`` random draws."""
+        if self.search == "random":
+            return self.samples
+        return len(self.expanded_patterns) * len(self.schemes) * self.samples
+
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        """The loss-weight schemes of a grid (for a family: its range's ends and midpoint)."""
+        if self.loss_family is None:
+            return self.loss_weights
+        lo, hi = self.loss_range
+        return tuple(dict.fromkeys(parametric(self.loss_family, x) for x in (lo, (lo + hi) / 2, hi)))
+
+
+def expand_patterns(specs: tuple[str, ...], max_depth: int = 12) -> tuple[str, ...]:
+    """``NxM`` as is; ``depth=D``: every NxM with N*M = D (N ascending); ``unique=N``: Nx1 .. Nx(max_depth // N)."""
+    out: list[str] = []
+    for spec in specs:
+        kind, sep, value = spec.partition("=")
+        if not sep:
+            out.append(str(SharingPattern.parse(spec)))
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"pattern family {spec!r}: expected a positive integer after '='")
+        n = int(value)
+        if kind == "depth":
+            out.extend(f"{u}x{n // u}" for u in range(1, n + 1) if n % u == 0)
+        elif kind == "unique":
+            if n > max_depth:
+                raise ValueError(f"pattern family {spec!r}: N={n} exceeds max_depth={max_depth}")
+            out.extend(f"{n}x{m}" for m in range(1, max_depth // n + 1))
+        else:
+            raise ValueError(f"unknown pattern family {spec!r}; use NxM, depth=D or unique=N")
+    if not out:
+        raise ValueError("no patterns to sweep")
+    return tuple(dict.fromkeys(out))
+
+
+def param_space(config: SweepConfig) -> dict[str, Any]:
+    """The Tune search space: ``pattern`` and ``loss_weights`` (a scheme name, or a family parameter)."""
+    from ray import tune
+
+    patterns = list(config.expanded_patterns)
+    space: dict[str, Any] = {}
+    if config.search == "grid":
+        space["pattern"] = tune.grid_search(patterns)
+        space["loss_weights"] = tune.grid_search(list(config.schemes))
+        return space
+    space["pattern"] = tune.choice(patterns)
+    if config.loss_family is None:
+        space["loss_weights"] = tune.choice(list(config.loss_weights))
+    else:
+        space["loss_family"] = config.loss_family
+        space["loss_parameter"] = tune.uniform(*config.loss_range)
+    return space
+
+
+def trial_scheme(trial_config: dict[str, Any]) -> str:
+    """The loss-weight scheme of one trial's Tune config (a sampled family parameter made a scheme name)."""
+    if "loss_parameter" in trial_config:
+        return parametric(trial_config["loss_family"], trial_config["loss_parameter"])
+    return trial_config["loss_weights"]
+
+
+def sweep_digest(config: SweepConfig, job: dict[str, Any]) -> str:
+    """A short hash of everything that changes a sweep's trials (not where it runs or how it is timed)."""
+    d = asdict(config)
+    for key in ("latency_limit", "latency_reps"):
+        d.pop(key)
+    return hashlib.sha256(json.dumps({"sweep": d, "job": job}, sort_keys=True).encode()).hexdigest()[:8]

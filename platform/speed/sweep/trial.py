@@ -1,0 +1,146 @@
+"""One trial of a sweep: a Tune function trainable that runs a Ray Train job, then measures its checkpoint.
+
+Ray Train V2 does not run a ``TorchTrainer`` as a Tune trainable; instead each
+trial's function builds the job's trainer (``speed.train.launch.build_trainer``)
+and calls ``fit()``, with ``TuneReportCallback`` forwarding rank 0's reports
+(the training and validation losses, every ``checkpoint_every`` steps) to Tune,
+whose scheduler may stop the trial there. The Train run is named after the
+trial, so a restored sweep resumes an unfinished trial from its last training
+checkpoint. A trained trial is measured (``speed.sweep.measure``) in a Ray task
+sized like one worker, and reports once more with a Tune checkpoint holding the
+measurement: a trial restarted after that re-reports it instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import tune
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from speed.sweep.measure import Measurement
+from speed.sweep.space import trial_scheme
+from speed.train.config import JobConfig, job_from_dict, job_to_dict
+from speed.train.launch import build_trainer, copy_tree
+from speed.train.state import checkpoint_uri, newest_complete_checkpoint, read_checkpoint_config
+
+MEASUREMENT_FILE = "measurement.json"
+EVAL_DIR = "eval_validation"  # in the trial's Train run directory: predictions, trace, summary
+
+
+@dataclass(frozen=True)
+class SweepSetup:
+    """What the driver prepared once and every trial shares."""
+
+    sweep: str  # the sweep's name
+    job: dict[str, Any]  # the base finetuning job, resolved (model vocabulary = the tokenizer's)
+    tokenizer: bytes  # the sweep's SentencePiece model, trained once
+    corpus: str  # the prepared training split (speed.data.prepare), tokenized once for all trials
+    validation: str  # the prepared validation split (speed.data.prepare) for the periodic losses
+    train_storage: str  # where the trials' Train runs live: <storage>/<sweep>/train
+    measure_limit: int
+    max_new_tokens: int
+    fail_pattern: str | None  # fault drill: this pattern's trials fail in training
+
+
+def trial_name(trial: Any) -> str:
+    """``<index>-<pattern>-<loss weights>``: the trial id's counter and its config, no timestamp.
+
+    Tune's ``trial_name_creator`` and ``trial_dirname_creator``; also the name of the trial's Train run.
+    """
+    index = trial.trial_id.rsplit("_", 1)[-1]
+    return f"{index}-{trial.config['pattern']}-{trial_scheme(trial.config)}"
+
+
+def trial_job(setup: SweepSetup, trial_config: dict[str, Any], name: str) -> JobConfig:
+    """The trial's job: the base job with its pattern, loss weights, run name and storage."""
+    base = job_from_dict(setup.job)
+    train = replace(base.train, loss_weights=trial_scheme(trial_config))
+    run = replace(base.run, name=name, storage_path=setup.train_storage)
+    if trial_config["pattern"] == setup.fail_pattern:
+        # The last worker raises on reaching the step after the first checkpoint; no retries, so the trial fails.
+        train = replace(train, fail_at_step=train.checkpoint_every + 1)
+        run = replace(run, max_failures=0)
+    return replace(base, model=base.model.replace(pattern=trial_config["pattern"]), train=train, run=run)
+
+
+def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:
+    """Train the trial's job on Ray Train (reports forwarded to Tune), measure it, report the measurement."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    previous = tune.get_checkpoint()
+    if previous is not None:  # measured before the sweep was interrupted: report it again
+        with previous.as_directory() as directory:
+            tune.report(json.loads((Path(directory) / MEASUREMENT_FILE).read_text())["report"])
+        return
+    job = trial_job(setup, trial_config, tune.get_context().get_trial_name())
+    run_dir = f"{setup.train_storage.rstrip('/')}/{job.run.name}"
+    callbacks = [TuneReportCallback()]  # rank 0's reports -> tune.report
+    trainer = build_trainer(
+        job, setup.tokenizer, setup.corpus, run_dir, None, validation=setup.validation, callbacks=callbacks
+    )
+    result = trainer.fit()
+    # The run's newest complete checkpoint on storage: Ray's result lags it when a resumed run trained no step.
+    checkpoint = newest_complete_checkpoint(run_dir) or checkpoint_uri(result.checkpoint)
+    gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
+    # Outside the trial's placement group (a bundle of memory only): the task takes the workers' resources.
+    outside = PlacementGroupSchedulingStrategy(placement_group=None)
+    task = ray.remote(_measure).options(num_cpus=job.scale.cpus_per_worker, num_gpus=gpus, scheduling_strategy=outside)
+    measurement, validation = ray.get(task.remote(job_to_dict(job), checkpoint, setup, f"{run_dir}/{EVAL_DIR}"))
+    # From the final checkpoint, not from fit()'s metrics: a resumed run that had no step left reports none.
+    step = read_checkpoint_config(checkpoint)["step"]
+    report = {"step": step, "loss": (result.metrics or {}).get("loss"), "checkpoint": checkpoint, **validation}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = {"report": report, "measurement": measurement}
+        (Path(tmp) / MEASUREMENT_FILE).write_text(json.dumps(data))
+        tune.report(report, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+
+def read_measurement(checkpoint: tune.Checkpoint | None) -> tuple[dict[str, Any], Measurement] | None:
+    """(final report, measurement) from a trial's Tune checkpoint, or None if it never got measured."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        path = Path(directory) / MEASUREMENT_FILE
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+    return data["report"], Measurement(**data["measurement"])
+
+
+def _measure(
+    job_dict: dict[str, Any], checkpoint: str, setup: SweepSetup, out_uri: str
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The measurement and the validation losses of a checkpoint (``val_loss_loop*``, ``val_loss_last``)."""
+    import torch
+
+    from speed.checkpoint import load_model
+    from speed.data.corpus import open_corpus
+    from speed.sweep.measure import measure
+    from speed.tokenizer import Tokenizer
+    from speed.train.state import local_checkpoint
+    from speed.train.validation import validation_metrics
+
+    job = job_from_dict(job_dict)
+    device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
+    with local_checkpoint(checkpoint) as directory, tempfile.TemporaryDirectory() as out:
+        loaded = load_model(directory, map_location=device)
+        result = measure(
+            loaded.model.to(device).eval(),
+            Tokenizer.load(loaded.tokenizer_path),
+            job.data.task,
+            job.data.source,
+            setup.measure_limit,
+            job.data.max_source_len,
+            setup.max_new_tokens,
+            out,
+        )
+        copy_tree(out, out_uri)
+        validation = validation_metrics(loaded.model, open_corpus(setup.validation), job.micro_batch)
+    return result.to_dict(), validation

@@ -1,0 +1,218 @@
+"""Sweeps: search-space expansion, the Pareto frontier, and one tiny real sweep on the local Ray.
+
+The real sweep (three tiny trials of four steps on the session's local Ray) is interrupted with
+SIGINT after its first trial, then resumed by running it again; one of its
+trials is made to fail in training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from ray import tune
+
+from speed.paths import repo_root
+from speed.sweep import FRONTIER_SCHEMA, RESULTS_SCHEMA, SweepConfig, expand_patterns, frontier, pareto_front, run_sweep
+from speed.sweep.results import FRONTIER_FILE, LATENCY_FILE, LATENCY_SCHEMA, RESULTS_FILE
+from speed.sweep.space import param_space, trial_scheme
+from speed.train import job_from_args
+
+
+def test_pattern_families():
+    assert expand_patterns(("depth=12",)) == ("1x12", "2x6", "3x4", "4x3", "6x2", "12x1")
+    assert expand_patterns(("unique=3",), max_depth=12) == ("3x1", "3x2", "3x3", "3x4")
+    assert expand_patterns(("2x6", "depth=4", "2x2")) == ("2x6", "1x4", "2x2", "4x1")  # in order, no repeats
+    for bad, match in [
+        (("depth=0",), "positive integer"),
+        (("width=3",), "unknown pattern family"),
+        (("2y6",), "has no 'x'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            expand_patterns(bad)
+
+
+def test_sweep_config_is_validated():
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        SweepConfig(scheduler="hyperband")
+    with pytest.raises(ValueError, match="unknown loss-weight scheme"):
+        SweepConfig(loss_weights=("linear", "cubic"))
+    with pytest.raises(ValueError, match="must lie in"):
+        SweepConfig(loss_family="ratio", loss_range=(0.0, 2.0))  # ratio 0 is no scheme
+    with pytest.raises(ValueError, match="not among the swept patterns"):
+        SweepConfig(patterns=("2x2",), fail_pattern="2x1")
+    grid = SweepConfig(patterns=("depth=4", "2x1"), loss_family="power", loss_range=(0.0, 2.0), samples=2)
+    assert grid.schemes == ("power:0", "power:1", "power:2")
+    assert grid.trials == 4 * 3 * 2
+    assert SweepConfig(search="random", samples=5).trials == 5
+
+
+def test_sweep_job_flags():
+    spec = importlib.util.spec_from_file_location("sweep_job", repo_root() / "jobs" / "sweep.py")
+    job_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job_module)
+    sweep, job = job_module.parse(
+        ["--patterns", "depth=6", "2x1", "--schemes", "linear", "power:1.5", "--max-steps", "7", "--scheduler", "fifo"]
+    )
+    assert sweep.expanded_patterns == ("1x6", "2x3", "3x2", "6x1", "2x1") and sweep.scheduler == "fifo"
+    assert sweep.loss_weights == ("linear", "power:1.5") and sweep.trials == 10
+    assert job.kind == "finetune" and job.train.max_steps == 7
+    assert job.train.checkpoint_every == 20  # the rest from jobs/configs/sweep_local.yaml
+    with pytest.raises(SystemExit):
+        job_module.parse(["--pattern", "2x6"])  # the sweep sets the pattern per trial
+
+
+def test_random_search_samples_the_parametric_family():
+    space = param_space(SweepConfig(patterns=("2x6",), loss_family="ratio", loss_range=(0.5, 2.0), search="random"))
+    assert isinstance(space["loss_parameter"], tune.search.sample.Float)
+    assert trial_scheme({"pattern": "2x6", "loss_family": "ratio", "loss_parameter": 1.25}) == "ratio:1.25"
+
+
+def test_pareto_front():
+    points = [(10.0, 5.0), (12.0, 5.0), (8.0, 2.0), (8.0, 3.0), (15.0, 12.0), (15.0, 12.0), (11.0, 13.0)]
+    assert pareto_front(points) == [2, 1, 4]  # cheapest first; dominated and duplicate points dropped
+    assert pareto_front([]) == []
+
+
+def test_frontier_keeps_only_finished_undominated_trials():
+    base = dict.fromkeys(RESULTS_SCHEMA.names)
+    rows = []
+    for trial, status, accuracy, cost in [
+        ("a", "finished", 20.0, 4.0),
+        ("b", "finished", 25.0, 6.0),
+        ("c", "finished", 19.0, 5.0),  # dominated by a
+        ("d", "failed", None, None),
+        ("e", "stopped", None, None),
+    ]:
+        rows.append(
+            base
+            | {"sweep": "s", "trial": trial, "status": status, "task": "t", "pattern": "2x2", "n_unique": 2}
+            | {"n_loops": 2, "depth": 4, "loss_weights": "linear", "job": "{}", "accuracy": accuracy}
+            | {"accuracy_metric": "bleu", "speed_cost": cost, "speed_steps_per_token": cost and cost / 2}
+            | {"best_launch_loop": 1, "best_invalidation": "eager", "checkpoint": f"/c/{trial}"}
+        )
+    front = frontier(pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA))
+    assert front.schema == FRONTIER_SCHEMA
+    assert front.column("trial").to_pylist() == ["a", "b"]
+
+
+# ----- one tiny real sweep ------------------------------------------------------------------------------
+
+
+class _InterruptAfterFirstTrial(tune.Callback):
+    """Sends this process SIGINT (as Ctrl+C would) when the first trial completes, once per marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        if not self.marker.exists():  # Tune restores its callbacks with the sweep: fire only once
+            self.marker.write_text(trial.trial_id)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def _job(storage: Path, tokenizer: Path):
+    flags = ["--preset", "tiny", "--task", "translate_en_de", "--limit", "64", "--tokenizer", str(tokenizer)]
+    flags += ["--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--warmup-steps", "1"]
+    flags += ["--max-source-len", "24", "--max-target-len", "24", "--cpus-per-worker", "2", "--log-every", "2"]
+    return job_from_args("finetune", flags + ["--storage-path", str(storage)])
+
+
+SWEEP = SweepConfig(
+    patterns=("1x2", "2x2", "2x1"),
+    loss_weights=("linear",),
+    scheduler="fifo",  # every trial to the end: the test checks each one's row
+    measure_limit=4,
+    val_limit=8,
+    max_new_tokens=8,
+    latency_limit=2,
+    latency_reps=1,
+    fail_pattern="2x2",
+)
+
+
+@pytest.fixture(scope="module")
+def sweep(ray_session, tiny_tokenizer, tmp_path_factory):
+    """The sweep interrupted after its first trial, then the same sweep run again."""
+    storage = tmp_path_factory.mktemp("sweeps")
+    job = _job(storage, tiny_tokenizer)
+    first = run_sweep(SWEEP, job, callbacks=[_InterruptAfterFirstTrial(storage / "interrupted")])
+    first_results = Path(first.directory, "00000-1x2-linear", "result.json").read_text()
+    second = run_sweep(SWEEP, job)
+    return first, first_results, second
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_an_interrupted_sweep_resumes_without_losing_finished_trials(sweep):
+    first, first_results, second = sweep
+    assert first.name == second.name and first.directory == second.directory  # deterministic, no timestamp
+    status = dict(zip(first.results.column("trial").to_pylist(), first.results.column("status").to_pylist()))
+    assert status["00000-1x2-linear"] == "finished"
+    assert set(status.values()) <= {"finished", "unfinished"} and first.latency is None  # interrupted: no latency
+    done = {r["trial"]: r for r in second.results.to_pylist()}
+    assert [done[t]["status"] for t in sorted(done)] == ["finished", "failed", "finished"]
+    # The finished trial was not run again: same row, and Tune logged no further result for it.
+    before = next(r for r in first.results.to_pylist() if r["trial"] == "00000-1x2-linear")
+    assert done["00000-1x2-linear"] == before
+    assert Path(second.directory, "00000-1x2-linear", "result.json").read_text() == first_results
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(sweep):
+    rows = {r["trial"]: r for r in sweep[2].results.to_pylist()}
+    failed = rows["00001-2x2-linear"]
+    assert failed["status"] == "failed" and "injected failure" in failed["error"]
+    assert failed["accuracy"] is None and json.loads(failed["job"])["model"]["pattern"] == "2x2"
+    assert rows["00002-2x1-linear"]["status"] == "finished"  # ran after the failure
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_results_table_frontier_and_latency(sweep):
+    outcome = sweep[2]
+    results = pq.read_table(Path(outcome.directory, RESULTS_FILE))
+    assert results.schema == RESULTS_SCHEMA and results.equals(outcome.results)
+    for r in results.to_pylist():
+        job = json.loads(r["job"])
+        assert job["model"]["pattern"] == r["pattern"] and job["train"]["loss_weights"] == r["loss_weights"]
+        if r["status"] != "finished":
+            continue
+        m, n = r["n_loops"], r["n_unique"]
+        assert r["steps"] == 4 and r["accuracy_metric"] == "bleu" and r["accuracy"] == r["bleu"] >= 0
+        assert len(r["val_loss_loops"]) == m and r["val_loss_last"] == r["val_loss_loops"][-1] > 0
+        assert len(r["flip_rate_final"]) == m and r["flip_rate_final"][-1] == 0  # the last loop is the token
+        costs = {(c["launch_loop"], c["invalidation"]): c for c in r["costs"]}
+        assert set(costs) == {(k, p) for k in range(1, m + 1) for p in ("eager", "final")}
+        for c in r["costs"]:
+            assert 1 <= c["steps_per_token"] <= m and c["layer_steps_per_token"] == pytest.approx(
+                c["steps_per_token"] * n
+            )
+        # Launching from the last loop is sequential decoding: exactly M steps per token.
+        assert costs[(m, "eager")]["steps_per_token"] == m
+        assert r["speed_cost"] == min(c["layer_steps_per_token"] for c in r["costs"])
+    front = pq.read_table(Path(outcome.directory, FRONTIER_FILE))
+    assert front.schema == FRONTIER_SCHEMA and front.equals(outcome.frontier)
+    finished = [r for r in results.to_pylist() if r["status"] == "finished"]
+    for f in front.to_pylist():  # no finished trial beats a frontier trial on both axes
+        assert not any(
+            r["accuracy"] >= f["accuracy"]
+            and r["speed_cost"] <= f["speed_cost"]
+            and (r["accuracy"], r["speed_cost"]) != (f["accuracy"], f["speed_cost"])
+            for r in finished
+        )
+    latency = pq.read_table(Path(outcome.directory, LATENCY_FILE))
+    assert latency.schema == LATENCY_SCHEMA and latency.equals(outcome.latency)
+    rows = latency.to_pylist()
+    assert {(r["trial"], r["variant"]) for r in rows} >= {("00002-2x1-linear", "sequential")}
+    for r in rows:
+        assert r["ms_per_token"] > 0 and r["tokens"] > 0
+        if r["variant"] == "sequential":
+            assert r["speedup_vs_sequential"] == 1.0
