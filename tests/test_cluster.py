@@ -11,7 +11,7 @@ import cluster_helpers
 import pytest
 
 from speed.cluster import JOB_CONFIG_ENV, code_runtime_env, package_dir
-from speed.paths import repo_root
+from speed.paths import DATA_DIR_ENV, repo_root
 
 # Runs the entry point's module body (its sys.path set-up and imports), then asks a Ray worker where its speed is.
 PROBE = """
@@ -32,12 +32,19 @@ print("RESULT", json.dumps({"cwd": os.getcwd(), "driver": str(package_dir()),
 """.replace("import os,", "import json, os,")
 
 
-def test_code_runtime_env_ships_this_package_unless_the_job_chose_py_modules(monkeypatch):
+def test_code_runtime_env_ships_this_package_unless_the_job_chose_py_modules(monkeypatch, tmp_path):
     monkeypatch.delenv(JOB_CONFIG_ENV, raising=False)
-    assert code_runtime_env() == {"py_modules": [str(package_dir())]}
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))  # the driver's corpora: the workers are told where
+    shipped = {"py_modules": [str(package_dir())], "env_vars": {DATA_DIR_ENV: str(tmp_path.resolve())}}
+    assert code_runtime_env() == shipped
     assert (package_dir() / "cluster.py").is_file()
     monkeypatch.setenv(JOB_CONFIG_ENV, json.dumps({"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}}))
-    assert code_runtime_env() == {"py_modules": [str(package_dir())]}
+    assert code_runtime_env() == shipped
+    monkeypatch.setenv(JOB_CONFIG_ENV, json.dumps({"runtime_env": {"env_vars": {"A": "1"}}}))
+    assert code_runtime_env() == {"py_modules": [str(package_dir())]}  # the job's own env_vars are not merged
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "missing"))
+    monkeypatch.delenv(JOB_CONFIG_ENV)
+    assert code_runtime_env() == {"py_modules": [str(package_dir())]}  # no corpora here: nothing to point at
     monkeypatch.setenv(JOB_CONFIG_ENV, json.dumps({"runtime_env": {"py_modules": ["s3://bucket/speed.zip"]}}))
     assert code_runtime_env() == {}
 

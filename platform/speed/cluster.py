@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from speed.paths import DATA_DIR_ENV, data_dir
+
 # Set by the job manager for an entry point started by `ray job submit` (ray._private.runtime_env.constants).
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
@@ -37,6 +39,13 @@ def code_runtime_env() -> dict[str, Any]:
     Empty when the submitter already set ``py_modules``: Ray refuses to merge
     the field, and whoever set it has chosen the code explicitly.
     """
-    if "py_modules" in submitted_runtime_env():
+    submitted = submitted_runtime_env()
+    if "py_modules" in submitted:
         return {}
-    return {"py_modules": [str(package_dir())]}
+    env: dict[str, Any] = {"py_modules": [str(package_dir())]}
+    # The shipped copy lives in Ray's runtime resources, where ``<repo>/../shared/data`` does not exist:
+    # tell the workers where the driver found the local corpora.
+    local = data_dir()
+    if local.is_dir() and "env_vars" not in submitted:
+        env["env_vars"] = {DATA_DIR_ENV: str(local.resolve())}
+    return env
