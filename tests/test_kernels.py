@@ -1,9 +1,9 @@
 """Batch invariance of the decode kernels: a row's result is bit-identical alone or in any company.
 
-Checked at the kernel (``tile_linear``) and at the model step (the whole
-shared layer group plus the exit), for random shapes, random companions,
-random positions in the tile, one and several tiles, 1 and 2 threads, with
-oneDNN and with the plain fallback.
+Checked at the kernel (``tile_linear``, ``attend``) and at the model step (the
+whole shared layer group plus the exit), for random shapes, random
+companions, random positions in the tile, 1..8 rows, one and several tiles,
+1 and 2 threads, with oneDNN and with the plain fallback.
 """
 
 from __future__ import annotations
@@ -59,6 +59,12 @@ def test_tile_linear_rows_do_not_depend_on_company_or_position(threads, backend)
             at = rng.randrange(TILE_ROWS)
             tile[at] = x
             assert torch.equal(tile_linear(layer, tile)[at], alone), (inn, out, at)
+        for n in range(1, TILE_ROWS + 1):  # a tile of n real rows: oneDNN runs n, the fallback pads to the tile
+            rows = torch.randn(n, inn)
+            at = rng.randrange(n)
+            rows[at] = x
+            got = tile_linear(layer, rows)
+            assert got.shape == (n, out) and torch.equal(got[at], alone), (inn, out, n, at)
 
 
 def test_fallback_is_plain_linear_on_the_tile(monkeypatch):
@@ -73,6 +79,10 @@ def test_fallback_is_plain_linear_on_the_tile(monkeypatch):
     layer = torch.nn.Linear(16, 24, bias=False)
     x = torch.randn(TILE_ROWS, 16)
     assert torch.equal(tile_linear(layer, x), F.linear(x, layer.weight))
+    padded = torch.cat([x[:3], x[2:3].expand(TILE_ROWS - 3, 16)])  # 3 rows run as a full tile
+    assert torch.equal(tile_linear(layer, x[:3]), F.linear(padded, layer.weight)[:3])
+    with pytest.raises(ValueError, match="1..8 rows"):
+        tile_linear(layer, torch.randn(TILE_ROWS + 1, 16))
 
 
 def random_step_case(seed: int):
@@ -199,3 +209,20 @@ def test_two_threads_decoding_one_model_concurrently():
         w.join()
     assert not errors
     assert all(results[i] == [expected[i]] * 3 for i in range(2))
+
+
+def test_attend_rows_do_not_depend_on_how_many_rows_attend(threads):
+    """Attention runs on a tile's real rows only (1..T of them): a row's result must not depend on the count,
+    also at real-model sizes where the sums and the softmax split across threads."""
+    from speed.kernels import attend
+
+    torch.manual_seed(threads)
+    for heads, length, d in [(12, 512, 64), (4, 80, 16), (3, 13, 12)]:
+        q, keys, values = torch.randn(TILE_ROWS, heads, d), *torch.randn(2, TILE_ROWS, heads, length, d)
+        bias = torch.randn(TILE_ROWS, heads, 1, length)
+        bias[..., length // 2 :] = torch.finfo(torch.float32).min  # masked slots, as past a row's position
+        full = attend(q, keys, values, bias)
+        for n in range(1, TILE_ROWS + 1):
+            assert torch.equal(attend(q[:n], keys[:n], values[:n], bias[:n]), full[:n]), (heads, length, d, n)
+        for r in range(TILE_ROWS):
+            assert torch.equal(attend(q[r : r + 1], keys[r : r + 1], values[r : r + 1], bias[r : r + 1])[0], full[r])

@@ -4,22 +4,27 @@ A decode step computes 1 to M rows per sequence (many more across a batch or
 a server's requests), and the rows that share a step change all the time. A
 CPU or GPU kernel may pick its algorithm, blocking or reduction split by the
 shape it is given (MKL's GEMM rounds a 3-row product differently from an
-8-row one; a reduction with one output splits across threads; attention's
-softmax is blocked by its key length). So every decode op here runs on a
-fixed shape: the rows are processed in tiles of ``tile_rows`` (the last tile
-padded by repeating its last row), each matmul is one call on a (tile_rows,
-in) input, attention always runs over the cache's full ``max_len`` keys
-(masked) with per-row reductions, and cross-attention always runs one query
-per row against that row's own copy of its request's keys. Each row's result then depends only on
-its own inputs and its position in the tile, and ``tests/test_kernels.py``
-checks that the position does not matter either. The sequential reference and
-the SPEED engine call the same kernels, so their logits are equal bit for bit
-(on the same device, dtype and thread count).
+8-row one and takes a GEMV for one row; a reduction with one output splits
+across threads; attention's softmax is blocked by its key length). So:
 
-Matmuls use oneDNN with the weight packed once (its cost is nearly flat from
-1 to 8 rows, so a padded tile costs little more than one row); where its
-private ops are missing (or not CPU float32) a plain ``F.linear`` on the same
-fixed tile shape, which is also the GPU path.
+- Matmuls run on tiles of at most ``tile_rows`` rows, each one call of
+  oneDNN's linear with the weight packed once for ``tile_rows`` rows. Its
+  blocking is fixed by the packed weight: a row's result does not depend on
+  how many rows (1..tile_rows) the call holds, nor on where the row sits, and
+  a call on n rows costs about what n rows need (one row about half a full
+  tile, measured). Where oneDNN's private ops are missing (or not CPU
+  float32), a plain ``F.linear`` runs instead, always on a full tile (the
+  rows padded by repeating the last), since the plain GEMM's kernel changes
+  with the row count; that is also the GPU path.
+- Attention always runs over the cache's full ``max_len`` keys (masked),
+  written as elementwise products, sums and a softmax whose reductions are
+  per row; cross-attention always runs one query per row against that row's
+  own copy of its request's keys.
+
+``tests/test_kernels.py`` checks that a row's result depends neither on its
+company nor on its position nor on the number of rows. The sequential
+reference and the SPEED engine call the same kernels, so their logits are
+equal bit for bit (on the same device, dtype and thread count).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-TILE_ROWS = 8  # rows per fixed-shape kernel call: at least M for a single sequence of the usual patterns
+TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence of the usual patterns
 
 
 @dataclass(frozen=True)
@@ -92,14 +97,24 @@ def _packed_weight(layer: nn.Linear, tile_rows: int) -> Tensor | None:
         return packed
 
 
-def tile_linear(layer: nn.Linear, x: Tensor) -> Tensor:
-    """``layer(x)`` (no bias) for one tile of rows (T, in) -> (T, out), with a kernel fixed by T alone."""
+def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tensor:
+    """``layer(x)`` (no bias) for one tile of 1..``tile_rows`` rows (n, in) -> (n, out), row-invariant.
+
+    oneDNN runs the n rows on the weight packed for ``tile_rows``; the
+    fallback pads them to ``tile_rows`` so that ``F.linear`` always sees one
+    shape.
+    """
     if layer.bias is not None:
         raise ValueError("decode kernels expect bias-free linear layers (T5 has none)")
+    n = x.shape[0]
+    if not 1 <= n <= tile_rows:
+        raise ValueError(f"a tile holds 1..{tile_rows} rows, got {n}")
     x = x.contiguous()  # strides select kernels too (a stride-0 input takes another GEMM path)
-    packed = _packed_weight(layer, x.shape[0])
+    packed = _packed_weight(layer, tile_rows)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if n < tile_rows:
+        return F.linear(x[tile_index(n, tile_rows, x.device)], layer.weight)[:n]
     return F.linear(x, layer.weight)
 
 

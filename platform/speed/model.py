@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from speed.cache import KVCache, Rows
 from speed.config import ModelConfig
-from speed.kernels import TILE_ROWS, attend, tile_index, tile_linear
+from speed.kernels import TILE_ROWS, attend, tile_linear
 from speed.losses import loss_weights
 
 
@@ -91,18 +91,18 @@ class SelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=1.0)  # (B, H, T, D)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
-    def decode(self, x: Tensor, rows: Rows, tile: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
-        """One new token per row of a tile (T, d): ``rows`` are its real rows (the first n), ``tile`` all T.
+    def decode(self, x: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
+        """One new token per row of a tile (n, d), the token of each of ``rows``.
 
-        Writes the real rows' keys/values at their depths, then attends over
-        all ``max_len`` cache slots of each row's depth; ``bias`` (T, H, 1, L)
+        Writes the rows' keys/values at their depths, then attends over all
+        ``max_len`` cache slots of each row's depth; ``bias`` (n, H, 1, L)
         adds position bias and masks slots past each row's position.
         """
-        T, n = x.shape[0], len(rows)
-        q, k, v = tile_linear(self.qkv, x).view(T, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (T, H, D)
-        cache.write(layer, rows, k[:n], v[:n])
-        keys, values = cache.read(layer, tile)  # (T, H, L, D)
-        return tile_linear(self.o, attend(q, keys, values, bias).reshape(T, -1))
+        n = x.shape[0]
+        q, k, v = tile_linear(self.qkv, x).view(n, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (n, H, D)
+        cache.write(layer, rows, k, v)
+        keys, values = cache.read(layer, rows)  # (n, H, L, D)
+        return tile_linear(self.o, attend(q, keys, values, bias).reshape(n, -1))
 
 
 class CrossAttention(nn.Module):
@@ -132,14 +132,14 @@ class CrossAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
     def decode(self, x: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-        """One query per row of a tile (T, d) against its own request's keys/values (T, H, S, D), bias (T, 1, 1, S).
+        """One query per row of a tile (n, d) against its own request's keys/values (n, H, S, D), bias (n, 1, 1, S).
 
         Always one query per row, even when rows share a request: attending R
         queries of one request at once would change the kernel with R.
         """
-        T = x.shape[0]
-        q = tile_linear(self.q, x).view(T, self.n_heads, self.d_kv)  # (T, H, D)
-        return tile_linear(self.o, attend(q, keys, values, bias).reshape(T, -1))
+        n = x.shape[0]
+        q = tile_linear(self.q, x).view(n, self.n_heads, self.d_kv)  # (n, H, D)
+        return tile_linear(self.o, attend(q, keys, values, bias).reshape(n, -1))
 
 
 class GatedFFN(nn.Module):
@@ -156,8 +156,8 @@ class GatedFFN(nn.Module):
         return self.wo(self.dropout(F.gelu(gate, approximate="tanh") * linear))
 
     def decode(self, x: Tensor) -> Tensor:
-        """The same for one tile of decode rows (T, d) (no dropout)."""
-        gate, linear = tile_linear(self.wi, x).chunk(2, dim=-1)  # 2 x (T, d_ff)
+        """The same for one tile of decode rows (n, d) (no dropout)."""
+        gate, linear = tile_linear(self.wi, x).chunk(2, dim=-1)  # 2 x (n, d_ff)
         return tile_linear(self.wo, F.gelu(gate, approximate="tanh") * linear)
 
 
@@ -195,7 +195,6 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         rows: Rows,
-        tile: Rows,
         cache: KVCache,
         layer: int,
         self_bias: Tensor,
@@ -203,8 +202,8 @@ class DecoderLayer(nn.Module):
         values: Tensor,
         cross_bias: Tensor,
     ) -> Tensor:
-        """One tile of decode rows (T, d) through this layer (see ``SelfAttention.decode``)."""
-        x = x + self.self_attn.decode(self.self_norm(x), rows, tile, cache, layer, self_bias)
+        """One tile of decode rows (n, d) through this layer (see ``SelfAttention.decode``)."""
+        x = x + self.self_attn.decode(self.self_norm(x), rows, cache, layer, self_bias)
         x = x + self.cross_attn.decode(self.cross_norm(x), keys, values, cross_bias)
         return x + self.ffn.decode(self.ffn_norm(x))
 
@@ -244,7 +243,6 @@ class SpeedT5(nn.Module):
         self.config = config
         self.sharing = sharing = config.sharing
         self.n_loops = sharing.n_loops
-        self.tile_rows = TILE_ROWS  # decode rows per fixed-shape kernel call (see speed.kernels)
         self.shared = nn.Embedding(config.vocab_size, config.d_model)  # encoder and decoder inputs
         self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
         self.encoder_bias = RelativeBias(config, bidirectional=True)
@@ -418,32 +416,32 @@ class SpeedT5(nn.Module):
         ``hidden`` (R, d) is each row's input to this loop; returns its output
         (R, d) and, if asked, the early-exit logits (R, V). Each row's results
         are bit-identical whatever other rows share the step: the rows run in
-        fixed-shape tiles of ``tile_rows`` (see ``speed.kernels``).
+        tiles of up to ``TILE_ROWS`` on row-invariant kernels (see ``speed.kernels``).
         """
-        T = self.tile_rows
+        T = TILE_ROWS
+        if len(rows) <= T:
+            return self._step_tile(memory, cache, rows, hidden, with_logits)
         outputs, logits = [], []
         for start in range(0, len(rows), T):
             part = rows.take(np.arange(start, min(start + T, len(rows))))
-            pad = tile_index(len(part), T, hidden.device)  # (T,)
-            x, exit_logits = self._step_tile(memory, cache, part, hidden[start : start + len(part)][pad], with_logits)
-            outputs.append(x[: len(part)])
+            x, exit_logits = self._step_tile(memory, cache, part, hidden[start : start + len(part)], with_logits)
+            outputs.append(x)
             if exit_logits is not None:
-                logits.append(exit_logits[: len(part)])
+                logits.append(exit_logits)
         return torch.cat(outputs), (torch.cat(logits) if with_logits else None)
 
     def _step_tile(
         self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor, with_logits: bool
     ) -> tuple[Tensor, Tensor | None]:
-        """``step`` for one tile: the real ``rows`` (n) first in ``x`` (T, d), then copies of the last."""
-        tile = rows.take(np.minimum(np.arange(len(x)), len(rows) - 1))
-        seq_t, _, pos_t = tile.tensors(x.device)
-        self_bias = memory.self_bias.index_select(0, pos_t).unsqueeze(2)  # (T, H, 1, L)
-        cross_bias = memory.cross_bias.index_select(0, seq_t)  # (T, 1, 1, S)
+        """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
+        seq_t, _, pos_t = rows.tensors(x.device)
+        self_bias = memory.self_bias.index_select(0, pos_t).unsqueeze(2)  # (n, H, 1, L)
+        cross_bias = memory.cross_bias.index_select(0, seq_t)  # (n, 1, 1, S)
         # CYCLE order: loop l's pass runs virtual depths l*N .. l*N+N-1, whose physical layers are 0..N-1
         for j in range(self.sharing.n_unique):
             layer = self.decoder_layers[self.sharing.physical_layer(j)]
             keys, values = memory.keys[j].index_select(0, seq_t), memory.values[j].index_select(0, seq_t)
-            x = layer.decode(x, rows, tile, cache, j, self_bias, keys, values, cross_bias)  # (T, d)
+            x = layer.decode(x, rows, cache, j, self_bias, keys, values, cross_bias)  # (n, d)
         return x, (tile_linear(self.lm_head, self.decoder_norm(x)) if with_logits else None)
 
 
