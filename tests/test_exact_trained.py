@@ -18,6 +18,7 @@ import torch
 from speed.config import preset
 from speed.data import load_records, pad_inputs, truncate
 from speed.decoding import generate
+from speed.engine import Engine, EngineConfig, Request
 from speed.exactness import LogitRecorder, compare_logits, top2_gap
 from speed.model import SpeedT5, shift_right
 from speed.tokenizer import train_tokenizer
@@ -103,3 +104,88 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
         torch.set_num_threads(before)
     assert rows_checked == SENTENCES * NEW_TOKENS * model.n_loops
     print(f"{rows_checked} logit rows bit-identical; smallest last-loop top-2 gap {min(gaps):.2e}")
+
+
+class RequestRecorder(LogitRecorder):
+    """Records an engine's early-exit logits by (request id, loop, position): its slots pass from request to request."""
+
+    engine: Engine | None = None
+
+    def step(self, memory, cache, rows, hidden, with_logits=True):
+        out, logits = self.model.step(memory, cache, rows, hidden, with_logits)
+        if logits is not None:
+            owner = {seq.row: seq.id for seq in self.engine._active.values()}
+            for r, (row, loop, pos) in enumerate(zip(rows.seq.tolist(), rows.loop.tolist(), rows.pos.tolist())):
+                self.logits[(owner[row], loop, pos)] = logits[r]
+        return out, logits
+
+
+@pytest.mark.slow
+def test_trained_checkpoint_engine_churn_bitwise(trained):
+    """The serving engine on the trained checkpoint: requests arrive, leave and are cancelled at random, with
+    row budgets and capacities that change who shares each step; every request's per-loop logits equal
+    decoding it alone sequentially, bit for bit, up to 64 tokens long."""
+    model, tok = trained
+    model = long_output_model(model, tok.vocab_size - 1)
+    test = load_records("translate_en_de", "test", limit=160)
+    inputs = [truncate(ids, 48) for ids in tok.encode_batch(test["source"])][104:]  # not the other test's sentences
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    checked = cancelled = flushes = 0
+    try:
+        for seed in range(3):
+            rng = random.Random(seed)
+            config = EngineConfig(
+                max_active=rng.choice([3, 5, 8]),
+                max_source_len=48,
+                max_target_len=NEW_TOKENS,
+                row_budget=[None, 6, 11][seed],
+            )
+            recorder = RequestRecorder(model)
+            engine = recorder.engine = Engine(recorder, config)
+            arrivals = sorted(rng.randrange(0, 150) for _ in range(16))
+            requests, to_cancel, finished, step = {}, {}, [], 0
+            while arrivals or engine.has_work:
+                while arrivals and arrivals[0] <= step:
+                    arrivals.pop(0)
+                    request = Request(
+                        rng.choice(inputs),
+                        rng.choice([24, 40, NEW_TOKENS]),
+                        method=rng.choice(["speed", "speed", "sequential"]),
+                        launch_loop=rng.randint(1, model.n_loops),
+                        invalidation=rng.choice(["eager", "final"]),
+                    )
+                    rid = engine.add(request)
+                    requests[rid] = request
+                    if rng.random() < 0.2:
+                        to_cancel[rid] = step + rng.randint(0, 40)
+                for rid in [r for r, at in to_cancel.items() if at <= step]:
+                    del to_cancel[rid]
+                    if (gone := engine.cancel(rid)) is not None:
+                        finished.append(gone)
+                result = engine.step()
+                finished.extend(result.finished)
+                step += 1
+            assert sorted(f.id for f in finished) == sorted(requests)
+            for f in finished:
+                request = requests[f.id]
+                reference = LogitRecorder(model)
+                ref = generate(
+                    reference,
+                    torch.tensor([request.input_ids]),
+                    method="sequential",
+                    max_new_tokens=request.max_new_tokens,
+                )
+                assert f.tokens == ref.tokens[0][: len(f.tokens)]
+                assert f.cancelled or len(f.tokens) == request.max_new_tokens  # the sentinel stop never comes
+                for pos in range(len(f.tokens)):
+                    for loop in range(model.n_loops):
+                        got = recorder.logits[(f.id, loop, pos)]
+                        assert torch.equal(got, reference.logits[(0, loop, pos)]), (seed, f.id, request, loop, pos)
+                        checked += 1
+                cancelled += f.cancelled
+                flushes += f.stats.flushes
+    finally:
+        torch.set_num_threads(before)
+    assert cancelled > 0 and flushes > 0 and checked > 3 * 10 * 24 * model.n_loops
+    print(f"{checked} logit rows bit-identical under churn; {cancelled} cancelled; {flushes} flushes")

@@ -226,3 +226,20 @@ def test_attend_rows_do_not_depend_on_how_many_rows_attend(threads):
             assert torch.equal(attend(q[:n], keys[:n], values[:n], bias[:n]), full[:n]), (heads, length, d, n)
         for r in range(TILE_ROWS):
             assert torch.equal(attend(q[r : r + 1], keys[r : r + 1], values[r : r + 1], bias[r : r + 1])[0], full[r])
+
+
+def test_attend_does_not_depend_on_the_number_of_masked_slots(threads):
+    """A request's attention must not change with the capacity of the engine that decodes it: the same keys
+    with more masked slots after them (a bigger cache or encoder memory) give bit-identical results."""
+    from speed.kernels import attend
+
+    torch.manual_seed(threads)
+    for heads, d in [(12, 64), (4, 16), (3, 12), (1, 8)]:
+        for length in (1, 7, 9, 30, 33, 64, 100):
+            for capacity in (length + 1, length + 7, 2 * length + 5, 512):
+                n = random.Random(length).randint(1, TILE_ROWS)
+                q, keys, values = torch.randn(n, heads, d), *torch.randn(2, n, heads, capacity, d)
+                bias = torch.randn(n, heads, 1, capacity)
+                bias[..., length:] = torch.finfo(torch.float32).min
+                small = attend(q, keys[:, :, :length], values[:, :, :length], bias[..., :length])
+                assert torch.equal(attend(q, keys, values, bias), small), (heads, d, length, capacity)

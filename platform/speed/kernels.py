@@ -16,13 +16,16 @@ across threads; attention's softmax is blocked by its key length). So:
   float32), a plain ``F.linear`` runs instead, always on a full tile (the
   rows padded by repeating the last), since the plain GEMM's kernel changes
   with the row count; that is also the GPU path.
-- Attention always runs over the cache's full ``max_len`` keys (masked),
-  written as elementwise products, sums and a softmax whose reductions are
-  per row; cross-attention always runs one query per row against that row's
-  own copy of its request's keys.
+- Attention runs over the cache's full ``max_len`` keys (masked), written as
+  elementwise products and reductions that are per row and do not depend on
+  the number of masked slots (see ``attend``), so a request decodes to the
+  same logits whatever the capacity of the engine or server that runs it;
+  cross-attention always runs one query per row against that row's own copy
+  of its request's keys.
 
 ``tests/test_kernels.py`` checks that a row's result depends neither on its
-company nor on its position nor on the number of rows. The sequential
+company nor on its position nor on the number of rows, nor attention's on the
+number of masked slots. The sequential
 reference and the SPEED engine call the same kernels, so their logits are
 equal bit for bit (on the same device, dtype and thread count).
 """
@@ -121,16 +124,23 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
 def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
     """One query per row: q (T, H, D) against keys/values (T, H, L, D) with additive bias (T, H or 1, 1, L).
 
-    Written as elementwise products, sums and a softmax, each of which treats
-    every (row, head) alike: the CPU's fused attention kernel does not (with
-    2 threads the rows of the second thread round differently, measured).
-    T5 applies no 1/sqrt(D) scaling. Masked keys (bias at the dtype's
-    minimum) get probability exactly zero, so a row's result does not depend
-    on what the masked slots hold.
+    Written as elementwise products, a sum over D, a max and running sums
+    over L, each of which treats every (row, head) alike: the CPU's fused
+    attention kernel does not (with 2 threads the rows of the second thread
+    round differently, measured). The sums over L are ``cumsum``s, which add
+    the slots one after the other (in double on the CPU): a plain ``sum`` or
+    ``softmax`` over L groups its additions by vector lanes and by L, so its
+    result would change with the number of (masked) slots, that is with the
+    cache's or the encoder memory's capacity. T5 applies no 1/sqrt(D)
+    scaling. Masked keys (bias at the dtype's minimum) get weight exactly
+    zero, so a row's result depends neither on what the masked slots hold
+    nor on how many there are.
     """
-    scores = (q.unsqueeze(2) * keys).sum(-1) + bias.squeeze(2)  # (T, H, L)
-    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)  # (T, H, L)
-    return (probs.unsqueeze(-1) * values).sum(-2)  # (T, H, D)
+    scores = ((q.unsqueeze(2) * keys).sum(-1) + bias.squeeze(2)).float()  # (T, H, L)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # (T, H, L)
+    total = weights.cumsum(-1)[..., -1:]  # (T, H, 1)
+    mixed = (weights.to(values.dtype).unsqueeze(-1) * values).cumsum(-2)[..., -1, :]  # (T, H, D)
+    return (mixed.float() / total).to(values.dtype)
 
 
 def tile_index(n: int, tile_rows: int, device: torch.device) -> Tensor:
