@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence of the usual patterns
+TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence
 
 
 @dataclass(frozen=True)
