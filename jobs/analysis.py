@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     found = discover(args.results)
     print(
         f"{args.results}: {len(found.evaluations)} evaluation(s), {len(found.bench)} benchmark file(s), "
-        f"{len(found.load)} load file(s), {len(found.requests)} request-statistics file(s)"
+        f"{len(found.load)} load file(s), {len(found.requests)} request-statistics file(s), "
+        f"{len(found.sweeps)} sweep(s)"
     )
     started = time.time()
     executed = run_notebooks(args.results)

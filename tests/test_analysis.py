@@ -22,6 +22,7 @@ from speed.analysis.serving import in_flight_at, max_in_flight
 from speed.bench import BenchConfig, run_benchmark
 from speed.evaluate import EvalConfig, run_evaluation
 from speed.paths import repo_root
+from speed.serve.stats import LOADGEN_SCHEMA, REQUEST_SCHEMA
 from speed.tokenizer import Tokenizer
 from speed.trace import TraceBuilder, flip_rates
 
@@ -31,6 +32,7 @@ FIGURES = {
     "flips.ipynb": ["flip_rate_per_loop.png", "eval-2x3/flips.png"],  # a one-loop 2x1 has no flips to draw
     "tradeoff.ipynb": ["accuracy_vs_latency.png"],
     "serving.ipynb": ["load/serving_load.png", "stats/requests/serving_rows_per_step.png"],
+    "sweep.ipynb": [],  # no sweep here: tests/test_sweep.py runs it on a real sweep's folder
 }
 
 
@@ -64,8 +66,9 @@ def model_2x3(vocab_size: int) -> SpeedT5:
 
 
 def _load_runs(model: SpeedT5, root: Path) -> None:
-    """Closed-loop load at concurrency 1 and 2 on real in-process SPEED decoding, written in the columns of the
-    load generator's and the Serve replicas' Parquet rows (the Serve application is not part of this test)."""
+    """Closed-loop load at concurrency 1 and 2 on real in-process SPEED decoding, written as the load generator's
+    and the Serve replicas' Parquet rows, in their own schemas (the Serve application itself feeds the serving
+    notebook in tests/test_serve_app.py)."""
     load_rows, request_rows = [], []
     ids = torch.randint(3, model.config.vocab_size, (8, 1, 6), generator=torch.Generator().manual_seed(1))
     for concurrency in (1, 2):
@@ -77,31 +80,31 @@ def _load_runs(model: SpeedT5, root: Path) -> None:
             done = time.perf_counter()
             request_id = f"c{concurrency}-{i}"
             arrived = datetime.fromtimestamp(time.time() - (done - sent), tz=timezone.utc)
-            tokens = result.stats.tokens
+            stats, ms = result.stats, 1000 * (done - sent)
+            finish = "stop" if result.tokens[0][-1] == model.eos_id else "length"
             load_rows.append(
-                {"run": f"c{concurrency}", "request": i, "status": 200, "scheduled_s": sent - start,
-                 "start_s": sent - start, "latency_ms": 1000 * (done - sent), "ttft_ms": None,
-                 "completion_tokens": tokens, "replica": "replica-0"}
+                {"run": f"c{concurrency}", "request": i, "prompt": i, "status": 200, "error": None,
+                 "request_id": request_id, "scheduled_s": sent - start, "start_s": sent - start, "latency_ms": ms,
+                 "ttft_ms": None, "prompt_tokens": 6, "completion_tokens": stats.tokens, "finish_reason": finish,
+                 "replica": "replica-0", "flushes": stats.flushes, "text": ""}
             )  # fmt: skip
             request_rows.append(
-                {"request_id": request_id, "replica": "replica-0", "method": "speed", "arrived": arrived,
-                 "total_ms": 1000 * (done - sent), "steps": result.stats.steps, "rows": result.stats.rows,
-                 "flushes": result.stats.flushes}
+                {"request_id": request_id, "choice": 0, "replica": "replica-0", "engine_id": i, "arrived": arrived,
+                 "model": "tiny", "task": None, "method": "speed", "launch_loop": 1, "invalidation": "eager",
+                 "stream": False, "max_tokens": 8, "prompt_tokens": 6, "completion_tokens": stats.tokens,
+                 "finish_reason": finish, "steps": stats.steps, "rows": stats.rows, "flushes": stats.flushes,
+                 "wasted_rows": stats.wasted_rows, "flip_rate": [], "queued_ms": 0.0, "ttft_ms": None,
+                 "latency_ms": ms, "total_ms": ms, "max_active": concurrency, "row_budget": None}
             )  # fmt: skip
 
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(one, range(len(ids))))
     (root / "load").mkdir()
     (root / "stats" / "requests").mkdir(parents=True)
-    load_schema = pa.schema([("ttft_ms", pa.float64())])
-    pq.write_table(pa.Table.from_pylist(load_rows).cast(_with(load_rows, load_schema)), root / "load" / "runs.parquet")
-    pq.write_table(pa.Table.from_pylist(request_rows), root / "stats" / "requests" / "replica-0-1.parquet")
-
-
-def _with(rows: list[dict], override: pa.Schema) -> pa.Schema:
-    """The inferred schema of ``rows`` with the types of ``override``'s fields (all-null columns need one)."""
-    inferred = pa.Table.from_pylist(rows).schema
-    return pa.schema([override.field(f.name) if f.name in override.names else f for f in inferred])
+    pq.write_table(pa.Table.from_pylist(load_rows, schema=LOADGEN_SCHEMA), root / "load" / "runs.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(request_rows, schema=REQUEST_SCHEMA), root / "stats" / "requests" / "r-1.parquet"
+    )
 
 
 def test_discover_finds_every_kind_of_result(results):
@@ -109,7 +112,8 @@ def test_discover_finds_every_kind_of_result(results):
     assert [p.name for p in found.evaluations] == ["eval-2x1", "eval-2x3"]
     assert [p.name for p in found.bench] == ["bench_decode.parquet"]
     assert [p.name for p in found.load] == ["runs.parquet"]
-    assert [p.name for p in found.requests] == ["replica-0-1.parquet"]
+    assert [p.name for p in found.requests] == ["r-1.parquet"]
+    assert found.sweeps == []  # sweeps: tests/test_sweep.py
     ev = load_evaluation(found.evaluations[1])
     assert ev.pattern == "2x3" and ev.loops == 3 and ev.predictions.num_rows == 6
     assert set(ev.trace.column("loop").to_pylist()) == {1, 2, 3}
@@ -204,7 +208,7 @@ def test_every_notebook_runs_headless_and_writes_its_figures(results, capsys):
             assert (results / figure).stat().st_size > 0, (notebook, figure)
         assert nbformat.read(results / "notebooks" / notebook, as_version=4).cells[1].outputs  # executed
     printed = capsys.readouterr().out
-    assert "2 evaluation(s), 1 benchmark file(s), 1 load file(s), 1 request-statistics file(s)" in printed
+    assert "2 evaluation(s), 1 benchmark file(s), 1 load file(s), 1 request-statistics file(s), 0 sweep(s)" in printed
     assert f"figure: {results / 'accuracy_vs_latency.png'}" in printed
 
 

@@ -213,6 +213,7 @@ def test_load_generator_closed_and_open_loop(server):
         rows = result.table.to_pylist()
         assert all(r["text"] == _offline(server, prompts[r["prompt"]], 5)[0] for r in rows)
         server["answered"] += [(r["request_id"], 1) for r in rows]
+    server["load"] = [closed.table, opened.table]
     assert all(r["ttft_ms"] is not None and r["ttft_ms"] <= r["latency_ms"] for r in closed.table.to_pylist())
     assert all(r["scheduled_s"] == r["start_s"] for r in closed.table.to_pylist())  # closed loop: from the send
     assert all(r["scheduled_s"] <= r["start_s"] for r in opened.table.to_pylist())  # open loop: from the arrival
@@ -248,3 +249,33 @@ def test_statistics_hold_one_row_per_answered_prompt_after_shutdown(server):
         rows.filter(pc.equal(rows["finish_reason"], "cancelled"))["completion_tokens"].to_pylist()
     )
     assert traces.num_rows == 3 * tokens  # one trace row per committed token and loop
+
+
+@pytest.mark.slow
+def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
+    """The analysis of serving reads what the application and the load generator really wrote."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from speed.analysis import discover, load_summary, rows_per_step
+    from speed.analysis.notebooks import run_notebooks
+    from speed.analysis.results import read_tables
+    from speed.paths import repo_root
+
+    root = tmp_path / "results"
+    shutil.copytree(server["stats"], root / "stats")
+    (root / "load").mkdir()
+    for table in server["load"]:
+        pq.write_table(table, root / "load" / f"{table['run'][0]}.parquet")
+    found = discover(root)
+    assert [p.name for p in found.load] == ["closed.parquet", "open.parquet"]
+    assert len(found.requests) >= 2 and not found.evaluations and not found.sweeps
+    runs = {r["run"]: r for r in load_summary(read_tables(found.load)).to_pylist()}
+    assert (runs["closed"]["requests"], runs["open"]["requests"]) == (6, 5)
+    assert runs["closed"]["errors"] == 0 and 1 <= runs["closed"]["concurrency"] <= 3 and runs["closed"]["replicas"] == 1
+    per_request = rows_per_step(read_tables(found.requests))
+    assert per_request.num_rows == read_requests(server["stats"]).num_rows
+    run_notebooks(root, [repo_root() / "analysis" / "serving.ipynb"])
+    assert (found.load[0].parent / "serving_load.png").stat().st_size > 0
+    assert (found.requests[0].parent / "serving_rows_per_step.png").stat().st_size > 0

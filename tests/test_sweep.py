@@ -216,3 +216,33 @@ def test_results_table_frontier_and_latency(sweep):
         assert r["ms_per_token"] > 0 and r["tokens"] > 0
         if r["variant"] == "sequential":
             assert r["speedup_vs_sequential"] == 1.0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_sweep_analysis_and_notebook_on_the_real_sweep(sweep, tmp_path):
+    """speed.analysis reads the sweep's folder as the notebook does, and the notebook draws its figures there."""
+    import shutil
+
+    from speed.analysis import discover, launch_costs, load_sweep, loop_flips, trials
+    from speed.analysis.notebooks import run_notebooks
+
+    folder = tmp_path / "results" / Path(sweep[2].directory).name
+    shutil.copytree(sweep[2].directory, folder, ignore=shutil.ignore_patterns("train", "0000*"))
+    assert discover(tmp_path / "results").sweeps == [folder]
+    loaded = load_sweep(folder)
+    assert loaded.results.equals(sweep[2].results) and loaded.latency.equals(sweep[2].latency)
+    table = trials(loaded.results)
+    finished = [r for r in sweep[2].results.to_pylist() if r["status"] == "finished"]
+    assert sorted(table.column("trial").to_pylist()) == sorted(r["trial"] for r in finished)
+    front = set(sweep[2].frontier.column("trial").to_pylist())
+    assert {r["trial"] for r in table.to_pylist() if r["on_frontier"]} == front
+    for r in table.to_pylist():
+        assert r["saving"] == pytest.approx(r["depth"] / r["speed_cost"])
+    flips = loop_flips(loaded.results)
+    assert flips.num_rows == sum(r["n_loops"] for r in finished)
+    costs = launch_costs(loaded.results)
+    assert costs.num_rows == sum(2 * r["n_loops"] for r in finished)
+    run_notebooks(tmp_path / "results", [repo_root() / "analysis" / "sweep.ipynb"])
+    for figure in ("sweep_tradeoff.png", "sweep_flips.png", "sweep_costs.png", "sweep_latency.png"):
+        assert (folder / figure).stat().st_size > 0, figure

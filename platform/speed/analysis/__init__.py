@@ -2,22 +2,29 @@
 
 The notebooks in ``analysis/`` call these functions and draw; every number they
 show is computed here from Parquet/JSON written by ``jobs/evaluate.py``,
-``jobs/bench_decode.py`` and the Serve application and its load generator.
+``jobs/bench_decode.py``, ``jobs/sweep.py`` and the Serve application and its load
+generator.
 """
 
 from speed.analysis.flips import flip_rates, flip_rates_by_position
 from speed.analysis.results import Evaluation, Results, discover, load_evaluation
 from speed.analysis.serving import load_summary, rows_per_step
+from speed.analysis.sweep import Sweep, launch_costs, load_sweep, loop_flips, trials
 from speed.analysis.tradeoff import tradeoff
 
 __all__ = [
     "Evaluation",
     "Results",
+    "Sweep",
     "discover",
     "flip_rates",
     "flip_rates_by_position",
+    "launch_costs",
     "load_evaluation",
     "load_summary",
+    "load_sweep",
+    "loop_flips",
     "rows_per_step",
     "tradeoff",
+    "trials",
 ]

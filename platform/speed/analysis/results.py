@@ -2,8 +2,10 @@
 
 A results folder may hold evaluation folders (``summary.json`` beside
 ``trace.parquet`` and ``predictions.parquet``), decode benchmark Parquet
-(``speed.bench.BENCH_SCHEMA``), load-generator Parquet and the Serve
-application's statistics (request rows), in any layout.
+(``speed.bench.BENCH_SCHEMA``), load-generator Parquet
+(``speed.serve.stats.LOADGEN_SCHEMA``), the Serve application's statistics
+(``REQUEST_SCHEMA`` rows) and sweep folders (``results.parquet``,
+``speed.sweep.results.RESULTS_SCHEMA``), in any layout.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import pyarrow.parquet as pq
 from speed.bench import BENCH_SCHEMA
 from speed.config import SharingPattern
 from speed.evaluate import PREDICTIONS_FILE, SUMMARY_FILE, TRACE_FILE
+from speed.serve.stats import LOADGEN_SCHEMA, REQUEST_SCHEMA
+from speed.sweep.results import RESULTS_FILE, RESULTS_SCHEMA
 
-# The columns the serving analysis reads: the load generator's per-request rows and the replicas'
-# per-request statistics (speed.serve.stats LOADGEN_SCHEMA and REQUEST_SCHEMA hold at least these).
-LOAD_COLUMNS = frozenset({"run", "status", "start_s", "scheduled_s", "latency_ms", "ttft_ms", "completion_tokens"})
-REQUEST_COLUMNS = frozenset({"request_id", "replica", "method", "arrived", "total_ms", "steps", "rows", "flushes"})
+# A file is of a kind when it holds every column of that kind's schema (the writers' own schemas).
+LOAD_COLUMNS = frozenset(LOADGEN_SCHEMA.names)
+REQUEST_COLUMNS = frozenset(REQUEST_SCHEMA.names)
+SWEEP_COLUMNS = frozenset(RESULTS_SCHEMA.names)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Results:
     bench: list[Path] = field(default_factory=list)  # BENCH_SCHEMA files
     load: list[Path] = field(default_factory=list)  # load-generator files
     requests: list[Path] = field(default_factory=list)  # Serve request-statistics files
+    sweeps: list[Path] = field(default_factory=list)  # sweep folders (results.parquet and its companions)
 
 
 def load_evaluation(path: str | Path) -> Evaluation:
@@ -63,15 +68,17 @@ def load_evaluation(path: str | Path) -> Evaluation:
 
 
 def discover(root: str | Path) -> Results:
-    """Every evaluation folder and benchmark, load and request Parquet file under ``root``."""
+    """Every evaluation folder, benchmark, load and request Parquet file and sweep folder under ``root``."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"results folder {root} does not exist")
     evaluations = sorted(p.parent for p in root.rglob(SUMMARY_FILE) if (p.parent / TRACE_FILE).is_file())
-    kinds: dict[str, list[Path]] = {"bench": [], "load": [], "requests": []}
+    kinds: dict[str, list[Path]] = {"bench": [], "load": [], "requests": [], "sweeps": []}
     for path in sorted(root.rglob("*.parquet")):
         names = set(pq.read_schema(path).names)
-        if set(BENCH_SCHEMA.names) <= names:
+        if path.name == RESULTS_FILE and SWEEP_COLUMNS <= names:
+            kinds["sweeps"].append(path.parent)
+        elif set(BENCH_SCHEMA.names) <= names:
             kinds["bench"].append(path)
         elif LOAD_COLUMNS <= names:
             kinds["load"].append(path)

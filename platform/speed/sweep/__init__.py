@@ -7,7 +7,6 @@ and writes ``results.parquet`` / ``frontier.parquet`` / ``latency.parquet``
 """
 
 from speed.sweep.results import FRONTIER_SCHEMA, LATENCY_SCHEMA, RESULTS_SCHEMA, frontier, pareto_front
-from speed.sweep.run import SweepOutcome, run_sweep
 from speed.sweep.space import SweepConfig, expand_patterns
 
 __all__ = [
@@ -21,3 +20,12 @@ __all__ = [
     "pareto_front",
     "run_sweep",
 ]
+
+
+def __getattr__(name: str):
+    # run_sweep needs Ray Tune: imported on first use, so that reading a sweep's tables (speed.analysis) does not
+    if name in ("SweepOutcome", "run_sweep"):
+        from speed.sweep import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module 'speed.sweep' has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""A sweep's trade-off: accuracy against SPEED cost, flip rates per loop, cost per launch loop, latency.
+
+``jobs/sweep.py`` writes ``results.parquet`` (``RESULTS_SCHEMA``, one row per
+trial), ``frontier.parquet`` and, after its latency stage, ``latency.parquet``
+into the sweep's folder. These functions turn them into the long tables the
+sweep notebook draws: one row per finished trial, per (trial, loop) and per
+(trial, launch loop, invalidation policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from speed.sweep.results import FRONTIER_FILE, LATENCY_FILE, RESULTS_FILE, RESULTS_SCHEMA, pareto_front
+
+TRIALS_SCHEMA = pa.schema(
+    [
+        pa.field("trial", pa.string()),
+        pa.field("pattern", pa.string()),
+        pa.field("loss_weights", pa.string()),
+        pa.field("n_unique", pa.int32()),
+        pa.field("n_loops", pa.int32()),
+        pa.field("depth", pa.int32()),  # sequential cost, layer steps per token
+        pa.field("accuracy_metric", pa.string()),
+        pa.field("accuracy", pa.float64()),
+        pa.field("val_loss_last", pa.float64()),
+        pa.field("flip_rate_loop1", pa.float64()),
+        pa.field("speed_cost", pa.float64()),  # SPEED's layer steps per token at the best setting
+        pa.field("saving", pa.float64()),  # depth / speed_cost: SPEED's reduction of layer steps
+        pa.field("best_launch_loop", pa.int32()),
+        pa.field("best_invalidation", pa.string()),
+        pa.field("on_frontier", pa.bool_()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One sweep's folder and its tables (frontier and latency None when not written)."""
+
+    path: Path
+    results: pa.Table  # RESULTS_SCHEMA
+    frontier: pa.Table | None
+    latency: pa.Table | None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read the files ``jobs/sweep.py`` wrote into the sweep folder ``path``."""
+    path = Path(path)
+    if not (path / RESULTS_FILE).is_file():
+        raise FileNotFoundError(f"{path} holds no {RESULTS_FILE}: not a sweep folder")
+    extra = {
+        name: pq.read_table(path / name) if (path / name).is_file() else None for name in (FRONTIER_FILE, LATENCY_FILE)
+    }
+    return Sweep(path, pq.read_table(path / RESULTS_FILE), extra[FRONTIER_FILE], extra[LATENCY_FILE])
+
+
+def _finished(results: pa.Table) -> list[dict]:
+    rows = results.filter(pc.equal(results["status"], "finished")).to_pylist()
+    return [r for r in rows if r["accuracy"] is not None]
+
+
+def trials(results: pa.Table) -> pa.Table:
+    """One row per finished trial (``TRIALS_SCHEMA``), cheapest SPEED cost first; ``on_frontier`` marks the
+    trials no other finished trial beats on both accuracy and SPEED cost."""
+    rows = _finished(results)
+    front = set(pareto_front([(r["accuracy"], r["speed_cost"]) for r in rows]))
+    out = [
+        {name: r.get(name) for name in TRIALS_SCHEMA.names}
+        | {"saving": r["depth"] / r["speed_cost"] if r["speed_cost"] else None, "on_frontier": i in front}
+        for i, r in enumerate(rows)
+    ]
+    out.sort(key=lambda r: (r["speed_cost"], -r["accuracy"], r["trial"]))
+    return pa.Table.from_pylist(out, schema=TRIALS_SCHEMA)
+
+
+def loop_flips(results: pa.Table) -> pa.Table:
+    """One row per (finished trial, loop 1..M): the flip rate from the previous loop and against the final token."""
+    rows = []
+    for r in _finished(results):
+        for loop, (prev, final) in enumerate(zip(r["flip_rate_prev"], r["flip_rate_final"]), start=1):
+            rows.append(
+                {"trial": r["trial"], "pattern": r["pattern"], "loss_weights": r["loss_weights"], "loop": loop,
+                 "flip_rate_prev": prev, "flip_rate_final": final}
+            )  # fmt: skip
+    schema = pa.schema(
+        [("trial", pa.string()), ("pattern", pa.string()), ("loss_weights", pa.string()), ("loop", pa.int32()),
+         ("flip_rate_prev", pa.float64()), ("flip_rate_final", pa.float64())]
+    )  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def launch_costs(results: pa.Table) -> pa.Table:
+    """One row per (finished trial, launch loop, invalidation policy): SPEED's steps and flushes per token."""
+    rows = []
+    for r in _finished(results):
+        for c in r["costs"]:
+            rows.append({"trial": r["trial"], "pattern": r["pattern"], "loss_weights": r["loss_weights"], **c})
+    fields = [pa.field(n, pa.string()) for n in ("trial", "pattern", "loss_weights")]
+    schema = pa.schema(fields + list(RESULTS_SCHEMA.field("costs").type.value_type))
+    return pa.Table.from_pylist(rows, schema=schema).sort_by(
+        [("trial", "ascending"), ("invalidation", "ascending"), ("launch_loop", "ascending")]
+    )
