@@ -40,6 +40,7 @@ SWEEP_FLAGS = {
     "--grace-steps": ("grace_steps", int, None, "ASHA: steps before a trial may be stopped"),
     "--reduction-factor": ("reduction_factor", int, None, "ASHA reduction factor"),
     "--measure-limit": ("measure_limit", int, None, "validation examples measured per finished trial"),
+    "--cost-limit": ("cost_limit", int, None, "of those, the first whose SPEED steps are counted per launch loop"),
     "--val-limit": ("val_limit", int, None, "validation examples of the periodic validation loss"),
     "--max-new-tokens": ("max_new_tokens", int, None, "decoding length limit"),
     "--latency-limit": ("latency_limit", int, None, "inputs the latency stage decodes per variant (0: no stage)"),

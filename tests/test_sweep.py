@@ -129,6 +129,7 @@ SWEEP = SweepConfig(
     loss_weights=("linear",),
     scheduler="fifo",  # every trial to the end: the test checks each one's row
     measure_limit=4,
+    cost_limit=3,
     val_limit=8,
     max_new_tokens=8,
     latency_limit=2,

@@ -52,11 +52,16 @@ def measure(
     task: str,
     source: str | None,
     limit: int,
+    cost_limit: int,
     max_source_len: int,
     max_new_tokens: int,
     out_dir: str | Path,
 ) -> Measurement:
-    """Evaluate ``model`` on the first ``limit`` validation examples; the evaluation files go to ``out_dir``."""
+    """Evaluate ``model`` on the first ``limit`` validation examples; the evaluation files go to ``out_dir``.
+
+    SPEED's steps per token are counted on the first ``cost_limit`` of them, each decoded alone for every
+    launch loop 1..M and both policies (2*M decodes per example: the slowest part for deep patterns).
+    """
     config = EvalConfig(
         task=task,
         split="validation",
@@ -77,7 +82,7 @@ def measure(
         scores=scores,
         flip_rate_prev=[r["flip_rate_prev"] for r in flips],
         flip_rate_final=[r["flip_rate_final"] for r in flips],
-        costs=speed_costs(model, inputs, max_new_tokens),
+        costs=speed_costs(model, inputs[:cost_limit], max_new_tokens),
         examples=summary["examples"],
     )
 

@@ -85,6 +85,7 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
         validation=validation,
         train_storage=f"{directory}/train",
         measure_limit=sweep.measure_limit,
+        cost_limit=sweep.cost_limit,
         max_new_tokens=sweep.max_new_tokens,
         fail_pattern=sweep.fail_pattern,
     )

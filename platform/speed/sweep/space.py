@@ -34,7 +34,8 @@ class SweepConfig:
     scheduler: str = "asha"
     grace_steps: int | None = None  # ASHA: steps every trial runs before it may be stopped; None = max_steps / 4
     reduction_factor: int = 2  # ASHA: keep the best 1/reduction_factor at each rung
-    measure_limit: int = 64  # validation examples each finished trial decodes (metrics, flips, SPEED steps)
+    measure_limit: int = 64  # validation examples each finished trial decodes (metrics, flips)
+    cost_limit: int = 32  # the first of those whose SPEED steps are counted alone for every launch loop and policy
     val_limit: int = 256  # validation examples of the periodic validation loss
     max_new_tokens: int = 64
     latency_limit: int = 16  # validation examples the latency stage decodes (batch 1) per variant
@@ -61,7 +62,7 @@ class SweepConfig:
                 parametric(self.loss_family, end)  # raises when the range leaves the family's
         elif not self.loss_weights:
             raise ValueError("loss_weights is empty and no loss_family is set: nothing to train")
-        for name in ("samples", "reduction_factor", "measure_limit", "val_limit", "max_new_tokens"):
+        for name in ("samples", "reduction_factor", "measure_limit", "cost_limit", "val_limit", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SweepConfig.{name} must be positive, got {getattr(self, name)}")
         if self.latency_limit < 0 or self.latency_reps < 1:

@@ -44,6 +44,7 @@ class SweepSetup:
     validation: str  # the prepared validation split (speed.data.prepare) for the periodic losses
     train_storage: str  # where the trials' Train runs live: <storage>/<sweep>/train
     measure_limit: int
+    cost_limit: int
     max_new_tokens: int
     fail_pattern: str | None  # fault drill: this pattern's trials fail in training
 
@@ -137,6 +138,7 @@ def _measure(
             job.data.task,
             job.data.source,
             setup.measure_limit,
+            setup.cost_limit,
             job.data.max_source_len,
             setup.max_new_tokens,
             out,
