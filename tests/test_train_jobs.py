@@ -74,13 +74,17 @@ def _launch(storage: Path, tokenizer: Path, token: str, log: Path, *extra: str) 
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait(condition, what: str, timeout_s: float = 300.0, process: subprocess.Popen | None = None):
+def _wait(
+    condition, what: str, timeout_s: float = 300.0, process: subprocess.Popen | None = None, log: Path | None = None
+):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         value = condition()
         if value:
             return value
-        assert process is None or process.poll() is None, f"the job ended (status {process.poll()}) before {what}"
+        if process is not None and process.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log else ""
+            raise AssertionError(f"the job ended (status {process.poll()}) before {what}; its log ends:\n{tail}")
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
@@ -117,7 +121,7 @@ def test_a_stopped_run_resumes_from_its_newest_checkpoint_and_leaves_no_process(
 
     # 1. Ctrl-C (SIGINT to the job's process group) once a few checkpoints are on storage.
     first = _launch(storage, tiny_tokenizer, tokens[0], logs[0])
-    _wait(lambda: _newest_step(storage) >= 10, "checkpoint 10", process=first)
+    _wait(lambda: _newest_step(storage) >= 10, "checkpoint 10", process=first, log=logs[0])
     os.killpg(first.pid, signal.SIGINT)
     first.wait(timeout=120)
     _wait(lambda: not marked_processes(tokens[0]), "the first run's Ray processes to end", timeout_s=60)
@@ -126,9 +130,9 @@ def test_a_stopped_run_resumes_from_its_newest_checkpoint_and_leaves_no_process(
     newest, folder = _steps_on_storage(storage)
     assert folder - newest <= 5  # at most the checkpoint being written when stopped is lost
     second = _launch(storage, tiny_tokenizer, tokens[1], logs[1])
-    _wait(lambda: _resumed_at(logs[1]) is not None, "the second run to resume", process=second)
+    _wait(lambda: _resumed_at(logs[1]) is not None, "the second run to resume", process=second, log=logs[1])
     resumed = _check_resumed(logs[1], newest)
-    _wait(lambda: _newest_step(storage) >= resumed + 10, "two more checkpoints", process=second)
+    _wait(lambda: _newest_step(storage) >= resumed + 10, "two more checkpoints", process=second, log=logs[1])
     assert marked_processes(tokens[1]), "the second run's Ray processes carry the owner mark"
     second.kill()  # the driver alone: Ray's processes would outlive it
     second.wait(timeout=30)
