@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from speed.cache import CacheError, KVCache, Rows
+from speed.kernels import ATTN_CHUNK
 
 
 def test_write_read_and_invalidate_copies_nothing():
@@ -11,9 +12,9 @@ def test_write_read_and_invalidate_copies_nothing():
         rows = Rows.build([0, 1], [0, 0], [pos, pos])
         k = torch.full((2, 1, 1), float(pos))
         cache.write(1, rows, k, -k)
-        keys, values = cache.read(1, rows)
-        assert keys.shape == values.shape == (2, 1, 8, 1)  # always every slot: attention runs on one shape
-        assert keys[0, 0, :, 0].tolist() == [*range(pos + 1), *[0.0] * (7 - pos)]
+        keys, values = cache.read(1, rows, ATTN_CHUNK)
+        assert keys.shape == values.shape == (2, 1, ATTN_CHUNK, 1)  # whole attention chunks, masked past the rows
+        assert keys[0, 0, :, 0].tolist() == [*range(pos + 1), *[0.0] * (ATTN_CHUNK - 1 - pos)]
         assert torch.equal(values, -keys)
     assert cache.lengths[0, 1].tolist() == [4, 4]
     assert cache.lengths[0, 0].tolist() == [0, 0]  # another depth: untouched
@@ -59,3 +60,20 @@ def test_rows_take_and_device_tensors():
     assert tile.tensors("cpu")[0] is seq_t  # made once per device
     with pytest.raises(ValueError, match="differ in length"):
         Rows.build([0], [0, 1], [0])
+
+
+def test_read_spans_whole_chunks_of_the_rows_depths():
+    """Storage is ``max_len`` rounded up to whole chunks; a read copies only the asked span, row by row from its
+    own (loop, sequence) depth."""
+    cache = KVCache(n_loops=2, n_layers=1, batch=3, n_heads=2, max_len=ATTN_CHUNK + 3, d_kv=4)
+    assert cache.slots == 2 * ATTN_CHUNK and cache.keys[0].shape == (2, 3, 2, 2 * ATTN_CHUNK, 4)
+    cache.keys[0].copy_(torch.randn_like(cache.keys[0]))
+    rows = Rows.build([2, 0, 2], [1, 0, 0], [0, 0, 0])
+    for span in (ATTN_CHUNK, 2 * ATTN_CHUNK):
+        keys, _ = cache.read(0, rows, span)
+        assert keys.shape == (3, 2, span, 4)
+        for r, (s, lo) in enumerate(zip(rows.seq, rows.loop)):
+            assert torch.equal(keys[r], cache.keys[0][lo, s, :, :span])
+    for bad in (0, ATTN_CHUNK - 1, 3 * ATTN_CHUNK):
+        with pytest.raises(ValueError, match="span must be a multiple"):
+            cache.read(0, rows, bad)

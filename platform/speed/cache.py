@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from speed.kernels import ATTN_CHUNK, chunk_span
+
 
 class CacheError(RuntimeError):
     """A write that would leave a gap in, or overwrite, a valid cache prefix."""
@@ -61,8 +63,10 @@ class KVCache:
     """Preallocated self-attention keys/values for every (loop, layer) depth.
 
     Storage per physical layer j: ``keys[j]`` and ``values[j]`` of shape
-    (n_loops, batch, n_heads, max_len, d_kv). ``lengths[loop, layer, seq]`` is
-    the valid prefix length at that depth for that sequence.
+    (n_loops, batch, n_heads, slots, d_kv), where ``slots`` is ``max_len``
+    rounded up to whole attention chunks (the tail is never written and
+    always masked). ``lengths[loop, layer, seq]`` is the valid prefix length
+    at that depth for that sequence.
     """
 
     def __init__(
@@ -76,11 +80,13 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (n_loops, batch, n_heads, max_len, d_kv)
+        self.slots = chunk_span(max_len)
+        shape = (n_loops, batch, n_heads, self.slots, d_kv)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lengths = np.zeros((n_loops, n_layers, batch), dtype=np.int64)
         self.max_len = max_len
+        self.batch = batch
         self.device = torch.device(device)
 
     def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
@@ -104,15 +110,20 @@ class KVCache:
         self.keys[layer][loop_t, seq_t, :, pos_t] = k
         self.values[layer][loop_t, seq_t, :, pos_t] = v
 
-    def read(self, layer: int, rows: Rows) -> tuple[Tensor, Tensor]:
-        """Keys and values (R, H, max_len, D) each row attends to, all ``max_len`` slots of its depth.
+    def read(self, layer: int, rows: Rows, span: int) -> tuple[Tensor, Tensor]:
+        """Keys and values (R, H, span, D) each row attends to: the first ``span`` slots of its depth.
 
-        Always the full length, whatever the rows' positions, so that attention
-        runs on one shape; slots past a row's own position are stale or empty
-        and must be masked.
+        ``span`` is a whole number of attention chunks covering every row's
+        position (``chunk_span``); slots past a row's own position are stale
+        or empty and must be masked. One ``index_select`` per tensor over the
+        flattened (loop, sequence) rows, copying only the span.
         """
+        if span % ATTN_CHUNK or not 0 < span <= self.slots:
+            raise ValueError(f"span must be a multiple of {ATTN_CHUNK} in 1..{self.slots}, got {span}")
         seq_t, loop_t, _ = rows.tensors(self.device)
-        return self.keys[layer][loop_t, seq_t], self.values[layer][loop_t, seq_t]
+        flat = loop_t * self.batch + seq_t
+        keys, values = (t[layer].flatten(0, 1)[:, :, :span] for t in (self.keys, self.values))
+        return keys.index_select(0, flat), values.index_select(0, flat)
 
     def invalidate(self, seq: int, from_pos: int) -> None:
         """Drop positions >= ``from_pos`` of sequence ``seq`` at every depth (no copy)."""

@@ -16,16 +16,18 @@ across threads; attention's softmax is blocked by its key length). So:
   float32), a plain ``F.linear`` runs instead, always on a full tile (the
   rows padded by repeating the last), since the plain GEMM's kernel changes
   with the row count; that is also the GPU path.
-- Attention runs over the cache's full ``max_len`` keys (masked), written as
-  elementwise products and reductions that are per row and do not depend on
-  the number of masked slots (see ``attend``), so a request decodes to the
-  same logits whatever the capacity of the engine or server that runs it;
-  cross-attention always runs one query per row against that row's own copy
-  of its request's keys.
+- Attention is written as elementwise products and reductions that are per
+  row and sum the key slots in fixed chunks of ``ATTN_CHUNK`` (see
+  ``attend``), so its result does not depend on the number of masked slots
+  after a row's real ones: a step attends over the fewest whole chunks that
+  cover its rows, and a request decodes to the same logits whatever the
+  capacity of the engine or server that runs it. Cross-attention always
+  runs one query per row against its request's keys (shared, not copied,
+  when every row of the tile belongs to one request).
 
 ``tests/test_kernels.py`` checks that a row's result depends neither on its
 company nor on its position nor on the number of rows, nor attention's on the
-number of masked slots. The sequential
+number of masked slots or chunks. The sequential
 reference and the SPEED engine call the same kernels, so their logits are
 equal bit for bit (on the same device, dtype and thread count).
 """
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence
+ATTN_CHUNK = 32  # attention sums its key slots in chunks of this many (see ``attend``)
 
 
 @dataclass(frozen=True)
@@ -121,25 +124,43 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
     return F.linear(x, layer.weight)
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+def chunk_span(slots: int, chunk: int = ATTN_CHUNK) -> int:
+    """``slots`` rounded up to a whole number of attention chunks (at least one)."""
+    if slots < 0:
+        raise ValueError(f"slots must be >= 0, got {slots}")
+    return max(1, -(-slots // chunk)) * chunk
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = ATTN_CHUNK) -> Tensor:
     """One query per row: q (T, H, D) against keys/values (T, H, L, D) with additive bias (T, H or 1, 1, L).
 
-    Written as elementwise products, a sum over D, a max and running sums
-    over L, each of which treats every (row, head) alike: the CPU's fused
-    attention kernel does not (with 2 threads the rows of the second thread
-    round differently, measured). The sums over L are ``cumsum``s, which add
-    the slots one after the other (in double on the CPU): a plain ``sum`` or
-    ``softmax`` over L groups its additions by vector lanes and by L, so its
-    result would change with the number of (masked) slots, that is with the
-    cache's or the encoder memory's capacity. T5 applies no 1/sqrt(D)
-    scaling. Masked keys (bias at the dtype's minimum) get weight exactly
-    zero, so a row's result depends neither on what the masked slots hold
-    nor on how many there are.
+    Written as elementwise products, a sum over D, a max, and sums over L
+    that treat every (row, head) alike: the CPU's fused attention kernel does
+    not (with 2 threads the rows of the second thread round differently,
+    measured). A plain ``sum`` or ``softmax`` over L groups its additions by
+    vector lanes and by L, so its result would change with the number of
+    (masked) slots, that is with the cache's or the encoder memory's
+    capacity. So the slots are summed in fixed chunks of ``chunk`` (one
+    reduction shape, whatever L), and the chunk sums one after the other
+    (``cumsum``): masked slots get weight exactly zero, so more masked
+    chunks after the real ones add exact zeros, and a row's result depends
+    neither on what the masked slots hold nor on how many there are. L that
+    is not a whole number of chunks is padded with masked slots (callers
+    that care about the copy pass whole chunks). T5 applies no 1/sqrt(D)
+    scaling.
     """
+    T, H, L, D = keys.shape
+    if L % chunk:
+        pad = chunk_span(L, chunk) - L
+        keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
+        bias = F.pad(bias, (0, pad), value=torch.finfo(bias.dtype).min)
+        L += pad
+    C = L // chunk
     scores = ((q.unsqueeze(2) * keys).sum(-1) + bias.squeeze(2)).float()  # (T, H, L)
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # (T, H, L)
-    total = weights.cumsum(-1)[..., -1:]  # (T, H, 1)
-    mixed = (weights.to(values.dtype).unsqueeze(-1) * values).cumsum(-2)[..., -1, :]  # (T, H, D)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True)).view(T, H, C, chunk)
+    total = weights.sum(-1).cumsum(-1)[..., -1:]  # (T, H, 1)
+    parts = (weights.to(values.dtype).unsqueeze(-1) * values.view(T, H, C, chunk, D)).sum(-2)  # (T, H, C, D)
+    mixed = parts.cumsum(-2)[..., -1, :]  # (T, H, D)
     return (mixed.float() / total).to(values.dtype)
 
 

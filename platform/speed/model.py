@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from speed.cache import KVCache, Rows
 from speed.config import ModelConfig
-from speed.kernels import TILE_ROWS, attend, tile_linear
+from speed.kernels import TILE_ROWS, attend, chunk_span, tile_linear
 from speed.losses import loss_weights
 
 
@@ -94,14 +94,15 @@ class SelfAttention(nn.Module):
     def decode(self, x: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
         """One new token per row of a tile (n, d), the token of each of ``rows``.
 
-        Writes the rows' keys/values at their depths, then attends over all
-        ``max_len`` cache slots of each row's depth; ``bias`` (n, H, 1, L)
-        adds position bias and masks slots past each row's position.
+        Writes the rows' keys/values at their depths, then attends over the
+        first L cache slots of each row's depth, L whole attention chunks;
+        ``bias`` (n, H, 1, L) adds position bias and masks slots past each
+        row's position.
         """
         n = x.shape[0]
         q, k, v = tile_linear(self.qkv, x).view(n, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (n, H, D)
         cache.write(layer, rows, k, v)
-        keys, values = cache.read(layer, rows)  # (n, H, L, D)
+        keys, values = cache.read(layer, rows, bias.shape[-1])  # (n, H, L, D)
         return tile_linear(self.o, attend(q, keys, values, bias).reshape(n, -1))
 
 
@@ -213,17 +214,21 @@ class Memory:
     """Slot-addressed decoding inputs: one slot per request decoded at once, shared by every loop.
 
     ``keys[j]``/``values[j]``: cross-attention keys/values (C, H, S, D) of
-    physical layer j for C slots of up to S encoder tokens, written once when
-    a request is admitted to its slot. ``cross_bias``: (C, 1, 1, S) mask of
-    each slot's real tokens (0) and unused tail (a large negative).
-    ``self_bias``: (max_len, H, max_len) decoder position bias plus causal
-    mask, indexed by query position; it does not depend on the request.
+    physical layer j for C slots of up to S encoder tokens (S: the longest
+    source rounded up to whole attention chunks), written once when a
+    request is admitted to its slot. ``cross_bias``: (C, 1, 1, S) mask of
+    each slot's real tokens (0) and unused tail (a large negative);
+    ``source_lens`` (C,): each slot's number of real tokens. ``self_bias``:
+    (max_len, H, L) decoder position bias plus causal mask for L key slots
+    (``max_len`` rounded up to whole chunks), indexed by query position; it
+    does not depend on the request.
     """
 
     keys: list[Tensor]
     values: list[Tensor]
     cross_bias: Tensor
     self_bias: Tensor
+    source_lens: np.ndarray
 
 
 @dataclass
@@ -380,13 +385,14 @@ class SpeedT5(nn.Module):
         The decoder position bias for ``max_len`` positions is built here, once.
         """
         c, p = self.config, self.lm_head.weight
-        shape = (capacity, c.n_heads, max_source_len, c.d_kv)
+        S, L = chunk_span(max_source_len), chunk_span(max_len)
+        shape = (capacity, c.n_heads, S, c.d_kv)
         keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.decoder_layers]
         values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.decoder_layers]
-        cross_bias = torch.full((capacity, 1, 1, max_source_len), _mask_value(p.dtype), dtype=p.dtype, device=p.device)
-        causal = torch.full((max_len, max_len), _mask_value(p.dtype), dtype=p.dtype, device=p.device).triu(1)
-        self_bias = (self.decoder_bias(max_len, max_len) + causal).transpose(0, 1).contiguous()  # (q, H, k)
-        return Memory(keys, values, cross_bias, self_bias)
+        cross_bias = torch.full((capacity, 1, 1, S), _mask_value(p.dtype), dtype=p.dtype, device=p.device)
+        causal = torch.full((max_len, L), _mask_value(p.dtype), dtype=p.dtype, device=p.device).triu(1)
+        self_bias = (self.decoder_bias(max_len, L) + causal).transpose(0, 1).contiguous()  # (q, H, k)
+        return Memory(keys, values, cross_bias, self_bias, np.zeros(capacity, dtype=np.int64))
 
     @torch.no_grad()
     def admit(self, memory: Memory, slot: int, input_ids: Tensor) -> None:
@@ -403,6 +409,7 @@ class SpeedT5(nn.Module):
             memory.values[j][slot, :, :S] = v[0]
         memory.cross_bias[slot, ..., :S] = 0.0
         memory.cross_bias[slot, ..., S:] = _mask_value(memory.cross_bias.dtype)
+        memory.source_lens[slot] = S
 
     def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
         """Decoder input embeddings (R, d) of token ids (R,)."""
@@ -434,13 +441,21 @@ class SpeedT5(nn.Module):
         self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor, with_logits: bool
     ) -> tuple[Tensor, Tensor | None]:
         """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
-        seq_t, _, pos_t = rows.tensors(x.device)
-        self_bias = memory.self_bias.index_select(0, pos_t).unsqueeze(2)  # (n, H, 1, L)
-        cross_bias = memory.cross_bias.index_select(0, seq_t)  # (n, 1, 1, S)
+        # Attention runs over the fewest whole chunks that cover the tile's rows: the kernels' results do not
+        # depend on how many masked chunks follow (see ``attend``), so the span changes no row's logits.
+        n, seq_t, _, pos_t = len(rows), *rows.tensors(x.device)
+        L, S = chunk_span(int(rows.pos.max()) + 1), chunk_span(int(memory.source_lens[rows.seq].max()))
+        self_bias = memory.self_bias[..., :L].index_select(0, pos_t).unsqueeze(2)  # (n, H, 1, L)
+        one_slot = bool((rows.seq == rows.seq[0]).all())  # e.g. one request's pipeline: share its keys, copy none
+
+        def source(t: Tensor) -> Tensor:  # each row's slot of a per-slot tensor (C, ...) -> (n, ...)
+            return t[seq_t[:1]].expand(n, *t.shape[1:]) if one_slot else t.index_select(0, seq_t)
+
+        cross_bias = source(memory.cross_bias[..., :S])  # (n, 1, 1, S)
         # CYCLE order: loop l's pass runs virtual depths l*N .. l*N+N-1, whose physical layers are 0..N-1
         for j in range(self.sharing.n_unique):
             layer = self.decoder_layers[self.sharing.physical_layer(j)]
-            keys, values = memory.keys[j].index_select(0, seq_t), memory.values[j].index_select(0, seq_t)
+            keys, values = source(memory.keys[j][:, :, :S]), source(memory.values[j][:, :, :S])  # (n, H, S, D)
             x = layer.decode(x, rows, cache, j, self_bias, keys, values, cross_bias)  # (n, d)
         return x, (tile_linear(self.lm_head, self.decoder_norm(x)) if with_logits else None)
 
