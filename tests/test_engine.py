@@ -14,6 +14,7 @@ import threading
 import pyarrow.compute as pc
 import pytest
 import torch
+from engine_helpers import drive
 from test_decoding_schedule import EOS, StubModel, target
 
 from speed.config import preset
@@ -65,31 +66,16 @@ def test_churn_equals_sequential_alone(block):
             row_budget=rng.choice([None, rng.randint(1, 8)]),
         )
         engine = Engine(model, config)
-        arrivals = sorted(rng.randrange(0, 40) for _ in range(rng.randint(3, 9)))
-        requests: dict[int, Request] = {}
-        to_cancel: dict[int, int] = {}  # request id -> step at which it is cancelled
-        finished, step = [], 0
-        while arrivals or engine.has_work:
-            while arrivals and arrivals[0] <= step:
-                arrivals.pop(0)
-                r = random_request(rng, model, 10, 16)
-                rid = engine.add(r)
-                requests[rid] = r
-                if rng.random() < 0.25:
-                    to_cancel[rid] = step + rng.randint(0, 12)
-            for rid in [r for r, at in to_cancel.items() if at <= step]:
-                del to_cancel[rid]
-                got = engine.cancel(rid)
-                if got is not None:
-                    assert got.cancelled
-                    finished.append(got)
-            result = engine.step()
-            assert config.row_budget is None or result.rows <= config.row_budget
-            budget_bound += config.row_budget is not None and result.rows == config.row_budget
-            finished.extend(result.finished)
-            step += 1
-        assert engine.active == engine.queued == 0
-        assert sorted(f.id for f in finished) == sorted(requests)
+
+        def budgeted(result, budget=config.row_budget):
+            nonlocal budget_bound
+            assert budget is None or result.rows <= budget
+            budget_bound += budget is not None and result.rows == budget
+
+        arrivals = [rng.randrange(0, 40) for _ in range(rng.randint(3, 9))]
+        requests, finished = drive(
+            engine, rng, arrivals, lambda r=rng, m=model: random_request(r, m, 10, 16), 0.25, 12, on_step=budgeted
+        )
         for f in finished:
             ref = alone(model, requests[f.id])
             assert f.stats.tokens == len(f.tokens)

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from engine_helpers import drive
 
 from speed.config import preset
 from speed.data import load_records, pad_inputs, truncate
@@ -143,30 +144,20 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
             )
             recorder = RequestRecorder(model)
             engine = recorder.engine = Engine(recorder, config)
-            arrivals = sorted(rng.randrange(0, 150) for _ in range(16))
-            requests, to_cancel, finished, step = {}, {}, [], 0
-            while arrivals or engine.has_work:
-                while arrivals and arrivals[0] <= step:
-                    arrivals.pop(0)
-                    request = Request(
-                        rng.choice(inputs),
-                        rng.choice([24, 40, NEW_TOKENS]),
-                        method=rng.choice(["speed", "speed", "sequential"]),
-                        launch_loop=rng.randint(1, model.n_loops),
-                        invalidation=rng.choice(["eager", "final"]),
-                    )
-                    rid = engine.add(request)
-                    requests[rid] = request
-                    if rng.random() < 0.2:
-                        to_cancel[rid] = step + rng.randint(0, 40)
-                for rid in [r for r, at in to_cancel.items() if at <= step]:
-                    del to_cancel[rid]
-                    if (gone := engine.cancel(rid)) is not None:
-                        finished.append(gone)
-                result = engine.step()
-                finished.extend(result.finished)
-                step += 1
-            assert sorted(f.id for f in finished) == sorted(requests)
+            requests, finished = drive(
+                engine,
+                rng,
+                [rng.randrange(0, 150) for _ in range(16)],
+                lambda rng=rng: Request(
+                    rng.choice(inputs),
+                    rng.choice([24, 40, NEW_TOKENS]),
+                    method=rng.choice(["speed", "speed", "sequential"]),
+                    launch_loop=rng.randint(1, model.n_loops),
+                    invalidation=rng.choice(["eager", "final"]),
+                ),
+                0.2,
+                40,
+            )
             for f in finished:
                 request = requests[f.id]
                 reference = LogitRecorder(model)

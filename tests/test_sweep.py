@@ -21,7 +21,7 @@ from ray import tune
 from speed.paths import repo_root
 from speed.sweep import FRONTIER_SCHEMA, RESULTS_SCHEMA, SweepConfig, expand_patterns, frontier, pareto_front, run_sweep
 from speed.sweep.results import FRONTIER_FILE, LATENCY_FILE, LATENCY_SCHEMA, RESULTS_FILE
-from speed.sweep.space import param_space, trial_scheme
+from speed.sweep.space import grid, param_space, trial_pattern, trial_scheme
 from speed.train import job_from_args
 
 
@@ -49,7 +49,7 @@ def test_sweep_config_is_validated():
         SweepConfig(patterns=("2x2",), fail_pattern="2x1")
     grid = SweepConfig(patterns=("depth=4", "2x1"), loss_family="power", loss_range=(0.0, 2.0), samples=2)
     assert grid.schemes == ("power:0", "power:1", "power:2")
-    assert grid.trials == 4 * 3 * 2
+    assert grid.trials == (2 * 3 + 2) * 2  # 1x4, 2x2 with each scheme; 4x1, 2x1 with one (one loop: weights [1])
     assert SweepConfig(search="random", samples=5).trials == 5
 
 
@@ -61,11 +61,21 @@ def test_sweep_job_flags():
         ["--patterns", "depth=6", "2x1", "--schemes", "linear", "power:1.5", "--max-steps", "7", "--scheduler", "fifo"]
     )
     assert sweep.expanded_patterns == ("1x6", "2x3", "3x2", "6x1", "2x1") and sweep.scheduler == "fifo"
-    assert sweep.loss_weights == ("linear", "power:1.5") and sweep.trials == 10
+    assert sweep.loss_weights == ("linear", "power:1.5") and sweep.trials == 8
     assert job.kind == "finetune" and job.train.max_steps == 7
     assert job.train.checkpoint_every == 20  # the rest from jobs/configs/sweep_local.yaml
     with pytest.raises(SystemExit):
         job_module.parse(["--pattern", "2x6"])  # the sweep sets the pattern per trial
+
+
+def test_grid_trains_each_one_loop_pattern_once():
+    """Every scheme weighs a one-loop decoder's single loss by 1: an Nx1 trial per scheme would repeat itself."""
+    sweep = SweepConfig(patterns=("2x1", "2x3", "6x1"), loss_weights=("uniform", "linear", "power:2"))
+    pairs = [(p["pattern"], p["loss_weights"]) for p in param_space(sweep)["grid"]["grid_search"]]
+    assert pairs == [("2x1", "uniform"), ("2x3", "uniform"), ("2x3", "linear"), ("2x3", "power:2"), ("6x1", "uniform")]
+    assert sweep.trials == len(pairs)
+    assert [(trial_pattern({"grid": p}), trial_scheme({"grid": p})) for p in grid(sweep)] == pairs
+    assert trial_pattern({"pattern": "2x6", "loss_weights": "linear"}) == "2x6"  # a random draw's flat config
 
 
 def test_random_search_samples_the_parametric_family():

@@ -82,7 +82,7 @@ class SweepConfig:
         """How many trials the sweep runs: the grid times ``samples``, or ``samples`` random draws."""
         if self.search == "random":
             return self.samples
-        return len(self.expanded_patterns) * len(self.schemes) * self.samples
+        return len(grid(self)) * self.samples
 
     @property
     def schemes(self) -> tuple[str, ...]:
@@ -117,15 +117,27 @@ def expand_patterns(specs: tuple[str, ...], max_depth: int = 12) -> tuple[str, .
     return tuple(dict.fromkeys(out))
 
 
+def grid(config: SweepConfig) -> list[dict[str, str]]:
+    """A grid's trials: every pattern with every scheme, except that a one-loop ``Nx1`` gets the first only.
+
+    With one loop every scheme's weights are [1.0], so the other schemes would train the same model again.
+    """
+    return [
+        {"pattern": pattern, "loss_weights": scheme}
+        for pattern in config.expanded_patterns
+        for scheme in (config.schemes if SharingPattern.parse(pattern).n_loops > 1 else config.schemes[:1])
+    ]
+
+
 def param_space(config: SweepConfig) -> dict[str, Any]:
-    """The Tune search space: ``pattern`` and ``loss_weights`` (a scheme name, or a family parameter)."""
+    """The Tune search space: a grid of (pattern, scheme) pairs, or ``pattern`` and ``loss_weights`` (a scheme
+    name, or a family parameter) drawn at random; read a trial's with ``trial_pattern`` and ``trial_scheme``."""
     from ray import tune
 
     patterns = list(config.expanded_patterns)
     space: dict[str, Any] = {}
     if config.search == "grid":
-        space["pattern"] = tune.grid_search(patterns)
-        space["loss_weights"] = tune.grid_search(list(config.schemes))
+        space["grid"] = tune.grid_search(grid(config))
         return space
     space["pattern"] = tune.choice(patterns)
     if config.loss_family is None:
@@ -136,11 +148,16 @@ def param_space(config: SweepConfig) -> dict[str, Any]:
     return space
 
 
+def trial_pattern(trial_config: dict[str, Any]) -> str:
+    """The sharing pattern of one trial's Tune config (a grid pair's, or a random draw's)."""
+    return trial_config.get("grid", trial_config)["pattern"]
+
+
 def trial_scheme(trial_config: dict[str, Any]) -> str:
     """The loss-weight scheme of one trial's Tune config (a sampled family parameter made a scheme name)."""
     if "loss_parameter" in trial_config:
         return parametric(trial_config["loss_family"], trial_config["loss_parameter"])
-    return trial_config["loss_weights"]
+    return trial_config.get("grid", trial_config)["loss_weights"]
 
 
 def sweep_digest(config: SweepConfig, job: dict[str, Any]) -> str:

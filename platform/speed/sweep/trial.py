@@ -24,7 +24,7 @@ from ray import tune
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from speed.sweep.measure import Measurement
-from speed.sweep.space import trial_scheme
+from speed.sweep.space import trial_pattern, trial_scheme
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
 from speed.train.launch import build_trainer, copy_tree
 from speed.train.state import checkpoint_uri, newest_complete_checkpoint, read_checkpoint_config
@@ -55,7 +55,7 @@ def trial_name(trial: Any) -> str:
     Tune's ``trial_name_creator`` and ``trial_dirname_creator``; also the name of the trial's Train run.
     """
     index = trial.trial_id.rsplit("_", 1)[-1]
-    return f"{index}-{trial.config['pattern']}-{trial_scheme(trial.config)}"
+    return f"{index}-{trial_pattern(trial.config)}-{trial_scheme(trial.config)}"
 
 
 def trial_job(setup: SweepSetup, trial_config: dict[str, Any], name: str) -> JobConfig:
@@ -63,11 +63,12 @@ def trial_job(setup: SweepSetup, trial_config: dict[str, Any], name: str) -> Job
     base = job_from_dict(setup.job)
     train = replace(base.train, loss_weights=trial_scheme(trial_config))
     run = replace(base.run, name=name, storage_path=setup.train_storage)
-    if trial_config["pattern"] == setup.fail_pattern:
+    pattern = trial_pattern(trial_config)
+    if pattern == setup.fail_pattern:
         # The last worker raises on reaching the step after the first checkpoint; no retries, so the trial fails.
         train = replace(train, fail_at_step=train.checkpoint_every + 1)
         run = replace(run, max_failures=0)
-    return replace(base, model=base.model.replace(pattern=trial_config["pattern"]), train=train, run=run)
+    return replace(base, model=base.model.replace(pattern=pattern), train=train, run=run)
 
 
 def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:

@@ -1,0 +1,50 @@
+"""Driving the continuous-batching engine through a random schedule, shared by the churn tests."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from speed.engine import Engine, Request, StepResult
+
+
+def drive(
+    engine: Engine,
+    rng: random.Random,
+    arrivals: list[int],
+    make_request: Callable[[], Request],
+    cancel_p: float,
+    cancel_within: int,
+    on_step: Callable[[StepResult], None] | None = None,
+) -> tuple[dict[int, Request], list]:
+    """Step ``engine`` until it is idle, adding a request (``make_request()``) at each step in ``arrivals``.
+
+    Each request is cancelled with probability ``cancel_p`` within ``cancel_within`` steps of its arrival.
+    Returns the requests by id and every finished request (cancelled ones included), in finishing order;
+    ``on_step`` sees each step's result.
+    """
+    arrivals = sorted(arrivals)
+    requests: dict[int, Request] = {}
+    to_cancel: dict[int, int] = {}  # request id -> step at which it is cancelled
+    finished, step = [], 0
+    while arrivals or engine.has_work:
+        while arrivals and arrivals[0] <= step:
+            arrivals.pop(0)
+            request = make_request()
+            rid = engine.add(request)
+            requests[rid] = request
+            if rng.random() < cancel_p:
+                to_cancel[rid] = step + rng.randint(0, cancel_within)
+        for rid in [r for r, at in to_cancel.items() if at <= step]:
+            del to_cancel[rid]
+            if (gone := engine.cancel(rid)) is not None:
+                assert gone.cancelled
+                finished.append(gone)
+        result = engine.step()
+        if on_step is not None:
+            on_step(result)
+        finished.extend(result.finished)
+        step += 1
+    assert engine.active == engine.queued == 0
+    assert sorted(f.id for f in finished) == sorted(requests)
+    return requests, finished
