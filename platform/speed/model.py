@@ -446,10 +446,11 @@ class SpeedT5(nn.Module):
         n, seq_t, _, pos_t = len(rows), *rows.tensors(x.device)
         L, S = chunk_span(int(rows.pos.max()) + 1), chunk_span(int(memory.source_lens[rows.seq].max()))
         self_bias = memory.self_bias[..., :L].index_select(0, pos_t).unsqueeze(2)  # (n, H, 1, L)
-        one_slot = bool((rows.seq == rows.seq[0]).all())  # e.g. one request's pipeline: share its keys, copy none
+        first = int(rows.seq[0])
+        one_slot = bool((rows.seq == first).all())  # e.g. one request's pipeline: share its keys, copy none
 
         def source(t: Tensor) -> Tensor:  # each row's slot of a per-slot tensor (C, ...) -> (n, ...)
-            return t[seq_t[:1]].expand(n, *t.shape[1:]) if one_slot else t.index_select(0, seq_t)
+            return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, seq_t)
 
         cross_bias = source(memory.cross_bias[..., :S])  # (n, 1, 1, S)
         # CYCLE order: loop l's pass runs virtual depths l*N .. l*N+N-1, whose physical layers are 0..N-1
