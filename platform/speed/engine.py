@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from speed.cache import KVCache, Rows
+from speed.sampling import exit_choices
 from speed.trace import TraceBuilder
 
 Method = Literal["sequential", "speed"]
@@ -200,6 +201,8 @@ class Slot:
     token: int
     hidden: Tensor | None = None  # (d,) input to its next loop; None until embedded
     preds: list[int] = field(default_factory=list)  # early-exit prediction after each finished loop
+    runners: list[int] = field(default_factory=list)  # each finished loop's runner-up (second-best token)
+    p_top: list[float] = field(default_factory=list)  # each finished loop's top-1 probability
 
 
 @dataclass
@@ -333,11 +336,18 @@ class Engine:
         with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
         inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
         hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
-        preds = logits.argmax(-1).tolist() if logits is not None else [NO_EXIT] * len(work)
+        if logits is not None:
+            exits = exit_choices(logits)
+            preds, runners, p_top = exits.token, exits.runner_up, exits.p_top
+        else:
+            preds = runners = [NO_EXIT] * len(work)
+            p_top = [float("nan")] * len(work)
         ran: dict[int, Sequence] = {}
-        for (seq, slot), h, pred in zip(work, hidden.unbind(0), preds):
+        for (seq, slot), h, pred, runner, p in zip(work, hidden.unbind(0), preds, runners, p_top):
             slot.hidden = h
             slot.preds.append(pred)
+            slot.runners.append(runner)
+            slot.p_top.append(p)
             seq.rows += 1
             ran[seq.id] = seq
         st = self.stats
