@@ -133,10 +133,11 @@ def plan_scheduler(sweep: SweepConfig, train: TrainConfig) -> SchedulerPlan:
     if sweep.grace_steps is not None:
         grace = _round_up(sweep.grace_steps, every)
         if grace > last_rung:
+            before = f"the last time before the end at step {last_rung}" if last_rung else "never before the end"
             raise ValueError(
                 f"grace_steps={sweep.grace_steps} leaves ASHA no rung before a trial's last step {last}: "
-                f"validation is reported every checkpoint_every={every} steps, the last time before the end at "
-                f"step {last_rung}; lower --grace-steps or --checkpoint-every, or use --scheduler fifo"
+                f"validation is reported every checkpoint_every={every} steps, {before}; lower --grace-steps "
+                "or --checkpoint-every, or use --scheduler fifo"
             )
         notes = []
         if grace != sweep.grace_steps:
