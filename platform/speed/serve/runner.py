@@ -173,10 +173,10 @@ class EngineRunner:
             self.counters.add_step(result.rows)
             if self.on_step is not None:
                 self.on_step(result.rows, self._engine.active, self._engine.queued)
-            for request_id, token in result.committed:
-                submission = self._pending.get(request_id)
+            for commit in result.committed:
+                submission = self._pending.get(commit.id)
                 if submission is not None:
-                    submission.tokens.put_nowait(token)
+                    submission.tokens.put_nowait(commit.token)
             for finished in result.finished:
                 self._finish(finished)
 
