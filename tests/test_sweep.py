@@ -63,6 +63,11 @@ def test_sweep_job_flags():
     )
     settled, _ = job_module.parse(["--patterns", "2x3", "--settle", "none", "to_last:2", "--metric", "val_flip_cost"])
     assert settled.settle == ("none", "to_last:2") and settled.metric == "val_flip_cost" and settled.trials == 2 * 2
+    config = str(repo_root() / "jobs" / "configs" / "sweep_settle_cpu.yaml")
+    cpu, cpu_job = job_module.parse(
+        ["--config", config, "--patterns", "2x6", "2x1", "--schemes", "linear", "--settle", "none", "to_last:1"]
+    )
+    assert cpu.trials == 3 and cpu_job.train.max_steps == 300 and not cpu_job.train.settle.active
     with pytest.raises(SystemExit):
         job_module.parse(["--settle", "to_last:1", "--set", "train.settle={kind: to_last, weight: 1}"])
     assert sweep.expanded_patterns == ("1x6", "2x3", "3x2", "6x1", "2x1") and sweep.scheduler == "fifo"
@@ -221,7 +226,8 @@ def test_results_table_frontier_and_latency(sweep):
         job = json.loads(r["job"])
         assert job["model"]["pattern"] == r["pattern"] and job["train"]["loss_weights"] == r["loss_weights"]
         settle = SettleConfig(**job["train"]["settle"])
-        assert settle.label == r["settle"] and r["trial"].endswith("-consecutive:1:fc") == settle.active
+        # Tune's trial folders, which name the rows, spell the label's colons as underscores.
+        assert settle.label == r["settle"] and r["trial"].endswith("-consecutive_1_fc") == settle.active
         if r["status"] != "finished":
             continue
         m, n = r["n_loops"], r["n_unique"]
