@@ -3,10 +3,12 @@
     python jobs/sweep.py                                   # the local default (jobs/configs/sweep_local.yaml)
     python jobs/sweep.py --patterns depth=12 2x1 --schemes linear uniform --config jobs/configs/sweep_multi30k.yaml
     python jobs/sweep.py --patterns 2x6 --loss-family power --loss-range 0 2 --search random --samples 8
+    python jobs/sweep.py --patterns 2x6 --settle none to_last:1 consecutive:3:fc   # agreement terms (speed.losses)
 
 Every trial finetunes the base job (``--config`` YAML, job flags, ``--set``)
-with one pattern and one loss-weight scheme, reports every loop's validation
-loss at each checkpoint (ASHA stops laggards on the last loop's), and is then
+with one pattern, one loss-weight scheme and one settle term, reports every loop's
+validation loss and teacher-forced flip cost at each checkpoint (ASHA stops
+laggards on the last loop's loss, or with ``--metric val_flip_cost`` on the flip cost), and is then
 measured on the validation split: BLEU or ROUGE, flip rate per loop, SPEED
 steps per token for every launch loop and both invalidation policies. Results:
 <storage>/<sweep>/results.parquet, frontier.parquet, latency.parquet. Rerunning
@@ -34,6 +36,8 @@ SWEEP_FLAGS = {
     "--schemes": ("loss_weights", str, "+", "loss-weight schemes (speed.losses), e.g. linear uniform power:1.5"),
     "--loss-family": ("loss_family", str, None, "sample a parametric scheme instead: power (i^P) or ratio (R^i)"),
     "--loss-range": ("loss_range", float, 2, "LOW HIGH of the family's parameter"),
+    "--settle": ("settle", str, "+", "settle terms (SettleConfig labels): none to_last:1 consecutive:3:fc"),
+    "--metric": ("metric", str, None, "what the scheduler minimises: val_loss_last (default) or val_flip_cost"),
     "--max-depth": ("max_depth", int, None, "bound of the unique=N family"),
     "--search": ("search", str, None, "grid (every combination) or random (--samples draws)"),
     "--samples": ("samples", int, None, "Tune num_samples"),
@@ -61,6 +65,8 @@ def parse(argv: list[str] | None = None) -> tuple[SweepConfig, JobConfig]:
     for swept in ("model.pattern", "train.loss_weights"):
         if swept in args:
             parser.error(f"the sweep sets {swept} per trial: use --patterns and --schemes")
+    if any(item.startswith("train.settle") for item in args.get("set") or []) and "sweep.settle" in args:
+        parser.error("--settle sets train.settle per trial: drop --set train.settle...")
     sweep = SweepConfig(**{k.removeprefix("sweep."): v for k, v in args.items() if k.startswith("sweep.")})
     flags = {k: v for k, v in args.items() if not k.startswith("sweep.") and k not in ("config", "set")}
     return sweep, job_from_layers("finetune", args.get("config", DEFAULT_CONFIG), args.get("set") or [], flags)

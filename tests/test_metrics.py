@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from speed.metrics import bleu, chrf, rouge
+from speed.metrics import bleu, chrf, paired_bootstrap, rouge
 
 
 def test_bleu_identical_is_100_and_signature():
@@ -51,3 +51,40 @@ def test_bad_input():
         rouge([], [])
     with pytest.raises(TypeError, match="reference 0 is NoneType"):
         chrf(["a"], [None])
+
+
+_REFS = [
+    "a man is riding a red bike down the street",
+    "two dogs play in the snow",
+    "a woman reads a book in the park",
+    "children are swimming in a blue pool",
+    "the old man sells fruit at the market",
+    "a girl in a yellow dress is dancing",
+    "people wait for the train at the station",
+    "a cat sleeps on a warm window sill",
+]
+
+
+def test_paired_bootstrap_of_identical_systems_is_zero():
+    hyps = ["a man rides a bike", "two dogs in snow", "a woman reads", "kids swim", "a man sells fruit",
+            "a girl dances", "people wait for a train", "a cat sleeps"]  # fmt: skip
+    result = paired_bootstrap(hyps, hyps, _REFS, samples=200)
+    assert sorted(result) == ["bleu", "rougeL"]
+    for r in result.values():
+        assert r["delta"] == 0.0 and r["low"] <= 0.0 <= r["high"] and r["samples"] == 200
+    assert result["bleu"]["baseline"] == pytest.approx(bleu(hyps, _REFS)["score"])
+    assert result["rougeL"]["baseline"] == pytest.approx(rouge(hyps, _REFS)["rougeL"])
+
+
+def test_paired_bootstrap_sees_a_clearly_better_system():
+    worse = ["nothing here matches at all"] * len(_REFS)
+    better = [r.replace(" a ", " the ", 1) for r in _REFS]  # nearly the references
+    result = paired_bootstrap(worse, better, _REFS, samples=300, seed=1)
+    for r in result.values():
+        assert r["delta"] > 0 and 0 < r["low"] <= r["high"]
+    flipped = paired_bootstrap(better, worse, _REFS, samples=300, seed=1)
+    assert flipped["bleu"]["high"] < 0 and flipped["rougeL"]["delta"] == pytest.approx(-result["rougeL"]["delta"])
+    # The same seed draws the same resamples: the interval is reproducible.
+    assert paired_bootstrap(worse, better, _REFS, samples=300, seed=1) == result
+    with pytest.raises(ValueError, match="8 hypotheses but 7 references"):
+        paired_bootstrap(worse, better, _REFS[:-1])

@@ -1,8 +1,8 @@
 """Sweeps: search-space expansion, the Pareto frontier, and one tiny real sweep on the local Ray.
 
-The real sweep (three tiny trials of four steps on the session's local Ray) is interrupted with
-SIGINT after its first trial, then resumed by running it again; one of its
-trials is made to fail in training.
+The real sweep (five tiny trials of four steps on the session's local Ray, with and
+without a settle term) is interrupted with SIGINT after its first trial, then resumed
+by running it again; the trials of one pattern are made to fail in training.
 """
 
 from __future__ import annotations
@@ -19,11 +19,21 @@ import pyarrow.parquet as pq
 import pytest
 from ray import tune
 
+from speed.losses import SettleConfig, flip_cost
 from speed.paths import repo_root
 from speed.sweep import FRONTIER_SCHEMA, RESULTS_SCHEMA, SweepConfig, expand_patterns, frontier, pareto_front, run_sweep
 from speed.sweep.results import FRONTIER_FILE, LATENCY_FILE, LATENCY_SCHEMA, RESULTS_FILE
 from speed.sweep.run import scheduler
-from speed.sweep.space import check_job, grid, param_space, plan_scheduler, trial_pattern, trial_scheme
+from speed.sweep.space import (
+    check_job,
+    grid,
+    param_space,
+    plan_scheduler,
+    sweep_digest,
+    trial_pattern,
+    trial_scheme,
+    trial_settle,
+)
 from speed.train import job_from_args
 from speed.train.config import TrainConfig
 
@@ -61,6 +71,15 @@ def test_sweep_job_flags():
     sweep, job = job_module.parse(
         ["--patterns", "depth=6", "2x1", "--schemes", "linear", "power:1.5", "--max-steps", "7", "--scheduler", "fifo"]
     )
+    settled, _ = job_module.parse(["--patterns", "2x3", "--settle", "none", "to_last:2", "--metric", "val_flip_cost"])
+    assert settled.settle == ("none", "to_last:2") and settled.metric == "val_flip_cost" and settled.trials == 2 * 2
+    config = str(repo_root() / "jobs" / "configs" / "sweep_settle_cpu.yaml")
+    cpu, cpu_job = job_module.parse(
+        ["--config", config, "--patterns", "2x6", "2x1", "--schemes", "linear", "--settle", "none", "to_last:1"]
+    )
+    assert cpu.trials == 3 and cpu_job.train.max_steps == 300 and not cpu_job.train.settle.active
+    with pytest.raises(SystemExit):
+        job_module.parse(["--settle", "to_last:1", "--set", "train.settle={kind: to_last, weight: 1}"])
     assert sweep.expanded_patterns == ("1x6", "2x3", "3x2", "6x1", "2x1") and sweep.scheduler == "fifo"
     assert sweep.loss_weights == ("linear", "power:1.5") and sweep.trials == 8
     assert job.kind == "finetune" and job.train.max_steps == 7
@@ -150,6 +169,26 @@ def test_grid_trains_each_one_loop_pattern_once():
     assert trial_pattern({"pattern": "2x6", "loss_weights": "linear"}) == "2x6"  # a random draw's flat config
 
 
+def test_settle_terms_are_swept_like_schemes():
+    sweep = SweepConfig(patterns=("2x1", "2x3"), loss_weights=("linear",), settle=("none", "consecutive:3.0:fc"))
+    pairs = [(p["pattern"], p["loss_weights"], p.get("settle")) for p in grid(sweep)]
+    # One loop has nothing to settle toward: Nx1 once; the label is normalised (3.0 -> 3).
+    assert pairs == [("2x1", "linear", "none"), ("2x3", "linear", "none"), ("2x3", "linear", "consecutive:3:fc")]
+    assert sweep.trials == 3
+    assert trial_settle({"grid": grid(sweep)[2]}) == SettleConfig("consecutive", 3.0, flip_cost_weighted=True)
+    assert trial_settle({"pattern": "2x3", "loss_weights": "linear"}) == SettleConfig()  # a sweep without settle
+    assert "settle" not in grid(SweepConfig())[0]  # trial configs, names and digests as before the settle term
+    assert sweep_digest(SweepConfig(), {"a": 1}) == "ae40f167"  # main's digest of this sweep: it still resumes
+    assert sweep_digest(SweepConfig(metric="val_flip_cost"), {"a": 1}) != "ae40f167"
+    random = param_space(SweepConfig(patterns=("2x6",), settle=("none", "to_last:1"), search="random"))
+    assert random["settle"].categories == ["none", "to_last:1"]
+    for bad, match in [({"settle": ("to_last",)}, "needs a weight"), ({"settle": ()}, "settle is empty")]:
+        with pytest.raises(ValueError, match=match):
+            SweepConfig(**bad)
+    with pytest.raises(ValueError, match="unknown metric"):
+        SweepConfig(metric="bleu")
+
+
 def test_random_search_samples_the_parametric_family():
     space = param_space(SweepConfig(patterns=("2x6",), loss_family="ratio", loss_range=(0.5, 2.0), search="random"))
     assert isinstance(space["loss_parameter"], tune.search.sample.Float)
@@ -209,6 +248,7 @@ def _job(storage: Path, tokenizer: Path):
 SWEEP = SweepConfig(
     patterns=("1x2", "2x2", "2x1"),
     loss_weights=("linear",),
+    settle=("none", "consecutive:1:fc"),  # 1x2 and 2x2 with and without the settle term, 2x1 once
     scheduler="fifo",  # every trial to the end: the test checks each one's row
     measure_limit=4,
     cost_limit=3,
@@ -240,7 +280,7 @@ def test_an_interrupted_sweep_resumes_without_losing_finished_trials(sweep):
     assert status["00000-1x2-linear"] == "finished"
     assert set(status.values()) <= {"finished", "unfinished"} and first.latency is None  # interrupted: no latency
     done = {r["trial"]: r for r in second.results.to_pylist()}
-    assert [done[t]["status"] for t in sorted(done)] == ["finished", "failed", "finished"]
+    assert [done[t]["status"] for t in sorted(done)] == ["finished", "finished", "failed", "failed", "finished"]
     # The finished trial was not run again: same row, and Tune logged no further result for it.
     before = next(r for r in first.results.to_pylist() if r["trial"] == "00000-1x2-linear")
     assert done["00000-1x2-linear"] == before
@@ -251,10 +291,10 @@ def test_an_interrupted_sweep_resumes_without_losing_finished_trials(sweep):
 @pytest.mark.slow
 def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(sweep):
     rows = {r["trial"]: r for r in sweep[2].results.to_pylist()}
-    failed = rows["00001-2x2-linear"]
+    failed = rows["00002-2x2-linear"]
     assert failed["status"] == "failed" and "injected failure" in failed["error"]
     assert failed["accuracy"] is None and json.loads(failed["job"])["model"]["pattern"] == "2x2"
-    assert rows["00002-2x1-linear"]["status"] == "finished"  # ran after the failure
+    assert rows["00004-2x1-linear"]["status"] == "finished"  # ran after the failures
 
 
 @pytest.mark.ray
@@ -266,9 +306,16 @@ def test_results_table_frontier_and_latency(sweep):
     for r in results.to_pylist():
         job = json.loads(r["job"])
         assert job["model"]["pattern"] == r["pattern"] and job["train"]["loss_weights"] == r["loss_weights"]
+        settle = SettleConfig(**job["train"]["settle"])
+        # Tune's trial folders, which name the rows, spell the label's colons as underscores.
+        assert settle.label == r["settle"] and r["trial"].endswith("-consecutive_1_fc") == settle.active
         if r["status"] != "finished":
             continue
         m, n = r["n_loops"], r["n_unique"]
+        # Teacher-forced flips at the final checkpoint; the flip cost from the same rates, and of the decoded tokens.
+        assert len(r["val_flip_rate_prev"]) == m and r["val_flip_rate_prev"][0] == 0
+        assert r["val_flip_cost"] == pytest.approx(flip_cost(r["val_flip_rate_prev"]))
+        assert r["flip_cost"] == pytest.approx(flip_cost(r["flip_rate_prev"]))
         assert r["steps"] == 4 and r["accuracy_metric"] == "bleu" and r["accuracy"] == r["bleu"] >= 0
         assert len(r["val_loss_loops"]) == m and r["val_loss_last"] == r["val_loss_loops"][-1] > 0
         assert len(r["flip_rate_final"]) == m and r["flip_rate_final"][-1] == 0  # the last loop is the token
@@ -294,7 +341,7 @@ def test_results_table_frontier_and_latency(sweep):
     latency = pq.read_table(Path(outcome.directory, LATENCY_FILE))
     assert latency.schema == LATENCY_SCHEMA and latency.equals(outcome.latency)
     rows = latency.to_pylist()
-    assert {(r["trial"], r["variant"]) for r in rows} >= {("00002-2x1-linear", "sequential")}
+    assert {(r["trial"], r["variant"]) for r in rows} >= {("00004-2x1-linear", "sequential")}
     for r in rows:
         assert r["ms_per_token"] > 0 and r["tokens"] > 0
         if r["variant"] == "sequential":
@@ -327,5 +374,12 @@ def test_sweep_analysis_and_notebook_on_the_real_sweep(sweep, tmp_path):
     costs = launch_costs(loaded.results)
     assert costs.num_rows == sum(2 * r["n_loops"] for r in finished)
     run_notebooks(tmp_path / "results", [repo_root() / "analysis" / "sweep.ipynb"])
-    for figure in ("sweep_tradeoff.png", "sweep_flips.png", "sweep_costs.png", "sweep_latency.png"):
+    assert {r["recipe"] for r in table.to_pylist()} == {"linear", "linear + settle consecutive:1:fc"}
+    for figure in (
+        "sweep_tradeoff.png",
+        "sweep_flips.png",
+        "sweep_costs.png",
+        "sweep_flip_cost.png",
+        "sweep_latency.png",
+    ):
         assert (folder / figure).stat().st_size > 0, figure

@@ -3,6 +3,7 @@
 import pytest
 
 from speed.config import ConfigError, preset
+from speed.losses import SettleConfig
 from speed.train.config import (
     JobConfig,
     TrainConfig,
@@ -141,3 +142,26 @@ def test_evaluation_settings_are_checked_when_the_job_starts():
         job_from_args("finetune", ["--set", "eval.batch_size=0"])
     job = job_from_args("finetune", ["--task", "summarize", "--set", "eval.task=translate_en_de"])
     assert job.final_eval.task == "translate_en_de" and job.data.task == "summarize"
+
+
+def test_settle_term_is_a_typed_train_setting():
+    settle = "train.settle={kind: consecutive, weight: 3, flip_cost_weighted: yes}"
+    job = job_from_args("finetune", ["--preset", "tiny", "--set", settle])
+    assert job.train.settle == SettleConfig("consecutive", 3.0, flip_cost_weighted=True)
+    assert job_from_dict(job_to_dict(job)) == job  # travels in checkpoints
+    assert job_from_args("finetune", ["--preset", "tiny"]).train.settle == SettleConfig()
+    for bad, match in [
+        ("train.settle.kind=kl", "unknown settle kind"),
+        ("train.settle.kind=to_last", "needs a weight"),
+        ("train.settle.lambda=1", "unknown SettleConfig key"),
+    ]:
+        with pytest.raises((ValueError, ConfigError), match=match):
+            job_from_args("finetune", ["--preset", "tiny", "--set", bad])
+
+
+def test_the_settle_term_names_a_new_run_and_leaves_old_names_alone():
+    # The names main gave these jobs before the settle term existed: a rerun still resumes those runs.
+    assert run_name(job_from_args("pretrain", ["--preset", "tiny"])) == "pretrain-pretrain-2x6-a6c2c469"
+    assert run_name(job_from_args("finetune", ["--preset", "tiny"])) == "finetune-translate_en_de-2x6-14cea2ef"
+    settled = job_from_args("finetune", ["--preset", "tiny", "--set", "train.settle={kind: to_last, weight: 1}"])
+    assert run_name(settled) != "finetune-translate_en_de-2x6-14cea2ef"

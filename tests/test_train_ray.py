@@ -71,3 +71,17 @@ def test_two_workers_with_a_failure_resume_and_match_one_worker(straight, tiny_t
     np.testing.assert_allclose(log["loss"], reference["loss"], rtol=1e-4)
     np.testing.assert_allclose(np.array(log["loop_losses"]), np.array(reference["loop_losses"]), rtol=1e-4)
     assert sum(log["tokens"]) == sum(reference["tokens"])
+
+
+def test_the_settle_term_trains_and_is_reported(straight, tiny_tokenizer, tmp_path):
+    settle = "train.settle={kind: consecutive, weight: 2.0, warmup_steps: 4, flip_cost_weighted: true}"
+    run = run_job(_job(tmp_path, tiny_tokenizer, "--set", settle))
+    assert run.metrics["settle_weight"] == 2.0 and run.metrics["settle_loss"] > 0  # step 6: past the warm-up
+    log, plain = _log(run.checkpoint), _log(straight.checkpoint)
+    # Step 1 trains with lambda = 0.5 already: the weights and so every later loss differ from the plain run's.
+    assert log["loss"][0] == pytest.approx(plain["loss"][0], rel=1e-5)  # the same first batch and weights
+    assert any(abs(a - b) > 1e-6 for a, b in zip(log["loss"][1:], plain["loss"][1:]))
+    different = [
+        not torch.equal(a, b) for a, b in zip(_weights(straight.checkpoint).values(), _weights(run.checkpoint).values())
+    ]
+    assert any(different)

@@ -4,13 +4,21 @@ Every scheme is a pure function ``(n_loops) -> weights`` of shape (M,) that
 sums to 1; loop i is 1-based in the formulas below. Parametric families take
 their parameter after a colon, so that a sweep can sample it: ``power:P``
 (w_i proportional to i^P) and ``ratio:R`` (w_i proportional to R^i).
+
+Beside the weights: the flip cost (``flip_cost``, SPEED's steps per token lost to
+flips, from per-loop flip rates) and the settle term (``SettleConfig``,
+``settle_loss``), an agreement loss that makes later loops stop changing the
+prediction, each exit pulled toward a detached later one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -104,3 +112,144 @@ def loss_weights(scheme: str, n_loops: int) -> Tensor:
         raise ValueError(f"n_loops must be at least 1, got {n_loops}")
     family, sep, value = scheme.partition(":")
     return PARAMETRIC[family](n_loops, float(value)) if sep else SCHEMES[scheme](n_loops)
+
+
+# ----- flip cost and the settle term -----------------------------------------------------------------------
+#
+# Under SPEED a flip at loop k (loop k's prediction differs from loop k-1's) restarts the successor, which had
+# been launched from loop 1 and has run k-1 loops by then: about k-1 pipeline steps lost. The flip cost
+# ``sum_k flip_prev(k) * (k - 1)`` estimates SPEED's steps per token above the oracle's (launch loop 1, eager);
+# it needs no decoding, only every loop's prediction (a teacher-forced pass gives them).
+
+
+def flip_cost_weights(n_loops: int) -> Tensor:
+    """(n_loops,) the steps a flip at loop k = 1..M costs the successor: k - 1 (loop 1 cannot flip)."""
+    if n_loops < 1:
+        raise ValueError(f"n_loops must be at least 1, got {n_loops}")
+    return torch.arange(n_loops, dtype=torch.float64)
+
+
+def flip_cost(flip_rate_prev: Sequence[float]) -> float:
+    """``sum_k flip_prev(k) * (k - 1)``: steps per token a SPEED decoder loses to flips (loop 1 first)."""
+    rates = torch.as_tensor(list(flip_rate_prev), dtype=torch.float64)
+    return float((rates * flip_cost_weights(len(rates))).sum())
+
+
+SETTLE_KINDS = ("none", "to_last", "consecutive")
+
+
+@dataclass(frozen=True)
+class SettleConfig:
+    """An agreement term that makes later loops stop changing the prediction: ``L = L_w + lambda_t * S``.
+
+    ``to_last``: S is the mean over loops j < M of KL(sg(p_M) || p_j), every earlier exit pulled toward the
+    detached last loop. ``consecutive``: KL(sg(p_{j+1}) || p_j), each exit toward the detached next one (a flip
+    at loop j+1 is what SPEED pays for). The target is always the later loop and never gets a gradient, so the
+    term moves earlier exits toward what later loops decide, not the reverse. ``flip_cost_weighted`` weighs
+    loop j's term by j, the steps a flip at loop j+1 costs (``flip_cost_weights``), instead of equally; the
+    weights are normalised either way. ``lambda_t = weight * min(1, step / warmup_steps)``.
+    """
+
+    kind: str = "none"  # none | to_last | consecutive
+    weight: float = 0.0  # lambda after warm-up
+    warmup_steps: int = 0  # optimizer steps of the linear ramp of lambda from 0; 0 = full weight from step 1
+    flip_cost_weighted: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in SETTLE_KINDS:
+            raise ValueError(f"unknown settle kind {self.kind!r}; choose one of {list(SETTLE_KINDS)}")
+        if self.weight < 0 or not math.isfinite(self.weight):
+            raise ValueError(f"SettleConfig.weight must be a finite number >= 0, got {self.weight}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"SettleConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.kind == "none" and (self.weight or self.warmup_steps or self.flip_cost_weighted):
+            raise ValueError("settle kind 'none' takes no weight, warmup_steps or flip_cost_weighted")
+        if self.kind != "none" and self.weight == 0:
+            raise ValueError(f"settle kind {self.kind!r} needs a weight > 0 (kind 'none' turns the term off)")
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none"
+
+    def weight_at(self, step: int) -> float:
+        """lambda at optimizer step ``step`` (1-based: the step being trained)."""
+        if not self.active:
+            return 0.0
+        return self.weight * (1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps))
+
+    @property
+    def label(self) -> str:
+        """A short name for trial names and tables: ``none``, ``to_last:1``, ``consecutive:3:fc:w100``."""
+        if not self.active:
+            return "none"
+        parts = [self.kind, f"{self.weight:g}"] + ["fc"] * self.flip_cost_weighted
+        return ":".join(parts + ([f"w{self.warmup_steps}"] if self.warmup_steps else []))
+
+    @classmethod
+    def parse(cls, label: str) -> SettleConfig:
+        """The inverse of ``label``: ``KIND[:WEIGHT[:fc][:wSTEPS]]`` (e.g. ``consecutive:3:fc``)."""
+        kind, *rest = label.split(":")
+        if kind == "none" or not rest:
+            return cls(kind=kind)
+        try:
+            weight = float(rest[0])
+        except ValueError:
+            raise ValueError(f"settle {label!r}: {rest[0]!r} is not a weight") from None
+        weighted, warmup = False, 0
+        for part in rest[1:]:
+            if part == "fc":
+                weighted = True
+            elif part.startswith("w") and part[1:].isdigit():
+                warmup = int(part[1:])
+            else:
+                raise ValueError(f"settle {label!r}: {part!r} is neither 'fc' nor 'wSTEPS'")
+        return cls(kind=kind, weight=weight, warmup_steps=warmup, flip_cost_weighted=weighted)
+
+
+def settle_pair_weights(n_loops: int, flip_cost_weighted: bool) -> Tensor:
+    """(M-1,) weights of the terms of loops j = 1..M-1, summing to 1 (all zero-length for M = 1)."""
+    raw = flip_cost_weights(n_loops)[1:] if flip_cost_weighted else torch.ones(n_loops - 1, dtype=torch.float64)
+    return (raw / raw.sum()).float() if n_loops > 1 else raw.float()
+
+
+def settle_loss(loop_logits: Sequence[Tensor], labels: Tensor, settle: SettleConfig) -> Tensor:
+    """The settle term S (a scalar) over the target tokens (labels != -100) of M x (B, T, V) exit logits.
+
+    Each loop j < M contributes its mean token KL(sg(target) || p_j) (``SettleConfig`` says which target),
+    weighted by ``settle_pair_weights``; 0 for one loop or kind ``none``.
+    """
+    keep = labels.reshape(-1) != -100  # (B*T,)
+    logits = torch.stack([lg.reshape(-1, lg.shape[-1])[keep] for lg in loop_logits]).float()  # (M, n, V)
+    n_loops = logits.shape[0]
+    if not settle.active or n_loops == 1 or logits.shape[1] == 0:
+        return logits.new_zeros(())
+    logp = F.log_softmax(logits, dim=-1)  # (M, n, V)
+    students = logp[:-1]  # (M-1, n, V): loops 1..M-1
+    targets = (logp[1:] if settle.kind == "consecutive" else logp[-1:].expand_as(students)).detach()
+    kl = (targets.exp() * (targets - students)).sum(-1).mean(-1)  # (M-1,): mean token KL per loop
+    return (settle_pair_weights(n_loops, settle.flip_cost_weighted).to(kl) * kl).sum()
+
+
+def settled_loss(
+    weighted: Tensor, loop_logits: Sequence[Tensor] | None, labels: Tensor, settle: SettleConfig, step: int
+) -> tuple[Tensor, Tensor | None]:
+    """(the training loss, the settle term or None): ``L_w + lambda_step * S``; exactly ``L_w`` when lambda is 0."""
+    lam = settle.weight_at(step)
+    if lam == 0.0:
+        return weighted, None
+    if loop_logits is None:
+        raise ValueError("the settle term needs every loop's logits (forward with return_logits=True)")
+    term = settle_loss(loop_logits, labels, settle)
+    return weighted + lam * term, term
+
+
+def teacher_forced_flips(loop_logits: Sequence[Tensor], labels: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Per loop, over the target tokens: (flips vs the previous loop (M,), flips vs the last loop (M,), tokens).
+
+    Counts, not rates, so batches add up; loop 1 never flips vs the previous, loop M never vs the last.
+    """
+    keep = labels.reshape(-1) != -100
+    preds = torch.stack([lg.reshape(-1, lg.shape[-1])[keep].argmax(-1) for lg in loop_logits])  # (M, n)
+    prev = torch.cat([torch.zeros_like(preds[:1], dtype=torch.bool), preds[1:] != preds[:-1]])  # (M, n)
+    final = preds != preds[-1:]
+    return prev.sum(-1), final.sum(-1), int(keep.sum())

@@ -1,6 +1,8 @@
 """Corpus metrics through the reference libraries: sacrebleu BLEU and chrF, rouge-score ROUGE.
 
-Scores are on a 0-100 scale. Each hypothesis has one reference.
+Scores are on a 0-100 scale. Each hypothesis has one reference. ``paired_bootstrap``
+compares two systems on the same references with one set of resampled indices
+for every metric (sacrebleu's paired bootstrap resampling for BLEU).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from rouge_score import rouge_scorer
 from sacrebleu.metrics import BLEU, CHRF
 
@@ -50,6 +53,62 @@ def rouge(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
         **{name: 100.0 * total / len(hyps) for name, total in totals.items()},
         "signature": "rouge-score|fmeasure|stemmer:porter|mean",
     }
+
+
+PAIRED_METRICS = ("bleu", "rougeL")
+
+
+def paired_bootstrap(
+    baseline: Sequence[str],
+    system: Sequence[str],
+    refs: Sequence[str],
+    samples: int = 1000,
+    seed: int = 12345,
+    confidence: float = 0.95,
+) -> dict[str, dict[str, float]]:
+    """``system`` minus ``baseline`` with a paired-bootstrap interval, for BLEU and ROUGE-L.
+
+    Each of ``samples`` resamples draws len(refs) example indices with replacement and scores
+    both systems on those same examples (the same indices for every metric); the interval is
+    the central ``confidence`` share of the resampled differences. BLEU is re-scored from
+    sacrebleu's per-sentence sufficient statistics as its ``paired_bs`` test does, ROUGE-L is
+    the mean of the resampled examples' F-measures (as ``rouge``). Per metric: ``baseline``,
+    ``system``, ``delta`` (on the full set), ``low``, ``high``, ``samples``.
+    """
+    baseline, refs = _check(baseline, refs)
+    system, _ = _check(system, refs)
+    if samples < 1 or not 0 < confidence < 1:
+        raise ValueError(f"need samples >= 1 and 0 < confidence < 1, got {samples} and {confidence}")
+    idx = np.random.default_rng(seed).choice(len(refs), size=(samples, len(refs)), replace=True)  # (S, n)
+    metric = BLEU()
+    out = {}
+    for name in PAIRED_METRICS:
+        if name == "bleu":
+            stats = [
+                np.array(metric._extract_corpus_statistics(h, [refs]), dtype=np.float64) for h in (baseline, system)
+            ]
+            full = [metric._compute_score_from_stats(s.sum(0)).score for s in stats]
+            resampled = [np.array([metric._compute_score_from_stats(s[i].sum(0)).score for i in idx]) for s in stats]
+        else:
+            scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+            per = [
+                100.0 * np.array([scorer.score(target=r, prediction=h)["rougeL"].fmeasure for h, r in zip(hyps, refs)])
+                for hyps in (baseline, system)
+            ]  # 2 x (n,)
+            full = [float(p.mean()) for p in per]
+            resampled = [p[idx].mean(1) for p in per]  # 2 x (S,)
+        diffs = resampled[1] - resampled[0]
+        tail = (1 - confidence) / 2
+        low, high = np.quantile(diffs, [tail, 1 - tail])
+        out[name] = {
+            "baseline": float(full[0]),
+            "system": float(full[1]),
+            "delta": float(full[1] - full[0]),
+            "low": float(low),
+            "high": float(high),
+            "samples": samples,
+        }
+    return out
 
 
 def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -4,7 +4,9 @@
 trial), ``frontier.parquet`` and, after its latency stage, ``latency.parquet``
 into the sweep's folder. These functions turn them into the long tables the
 sweep notebook draws: one row per finished trial, per (trial, loop) and per
-(trial, launch loop, invalidation policy).
+(trial, launch loop, invalidation policy). A trial's *recipe* is its loss-weight
+scheme plus its settle term (``speed.losses.SettleConfig``), the levers the
+figures colour by.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ TRIALS_SCHEMA = pa.schema(
         pa.field("trial", pa.string()),
         pa.field("pattern", pa.string()),
         pa.field("loss_weights", pa.string()),
+        pa.field("settle", pa.string()),  # SettleConfig label (none for sweeps written before it)
+        pa.field("recipe", pa.string()),  # loss_weights, plus " + settle <label>" when there is a settle term
         pa.field("n_unique", pa.int32()),
         pa.field("n_loops", pa.int32()),
         pa.field("depth", pa.int32()),  # sequential cost, layer steps per token
@@ -30,6 +34,10 @@ TRIALS_SCHEMA = pa.schema(
         pa.field("accuracy", pa.float64()),
         pa.field("val_loss_last", pa.float64()),
         pa.field("flip_rate_loop1", pa.float64()),
+        pa.field("val_flip_cost", pa.float64()),  # teacher-forced flip cost on the validation split
+        pa.field("flip_cost", pa.float64()),  # flip cost of the decoded tokens
+        pa.field("launch1_steps_per_token", pa.float64()),  # SPEED's steps per token at launch loop 1, eager
+        pa.field("speed_steps_per_token", pa.float64()),  # at the best setting
         pa.field("speed_cost", pa.float64()),  # SPEED's layer steps per token at the best setting
         pa.field("saving", pa.float64()),  # depth / speed_cost: SPEED's reduction of layer steps
         pa.field("best_launch_loop", pa.int32()),
@@ -76,11 +84,22 @@ def trials(results: pa.Table) -> pa.Table:
     front = set(pareto_front([(r["accuracy"], r["speed_cost"]) for r in rows]))
     out = [
         {name: r.get(name) for name in TRIALS_SCHEMA.names}
+        | {"settle": r.get("settle") or "none", "recipe": recipe(r["loss_weights"], r.get("settle"))}
+        | {"launch1_steps_per_token": _launch1(r["costs"])}
         | {"saving": r["depth"] / r["speed_cost"] if r["speed_cost"] else None, "on_frontier": i in front}
         for i, r in enumerate(rows)
     ]
     out.sort(key=lambda r: (r["speed_cost"], -r["accuracy"], r["trial"]))
     return pa.Table.from_pylist(out, schema=TRIALS_SCHEMA)
+
+
+def recipe(loss_weights: str, settle: str | None) -> str:
+    """``linear`` or ``linear + settle consecutive:3:fc``: what a trial trained with, besides its pattern."""
+    return loss_weights if settle in (None, "none") else f"{loss_weights} + settle {settle}"
+
+
+def _launch1(costs: list[dict]) -> float | None:
+    return next((c["steps_per_token"] for c in costs if (c["launch_loop"], c["invalidation"]) == (1, "eager")), None)
 
 
 def loop_flips(results: pa.Table) -> pa.Table:

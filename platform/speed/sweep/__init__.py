@@ -1,4 +1,4 @@
-"""Ray Tune sweeps over sharing patterns and loss-weight schemes, and the trade-off they answer.
+"""Ray Tune sweeps over sharing patterns, loss-weight schemes and settle terms, and the trade-off they answer.
 
 ``run_sweep(SweepConfig(...), job)`` trains one Ray Train job per trial, measures
 each finished trial's accuracy, flip rates and SPEED cost on the validation split,

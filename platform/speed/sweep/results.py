@@ -51,11 +51,16 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("n_loops", pa.int32(), nullable=False),  # M
         pa.field("depth", pa.int32(), nullable=False),  # N*M: the sequential cost in layer steps per token
         pa.field("loss_weights", pa.string(), nullable=False),  # speed.losses scheme
+        pa.field("settle", pa.string()),  # speed.losses.SettleConfig label: none, to_last:1, consecutive:3:fc, ...
         pa.field("job", pa.string(), nullable=False),  # the trial's resolved JobConfig as JSON
         pa.field("steps", pa.int64()),  # optimizer steps trained
         pa.field("train_loss", pa.float64()),  # weighted loss L_w at the last report
         pa.field("val_loss_last", pa.float64()),  # the last loop's validation loss (what the scheduler ranks)
         pa.field("val_loss_loops", pa.list_(pa.float64())),  # validation loss of every loop
+        # teacher-forced on the validation split (speed.train.validation): per loop, argmax changed from the
+        # previous loop's; and the flip cost sum_k flip_prev(k) * (k - 1) (speed.losses.flip_cost)
+        pa.field("val_flip_rate_prev", pa.list_(pa.float64())),
+        pa.field("val_flip_cost", pa.float64()),
         pa.field("accuracy_metric", pa.string()),  # bleu (translation) | rougeL (summarization)
         pa.field("accuracy", pa.float64()),  # that metric, 0-100, on the validation split
         pa.field("bleu", pa.float64()),
@@ -66,6 +71,7 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("flip_rate_prev", pa.list_(pa.float64())),  # per loop: prediction changed from the previous loop
         pa.field("flip_rate_final", pa.list_(pa.float64())),  # per loop: prediction differs from the final token
         pa.field("flip_rate_loop1", pa.float64()),  # flip_rate_final of loop 1
+        pa.field("flip_cost", pa.float64()),  # flip cost of the decoded tokens' flip_rate_prev
         pa.field("costs", pa.list_(COST_TYPE)),  # every launch loop 1..M x both invalidation policies
         pa.field("speed_cost", pa.float64()),  # best layer_steps_per_token over costs
         pa.field("speed_steps_per_token", pa.float64()),  # steps_per_token at that setting
@@ -81,6 +87,7 @@ FRONTIER_SCHEMA = pa.schema(
         pa.field("trial", pa.string(), nullable=False),
         pa.field("pattern", pa.string(), nullable=False),
         pa.field("loss_weights", pa.string(), nullable=False),
+        pa.field("settle", pa.string()),
         pa.field("accuracy_metric", pa.string(), nullable=False),
         pa.field("accuracy", pa.float64(), nullable=False),
         pa.field("speed_cost", pa.float64(), nullable=False),
@@ -139,29 +146,30 @@ def frontier(results: pa.Table) -> pa.Table:
 def format_results(results: pa.Table) -> str:
     """A fixed-width text table of every trial: status, losses, accuracy, flip rate at loop 1, SPEED cost."""
     head = (
-        f"{'trial':<28}{'status':>9}{'steps':>6}{'val L_M':>9}{'metric':>8}{'score':>7}"
-        f"{'flip@1':>8}{'steps/tok':>10}{'cost':>7}{'depth':>6}  best setting"
+        f"{'trial':<36}{'status':>9}{'steps':>6}{'val L_M':>9}{'metric':>8}{'score':>7}"
+        f"{'flip@1':>8}{'flipcost':>9}{'steps/tok':>10}{'cost':>7}{'depth':>6}  best setting"
     )
     lines = [head, "-" * len(head)]
     for r in sorted(results.to_pylist(), key=lambda r: r["trial"]):
         setting = f"launch {r['best_launch_loop']}, {r['best_invalidation']}" if r["best_launch_loop"] else ""
         lines.append(
-            f"{r['trial']:<28}{r['status']:>9}{_num(r['steps'], 'd'):>6}{_num(r['val_loss_last'], '.3f'):>9}"
+            f"{r['trial']:<36}{r['status']:>9}{_num(r['steps'], 'd'):>6}{_num(r['val_loss_last'], '.3f'):>9}"
             f"{r['accuracy_metric'] or '':>8}{_num(r['accuracy'], '.2f'):>7}{_num(r['flip_rate_loop1'], '.3f'):>8}"
-            f"{_num(r['speed_steps_per_token'], '.2f'):>10}{_num(r['speed_cost'], '.2f'):>7}{r['depth']:>6}  {setting}"
+            f"{_num(r['val_flip_cost'], '.3f'):>9}{_num(r['speed_steps_per_token'], '.2f'):>10}"
+            f"{_num(r['speed_cost'], '.2f'):>7}{r['depth']:>6}  {setting}"
         )
         if r["error"]:
-            lines.append(f"{'':<28}error: {r['error']}")
+            lines.append(f"{'':<36}error: {r['error']}")
     return "\n".join(lines)
 
 
 def format_frontier(table: pa.Table) -> str:
     """The frontier as a fixed-width text table, cheapest first."""
-    head = f"{'trial':<28}{'metric':>8}{'score':>7}{'cost':>7}{'steps/tok':>10}{'depth':>6}{'flip@1':>8}  setting"
+    head = f"{'trial':<36}{'metric':>8}{'score':>7}{'cost':>7}{'steps/tok':>10}{'depth':>6}{'flip@1':>8}  setting"
     lines = [head, "-" * len(head)]
     for r in table.to_pylist():
         lines.append(
-            f"{r['trial']:<28}{r['accuracy_metric']:>8}{r['accuracy']:>7.2f}{r['speed_cost']:>7.2f}"
+            f"{r['trial']:<36}{r['accuracy_metric']:>8}{r['accuracy']:>7.2f}{r['speed_cost']:>7.2f}"
             f"{r['speed_steps_per_token']:>10.2f}{r['depth']:>6}{_num(r['flip_rate_loop1'], '.3f'):>8}"
             f"  launch {r['best_launch_loop']}, {r['best_invalidation']}"
         )
@@ -170,12 +178,12 @@ def format_frontier(table: pa.Table) -> str:
 
 def format_latency(table: pa.Table) -> str:
     """The latency stage's rows as a fixed-width text table."""
-    head = f"{'trial':<28}{'variant':>11}{'setting':>12}{'ms/token':>10}{'vs seq':>8}{'vs shallow':>11}{'steps':>7}"
+    head = f"{'trial':<36}{'variant':>11}{'setting':>12}{'ms/token':>10}{'vs seq':>8}{'vs shallow':>11}{'steps':>7}"
     lines = [head, "-" * len(head)]
     for r in table.to_pylist():
         setting = f"{r['launch_loop']},{r['invalidation']}" if r["launch_loop"] else ""
         lines.append(
-            f"{r['trial']:<28}{r['variant']:>11}{setting:>12}{r['ms_per_token']:>10.2f}"
+            f"{r['trial']:<36}{r['variant']:>11}{setting:>12}{r['ms_per_token']:>10.2f}"
             f"{_ratio(r['speedup_vs_sequential']):>8}{_ratio(r['ratio_vs_shallow']):>11}{r['steps']:>7}"
         )
     return "\n".join(lines)

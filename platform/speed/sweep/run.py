@@ -26,6 +26,7 @@ import ray
 from ray import tune
 
 from speed.data.prepare import CorpusSpec, cache_root, prepare_corpus
+from speed.losses import flip_cost
 from speed.sweep.results import (
     FRONTIER_FILE,
     LATENCY_FILE,
@@ -146,7 +147,7 @@ def tune_config(sweep: SweepConfig, job: JobConfig, plan: SchedulerPlan) -> tune
     from ray.tune.search import BasicVariantGenerator
 
     return tune.TuneConfig(
-        metric=METRIC,
+        metric=sweep.metric,
         mode="min",
         # Grid or seeded random draws. Tune applies max_concurrent_trials only to the generator it builds itself.
         search_alg=BasicVariantGenerator(max_concurrent=max_concurrent_trials(job), random_state=job.train.seed),
@@ -209,14 +210,18 @@ def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
         "n_loops": sharing.n_loops,
         "depth": sharing.depth,
         "loss_weights": trial_scheme(config),
+        "settle": job.train.settle.label,
         "job": json.dumps(job_to_dict(job), sort_keys=True),
         "steps": metrics.get("step"),
         "train_loss": metrics.get("loss"),
         "val_loss_last": metrics.get(METRIC),
+        "val_flip_cost": metrics.get("val_flip_cost"),
         "checkpoint": metrics.get("checkpoint") or metrics.get("checkpoint_path"),
     }
     losses = [metrics.get(f"val_loss_loop{i + 1}") for i in range(sharing.n_loops)]
     row["val_loss_loops"] = losses if None not in losses else None
+    flips = [metrics.get(f"val_flip_prev_loop{i + 1}") for i in range(sharing.n_loops)]
+    row["val_flip_rate_prev"] = flips if None not in flips else None
     if measured is not None:
         _, m = measured
         best = m.best_cost()
@@ -227,6 +232,7 @@ def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
             "flip_rate_prev": m.flip_rate_prev,
             "flip_rate_final": m.flip_rate_final,
             "flip_rate_loop1": m.flip_rate_final[0],
+            "flip_cost": flip_cost(m.flip_rate_prev),
             "costs": m.costs,
             "speed_cost": best["layer_steps_per_token"],
             "speed_steps_per_token": best["steps_per_token"],

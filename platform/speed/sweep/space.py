@@ -1,8 +1,10 @@
-"""What a sweep searches: sharing patterns, loss-weight schemes, the searcher and the scheduler.
+"""What a sweep searches: sharing patterns, loss-weight schemes, settle terms, the searcher and the scheduler.
 
 A ``SweepConfig`` is frozen and validated; patterns may be named families
-(``expand_patterns``), and the loss weights may be a continuous parameter of a
-``speed.losses`` family (``power`` or ``ratio``) sampled over a range.
+(``expand_patterns``), the loss weights may be a continuous parameter of a
+``speed.losses`` family (``power`` or ``ratio``) sampled over a range, and the
+settle terms are ``speed.losses.SettleConfig`` labels (``none``, ``to_last:1``,
+``consecutive:3:fc``, ...).
 ``check_job`` checks it against the base job before any work: a derived setting
 the job cannot honour is adjusted with a note, an explicit one is refused.
 """
@@ -15,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from speed.config import SharingPattern
-from speed.losses import PARAMETRIC, check_scheme, parametric
+from speed.losses import PARAMETRIC, SettleConfig, check_scheme, parametric
 
 if TYPE_CHECKING:
     from speed.train.config import JobConfig, TrainConfig
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
 SEARCHES = ("grid", "random")  # Tune's BasicVariantGenerator: every combination, or num_samples draws
 SCHEDULERS = ("asha", "fifo")  # ASHA stops trials whose last-loop validation loss lags; fifo runs all to the end
 METRIC = "val_loss_last"  # what ASHA ranks: the last loop's loss is comparable across loss-weight schemes
+# ...or the teacher-forced flip cost (speed.train.validation): SPEED's steps per token lost to flips, no decoding
+METRICS = (METRIC, "val_flip_cost")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class SweepConfig:
     loss_weights: tuple[str, ...] = ("linear", "uniform")  # speed.losses schemes (grid: all; random: a choice)
     loss_family: str | None = None  # a PARAMETRIC family sampled over loss_range instead of loss_weights
     loss_range: tuple[float, float] = (0.0, 2.0)  # the family parameter's range (random: uniform; grid: 3 points)
+    settle: tuple[str, ...] = ("none",)  # SettleConfig labels KIND[:WEIGHT[:fc][:wSTEPS]] (grid: all; random: a choice)
+    metric: str = METRIC  # what the scheduler ranks (minimised): one of METRICS
     max_depth: int = 12  # bound of the unique=N family
     search: str = "grid"
     samples: int = 1  # Tune num_samples: grid repeats, random draws
@@ -48,13 +54,19 @@ class SweepConfig:
     fail_pattern: str | None = None  # fault drill: trials of this pattern fail in training (train.fail_at_step)
 
     def __post_init__(self) -> None:
-        for name in ("patterns", "loss_weights", "loss_range"):
+        for name in ("patterns", "loss_weights", "loss_range", "settle"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.search not in SEARCHES:
             raise ValueError(f"unknown search {self.search!r}; choose one of {list(SEARCHES)}")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.scheduler!r}; choose one of {list(SCHEDULERS)}")
         expand_patterns(self.patterns, self.max_depth)  # raises on a bad pattern or family
+        if not self.settle:
+            raise ValueError("settle is empty: give at least 'none'")
+        for label in self.settle:
+            SettleConfig.parse(label)  # raises on a bad kind or weight
+        if self.metric not in METRICS:
+            raise ValueError(f"unknown metric {self.metric!r}; choose one of {list(METRICS)}")
         for scheme in self.loss_weights:
             check_scheme(scheme)
         if self.loss_family is not None:
@@ -200,15 +212,24 @@ def expand_patterns(specs: tuple[str, ...], max_depth: int = 12) -> tuple[str, .
 
 
 def grid(config: SweepConfig) -> list[dict[str, str]]:
-    """A grid's trials: every pattern with every scheme, except that a one-loop ``Nx1`` gets the first only.
+    """A grid's trials: every pattern with every scheme and settle term, except that a one-loop ``Nx1`` gets the
+    first of each only.
 
-    With one loop every scheme's weights are [1.0], so the other schemes would train the same model again.
+    With one loop every scheme's weights are [1.0] and there is no other loop to settle toward, so the other
+    choices would train the same model again. ``settle`` is in a pair only when the sweep varies it.
     """
-    return [
-        {"pattern": pattern, "loss_weights": scheme}
-        for pattern in config.expanded_patterns
-        for scheme in (config.schemes if SharingPattern.parse(pattern).n_loops > 1 else config.schemes[:1])
-    ]
+    pairs = []
+    for pattern in config.expanded_patterns:
+        looped = SharingPattern.parse(pattern).n_loops > 1
+        for scheme in config.schemes if looped else config.schemes[:1]:
+            for settle in config.settle if looped else config.settle[:1]:
+                pairs.append({"pattern": pattern, "loss_weights": scheme} | _settle_key(config, settle))
+    return pairs
+
+
+def _settle_key(config: SweepConfig, settle: str) -> dict[str, str]:
+    # A sweep without settle terms keeps the trial configs (and names) sweeps had before them.
+    return {} if config.settle == ("none",) else {"settle": SettleConfig.parse(settle).label}
 
 
 def param_space(config: SweepConfig) -> dict[str, Any]:
@@ -222,6 +243,8 @@ def param_space(config: SweepConfig) -> dict[str, Any]:
         space["grid"] = tune.grid_search(grid(config))
         return space
     space["pattern"] = tune.choice(patterns)
+    if config.settle != ("none",):
+        space["settle"] = tune.choice([SettleConfig.parse(label).label for label in config.settle])
     if config.loss_family is None:
         space["loss_weights"] = tune.choice(list(config.loss_weights))
     else:
@@ -242,9 +265,17 @@ def trial_scheme(trial_config: dict[str, Any]) -> str:
     return trial_config.get("grid", trial_config)["loss_weights"]
 
 
+def trial_settle(trial_config: dict[str, Any]) -> SettleConfig:
+    """The settle term of one trial's Tune config (none when the sweep does not vary it)."""
+    return SettleConfig.parse(trial_config.get("grid", trial_config).get("settle", "none"))
+
+
 def sweep_digest(config: SweepConfig, job: dict[str, Any]) -> str:
     """A short hash of everything that changes a sweep's trials (not where it runs or how it is timed)."""
     d = asdict(config)
     for key in ("latency_limit", "latency_reps"):
         d.pop(key)
+    for key, default in (("settle", ("none",)), ("metric", METRIC)):
+        if d[key] == default:
+            d.pop(key)  # sweeps named before these settings existed keep their names (and resume)
     return hashlib.sha256(json.dumps({"sweep": d, "job": job}, sort_keys=True).encode()).hexdigest()[:8]

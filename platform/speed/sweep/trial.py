@@ -24,7 +24,7 @@ from ray import tune
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from speed.sweep.measure import Measurement
-from speed.sweep.space import trial_pattern, trial_scheme
+from speed.sweep.space import trial_pattern, trial_scheme, trial_settle
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
 from speed.train.launch import build_trainer, copy_tree
 from speed.train.state import checkpoint_uri, newest_complete_checkpoint, read_checkpoint_config
@@ -50,18 +50,23 @@ class SweepSetup:
 
 
 def trial_name(trial: Any) -> str:
-    """``<index>-<pattern>-<loss weights>``: the trial id's counter and its config, no timestamp.
+    """``<index>-<pattern>-<loss weights>[-<settle>]``: the trial id's counter and its config, no timestamp.
 
     Tune's ``trial_name_creator`` and ``trial_dirname_creator``; also the name of the trial's Train run.
+    The settle term (``SettleConfig.label``) is named only when there is one.
     """
     index = trial.trial_id.rsplit("_", 1)[-1]
-    return f"{index}-{trial_pattern(trial.config)}-{trial_scheme(trial.config)}"
+    settle = trial_settle(trial.config)
+    name = f"{index}-{trial_pattern(trial.config)}-{trial_scheme(trial.config)}"
+    return f"{name}-{settle.label}" if settle.active else name
 
 
 def trial_job(setup: SweepSetup, trial_config: dict[str, Any], name: str) -> JobConfig:
-    """The trial's job: the base job with its pattern, loss weights, run name and storage."""
+    """The trial's job: the base job with its pattern, loss weights, settle term, run name and storage."""
     base = job_from_dict(setup.job)
     train = replace(base.train, loss_weights=trial_scheme(trial_config))
+    if "settle" in trial_config.get("grid", trial_config):  # a sweep over settle terms sets it; else the base job's
+        train = replace(train, settle=trial_settle(trial_config))
     run = replace(base.run, name=name, storage_path=setup.train_storage)
     pattern = trial_pattern(trial_config)
     if pattern == setup.fail_pattern:

@@ -26,7 +26,7 @@ from speed.cli import JobParser
 from speed.config import ConfigError, ModelConfig, from_dict, preset, to_dict
 from speed.data.tasks import TASKS
 from speed.evaluate import EvalConfig
-from speed.losses import SCHEMES, check_scheme
+from speed.losses import SCHEMES, SettleConfig, check_scheme
 from speed.train.state import IncompatibleCheckpointError, local_checkpoint, read_checkpoint_config
 
 KINDS = ("pretrain", "finetune")
@@ -94,6 +94,7 @@ class TrainConfig:
     """The training loop: loss, batch, length, checkpoints, stops and fault injection."""
 
     loss_weights: str = "linear"  # speed.losses scheme for L_w = sum_i w_i L_i
+    settle: SettleConfig = field(default_factory=SettleConfig)  # agreement term: L = L_w + lambda_t * S
     batch_size: int = 32  # global sequences per optimizer step (all workers x grad_accum micro-batches)
     grad_accum: int = 1  # micro-batches per optimizer step on each worker
     max_steps: int = 200  # optimizer steps; the LR schedule spans them
@@ -274,6 +275,8 @@ def run_name(job: JobConfig) -> str:
     d = job_to_dict(job)
     for key in (*LAUNCH_ONLY["train"], "num_threads", "log_every"):
         d["train"].pop(key)
+    if not job.train.settle.active:
+        d["train"].pop("settle")  # runs named before the settle term existed keep their names
     for key in ("run", "eval", "resume", "scale"):
         d.pop(key)
     digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]

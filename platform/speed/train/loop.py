@@ -4,7 +4,8 @@ DDP through ``ray.train.torch.prepare_model``; each worker memory-maps the
 corpus the driver prepared (``speed.data.prepare``) and trains on its own
 shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
 warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
-the shared early-exit loss ``L_w = sum_i w_i L_i``. Rank 0 logs every loop's
+the shared early-exit loss ``L_w = sum_i w_i L_i``, plus ``lambda_t * S`` when
+``train.settle`` asks for the agreement term (``speed.losses.SettleConfig``). Rank 0 logs every loop's
 loss and tokens/s, and writes checkpoints reported through ``ray.train.report``.
 A worker (re)started by Ray, or a rerun of the same command, resumes from the
 run's newest complete checkpoint on storage; a ``--resume`` run from the
@@ -31,7 +32,7 @@ from torch import nn
 
 from speed.checkpoint import MODEL_FILE, TOKENIZER_FILE, load_model
 from speed.data.corpus import TokenizedCorpus, open_corpus
-from speed.losses import loss_weights
+from speed.losses import loss_weights, settled_loss
 from speed.model import SpeedT5
 from speed.train.batches import BatchPlan
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
@@ -238,6 +239,7 @@ def _train(
         micro = plan.micro_batches(step)
         epoch = plan.epoch_at(step)  # span-corruption noise is drawn anew each epoch
         loop_sum = torch.zeros(n_loops, device=device)
+        settle_sum = torch.zeros((), device=device)
         tokens = 0
         for i, indices in enumerate(micro):
             batch = {k: v.to(device) for k, v in collate(corpus.examples(indices, epoch, t.seed)).items()}
@@ -250,9 +252,12 @@ def _train(
                         attention_mask=batch["attention_mask"],
                         labels=batch["labels"],
                         weights=weights,
+                        return_logits=t.settle.active,
                     )
-                (out.loss / len(micro)).backward()
+                    loss, settle = settled_loss(out.loss, out.loop_logits, batch["labels"], t.settle, step + 1)
+                (loss / len(micro)).backward()
             loop_sum += out.loop_losses.detach().float()
+            settle_sum += settle.detach().float() if settle is not None else 0.0
             tokens += int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         lr = optimizer.param_groups[0]["lr"]
@@ -261,12 +266,14 @@ def _train(
         optimizer.zero_grad(set_to_none=True)
         step += 1
 
-        # One all-reduce per step: loop losses, token count, and rank 0's out-of-time flag.
+        # One all-reduce per step: loop losses, token count, rank 0's out-of-time flag, the settle term.
         out_of_time = rank == 0 and deadline is not None and _past_deadline(deadline, records, started)
-        stats = torch.cat([loop_sum / len(micro), torch.tensor([tokens, float(out_of_time)], device=device)])
+        extra = torch.stack([torch.tensor(float(tokens)), torch.tensor(float(out_of_time)), settle_sum.cpu()])
+        stats = torch.cat([loop_sum / len(micro), extra.to(device)])
         if world > 1:
             dist.all_reduce(stats)
         loop_losses = (stats[:n_loops] / world).tolist()
+        settle_term = float(stats[n_loops + 2]) / (world * len(micro))
         elapsed = time.perf_counter() - started
         record = StepRecord(
             step=step,
@@ -289,8 +296,9 @@ def _train(
             print(progress_line(window, t.max_steps, eta_seconds(last_step - step, pace, budget_left)), flush=True)
         if step % t.checkpoint_every == 0 or stop:
             _checkpoint(
-                job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world, validation
-            )
+                job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world, validation,
+                settle_term,
+            )  # fmt: skip
             saved_at = step
         if stop:
             if rank == 0 and step < last_step:
@@ -318,8 +326,13 @@ def _checkpoint(
     rank: int,
     world: int,
     validation: TokenizedCorpus | None,
+    settle_term: float | None = None,
 ) -> None:
-    """Every rank reports (a barrier); rank 0 alone writes the checkpoint, with every rank's RNG state."""
+    """Every rank reports (a barrier); rank 0 alone writes the checkpoint, with every rank's RNG state.
+
+    The report holds the last step's losses (with ``train.settle``: ``settle_loss``, the term S, and
+    ``settle_weight``, lambda at that step) and, with a validation split, ``speed.train.validation``'s metrics.
+    """
     rngs = [rng_state()]
     if world > 1:
         rngs = [None] * world
@@ -329,6 +342,8 @@ def _checkpoint(
     if last is not None:
         metrics |= {"loss": last.loss, "tokens_per_s": last.tokens_per_s, "lr": last.lr}
         metrics |= {f"loss_loop{i + 1}": x for i, x in enumerate(last.loop_losses)}
+        if job.train.settle.active and settle_term is not None:
+            metrics |= {"settle_loss": settle_term, "settle_weight": job.train.settle.weight_at(step)}
     if validation is not None:
         metrics |= validation_metrics(_unwrap(model), validation, job.micro_batch)
     with tempfile.TemporaryDirectory() as tmp:

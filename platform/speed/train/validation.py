@@ -1,25 +1,46 @@
-"""Every loop's loss on a prepared validation split, reported beside the training metrics.
+"""Every loop's loss and teacher-forced flip rates on a prepared validation split, beside the training metrics.
 
 A sweep's scheduler ranks trials by the last loop's validation loss
 (``val_loss_last``): unlike the weighted training loss it does not depend on
-the loss-weight scheme.
+the loss-weight scheme. The flip rates come from the same teacher-forced pass
+(every loop's argmax at every target position, no decoding): ``val_flip_cost``
+(``speed.losses.flip_cost``) estimates the steps per token SPEED loses to flips.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from speed.data import collate
 from speed.data.corpus import TokenizedCorpus
+from speed.losses import flip_cost, teacher_forced_flips
 from speed.model import SpeedT5
 
 
-def validation_losses(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> list[float]:
-    """(M,) mean token cross-entropy of every loop's exit over the whole corpus (eval mode, no dropout)."""
+@dataclass(frozen=True)
+class Validation:
+    """Per loop (loop 1 first), token-weighted over the whole split."""
+
+    losses: list[float]  # mean token cross-entropy of every loop's exit
+    flip_rate_prev: list[float]  # share of target positions where the loop's argmax differs from the previous loop's
+    flip_rate_final: list[float]  # ... from the last loop's
+    tokens: int
+
+    @property
+    def flip_cost(self) -> float:
+        return flip_cost(self.flip_rate_prev)
+
+
+def validate(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> Validation:
+    """Every loop's loss and flip rates over the whole corpus (eval mode, no dropout, teacher forcing)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     total = torch.zeros(model.n_loops, dtype=torch.float64)
+    prev = torch.zeros(model.n_loops, dtype=torch.int64)
+    final = torch.zeros(model.n_loops, dtype=torch.int64)
     tokens = 0
     try:
         with torch.no_grad():
@@ -31,18 +52,33 @@ def validation_losses(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) 
                     decoder_input_ids=batch["decoder_input_ids"],
                     attention_mask=batch["attention_mask"],
                     labels=batch["labels"],
+                    return_logits=True,
                 )
-                n = int((batch["labels"] != -100).sum())
+                flips_prev, flips_final, n = teacher_forced_flips(out.loop_logits, batch["labels"])
                 total += out.loop_losses.double().cpu() * n  # (M,): per-token means back to sums
+                prev += flips_prev.cpu()
+                final += flips_final.cpu()
                 tokens += n
     finally:
         model.train(was_training)
     if tokens == 0:
         raise ValueError("the validation corpus has no target tokens")
-    return (total / tokens).tolist()
+    return Validation((total / tokens).tolist(), (prev / tokens).tolist(), (final / tokens).tolist(), tokens)
+
+
+def validation_losses(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> list[float]:
+    """(M,) mean token cross-entropy of every loop's exit over the whole corpus (eval mode, no dropout)."""
+    return validate(model, corpus, batch_size).losses
 
 
 def validation_metrics(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> dict[str, float]:
-    """``val_loss_loop1`` .. ``val_loss_loopM`` and ``val_loss_last`` (= loop M) for a report."""
-    losses = validation_losses(model, corpus, batch_size)
-    return {**{f"val_loss_loop{i + 1}": x for i, x in enumerate(losses)}, "val_loss_last": losses[-1]}
+    """For a report: ``val_loss_loop1`` .. ``val_loss_loopM``, ``val_loss_last`` (= loop M),
+    ``val_flip_prev_loop{i}``, ``val_flip_final_loop{i}`` and ``val_flip_cost``."""
+    v = validate(model, corpus, batch_size)
+    return {
+        **{f"val_loss_loop{i + 1}": x for i, x in enumerate(v.losses)},
+        "val_loss_last": v.losses[-1],
+        **{f"val_flip_prev_loop{i + 1}": x for i, x in enumerate(v.flip_rate_prev)},
+        **{f"val_flip_final_loop{i + 1}": x for i, x in enumerate(v.flip_rate_final)},
+        "val_flip_cost": v.flip_cost,
+    }
