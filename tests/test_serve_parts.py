@@ -125,19 +125,25 @@ def test_sink_on_a_uri(tmp_path):
     assert read_requests(f"file://{tmp_path}/stats")["request_id"].to_pylist() == ["cmpl-0"]
 
 
+def _stats(**counts):
+    from speed.engine import RequestStats
+
+    return RequestStats(steps=0, rows=0, queued_s=0.0, ttft_s=0.0, latency_s=0.0, **counts)
+
+
 def test_counters_weight_flip_rates_by_tokens():
     c = ServeCounters()
     c.add_step(4)
     c.add_step(0)
     c.add_step(8)
-    c.add_finished(tokens=10, flushes=2, wasted_rows=3, flip_rate=[0.5, 0.1, 0.0], cancelled=False)
-    c.add_finished(tokens=30, flushes=0, wasted_rows=0, flip_rate=[0.1, 0.0, 0.0], cancelled=False)
-    c.add_finished(tokens=2, flushes=0, wasted_rows=1, flip_rate=[], cancelled=True)
+    c.add_finished(_stats(tokens=10, flushes=2, wasted_rows=3, flip_rate=[0.5, 0.1, 0.0]), 5, cancelled=False)
+    c.add_finished(_stats(tokens=30, flushes=0, wasted_rows=0, flip_rate=[0.1, 0.0, 0.0]), 7, cancelled=False)
+    c.add_finished(_stats(tokens=2, flushes=0, wasted_rows=1, flip_rate=[]), 3, cancelled=True)
     s = c.snapshot(active=1, queued=2)
     assert (s["steps"], s["rows"], s["rows_per_step"], s["max_rows_per_step"]) == (2, 12, 6.0, 8)
     assert (s["finished"], s["cancelled"], s["tokens"], s["flushes"]) == (2, 1, 42, 2)
     assert s["flip_rate"] == pytest.approx([(5 + 3) / 40, 1 / 40, 0.0])
-    assert (s["active"], s["queue_depth"]) == (1, 2)
+    assert (s["active"], s["queue_depth"], s["prompt_tokens"]) == (1, 2, 15)
 
 
 # ----- the engine runner ----------------------------------------------------------------------------

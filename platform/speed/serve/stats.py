@@ -21,7 +21,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -29,6 +29,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from speed.trace import TRACE_SCHEMA
+
+if TYPE_CHECKING:
+    from speed.engine import RequestStats
 
 REQUESTS_DIR = "requests"
 TRACES_DIR = "traces"
@@ -45,19 +48,33 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
         pa.field("launch_loop", pa.int16(), nullable=False),
         pa.field("invalidation", pa.string(), nullable=False),  # "eager" or "final"
+        pa.field("route", pa.string(), nullable=False),  # "completions" or "chat"
+        pa.field("prompt", pa.int32(), nullable=False),  # index of its prompt (a prompt's n choices share it)
+        pa.field("temperature", pa.float64(), nullable=False),  # 0: greedy
+        pa.field("top_p", pa.float64(), nullable=False),
+        pa.field("top_k", pa.int32(), nullable=False),  # 0: off
+        pa.field("seed", pa.int64(), nullable=False),  # this choice's seed (speed.sampling.choice_seed)
+        pa.field("presence_penalty", pa.float64(), nullable=False),
+        pa.field("frequency_penalty", pa.float64(), nullable=False),
         pa.field("stream", pa.bool_(), nullable=False),  # answered as server-sent events
         pa.field("max_tokens", pa.int32(), nullable=False),
         pa.field("prompt_tokens", pa.int32(), nullable=False),  # encoder tokens, task prefix and EOS included
         pa.field("completion_tokens", pa.int32(), nullable=False),  # decoded tokens, EOS included when produced
-        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS), "length" or "cancelled"
+        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS, stop string), "length", "cancelled"
         pa.field("steps", pa.int32(), nullable=False),  # engine steps that computed one of its rows
         pa.field("rows", pa.int64(), nullable=False),  # its rows (token-loops) computed
         pa.field("flushes", pa.int32(), nullable=False),  # misprediction flushes
         pa.field("wasted_rows", pa.int64(), nullable=False),  # rows of flushed, past-EOS or cancelled tokens
         pa.field("flip_rate", pa.list_(pa.float64()), nullable=False),  # per loop, vs the final token; [] if unknown
+        # speculation as vLLM counts it (speed.engine.RequestStats): drafts, draft tokens, accepted ones
+        pa.field("drafts", pa.int32(), nullable=False),
+        pa.field("draft_tokens", pa.int32(), nullable=False),
+        pa.field("accepted_tokens", pa.int32(), nullable=False),
+        pa.field("accepted_per_pos", pa.list_(pa.int32()), nullable=False),  # by draft position 1..M-1
         pa.field("queued_ms", pa.float64(), nullable=False),  # engine queue, until it got a slot
         pa.field("ttft_ms", pa.float64()),  # until its first token was committed; null if none
         pa.field("latency_ms", pa.float64(), nullable=False),  # engine: from add to finish
+        pa.field("itl_ms", pa.float64()),  # mean time between its committed tokens; null under two tokens
         pa.field("total_ms", pa.float64(), nullable=False),  # replica: from arrival to the last byte's hand-off
         pa.field("max_active", pa.int32(), nullable=False),  # the engine's capacity when it ran
         pa.field("row_budget", pa.int32()),  # the engine's rows per step; null: unlimited
@@ -112,6 +129,7 @@ BENCH_SERVE_SCHEMA = pa.schema(
         pa.field("p50_ms", pa.float64(), nullable=False),
         pa.field("p99_ms", pa.float64(), nullable=False),
         pa.field("ttft_p50_ms", pa.float64()),
+        pa.field("temperature", pa.float64(), nullable=False),  # of every request (seeded per prompt)
         pa.field("load_1m", pa.float64(), nullable=False),  # the machine's 1-minute load average after the run
         pa.field("checkpoint", pa.string(), nullable=False),
     ]
@@ -230,6 +248,11 @@ class ServeCounters:
     max_rows_per_step: int = 0
     flips: list[float] = field(default_factory=list)  # per loop: tokens whose early exit differed from the final
     flip_tokens: int = 0  # committed tokens of requests with known flip rates (the flip-rate denominator)
+    prompt_tokens: int = 0  # encoder tokens of the prompts that left the engine
+    drafts: int = 0  # speculation, vLLM's counters (speed.engine.RequestStats)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     def add_step(self, rows: int) -> None:
         """Count one engine step of ``rows`` rows (steps without rows are not counted)."""
@@ -238,15 +261,22 @@ class ServeCounters:
             self.rows += rows
             self.max_rows_per_step = max(self.max_rows_per_step, rows)
 
-    def add_finished(
-        self, tokens: int, flushes: int, wasted_rows: int, flip_rate: list[float], cancelled: bool
-    ) -> None:
+    def add_finished(self, stats: RequestStats, prompt_tokens: int, cancelled: bool) -> None:
         """Count one prompt that left the engine."""
+        tokens, flip_rate = stats.tokens, stats.flip_rate
+        self.prompt_tokens += prompt_tokens
+        self.drafts += stats.drafts
+        self.draft_tokens += stats.draft_tokens
+        self.accepted_tokens += stats.accepted_tokens
+        if len(self.accepted_per_pos) < len(stats.accepted_per_pos):
+            self.accepted_per_pos += [0] * (len(stats.accepted_per_pos) - len(self.accepted_per_pos))
+        for pos, n in enumerate(stats.accepted_per_pos):
+            self.accepted_per_pos[pos] += n
         self.cancelled += cancelled
         self.finished += not cancelled
         self.tokens += tokens
-        self.flushes += flushes
-        self.wasted_rows += wasted_rows
+        self.flushes += stats.flushes
+        self.wasted_rows += stats.wasted_rows
         if flip_rate and tokens:
             if len(self.flips) < len(flip_rate):
                 self.flips += [0.0] * (len(flip_rate) - len(self.flips))
@@ -269,6 +299,21 @@ class ServeCounters:
             "rows_per_step": self.rows / self.steps if self.steps else 0.0,
             "max_rows_per_step": self.max_rows_per_step,
             "flip_rate": [f / self.flip_tokens for f in self.flips] if self.flip_tokens else [],
+            "prompt_tokens": self.prompt_tokens,
+            "spec_decode": spec_decode(self.drafts, self.draft_tokens, self.accepted_tokens, self.accepted_per_pos),
             "active": active,
             "queue_depth": queued,
         }
+
+
+def spec_decode(drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int]) -> dict[str, Any]:
+    """Speculation in vLLM's terms: its counters, acceptance rate (accepted / draft tokens) and mean acceptance
+    length (1 + accepted / drafts: tokens per speculative chain, the committed-path token included)."""
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": list(accepted_per_pos),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
