@@ -119,6 +119,7 @@ def test_prompt_list_answers_each_prompt(server):
 
 def test_streaming_sends_deltas_then_usage_then_done(server):
     body = {"prompt": ["A man reads a book.", "Birds fly."], "max_tokens": 9, "stream": True}
+    body["stream_options"] = {"include_usage": True}
     with requests.post(server["url"] + "/v1/completions", json=body, stream=True, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line.decode()[len("data: ") :] for line in r.iter_lines() if line]
@@ -126,6 +127,7 @@ def test_streaming_sends_deltas_then_usage_then_done(server):
     chunks = [json.loads(e) for e in events[:-1]]
     final = chunks[-1]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 18
+    assert all(c["usage"] is None for c in chunks[:-1])  # OpenAI: null until the last chunk
     server["answered"].append((final["id"], 2))
     for index, prompt in enumerate(body["prompt"]):
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
@@ -133,19 +135,181 @@ def test_streaming_sends_deltas_then_usage_then_done(server):
         assert [c["finish_reason"] for c in mine][-1] == "length" and len(mine) >= 2  # streamed, not in one piece
 
 
+# ----- the official openai client, every field streamed and not ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _sampled_offline(server, prompt, max_tokens, **sampling):
+    """Tokens of the same choice decoded alone, sequentially, with the same sampling (choice seed included)."""
+    from speed.engine import Engine, EngineConfig, Request
+    from speed.sampling import Sampling
+
+    ids = server["tokenizer"].encode(prompt)
+    engine = Engine(server["model"], EngineConfig(max_active=1, max_source_len=48, max_target_len=64))
+    engine.add(Request(ids, max_tokens, "sequential", sampling=Sampling(**sampling)))
+    while True:
+        step = engine.step()
+        if step.finished:
+            return server["tokenizer"].decode(step.finished[0].tokens)
+
+
+def _streamed(server, stream):
+    """Text per choice index, finish reasons, the last chunk and the logprob entries of a stream of chunks."""
+    texts, reasons, logprobs, last = {}, {}, {}, None
+    for chunk in stream:
+        last = chunk
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+            if c.logprobs is not None:
+                entries = c.logprobs.content if hasattr(c, "delta") else c.logprobs.tokens
+                logprobs.setdefault(c.index, []).extend(entries or [])
+    server["answered"].append((last.id, len(texts)))
+    return texts, reasons, last, logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_sampling_fields_n_and_seed(server, client, stream):
+    from speed.sampling import choice_seed
+
+    prompt = "A woman rides a horse."
+    args = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 11, "n": 3}
+    args |= {"presence_penalty": 0.3, "frequency_penalty": 0.2, "extra_body": {"top_k": 40}}
+    if stream:
+        texts, reasons, last, _ = _streamed(
+            server, client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+        )
+        prompt_tokens = len(server["tokenizer"].encode(prompt))
+        assert (last.usage.completion_tokens, last.usage.prompt_tokens) == (24, prompt_tokens)
+    else:
+        answer = client.completions.create(**args)
+        server["answered"].append((answer.id, 3))
+        texts = {c.index: c.text for c in answer.choices}
+        reasons = {c.index: c.finish_reason for c in answer.choices}
+        assert answer.usage.completion_tokens == 24
+    sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "presence_penalty": 0.3, "frequency_penalty": 0.2}
+    for i in range(3):
+        assert texts[i] == _sampled_offline(server, prompt, 8, seed=choice_seed(11, i), **sampling)
+        assert reasons[i] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_stop_strings_end_the_choice(server, client, stream):
+    prompt = "Three dogs play in the snow."
+    full, _ = _offline(server, prompt, 12)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), full
+    expected = full[: full.find(stop)]
+    args = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "stop": [stop, "\u2603never"]}
+    if stream:
+        texts, reasons, _, _ = _streamed(server, client.completions.create(**args, stream=True))
+        text, reason = texts[0], reasons[0]
+    else:
+        answer = client.completions.create(**args)
+        server["answered"].append((answer.id, 1))
+        (c,) = answer.choices
+        text, reason = c.text, c.finish_reason
+        assert answer.usage.completion_tokens < 12
+    assert (text, reason) == (expected, "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_logprobs_and_echo(server, client, stream):
+    prompt = "An old man sits on a bench."
+    full, n = _offline(server, prompt, 7)
+    args = {"model": "tiny", "prompt": prompt, "max_tokens": 7, "logprobs": 2}
+    if stream:
+        texts, _, _, entries = _streamed(server, client.completions.create(**args, stream=True))
+        text, tokens = texts[0], entries[0]
+    else:
+        answer = client.completions.create(**args)
+        server["answered"].append((answer.id, 1))
+        lp = answer.choices[0].logprobs
+        text, tokens = answer.choices[0].text, lp.tokens
+        assert len(lp.token_logprobs) == n and all(v <= 0 for v in lp.token_logprobs)
+        assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert text == full and len(tokens) == n
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=7, echo=True, stream=stream)
+    if stream:
+        texts, _, _, _ = _streamed(server, echoed)
+        assert texts[0] == prompt + full
+    else:
+        server["answered"].append((echoed.id, 1))
+        assert echoed.choices[0].text == prompt + full
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_chat_translates_the_last_user_message(server, client, stream):
+    messages = [
+        {"role": "system", "content": "You translate."},
+        {"role": "user", "content": "Ignored earlier text."},
+        {"role": "user", "content": "A child is eating."},
+    ]
+    full, n = _offline(server, "A child is eating.", 9, task="translate_en_de")
+    args = {"model": "tiny", "messages": messages, "max_tokens": 9, "extra_body": {"task": "translate_en_de"}}
+    if stream:
+        texts, reasons, last, entries = _streamed(
+            server,
+            client.chat.completions.create(
+                **args, stream=True, logprobs=True, top_logprobs=1, stream_options={"include_usage": True}
+            ),
+        )
+        assert (texts[0], reasons[0], last.usage.completion_tokens) == (full, "length", n)
+        assert len(entries[0]) == n
+    else:
+        answer = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+        server["answered"].append((answer.id, 1))
+        (c,) = answer.choices
+        assert (c.message.role, c.message.content, c.finish_reason) == ("assistant", full, "length")
+        assert answer.object == "chat.completion" and len(c.logprobs.content) == n
+        assert all(len(e.top_logprobs) <= 2 for e in c.logprobs.content)
+
+
+def test_openai_client_gets_a_400_for_what_is_not_supported(server, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="best_of: not supported by this server"):
+        client.completions.create(model="tiny", prompt="x", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="tools: not supported by this server"):
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+
+
+def test_unseeded_sampling_returns_its_seed_and_repeats_with_it(server, client):
+    first = client.completions.create(model="tiny", prompt="A bird sings.", max_tokens=6, temperature=1.0)
+    seed = first.model_extra["speed"]["seed"]
+    again = client.completions.create(model="tiny", prompt="A bird sings.", max_tokens=6, temperature=1.0, seed=seed)
+    server["answered"] += [(first.id, 1), (again.id, 1)]
+    assert isinstance(seed, int) and again.choices[0].text == first.choices[0].text
+
+
 @pytest.mark.parametrize(
     "body, status, says",
     [
         ({"prompt": ""}, 400, "prompt is empty"),
-        ({"prompt": "x", "temperature": 0.8}, 400, "greedily only"),
+        ({"prompt": "x", "best_of": 2}, 400, "best_of: not supported by this server"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
         ({"prompt": "x", "foo": 1}, 400, "foo: unknown field"),
         ({"prompt": 12}, 400, "prompt must be"),
         ({"prompt": "x", "max_tokens": 401}, 400, "max_tokens must be at most 400"),
+        ({"prompt": ["x", "word " * 80]}, 400, "prompt[1]: prompt has"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": "word " * 80}, 400, "this server accepts at most 48: shorten it"),
+        ({"prompt": "word " * 80}, 400, "tokens, more than 48 (the engine"),
         ({"prompt": "x", "launch_loop": 4}, 400, "launch_loop must be in 1..3"),
         ({"prompt": "x", "task": "nope"}, 400, "unknown task 'nope'"),
-        ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
+        ({"prompt": [5, 99999]}, 400, "prompt must be token ids in [0, 300), got 99999"),
         ({"prompt": [5, 6], "task": "translate_en_de"}, 400, "task applies to text prompts only"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "this server serves 'tiny'"),
         ("not json {", 400, "not valid JSON"),
@@ -161,10 +325,69 @@ def test_bad_requests_are_4xx_saying_what_to_fix(server, body, status, says):
     assert says in r.json()["error"]["message"]
 
 
+def _answered(response):
+    """(id, choices) of a 200 answer, whole or streamed, for the statistics check at the end."""
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: {")]
+        chunks = [json.loads(e) for e in events]
+        return chunks[0]["id"], len({c["index"] for chunk in chunks for c in chunk["choices"]})
+    return response.json()["id"], len(response.json()["choices"])
+
+
+def _smaller(body):
+    """A valid body made cheap to decode, still valid: few tokens, few choices, few prompts."""
+    if type(body.get("max_tokens")) is int and body["max_tokens"] > 4:
+        body["max_tokens"] = 4
+    if type(body.get("n")) is int and body["n"] > 2:
+        body["n"] = 2
+    if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 2 and not isinstance(body["prompt"][0], int):
+        body["prompt"] = body["prompt"][:2]
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis_finds_no_5xx_and_every_answer_matches_the_schema(server, mode):
+    """Schemathesis (a third-party fuzzer) against the published /openapi.json: no 5xx, answers and statuses
+    as documented, and (negative mode) everything the schema forbids refused with a 4xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi import checks
+
+    schema = schemathesis.openapi.from_url(server["url"] + "/openapi.json")
+    run_checks = [not_a_server_error, checks.status_code_conformance, checks.content_type_conformance]
+    run_checks += [checks.response_schema_conformance]
+    if mode == "negative":
+        run_checks.append(checks.negative_data_rejection)
+    calls = []
+    for path in ("/v1/completions", "/v1/chat/completions"):
+
+        @settings(
+            max_examples=30,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=schema[path]["POST"].as_strategy(GenerationMode(mode)))
+        def fuzz(case):
+            if mode == "positive" and isinstance(case.body, dict):
+                _smaller(case.body)
+            response = case.call_and_validate(base_url=server["url"], checks=run_checks, timeout=120)
+            calls.append(response.status_code)
+            if response.status_code == 200:
+                server["answered"].append(_answered(response))
+
+        fuzz()
+    assert len(calls) >= 40 and all(c < 500 for c in calls)
+    if mode == "negative":
+        assert 200 not in calls
+
+
 def test_replica_healthy_after_bad_requests(server):
     assert _complete(server, {"prompt": "Still here?", "max_tokens": 4}).status_code == 200
     stats = requests.get(server["url"] + "/v1/stats", timeout=30).json()
-    assert stats["rejected"] >= 13 and stats["active"] == 0
+    assert stats["rejected"] >= 15 and stats["active"] == 0
 
 
 def test_disconnect_frees_the_rows(server):

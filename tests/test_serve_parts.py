@@ -42,13 +42,14 @@ from speed.trace import TRACE_SCHEMA
         ({"prompt": [1, "a"]}, "not a mixture"),
         ({"prompt": [[1, 2], []]}, "prompt[1] must be a non-empty list of token ids"),
         ({"prompt": [-3]}, "not a mixture"),
-        ({"prompt": "x", "temperature": 0.7}, "greedily only"),
-        ({"prompt": "x", "n": 2}, "n must be 1"),
+        ({"prompt": "x", "temperature": -0.7}, "temperature: Input should be greater than or equal to 0"),
+        ({"prompt": "x", "n": 0}, "n: Input should be greater than or equal to 1"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
         ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
         ({"prompt": "x", "method": "fast"}, "method: Input should be 'speed' or 'sequential'"),
-        ({"prompt": "x", "best_of": 3}, "best_of: unknown field; the fields are: prompt, model, max_tokens"),
+        ({"prompt": "x", "best_of": 3}, "best_of: not supported by this server"),
+        ({"prompt": "x", "bestof": 3}, "bestof: unknown field; the fields are: model, max_tokens"),
         ({}, "prompt: Field required"),
     ],
 )
@@ -86,6 +87,8 @@ def _row(i: int, **extra) -> dict:
         model="m", method="speed", launch_loop=1, invalidation="eager", stream=False, max_tokens=8,
         prompt_tokens=3, completion_tokens=4, finish_reason="length", steps=5, rows=9, flushes=1, wasted_rows=2,
         flip_rate=[0.5, 0.0], queued_ms=0.1, ttft_ms=1.0, latency_ms=2.0, total_ms=3.0, max_active=4,
+        route="completions", prompt=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, presence_penalty=0.0,
+        frequency_penalty=0.0, drafts=1, draft_tokens=3, accepted_tokens=2, accepted_per_pos=[2],
     )  # fmt: skip
     row.update(extra)
     return row
@@ -171,7 +174,7 @@ def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
             await asyncio.sleep(0.005)  # arrivals while others decode
 
         async def collect(s):
-            return [t async for t in s.stream()]
+            return [c.token async for c in s.stream()]
 
         streamed = await asyncio.gather(*(collect(s) for s in subs))
         finished = [await s.done for s in subs]
@@ -185,6 +188,27 @@ def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
     assert sorted(left) == [0, 1, 2, 3]
     assert counters.finished == 4 and counters.tokens == sum(len(f.tokens) for f in finished)
     assert counters.max_rows_per_step <= 5  # the row budget
+
+
+def test_runner_submits_all_or_none(tiny_model):
+    """One refused request of several: none of them stays in the engine, none leaves a statistics row."""
+
+    async def run():
+        left = []
+        runner = EngineRunner(
+            tiny_model, EngineConfig(max_active=2, max_source_len=8, max_target_len=8), lambda f, s: left.append(s)
+        )
+        good = Request([5, 6, 1], 4)
+        with pytest.raises(ValueError, match=r"^\[2\]: max_new_tokens must be at most 8"):
+            await runner.submit_all([good, good, Request([5, 1], 9)], [{}, {}, {}])
+        assert (runner.pending, runner.queued, runner.active, left) == (0, 0, 0, [])
+        (ok,) = await runner.submit_all([good], [{}])
+        finished = await ok.done
+        runner.close()
+        return finished, ok, left
+
+    finished, ok, left = asyncio.run(run())
+    assert len(left) == 1 and len(ok.times) == len(finished.tokens) and len(ok.gaps) == len(finished.tokens) - 1
 
 
 def test_runner_cancel_frees_the_slot_and_reconfigure_rebuilds(tiny_model):

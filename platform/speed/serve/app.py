@@ -140,6 +140,9 @@ def load_served_model(checkpoint: str, device: str) -> tuple[torch.nn.Module, To
     return loaded.model.to(device).eval(), tokenizer
 
 
+_PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "prompt")  # what an engine error can be about
+
+
 def _openapi(model: type[BaseModel]) -> dict[str, Any]:
     """What a route accepts and answers, for ``/openapi.json`` (the body is parsed by hand: ``_parse``)."""
     error = {"application/json": {"schema": protocol.inline_schema(protocol.ErrorResponse)}}
@@ -296,9 +299,11 @@ class SpeedServer:
         ]
         try:
             submissions = await self.runner.submit_all(plan.requests, metas)
-        except ValueError as err:
+        except ValueError as err:  # the engine's check of each request: said in the request's words
             self.runner.counters.rejected += 1
-            raise BadRequest(f"prompt{err}" if str(err).startswith("[") else str(err), "prompt") from None
+            message = str(err).replace("max_new_tokens", "max_tokens").replace("input_ids", "prompt")
+            message = f"prompt{message}" if message.startswith("[") else message
+            raise BadRequest(message, next((p for p in _PARAMS if p in message), None)) from None
         self.runner.counters.requests += 1
         texts = [self._choice_text(plan, p) for p in plan.prompts]
         created = protocol.now()

@@ -149,6 +149,8 @@ async def _run(config: LoadConfig, prompts: list[str | list[int]]) -> LoadResult
                     "max_tokens": config.max_tokens,
                     "stream": config.stream,
                 }
+                if config.stream:
+                    body["stream_options"] = {"include_usage": True}  # the token counts come in the last chunk
                 scheduled = planned[i] if config.rate is not None else None  # closed loop: from the send
                 rows[i] = await _send(session, url, body, start, scheduled, deadline)
                 rows[i].update(run=config.label, request=i, prompt=prompt_index)
@@ -216,7 +218,7 @@ def _absorb(row: dict[str, Any], answer: dict[str, Any]) -> None:
         row["text"] = (row.get("text") or "") + c.get("text", "")
         if c.get("finish_reason"):
             row["finish_reason"] = c["finish_reason"]
-    if "usage" in answer:
+    if answer.get("usage"):
         row["prompt_tokens"] = answer["usage"]["prompt_tokens"]
         row["completion_tokens"] = answer["usage"]["completion_tokens"]
     if "speed" in answer:
