@@ -20,7 +20,9 @@ from test_decoding_schedule import EOS, StubModel, target
 from speed.config import preset
 from speed.decoding import generate
 from speed.engine import Engine, EngineConfig, Request, budget_rows
+from speed.exactness import LogitRecorder
 from speed.model import SpeedT5
+from speed.sampling import Sampling
 from speed.trace import flip_rates
 
 PATTERNS = ["1x4", "4x1", "2x6", "3x4", "2x3", "1x5", "3x3", "1x1"]
@@ -193,8 +195,9 @@ def test_step_result_reports_commits_in_order():
         r = engine.step()
         committed += r.committed
         finished += r.finished
-    assert [t for i, t in committed if i == a] == [10, 11, 12]
-    assert [t for i, t in committed if i == b] == [10, EOS]
+    assert [c.token for c in committed if c.id == a] == [10, 11, 12]
+    assert [c.token for c in committed if c.id == b] == [10, EOS]
+    assert all(c.logprob is None for c in committed)  # not asked for
     assert {f.id: f.tokens for f in finished} == {a: [10, 11, 12], b: [10, EOS]}
     assert engine.stats.tokens == 5
     seq_stats = next(f.stats for f in finished if f.id == b)
@@ -235,6 +238,10 @@ def test_sequential_without_trace_skips_early_exits():
         ({"input_ids": [3, -1]}, r"token ids in \[0, 128\), got -1"),
         ({"input_ids": [3, 4.0]}, r"got 4\.0"),
         ({"method": "sequential", "oracle": [1]}, "oracle needs method='speed'"),
+        ({"sampling": {"temperature": 1.0}}, "sampling must be a speed.sampling.Sampling"),
+        ({"logprobs": 21}, r"logprobs must be None or an integer in 0\.\.20"),
+        ({"logprobs": -1}, r"logprobs must be None or an integer in 0\.\.20"),
+        ({"logprobs": True}, r"logprobs must be None or an integer in 0\.\.20"),
     ],
 )
 def test_add_rejects_bad_requests(request_kw, fragment):
@@ -291,3 +298,33 @@ def test_flip_rate_matches_trace():
         assert pc.all(pc.equal(trace.column("sequence"), f.id)).as_py()
         assert f.stats.flip_rate == pytest.approx(flip_rates(trace).column("flip_rate_final").to_pylist())
         assert len(f.stats.flip_rate) == model.n_loops and f.stats.flip_rate[-1] == 0.0
+
+
+def test_logprobs_are_the_last_loops_log_softmax():
+    """Each committed token carries its log-probability and the k best under the last loop's raw logits,
+    the same in the step's commits and in the finished request, and the same under SPEED as sequentially."""
+    model = tiny_model(5, "2x3")
+    ids = [5, 6, 7, 8]
+    hot = Sampling(temperature=1.0, seed=11)
+    results = {}
+    for method in ("speed", "sequential"):
+        engine = Engine(model, EngineConfig(max_active=2, max_source_len=8, max_target_len=10))
+        a = engine.add(Request(ids, 10, method=method, sampling=hot, logprobs=3))
+        b = engine.add(Request(ids, 10, method=method, sampling=hot))  # none asked for
+        commits, done = [], {}
+        while engine.has_work:
+            step = engine.step()
+            commits += step.committed
+            done.update((f.id, f) for f in step.finished)
+        assert [c.logprob for c in commits if c.id == a] == done[a].logprobs
+        assert all(c.logprob is None for c in commits if c.id == b) and done[b].logprobs is None
+        assert [lp.token for lp in done[a].logprobs] == done[a].tokens == done[b].tokens
+        results[method] = done[a].logprobs
+    assert results["speed"] == results["sequential"]  # exact floats, not close ones
+    rec = LogitRecorder(model)
+    tokens = generate(rec, torch.tensor([ids]), method="sequential", max_new_tokens=10, sampling=hot).tokens[0]
+    for p, lp in enumerate(results["speed"]):
+        ref = rec.logits[(0, model.n_loops - 1, p)].log_softmax(-1)  # the last loop's raw logits
+        assert lp.logprob == ref[tokens[p]].item()
+        assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)

@@ -1,4 +1,4 @@
-"""Greedy decoding of a batch with a looped (NxM) decoder: sequential reference and SPEED pipeline.
+"""Decoding (greedy or seeded sampling) of a batch with a looped (NxM) decoder: sequential reference and SPEED pipeline.
 
 ``generate`` decodes one fixed batch to completion as a thin loop over
 ``speed.engine.Engine`` (see there for how SPEED schedules tokens): every
@@ -24,6 +24,7 @@ from speed.engine import (
     Request,
     Stepper,
 )
+from speed.sampling import Sampling
 
 __all__ = ["DecodeStats", "GenerateResult", "Invalidation", "Method", "Stepper", "generate"]
 
@@ -48,8 +49,9 @@ def generate(
     invalidation: Invalidation = "eager",
     trace: bool = True,
     oracle: list[list[int]] | None = None,
+    sampling: Sampling | None = None,
 ) -> GenerateResult:
-    """Greedy-decode a batch of encoder inputs (B, S) with a looped decoder.
+    """Decode a batch of encoder inputs (B, S) with a looped decoder.
 
     ``method="sequential"`` runs all M loops of a token before the next (the
     reference; with ``trace`` it also evaluates every loop's early exit).
@@ -58,6 +60,9 @@ def generate(
     only) forces speculation to the given final tokens, isolating the
     engine's own overhead. Both return identical tokens. Sequence b decodes
     the tokens where ``attention_mask[b]`` is 1, encoded on their own.
+    ``sampling`` (default greedy) applies to every sequence with its one seed:
+    the noise depends on (seed, output position) only, so two sequences of the
+    batch with the same input draw the same tokens.
     """
     if method not in ("sequential", "speed"):
         raise ValueError(f"method must be 'sequential' or 'speed', got {method!r}")
@@ -77,7 +82,15 @@ def generate(
     if attention_mask is not None:
         rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(rows, attention_mask.tolist())]
     requests = [
-        Request(row, max_new_tokens, method, launch_loop, invalidation, None if oracle is None else list(oracle[b]))
+        Request(
+            row,
+            max_new_tokens,
+            method,
+            launch_loop,
+            invalidation,
+            None if oracle is None else list(oracle[b]),
+            Sampling() if sampling is None else sampling,
+        )
         for b, row in enumerate(rows)
     ]
     config = EngineConfig(max_active=batch, max_source_len=length, max_target_len=max_new_tokens, trace=trace)

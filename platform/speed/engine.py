@@ -12,7 +12,9 @@ shared weights once. When a later loop's prediction differs from the token a
 successor was launched with, the successor and everything after it are
 flushed (``eager``: at once; ``final``: only when the predecessor finishes its
 last loop) and relaunched from the new prediction. Committed tokens are always
-the last loop's predictions, so the output equals sequential greedy decoding.
+the last loop's decisions, so the output equals sequential decoding: greedy, or
+seeded sampling (``speed.sampling``), whose noise depends only on the
+request's seed and the output position, never on the step or the batch.
 Sequential decoding is the same pipeline that never launches a successor
 before its predecessor's last loop.
 
@@ -36,14 +38,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import pyarrow as pa
 import torch
 from torch import Tensor
 
 from speed.cache import KVCache, Rows
-from speed.sampling import exit_choices
+from speed.sampling import MAX_LOGPROBS, Draw, Sampling, TokenLogprob, exit_choices, exit_scores, token_logprob
 from speed.trace import TraceBuilder
 
 Method = Literal["sequential", "speed"]
@@ -104,6 +106,8 @@ class Request:
     launch_loop: int = 1  # loops a token runs before its successor launches from its prediction (1..M)
     invalidation: Invalidation = "eager"
     oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
+    sampling: Sampling = Sampling()  # greedy by default
+    logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and its k best alternatives
 
 
 @dataclass
@@ -155,13 +159,22 @@ class Finished:
     stats: RequestStats
     trace: pa.Table | None  # speed.trace.TRACE_SCHEMA rows (sequence = request id), when the engine traces
     cancelled: bool = False
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
+
+
+class Commit(NamedTuple):
+    """A token committed to a request in a step."""
+
+    id: int  # request id
+    token: int
+    logprob: TokenLogprob | None  # when the request asked for logprobs
 
 
 @dataclass
 class StepResult:
     """What one ``step`` did."""
 
-    committed: list[tuple[int, int]]  # (request id, token) committed in this step, in order
+    committed: list[Commit]  # tokens committed in this step, in order
     finished: list[Finished]
     rows: int  # rows computed in this step
 
@@ -212,6 +225,8 @@ class Slot:
     runners: list[int] = field(default_factory=list)  # each finished loop's runner-up (second-best token)
     p_top: list[float] = field(default_factory=list)  # each finished loop's top-1 probability
     ahead: int = 0  # uncommitted tokens ahead of it when launched: 0 on the committed path, else its draft position
+    modes: list[int] = field(default_factory=list)  # each finished loop's noise-free argmax (= preds if greedy)
+    logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
 
 
 @dataclass
@@ -239,20 +254,32 @@ class Sequence:
     draft_tokens: int = 0  # speculative launches
     accepted: list[int] = field(default_factory=list)  # committed draft tokens by draft position - 1
     trace: TraceBuilder | None = None
+    logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
 
     def speculation(self, slot: Slot) -> int:
-        """The prediction to speculate from: the oracle's token if forced, else the latest exit."""
+        """The prediction to speculate from: the oracle's token if forced, else the latest exit's draw
+        (coupled) or its argmax."""
         oracle = self.request.oracle
         if oracle is not None and slot.pos < len(oracle):
             return oracle[slot.pos]
-        return slot.preds[-1]
+        return slot.preds[-1] if self.request.sampling.coupled else slot.modes[-1]
+
+    def draw(self, slot: Slot) -> Draw | None:
+        """What the slot's exits need to decide: None for plain greedy (the raw logits' argmax)."""
+        sampling = self.request.sampling
+        if sampling.plain:
+            return None
+        history = None
+        if sampling.penalized:  # the committed tokens, then the slot's in-flight predecessors
+            history = self.out + [s.token for s in self.slots[1 : slot.pos - len(self.out) + 1]]
+        return Draw(sampling, slot.pos, history)
 
 
 # ----- the engine ------------------------------------------------------------------------------
 
 
 class Engine:
-    """Continuous-batching greedy decoder over a ``Stepper`` with fixed capacity (see the module doc)."""
+    """Continuous-batching decoder, greedy or seeded sampling, over a ``Stepper`` (see the module doc)."""
 
     def __init__(self, model: Stepper, config: EngineConfig = EngineConfig()) -> None:
         if getattr(model, "training", False):
@@ -300,6 +327,7 @@ class Engine:
             "flips": [0] * M,
             "accepted": [0] * (M - 1),
             "trace": TraceBuilder() if self.config.trace else None,
+            "logprobs": None if request.logprobs is None else [],
         }
         with self._queue_lock:
             seq = Sequence(self._next_id, **seq_fields)
@@ -350,24 +378,28 @@ class Engine:
         inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
         hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
         if logits is not None:
-            exits = exit_choices(logits)
+            exits = exit_choices(*exit_scores(logits, [s.draw(t) for s, t in work]))
             preds, runners, p_top = exits.token, exits.runner_up, exits.p_top
+            modes = preds if exits.mode is None else exits.mode
         else:
-            preds = runners = [NO_EXIT] * len(work)
+            preds = runners = modes = [NO_EXIT] * len(work)
             p_top = [float("nan")] * len(work)
         ran: dict[int, Sequence] = {}
-        for (seq, slot), h, pred, runner, p in zip(work, hidden.unbind(0), preds, runners, p_top):
+        for r, ((seq, slot), h) in enumerate(zip(work, hidden.unbind(0))):
             slot.hidden = h
-            slot.preds.append(pred)
-            slot.runners.append(runner)
-            slot.p_top.append(p)
+            slot.preds.append(preds[r])
+            slot.runners.append(runners[r])
+            slot.p_top.append(p_top[r])
+            slot.modes.append(modes[r])
+            if len(slot.preds) == M and seq.request.logprobs is not None:
+                slot.logprob = token_logprob(logits[r], preds[r], seq.request.logprobs)
             seq.rows += 1
             ran[seq.id] = seq
         st = self.stats
         st.steps += 1
         st.group_passes += 1
         st.rows += len(work)
-        committed: list[tuple[int, int]] = []
+        committed: list[Commit] = []
         finished: list[Finished] = []
         now = time.perf_counter()
         for seq in ran.values():
@@ -377,7 +409,8 @@ class Engine:
             if len(seq.out) > n:
                 if n == 0:
                     seq.first_token = now
-                committed.extend((seq.id, t) for t in seq.out[n:])
+                lps = seq.logprobs[n:] if seq.logprobs is not None else [None] * (len(seq.out) - n)
+                committed.extend(Commit(seq.id, t, lp) for t, lp in zip(seq.out[n:], lps))
             if seq.done:
                 self._release(seq)
                 finished.append(self._finished(seq, now, cancelled=False))
@@ -413,6 +446,11 @@ class Engine:
             raise ValueError(f"input_ids must be token ids in [0, {V}), got {bad!r}")
         if request.oracle is not None and request.method != "speed":
             raise ValueError("an oracle needs method='speed'")
+        if not isinstance(request.sampling, Sampling):
+            raise ValueError(f"sampling must be a speed.sampling.Sampling, got {type(request.sampling).__name__}")
+        k = request.logprobs
+        if k is not None and (type(k) is not int or not 0 <= k <= min(MAX_LOGPROBS, V)):
+            raise ValueError(f"logprobs must be None or an integer in 0..{min(MAX_LOGPROBS, V)}, got {k!r}")
 
     def _admit(self) -> None:
         """Move waiting requests into free slots, encoding each alone into its slot."""
@@ -497,6 +535,8 @@ class Engine:
                 seq.flips[loop] += pred != token
         if seq.trace is not None:
             seq.trace.add_token(seq.id, slot.pos, slot.preds)
+        if seq.logprobs is not None:
+            seq.logprobs.append(slot.logprob)
 
     def _flush(self, seq: Sequence, start: int, mispredicted: bool) -> None:
         """Drop in-flight slots from index ``start`` on and invalidate their cache entries."""
@@ -533,4 +573,4 @@ class Engine:
             accepted_per_pos=list(seq.accepted),
         )
         trace = seq.trace.table() if seq.trace is not None else None
-        return Finished(seq.id, seq.out, stats, trace, cancelled)
+        return Finished(seq.id, seq.out, stats, trace, cancelled, seq.logprobs)
