@@ -309,7 +309,7 @@ def test_unseeded_sampling_returns_its_seed_and_repeats_with_it(server, client):
         ({"prompt": "word " * 80}, 400, "tokens, more than 48 (the engine"),
         ({"prompt": "x", "launch_loop": 4}, 400, "launch_loop must be in 1..3"),
         ({"prompt": "x", "task": "nope"}, 400, "unknown task 'nope'"),
-        ({"prompt": [5, 99999]}, 400, "prompt must be token ids in [0, 300), got 99999"),
+        ({"prompt": [5, 99999]}, 400, "prompt must be token ids in [0, 400), got 99999"),
         ({"prompt": [5, 6], "task": "translate_en_de"}, 400, "task applies to text prompts only"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "this server serves 'tiny'"),
         ("not json {", 400, "not valid JSON"),
@@ -481,7 +481,7 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
 
     import pyarrow.parquet as pq
 
-    from speed.analysis import discover, load_summary, rows_per_step
+    from speed.analysis import acceptance, discover, load_summary, rows_per_step
     from speed.analysis.notebooks import run_notebooks
     from speed.analysis.results import read_tables
     from speed.paths import repo_root
@@ -502,3 +502,6 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     run_notebooks(root, [repo_root() / "analysis" / "serving.ipynb"])
     assert (found.load[0].parent / "serving_load.png").stat().st_size > 0
     assert (found.requests[0].parent / "serving_rows_per_step.png").stat().st_size > 0
+    assert (found.requests[0].parent / "serving_acceptance.png").stat().st_size > 0
+    temperatures = set(acceptance(read_tables(found.requests))["temperature"].to_pylist())
+    assert {0.0, 0.8} <= temperatures  # the openai-client tests sampled at 0.8

@@ -124,3 +124,24 @@ def test_prometheus_names_are_vllms_with_a_prefix_and_in_seconds():
     assert got["speed_flipped_tokens"] == [5, 1] and got["speed_flushes"] == [1]
     assert (got["speed_num_requests_running"], got["speed_num_requests_waiting"]) == ([2], [1])
     assert got["speed_rows_per_step"] == [6]
+
+
+def test_acceptance_tables_by_temperature_and_position():
+    import pyarrow as pa
+
+    from speed.analysis import acceptance, acceptance_by_position
+
+    def row(method, t, drafts, draft_tokens, per_pos, tokens=10):
+        counts = {"draft_tokens": draft_tokens, "accepted_tokens": sum(per_pos), "accepted_per_pos": per_pos}
+        return {"method": method, "temperature": t, "completion_tokens": tokens, "drafts": drafts, **counts}
+
+    rows = [row("speed", 0.0, 2, 6, [2, 1]), row("speed", 0.0, 2, 4, [1, 0]), row("speed", 0.8, 4, 8, [2, 0])]
+    rows.append(row("sequential", 0.0, 0, 0, [0, 0]))
+    table = pa.Table.from_pylist(rows)
+    overall = {(r["method"], r["temperature"]): r for r in acceptance(table).to_pylist()}
+    assert overall["speed", 0.0]["acceptance_rate"] == 4 / 10 and overall["speed", 0.0]["mean_acceptance_length"] == 2
+    assert overall["speed", 0.8]["requests"] == 1 and overall["sequential", 0.0]["acceptance_rate"] is None
+    by_pos = [
+        (r["temperature"], r["position"], r["acceptance_rate"]) for r in acceptance_by_position(table).to_pylist()
+    ]
+    assert by_pos == [(0.0, 1, 0.75), (0.0, 2, 0.25), (0.8, 1, 0.5), (0.8, 2, 0.0)]
