@@ -107,6 +107,10 @@ def test_concurrent_answers_equal_offline_decoding(server):
         stats = a["speed"]["choices"][0]
         assert stats["tokens"] == n and len(stats["flip_rate"]) == 3 and stats["latency_ms"] > 0
         assert a["speed"]["method"] == body.get("method", "speed")
+        spec = stats["spec_decode"]
+        assert spec["num_accepted_tokens"] == sum(spec["num_accepted_tokens_per_pos"]) <= spec["num_draft_tokens"]
+        never = body.get("method") == "sequential" or body.get("launch_loop") == 3  # launch after the last loop
+        assert (spec["num_drafts"] == 0) == never
 
 
 def test_prompt_list_answers_each_prompt(server):
@@ -310,6 +314,7 @@ def test_unseeded_sampling_returns_its_seed_and_repeats_with_it(server, client):
         ({"prompt": "x", "launch_loop": 4}, 400, "launch_loop must be in 1..3"),
         ({"prompt": "x", "task": "nope"}, 400, "unknown task 'nope'"),
         ({"prompt": [5, 99999]}, 400, "prompt must be token ids in [0, 400), got 99999"),
+        ({"prompt": [5, 99999], "echo": True}, 400, "token id 99999 outside the vocabulary"),
         ({"prompt": [5, 6], "task": "translate_en_de"}, 400, "task applies to text prompts only"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "this server serves 'tiny'"),
         ("not json {", 400, "not valid JSON"),
@@ -327,7 +332,8 @@ def test_bad_requests_are_4xx_saying_what_to_fix(server, body, status, says):
 
 def _answered(response):
     """(id, choices) of a 200 answer, whole or streamed, for the statistics check at the end."""
-    if response.headers.get("content-type", "").startswith("text/event-stream"):
+    kind = {k.lower(): v for k, v in response.headers.items()}.get("content-type", "")
+    if "text/event-stream" in str(kind):
         events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: {")]
         chunks = [json.loads(e) for e in events]
         return chunks[0]["id"], len({c["index"] for chunk in chunks for c in chunk["choices"]})
@@ -387,7 +393,10 @@ def test_schemathesis_finds_no_5xx_and_every_answer_matches_the_schema(server, m
 def test_replica_healthy_after_bad_requests(server):
     assert _complete(server, {"prompt": "Still here?", "max_tokens": 4}).status_code == 200
     stats = requests.get(server["url"] + "/v1/stats", timeout=30).json()
-    assert stats["rejected"] >= 15 and stats["active"] == 0
+    assert stats["rejected"] >= 16 and stats["active"] == 0
+    spec = stats["spec_decode"]
+    assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+    assert len(spec["num_accepted_tokens_per_pos"]) == 2 and stats["prompt_tokens"] > 0
 
 
 def test_disconnect_frees_the_rows(server):
@@ -472,6 +481,15 @@ def test_statistics_hold_one_row_per_answered_prompt_after_shutdown(server):
         rows.filter(pc.equal(rows["finish_reason"], "cancelled"))["completion_tokens"].to_pylist()
     )
     assert traces.num_rows == 3 * tokens  # one trace row per committed token and loop
+    from speed.sampling import choice_seed
+
+    sampled = rows.filter(pc.equal(rows["temperature"], 0.8)).to_pylist()
+    seeded = sorted((r["choice"], r["seed"]) for r in sampled if r["top_k"] == 40)
+    assert seeded == sorted([(i, choice_seed(11, i)) for i in range(3)] * 2)  # the n=3 request, streamed and not
+    assert all(r["accepted_tokens"] == sum(r["accepted_per_pos"]) for r in rows.to_pylist())
+    assert set(rows["route"].to_pylist()) == {"completions", "chat"}
+    stopped = rows.filter(pc.equal(rows["finish_reason"], "stop"))
+    assert stopped.num_rows >= 2  # the stop-string answers end as "stop", not "cancelled"
 
 
 @pytest.mark.slow

@@ -143,6 +143,14 @@ def load_served_model(checkpoint: str, device: str) -> tuple[torch.nn.Module, To
 _PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "prompt")  # what an engine error can be about
 
 
+# one server-sent event: ``data:`` a JSON chunk (``speed.serve.protocol.Surface.chunk``) or ``[DONE]``
+_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+
+
 def _openapi(model: type[BaseModel]) -> dict[str, Any]:
     """What a route accepts and answers, for ``/openapi.json`` (the body is parsed by hand: ``_parse``)."""
     error = {"application/json": {"schema": protocol.inline_schema(protocol.ErrorResponse)}}
@@ -154,7 +162,7 @@ def _openapi(model: type[BaseModel]) -> dict[str, Any]:
                 "description": "the answer, or with stream: server-sent events ending in data: [DONE]",
                 "content": {
                     "application/json": {"schema": answer},
-                    "text/event-stream": {"schema": {"type": "string"}},
+                    "text/event-stream": {"schema": _EVENT},
                 },
             },
             "400": {"description": "a request that cannot be decoded as asked", "content": error},

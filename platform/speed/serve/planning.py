@@ -74,7 +74,10 @@ def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer
         raise BadRequest(str(err), "task") from None
     inputs = tokenizer.encode_batch([prefix + p for p in prompts]) if texts else [list(p) for p in prompts]
     echo = not chat and body.echo
-    echoes = [(p if texts else tokenizer.decode(p)) if echo else "" for p in prompts]
+    try:
+        echoes = [(p if texts else tokenizer.decode(p)) if echo else "" for p in prompts]
+    except ValueError as err:  # a token id the tokenizer does not know
+        raise BadRequest(f"prompt: {err}", "prompt") from None
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     max_tokens = (body.requested_tokens if chat else body.max_tokens) or s.max_tokens
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # vLLM: -1 (or 0) is off
