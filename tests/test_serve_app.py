@@ -397,6 +397,8 @@ def test_replica_healthy_after_bad_requests(server):
     spec = stats["spec_decode"]
     assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
     assert len(spec["num_accepted_tokens_per_pos"]) == 2 and stats["prompt_tokens"] > 0
+    assert sum(spec["num_draft_tokens_per_pos"]) == spec["num_draft_tokens"]
+    assert all(r is None or 0 <= r <= 1 for r in spec["acceptance_rate_per_pos"])
 
 
 def test_disconnect_frees_the_rows(server):

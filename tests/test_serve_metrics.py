@@ -45,29 +45,34 @@ def test_oracle_speculation_accepts_every_draft_token(model):
     assert st.draft_tokens == st.accepted_tokens == len(final) - 1  # all but the first token were speculated
     assert st.drafts == 1 and len(st.accepted_per_pos) == 3  # one chain, positions 1..M-1
     assert sum(st.accepted_per_pos) == st.accepted_tokens and st.accepted_per_pos[0] >= 1
+    assert st.draft_tokens_per_pos == st.accepted_per_pos  # every draft token accepted, position by position
 
 
 def test_sequential_decoding_never_drafts(model):
     st = _first_finished(model, Request(IDS, 20, "sequential")).stats
     assert (st.drafts, st.draft_tokens, st.accepted_tokens, st.accepted_per_pos) == (0, 0, 0, [0, 0, 0])
+    assert st.draft_tokens_per_pos == [0, 0, 0]
 
 
 @pytest.mark.parametrize("launch_loop", [1, 2, 3])
 def test_counters_add_up_under_real_speculation(model, launch_loop):
     f = _first_finished(model, Request(IDS, 24, "speed", launch_loop=launch_loop))
     st = f.stats
-    assert st.accepted_tokens == sum(st.accepted_per_pos) <= st.draft_tokens
+    assert st.accepted_tokens == sum(st.accepted_per_pos) <= st.draft_tokens == sum(st.draft_tokens_per_pos)
+    assert all(a <= d for a, d in zip(st.accepted_per_pos, st.draft_tokens_per_pos))
+    assert st.drafts == st.draft_tokens_per_pos[0]  # a draft: a launch at position 1
     assert st.drafts <= st.draft_tokens and st.drafts >= 1
     # each committed token was accepted or launched on the committed path, which starts a chain or ends one
     assert st.tokens - st.accepted_tokens >= st.drafts - st.flushes
     if launch_loop > 2:  # with 4 loops a token launched after 3 can have at most one token ahead of it
-        assert st.accepted_per_pos[1:] == [0, 0]
+        assert st.accepted_per_pos[1:] == st.draft_tokens_per_pos[1:] == [0, 0]
 
 
 def test_spec_decode_rates():
-    s = spec_decode(drafts=4, draft_tokens=10, accepted=6, accepted_per_pos=[4, 2, 0])
+    s = spec_decode(drafts=4, draft_tokens=10, accepted=6, accepted_per_pos=[4, 2, 0], draft_tokens_per_pos=[5, 4, 0])
     assert (s["acceptance_rate"], s["mean_acceptance_length"]) == (0.6, 2.5)
-    none = spec_decode(0, 0, 0, [])
+    assert s["acceptance_rate_per_pos"] == [0.8, 0.5, None]
+    none = spec_decode(0, 0, 0, [], [])
     assert (none["acceptance_rate"], none["mean_acceptance_length"]) == (None, None)
 
 
@@ -109,6 +114,7 @@ def test_prometheus_names_are_vllms_with_a_prefix_and_in_seconds():
     metrics = ServeMetrics(rec)
     row = {"method": "speed", "finish_reason": "stop", "prompt_tokens": 7, "completion_tokens": 10, "flushes": 1}
     row |= {"drafts": 3, "draft_tokens": 8, "accepted_tokens": 6, "accepted_per_pos": [3, 2, 1]}
+    row |= {"draft_tokens_per_pos": [3, 3, 2]}
     row |= {"flip_rate": [0.5, 0.1, 0.0], "ttft_ms": 40.0, "total_ms": 250.0, "queued_ms": 5.0}
     metrics.finished(row, gaps=[0.02, 0.03])
     metrics.step(rows=6, active=2, queued=1)
@@ -117,6 +123,8 @@ def test_prometheus_names_are_vllms_with_a_prefix_and_in_seconds():
     assert got["speed_spec_decode_num_accepted_tokens"] == [6]
     per_pos = {tags["position"]: v for v, tags in rec.seen["speed_spec_decode_num_accepted_tokens_per_pos"]}
     assert per_pos == {"1": 3, "2": 2, "3": 1}
+    launched = {tags["position"]: v for v, tags in rec.seen["speed_spec_decode_num_draft_tokens_per_pos"]}
+    assert launched == {"1": 3, "2": 3, "3": 2}
     assert got["speed_time_to_first_token_seconds"] == [0.04]
     assert got["speed_inter_token_latency_seconds"] == [0.02, 0.03]
     assert got["speed_e2e_request_latency_seconds"] == [0.25] and got["speed_request_queue_time_seconds"] == [0.005]
@@ -131,12 +139,13 @@ def test_acceptance_tables_by_temperature_and_position():
 
     from speed.analysis import acceptance, acceptance_by_position
 
-    def row(method, t, drafts, draft_tokens, per_pos, tokens=10):
-        counts = {"draft_tokens": draft_tokens, "accepted_tokens": sum(per_pos), "accepted_per_pos": per_pos}
+    def row(method, t, drafts, launched, per_pos, tokens=10):
+        counts = {"draft_tokens": sum(launched), "accepted_tokens": sum(per_pos), "accepted_per_pos": per_pos}
+        counts["draft_tokens_per_pos"] = launched
         return {"method": method, "temperature": t, "completion_tokens": tokens, "drafts": drafts, **counts}
 
-    rows = [row("speed", 0.0, 2, 6, [2, 1]), row("speed", 0.0, 2, 4, [1, 0]), row("speed", 0.8, 4, 8, [2, 0])]
-    rows.append(row("sequential", 0.0, 0, 0, [0, 0]))
+    rows = [row("speed", 0.0, 2, [2, 4], [2, 1]), row("speed", 0.0, 2, [2, 2], [1, 0])]
+    rows += [row("speed", 0.8, 4, [4, 4], [2, 0]), row("sequential", 0.0, 0, [0, 0], [0, 0])]
     table = pa.Table.from_pylist(rows)
     overall = {(r["method"], r["temperature"]): r for r in acceptance(table).to_pylist()}
     assert overall["speed", 0.0]["acceptance_rate"] == 4 / 10 and overall["speed", 0.0]["mean_acceptance_length"] == 2
@@ -144,4 +153,4 @@ def test_acceptance_tables_by_temperature_and_position():
     by_pos = [
         (r["temperature"], r["position"], r["acceptance_rate"]) for r in acceptance_by_position(table).to_pylist()
     ]
-    assert by_pos == [(0.0, 1, 0.75), (0.0, 2, 0.25), (0.8, 1, 0.5), (0.8, 2, 0.0)]
+    assert by_pos == [(0.0, 1, 0.75), (0.0, 2, 1 / 6), (0.8, 1, 0.5), (0.8, 2, 0.0)]  # sequential: no rows

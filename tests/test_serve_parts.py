@@ -89,6 +89,7 @@ def _row(i: int, **extra) -> dict:
         flip_rate=[0.5, 0.0], queued_ms=0.1, ttft_ms=1.0, latency_ms=2.0, total_ms=3.0, max_active=4,
         route="completions", prompt=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, presence_penalty=0.0,
         frequency_penalty=0.0, drafts=1, draft_tokens=3, accepted_tokens=2, accepted_per_pos=[2],
+        draft_tokens_per_pos=[3],
     )  # fmt: skip
     row.update(extra)
     return row

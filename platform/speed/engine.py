@@ -143,11 +143,13 @@ class RequestStats:
     # Speculation counted as vLLM counts drafts. A draft token is a token launched from an early exit
     # (before its predecessor's last loop); its draft position is how many uncommitted tokens were ahead of
     # it when it was launched (1..M-1). A draft is a launch at position 1: the start of a speculative chain.
-    # Accepted tokens are draft tokens later committed unchanged (never flushed).
+    # Accepted tokens are draft tokens later committed unchanged (never flushed). A flush can relaunch at any
+    # position, so per position the acceptance rate is accepted / draft tokens there (not / drafts).
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens by draft position 1..M-1
+    draft_tokens_per_pos: list[int] = field(default_factory=list)  # draft tokens by draft position 1..M-1
 
 
 @dataclass
@@ -251,7 +253,7 @@ class Sequence:
     wasted_rows: int = 0
     flips: list[int] = field(default_factory=list)  # per loop: committed tokens whose exit there differed
     drafts: int = 0  # speculative launches at draft position 1 (RequestStats)
-    draft_tokens: int = 0  # speculative launches
+    draft_tokens: list[int] = field(default_factory=list)  # speculative launches by draft position - 1
     accepted: list[int] = field(default_factory=list)  # committed draft tokens by draft position - 1
     trace: TraceBuilder | None = None
     logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
@@ -326,6 +328,7 @@ class Engine:
             "added": time.perf_counter(),
             "flips": [0] * M,
             "accepted": [0] * (M - 1),
+            "draft_tokens": [0] * (M - 1),
             "trace": TraceBuilder() if self.config.trace else None,
             "logprobs": None if request.logprobs is None else [],
         }
@@ -520,7 +523,7 @@ class Engine:
                 and slot.pos + 1 < seq.request.max_new_tokens
             ):
                 seq.slots.append(Slot(slot.pos + 1, guess, ahead=i + 1))
-                seq.draft_tokens += 1
+                seq.draft_tokens[i] += 1
                 seq.drafts += i == 0
             i += 1
 
@@ -568,9 +571,10 @@ class Engine:
             ttft_s=seq.first_token - seq.added,
             latency_s=now - seq.added,
             drafts=seq.drafts,
-            draft_tokens=seq.draft_tokens,
+            draft_tokens=sum(seq.draft_tokens),
             accepted_tokens=sum(seq.accepted),
             accepted_per_pos=list(seq.accepted),
+            draft_tokens_per_pos=list(seq.draft_tokens),
         )
         trace = seq.trace.table() if seq.trace is not None else None
         return Finished(seq.id, seq.out, stats, trace, cancelled, seq.logprobs)

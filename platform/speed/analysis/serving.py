@@ -132,8 +132,8 @@ ACCEPTANCE_BY_POSITION_SCHEMA = pa.schema(
         pa.field("temperature", pa.float64()),
         pa.field("position", pa.int64()),  # draft position 1..M-1
         pa.field("accepted_tokens", pa.int64()),
-        pa.field("drafts", pa.int64()),
-        pa.field("acceptance_rate", pa.float64()),  # accepted at this position / drafts (vLLM's per-position rate)
+        pa.field("draft_tokens", pa.int64()),  # tokens launched at this position
+        pa.field("acceptance_rate", pa.float64()),  # accepted / draft tokens at this position
     ]
 )
 
@@ -141,7 +141,7 @@ ACCEPTANCE_BY_POSITION_SCHEMA = pa.schema(
 def _groups(requests: pa.Table) -> dict[tuple[str, float], list[dict]]:
     groups: dict[tuple[str, float], list[dict]] = {}
     columns = ["method", "temperature", "completion_tokens", "drafts", "draft_tokens", "accepted_tokens"]
-    for r in requests.select([*columns, "accepted_per_pos"]).to_pylist():
+    for r in requests.select([*columns, "accepted_per_pos", "draft_tokens_per_pos"]).to_pylist():
         groups.setdefault((r["method"], r["temperature"]), []).append(r)
     return dict(sorted(groups.items()))
 
@@ -171,24 +171,23 @@ def acceptance(requests: pa.Table) -> pa.Table:
 
 
 def acceptance_by_position(requests: pa.Table) -> pa.Table:
-    """Per (method, temperature, draft position): accepted tokens over drafts (``ACCEPTANCE_BY_POSITION_SCHEMA``);
-    methods without drafts (sequential) have no rows."""
+    """Per (method, temperature, draft position) where tokens were launched: accepted over draft tokens
+    (``ACCEPTANCE_BY_POSITION_SCHEMA``); methods without drafts (sequential) have no rows."""
     rows = []
     for (method, temperature), part in _groups(requests).items():
-        drafts = sum(r["drafts"] for r in part)
-        if not drafts:
-            continue
-        positions = max(len(r["accepted_per_pos"]) for r in part)
+        positions = max(len(r["draft_tokens_per_pos"]) for r in part)
         for pos in range(positions):
+            launched = sum(r["draft_tokens_per_pos"][pos] for r in part if pos < len(r["draft_tokens_per_pos"]))
             accepted = sum(r["accepted_per_pos"][pos] for r in part if pos < len(r["accepted_per_pos"]))
-            rows.append(
-                {
-                    "method": method,
-                    "temperature": temperature,
-                    "position": pos + 1,
-                    "accepted_tokens": accepted,
-                    "drafts": drafts,
-                    "acceptance_rate": accepted / drafts,
-                }
-            )
+            if launched:
+                rows.append(
+                    {
+                        "method": method,
+                        "temperature": temperature,
+                        "position": pos + 1,
+                        "accepted_tokens": accepted,
+                        "draft_tokens": launched,
+                        "acceptance_rate": accepted / launched,
+                    }
+                )
     return pa.Table.from_pylist(rows, schema=ACCEPTANCE_BY_POSITION_SCHEMA)

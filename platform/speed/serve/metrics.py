@@ -6,7 +6,9 @@ vLLM's: ``speed_time_to_first_token_seconds``, ``speed_inter_token_latency_secon
 (gauges); ``speed_prompt_tokens``, ``speed_generation_tokens`` and the speculative
 decoding counters ``speed_spec_decode_num_drafts``, ``speed_spec_decode_num_draft_tokens``,
 ``speed_spec_decode_num_accepted_tokens``, ``speed_spec_decode_num_accepted_tokens_per_pos``
-(tag ``position``, 1..M-1) as ``speed.engine.RequestStats`` defines them
+(tag ``position``, 1..M-1) as ``speed.engine.RequestStats`` defines them, and beside them
+``speed_spec_decode_num_draft_tokens_per_pos`` (a flush may relaunch at any position, so the
+acceptance rate at a position is accepted over draft tokens there)
 (acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts).
 SPEED's own: ``speed_requests`` (tags method, finish_reason), ``speed_flushes``,
 ``speed_flipped_tokens`` (tag ``loop``: committed tokens whose exit there differed;
@@ -51,6 +53,11 @@ class ServeMetrics:
             "Accepted speculative tokens by draft position",
             tag_keys=("method", "position"),
         )
+        self.draft_tokens_per_pos = m.Counter(
+            "speed_spec_decode_num_draft_tokens_per_pos",
+            "Speculative tokens by draft position",
+            tag_keys=("method", "position"),
+        )
         self.ttft = m.Histogram("speed_time_to_first_token_seconds", "Time to first token", SECONDS, tag_keys=by)
         self.itl = m.Histogram("speed_inter_token_latency_seconds", "Time between tokens", ITL_SECONDS, tag_keys=by)
         self.e2e = m.Histogram("speed_e2e_request_latency_seconds", "Arrival to last token", SECONDS, tag_keys=by)
@@ -80,9 +87,13 @@ class ServeMetrics:
         ):
             if value:
                 counter.inc(value, tags=tags)
-        for pos, n in enumerate(row["accepted_per_pos"], start=1):
-            if n:
-                self.accepted_per_pos.inc(n, tags={**tags, "position": str(pos)})
+        for counter, counts in (
+            (self.accepted_per_pos, row["accepted_per_pos"]),
+            (self.draft_tokens_per_pos, row["draft_tokens_per_pos"]),
+        ):
+            for pos, n in enumerate(counts, start=1):
+                if n:
+                    counter.inc(n, tags={**tags, "position": str(pos)})
         for loop, rate in enumerate(row["flip_rate"], start=1):
             flipped = round(rate * row["completion_tokens"])
             if flipped:

@@ -42,7 +42,9 @@ def choice_stats(finished: Finished) -> dict[str, Any]:
         "flushes": st.flushes,
         "wasted_rows": st.wasted_rows,
         "flip_rate": list(st.flip_rate),
-        "spec_decode": spec_decode(st.drafts, st.draft_tokens, st.accepted_tokens, st.accepted_per_pos),
+        "spec_decode": spec_decode(
+            st.drafts, st.draft_tokens, st.accepted_tokens, st.accepted_per_pos, st.draft_tokens_per_pos
+        ),
         "queued_ms": st.queued_s * 1e3,
         "ttft_ms": None if st.ttft_s != st.ttft_s else st.ttft_s * 1e3,  # nan: no token committed
         "latency_ms": st.latency_s * 1e3,
@@ -105,6 +107,7 @@ def request_row(
         "draft_tokens": st.draft_tokens,
         "accepted_tokens": st.accepted_tokens,
         "accepted_per_pos": list(st.accepted_per_pos),
+        "draft_tokens_per_pos": list(st.draft_tokens_per_pos),
         "itl_ms": sum(gaps) / len(gaps) * 1e3 if gaps else None,
         "total_ms": total_s * 1e3,
         "max_active": max_active,

@@ -71,6 +71,7 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("draft_tokens", pa.int32(), nullable=False),
         pa.field("accepted_tokens", pa.int32(), nullable=False),
         pa.field("accepted_per_pos", pa.list_(pa.int32()), nullable=False),  # by draft position 1..M-1
+        pa.field("draft_tokens_per_pos", pa.list_(pa.int32()), nullable=False),
         pa.field("queued_ms", pa.float64(), nullable=False),  # engine queue, until it got a slot
         pa.field("ttft_ms", pa.float64()),  # until its first token was committed; null if none
         pa.field("latency_ms", pa.float64(), nullable=False),  # engine: from add to finish
@@ -253,6 +254,7 @@ class ServeCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    draft_tokens_per_pos: list[int] = field(default_factory=list)
 
     def add_step(self, rows: int) -> None:
         """Count one engine step of ``rows`` rows (steps without rows are not counted)."""
@@ -268,10 +270,8 @@ class ServeCounters:
         self.drafts += stats.drafts
         self.draft_tokens += stats.draft_tokens
         self.accepted_tokens += stats.accepted_tokens
-        if len(self.accepted_per_pos) < len(stats.accepted_per_pos):
-            self.accepted_per_pos += [0] * (len(stats.accepted_per_pos) - len(self.accepted_per_pos))
-        for pos, n in enumerate(stats.accepted_per_pos):
-            self.accepted_per_pos[pos] += n
+        _add(self.accepted_per_pos, stats.accepted_per_pos)
+        _add(self.draft_tokens_per_pos, stats.draft_tokens_per_pos)
         self.cancelled += cancelled
         self.finished += not cancelled
         self.tokens += tokens
@@ -300,20 +300,34 @@ class ServeCounters:
             "max_rows_per_step": self.max_rows_per_step,
             "flip_rate": [f / self.flip_tokens for f in self.flips] if self.flip_tokens else [],
             "prompt_tokens": self.prompt_tokens,
-            "spec_decode": spec_decode(self.drafts, self.draft_tokens, self.accepted_tokens, self.accepted_per_pos),
+            "spec_decode": spec_decode(
+                self.drafts, self.draft_tokens, self.accepted_tokens, self.accepted_per_pos, self.draft_tokens_per_pos
+            ),
             "active": active,
             "queue_depth": queued,
         }
 
 
-def spec_decode(drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int]) -> dict[str, Any]:
-    """Speculation in vLLM's terms: its counters, acceptance rate (accepted / draft tokens) and mean acceptance
-    length (1 + accepted / drafts: tokens per speculative chain, the committed-path token included)."""
+def spec_decode(
+    drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int], draft_tokens_per_pos: list[int]
+) -> dict[str, Any]:
+    """Speculation in vLLM's terms: its counters, acceptance rate (accepted / draft tokens), mean acceptance
+    length (1 + accepted / drafts: tokens per speculative chain, the committed-path token included) and the
+    acceptance rate per draft position (accepted / draft tokens there; None where none was launched)."""
     return {
         "num_drafts": drafts,
         "num_draft_tokens": draft_tokens,
         "num_accepted_tokens": accepted,
         "num_accepted_tokens_per_pos": list(accepted_per_pos),
+        "num_draft_tokens_per_pos": list(draft_tokens_per_pos),
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "acceptance_rate_per_pos": [a / d if d else None for a, d in zip(accepted_per_pos, draft_tokens_per_pos)],
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
     }
+
+
+def _add(total: list[int], counts: list[int]) -> None:
+    """Add ``counts`` into ``total`` element-wise, growing it as needed."""
+    total += [0] * (len(counts) - len(total))
+    for i, n in enumerate(counts):
+        total[i] += n
