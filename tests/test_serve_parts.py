@@ -15,7 +15,7 @@ from speed import SpeedT5, generate, preset
 from speed.engine import EngineConfig, Request
 from speed.paths import repo_root
 from speed.serve.loadgen import LoadConfig, arrival_times, summarize
-from speed.serve.protocol import CompletionRequest, TextStream, validation_message
+from speed.serve.protocol import CompletionRequest, validation_message
 from speed.serve.runner import EngineRunner
 from speed.serve.stats import (
     LOADGEN_SCHEMA,
@@ -26,6 +26,7 @@ from speed.serve.stats import (
     read_requests,
     read_traces,
 )
+from speed.serve.text import TextStream
 from speed.trace import TRACE_SCHEMA
 
 # ----- request validation ------------------------------------------------------------------------

@@ -7,19 +7,9 @@ from typing import NamedTuple
 
 import pytest
 
-from speed.serve.protocol import (
-    CHAT,
-    COMPLETIONS,
-    ChatRequest,
-    ChatResponse,
-    Choice,
-    ChoiceText,
-    CompletionRequest,
-    CompletionResponse,
-    TokenInfo,
-    inline_schema,
-    validation_message,
-)
+from speed.serve.protocol import ChatRequest, CompletionRequest, inline_schema, validation_message
+from speed.serve.responses import CHAT, COMPLETIONS, ChatResponse, Choice, CompletionResponse, TokenInfo
+from speed.serve.text import ChoiceText
 
 
 def _message(model, body):

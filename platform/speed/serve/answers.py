@@ -2,7 +2,7 @@
 
 ``choice_events`` merges the token streams of a request's submissions into
 one sequence of ``Event``: a text delta (stop strings cut, logprobs aligned:
-``speed.serve.protocol.ChoiceText``) or a choice's end. A stop string cancels
+``speed.serve.text.ChoiceText``) or a choice's end. A stop string cancels
 its choice in the engine at once (its rows are freed) after recording, in the
 submission's ``meta["stopped_at"]``, how many tokens the answer kept. Streamed
 answers send each event as it comes; whole answers collect them.
@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from speed.engine import Finished
-from speed.serve.protocol import Choice, ChoiceText, Delta
+from speed.serve.responses import Choice
 from speed.serve.runner import Submission
+from speed.serve.text import ChoiceText, Delta
 
 
 @dataclass

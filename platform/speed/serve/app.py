@@ -44,14 +44,16 @@ from speed.config import from_dict
 from speed.data import get_task
 from speed.engine import EngineConfig, Finished
 from speed.paths import repo_root
-from speed.serve import protocol
+from speed.serve import protocol, responses
 from speed.serve.answers import choice_events, choice_of
 from speed.serve.metrics import ServeMetrics
 from speed.serve.planning import BadRequest, Plan, plan_request
-from speed.serve.protocol import ChatRequest, Choice, ChoiceText, CompletionRequest, Surface, TokenInfo
+from speed.serve.protocol import ChatRequest, CompletionRequest
+from speed.serve.responses import Choice, Surface, TokenInfo
 from speed.serve.rows import ChoiceMeta, choice_stats, request_row, trace_rows
 from speed.serve.runner import EngineRunner, Submission
 from speed.serve.stats import StatsSink
+from speed.serve.text import ChoiceText
 from speed.tokenizer import EOS_ID, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -143,7 +145,7 @@ def load_served_model(checkpoint: str, device: str) -> tuple[torch.nn.Module, To
 _PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "prompt")  # what an engine error can be about
 
 
-# one server-sent event: ``data:`` a JSON chunk (``speed.serve.protocol.Surface.chunk``) or ``[DONE]``
+# one server-sent event: ``data:`` a JSON chunk (``speed.serve.responses.Surface.chunk``) or ``[DONE]``
 _EVENT = {
     "type": "object",
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
@@ -153,8 +155,8 @@ _EVENT = {
 
 def _openapi(model: type[BaseModel]) -> dict[str, Any]:
     """What a route accepts and answers, for ``/openapi.json`` (the body is parsed by hand: ``_parse``)."""
-    error = {"application/json": {"schema": protocol.inline_schema(protocol.ErrorResponse)}}
-    answer = protocol.inline_schema(protocol.ChatResponse if model is ChatRequest else protocol.CompletionResponse)
+    error = {"application/json": {"schema": protocol.inline_schema(responses.ErrorResponse)}}
+    answer = protocol.inline_schema(responses.ChatResponse if model is ChatRequest else responses.CompletionResponse)
     return {
         "requestBody": {"required": True, "content": {"application/json": {"schema": protocol.inline_schema(model)}}},
         "responses": {
@@ -280,13 +282,13 @@ class SpeedServer:
     @api.post("/v1/completions", openapi_extra=_openapi(CompletionRequest))
     async def completions(self, http: StarletteRequest) -> Any:
         """Completions of one or more prompts, n choices each; ``stream`` answers as server-sent events."""
-        return await self._answer(http, CompletionRequest, protocol.COMPLETIONS)
+        return await self._answer(http, CompletionRequest, responses.COMPLETIONS)
 
     @api.post("/v1/chat/completions", openapi_extra=_openapi(ChatRequest))
     async def chat_completions(self, http: StarletteRequest) -> Any:
         """Chat completions: the last user message is the text to decode (under the request's or the
         deployment's task)."""
-        return await self._answer(http, ChatRequest, protocol.CHAT)
+        return await self._answer(http, ChatRequest, responses.CHAT)
 
     # ----- helpers --------------------------------------------------------------------------------
 
@@ -314,7 +316,7 @@ class SpeedServer:
             raise BadRequest(message, next((p for p in _PARAMS if p in message), None)) from None
         self.runner.counters.requests += 1
         texts = [self._choice_text(plan, p) for p in plan.prompts]
-        created = protocol.now()
+        created = responses.now()
         if body.stream:
             events = self._stream(surface, request_id, created, plan, submissions, texts)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -329,7 +331,7 @@ class SpeedServer:
                 choice = self._choice(event.index, plan, submissions[event.index], texts, event.finished)
                 choice.tokens = tokens[event.index] if plan.logprobs is not None else None
                 choices.append(choice)
-        speed = protocol.speed_object(self.replica, plan.settings(), choices)
+        speed = responses.speed_object(self.replica, plan.settings(), choices)
         return surface.body(request_id, created, self.model_name, choices, speed)
 
     def _choice_text(self, plan: Plan, prompt: int) -> ChoiceText:
@@ -367,7 +369,7 @@ class SpeedServer:
         choices: list[Choice] = []
         async for event in choice_events(submissions, texts, self.runner.cancel_soon):
             if event.error is not None:  # the engine failed it: say so, end the stream
-                yield protocol.sse(protocol.error_body(f"decoding failed: {event.error}", kind="server_error"))
+                yield responses.sse(protocol.error_body(f"decoding failed: {event.error}", kind="server_error"))
                 break
             if event.finished is None:
                 if event.delta.text:
@@ -377,9 +379,9 @@ class SpeedServer:
             choices.append(choice)
             yield chunk(event.index, event.delta.text, choice.finish_reason, event.delta.tokens)
         else:
-            speed = protocol.speed_object(self.replica, plan.settings(), choices)
+            speed = responses.speed_object(self.replica, plan.settings(), choices)
             yield surface.final(request_id, created, self.model_name, choices, speed, plan.include_usage)
-        yield protocol.DONE
+        yield responses.DONE
 
     def _step(self, rows: int, active: int, queued: int) -> None:
         """After every engine step: rows per step and the engine's load to Ray's metrics."""
