@@ -27,6 +27,7 @@ def _message(model, body):
         ({"prompt": "x", "foo": 1}, "foo: unknown field; the fields are: model, max_tokens", "foo"),
         ({"prompt": "x", "temperature": 2.5}, "temperature: Input should be less than or equal to 2", "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p: Input should be greater than 0", "top_p"),
+        ({"prompt": "x", "top_k": 2**40}, "top_k: Input should be less than 2147483648", "top_k"),
         ({"prompt": "x", "n": 17}, "n: Input should be less than or equal to 16", "n"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "stop"),
         ({"prompt": "x", "stop": ""}, "stop", "stop"),

@@ -13,7 +13,8 @@ acceptance rate at a position is accepted over draft tokens there)
 SPEED's own: ``speed_requests`` (tags method, finish_reason), ``speed_flushes``,
 ``speed_flipped_tokens`` (tag ``loop``: committed tokens whose exit there differed;
 over ``speed_generation_tokens`` it is the flip rate per loop) and the histogram
-``speed_rows_per_step``. Prometheus adds ``_total`` to counters' names.
+``speed_rows_per_step``. Ray's exporter puts its ``ray_`` namespace before every name and
+``_total`` after a counter's (``ray_speed_spec_decode_num_drafts_total``).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class _Decoding(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)  # 0 (the default): greedy
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1: off
+    top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # vLLM's extension; 0 or -1: off
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
