@@ -4,7 +4,8 @@
 
 The settings are speed.evaluate.EvalConfig's, with its defaults: the task, source
 and input length the checkpoint was trained with unless given; SPEED output is
-checked against sequential decoding unless --no-check-sequential. Writes
+checked against sequential decoding unless --no-check-sequential, greedy or,
+with --temperature (and --top-k, --top-p, --seed), seeded sampling. Writes
 predictions.parquet, trace.parquet and summary.json to --out (default
 <checkpoint>/eval/<task>-<split>) and prints the metrics with their signatures.
 """
@@ -42,6 +43,10 @@ SETTINGS = {
     "check_sequential": "also decode sequentially: outputs must be identical; reports the speed-up",
     "bitwise": "with the check, fail on any difference (else only on one that is not a near-tie)",
     "near_tie": "top-2 logit gap below which a difference is a near-tie (with --no-bitwise)",
+    "temperature": "0: greedy (default); else seeded sampling, the same for SPEED and sequential decoding",
+    "top_k": "sample among the k most likely tokens (0: off)",
+    "top_p": "sample among the most likely tokens holding this probability (1: off)",
+    "seed": "sampling seed: every sequence's draws depend on (seed, output position) only",
 }
 UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted weights): T5's input length
 

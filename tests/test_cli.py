@@ -47,6 +47,9 @@ def _error_line(capsys, job: str, argv: list[str]) -> str:
         ("evaluate", ["--checkpoint", "x", "--invalidation", "lazy"], r"error: invalidation: expected one of \["),
         ("evaluate", ["--checkpoint", "x", "--limit", "ten"], "error: limit: expected an integer, got 'ten'"),
         ("bench_decode", ["--pattern", "ax6"], "error: sharing pattern 'ax6' is not of the form NxM"),
+        ("evaluate", ["--checkpoint", "x", "--top-p", "2"], r"error: EvalConfig: top_p must be in \(0, 1\], got 2"),
+        ("bench_sampling", ["--checkpoint", "/nonexistent/ckpt"], "error: checkpoint /nonexistent/ckpt has no config"),
+        ("bench_sampling", ["--checkpoint", "x", "--temperatures", "0,-1"], "error: temperatures must be >= 0"),
     ],
 )
 def test_a_mistake_is_one_line_and_status_2(capsys, job, argv, message):

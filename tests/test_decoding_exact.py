@@ -10,6 +10,7 @@ tolerance, no near-tie exemption.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from speed.config import preset
 from speed.decoding import generate
 from speed.exactness import LogitRecorder, compare_logits
 from speed.model import SpeedT5, shift_right
+from speed.sampling import Sampling
 
 PATTERNS = ["1x4", "4x1", "2x6", "3x4", "2x3", "1x5", "3x3", "1x1"]
 
@@ -72,6 +74,48 @@ def test_speed_equals_sequential(block):
     assert cases >= 50
 
 
+@pytest.mark.parametrize("block", range(3))
+def test_sampled_speed_equals_sequential_sampling(block):
+    """Seeded sampling: SPEED (coupled or argmax guesses) draws exactly sequential sampling's tokens from
+    bit-identical logits, over random models, temperatures, supports, penalties, seeds and policies."""
+    cases = flushes = differ = 0
+    for seed in range(block * 12, block * 12 + 12):
+        model, ids, mask, max_new, rng = random_case(1000 + seed)
+        sampling = Sampling(
+            temperature=rng.choice([0.5, 0.7, 1.0, 1.5]),
+            top_k=rng.choice([0, 0, 5, 30]),
+            top_p=rng.choice([1.0, 0.95, 0.7]),
+            seed=rng.randrange(2**63),
+            presence_penalty=rng.choice([0.0, 0.5]),
+            frequency_penalty=rng.choice([0.0, 0.8]),
+        )
+        reference = LogitRecorder(model)
+        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+        greedy = generate(model, ids, mask, method="sequential", max_new_tokens=max_new, trace=False)
+        differ += ref.tokens != greedy.tokens
+        m = model.n_loops
+        for coupled in (True, False):
+            for invalidation in ("eager", "final"):
+                launch_loop = rng.randint(1, m)
+                candidate = LogitRecorder(model)
+                got = generate(
+                    candidate,
+                    ids,
+                    mask,
+                    method="speed",
+                    max_new_tokens=max_new,
+                    launch_loop=launch_loop,
+                    invalidation=invalidation,
+                    sampling=dataclasses.replace(sampling, coupled=coupled),
+                )
+                assert compare_logits(reference, candidate, ref.tokens, m) == [], (seed, coupled, invalidation)
+                assert got.tokens == ref.tokens
+                assert got.trace.equals(ref.trace)  # every loop's draw too
+                flushes += got.stats.flushes
+                cases += 1
+    assert flushes > 0 and differ > 0 and cases == 48  # sampling changed the outputs; flushes were exercised
+
+
 def test_a_logit_difference_is_caught():
     """The comparison is not vacuous: one flipped bit in one recorded row is reported."""
     model, ids, mask, _, _ = random_case(3)
@@ -110,14 +154,15 @@ def test_exits_match_teacher_forced_forward():
                 assert rows.prediction.tolist() == logits[0].argmax(-1).tolist()
 
 
-def test_batch_equals_one_at_a_time():
+@pytest.mark.parametrize("sampling", [None, Sampling(temperature=1.0, top_p=0.9, seed=5)])
+def test_batch_equals_one_at_a_time(sampling):
     model, ids, mask, _, _ = random_case(7)
-    together = generate(model, ids, mask, method="speed", max_new_tokens=10).tokens
+    together = generate(model, ids, mask, method="speed", max_new_tokens=10, sampling=sampling).tokens
     alone = [
-        generate(model, ids[b : b + 1, : int(mask[b].sum())], method="speed", max_new_tokens=10).tokens[0]
+        generate(model, ids[b : b + 1, : int(mask[b].sum())], method="speed", max_new_tokens=10, sampling=sampling)
         for b in range(len(ids))
     ]
-    assert together == alone
+    assert together == [a.tokens[0] for a in alone]
 
 
 def test_generate_restores_training_mode():

@@ -38,9 +38,24 @@ def tiny_model(seed: int, pattern: str) -> SpeedT5:
 
 
 def alone(model, request: Request):
-    """Reference: the request decoded alone with sequential greedy decoding."""
+    """Reference: the request decoded alone sequentially (greedy, or sampled with its own settings)."""
     ids = torch.tensor([request.input_ids])
-    return generate(model, ids, method="sequential", max_new_tokens=request.max_new_tokens)
+    return generate(model, ids, method="sequential", max_new_tokens=request.max_new_tokens, sampling=request.sampling)
+
+
+def random_sampling(rng: random.Random) -> Sampling:
+    """Greedy half the time, else sampling with a random seed, temperature, support and penalties."""
+    if rng.random() < 0.5:
+        return Sampling()
+    return Sampling(
+        temperature=rng.choice([0.0, 0.5, 0.7, 1.0, 1.5]),
+        top_k=rng.choice([0, 0, 1, 5, 40]),
+        top_p=rng.choice([1.0, 1.0, 0.9, 0.5]),
+        seed=rng.randrange(2**63),
+        presence_penalty=rng.choice([0.0, 0.0, 0.6]),
+        frequency_penalty=rng.choice([0.0, 0.0, -0.4, 1.0]),
+        coupled=rng.random() < 0.7,
+    )
 
 
 def random_request(rng: random.Random, model: SpeedT5, max_source: int, max_target: int) -> Request:
@@ -51,13 +66,15 @@ def random_request(rng: random.Random, model: SpeedT5, max_source: int, max_targ
         method=rng.choice(["speed", "speed", "speed", "sequential"]),
         launch_loop=rng.choice(sorted({1, rng.randint(1, m), m})),
         invalidation=rng.choice(["eager", "final"]),
+        sampling=random_sampling(rng),
     )
 
 
 @pytest.mark.parametrize("block", range(4))
 def test_churn_equals_sequential_alone(block):
-    """Random arrivals, cancellations, capacities, budgets, policies: each finished request is exact."""
-    flushes = budget_bound = cancelled = 0
+    """Random arrivals, cancellations, capacities, budgets, policies, greedy and sampled requests mixed:
+    each finished request is exact."""
+    flushes = budget_bound = cancelled = sampled = 0
     for seed in range(block * 10, block * 10 + 10):
         rng = random.Random(seed)
         model = tiny_model(seed, PATTERNS[seed % len(PATTERNS)])
@@ -95,7 +112,8 @@ def test_churn_equals_sequential_alone(block):
             assert f.stats.rows == f.stats.tokens * model.n_loops + f.stats.wasted_rows
             assert 0 <= f.stats.queued_s <= f.stats.ttft_s <= f.stats.latency_s
             flushes += f.stats.flushes
-    assert flushes > 0 and budget_bound > 0 and cancelled > 0  # every path was exercised
+            sampled += not requests[f.id].sampling.greedy
+    assert flushes > 0 and budget_bound > 0 and cancelled > 0 and sampled > 0  # every path was exercised
 
 
 def test_budget_rows_committed_path_first():

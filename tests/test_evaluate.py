@@ -139,6 +139,19 @@ def test_near_ties_may_be_allowed(checkpoint, tmp_path, monkeypatch):
     assert len(summary["decode"]["mismatches"]) == 1 and not summary["decode"]["identical"]
 
 
+def test_sampled_evaluation_is_checked_against_sequential_sampling(checkpoint, tmp_path):
+    """With a temperature both methods sample with the seed: identical outputs, unlike greedy's; the
+    seed changes them."""
+    _, model, tok = checkpoint
+    runs = {}
+    for name, kw in {"greedy": {}, "a": {"temperature": 1.0, "seed": 1}, "b": {"temperature": 1.0, "seed": 2}}.items():
+        config = EvalConfig("translate_en_de", limit=4, max_new_tokens=8, max_source_len=64, **kw)
+        summary = run_evaluation(model, tok, config, tmp_path / name, progress=False)
+        assert summary["decode"]["identical"] and summary["config"]["temperature"] == kw.get("temperature", 0.0)
+        runs[name] = pq.read_table(tmp_path / name / "predictions.parquet")["hypothesis"].to_pylist()
+    assert runs["a"] != runs["greedy"] and runs["a"] != runs["b"]
+
+
 def test_bad_settings(checkpoint, tmp_path):
     _, model, tok = checkpoint
     with pytest.raises(ValueError, match="no references"):
@@ -147,6 +160,8 @@ def test_bad_settings(checkpoint, tmp_path):
         EvalConfig(invalidation="lazy")
     with pytest.raises(ValueError, match="batch_size"):
         EvalConfig(batch_size=0)
+    with pytest.raises(ValueError, match="EvalConfig: top_p must be in"):
+        EvalConfig(top_p=0.0)
     with pytest.raises(ValueError, match="evaluation needs task and max_source_len"):
         run_evaluation(model, tok, EvalConfig(), tmp_path)
     small = SpeedT5(preset("tiny", vocab_size=tok.vocab_size - 1))
@@ -155,8 +170,8 @@ def test_bad_settings(checkpoint, tmp_path):
 
 
 def test_settings_are_coerced_by_type_and_follow_the_training_data():
-    config = from_dict(EvalConfig, {"limit": "5", "check_sequential": "false", "invalidation": "final"})
-    assert (config.limit, config.check_sequential, config.invalidation) == (5, False, "final")
+    config = from_dict(EvalConfig, {"limit": "5", "check_sequential": "false", "invalidation": "final", "top_k": "3"})
+    assert (config.limit, config.check_sequential, config.invalidation, config.top_k) == (5, False, "final", 3)
     with pytest.raises(ConfigError, match=r"invalidation: expected one of \['eager', 'final'\], got 'lazy'"):
         from_dict(EvalConfig, {"invalidation": "lazy"})
     with pytest.raises(ConfigError, match="batch_size: expected an integer, got 'two'"):

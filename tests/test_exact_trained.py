@@ -5,7 +5,8 @@ issue's Multi30k checkpoint met a 4.8e-07 top-2 gap at position 54). So a
 small 2x3 model is trained for real on Multi30k EN-DE (in-process, a few
 hundred steps), and SPEED's per-loop logits must equal sequential decoding's
 bit for bit on 100+ test sentences decoded to 64 tokens each, in batches of
-varying composition, for several launch loops and both policies, on 2 threads.
+varying composition, for several launch loops and both policies, on 2 threads,
+greedy and with seeded sampling (every other batch; half the churn's requests).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from speed.decoding import generate
 from speed.engine import Engine, EngineConfig, Request
 from speed.exactness import LogitRecorder, compare_logits, top2_gap
 from speed.model import SpeedT5, shift_right
+from speed.sampling import Sampling
 from speed.tokenizer import train_tokenizer
 
 STEPS, BATCH, SENTENCES, NEW_TOKENS = 300, 32, 104, 64
@@ -77,12 +79,17 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
         inputs = [truncate(ids, 48) for ids in tok.encode_batch(test["source"])]
         rng = random.Random(threads)
         policies = [(1, "eager"), (2, "final"), (3, "eager")]
-        start, batch_no, rows_checked, gaps = 0, 0, 0, []
+        start, batch_no, rows_checked, gaps, sampled = 0, 0, 0, [], 0
         while start < len(inputs):
             size = rng.randint(1, 8)  # batch compositions change: different rows share each step
             input_ids, mask = pad_inputs(inputs[start : start + size])
+            sampling = Sampling(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=batch_no)
+            sampling = sampling if batch_no % 2 else None  # greedy and sampled batches alternate
+            sampled += sampling is not None
             reference = LogitRecorder(model)
-            ref = generate(reference, input_ids, mask, method="sequential", max_new_tokens=NEW_TOKENS)
+            ref = generate(
+                reference, input_ids, mask, method="sequential", max_new_tokens=NEW_TOKENS, sampling=sampling
+            )
             assert all(len(t) == NEW_TOKENS for t in ref.tokens)
             launch_loop, invalidation = policies[batch_no % len(policies)]
             candidate = LogitRecorder(model)
@@ -94,6 +101,7 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
                 max_new_tokens=NEW_TOKENS,
                 launch_loop=launch_loop,
                 invalidation=invalidation,
+                sampling=sampling,
             )
             assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], (start, size)
             assert got.tokens == ref.tokens
@@ -103,7 +111,7 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
             batch_no += 1
     finally:
         torch.set_num_threads(before)
-    assert rows_checked == SENTENCES * NEW_TOKENS * model.n_loops
+    assert rows_checked == SENTENCES * NEW_TOKENS * model.n_loops and sampled > 5
     print(f"{rows_checked} logit rows bit-identical; smallest last-loop top-2 gap {min(gaps):.2e}")
 
 
@@ -132,7 +140,7 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
     inputs = [truncate(ids, 48) for ids in tok.encode_batch(test["source"])][104:]  # not the other test's sentences
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    checked = cancelled = flushes = 0
+    checked = cancelled = flushes = sampled = 0
     try:
         for seed in range(3):
             rng = random.Random(seed)
@@ -154,6 +162,9 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
                     method=rng.choice(["speed", "speed", "sequential"]),
                     launch_loop=rng.randint(1, model.n_loops),
                     invalidation=rng.choice(["eager", "final"]),
+                    sampling=rng.choice(
+                        [Sampling(), Sampling(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(2**63))]
+                    ),
                 ),
                 0.2,
                 40,
@@ -166,6 +177,7 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
                     torch.tensor([request.input_ids]),
                     method="sequential",
                     max_new_tokens=request.max_new_tokens,
+                    sampling=request.sampling,
                 )
                 assert f.tokens == ref.tokens[0][: len(f.tokens)]
                 assert f.cancelled or len(f.tokens) == request.max_new_tokens  # the sentinel stop never comes
@@ -176,7 +188,8 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
                         checked += 1
                 cancelled += f.cancelled
                 flushes += f.stats.flushes
+                sampled += not request.sampling.greedy
     finally:
         torch.set_num_threads(before)
-    assert cancelled > 0 and flushes > 0 and checked > 3 * 10 * 24 * model.n_loops
+    assert cancelled > 0 and flushes > 0 and sampled > 0 and checked > 3 * 10 * 24 * model.n_loops
     print(f"{checked} logit rows bit-identical under churn; {cancelled} cancelled; {flushes} flushes")

@@ -18,6 +18,7 @@ from speed.data import load_records
 from speed.decoding import generate
 from speed.exactness import LogitRecorder, compare_logits
 from speed.paths import repo_root
+from speed.sampling import Sampling
 from speed.tokenizer import train_tokenizer
 
 pytestmark = [
@@ -26,20 +27,27 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("sampling", [None, Sampling(temperature=1.0, top_p=0.9, seed=3, presence_penalty=0.5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", ["2x6", "3x4", "1x5"])
-def test_speed_logits_equal_sequential_on_cuda(pattern, dtype):
+def test_speed_logits_equal_sequential_on_cuda(pattern, dtype, sampling):
     torch.manual_seed(0)
     model = SpeedT5(preset("tiny", pattern=pattern)).eval().to("cuda", dtype)
     for seed in range(4):
         torch.manual_seed(seed)
         ids = torch.randint(3, 128, (seed + 1, 7))  # CPU ids: the model moves them to its device
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, method="sequential", max_new_tokens=24)
+        ref = generate(reference, ids, method="sequential", max_new_tokens=24, sampling=sampling)
         for launch_loop, invalidation in [(1, "eager"), (2, "final")]:
             candidate = LogitRecorder(model)
             got = generate(
-                candidate, ids, method="speed", max_new_tokens=24, launch_loop=launch_loop, invalidation=invalidation
+                candidate,
+                ids,
+                method="speed",
+                max_new_tokens=24,
+                launch_loop=launch_loop,
+                invalidation=invalidation,
+                sampling=sampling,
             )
             assert next(iter(candidate.logits.values())).device.type == "cuda"
             assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []

@@ -1,8 +1,14 @@
-"""How exit logits become decisions: top-1, runner-up, confidence."""
+"""How exit logits become decisions: greedy or seeded sampling, its noise, its distribution, coupled speculation."""
 
 import pytest
 import torch
+from test_decoding_schedule import StubModel, target
 
+from speed.config import preset
+from speed.decoding import generate
+from speed.engine import Engine, EngineConfig, Request
+from speed.exactness import LogitRecorder
+from speed.model import SpeedT5
 from speed.sampling import Draw, Sampling, choice_seed, exit_choices, exit_scores, gumbel, process, uniforms
 
 
@@ -84,3 +90,156 @@ def test_penalties_count_the_history():
     s = Sampling(presence_penalty=0.5, frequency_penalty=0.25)
     assert process(logits, s, [2, 2, 4]).tolist() == [0, 0, -1.0, 0, -0.75, 0]
     assert torch.equal(process(logits, s, []), logits)
+
+
+# ----- the distribution and the support, through the engine ------------------------------------------
+
+
+def first_tokens(model, ids: list[int], settings: list[Sampling]) -> list[int]:
+    """The first token the engine commits for ``ids`` under each of ``settings`` (one request each)."""
+    engine = Engine(model, EngineConfig(max_active=256, max_source_len=len(ids), max_target_len=1, trace=False))
+    rid = {engine.add(Request(ids, 1, method="sequential", sampling=s)): i for i, s in enumerate(settings)}
+    out = [-1] * len(settings)
+    while engine.has_work:
+        for c in engine.step().committed:
+            out[rid[c.id]] = c.token
+    return out
+
+
+def last_loop_logits(model, ids: list[int]) -> torch.Tensor:
+    """The last loop's raw logits (V,) of the first output position."""
+    rec = LogitRecorder(model)
+    generate(rec, torch.tensor([ids]), method="sequential", max_new_tokens=1)
+    return rec.logits[(0, model.n_loops - 1, 0)]
+
+
+@pytest.fixture(scope="module")
+def peaked_model():
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x2")).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # far from uniform: a few likely tokens, a long tail of rare ones
+    return model
+
+
+class FixedLogitsStub(StubModel):
+    """Every row's exit logits are ``logits`` (V,): a model's distribution without its encoder's cost per request."""
+
+    def __init__(self, n_loops, logits):
+        super().__init__(n_loops, lambda s, p, lo: 0, vocab=logits.numel())
+        self.fixed = logits
+
+    def step(self, memory, cache, rows, hidden, with_logits=True):
+        hidden, _ = super().step(memory, cache, rows, hidden, with_logits)
+        return hidden, self.fixed.expand(len(rows), -1).clone()
+
+
+def test_sampled_first_tokens_follow_the_last_loops_softmax(peaked_model):
+    """2000 seeds: the frequencies pass a chi-square test against softmax(logits / T) (fixed seeds: no flake),
+    with the tiny model itself at T = 1 and with its logits at T = 0.7."""
+    ids, n = [5, 9, 17, 33], 2000
+    logits = last_loop_logits(peaked_model, ids)
+    for temperature, model in ((1.0, peaked_model), (0.7, FixedLogitsStub(2, logits))):
+        probs = (logits.double() / temperature).softmax(-1)  # (V,)
+        tokens = first_tokens(model, ids, [Sampling(temperature=temperature, seed=s) for s in range(n)])
+        counts = torch.bincount(torch.tensor(tokens), minlength=probs.numel()).double()
+        expected = probs * n
+        big = expected >= 5  # pool the rare tokens into one cell
+        observed = torch.cat([counts[big], counts[~big].sum()[None]])
+        expected = torch.cat([expected[big], expected[~big].sum()[None]])
+        chi2 = ((observed - expected) ** 2 / expected).sum().item()
+        df = observed.numel() - 1
+        critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty, p = 0.001
+        assert df >= 10, "the test needs a spread distribution"
+        assert chi2 < critical, (temperature, chi2, critical)
+        # and it is a real test: the same draws against the distribution at another temperature fail it
+        wrong = (logits.double() / (temperature * 1.5)).softmax(-1) * n
+        pooled = torch.cat([wrong[big], wrong[~big].sum()[None]])
+        assert ((observed - pooled) ** 2 / pooled).sum().item() > critical
+
+
+def test_top_k_and_top_p_restrict_the_support(peaked_model):
+    ids, n = [5, 9, 17, 33], 1500
+    logits = last_loop_logits(peaked_model, ids)
+    model = FixedLogitsStub(2, logits)  # the model's distribution, 1500 requests cheaply
+    ranked = logits.argsort(descending=True).tolist()
+    k_tokens = set(first_tokens(model, ids, [Sampling(temperature=1.5, top_k=4, seed=s) for s in range(n)]))
+    assert k_tokens == set(ranked[:4])  # never outside the 4 best, and each of them drawn
+    p = 0.6
+    probs = logits.softmax(-1)[ranked]  # best first
+    nucleus = set(ranked[: int((probs.cumsum(0) < p).sum()) + 1])  # the smallest prefix reaching p
+    assert 1 < len(nucleus) < 40
+    p_tokens = set(first_tokens(model, ids, [Sampling(temperature=1.0, top_p=p, seed=s) for s in range(n)]))
+    assert p_tokens == nucleus
+    free = set(first_tokens(model, ids, [Sampling(temperature=1.0, seed=s) for s in range(n)]))
+    assert not free <= nucleus  # without top-p the same seeds leave it
+
+
+def test_temperature_zero_is_greedy(peaked_model):
+    ids = [5, 9, 17, 33]
+    greedy = int(last_loop_logits(peaked_model, ids).argmax())
+    assert (
+        first_tokens(peaked_model, ids, [Sampling(temperature=0.0, seed=s, top_k=3) for s in range(5)]) == [greedy] * 5
+    )
+
+
+def test_rows_are_scored_alone():
+    """A row's scores and noise inside a batch equal its scores alone, bit for bit (top-p sort included)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 3000, generator=g) * 3
+    draws = [
+        Draw(Sampling(temperature=0.7, top_p=0.9, seed=r, presence_penalty=0.5), r, [1, 2, 2, r]) if r % 3 else None
+        for r in range(7)
+    ]
+    scores, noise = exit_scores(logits, draws)
+    exits = exit_choices(scores, noise)
+    for r in range(7):
+        s1, n1 = exit_scores(logits[r : r + 1].clone(), draws[r : r + 1])
+        assert torch.equal(s1[0], scores[r])
+        assert (n1 is None and not noise[r].any()) or torch.equal(n1[0], noise[r])
+        one = exit_choices(s1, n1)
+        assert (one.token[0], one.runner_up[0]) == (exits.token[r], exits.runner_up[r])
+
+
+# ----- coupled speculation -------------------------------------------------------------------------------
+
+
+class EmbedRecordingStub(StubModel):
+    """The schedule tests' stub with soft logits (one-hot scaled), recording the tokens it embeds."""
+
+    def __init__(self, n_loops, table, scale):
+        super().__init__(n_loops, table)
+        self.scale, self.embedded = scale, []
+
+    def embed(self, tokens):
+        self.embedded.append(tokens.tolist())
+        return super().embed(tokens)
+
+    def step(self, memory, cache, rows, hidden, with_logits=True):
+        hidden, logits = super().step(memory, cache, rows, hidden, with_logits)
+        return hidden, logits * self.scale
+
+
+def test_coupled_speculation_launches_from_the_draw_uncoupled_from_the_argmax():
+    """Loop 1 predicts 10 at position 0 with a soft one-hot: its draw under the position's noise is usually
+    another token. Coupled, the successor launches with that draw; uncoupled, with 10; both commit the same."""
+    seed = next(
+        s
+        for s in range(100)
+        if exit_choices(
+            *exit_scores(torch.eye(128)[10:11] * 3.0, [Draw(Sampling(temperature=1.0, seed=s), 0, None)])
+        ).token[0]
+        != 10
+    )
+    hot = exit_choices(*exit_scores(torch.eye(128)[10:11] * 3.0, [Draw(Sampling(temperature=1.0, seed=seed), 0, None)]))
+    committed = {}
+    for coupled in (True, False):
+        model = EmbedRecordingStub(3, lambda s, p, lo: target(p), 3.0)
+        engine = Engine(model, EngineConfig(1, 3, 4))
+        engine.add(Request([5], 1 + 1, sampling=Sampling(temperature=1.0, seed=seed, coupled=coupled)))
+        tokens = []
+        while engine.has_work:
+            tokens += [c.token for c in engine.step().committed]
+        assert model.embedded[1] == [hot.token[0] if coupled else 10]  # step 2 embeds the launched successor
+        committed[coupled] = tokens
+    assert committed[True] == committed[False]

@@ -33,6 +33,7 @@ from speed.decoding import DecodeStats, GenerateResult, generate
 from speed.exactness import LogitRecorder, top2_gap
 from speed.model import SpeedT5
 from speed.progress import ProgressBar
+from speed.sampling import Sampling
 from speed.tokenizer import EOS_ID, Tokenizer
 from speed.trace import TRACE_SCHEMA, flip_rates
 
@@ -78,6 +79,10 @@ class EvalConfig:
     check_sequential: bool = True  # also decode sequentially, require identical output, report the speed-up
     bitwise: bool = True  # with check_sequential: any difference fails (else only differences beyond near_tie)
     near_tie: float = 1e-5  # top-2 logit gap under which a difference counts as a near-tie (bitwise off)
+    temperature: float = 0.0  # 0: greedy; else seeded sampling, the same for both methods (speed.sampling)
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0  # every sequence samples with this seed: its draws depend on (seed, output position) only
 
     def __post_init__(self) -> None:
         if self.task is not None and get_task(self.task).is_pretrain:
@@ -91,6 +96,15 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.limit must be positive or None, got {self.limit}")
         if self.invalidation not in ("eager", "final"):
             raise ValueError(f"EvalConfig.invalidation must be 'eager' or 'final', got {self.invalidation!r}")
+        try:
+            _ = self.sampling  # Sampling checks its settings
+        except ValueError as err:
+            raise ValueError(f"EvalConfig: {err}") from None
+
+    @property
+    def sampling(self) -> Sampling:
+        """How both methods turn logits into tokens."""
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
     def following(self, task: str | None, source: str | None, max_source_len: int | None) -> EvalConfig:
         """This config with its unset ``task``, ``source`` and ``max_source_len`` taken from the training data."""
@@ -209,7 +223,7 @@ def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...]) -> No
 def _decode(
     model: SpeedT5, inputs: list[list[int]], config: EvalConfig, progress: bool
 ) -> tuple[_Decoded, _Decoded | None, list[Mismatch]]:
-    """Greedy-decode ``inputs`` in batches with SPEED (with its trace) and, if checked, sequentially.
+    """Decode ``inputs`` in batches with SPEED (with its trace) and, if checked, sequentially.
 
     The two methods run batch by batch, alternating which goes first, each
     timed on its own.
@@ -235,6 +249,7 @@ def _decode(
                 launch_loop=config.launch_loop,
                 invalidation=config.invalidation,
                 trace=method == "speed",
+                sampling=config.sampling,
             )
             runs[method].seconds += time.perf_counter() - begin
         for method, result in results.items():
@@ -271,7 +286,15 @@ def _mismatches(
     while recording every loop's logits.
     """
     recorder = LogitRecorder(model)
-    generate(recorder, input_ids, attention_mask, method="sequential", max_new_tokens=config.max_new_tokens, trace=True)
+    generate(
+        recorder,
+        input_ids,
+        attention_mask,
+        method="sequential",
+        max_new_tokens=config.max_new_tokens,
+        trace=True,
+        sampling=config.sampling,
+    )
     found = []
     for b, (a, r) in enumerate(zip(speed.tokens, sequential.tokens)):
         if a == r:

@@ -1,0 +1,76 @@
+"""SPEED under seeded sampling on a trained checkpoint: batch 1, against sequential sampling, side by side.
+
+    python jobs/bench_sampling.py --checkpoint runs/demo/<finetune run>/checkpoint_<step> --limit 100
+
+Decodes the checkpoint task's held-out test sentences one at a time (sentence i samples with seed i)
+sequentially and with SPEED at each temperature (0 is greedy), speculating from the early exit's draw
+under the same noise (coupled) or from its argmax; reports group passes per token, ms per token, the
+speed-up over sequential sampling at the same temperature (variants interleaved per sentence) and
+whether every output equals sequential sampling's. Writes the rows (speed.bench.SAMPLING_BENCH_SCHEMA)
+to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
+
+from speed.bench import format_sampling_table, run_sampling_benchmark
+from speed.checkpoint import load_model
+from speed.cli import JobParser, user_errors
+from speed.data import read_records, truncate
+from speed.tokenizer import Tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = JobParser(prog="bench_sampling.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint directory (model.pt, spm.model)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--limit", type=int, default=100, help="sentences decoded")
+    p.add_argument("--temperatures", default="0,0.7,1.0", help="comma-separated; 0 is greedy")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", type=Path, default=Path("results/bench_sampling.parquet"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    with user_errors():  # a missing checkpoint, task or split, a bad temperature: one line, status 2
+        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+        if any(t < 0 for t in temperatures):
+            raise ValueError(f"temperatures must be >= 0, got {args.temperatures}")
+        loaded = load_model(args.checkpoint)
+        if loaded.tokenizer_path is None:
+            raise FileNotFoundError(f"checkpoint {args.checkpoint} holds no spm.model")
+        data = loaded.config.get("job", {}).get("data", {})
+        if not data.get("task"):
+            raise ValueError(f"checkpoint {args.checkpoint} records no training task")
+        records = read_records(data["task"], args.split, data.get("source"), args.limit)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tok = Tokenizer.load(loaded.tokenizer_path)
+    max_source_len = data.get("max_source_len") or 512
+    inputs = [truncate(ids, max_source_len) for ids in tok.encode_batch(records.dataset.to_dict()["source"])]
+    print(
+        f"sampling benchmark: {loaded.model.config.pattern}, {len(inputs)} {data['task']} {args.split} sentences, "
+        f"batch 1, temperatures {temperatures}, threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    table = run_sampling_benchmark(loaded.model, inputs, temperatures, args.max_new_tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, args.out)
+    if args.json:
+        print(json.dumps({"config": vars(args) | {"out": str(args.out)}, "rows": table.to_pylist()}, default=str))
+    else:
+        print(format_sampling_table(table))
+        print(f"rows written to {args.out}")
+    return 0 if all(table.column("identical").to_pylist()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

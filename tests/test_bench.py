@@ -1,0 +1,43 @@
+"""The sampling benchmark: every variant decoded, counted and checked against sequential sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from speed.bench import SAMPLING_BENCH_SCHEMA, format_sampling_table, run_sampling_benchmark
+from speed.config import preset
+from speed.decoding import generate
+from speed.model import SpeedT5
+from speed.sampling import Sampling
+
+
+def test_sampling_benchmark_rows():
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3")).eval()
+    inputs = [[5, 6, 7], [8, 9]]
+    table = run_sampling_benchmark(model, inputs, (0.0, 1.0), 6)
+    assert table.schema.equals(SAMPLING_BENCH_SCHEMA)
+    rows = {(r["method"], r["temperature"], r["guess"]): r for r in table.to_pylist()}
+    assert set(rows) == {
+        ("sequential", 0.0, ""),
+        ("sequential", 1.0, ""),
+        ("speed", 0.0, "greedy"),
+        ("speed", 1.0, "coupled"),
+        ("speed", 1.0, "argmax"),
+    }
+    assert all(r["identical"] and r["sentences"] == 2 for r in rows.values())
+    sampled = sum(
+        len(
+            generate(
+                model, torch.tensor([x]), method="sequential", max_new_tokens=6, sampling=Sampling(1.0, seed=i)
+            ).tokens[0]
+        )
+        for i, x in enumerate(inputs)
+    )  # sentence i samples with seed i
+    assert rows[("speed", 1.0, "coupled")]["tokens"] == rows[("sequential", 1.0, "")]["tokens"] == sampled
+    assert rows[("sequential", 1.0, "")]["passes_per_token"] == 3.0  # M passes per token
+    assert 1.0 <= rows[("speed", 1.0, "coupled")]["passes_per_token"] < 3.0
+    seq = rows[("sequential", 1.0, "")]
+    assert seq["speedup"] == 1.0
+    assert rows[("speed", 1.0, "argmax")]["speedup"] == seq["seconds"] / rows[("speed", 1.0, "argmax")]["seconds"]
+    assert "coupled" in format_sampling_table(table)
