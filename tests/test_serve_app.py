@@ -2,19 +2,29 @@
 
 One tiny 2x3 model (its EOS logit pinned to 0, so answers run to max_tokens and
 disconnects find work to cancel) behind one replica. Answers must equal offline
-sequential decoding of the same input; after the app is deleted, the Parquet
+sequential decoding of the same input; hostile bodies are 4xx; a replica killed
+hard is replaced and loses no answered row; after the app is deleted, the Parquet
 statistics hold exactly one finished row per answered prompt. The tests share
-one deployment and run in file order; the last one deletes it.
+one deployment and run in file order; the last of them deletes it. The
+``jobs/serve.py`` tests start the real job (its own Ray), SIGTERM it and count
+the rows on disk.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 import requests
 import torch
@@ -22,6 +32,7 @@ import torch
 from speed import SpeedT5, generate, preset
 from speed.checkpoint import save_model
 from speed.data import get_task
+from speed.paths import repo_root
 from speed.serve.loadgen import LoadConfig, run_load
 from speed.serve.stats import read_requests, read_traces
 from speed.tokenizer import EOS_ID, Tokenizer
@@ -31,12 +42,24 @@ pytestmark = pytest.mark.ray
 APP = "speed-test"
 SETTINGS = {"max_active": 4, "max_source_len": 48, "max_target_len": 400, "row_budget": 8, "max_tokens": 12}
 SETTINGS |= {"flush_rows": 3, "flush_s": 60}  # the size bound writes during the tests, __del__ the rest
+SETTINGS |= {"max_prompts": 8, "max_body_bytes": 16384}
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _tiny_checkpoint(tiny_tokenizer, directory: Path) -> tuple[SpeedT5, Tokenizer]:
+    """The served model (EOS never the argmax: answers run to max_tokens), saved with its tokenizer."""
+    tokenizer = Tokenizer.load(tiny_tokenizer)
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=tokenizer.vocab_size)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[EOS_ID] = 0
+    save_model(directory, model, tiny_tokenizer)
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +69,8 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
 
     from speed.serve.app import start_app
 
-    tokenizer = Tokenizer.load(tiny_tokenizer)
-    torch.manual_seed(0)
-    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=tokenizer.vocab_size)).eval()
-    with torch.no_grad():
-        model.lm_head.weight[EOS_ID] = 0  # never the argmax: answers run to max_tokens
     root = tmp_path_factory.mktemp("serve")
-    save_model(root / "ckpt", model, tiny_tokenizer)
+    model, tokenizer = _tiny_checkpoint(tiny_tokenizer, root / "ckpt")
     options = {"stats_path": str(root / "stats"), "model_name": "tiny", "device": "cpu", "name": APP}
     options |= {"port": _free_port(), "num_cpus": 1, "max_ongoing_requests": 8, "max_queued_requests": 8}
     url = start_app(str(root / "ckpt"), settings=SETTINGS, **options)
@@ -318,11 +336,18 @@ def test_unseeded_sampling_returns_its_seed_and_repeats_with_it(server, client):
         ({"prompt": [5, 6], "task": "translate_en_de"}, 400, "task applies to text prompts only"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "this server serves 'tiny'"),
         ("not json {", 400, "not valid JSON"),
+        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nests arrays or objects too deeply"),
+        (b'{"prompt": "lone \\ud800 surrogate"}', 400, "prompt holds a lone UTF-16 surrogate"),
+        (b'{"prompt": "x", "max_tokens": ' + b"7" * 5000 + b"}", 400, "a number this server cannot read"),
+        ({"prompt": ["A dog."] * 9}, 400, "prompt holds 9 prompts; this server takes at most 8"),
+        ({"prompt": ["A dog."] * 10_000}, 413, "larger than this server accepts (16384 bytes)"),
+        ({"prompt": "word " * 20_000}, 413, "larger than this server accepts"),
+        (iter([b'{"prompt": "', b"word " * 5000, b'"}']), 413, "larger than this server accepts"),  # chunked
     ],
 )
 def test_bad_requests_are_4xx_saying_what_to_fix(server, body, status, says):
     url = server["url"] + "/v1/completions"
-    if isinstance(body, str):
+    if not isinstance(body, dict):  # raw bytes; an iterator is sent chunked, without a Content-Length
         r = requests.post(url, data=body, headers={"content-type": "application/json"}, timeout=60)
     else:
         r = requests.post(url, json=body, timeout=60)
@@ -393,7 +418,7 @@ def test_schemathesis_finds_no_5xx_and_every_answer_matches_the_schema(server, m
 def test_replica_healthy_after_bad_requests(server):
     assert _complete(server, {"prompt": "Still here?", "max_tokens": 4}).status_code == 200
     stats = requests.get(server["url"] + "/v1/stats", timeout=30).json()
-    assert stats["rejected"] >= 16 and stats["active"] == 0
+    assert stats["rejected"] >= 20 and stats["active"] == 0
     spec = stats["spec_decode"]
     assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
     assert len(spec["num_accepted_tokens_per_pos"]) == 2 and stats["prompt_tokens"] > 0
@@ -453,6 +478,42 @@ def test_load_generator_closed_and_open_loop(server):
     assert all(r["scheduled_s"] <= r["start_s"] for r in opened.table.to_pylist())  # open loop: from the arrival
 
 
+def _parquet_rows(stats: str) -> int:
+    """Request rows already in Parquet files (not counting the write-ahead logs)."""
+    files = sorted((Path(stats) / "requests").glob("*.parquet"))
+    return sum(pq.read_metadata(f).num_rows for f in files)
+
+
+def test_a_replica_killed_hard_is_replaced_and_loses_no_answered_row(server):
+    """SIGKILL (no drain, no ``__del__``) while the replica still buffers answered rows: its logs keep them."""
+    import ray
+
+    for _ in range(3):  # flush_rows=3: within three answers some answered row is not yet in Parquet
+        assert _complete(server, {"prompt": "Kill me softly.", "max_tokens": 5}).status_code == 200
+        if _parquet_rows(server["stats"]) < sum(n for _, n in server["answered"]):
+            break
+    assert _parquet_rows(server["stats"]) < sum(n for _, n in server["answered"])
+    before = requests.get(server["url"] + "/v1/stats", timeout=30).json()["replica"]
+    actor = ray.get_actor(f"SERVE_REPLICA::{before}", namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+    rows = read_requests(server["stats"])
+    finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
+    assert finished.num_rows == sum(n for _, n in server["answered"])  # nothing lost: answered means logged
+    deadline = time.monotonic() + 300  # Serve notices the death and starts a new replica (a model load)
+    while time.monotonic() < deadline:
+        try:
+            health = requests.get(server["url"] + "/healthz", timeout=10)
+            if health.status_code == 200 and health.json()["replica"] != before:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    assert health.json()["replica"] != before
+    a = _complete(server, {"prompt": "Back again.", "max_tokens": 6}).json()
+    assert a["choices"][0]["text"] == _offline(server, "Back again.", 6)[0]
+
+
 def test_redeploy_applies_settings_and_the_old_replica_loses_no_statistics(server):
     """A redeploy through the Python API replaces the replica: Serve drains the old one and calls its
     ``__del__``, which must write every buffered row; the new one gets the settings via ``reconfigure``."""
@@ -499,12 +560,9 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     """The analysis of serving reads what the application and the load generator really wrote."""
     import shutil
 
-    import pyarrow.parquet as pq
-
     from speed.analysis import acceptance, discover, load_summary, rows_per_step
     from speed.analysis.notebooks import run_notebooks
     from speed.analysis.results import read_tables
-    from speed.paths import repo_root
 
     root = tmp_path / "results"
     shutil.copytree(server["stats"], root / "stats")
@@ -525,3 +583,70 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     assert (found.requests[0].parent / "serving_acceptance.png").stat().st_size > 0
     temperatures = set(acceptance(read_tables(found.requests))["temperature"].to_pylist())
     assert {0.0, 0.8} <= temperatures  # the openai-client tests sampled at 0.8
+
+
+# ----- the real job: jobs/serve.py, stopped by SIGTERM ---------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_stops_jobs_serve_with_every_answered_row_on_disk(tiny_tokenizer, tmp_path, to):
+    """``kill`` (the job's process: Serve drains, the replica writes Parquet) or a SIGTERM to the whole process
+    group (systemd's default, a terminal: Ray's own processes die at once, the replica's logs hold the rows).
+    The job requires an API key from ``$SPEED_API_KEY``; it never shows in its output or its files."""
+    _tiny_checkpoint(tiny_tokenizer, tmp_path / "ckpt")
+    stats, port, key = tmp_path / "stats", _free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"SPEED_API_KEY": key, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo_root() / "platform")}
+    command = [sys.executable, "jobs/serve.py", "--checkpoint", str(tmp_path / "ckpt"), "--port", str(port)]
+    command += ["--stats-path", str(stats), "--model-name", "tiny", "--num-cpus", "0.5"]
+    command += ["--set", "flush_s=600", "--set", "max_source_len=48", "--set", "max_tokens=6"]
+    output = tmp_path / "serve.log"
+    with open(output, "wb") as log:
+        job = subprocess.Popen(
+            command, cwd=repo_root(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 600  # a Ray start and a model load on a loaded machine
+        while time.monotonic() < deadline and job.poll() is None:
+            try:
+                if requests.get(url + "/healthz", timeout=10).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        assert job.poll() is None, output.read_text()
+        bearer = {"Authorization": f"Bearer {key}"}
+        refused = [
+            requests.get(url + "/v1/models", timeout=30),
+            requests.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30),
+            requests.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}),
+        ]
+        assert [r.status_code for r in refused] == [401, 401, 401]
+        assert refused[0].json()["error"]["code"] == "invalid_api_key"
+        assert requests.get(url + "/v1/models", headers=bearer, timeout=30).json()["data"][0]["id"] == "tiny"
+        prompts = ["A dog runs.", "Two cats sleep.", "Rain falls.", "A man sings.", "Kids play ball.", "Sun."]
+        load = run_load(LoadConfig(url=url, concurrency=2, requests=6, max_tokens=6, api_key=key), prompts)
+        assert load.summary()["errors"] == 0 and key not in repr(load) + repr(LoadConfig(api_key=key))
+        answered = load.table["request_id"].to_pylist()
+        started = time.monotonic()
+        if to == "process":
+            job.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(job.pid, signal.SIGTERM)
+        code = job.wait(timeout=180)
+        took = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    text = output.read_text()
+    assert code == 0 and "stopping: draining replicas" in text and "stopped in" in text, text
+    assert took < 60, f"the job took {took:.1f} s to stop"  # bounded at 25 s (--stop-timeout-s) plus Ray's exit
+    rows = read_requests(str(stats))
+    assert sorted(rows["request_id"].to_pylist()) == sorted(answered)  # one row per answered prompt, no more
+    assert read_traces(str(stats)).num_rows == 3 * sum(rows["completion_tokens"].to_pylist())
+    if to == "process":  # drained: everything compacted into Parquet, no log left
+        assert _parquet_rows(str(stats)) == len(answered) and not list((stats / "wal").iterdir())
+    files = [p.read_bytes() for p in stats.rglob("*") if p.is_file()]
+    assert key not in text and all(key.encode() not in data for data in files)

@@ -1,9 +1,14 @@
-"""The serving parts without Ray: request validation, streaming text, the statistics sink, the engine runner,
-the load generator's arrival times and the Serve config file."""
+"""The serving parts without Ray: request validation, body limits, the API key, streaming text, the statistics
+sink and its write-ahead logs, the engine runner, the load generator's arrival times and the Serve config file."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pyarrow as pa
@@ -14,6 +19,8 @@ import yaml
 from speed import SpeedT5, generate, preset
 from speed.engine import EngineConfig, Request
 from speed.paths import repo_root
+from speed.serve import auth
+from speed.serve.limits import BadRequest, parse_body, read_body
 from speed.serve.loadgen import LoadConfig, arrival_times, summarize
 from speed.serve.protocol import CompletionRequest, validation_message
 from speed.serve.runner import EngineRunner
@@ -21,6 +28,7 @@ from speed.serve.stats import (
     LOADGEN_SCHEMA,
     REQUEST_SCHEMA,
     SERVE_TRACE_SCHEMA,
+    WAL_DIR,
     ServeCounters,
     StatsSink,
     read_requests,
@@ -68,6 +76,139 @@ def test_prompt_shapes():
     assert CompletionRequest.model_validate({"prompt": [[5], [6, 7]]}).prompts() == [[5], [6, 7]]
 
 
+_NESTED = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+
+
+@pytest.mark.parametrize(
+    "raw, status, says",
+    [
+        (_NESTED, 400, "nests arrays or objects too deeply"),
+        (b'{"a": ' * 5000 + b"1" + b"}" * 5000, 400, "nests arrays or objects too deeply"),
+        (b'{"prompt": "caf\\ud800e"}', 400, "prompt holds a lone UTF-16 surrogate"),
+        (b'{"prompt": ["ok", "\\udfff"]}', 400, "prompt[1] holds a lone UTF-16 surrogate"),
+        (b'{"prompt": "x", "user": {"\\ud83d": 1}}', 400, "user key holds a lone UTF-16 surrogate"),
+        (json.dumps({"prompt": ["x"] * 10_000}).encode(), 400, "prompt holds 10000 prompts; this server takes at most"),
+        (json.dumps({"prompt": [[5, 6]] * 33}).encode(), 400, "prompt holds 33 prompts"),
+        (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "a number this server cannot read"),
+        (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+        (b'{"prompt": ', 400, "not valid JSON"),
+        (b"", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+    ],
+)
+def test_hostile_bodies_are_rejected_saying_what_is_wrong(raw, status, says):
+    with pytest.raises(BadRequest) as caught:
+        parse_body(raw, max_prompts=32)
+    assert caught.value.status == status and says in caught.value.message
+
+
+def test_clean_bodies_pass_the_limits():
+    assert parse_body(json.dumps({"prompt": ["x"] * 32}).encode(), 32)["prompt"] == ["x"] * 32
+    assert parse_body(b'{"prompt": [5, 6, 7, 8, 9]}', 1)["prompt"] == [5, 6, 7, 8, 9]  # token ids: one prompt
+    assert parse_body(b'{"prompt": "\\ud83d\\ude00 ok"}', 1)["prompt"] == "\U0001f600 ok"  # a surrogate pair
+
+
+def _request(chunks: list[bytes], declared: int | None):
+    """A Starlette request whose body arrives in ``chunks``; ``declared`` its Content-Length (None: chunked)."""
+    from starlette.requests import Request as StarletteRequest
+
+    headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    read = []
+
+    async def receive():
+        read.append(1)
+        return messages[len(read) - 1]
+
+    return StarletteRequest({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive), read
+
+
+def test_body_size_is_capped_before_it_is_read():
+    async def run(chunks, declared):
+        request, read = _request(chunks, declared)
+        try:
+            return await read_body(request, max_bytes=100), len(read)
+        except BadRequest as err:
+            return err, len(read)
+
+    rejected, chunks_read = asyncio.run(run([b"x" * 60] * 1000, 60_000))
+    assert rejected.status == 413 and "larger than this server accepts (100 bytes)" in rejected.message
+    assert chunks_read == 0  # the declared size was enough
+    rejected, chunks_read = asyncio.run(run([b"x" * 60] * 1000, None))  # no Content-Length: stop at the cap
+    assert rejected.status == 413 and chunks_read == 2
+    assert asyncio.run(run([b"x" * 50, b"y" * 50], None)) == (b"x" * 50 + b"y" * 50, 2)
+
+
+# ----- the API key -----------------------------------------------------------------------------------
+
+
+async def _get(app, path: str, authorization: str | None = None) -> tuple[int, dict]:
+    """One GET through ``app`` as an ASGI server would send it: the status and the JSON body."""
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": headers, "scheme": "http", "http_version": "1.1",
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000)}  # fmt: skip
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body)
+
+
+def test_api_key_guards_every_route_but_healthz():
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    auth.require_key(app)
+    app.get("/healthz")(lambda: {"ok": True})
+    app.get("/v1/models")(lambda: {"data": []})
+
+    async def run():
+        open_before = await _get(app, "/v1/models")
+        app.state.api_key = auth.ApiKey("s3cret-key")
+        return open_before, [
+            await _get(app, path, header)
+            for path, header in [
+                ("/v1/models", None),
+                ("/v1/models", "Bearer wrong"),
+                ("/v1/models", "Bearer s3cret-key"),
+                ("/v1/models", "bearer s3cret-key"),
+                ("/v1/models", "Basic s3cret-key"),
+                ("/v1/models", "Bearer s3cret-key-and-more"),
+                ("/docs", None),
+                ("/nowhere", None),
+                ("/healthz", None),
+            ]
+        ]
+
+    open_before, answers = asyncio.run(run())
+    assert open_before == (200, {"data": []})  # no key set: open
+    assert [status for status, _ in answers] == [401, 401, 200, 200, 401, 401, 401, 401, 200]
+    error = answers[0][1]["error"]
+    assert (error["code"], error["type"], error["param"]) == ("invalid_api_key", "invalid_request_error", None)
+    assert all("s3cret" not in json.dumps(body) for _, body in answers)
+
+
+def test_api_key_resolution_and_secrecy(monkeypatch):
+    monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
+    assert auth.resolve(None) is None
+    monkeypatch.setenv(auth.API_KEY_ENV, "from-env")
+    assert auth.resolve(None).accepts("Bearer from-env")
+    assert auth.resolve("given").accepts("Bearer given") and not auth.resolve("given").accepts("Bearer from-env")
+    monkeypatch.setenv(auth.API_KEY_ENV, "")
+    assert auth.resolve(None) is None  # an empty variable is no key
+    key = auth.ApiKey("hunter2")
+    assert "hunter2" not in repr(key) + str(key) + repr(vars(key))
+    with pytest.raises(ValueError, match="non-empty"):
+        auth.ApiKey(" padded ")
+
+
 def test_text_stream_deltas_add_up_to_the_whole_decode(tiny_tokenizer):
     from speed.tokenizer import Tokenizer
 
@@ -106,7 +247,8 @@ def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
     sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_rows=3, max_seconds=0.2)
     for i in range(2):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
-    assert not sink.due() and read_requests(str(tmp_path)).num_rows == 0
+    assert not sink.due() and not list((tmp_path / "requests").iterdir())  # no Parquet yet ...
+    assert read_requests(str(tmp_path)).num_rows == 2  # ... but the rows are readable from their log
     sink.add(_row(2), None)
     assert sink.due()  # the size bound
     assert sink.flush() == 3 and sink.pending == 0
@@ -121,6 +263,51 @@ def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
     assert traces.num_rows == 5
     assert len(list((tmp_path / "requests").iterdir())) == 2  # one file (row group) per flush
     assert all(" " not in p.name and "#" not in p.name for p in (tmp_path / "requests").iterdir())
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_serve_parts import _row, _trace
+from speed.serve.stats import StatsSink
+sink = StatsSink({storage!r}, "app#SpeedServer#killed", max_rows=2, max_seconds=600)
+for i in range(5):
+    sink.add(_row(i), _trace(f"cmpl-{{i}}", 3))
+    if sink.due():
+        sink.flush()
+os.kill(os.getpid(), signal.SIGKILL)  # as a replica killed hard: no flush, no __del__
+"""
+
+
+def test_sink_logs_every_row_so_a_replica_killed_hard_loses_none(tmp_path):
+    storage = str(tmp_path / "stats")
+    code = _KILLED_WRITER.format(tests=str(repo_root() / "tests"), storage=storage)
+    env = {**os.environ, "PYTHONPATH": str(repo_root() / "platform")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    requests, traces = read_requests(storage), read_traces(storage)
+    assert sorted(requests["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(5)]  # 4 in Parquet, 1 logged
+    assert traces.num_rows == 15 and requests.schema == REQUEST_SCHEMA and traces.schema == SERVE_TRACE_SCHEMA
+    (log,) = (tmp_path / "stats" / WAL_DIR).glob("*.requests.arrows")
+    with open(log, "ab") as f:
+        f.write(b"\xff\xff\xff\xff\x10\x00")  # a record cut short by the kill
+    assert read_requests(storage).num_rows == 5
+
+
+def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(tmp_path):
+    sink = StatsSink(str(tmp_path), "r#1", max_rows=100, max_seconds=600)
+    for i in range(3):
+        sink.add(_row(i), _trace(f"cmpl-{i}", 2))
+    wal = tmp_path / WAL_DIR
+    assert sorted(p.name for p in wal.iterdir()) == ["r_1-000001.requests.arrows", "r_1-000001.traces.arrows"]
+    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
+    logs = {p.name: p.read_bytes() for p in wal.iterdir()}
+    assert sink.flush() == 3 and not list(wal.iterdir())
+    for name, data in logs.items():  # killed between the Parquet file's rename and the log's deletion
+        (wal / name).write_bytes(data)
+    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
+    sink.add(_row(3), None)
+    assert read_requests(str(tmp_path)).num_rows == 4  # the next file's log
 
 
 def test_sink_on_a_uri(tmp_path):

@@ -11,8 +11,13 @@ local path or a URI), plans each request into engine requests
 tokens into answers (``speed.serve.answers``) and writes one ``REQUEST_SCHEMA``
 row per decoded choice, and its flip trace, under ``stats_path``
 (``speed.serve.rows``, ``speed.serve.stats``); counters and histograms also go
-to Ray's Prometheus export (``speed.serve.metrics``).
-Live settings (``ServeSettings``) come from ``user_config`` via ``reconfigure``.
+to Ray's Prometheus export (``speed.serve.metrics``). On local storage each row
+is logged before its answer leaves, and Serve's graceful stop writes the rest
+through ``drain``. Live settings (``ServeSettings``) come from ``user_config``
+via ``reconfigure``. Bodies are checked for size, JSON, text and prompt count
+before any work (``speed.serve.limits``); with an API key
+(``start_app(api_key=...)`` or ``$SPEED_API_KEY``) every route but ``/healthz``
+needs ``Authorization: Bearer <key>`` (``speed.serve.auth``).
 """
 
 # No ``from __future__ import annotations``: Serve pickles the deployment class by value, and FastAPI
@@ -20,12 +25,12 @@ Live settings (``ServeSettings``) come from ``user_config`` via ``reconfigure``.
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,10 +49,11 @@ from speed.config import from_dict
 from speed.data import get_task
 from speed.engine import EngineConfig, Finished
 from speed.paths import repo_root
-from speed.serve import protocol, responses
+from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import choice_events, choice_of
+from speed.serve.limits import BadRequest
 from speed.serve.metrics import ServeMetrics
-from speed.serve.planning import BadRequest, Plan, plan_request
+from speed.serve.planning import Plan, plan_request
 from speed.serve.protocol import ChatRequest, CompletionRequest
 from speed.serve.responses import Choice, Surface, TokenInfo
 from speed.serve.rows import ChoiceMeta, choice_stats, request_row, trace_rows
@@ -81,9 +87,12 @@ class ServeSettings:
     threads: int | None = None  # torch CPU threads of the replica; None: torch's choice
     flush_rows: int = 256  # statistics: write a row group at this many requests ...
     flush_s: float = 30.0  # ... or when the oldest buffered row is this old
+    max_prompts: int = 32  # prompts in one request (a longer prompt array is a 400)
+    max_body_bytes: int = 1 << 20  # request body size (a larger body is a 413, refused before it is read)
 
     def __post_init__(self) -> None:
-        for name in ("max_active", "max_source_len", "max_target_len", "launch_loop", "max_tokens", "flush_rows"):
+        positive = ("max_active", "max_source_len", "max_target_len", "launch_loop", "max_tokens", "flush_rows")
+        for name in (*positive, "max_prompts", "max_body_bytes"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"ServeSettings.{name} must be an integer >= 1, got {value!r}")
@@ -116,6 +125,7 @@ class ServeSettings:
 
 
 api = FastAPI(title="speed", description="SPEED decoding of a parameter-shared T5 behind OpenAI's completions API")
+auth.require_key(api)  # a no-op until a replica sets api.state.api_key
 
 
 @api.exception_handler(RequestValidationError)
@@ -126,7 +136,7 @@ async def _invalid(_request: Any, error: RequestValidationError) -> JSONResponse
 
 @api.exception_handler(BadRequest)
 async def _bad(_request: Any, error: BadRequest) -> JSONResponse:
-    kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+    kind = "not_found_error" if error.status == 404 else "invalid_request_error"  # 413 too: OpenAI's type
     return JSONResponse(protocol.error_body(error.message, error.param, kind), status_code=error.status)
 
 
@@ -174,16 +184,12 @@ def _openapi(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-async def _parse(http: StarletteRequest, model: type[BaseModel] = CompletionRequest) -> Any:
+async def _parse(http: StarletteRequest, settings: ServeSettings, model: type[BaseModel] = CompletionRequest) -> Any:
     """The request body as a ``model`` (``CompletionRequest``, ``ChatRequest``); anything else is a
-    ``BadRequest`` saying what to fix."""
-    raw = await http.body()
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadRequest(f'the body is not valid JSON ({err}); send a JSON object like {{"prompt": "..."}}') from None
-    if not isinstance(data, dict):
-        raise BadRequest(f"the body must be a JSON object with a prompt, got {type(data).__name__}")
+    ``BadRequest`` saying what to fix. Size, JSON, text and prompt count are checked first
+    (``speed.serve.limits``), before any work."""
+    raw = await limits.read_body(http, settings.max_body_bytes)
+    data = limits.parse_body(raw, settings.max_prompts)
     try:
         return model.model_validate(data)
     except ValidationError as err:
@@ -196,7 +202,7 @@ async def _parse(http: StarletteRequest, model: type[BaseModel] = CompletionRequ
     max_ongoing_requests=32,  # per replica; beyond the engine's capacity they wait in its queue
     max_queued_requests=64,  # per caller; beyond that Serve answers 503 at once
     ray_actor_options={"num_cpus": 1},
-    graceful_shutdown_timeout_s=30,
+    graceful_shutdown_timeout_s=20,  # ongoing requests get this long to finish on a stop (jobs/serve.py: 25 s in all)
 )
 @serve.ingress(api)
 class SpeedServer:
@@ -208,7 +214,9 @@ class SpeedServer:
         stats_path: str = DEFAULT_STATS_PATH,
         model_name: str | None = None,
         device: str = "auto",
+        api_key: str | None = None,
     ) -> None:
+        api.state.api_key = auth.resolve(api_key)  # None: open (no key given, none in $SPEED_API_KEY)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.model, self.tokenizer = load_served_model(checkpoint, device)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
@@ -219,7 +227,7 @@ class SpeedServer:
         self.settings = ServeSettings()
         self.runner = EngineRunner(self.model, self.settings.engine_config(), self._record, self._step)
         self.sink = StatsSink(stats_path, self.replica, self.settings.flush_rows, self.settings.flush_s)
-        self._writes: set[asyncio.Task] = set()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speed-stats")  # Parquet, in order
         self._flusher: asyncio.Task | None = None
         self._metrics = ServeMetrics()
 
@@ -240,15 +248,22 @@ class SpeedServer:
         if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
             raise RuntimeError(f"the engine loop died: {task.exception()!r}")
 
-    def __del__(self) -> None:
-        """Serve calls this after draining the replica: stop the engine, write the statistics left."""
+    def drain(self) -> int:
+        """Stop the engine, wait for statistics being written and write the rest; returns the rows written now.
+        Serve calls it (through ``__del__``) on every graceful stop, after the replica's requests drained."""
         runner, sink = getattr(self, "runner", None), getattr(self, "sink", None)
         if runner is not None:
             runner.close()
-        if self._flusher is not None:
+        if getattr(self, "_flusher", None) is not None:
             self._flusher.cancel()
-        if sink is not None:
-            sink.flush()
+        if getattr(self, "_writer", None) is not None:
+            self._writer.shutdown(wait=True)
+        return sink.flush() if sink is not None else 0
+
+    def __del__(self) -> None:
+        """What Serve's graceful shutdown calls on a replica (``serve.delete``, ``serve.shutdown``, a redeploy,
+        scaling down): ``drain``. A replica killed hard skips it; its logged rows are kept (``speed.serve.stats``)."""
+        self.drain()
 
     # ----- routes ---------------------------------------------------------------------------------
 
@@ -296,7 +311,7 @@ class SpeedServer:
         arrived, started = datetime.now(timezone.utc), time.perf_counter()
         self._start_flusher()
         try:
-            body = await _parse(http, model)
+            body = await _parse(http, self.settings, model)
             plan = plan_request(body, self.settings, self.tokenizer, self.model_name)
         except BadRequest:
             self.runner.counters.rejected += 1
@@ -409,13 +424,10 @@ class SpeedServer:
             self._write_soon()
 
     def _write_soon(self) -> None:
-        """Write the buffered statistics in a thread, so the event loop keeps serving."""
-        tables = self.sink.take()
-        if tables is None:
-            return
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.sink.write, tables))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        """Write the buffered statistics on the writer thread, so the event loop keeps serving."""
+        taken = self.sink.take()
+        if taken is not None:
+            self._writer.submit(self.sink.write, taken).add_done_callback(_log_write_error)
 
     def _start_flusher(self) -> None:
         if self._flusher is None:
@@ -429,11 +441,17 @@ class SpeedServer:
                 self._write_soon()
 
 
+def _log_write_error(done: Future) -> None:
+    if done.exception() is not None:  # the rows stay in their write-ahead log on local storage
+        log.error("writing request statistics failed: %r", done.exception())
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Application builder for ``serve run speed.serve.app:build_app checkpoint=...`` and Serve config files.
 
     ``args``: ``checkpoint`` (a checkpoint or run directory, local or URI; default ``$SPEED_CHECKPOINT``),
-    ``stats_path``, ``model_name``, ``device`` (``auto``, ``cpu``, ``cuda``).
+    ``stats_path``, ``model_name``, ``device`` (``auto``, ``cpu``, ``cuda``). An API key comes from
+    ``$SPEED_API_KEY`` in the replicas' environment, never from ``args`` (config files are not secret).
     """
     known = {"checkpoint", "stats_path", "model_name", "device"}
     unknown = sorted(set(args) - known)
@@ -462,10 +480,12 @@ def start_app(
     max_queued_requests: int | None = None,
     name: str = "speed",
     route_prefix: str = "/",
+    api_key: str | None = None,
 ) -> str:
     """Start Serve's HTTP proxy on ``host:port`` (loopback by default) and deploy the application under
     ``route_prefix`` on the connected Ray; returns its URL. ``settings`` is the ``user_config``
-    (``ServeSettings`` keys)."""
+    (``ServeSettings`` keys); ``api_key`` (else the replicas' ``$SPEED_API_KEY``) is required on every
+    route but ``/healthz``."""
     from_dict(ServeSettings, dict(settings or {}))  # fail here, not in a replica
     serve.start(http_options={"host": host, "port": port})
     options: dict[str, Any] = {
@@ -477,6 +497,6 @@ def start_app(
         if value is not None:
             options[key] = value
     deployment = SpeedServer.options(**options)
-    app = deployment.bind(checkpoint, stats_path, model_name, device)
+    app = deployment.bind(checkpoint, stats_path, model_name, device, api_key=api_key)
     serve.run(app, name=name, route_prefix=route_prefix)
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"

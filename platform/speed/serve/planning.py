@@ -17,15 +17,8 @@ from typing import Any
 from speed.data import get_task
 from speed.engine import Request
 from speed.sampling import Sampling, choice_seed
+from speed.serve.limits import BadRequest
 from speed.serve.protocol import ChatRequest, CompletionRequest
-
-
-class BadRequest(Exception):
-    """A request the server cannot decode as asked: answered 400 (or ``status``) with ``message``."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
 
 
 @dataclass(frozen=True)

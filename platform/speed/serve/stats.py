@@ -7,10 +7,18 @@ storage path, local or a URI that ``pyarrow.fs`` understands::
 
     <storage>/requests/<replica>-<n>.parquet    REQUEST_SCHEMA, one file per flushed row group
     <storage>/traces/<replica>-<n>.parquet      SERVE_TRACE_SCHEMA
+    <storage>/wal/<replica>-<n>.requests.arrows the rows of file n while it is buffered (local storage only)
+    <storage>/wal/<replica>-<n>.traces.arrows
 
 A flush writes each buffer as one new file (one row group), so files on object
 stores are never appended to and every file is readable while the replica
-runs. ``read_requests`` / ``read_traces`` read a storage path back.
+runs. On local storage every row is also appended to a write-ahead log (an
+Arrow IPC stream, one record batch per request, written through to the OS
+before the answer leaves the replica), so a replica killed hard (SIGKILL, a
+signal to its process group, an out-of-memory kill) loses no row it answered;
+a flush writes Parquet file ``n`` and then deletes log ``n``. ``read_requests``
+/ ``read_traces`` read a storage path back: the Parquet files and the logs no
+Parquet file replaces yet (a log's torn last record is dropped).
 The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
 ``BENCH_SERVE_SCHEMA`` rows.
 """
@@ -35,6 +43,7 @@ if TYPE_CHECKING:
 
 REQUESTS_DIR = "requests"
 TRACES_DIR = "traces"
+WAL_DIR = "wal"  # write-ahead logs of the rows not yet in Parquet (local storage)
 
 REQUEST_SCHEMA = pa.schema(
     [
@@ -147,30 +156,92 @@ def file_tag(replica: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", replica) or "replica"
 
 
+def _read_log(path: str) -> list[pa.RecordBatch]:
+    """The complete record batches of a write-ahead log; a torn tail (a writer killed mid-record) is dropped."""
+    batches: list[pa.RecordBatch] = []
+    with pa.OSFile(path) as f:  # FileNotFoundError: compacted since it was listed
+        try:
+            reader = pa.ipc.open_stream(f)
+            while True:
+                batches.append(reader.read_next_batch())
+        except StopIteration:
+            pass
+        except (pa.ArrowInvalid, OSError):  # the last record (or the schema) was cut short
+            pass
+    return batches
+
+
 def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
     fs, root = storage_filesystem(storage)
-    path = f"{root.rstrip('/')}/{folder}"
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return schema.empty_table()
-    return pads.dataset(path, schema=schema, format="parquet", filesystem=fs).to_table()
+    root = root.rstrip("/")
+    path, wal, suffix = f"{root}/{folder}", f"{root}/{WAL_DIR}", f".{folder}.arrows"
+    for _ in range(3):
+        logs = []  # listed first: a log compacted after this listing has its Parquet file in the one below
+        if isinstance(fs, pafs.LocalFileSystem) and fs.get_file_info(wal).type == pafs.FileType.Directory:
+            logs = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(wal)) if i.path.endswith(suffix))
+        table, written = schema.empty_table(), set()
+        if fs.get_file_info(path).type != pafs.FileType.NotFound:
+            dataset = pads.dataset(path, schema=schema, format="parquet", filesystem=fs)
+            table, written = dataset.to_table(), {Path(f).name for f in dataset.files}
+        try:
+            logged = [
+                batch
+                for log in logs
+                if Path(log).name.removesuffix(suffix) + ".parquet" not in written
+                for batch in _read_log(log)
+            ]
+        except FileNotFoundError:  # compacted between the two listings: list again
+            continue
+        return pa.concat_tables([table, pa.Table.from_batches(logged, schema)]) if logged else table
+    raise RuntimeError(f"{storage}: the statistics kept changing while they were read")
 
 
 def read_requests(storage: str) -> pa.Table:
-    """Every request row written under ``storage`` (``REQUEST_SCHEMA``); empty if none yet."""
+    """Every request row written under ``storage`` (``REQUEST_SCHEMA``), logged rows included; empty if none."""
     return _read(storage, REQUESTS_DIR, REQUEST_SCHEMA)
 
 
 def read_traces(storage: str) -> pa.Table:
-    """Every trace row written under ``storage`` (``SERVE_TRACE_SCHEMA``); empty if none yet."""
+    """Every trace row written under ``storage`` (``SERVE_TRACE_SCHEMA``), logged rows included; empty if none."""
     return _read(storage, TRACES_DIR, SERVE_TRACE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """Buffered rows swapped out of a sink, to be written as Parquet file ``number``."""
+
+    requests: pa.Table
+    traces: pa.Table
+    number: int
+
+
+class _Log:
+    """One append-only Arrow IPC stream; every record goes to the OS as it is written (no user-space buffer)."""
+
+    def __init__(self, path: str, schema: pa.Schema) -> None:
+        self.path = path
+        self._file = pa.OSFile(path, "wb")
+        self._writer = pa.ipc.new_stream(self._file, schema)
+
+    def append(self, data: pa.RecordBatch | pa.Table) -> None:
+        if isinstance(data, pa.Table):
+            self._writer.write_table(data)
+        else:
+            self._writer.write_batch(data)
+
+    def close(self) -> None:
+        self._writer.close()
+        self._file.close()
 
 
 class StatsSink:
     """Buffers request and trace rows of one replica; writes them as Parquet on a size or time bound.
 
-    ``add`` never writes; the owner calls ``flush`` when ``due()`` (and on
-    shutdown), possibly from another thread: ``take`` swaps the buffers out
-    first, so rows added during a write go into the next file.
+    ``add`` never writes Parquet (on local storage it appends the rows to the
+    write-ahead log of the current file); the owner calls ``flush`` when
+    ``due()`` (and on shutdown), or ``take`` and then ``write`` from another
+    thread: ``take`` swaps the buffers out first, so rows added during a
+    write go into the next file. ``durable`` says whether rows are logged.
     """
 
     def __init__(self, storage: str, replica: str, max_rows: int = 256, max_seconds: float = 30.0) -> None:
@@ -180,11 +251,13 @@ class StatsSink:
         self.root = root.rstrip("/")
         self.tag = file_tag(replica)
         self.max_rows, self.max_seconds = max_rows, max_seconds
+        self.durable = isinstance(self.fs, pafs.LocalFileSystem)  # object stores cannot append
         self._requests: list[dict[str, Any]] = []
         self._traces: list[pa.Table] = []
         self._since = time.monotonic()
-        self._files = 0
-        for folder in (REQUESTS_DIR, TRACES_DIR):
+        self._files = 1  # the number of the file the buffered rows will be written as
+        self._logs: dict[str, _Log] = {}
+        for folder in (REQUESTS_DIR, TRACES_DIR) + ((WAL_DIR,) if self.durable else ()):
             self.fs.create_dir(f"{self.root}/{folder}", recursive=True)
 
     @property
@@ -193,12 +266,17 @@ class StatsSink:
         return len(self._requests)
 
     def add(self, request: dict[str, Any], trace: pa.Table | None) -> None:
-        """Buffer one request row (``REQUEST_SCHEMA`` keys) and its trace rows (``SERVE_TRACE_SCHEMA``)."""
+        """Buffer (and log) one request row (``REQUEST_SCHEMA`` keys) and its trace rows (``SERVE_TRACE_SCHEMA``)."""
         if not self._requests:
             self._since = time.monotonic()
-        self._requests.append(request)
         if trace is not None and trace.num_rows:
-            self._traces.append(trace.select(SERVE_TRACE_SCHEMA.names).cast(SERVE_TRACE_SCHEMA))
+            trace = trace.select(SERVE_TRACE_SCHEMA.names).cast(SERVE_TRACE_SCHEMA)
+            if self.durable:  # logged before the request row, which closes the request
+                self._log(TRACES_DIR, SERVE_TRACE_SCHEMA).append(trace)
+            self._traces.append(trace)
+        if self.durable:
+            self._log(REQUESTS_DIR, REQUEST_SCHEMA).append(pa.RecordBatch.from_pylist([request], REQUEST_SCHEMA))
+        self._requests.append(request)
 
     def due(self) -> bool:
         """Whether the buffer reached ``max_rows`` or holds rows older than ``max_seconds``."""
@@ -206,31 +284,49 @@ class StatsSink:
             len(self._requests) >= self.max_rows or time.monotonic() - self._since >= self.max_seconds
         )
 
-    def take(self) -> tuple[pa.Table, pa.Table] | None:
-        """Swap the buffers out as (requests, traces) tables; None when empty."""
+    def take(self) -> Taken | None:
+        """Swap the buffers out (and close their logs); None when empty."""
         if not self._requests:
             return None
         requests = pa.Table.from_pylist(self._requests, schema=REQUEST_SCHEMA)
         traces = pa.concat_tables(self._traces) if self._traces else SERVE_TRACE_SCHEMA.empty_table()
-        self._requests, self._traces = [], []
-        return requests, traces
-
-    def write(self, tables: tuple[pa.Table, pa.Table]) -> None:
-        """Write taken tables as one new file each (a single row group)."""
+        for log in self._logs.values():
+            log.close()
+        taken = Taken(requests, traces, self._files)
+        self._requests, self._traces, self._logs = [], [], {}
         self._files += 1
-        name = f"{self.tag}-{self._files:06d}.parquet"
-        requests, traces = tables
-        pq.write_table(requests, f"{self.root}/{REQUESTS_DIR}/{name}", filesystem=self.fs, row_group_size=None)
-        if traces.num_rows:
-            pq.write_table(traces, f"{self.root}/{TRACES_DIR}/{name}", filesystem=self.fs, row_group_size=None)
+        return taken
+
+    def write(self, taken: Taken) -> None:
+        """Write taken rows as one new Parquet file each (a single row group), then delete their logs."""
+        name = f"{self.tag}-{taken.number:06d}"
+        for folder, table in ((TRACES_DIR, taken.traces), (REQUESTS_DIR, taken.requests)):
+            if not table.num_rows:
+                continue
+            final = f"{self.root}/{folder}/{name}.parquet"
+            if not self.durable:  # an object store's upload appears whole
+                pq.write_table(table, final, filesystem=self.fs, row_group_size=None)
+                continue
+            partial = f"{self.root}/{folder}/.{name}.parquet"  # readers skip dot files
+            pq.write_table(table, partial, filesystem=self.fs, row_group_size=None)
+            self.fs.move(partial, final)
+            self.fs.delete_file(self._log_path(name, folder))
 
     def flush(self) -> int:
         """Write whatever is buffered now; returns the request rows written."""
-        tables = self.take()
-        if tables is None:
+        taken = self.take()
+        if taken is None:
             return 0
-        self.write(tables)
-        return tables[0].num_rows
+        self.write(taken)
+        return taken.requests.num_rows
+
+    def _log_path(self, name: str, folder: str) -> str:
+        return f"{self.root}/{WAL_DIR}/{name}.{folder}.arrows"
+
+    def _log(self, folder: str, schema: pa.Schema) -> _Log:
+        if folder not in self._logs:
+            self._logs[folder] = _Log(self._log_path(f"{self.tag}-{self._files:06d}", folder), schema)
+        return self._logs[folder]
 
 
 @dataclass
