@@ -472,7 +472,7 @@ def test_serve_config_file_is_valid_and_binds_loopback():
     from ray.serve.schema import ServeDeploySchema
 
     from speed.config import from_dict
-    from speed.serve.app import ServeSettings
+    from speed.serve.settings import ServeSettings
 
     config = ServeDeploySchema.model_validate(yaml.safe_load((repo_root() / "jobs/configs/serve.yaml").read_text()))
     assert config.http_options.host == "127.0.0.1"
@@ -485,7 +485,7 @@ def test_serve_config_file_is_valid_and_binds_loopback():
 
 def test_serve_settings_reject_unknown_and_bad_values():
     from speed.config import from_dict
-    from speed.serve.app import ServeSettings
+    from speed.serve.settings import ServeSettings
 
     with pytest.raises(ValueError, match="unknown ServeSettings key"):
         from_dict(ServeSettings, {"max_actives": 3})

@@ -6,7 +6,7 @@
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (OpenAI's; see
 ``speed.serve.protocol``), ``GET /v1/models``, ``GET /healthz``, ``GET /v1/stats``
 (this replica's totals). Each replica loads the checkpoint and its tokenizer (a
-local path or a URI), plans each request into engine requests
+local path or a URI: ``speed.serve.loading``), plans each request into engine requests
 (``speed.serve.planning``), decodes them with an ``EngineRunner``, merges their
 tokens into answers (``speed.serve.answers``) and writes one ``REQUEST_SCHEMA``
 row per decoded choice, and its flip trace, under ``stats_path``
@@ -14,7 +14,7 @@ row per decoded choice, and its flip trace, under ``stats_path``
 to Ray's Prometheus export (``speed.serve.metrics``). On local storage each row
 is logged before its answer leaves, and Serve's graceful stop writes the rest
 through ``drain``. Live settings (``ServeSettings``) come from ``user_config``
-via ``reconfigure``. Bodies are checked for size, JSON, text and prompt count
+via ``reconfigure`` (``speed.serve.settings``). Bodies are checked for size, JSON, text and prompt count
 before any work (``speed.serve.limits``); with an API key
 (``start_app(api_key=...)`` or ``$SPEED_API_KEY``) every route but ``/healthz``
 needs ``Authorization: Bearer <key>`` (``speed.serve.auth``).
@@ -31,7 +31,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -44,86 +43,26 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.requests import Request as StarletteRequest
 
-from speed.checkpoint import load_model
 from speed.config import from_dict
-from speed.data import get_task
-from speed.engine import EngineConfig, Finished
-from speed.paths import repo_root
+from speed.engine import Finished
 from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import choice_events, choice_of
 from speed.serve.limits import BadRequest
+from speed.serve.loading import load_served_model
 from speed.serve.metrics import ServeMetrics
 from speed.serve.planning import Plan, plan_request
 from speed.serve.protocol import ChatRequest, CompletionRequest
 from speed.serve.responses import Choice, Surface, TokenInfo
 from speed.serve.rows import ChoiceMeta, choice_stats, request_row, trace_rows
 from speed.serve.runner import EngineRunner, Submission
+from speed.serve.settings import DEFAULT_STATS_PATH, ServeSettings
 from speed.serve.stats import StatsSink
 from speed.serve.text import ChoiceText
-from speed.tokenizer import EOS_ID, Tokenizer
+from speed.tokenizer import EOS_ID
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_ENV = "SPEED_CHECKPOINT"  # build_app's checkpoint when its args name none
-DEFAULT_STATS_PATH = str(repo_root() / "runs" / "serve")
-METHODS = ("speed", "sequential")
-INVALIDATIONS = ("eager", "final")
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """A replica's live settings: Serve's ``user_config``, applied by ``reconfigure``; unknown keys are errors."""
-
-    max_active: int = 16  # engine capacity: requests decoded at once
-    max_source_len: int = 128  # longest prompt in tokens (task prefix and EOS included)
-    max_target_len: int = 128  # largest max_tokens
-    row_budget: int | None = None  # rows per engine step; None: every in-flight row
-    method: str = "speed"  # defaults for requests that leave them out
-    launch_loop: int = 1
-    invalidation: str = "eager"
-    task: str | None = None  # task prefix put before text prompts that name no task
-    max_tokens: int = 64
-    trace: bool = True  # per-request flip traces to Parquet
-    threads: int | None = None  # torch CPU threads of the replica; None: torch's choice
-    flush_rows: int = 256  # statistics: write a row group at this many requests ...
-    flush_s: float = 30.0  # ... or when the oldest buffered row is this old
-    max_prompts: int = 32  # prompts in one request (a longer prompt array is a 400)
-    max_body_bytes: int = 1 << 20  # request body size (a larger body is a 413, refused before it is read)
-
-    def __post_init__(self) -> None:
-        positive = ("max_active", "max_source_len", "max_target_len", "launch_loop", "max_tokens", "flush_rows")
-        for name in (*positive, "max_prompts", "max_body_bytes"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"ServeSettings.{name} must be an integer >= 1, got {value!r}")
-        for name in ("row_budget", "threads"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"ServeSettings.{name} must be an integer >= 1 or null, got {value!r}")
-        if self.method not in METHODS:
-            raise ValueError(f"ServeSettings.method must be one of {METHODS}, got {self.method!r}")
-        if self.invalidation not in INVALIDATIONS:
-            raise ValueError(f"ServeSettings.invalidation must be one of {INVALIDATIONS}, got {self.invalidation!r}")
-        if self.task is not None:
-            get_task(self.task)
-        if self.max_tokens > self.max_target_len:
-            raise ValueError(f"ServeSettings.max_tokens {self.max_tokens} exceeds max_target_len {self.max_target_len}")
-        if type(self.trace) is not bool:
-            raise ValueError(f"ServeSettings.trace must be true or false, got {self.trace!r}")
-        if not isinstance(self.flush_s, (int, float)) or self.flush_s <= 0:
-            raise ValueError(f"ServeSettings.flush_s must be a positive number, got {self.flush_s!r}")
-
-    def engine_config(self) -> EngineConfig:
-        """The engine's fixed capacity and budget."""
-        return EngineConfig(
-            max_active=self.max_active,
-            max_source_len=self.max_source_len,
-            max_target_len=self.max_target_len,
-            row_budget=self.row_budget,
-            trace=self.trace,
-        )
-
-
 api = FastAPI(title="speed", description="SPEED decoding of a parameter-shared T5 behind OpenAI's completions API")
 auth.require_key(api)  # a no-op until a replica sets api.state.api_key
 
@@ -138,18 +77,6 @@ async def _invalid(_request: Any, error: RequestValidationError) -> JSONResponse
 async def _bad(_request: Any, error: BadRequest) -> JSONResponse:
     kind = "not_found_error" if error.status == 404 else "invalid_request_error"  # 413 too: OpenAI's type
     return JSONResponse(protocol.error_body(error.message, error.param, kind), status_code=error.status)
-
-
-def load_served_model(checkpoint: str, device: str) -> tuple[torch.nn.Module, Tokenizer]:
-    """The model (eval mode, on ``device``) and tokenizer of a checkpoint path or URI (or a run's newest)."""
-    from speed.train.state import local_checkpoint
-
-    with local_checkpoint(checkpoint) as directory:
-        loaded = load_model(directory, map_location=device)
-        if loaded.tokenizer_path is None:
-            raise FileNotFoundError(f"checkpoint {checkpoint} holds no spm.model: a served model needs its tokenizer")
-        tokenizer = Tokenizer.load(loaded.tokenizer_path)  # reads the file into memory
-    return loaded.model.to(device).eval(), tokenizer
 
 
 _PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "prompt")  # what an engine error can be about
