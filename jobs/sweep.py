@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.cli import user_errors
 from speed.sweep import SweepConfig, run_sweep
+from speed.sweep.space import check_job
 from speed.train.config import JobConfig, build_parser, job_from_layers
 from speed.train.launch import check_inputs
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
         sweep, job = parse(argv)
         check_inputs(job)
+        check_job(sweep, job)  # scheduler settings against the job's steps and reports (run_sweep prints its notes)
     run_sweep(sweep, job)
     return 0
 

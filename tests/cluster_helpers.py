@@ -5,7 +5,8 @@ authentication on explicitly, with the test session's token (conftest:
 ``RAY_AUTH_TOKEN_PATH``), whatever ~/.ray holds or however empty $HOME is. Every
 process it starts inherits an owner mark (``speed.train.local_ray``), by which
 exactly those processes are ended (never `ray stop`, which would end every Ray
-on the machine).
+on the machine). It listens on loopback only (``LOOPBACK_ENV``, as in the
+clusters/README.md flow).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from pathlib import Path
 from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
 
 RAY = str(Path(sys.executable).parent / "ray")
+# Ray's single-node switch (named for Windows and macOS, honoured on Linux): the node's address is 127.0.0.1, so the
+# GCS, the raylet, the agents, the metrics servers and the Ray client server bind loopback. Without it Ray replaces
+# `--node-ip-address 127.0.0.1` with the machine's address and most of them bind every interface.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def free_ports(n: int) -> list[int]:
@@ -41,6 +46,8 @@ def free_ports(n: int) -> list[int]:
 def local_cluster(num_cpus: int = 2, keep_pythonpath: bool = True) -> Iterator[tuple[str, dict[str, str]]]:
     """A Ray head on 127.0.0.1 with token auth; yields (dashboard address, environment for the `ray` CLI).
 
+    Its processes are those whose environment holds ``env[OWNER_ENV]`` (``marked_processes``).
+
     ``keep_pythonpath=False`` starts the cluster without ``$PYTHONPATH``, so that its
     workers see only what is installed in the virtualenv (and what a job ships).
     """
@@ -50,6 +57,7 @@ def local_cluster(num_cpus: int = 2, keep_pythonpath: bool = True) -> Iterator[t
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the job's `python` is this venv's
     # Token auth on both sides, told explicitly (the job CLI sends the token only when told to).
     env["RAY_AUTH_MODE"] = "token"
+    env |= LOOPBACK_ENV
     token = env[OWNER_ENV] = secrets.token_hex(8)  # every process of this cluster inherits the mark
     try:
         # A second try on fresh ports: another Ray on the machine may take a port between our probe and its bind.

@@ -11,15 +11,26 @@ from pathlib import Path
 import nbformat
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from speed import SpeedT5, generate, preset
-from speed.analysis import discover, flip_rates_by_position, load_evaluation, load_summary, rows_per_step, tradeoff
+from speed.analysis import (
+    benchmark_latency,
+    discover,
+    flip_rates_by_position,
+    load_evaluation,
+    load_summary,
+    model_identity,
+    rows_per_step,
+    tradeoff,
+)
 from speed.analysis.notebooks import notebook_paths
 from speed.analysis.serving import in_flight_at, max_in_flight
 from speed.bench import BenchConfig, run_benchmark
+from speed.config import to_dict
 from speed.evaluate import EvalConfig, run_evaluation
 from speed.paths import repo_root
 from speed.serve.stats import LOADGEN_SCHEMA, REQUEST_SCHEMA
@@ -30,7 +41,7 @@ NOTEBOOKS = notebook_paths()
 # The figures each notebook writes, relative to the results folder of _results().
 FIGURES = {
     "flips.ipynb": ["flip_rate_per_loop.png", "eval-2x3/flips.png"],  # a one-loop 2x1 has no flips to draw
-    "tradeoff.ipynb": ["accuracy_vs_latency.png"],
+    "tradeoff.ipynb": ["accuracy_vs_latency.png", "benchmark_latency.png"],
     "serving.ipynb": ["load/serving_load.png", "stats/requests/serving_rows_per_step.png"],
     "sweep.ipynb": [],  # no sweep here: tests/test_sweep.py runs it on a real sweep's folder
 }
@@ -38,7 +49,8 @@ FIGURES = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_tokenizer):
-    """A results folder from tiny real runs: two evaluations, a decode benchmark and served-shaped load rows."""
+    """A results folder from tiny real runs: two evaluations, two decode benchmarks of 2x3 (one of the evaluated
+    2x3's own config, one of a wider model) and served-shaped load rows."""
     root = tmp_path_factory.mktemp("results")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -52,8 +64,10 @@ def results(tmp_path_factory, tiny_tokenizer):
                 check_sequential=True,
             )  # fmt: skip
             run_evaluation(model, tok, config, root / f"eval-{pattern}", progress=False)
-        bench = run_benchmark(BenchConfig(model=preset("tiny", pattern="2x3"), new_tokens=6, reps=1, compare_hf=False))
-        pq.write_table(bench, root / "bench_decode.parquet")
+        for name, d_model in (("bench_decode", 32), ("bench_wider", 48)):
+            model_config = preset("tiny", vocab_size=tok.vocab_size, pattern="2x3", d_model=d_model)
+            bench = run_benchmark(BenchConfig(model=model_config, new_tokens=6, reps=1, compare_hf=False))
+            pq.write_table(bench, root / f"{name}.parquet")
         _load_runs(model_2x3(tok.vocab_size), root)
     finally:
         torch.set_num_threads(threads)
@@ -110,7 +124,7 @@ def _load_runs(model: SpeedT5, root: Path) -> None:
 def test_discover_finds_every_kind_of_result(results):
     found = discover(results)
     assert [p.name for p in found.evaluations] == ["eval-2x1", "eval-2x3"]
-    assert [p.name for p in found.bench] == ["bench_decode.parquet"]
+    assert [p.name for p in found.bench] == ["bench_decode.parquet", "bench_wider.parquet"]
     assert [p.name for p in found.load] == ["runs.parquet"]
     assert [p.name for p in found.requests] == ["r-1.parquet"]
     assert found.sweeps == []  # sweeps: tests/test_sweep.py
@@ -139,20 +153,35 @@ def test_flip_rates_by_position_pools_buckets():
         flip_rates_by_position(trace.table(), bucket=0)
 
 
-def test_tradeoff_joins_evaluations_and_benchmark(results):
+def test_model_identity_is_the_resolved_config():
+    tiny = preset("tiny", pattern="2x3")
+    config = to_dict(tiny)
+    assert model_identity(config) == model_identity({**config, "dropout": 0.3})  # training only
+    assert model_identity({k: v for k, v in config.items() if k != "eos_id"}) == model_identity(config)  # default
+    assert model_identity(to_dict(tiny.replace(d_model=48))) != model_identity(config)  # same pattern name
+    assert model_identity(to_dict(tiny.replace(vocab_size=300))) != model_identity(config)
+
+
+def test_tradeoff_joins_evaluations_and_benchmark_of_the_same_model(results):
     found = discover(results)
     summaries = [(str(p), load_evaluation(p).summary) for p in found.evaluations]
-    bench = pq.read_table(found.bench[0])
-    rows = tradeoff(summaries, bench).to_pylist()
+    own, wider = (pq.read_table(path) for path in found.bench)
+    rows = tradeoff(summaries, pa.concat_tables([own, wider])).to_pylist()
     by_key = {(r["pattern"], r["method"], r["timing"]): r for r in rows}
     shared = summaries[1][1]
     seconds, tokens = shared["decode"]["speed"]["seconds"], shared["decode"]["speed"]["tokens"]
     assert by_key[("2x3", "speed", "evaluation")]["ms_per_token"] == pytest.approx(1000 * seconds / tokens)
     assert by_key[("2x3", "speed", "evaluation")]["score"] == shared["metrics"]["bleu"]["score"]
     assert by_key[("2x3", "sequential", "evaluation")]["metric"] == "bleu"
-    bench_ms = {r["variant"]: r["ms_per_token"] for r in bench.to_pylist()}
-    assert by_key[("2x3", "speed_oracle", "benchmark")]["ms_per_token"] == bench_ms["speed_oracle"]
-    assert by_key[("2x1", "sequential", "benchmark")]["ms_per_token"] == bench_ms["shallow"]
+    # The benchmark of the evaluated 2x3's own config joins, for the timings its random weights do not change;
+    # the wider 2x3 shares the pattern name only and joins nothing.
+    own_ms = {r["variant"]: r["ms_per_token"] for r in own.to_pylist()}
+    benchmarked = [r for r in rows if r["timing"] == "benchmark"]
+    assert sorted((r["pattern"], r["method"], r["ms_per_token"]) for r in benchmarked) == sorted(
+        [("2x3", "sequential", own_ms["sequential"]), ("2x3", "speed_oracle", own_ms["speed_oracle"])]
+        + [("2x1", "sequential", own_ms["shallow"])]
+    )
+    assert {r["model"] for r in rows if r["pattern"] == "2x3"} == {model_identity(shared["model"])}
     # One loop: a single timing, sequential; the 2x1 is the shallow baseline of the 2x3.
     assert {(r["method"], r["timing"]) for r in rows if r["pattern"] == "2x1"} == {
         ("sequential", "evaluation"),
@@ -160,6 +189,18 @@ def test_tradeoff_joins_evaluations_and_benchmark(results):
     }
     assert {r["role"] for r in rows if r["pattern"] == "2x1"} == {"shallow"}
     assert {r["role"] for r in rows if r["pattern"] == "2x3"} == {"shared"}
+    assert tradeoff(summaries, wider).filter(pc.equal(pc.field("timing"), "benchmark")).num_rows == 0
+
+
+def test_benchmark_latency_lists_every_benchmarked_model_apart(results):
+    own, wider = (pq.read_table(path) for path in discover(results).bench)
+    timed = benchmark_latency(pa.concat_tables([own, wider])).to_pylist()
+    assert [(r["variant"], r["ms_per_token"]) for r in timed] == [
+        (r["variant"], r["ms_per_token"]) for t in (own, wider) for r in t.to_pylist()
+    ]
+    labels = {r["label"] for r in timed if r["pattern"] == "2x3"}
+    assert len(labels) == 2 and {label.split()[1] for label in labels} == {"d32", "d48"}  # two models, one name
+    assert benchmark_latency(None).num_rows == 0
 
 
 def test_in_flight_counts():
@@ -208,8 +249,9 @@ def test_every_notebook_runs_headless_and_writes_its_figures(results, capsys):
             assert (results / figure).stat().st_size > 0, (notebook, figure)
         assert nbformat.read(results / "notebooks" / notebook, as_version=4).cells[1].outputs  # executed
     printed = capsys.readouterr().out
-    assert "2 evaluation(s), 1 benchmark file(s), 1 load file(s), 1 request-statistics file(s), 0 sweep(s)" in printed
+    assert "2 evaluation(s), 2 benchmark file(s), 1 load file(s), 1 request-statistics file(s), 0 sweep(s)" in printed
     assert f"figure: {results / 'accuracy_vs_latency.png'}" in printed
+    assert f"figure: {results / 'benchmark_latency.png'}" in printed
 
 
 def _analysis_job():

@@ -1,10 +1,13 @@
-"""A job sent with `ray job submit --working-dir` runs the submitted `speed`, in its driver and in its workers."""
+"""A job sent with `ray job submit --working-dir` runs the submitted `speed`, in its driver and in its workers;
+the local cluster of clusters/README.md listens on loopback only."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
 import subprocess
+import time
 import uuid
 
 import cluster_helpers
@@ -12,6 +15,10 @@ import pytest
 
 from speed.cluster import JOB_CONFIG_ENV, code_runtime_env, package_dir
 from speed.paths import DATA_DIR_ENV, repo_root
+from speed.train.local_ray import OWNER_ENV, marked_processes
+
+# A job whose task runs for a while, so that its driver, the job supervisor and a worker are listening too.
+LONG_JOB = "import ray, time; ray.init(); ray.get(ray.remote(lambda: time.sleep(10)).remote())"
 
 # Runs the entry point's module body (its sys.path set-up and imports), then asks a Ray worker where its speed is.
 PROBE = """
@@ -73,3 +80,51 @@ def test_submitted_job_imports_speed_from_its_working_dir(tmp_path):
     assert result["driver"] == f"{result['cwd']}/platform/speed"  # the job's copy of the working dir
     assert result["driver_marker"] == marker and worker_marker == marker
     assert str(repo_root()) not in result["driver"] + worker_dir and "site-packages" not in worker_dir
+
+
+def _listeners(pids: list[int]) -> set[tuple[str, str]]:
+    """(process name, listening address) of every TCP listener of these processes."""
+    import psutil
+
+    found = set()
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            name = process.name()
+            found |= {(name, c.laddr.ip) for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:  # ended meanwhile
+            continue
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_local_cluster_listens_on_loopback_only():
+    """`ray start --head` as clusters/README.md runs it, and a job on it: no process of that cluster listens on an
+    address other machines can reach; none is exempt (without LOOPBACK_ENV the GCS, the raylet, the agents, the
+    metrics servers and the Ray client server listen on every interface or on the machine's address)."""
+    with cluster_helpers.local_cluster(num_cpus=1) as (address, env):
+        submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--", "python", "-c", LONG_JOB]
+        job = subprocess.Popen(submit, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen: set[tuple[str, str]] = set()
+        while job.poll() is None:  # every listener of the cluster's processes while the job runs
+            seen |= _listeners(marked_processes(env[OWNER_ENV]))
+            time.sleep(0.5)
+        output = job.stdout.read()
+    assert job.returncode == 0 and "succeeded" in output, output[-4000:]
+    names = {name for name, _ in seen}
+    assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::") for n in names), seen  # not vacuous
+    beyond = {(name, ip) for name, ip in seen if not _is_loopback(ip)}
+    assert not beyond, f"listening beyond loopback: {sorted(beyond)}"
+
+
+def test_the_documented_local_cluster_sets_the_loopback_switch():
+    """clusters/README.md starts its local head as cluster_helpers does, with LOOPBACK_ENV."""
+    text = (repo_root() / "clusters" / "README.md").read_text()
+    (line,) = [ln for ln in text.splitlines() if "ray start --head --node-ip-address 127.0.0.1" in ln]
+    assert all(f"{name}={value} ray start" in line for name, value in cluster_helpers.LOOPBACK_ENV.items())

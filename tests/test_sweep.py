@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,8 +22,10 @@ from ray import tune
 from speed.paths import repo_root
 from speed.sweep import FRONTIER_SCHEMA, RESULTS_SCHEMA, SweepConfig, expand_patterns, frontier, pareto_front, run_sweep
 from speed.sweep.results import FRONTIER_FILE, LATENCY_FILE, LATENCY_SCHEMA, RESULTS_FILE
-from speed.sweep.space import grid, param_space, trial_pattern, trial_scheme
+from speed.sweep.run import scheduler
+from speed.sweep.space import check_job, grid, param_space, plan_scheduler, trial_pattern, trial_scheme
 from speed.train import job_from_args
+from speed.train.config import TrainConfig
 
 
 def test_pattern_families():
@@ -54,9 +57,7 @@ def test_sweep_config_is_validated():
 
 
 def test_sweep_job_flags():
-    spec = importlib.util.spec_from_file_location("sweep_job", repo_root() / "jobs" / "sweep.py")
-    job_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job_module)
+    job_module = _sweep_job_module()
     sweep, job = job_module.parse(
         ["--patterns", "depth=6", "2x1", "--schemes", "linear", "power:1.5", "--max-steps", "7", "--scheduler", "fifo"]
     )
@@ -66,6 +67,77 @@ def test_sweep_job_flags():
     assert job.train.checkpoint_every == 20  # the rest from jobs/configs/sweep_local.yaml
     with pytest.raises(SystemExit):
         job_module.parse(["--pattern", "2x6"])  # the sweep sets the pattern per trial
+
+
+def _sweep_job_module():
+    spec = importlib.util.spec_from_file_location("sweep_job", repo_root() / "jobs" / "sweep.py")
+    job_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job_module)
+    return job_module
+
+
+# The command of the issue: 4 steps, validation reported every 20 (jobs/configs/sweep_local.yaml), so only at the end.
+SHORT_SWEEP = ["--preset", "tiny", "--patterns", "2x3", "3x2", "--schemes", "linear", "uniform", "--max-steps", "4"]
+SHORT_SWEEP += ["--limit", "200", "--vocab-size", "500"]
+
+
+def _rungs(sched) -> list[float]:
+    return sorted(milestone for milestone, _ in sched._brackets[0]._rungs)
+
+
+@pytest.mark.parametrize("max_steps", [1, 4, 21, 60, 100])
+@pytest.mark.parametrize("every", [1, 20, 50])
+@pytest.mark.parametrize("grace", [None, 5, 20, 50])
+@pytest.mark.parametrize("factor", [2, 3])
+def test_asha_rungs_lie_on_reports_before_the_last_step(max_steps, every, grace, factor):
+    """Every rung is a validation report before the last one (a trial stopped at its last report trained fully and
+    is never measured); a derived setting ASHA cannot use turns ASHA off with a note, an explicit one is refused."""
+    sweep = SweepConfig(patterns=("1x2", "2x2"), grace_steps=grace, reduction_factor=factor)
+    train = TrainConfig(max_steps=max_steps, checkpoint_every=every)
+    reports = [s for s in range(every, max_steps, every)]  # and the last step
+    if grace is not None and (not reports or -(-grace // every) * every > reports[-1]):
+        with pytest.raises(ValueError, match="leaves ASHA no rung before"):
+            plan_scheduler(sweep, train)
+        return
+    plan = plan_scheduler(sweep, train)
+    sched = scheduler(sweep, plan)  # ASHAScheduler asserts its settings: this constructs it
+    if not reports:
+        assert plan.scheduler == "fifo" and "ASHA off" in plan.notes[0] and type(sched).__name__ == "FIFOScheduler"
+        return
+    assert plan.scheduler == "asha" and set(_rungs(sched)) <= set(reports) and _rungs(sched)
+    assert _rungs(sched)[0] == plan.grace_steps >= (grace or 1)
+    assert bool(plan.notes) == (grace is not None and grace % every != 0)  # rounded up to the next report
+
+
+def test_short_sweep_runs_without_asha_and_says_so():
+    sweep, job = _sweep_job_module().parse(SHORT_SWEEP)
+    plan = check_job(sweep, job)
+    assert plan.scheduler == "fifo" and len(plan.notes) == 1
+    assert "last step 4 (checkpoint_every=20)" in plan.notes[0]
+    assert type(scheduler(sweep, plan)).__name__ == "FIFOScheduler"
+    plan = check_job(sweep, _sweep_job_module().parse(SHORT_SWEEP + ["--checkpoint-every", "2"])[1])
+    assert plan.scheduler == "asha" and plan.grace_steps == plan.max_t == 2 and not plan.notes
+    one = SweepConfig(patterns=("2x3",), loss_weights=("linear",))
+    assert "one trial" in check_job(one, replace(job, train=replace(job.train, checkpoint_every=2))).notes[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--grace-steps", "3"], "error: grace_steps=3 leaves ASHA no rung before a trial's last step 4"),
+        (["--reduction-factor", "1"], "error: ASHA keeps 1/reduction_factor"),
+        (["--time-budget-min", "5"], "error: train.time_budget_min does not apply to a sweep"),
+        (["--fail-pattern", "2x3"], "error: fail_pattern's trials fail on the step after their first checkpoint"),
+    ],
+)
+def test_a_sweep_its_job_cannot_run_is_refused_before_any_work(flags, message, capsys, monkeypatch):
+    job_module = _sweep_job_module()
+    monkeypatch.setattr(job_module, "run_sweep", lambda *a: pytest.fail("the sweep started"))
+    with pytest.raises(SystemExit) as exit_:
+        job_module.main(SHORT_SWEEP + flags)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
 
 
 def test_grid_trains_each_one_loop_pattern_once():

@@ -8,6 +8,7 @@ variants alike. Ratios are computed from these medians, never typed in.
 
 from __future__ import annotations
 
+import json
 import platform as _platform
 import statistics
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from speed.config import ModelConfig
+from speed.config import ModelConfig, to_dict
 from speed.decoding import GenerateResult, generate
 from speed.model import SpeedT5
 from speed.sampling import Sampling
@@ -26,6 +27,7 @@ BENCH_SCHEMA = pa.schema(
     [
         pa.field("variant", pa.string()),  # sequential | speed | speed_oracle | shallow | ours_deep | hf_generate
         pa.field("pattern", pa.string()),
+        pa.field("model", pa.string()),  # the timed model's resolved ModelConfig as JSON (its weights are random)
         pa.field("ms_per_token", pa.float64()),  # median over repetitions
         pa.field("ms_per_token_min", pa.float64()),
         pa.field("baseline", pa.string()),  # the variant this row's speed-up is measured against
@@ -100,6 +102,8 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
     reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
     tokens = sum(map(len, reference.tokens))
     results: dict[str, GenerateResult] = {}
+    configs = {"sequential": model.config, "speed": model.config, "speed_oracle": model.config}
+    configs["shallow"] = shallow.config
 
     def run(name: str, m: SpeedT5, **kw) -> Callable[[], int]:
         def go() -> int:
@@ -118,6 +122,7 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
     if hf_pair is not None:
         ours, hf_go = hf_pair
         variants["ours_deep"] = run("ours_deep", ours, method="sequential")
+        configs["ours_deep"] = configs["hf_generate"] = ours.config  # transformers' T5 has the same weights
         variants["hf_generate"] = lambda: hf_go().numel()  # batch x n tokens (EOS disabled)
     print(
         f"benchmark: {cfg.model.pattern} d_model={cfg.model.d_model} vocab={cfg.model.vocab_size} "
@@ -136,7 +141,8 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
         rows.append(
             {
                 "variant": name,
-                "pattern": _pattern_of(name, cfg.model),
+                "pattern": configs[name].pattern,
+                "model": json.dumps(to_dict(configs[name]), sort_keys=True),
                 "ms_per_token": med[name],
                 "ms_per_token_min": min(ts),
                 "baseline": baseline,
@@ -157,13 +163,6 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
             }
         )
     return pa.Table.from_pylist(rows, schema=BENCH_SCHEMA)
-
-
-def _pattern_of(name: str, config: ModelConfig) -> str:
-    s = config.sharing
-    return {"shallow": f"{s.n_unique}x1", "ours_deep": f"{s.depth}x1", "hf_generate": f"{s.depth}x1"}.get(
-        name, config.pattern
-    )
 
 
 def _hf_pair(cfg: BenchConfig, ids: torch.Tensor):

@@ -10,7 +10,7 @@ from speed.analysis.flips import flip_rates, flip_rates_by_position
 from speed.analysis.results import Evaluation, Results, discover, load_evaluation
 from speed.analysis.serving import acceptance, acceptance_by_position, load_summary, rows_per_step
 from speed.analysis.sweep import Sweep, launch_costs, load_sweep, loop_flips, trials
-from speed.analysis.tradeoff import tradeoff
+from speed.analysis.tradeoff import benchmark_latency, model_identity, tradeoff
 
 __all__ = [
     "acceptance",
@@ -18,6 +18,7 @@ __all__ = [
     "Evaluation",
     "Results",
     "Sweep",
+    "benchmark_latency",
     "discover",
     "flip_rates",
     "flip_rates_by_position",
@@ -26,6 +27,7 @@ __all__ = [
     "load_summary",
     "load_sweep",
     "loop_flips",
+    "model_identity",
     "rows_per_step",
     "tradeoff",
     "trials",

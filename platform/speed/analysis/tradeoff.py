@@ -1,25 +1,34 @@
 """Accuracy against per-token latency (the paper's Figure 3): evaluations joined with benchmark rows.
 
 Every evaluation contributes its score and the decode time it measured itself
-(SPEED, and sequential decoding when it ran with ``check_sequential``). A
-benchmark row (``BENCH_SCHEMA``, random weights at batch 1) contributes its
-median time for a pattern, paired with the score of each evaluation of that
-pattern. ``Nx1`` patterns are the baselines: "shallow" when N is the unique-layer
-count of a shared pattern present, "deep" when N is its full depth.
+(SPEED, and sequential decoding when it ran with ``check_sequential``). Rows are
+joined by the model's identity (``model_identity``: its resolved config), never
+by the pattern's name alone: a benchmark row (``BENCH_SCHEMA``, random weights
+at batch 1) is paired with the score of each evaluation of the same model, and
+only for a decoding whose cost does not depend on the weights (sequential,
+oracle SPEED): a random model's own SPEED flushes at nearly every token, which
+says nothing of a trained one's. ``benchmark_latency`` lists every benchmark row
+on its own, for a figure apart from the trained checkpoints. ``Nx1`` patterns are
+the baselines: "shallow" when N is the unique-layer count of a shared pattern
+present, "deep" when N is its full depth.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import pyarrow as pa
 
-from speed.config import SharingPattern
+from speed.config import ModelConfig, SharingPattern, from_dict, to_dict
 from speed.metrics import ROUGE_TYPES
 
 TRADEOFF_SCHEMA = pa.schema(
     [
         pa.field("pattern", pa.string()),
+        pa.field("model", pa.string()),  # model_identity of the evaluated model
+        pa.field("label", pa.string()),  # model_label: the pattern and what tells models of that pattern apart
         pa.field("role", pa.string()),  # shared | shallow | deep | baseline (an Nx1 matching no shared pattern)
         pa.field("method", pa.string()),  # speed | sequential | speed_oracle
         pa.field("timing", pa.string()),  # evaluation | benchmark
@@ -29,7 +38,17 @@ TRADEOFF_SCHEMA = pa.schema(
         pa.field("source", pa.string()),  # the evaluation folder the score came from
     ]
 )
-# Benchmark variants with a pattern of their own, and the decoding method each one times.
+BENCH_LATENCY_SCHEMA = pa.schema(
+    [
+        pa.field("model", pa.string()),  # model_identity of the timed (random-weight) model
+        pa.field("label", pa.string()),
+        pa.field("pattern", pa.string()),
+        pa.field("variant", pa.string()),
+        pa.field("method", pa.string()),
+        pa.field("ms_per_token", pa.float64()),
+    ]
+)
+# Benchmark variants and the decoding method each one times.
 BENCH_METHODS = {
     "sequential": "sequential",
     "speed": "speed",
@@ -37,6 +56,28 @@ BENCH_METHODS = {
     "shallow": "sequential",
     "ours_deep": "sequential",
 }
+# Those whose time per token does not depend on the weights: random weights time them as a trained model's.
+WEIGHT_FREE = ("sequential", "speed_oracle", "shallow", "ours_deep")
+# Fields that leave a model the same at inference (dropout is off when decoding).
+_TRAINING_ONLY = ("dropout",)
+
+
+def model_identity(config: dict[str, Any]) -> str:
+    """A short hash of a resolved ``ModelConfig`` (a summary's ``model``, a benchmark row's ``model`` JSON).
+
+    Equal identities: the same architecture, sizes and vocabulary, what a decode's time per token depends
+    on (not the weights). A pattern name alone is shared by models of any dimensions and vocabulary.
+    """
+    resolved = to_dict(from_dict(ModelConfig, config))  # defaults filled in, types coerced
+    for name in _TRAINING_ONLY:
+        resolved.pop(name)
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def model_label(config: dict[str, Any]) -> str:
+    """``<pattern> d<d_model> v<vocab> #<identity>``: readable, and distinct for distinct models."""
+    c = from_dict(ModelConfig, config)
+    return f"{c.pattern} d{c.d_model} v{c.vocab_size} #{model_identity(config)[:6]}"
 
 
 def score_of(summary: dict[str, Any], metric: str | None = None) -> tuple[str, float]:
@@ -66,17 +107,22 @@ def tradeoff(
 ) -> pa.Table:
     """One row per (evaluation, decoding method, timing source) under ``TRADEOFF_SCHEMA``.
 
-    ``summaries``: (source, summary.json contents) pairs; ``bench``: ``BENCH_SCHEMA`` rows or None.
+    ``summaries``: (source, summary.json contents) pairs; ``bench``: ``BENCH_SCHEMA`` rows or None. A
+    benchmark row joins an evaluation of the same ``model_identity``, for the ``WEIGHT_FREE`` variants only.
     """
     patterns = {s["model"]["pattern"] for _, s in summaries}
-    if bench is not None:
-        patterns |= set(bench.column("pattern").to_pylist())
     shared = [p for p in map(SharingPattern.parse, patterns) if p.n_loops > 1]
+    timed_by_model: dict[str, list[dict[str, Any]]] = {}
+    for row in bench.to_pylist() if bench is not None else []:
+        if row["variant"] in WEIGHT_FREE:
+            timed_by_model.setdefault(model_identity(json.loads(row["model"])), []).append(row)
     rows = []
     for source, summary in summaries:
         pattern = summary["model"]["pattern"]
+        identity = model_identity(summary["model"])
         name, score = score_of(summary, metric)
-        base = {"pattern": pattern, "role": role_of(pattern, shared), "metric": name, "score": score, "source": source}
+        base = {"pattern": pattern, "model": identity, "label": model_label(summary["model"])}
+        base |= {"role": role_of(pattern, shared), "metric": name, "score": score, "source": source}
         decode = summary["decode"]
         timed = {method: decode[method] for method in ("speed", "sequential") if method in decode}
         if SharingPattern.parse(pattern).n_loops == 1:  # one loop: the pipeline is sequential decoding
@@ -84,8 +130,25 @@ def tradeoff(
         for method, stats in timed.items():
             ms = 1000.0 * stats["seconds"] / stats["tokens"] if stats["tokens"] else None
             rows.append({**base, "method": method, "timing": "evaluation", "ms_per_token": ms})
-        for row in bench.to_pylist() if bench is not None else []:
-            if row["pattern"] == pattern and row["variant"] in BENCH_METHODS:
-                method = BENCH_METHODS[row["variant"]]
-                rows.append({**base, "method": method, "timing": "benchmark", "ms_per_token": row["ms_per_token"]})
+        for row in timed_by_model.get(identity, []):
+            method = BENCH_METHODS[row["variant"]]
+            rows.append({**base, "method": method, "timing": "benchmark", "ms_per_token": row["ms_per_token"]})
     return pa.Table.from_pylist(rows, schema=TRADEOFF_SCHEMA)
+
+
+def benchmark_latency(bench: pa.Table | None) -> pa.Table:
+    """Every benchmark row (random weights) with its model's identity and label, ``BENCH_LATENCY_SCHEMA``:
+    the decode benchmark's own figure, apart from the trained checkpoints' scores."""
+    rows = []
+    for row in bench.to_pylist() if bench is not None else []:
+        if row["variant"] in BENCH_METHODS:
+            config = json.loads(row["model"])
+            rows.append(
+                {"model": model_identity(config), "label": model_label(config), "pattern": row["pattern"]}
+                | {
+                    "variant": row["variant"],
+                    "method": BENCH_METHODS[row["variant"]],
+                    "ms_per_token": row["ms_per_token"],
+                }
+            )
+    return pa.Table.from_pylist(rows, schema=BENCH_LATENCY_SCHEMA)

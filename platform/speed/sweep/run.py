@@ -36,7 +36,15 @@ from speed.sweep.results import (
     format_results,
     frontier,
 )
-from speed.sweep.space import METRIC, SweepConfig, param_space, sweep_digest, trial_scheme
+from speed.sweep.space import (
+    METRIC,
+    SchedulerPlan,
+    SweepConfig,
+    check_job,
+    param_space,
+    sweep_digest,
+    trial_scheme,
+)
 from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job, trial_name
 from speed.train.config import JobConfig, job_to_dict
 from speed.train.launch import ensure_ray, prepare, prepare_data, storage_uri
@@ -65,7 +73,13 @@ def sweep_name(sweep: SweepConfig, job: JobConfig) -> str:
 
 
 def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback] | None = None) -> SweepOutcome:
-    """Run (or resume) the sweep; write and print its tables. ``callbacks``: Tune callbacks of a new sweep."""
+    """Run (or resume) the sweep; write and print its tables. ``callbacks``: Tune callbacks of a new sweep.
+
+    A sweep that cannot work with its job raises ``ValueError`` before any work (``check_job``).
+    """
+    plan = check_job(sweep, job)
+    for note in plan.notes:
+        print(f"note: {note}", flush=True)
     with tempfile.TemporaryDirectory(prefix="speed-tokenizer-") as scratch:
         job, tokenizer_path = prepare(job, Path(scratch))
         job = replace(job, eval=None)  # trials measure on the validation split instead (speed.sweep.measure)
@@ -99,7 +113,7 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
         tuner = tune.Tuner(
             trainable,
             param_space=param_space(sweep),
-            tune_config=tune_config(sweep, job),
+            tune_config=tune_config(sweep, job, plan),
             run_config=tune.RunConfig(
                 name=name,
                 storage_path=storage,
@@ -127,29 +141,36 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
     return SweepOutcome(name, directory, results, front, latency)
 
 
-def tune_config(sweep: SweepConfig, job: JobConfig) -> tune.TuneConfig:
-    """Searcher, scheduler, concurrency and deterministic trial names."""
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+def tune_config(sweep: SweepConfig, job: JobConfig, plan: SchedulerPlan) -> tune.TuneConfig:
+    """Searcher, scheduler (``plan``: ``check_job``'s), concurrency and deterministic trial names."""
     from ray.tune.search import BasicVariantGenerator
 
-    t = job.train
-    if sweep.scheduler == "asha":
-        grace = sweep.grace_steps or max(t.checkpoint_every, t.max_steps // 4)
-        # max_t past the last training report: ASHA stops a trial that reaches max_t, before it is measured.
-        scheduler = ASHAScheduler(
-            time_attr="step", max_t=t.max_steps + 1, grace_period=grace, reduction_factor=sweep.reduction_factor
-        )
-    else:
-        scheduler = FIFOScheduler()
     return tune.TuneConfig(
         metric=METRIC,
         mode="min",
         # Grid or seeded random draws. Tune applies max_concurrent_trials only to the generator it builds itself.
-        search_alg=BasicVariantGenerator(max_concurrent=max_concurrent_trials(job), random_state=t.seed),
-        scheduler=scheduler,
+        search_alg=BasicVariantGenerator(max_concurrent=max_concurrent_trials(job), random_state=job.train.seed),
+        scheduler=scheduler(sweep, plan),
         num_samples=sweep.samples,
         trial_name_creator=trial_name,
         trial_dirname_creator=trial_name,
+    )
+
+
+def scheduler(sweep: SweepConfig, plan: SchedulerPlan) -> tune.schedulers.TrialScheduler:
+    """ASHA with ``plan``'s rungs, or FIFO."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    if plan.scheduler == "fifo":
+        return FIFOScheduler()
+    # Rungs up to max_t, the last report before the last step; stop_last_trials=False: reaching max_t stops
+    # no trial, so a trial that passed every rung trains to the end and is measured.
+    return ASHAScheduler(
+        time_attr="step",
+        max_t=plan.max_t,
+        grace_period=plan.grace_steps,
+        reduction_factor=sweep.reduction_factor,
+        stop_last_trials=False,
     )
 
 

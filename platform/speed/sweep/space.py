@@ -3,6 +3,8 @@
 A ``SweepConfig`` is frozen and validated; patterns may be named families
 (``expand_patterns``), and the loss weights may be a continuous parameter of a
 ``speed.losses`` family (``power`` or ``ratio``) sampled over a range.
+``check_job`` checks it against the base job before any work: a derived setting
+the job cannot honour is adjusted with a note, an explicit one is refused.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speed.config import SharingPattern
 from speed.losses import PARAMETRIC, check_scheme, parametric
+
+if TYPE_CHECKING:
+    from speed.train.config import JobConfig, TrainConfig
 
 SEARCHES = ("grid", "random")  # Tune's BasicVariantGenerator: every combination, or num_samples draws
 SCHEDULERS = ("asha", "fifo")  # ASHA stops trials whose last-loop validation loss lags; fifo runs all to the end
@@ -32,8 +37,8 @@ class SweepConfig:
     search: str = "grid"
     samples: int = 1  # Tune num_samples: grid repeats, random draws
     scheduler: str = "asha"
-    grace_steps: int | None = None  # ASHA: steps every trial runs before it may be stopped; None = max_steps / 4
-    reduction_factor: int = 2  # ASHA: keep the best 1/reduction_factor at each rung
+    grace_steps: int | None = None  # ASHA: steps before a trial may be stopped; None = max(checkpoint_every, steps/4)
+    reduction_factor: int = 2  # ASHA: keep the best 1/reduction_factor at each rung (at least 2)
     measure_limit: int = 64  # validation examples each finished trial decodes (metrics, flips)
     cost_limit: int = 32  # the first of those whose SPEED steps are counted alone for every launch loop and policy
     val_limit: int = 256  # validation examples of the periodic validation loss
@@ -69,6 +74,11 @@ class SweepConfig:
             raise ValueError("SweepConfig.latency_limit must be >= 0 (0: no latency stage) and latency_reps >= 1")
         if self.grace_steps is not None and self.grace_steps < 1:
             raise ValueError(f"SweepConfig.grace_steps must be positive or None, got {self.grace_steps}")
+        if self.scheduler == "asha" and self.reduction_factor < 2:
+            raise ValueError(
+                f"ASHA keeps 1/reduction_factor of the trials at each rung: reduction_factor must be >= 2, "
+                f"got {self.reduction_factor} (or use --scheduler fifo)"
+            )
         if self.fail_pattern is not None and self.fail_pattern not in self.expanded_patterns:
             raise ValueError(f"fail_pattern {self.fail_pattern!r} is not among the swept patterns")
 
@@ -91,6 +101,78 @@ class SweepConfig:
             return self.loss_weights
         lo, hi = self.loss_range
         return tuple(dict.fromkeys(parametric(self.loss_family, x) for x in (lo, (lo + hi) / 2, hi)))
+
+
+@dataclass(frozen=True)
+class SchedulerPlan:
+    """The scheduler a sweep runs with, its settings checked against the job's validation reports.
+
+    A trial reports its validation loss every ``checkpoint_every`` steps and at its last step; ASHA
+    judges a trial at its first report at or past each rung. Every rung lies on a report before the
+    last one: a trial stopped at its last report would have trained fully and never be measured.
+    """
+
+    scheduler: str  # "asha" or "fifo"
+    grace_steps: int | None = None  # ASHA: the first rung, a multiple of checkpoint_every
+    max_t: int | None = None  # ASHA: the bound of the rungs, the last report before the last step
+    notes: tuple[str, ...] = ()  # what was adjusted, and why: printed before the sweep starts
+
+
+def plan_scheduler(sweep: SweepConfig, train: TrainConfig) -> SchedulerPlan:
+    """ASHA's rungs on the trials' reports, or FIFO where ASHA could stop no trial before its last report.
+
+    The default first rung is a quarter of the steps (at least ``checkpoint_every``), rounded up to a
+    report; an explicit ``grace_steps`` is rounded up to a report with a note, and refused
+    (``ValueError``) when no report before the last step reaches it.
+    """
+    if sweep.scheduler == "fifo":
+        return SchedulerPlan("fifo")
+    every = train.checkpoint_every
+    last = min(train.max_steps, train.stop_at_step or train.max_steps)
+    last_rung = (last - 1) // every * every  # the last report before the final one (0: there is none)
+    if sweep.grace_steps is not None:
+        grace = _round_up(sweep.grace_steps, every)
+        if grace > last_rung:
+            before = f"the last time before the end at step {last_rung}" if last_rung else "never before the end"
+            raise ValueError(
+                f"grace_steps={sweep.grace_steps} leaves ASHA no rung before a trial's last step {last}: "
+                f"validation is reported every checkpoint_every={every} steps, {before}; lower --grace-steps "
+                "or --checkpoint-every, or use --scheduler fifo"
+            )
+        notes = []
+        if grace != sweep.grace_steps:
+            notes.append(f"ASHA: grace_steps={sweep.grace_steps} rounded up to {grace}, the next validation report")
+        return SchedulerPlan("asha", grace, last_rung, tuple(notes))
+    if not last_rung:
+        note = (
+            f"ASHA off, every trial runs to the end: the trials report validation only at their last step {last} "
+            f"(checkpoint_every={every}), so ASHA could stop none early; lower --checkpoint-every to use it"
+        )
+        return SchedulerPlan("fifo", notes=(note,))
+    if sweep.trials < 2:
+        return SchedulerPlan("fifo", notes=("ASHA off: a sweep of one trial has no other trial to compare it with",))
+    return SchedulerPlan("asha", max(every, _round_up(last // 4, every)), last_rung)
+
+
+def _round_up(steps: int, every: int) -> int:
+    return -(-steps // every) * every
+
+
+def check_job(sweep: SweepConfig, job: JobConfig) -> SchedulerPlan:
+    """Check the sweep against its base job before any work; its scheduler plan. ``ValueError`` names a
+    setting that cannot work with the job."""
+    if job.train.time_budget_min is not None:
+        raise ValueError(
+            "train.time_budget_min does not apply to a sweep: every trial trains train.max_steps; "
+            "drop --time-budget-min and bound the trials with --max-steps"
+        )
+    t = job.train
+    if sweep.fail_pattern is not None and t.checkpoint_every >= t.max_steps:
+        raise ValueError(
+            f"fail_pattern's trials fail on the step after their first checkpoint: checkpoint_every="
+            f"{t.checkpoint_every} must be below max_steps={t.max_steps}"
+        )
+    return plan_scheduler(sweep, t)
 
 
 def expand_patterns(specs: tuple[str, ...], max_depth: int = 12) -> tuple[str, ...]:
