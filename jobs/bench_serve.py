@@ -2,6 +2,7 @@
 sequential; (c) continuous batching, SPEED; closed-loop HTTP load at concurrency 1, 4 and 16.
 
     python jobs/bench_serve.py --checkpoint runs/demo/<finetune run> [--rounds 2] [--row-budget 48] [--json]
+    python jobs/bench_serve.py --checkpoint runs/demo/<finetune run> --temperature 0.8 --seed 7   # sampled
 
 Prompts are Multi30k test sources (task translate_en_de). Starts a private local
 Ray (all of this machine's CPUs), deploys the checkpoint twice behind Ray Serve on
@@ -39,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-active", type=int, default=d.max_active, help="engine capacity of (b) and (c)")
     p.add_argument("--row-budget", type=int, default=d.row_budget, help="rows per engine step of (b) and (c)")
     p.add_argument("--launch-loop", type=int, default=d.launch_loop)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sample at this temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=d.seed, help="every request's sampling seed")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per replica")
     p.add_argument("--out", default=str(repo_root() / "results" / "bench_serve.parquet"))
     p.add_argument("--json", action="store_true", help="also print the summary and ratios as one JSON object")
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         max_active=args.max_active,
         row_budget=args.row_budget,
         launch_loop=args.launch_loop,
+        temperature=args.temperature,
+        seed=args.seed,
         threads=args.threads,
     )
     # Ray starts workers at niceness 15; the replicas here run at the client's priority, so that other work on

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.paths import repo_root
+from speed.serve.auth import API_KEY_ENV
 from speed.serve.loadgen import DEFAULT_URL, LoadConfig, run_load, task_prompts
 
 
@@ -40,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label", default="load", help="the run column of the rows")
     p.add_argument("--out", default=str(repo_root() / "results" / "loadtest.parquet"), help="per-request Parquet")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"the server's key (default: ${API_KEY_ENV})")
     return p.parse_args(argv)
 
 
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=not args.no_stream,
         body=body,
         label=args.label,
+        api_key=args.api_key,
     )
     result = run_load(config, prompts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

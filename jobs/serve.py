@@ -4,11 +4,15 @@
     curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
         -d '{"prompt": "A man rides a bike.", "task": "translate_en_de", "max_tokens": 48}'
 
-Starts on the local Ray (or joins $RAY_ADDRESS) and blocks until interrupted (Ctrl-C),
-then shuts Serve down, which writes every replica's remaining statistics. Binds
-127.0.0.1 unless --host says otherwise. --set KEY=VALUE fills the replicas'
-user_config (speed.serve.app.ServeSettings: max_active, row_budget, method,
-launch_loop, task, ...). For `serve run` / `serve deploy` use jobs/configs/serve.yaml.
+Starts on the local Ray (or joins $RAY_ADDRESS) and blocks until interrupted (Ctrl-C or
+SIGTERM, what `kill`, systemd and Kubernetes send), then stops within --stop-timeout-s:
+it deletes the application (Serve drains every replica, which writes its remaining
+statistics), then shuts Serve and Ray down. Binds 127.0.0.1 unless --host says
+otherwise. With --api-key (or $SPEED_API_KEY, which `ps` does not show) every route
+but /healthz needs `Authorization: Bearer <key>`. --set KEY=VALUE fills the replicas'
+user_config (speed.serve.settings.ServeSettings: max_active, row_budget, method,
+launch_loop, task, max_prompts, max_body_bytes, ...). For `serve run` / `serve deploy`
+use jobs/configs/serve.yaml.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +32,9 @@ from ray import serve
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.serve.app import DEFAULT_STATS_PATH, start_app
+from speed.serve.auth import API_KEY_ENV
+
+APP = "speed"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +48,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stats-path", default=DEFAULT_STATS_PATH, help="where replicas write request statistics")
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint's folder name)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a ServeSettings field")
+    p.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: open)"
+    )
+    p.add_argument(
+        "--stop-timeout-s", type=float, default=25.0, help="longest stop after a signal (Kubernetes grants 30 s)"
+    )
     return p.parse_args(argv)
+
+
+def stop(timeout_s: float) -> None:
+    """Serve's graceful stop, bounded by ``timeout_s``: delete the application (each replica finishes its
+    requests for up to the deployment's graceful_shutdown_timeout_s, then writes its statistics), then shut
+    Serve down. Past the bound, or when Ray's own processes died too, it gives up: on local storage every
+    answered row is on disk anyway (the replicas log each row before answering)."""
+
+    def graceful() -> None:
+        try:
+            if APP in serve.status().applications:
+                serve.delete(APP)  # blocks until the replicas are gone
+            serve.shutdown()
+        except Exception as err:  # Ray's processes gone (a signal to the whole process group): nothing to drain
+            print(f"stopping: Serve could not be stopped gracefully ({type(err).__name__}: {err})", flush=True)
+
+    worker = threading.Thread(target=graceful, name="serve-stop", daemon=True)
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while worker.is_alive() and time.monotonic() < deadline:
+        worker.join(0.5)
+        if _local_ray_died():  # the signal reached Ray's own processes too: nothing left to drain
+            print("stopping: the local Ray's processes were stopped as well; answered rows are in the logs")
+            return
+    if worker.is_alive():
+        print(f"stopping: Serve's graceful stop ran past {timeout_s} s; giving up on it", flush=True)
+
+
+def _local_ray_died() -> bool:
+    """Whether a process of the Ray this job started (GCS, raylet, ...) has died (Ray's private node API)."""
+    node = getattr(ray._private.worker, "_global_node", None)  # joined clusters: it started none
+    try:
+        return node is not None and bool(node.dead_processes())
+    except Exception:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,31 +101,42 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             raise SystemExit(f"error: --set expects KEY=VALUE, got {item!r}")
         settings[key] = yaml.safe_load(value)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
-    url = start_app(
-        args.checkpoint,
-        port=args.port,
-        host=args.host,
-        replicas=args.replicas,
-        settings=settings,
-        stats_path=args.stats_path,
-        model_name=args.model_name,
-        device="cuda" if args.num_gpus > 0 else "cpu",
-        num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus,
-    )
-    print(f"serving {args.checkpoint} at {url} (Ctrl-C stops); statistics in {args.stats_path}", flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:
+        url = start_app(
+            args.checkpoint,
+            port=args.port,
+            host=args.host,
+            replicas=args.replicas,
+            settings=settings,
+            stats_path=args.stats_path,
+            model_name=args.model_name,
+            device="cuda" if args.num_gpus > 0 else "cpu",
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            name=APP,
+            api_key=api_key,
+        )
+        key = "; an API key is required" if api_key else ""
+        print(f"serving {args.checkpoint} at {url} (Ctrl-C stops){key}; statistics in {args.stats_path}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("stopping: draining replicas and writing their statistics", flush=True)
     finally:
-        serve.shutdown()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the bounded stop short
+            signal.signal(sig, signal.SIG_IGN)
+        started = time.monotonic()
+        stop(args.stop_timeout_s)
         ray.shutdown()
+        print(f"stopped in {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # everything is stopped and written: skip native teardown (seconds, on a stop with a deadline)

@@ -157,6 +157,18 @@ def test_kuberay_manifests_have_the_fields_kuberay_expects_and_our_ray():
     assert all(m.startswith(("s3://", "gs://", "https://")) for m in app["runtime_env"]["py_modules"])
 
 
+def test_the_rayservice_pods_read_the_api_key_from_a_secret():
+    from speed.serve.auth import API_KEY_ENV
+
+    (doc,) = _docs(CLUSTERS / "kuberay" / "rayservice.yaml")
+    spec = _cluster_spec(doc)
+    templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    for container in (c for t in templates for c in t["spec"]["containers"]):
+        (env,) = [e for e in container["env"] if e["name"] == API_KEY_ENV]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "speed-api-key", "key": "api_key"}, container["name"]
+    assert "kubectl create secret generic speed-api-key" in (CLUSTERS / "kuberay" / "rayservice.yaml").read_text()
+
+
 def test_the_serve_import_path_exists_once_the_serve_app_is_there():
     module, attr = SERVE_IMPORT_PATH.split(":")
     if importlib.util.find_spec("speed.serve") is None:

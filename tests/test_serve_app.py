@@ -2,20 +2,30 @@
 
 One tiny 2x3 model (its EOS logit pinned to 0, so answers run to max_tokens and
 disconnects find work to cancel) behind one replica. Answers must equal offline
-sequential decoding of the same input; after the app is deleted, the Parquet
+sequential decoding of the same input; hostile bodies are 4xx; a replica killed
+hard is replaced and loses no answered row; after the app is deleted, the Parquet
 statistics hold exactly one finished row per answered prompt. The tests share
 one deployment and each passes alone and in any order: they record what they
 answered and cancelled, and the one that deletes the application deploys it again.
+The ``jobs/serve.py`` tests start the real job (its own Ray), SIGTERM it and count
+the rows on disk.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 import requests
 import torch
@@ -23,6 +33,7 @@ import torch
 from speed import SpeedT5, generate, preset
 from speed.checkpoint import save_model
 from speed.data import get_task
+from speed.paths import repo_root
 from speed.serve.loadgen import LoadConfig, run_load
 from speed.serve.stats import read_requests, read_traces
 from speed.tokenizer import EOS_ID, Tokenizer
@@ -32,12 +43,24 @@ pytestmark = pytest.mark.ray
 APP = "speed-test"
 SETTINGS = {"max_active": 4, "max_source_len": 48, "max_target_len": 400, "row_budget": 8, "max_tokens": 12}
 SETTINGS |= {"flush_rows": 3, "flush_s": 60}  # the size bound writes during the tests, __del__ the rest
+SETTINGS |= {"max_prompts": 8, "max_body_bytes": 16384}
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _tiny_checkpoint(tiny_tokenizer, directory: Path) -> tuple[SpeedT5, Tokenizer]:
+    """The served model (EOS never the argmax: answers run to max_tokens), saved with its tokenizer."""
+    tokenizer = Tokenizer.load(tiny_tokenizer)
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=tokenizer.vocab_size)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[EOS_ID] = 0
+    save_model(directory, model, tiny_tokenizer)
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +70,8 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
 
     from speed.serve.app import start_app
 
-    tokenizer = Tokenizer.load(tiny_tokenizer)
-    torch.manual_seed(0)
-    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=tokenizer.vocab_size)).eval()
-    with torch.no_grad():
-        model.lm_head.weight[EOS_ID] = 0  # never the argmax: answers run to max_tokens
     root = tmp_path_factory.mktemp("serve")
-    save_model(root / "ckpt", model, tiny_tokenizer)
+    model, tokenizer = _tiny_checkpoint(tiny_tokenizer, root / "ckpt")
     options = {"stats_path": str(root / "stats"), "model_name": "tiny", "device": "cpu", "name": APP}
     options |= {"port": _free_port(), "num_cpus": 1, "max_ongoing_requests": 8, "max_queued_requests": 8}
     url = start_app(str(root / "ckpt"), settings=SETTINGS, **options)
@@ -109,6 +127,10 @@ def test_concurrent_answers_equal_offline_decoding(server):
         stats = a["speed"]["choices"][0]
         assert stats["tokens"] == n and len(stats["flip_rate"]) == 3 and stats["latency_ms"] > 0
         assert a["speed"]["method"] == body.get("method", "speed")
+        spec = stats["spec_decode"]
+        assert spec["num_accepted_tokens"] == sum(spec["num_accepted_tokens_per_pos"]) <= spec["num_draft_tokens"]
+        never = body.get("method") == "sequential" or body.get("launch_loop") == 3  # launch after the last loop
+        assert (spec["num_drafts"] == 0) == never
 
 
 def test_prompt_list_answers_each_prompt(server):
@@ -121,6 +143,7 @@ def test_prompt_list_answers_each_prompt(server):
 
 def test_streaming_sends_deltas_then_usage_then_done(server):
     body = {"prompt": ["A man reads a book.", "Birds fly."], "max_tokens": 9, "stream": True}
+    body["stream_options"] = {"include_usage": True}
     with requests.post(server["url"] + "/v1/completions", json=body, stream=True, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line.decode()[len("data: ") :] for line in r.iter_lines() if line]
@@ -128,6 +151,7 @@ def test_streaming_sends_deltas_then_usage_then_done(server):
     chunks = [json.loads(e) for e in events[:-1]]
     final = chunks[-1]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 18
+    assert all(c["usage"] is None for c in chunks[:-1])  # OpenAI: null until the last chunk
     server["answered"].append((final["id"], 2))
     for index, prompt in enumerate(body["prompt"]):
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
@@ -135,32 +159,262 @@ def test_streaming_sends_deltas_then_usage_then_done(server):
         assert [c["finish_reason"] for c in mine][-1] == "length" and len(mine) >= 2  # streamed, not in one piece
 
 
+# ----- the official openai client, every field streamed and not ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _sampled_offline(server, prompt, max_tokens, **sampling):
+    """Tokens of the same choice decoded alone, sequentially, with the same sampling (choice seed included)."""
+    from speed.engine import Engine, EngineConfig, Request
+    from speed.sampling import Sampling
+
+    ids = server["tokenizer"].encode(prompt)
+    engine = Engine(server["model"], EngineConfig(max_active=1, max_source_len=48, max_target_len=64))
+    engine.add(Request(ids, max_tokens, "sequential", sampling=Sampling(**sampling)))
+    while True:
+        step = engine.step()
+        if step.finished:
+            return server["tokenizer"].decode(step.finished[0].tokens)
+
+
+def _streamed(server, stream):
+    """Text per choice index, finish reasons, the last chunk and the logprob entries of a stream of chunks."""
+    texts, reasons, logprobs, last = {}, {}, {}, None
+    for chunk in stream:
+        last = chunk
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+            if c.logprobs is not None:
+                entries = c.logprobs.content if hasattr(c, "delta") else c.logprobs.tokens
+                logprobs.setdefault(c.index, []).extend(entries or [])
+    server["answered"].append((last.id, len(texts)))
+    return texts, reasons, last, logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_sampling_fields_n_and_seed(server, client, stream):
+    from speed.sampling import choice_seed
+
+    prompt = "A woman rides a horse."
+    args = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 11, "n": 3}
+    args |= {"presence_penalty": 0.3, "frequency_penalty": 0.2, "extra_body": {"top_k": 40}}
+    if stream:
+        texts, reasons, last, _ = _streamed(
+            server, client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+        )
+        prompt_tokens = len(server["tokenizer"].encode(prompt))
+        assert (last.usage.completion_tokens, last.usage.prompt_tokens) == (24, prompt_tokens)
+    else:
+        answer = client.completions.create(**args)
+        server["answered"].append((answer.id, 3))
+        texts = {c.index: c.text for c in answer.choices}
+        reasons = {c.index: c.finish_reason for c in answer.choices}
+        assert answer.usage.completion_tokens == 24
+    sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "presence_penalty": 0.3, "frequency_penalty": 0.2}
+    for i in range(3):
+        assert texts[i] == _sampled_offline(server, prompt, 8, seed=choice_seed(11, i), **sampling)
+        assert reasons[i] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_stop_strings_end_the_choice(server, client, stream):
+    prompt = "Three dogs play in the snow."
+    full, _ = _offline(server, prompt, 12)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), full
+    expected = full[: full.find(stop)]
+    args = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "stop": [stop, "\u2603never"]}
+    if stream:
+        texts, reasons, _, _ = _streamed(server, client.completions.create(**args, stream=True))
+        text, reason = texts[0], reasons[0]
+    else:
+        answer = client.completions.create(**args)
+        server["answered"].append((answer.id, 1))
+        (c,) = answer.choices
+        text, reason = c.text, c.finish_reason
+        assert answer.usage.completion_tokens < 12
+    assert (text, reason) == (expected, "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_logprobs_and_echo(server, client, stream):
+    prompt = "An old man sits on a bench."
+    full, n = _offline(server, prompt, 7)
+    args = {"model": "tiny", "prompt": prompt, "max_tokens": 7, "logprobs": 2}
+    if stream:
+        texts, _, _, entries = _streamed(server, client.completions.create(**args, stream=True))
+        text, tokens = texts[0], entries[0]
+    else:
+        answer = client.completions.create(**args)
+        server["answered"].append((answer.id, 1))
+        lp = answer.choices[0].logprobs
+        text, tokens = answer.choices[0].text, lp.tokens
+        assert len(lp.token_logprobs) == n and all(v <= 0 for v in lp.token_logprobs)
+        assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert text == full and len(tokens) == n
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=7, echo=True, stream=stream)
+    if stream:
+        texts, _, _, _ = _streamed(server, echoed)
+        assert texts[0] == prompt + full
+    else:
+        server["answered"].append((echoed.id, 1))
+        assert echoed.choices[0].text == prompt + full
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_chat_translates_the_last_user_message(server, client, stream):
+    messages = [
+        {"role": "system", "content": "You translate."},
+        {"role": "user", "content": "Ignored earlier text."},
+        {"role": "user", "content": "A child is eating."},
+    ]
+    full, n = _offline(server, "A child is eating.", 9, task="translate_en_de")
+    args = {"model": "tiny", "messages": messages, "max_tokens": 9, "extra_body": {"task": "translate_en_de"}}
+    if stream:
+        texts, reasons, last, entries = _streamed(
+            server,
+            client.chat.completions.create(
+                **args, stream=True, logprobs=True, top_logprobs=1, stream_options={"include_usage": True}
+            ),
+        )
+        assert (texts[0], reasons[0], last.usage.completion_tokens) == (full, "length", n)
+        assert len(entries[0]) == n
+    else:
+        answer = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+        server["answered"].append((answer.id, 1))
+        (c,) = answer.choices
+        assert (c.message.role, c.message.content, c.finish_reason) == ("assistant", full, "length")
+        assert answer.object == "chat.completion" and len(c.logprobs.content) == n
+        assert all(len(e.top_logprobs) <= 2 for e in c.logprobs.content)
+
+
+def test_openai_client_gets_a_400_for_what_is_not_supported(server, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="best_of: not supported by this server"):
+        client.completions.create(model="tiny", prompt="x", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="tools: not supported by this server"):
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+
+
+def test_unseeded_sampling_returns_its_seed_and_repeats_with_it(server, client):
+    first = client.completions.create(model="tiny", prompt="A bird sings.", max_tokens=6, temperature=1.0)
+    seed = first.model_extra["speed"]["seed"]
+    again = client.completions.create(model="tiny", prompt="A bird sings.", max_tokens=6, temperature=1.0, seed=seed)
+    server["answered"] += [(first.id, 1), (again.id, 1)]
+    assert isinstance(seed, int) and again.choices[0].text == first.choices[0].text
+
+
 @pytest.mark.parametrize(
     "body, status, says",
     [
         ({"prompt": ""}, 400, "prompt is empty"),
-        ({"prompt": "x", "temperature": 0.8}, 400, "greedily only"),
+        ({"prompt": "x", "best_of": 2}, 400, "best_of: not supported by this server"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
         ({"prompt": "x", "foo": 1}, 400, "foo: unknown field"),
         ({"prompt": 12}, 400, "prompt must be"),
         ({"prompt": "x", "max_tokens": 401}, 400, "max_tokens must be at most 400"),
+        ({"prompt": ["x", "word " * 80]}, 400, "prompt[1]: prompt has"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": "word " * 80}, 400, "this server accepts at most 48: shorten it"),
+        ({"prompt": "word " * 80}, 400, "tokens, more than 48 (the engine"),
         ({"prompt": "x", "launch_loop": 4}, 400, "launch_loop must be in 1..3"),
         ({"prompt": "x", "task": "nope"}, 400, "unknown task 'nope'"),
-        ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
+        ({"prompt": [5, 99999]}, 400, "prompt must be token ids in [0, 400), got 99999"),
+        ({"prompt": [5, 99999], "echo": True}, 400, "token id 99999 outside the vocabulary"),
         ({"prompt": [5, 6], "task": "translate_en_de"}, 400, "task applies to text prompts only"),
         ({"prompt": "x", "model": "gpt-4"}, 404, "this server serves 'tiny'"),
         ("not json {", 400, "not valid JSON"),
+        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nests arrays or objects too deeply"),
+        (b'{"prompt": "lone \\ud800 surrogate"}', 400, "prompt holds a lone UTF-16 surrogate"),
+        (b'{"prompt": "x", "max_tokens": ' + b"7" * 5000 + b"}", 400, "a number this server cannot read"),
+        ({"prompt": ["A dog."] * 9}, 400, "prompt holds 9 prompts; this server takes at most 8"),
+        ({"prompt": ["A dog."] * 10_000}, 413, "larger than this server accepts (16384 bytes)"),
+        ({"prompt": "word " * 20_000}, 413, "larger than this server accepts"),
+        (iter([b'{"prompt": "', b"word " * 5000, b'"}']), 413, "larger than this server accepts"),  # chunked
     ],
 )
 def test_bad_requests_are_4xx_saying_what_to_fix(server, body, status, says):
     url = server["url"] + "/v1/completions"
-    if isinstance(body, str):
+    if not isinstance(body, dict):  # raw bytes; an iterator is sent chunked, without a Content-Length
         r = requests.post(url, data=body, headers={"content-type": "application/json"}, timeout=60)
     else:
         r = requests.post(url, json=body, timeout=60)
     assert r.status_code == status
     assert says in r.json()["error"]["message"]
+
+
+def _answered(response):
+    """(id, choices) of a 200 answer, whole or streamed, for the statistics check at the end."""
+    kind = {k.lower(): v for k, v in response.headers.items()}.get("content-type", "")
+    if "text/event-stream" in str(kind):
+        events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: {")]
+        chunks = [json.loads(e) for e in events]
+        return chunks[0]["id"], len({c["index"] for chunk in chunks for c in chunk["choices"]})
+    return response.json()["id"], len(response.json()["choices"])
+
+
+def _smaller(body):
+    """A valid body made cheap to decode, still valid: few tokens, few choices, few prompts."""
+    if type(body.get("max_tokens")) is int and body["max_tokens"] > 4:
+        body["max_tokens"] = 4
+    if type(body.get("n")) is int and body["n"] > 2:
+        body["n"] = 2
+    if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 2 and not isinstance(body["prompt"][0], int):
+        body["prompt"] = body["prompt"][:2]
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis_finds_no_5xx_and_every_answer_matches_the_schema(server, mode):
+    """Schemathesis (a third-party fuzzer) against the published /openapi.json: no 5xx, answers and statuses
+    as documented, and (negative mode) everything the schema forbids refused with a 4xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi import checks
+
+    schema = schemathesis.openapi.from_url(server["url"] + "/openapi.json")
+    run_checks = [not_a_server_error, checks.status_code_conformance, checks.content_type_conformance]
+    run_checks += [checks.response_schema_conformance]
+    if mode == "negative":
+        run_checks.append(checks.negative_data_rejection)
+    calls = []
+    for path in ("/v1/completions", "/v1/chat/completions"):
+
+        @settings(
+            max_examples=30,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=schema[path]["POST"].as_strategy(GenerationMode(mode)))
+        def fuzz(case):
+            if mode == "positive" and isinstance(case.body, dict):
+                _smaller(case.body)
+            response = case.call_and_validate(base_url=server["url"], checks=run_checks, timeout=120)
+            calls.append(response.status_code)
+            if response.status_code == 200:
+                server["answered"].append(_answered(response))
+
+        fuzz()
+    assert len(calls) >= 40 and all(c < 500 for c in calls)
+    if mode == "negative":
+        assert 200 not in calls
 
 
 def test_replica_healthy_after_bad_requests(server):
@@ -169,6 +423,11 @@ def test_replica_healthy_after_bad_requests(server):
     assert _complete(server, {"prompt": "Still here?", "max_tokens": 4}).status_code == 200
     stats = requests.get(server["url"] + "/v1/stats", timeout=30).json()
     assert stats["rejected"] == before + 1 and stats["active"] == 0
+    spec = stats["spec_decode"]
+    assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+    assert len(spec["num_accepted_tokens_per_pos"]) == 2 and stats["prompt_tokens"] > 0
+    assert sum(spec["num_draft_tokens_per_pos"]) == spec["num_draft_tokens"]
+    assert all(r is None or 0 <= r <= 1 for r in spec["acceptance_rate_per_pos"])
 
 
 def test_disconnect_frees_the_rows(server):
@@ -232,6 +491,42 @@ def test_load_generator_closed_and_open_loop(server):
     assert all(r["scheduled_s"] <= r["start_s"] for r in opened.table.to_pylist())  # open loop: from the arrival
 
 
+def _parquet_rows(stats: str) -> int:
+    """Request rows already in Parquet files (not counting the write-ahead logs)."""
+    files = sorted((Path(stats) / "requests").glob("*.parquet"))
+    return sum(pq.read_metadata(f).num_rows for f in files)
+
+
+def test_a_replica_killed_hard_is_replaced_and_loses_no_answered_row(server):
+    """SIGKILL (no drain, no ``__del__``) while the replica still buffers answered rows: its logs keep them."""
+    import ray
+
+    for _ in range(3):  # flush_rows=3: within three answers some answered row is not yet in Parquet
+        assert _complete(server, {"prompt": "Kill me softly.", "max_tokens": 5}).status_code == 200
+        if _parquet_rows(server["stats"]) < sum(n for _, n in server["answered"]):
+            break
+    assert _parquet_rows(server["stats"]) < sum(n for _, n in server["answered"])
+    before = requests.get(server["url"] + "/v1/stats", timeout=30).json()["replica"]
+    actor = ray.get_actor(f"SERVE_REPLICA::{before}", namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+    rows = read_requests(server["stats"])
+    finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
+    assert finished.num_rows == sum(n for _, n in server["answered"])  # nothing lost: answered means logged
+    deadline = time.monotonic() + 300  # Serve notices the death and starts a new replica (a model load)
+    while time.monotonic() < deadline:
+        try:
+            health = requests.get(server["url"] + "/healthz", timeout=10)
+            if health.status_code == 200 and health.json()["replica"] != before:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    assert health.json()["replica"] != before
+    a = _complete(server, {"prompt": "Back again.", "max_tokens": 6}).json()
+    assert a["choices"][0]["text"] == _offline(server, "Back again.", 6)[0]
+
+
 def test_redeploy_applies_settings_and_the_old_replica_loses_no_statistics(server):
     """A redeploy through the Python API replaces the replica: Serve drains the old one and calls its
     ``__del__``, which must write every buffered row; the new one gets the settings via ``reconfigure``."""
@@ -263,6 +558,12 @@ def test_statistics_hold_one_row_per_answered_prompt_after_shutdown(server):
         rows.filter(pc.equal(rows["finish_reason"], "cancelled"))["completion_tokens"].to_pylist()
     )
     assert traces.num_rows == 3 * tokens  # one trace row per committed token and loop
+    from speed.sampling import choice_seed
+
+    for r in rows.to_pylist():  # whichever tests ran before: every row's own invariants
+        assert r["accepted_tokens"] == sum(r["accepted_per_pos"]) and r["route"] in ("completions", "chat")
+        if r["temperature"] == 0.8 and r["top_k"] == 40:  # the seeded n=3 request: choice i has choice_seed(11, i)
+            assert r["seed"] == choice_seed(11, r["choice"])
     server["redeploy"](SETTINGS)  # for the tests that run after this one
 
 
@@ -271,12 +572,9 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     """The analysis of serving reads what the application and the load generator really wrote."""
     import shutil
 
-    import pyarrow.parquet as pq
-
-    from speed.analysis import discover, load_summary, rows_per_step
+    from speed.analysis import acceptance, discover, load_summary, rows_per_step
     from speed.analysis.notebooks import run_notebooks
     from speed.analysis.results import read_tables
-    from speed.paths import repo_root
 
     runs = _load_runs(server)  # its own load runs: the test needs no other to run first
     root = tmp_path / "results"
@@ -295,3 +593,73 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     run_notebooks(root, [repo_root() / "analysis" / "serving.ipynb"])
     assert (found.load[0].parent / "serving_load.png").stat().st_size > 0
     assert (found.requests[0].parent / "serving_rows_per_step.png").stat().st_size > 0
+    assert (found.requests[0].parent / "serving_acceptance.png").stat().st_size > 0
+    temperatures = set(acceptance(read_tables(found.requests))["temperature"].to_pylist())
+    assert {0.0, 0.8} <= temperatures  # the openai-client tests sampled at 0.8
+
+
+# ----- the real job: jobs/serve.py, stopped by SIGTERM ---------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_stops_jobs_serve_with_every_answered_row_on_disk(tiny_tokenizer, tmp_path, to):
+    """``kill`` (the job's process: Serve drains, the replica writes Parquet) or a SIGTERM to the whole process
+    group (systemd's default, a terminal: Ray's own processes die at once, the replica's logs hold the rows).
+    The job requires an API key from ``$SPEED_API_KEY``; it never shows in its output or its files."""
+    _tiny_checkpoint(tiny_tokenizer, tmp_path / "ckpt")
+    stats, port, key = tmp_path / "stats", _free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"SPEED_API_KEY": key, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo_root() / "platform")}
+    command = [sys.executable, "jobs/serve.py", "--checkpoint", str(tmp_path / "ckpt"), "--port", str(port)]
+    command += ["--stats-path", str(stats), "--model-name", "tiny", "--num-cpus", "0.5"]
+    command += ["--set", "flush_s=600", "--set", "max_source_len=48", "--set", "max_tokens=6"]
+    output = tmp_path / "serve.log"
+    with open(output, "wb") as log:
+        job = subprocess.Popen(
+            command, cwd=repo_root(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 600  # a Ray start and a model load on a loaded machine
+        while time.monotonic() < deadline and job.poll() is None:
+            try:
+                if requests.get(url + "/healthz", timeout=10).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        assert job.poll() is None, output.read_text()
+        bearer = {"Authorization": f"Bearer {key}"}
+        refused = [
+            requests.get(url + "/v1/models", timeout=30),
+            requests.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30),
+            requests.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}),
+        ]
+        assert [r.status_code for r in refused] == [401, 401, 401]
+        assert refused[0].json()["error"]["code"] == "invalid_api_key"
+        assert requests.get(url + "/v1/models", headers=bearer, timeout=30).json()["data"][0]["id"] == "tiny"
+        prompts = ["A dog runs.", "Two cats sleep.", "Rain falls.", "A man sings.", "Kids play ball.", "Sun."]
+        load = run_load(LoadConfig(url=url, concurrency=2, requests=6, max_tokens=6, api_key=key), prompts)
+        assert load.summary()["errors"] == 0 and key not in repr(load) + repr(LoadConfig(api_key=key))
+        answered = load.table["request_id"].to_pylist()
+        started = time.monotonic()
+        if to == "process":
+            job.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(job.pid, signal.SIGTERM)
+        code = job.wait(timeout=180)
+        took = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    text = output.read_text()
+    assert code == 0 and "stopping: draining replicas" in text and "stopped in" in text, text
+    assert took < 60, f"the job took {took:.1f} s to stop"  # bounded at 25 s (--stop-timeout-s) plus Ray's exit
+    rows = read_requests(str(stats))
+    assert sorted(rows["request_id"].to_pylist()) == sorted(answered)  # one row per answered prompt, no more
+    assert read_traces(str(stats)).num_rows == 3 * sum(rows["completion_tokens"].to_pylist())
+    if to == "process":  # drained: everything compacted into Parquet, no log left
+        assert _parquet_rows(str(stats)) == len(answered) and not list((stats / "wal").iterdir())
+    files = [p.read_bytes() for p in stats.rglob("*") if p.is_file()]
+    assert key not in text and all(key.encode() not in data for data in files)

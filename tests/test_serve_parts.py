@@ -1,9 +1,14 @@
-"""The serving parts without Ray: request validation, streaming text, the statistics sink, the engine runner,
-the load generator's arrival times and the Serve config file."""
+"""The serving parts without Ray: request validation, body limits, the API key, streaming text, the statistics
+sink and its write-ahead logs, the engine runner, the load generator's arrival times and the Serve config file."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pyarrow as pa
@@ -14,18 +19,22 @@ import yaml
 from speed import SpeedT5, generate, preset
 from speed.engine import EngineConfig, Request
 from speed.paths import repo_root
+from speed.serve import auth
+from speed.serve.limits import BadRequest, parse_body, read_body
 from speed.serve.loadgen import LoadConfig, arrival_times, summarize
-from speed.serve.protocol import CompletionRequest, TextStream, validation_message
+from speed.serve.protocol import CompletionRequest, validation_message
 from speed.serve.runner import EngineRunner
 from speed.serve.stats import (
     LOADGEN_SCHEMA,
     REQUEST_SCHEMA,
     SERVE_TRACE_SCHEMA,
+    WAL_DIR,
     ServeCounters,
     StatsSink,
     read_requests,
     read_traces,
 )
+from speed.serve.text import TextStream
 from speed.trace import TRACE_SCHEMA
 
 # ----- request validation ------------------------------------------------------------------------
@@ -42,13 +51,14 @@ from speed.trace import TRACE_SCHEMA
         ({"prompt": [1, "a"]}, "not a mixture"),
         ({"prompt": [[1, 2], []]}, "prompt[1] must be a non-empty list of token ids"),
         ({"prompt": [-3]}, "not a mixture"),
-        ({"prompt": "x", "temperature": 0.7}, "greedily only"),
-        ({"prompt": "x", "n": 2}, "n must be 1"),
+        ({"prompt": "x", "temperature": -0.7}, "temperature: Input should be greater than or equal to 0"),
+        ({"prompt": "x", "n": 0}, "n: Input should be greater than or equal to 1"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
         ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
         ({"prompt": "x", "method": "fast"}, "method: Input should be 'speed' or 'sequential'"),
-        ({"prompt": "x", "best_of": 3}, "best_of: unknown field; the fields are: prompt, model, max_tokens"),
+        ({"prompt": "x", "best_of": 3}, "best_of: not supported by this server"),
+        ({"prompt": "x", "bestof": 3}, "bestof: unknown field; the fields are: model, max_tokens"),
         ({}, "prompt: Field required"),
     ],
 )
@@ -64,6 +74,139 @@ def test_prompt_shapes():
     assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
     assert CompletionRequest.model_validate({"prompt": [5, 6]}).prompts() == [[5, 6]]
     assert CompletionRequest.model_validate({"prompt": [[5], [6, 7]]}).prompts() == [[5], [6, 7]]
+
+
+_NESTED = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+
+
+@pytest.mark.parametrize(
+    "raw, status, says",
+    [
+        (_NESTED, 400, "nests arrays or objects too deeply"),
+        (b'{"a": ' * 5000 + b"1" + b"}" * 5000, 400, "nests arrays or objects too deeply"),
+        (b'{"prompt": "caf\\ud800e"}', 400, "prompt holds a lone UTF-16 surrogate"),
+        (b'{"prompt": ["ok", "\\udfff"]}', 400, "prompt[1] holds a lone UTF-16 surrogate"),
+        (b'{"prompt": "x", "user": {"\\ud83d": 1}}', 400, "user key holds a lone UTF-16 surrogate"),
+        (json.dumps({"prompt": ["x"] * 10_000}).encode(), 400, "prompt holds 10000 prompts; this server takes at most"),
+        (json.dumps({"prompt": [[5, 6]] * 33}).encode(), 400, "prompt holds 33 prompts"),
+        (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "a number this server cannot read"),
+        (b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+        (b'{"prompt": ', 400, "not valid JSON"),
+        (b"", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+    ],
+)
+def test_hostile_bodies_are_rejected_saying_what_is_wrong(raw, status, says):
+    with pytest.raises(BadRequest) as caught:
+        parse_body(raw, max_prompts=32)
+    assert caught.value.status == status and says in caught.value.message
+
+
+def test_clean_bodies_pass_the_limits():
+    assert parse_body(json.dumps({"prompt": ["x"] * 32}).encode(), 32)["prompt"] == ["x"] * 32
+    assert parse_body(b'{"prompt": [5, 6, 7, 8, 9]}', 1)["prompt"] == [5, 6, 7, 8, 9]  # token ids: one prompt
+    assert parse_body(b'{"prompt": "\\ud83d\\ude00 ok"}', 1)["prompt"] == "\U0001f600 ok"  # a surrogate pair
+
+
+def _request(chunks: list[bytes], declared: int | None):
+    """A Starlette request whose body arrives in ``chunks``; ``declared`` its Content-Length (None: chunked)."""
+    from starlette.requests import Request as StarletteRequest
+
+    headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    read = []
+
+    async def receive():
+        read.append(1)
+        return messages[len(read) - 1]
+
+    return StarletteRequest({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive), read
+
+
+def test_body_size_is_capped_before_it_is_read():
+    async def run(chunks, declared):
+        request, read = _request(chunks, declared)
+        try:
+            return await read_body(request, max_bytes=100), len(read)
+        except BadRequest as err:
+            return err, len(read)
+
+    rejected, chunks_read = asyncio.run(run([b"x" * 60] * 1000, 60_000))
+    assert rejected.status == 413 and "larger than this server accepts (100 bytes)" in rejected.message
+    assert chunks_read == 0  # the declared size was enough
+    rejected, chunks_read = asyncio.run(run([b"x" * 60] * 1000, None))  # no Content-Length: stop at the cap
+    assert rejected.status == 413 and chunks_read == 2
+    assert asyncio.run(run([b"x" * 50, b"y" * 50], None)) == (b"x" * 50 + b"y" * 50, 2)
+
+
+# ----- the API key -----------------------------------------------------------------------------------
+
+
+async def _get(app, path: str, authorization: str | None = None) -> tuple[int, dict]:
+    """One GET through ``app`` as an ASGI server would send it: the status and the JSON body."""
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "root_path": "",
+             "query_string": b"", "headers": headers, "scheme": "http", "http_version": "1.1",
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000)}  # fmt: skip
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body)
+
+
+def test_api_key_guards_every_route_but_healthz():
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    auth.require_key(app)
+    app.get("/healthz")(lambda: {"ok": True})
+    app.get("/v1/models")(lambda: {"data": []})
+
+    async def run():
+        open_before = await _get(app, "/v1/models")
+        app.state.api_key = auth.ApiKey("s3cret-key")
+        return open_before, [
+            await _get(app, path, header)
+            for path, header in [
+                ("/v1/models", None),
+                ("/v1/models", "Bearer wrong"),
+                ("/v1/models", "Bearer s3cret-key"),
+                ("/v1/models", "bearer s3cret-key"),
+                ("/v1/models", "Basic s3cret-key"),
+                ("/v1/models", "Bearer s3cret-key-and-more"),
+                ("/docs", None),
+                ("/nowhere", None),
+                ("/healthz", None),
+            ]
+        ]
+
+    open_before, answers = asyncio.run(run())
+    assert open_before == (200, {"data": []})  # no key set: open
+    assert [status for status, _ in answers] == [401, 401, 200, 200, 401, 401, 401, 401, 200]
+    error = answers[0][1]["error"]
+    assert (error["code"], error["type"], error["param"]) == ("invalid_api_key", "invalid_request_error", None)
+    assert all("s3cret" not in json.dumps(body) for _, body in answers)
+
+
+def test_api_key_resolution_and_secrecy(monkeypatch):
+    monkeypatch.delenv(auth.API_KEY_ENV, raising=False)
+    assert auth.resolve(None) is None
+    monkeypatch.setenv(auth.API_KEY_ENV, "from-env")
+    assert auth.resolve(None).accepts("Bearer from-env")
+    assert auth.resolve("given").accepts("Bearer given") and not auth.resolve("given").accepts("Bearer from-env")
+    monkeypatch.setenv(auth.API_KEY_ENV, "")
+    assert auth.resolve(None) is None  # an empty variable is no key
+    key = auth.ApiKey("hunter2")
+    assert "hunter2" not in repr(key) + str(key) + repr(vars(key))
+    with pytest.raises(ValueError, match="non-empty"):
+        auth.ApiKey(" padded ")
 
 
 def test_text_stream_deltas_add_up_to_the_whole_decode(tiny_tokenizer):
@@ -86,6 +229,9 @@ def _row(i: int, **extra) -> dict:
         model="m", method="speed", launch_loop=1, invalidation="eager", stream=False, max_tokens=8,
         prompt_tokens=3, completion_tokens=4, finish_reason="length", steps=5, rows=9, flushes=1, wasted_rows=2,
         flip_rate=[0.5, 0.0], queued_ms=0.1, ttft_ms=1.0, latency_ms=2.0, total_ms=3.0, max_active=4,
+        route="completions", prompt=0, temperature=0.0, top_p=1.0, top_k=0, seed=0, presence_penalty=0.0,
+        frequency_penalty=0.0, drafts=1, draft_tokens=3, accepted_tokens=2, accepted_per_pos=[2],
+        draft_tokens_per_pos=[3],
     )  # fmt: skip
     row.update(extra)
     return row
@@ -101,7 +247,8 @@ def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
     sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_rows=3, max_seconds=0.2)
     for i in range(2):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
-    assert not sink.due() and read_requests(str(tmp_path)).num_rows == 0
+    assert not sink.due() and not list((tmp_path / "requests").iterdir())  # no Parquet yet ...
+    assert read_requests(str(tmp_path)).num_rows == 2  # ... but the rows are readable from their log
     sink.add(_row(2), None)
     assert sink.due()  # the size bound
     assert sink.flush() == 3 and sink.pending == 0
@@ -118,6 +265,51 @@ def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
     assert all(" " not in p.name and "#" not in p.name for p in (tmp_path / "requests").iterdir())
 
 
+_KILLED_WRITER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_serve_parts import _row, _trace
+from speed.serve.stats import StatsSink
+sink = StatsSink({storage!r}, "app#SpeedServer#killed", max_rows=2, max_seconds=600)
+for i in range(5):
+    sink.add(_row(i), _trace(f"cmpl-{{i}}", 3))
+    if sink.due():
+        sink.flush()
+os.kill(os.getpid(), signal.SIGKILL)  # as a replica killed hard: no flush, no __del__
+"""
+
+
+def test_sink_logs_every_row_so_a_replica_killed_hard_loses_none(tmp_path):
+    storage = str(tmp_path / "stats")
+    code = _KILLED_WRITER.format(tests=str(repo_root() / "tests"), storage=storage)
+    env = {**os.environ, "PYTHONPATH": str(repo_root() / "platform")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    requests, traces = read_requests(storage), read_traces(storage)
+    assert sorted(requests["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(5)]  # 4 in Parquet, 1 logged
+    assert traces.num_rows == 15 and requests.schema == REQUEST_SCHEMA and traces.schema == SERVE_TRACE_SCHEMA
+    (log,) = (tmp_path / "stats" / WAL_DIR).glob("*.requests.arrows")
+    with open(log, "ab") as f:
+        f.write(b"\xff\xff\xff\xff\x10\x00")  # a record cut short by the kill
+    assert read_requests(storage).num_rows == 5
+
+
+def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(tmp_path):
+    sink = StatsSink(str(tmp_path), "r#1", max_rows=100, max_seconds=600)
+    for i in range(3):
+        sink.add(_row(i), _trace(f"cmpl-{i}", 2))
+    wal = tmp_path / WAL_DIR
+    assert sorted(p.name for p in wal.iterdir()) == ["r_1-000001.requests.arrows", "r_1-000001.traces.arrows"]
+    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
+    logs = {p.name: p.read_bytes() for p in wal.iterdir()}
+    assert sink.flush() == 3 and not list(wal.iterdir())
+    for name, data in logs.items():  # killed between the Parquet file's rename and the log's deletion
+        (wal / name).write_bytes(data)
+    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
+    sink.add(_row(3), None)
+    assert read_requests(str(tmp_path)).num_rows == 4  # the next file's log
+
+
 def test_sink_on_a_uri(tmp_path):
     sink = StatsSink(f"file://{tmp_path}/stats", "r")
     sink.add(_row(0), None)
@@ -125,19 +317,25 @@ def test_sink_on_a_uri(tmp_path):
     assert read_requests(f"file://{tmp_path}/stats")["request_id"].to_pylist() == ["cmpl-0"]
 
 
+def _stats(**counts):
+    from speed.engine import RequestStats
+
+    return RequestStats(steps=0, rows=0, queued_s=0.0, ttft_s=0.0, latency_s=0.0, **counts)
+
+
 def test_counters_weight_flip_rates_by_tokens():
     c = ServeCounters()
     c.add_step(4)
     c.add_step(0)
     c.add_step(8)
-    c.add_finished(tokens=10, flushes=2, wasted_rows=3, flip_rate=[0.5, 0.1, 0.0], cancelled=False)
-    c.add_finished(tokens=30, flushes=0, wasted_rows=0, flip_rate=[0.1, 0.0, 0.0], cancelled=False)
-    c.add_finished(tokens=2, flushes=0, wasted_rows=1, flip_rate=[], cancelled=True)
+    c.add_finished(_stats(tokens=10, flushes=2, wasted_rows=3, flip_rate=[0.5, 0.1, 0.0]), 5, cancelled=False)
+    c.add_finished(_stats(tokens=30, flushes=0, wasted_rows=0, flip_rate=[0.1, 0.0, 0.0]), 7, cancelled=False)
+    c.add_finished(_stats(tokens=2, flushes=0, wasted_rows=1, flip_rate=[]), 3, cancelled=True)
     s = c.snapshot(active=1, queued=2)
     assert (s["steps"], s["rows"], s["rows_per_step"], s["max_rows_per_step"]) == (2, 12, 6.0, 8)
     assert (s["finished"], s["cancelled"], s["tokens"], s["flushes"]) == (2, 1, 42, 2)
     assert s["flip_rate"] == pytest.approx([(5 + 3) / 40, 1 / 40, 0.0])
-    assert (s["active"], s["queue_depth"]) == (1, 2)
+    assert (s["active"], s["queue_depth"], s["prompt_tokens"]) == (1, 2, 15)
 
 
 # ----- the engine runner ----------------------------------------------------------------------------
@@ -165,7 +363,7 @@ def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
             await asyncio.sleep(0.005)  # arrivals while others decode
 
         async def collect(s):
-            return [t async for t in s.stream()]
+            return [c.token async for c in s.stream()]
 
         streamed = await asyncio.gather(*(collect(s) for s in subs))
         finished = [await s.done for s in subs]
@@ -179,6 +377,27 @@ def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
     assert sorted(left) == [0, 1, 2, 3]
     assert counters.finished == 4 and counters.tokens == sum(len(f.tokens) for f in finished)
     assert counters.max_rows_per_step <= 5  # the row budget
+
+
+def test_runner_submits_all_or_none(tiny_model):
+    """One refused request of several: none of them stays in the engine, none leaves a statistics row."""
+
+    async def run():
+        left = []
+        runner = EngineRunner(
+            tiny_model, EngineConfig(max_active=2, max_source_len=8, max_target_len=8), lambda f, s: left.append(s)
+        )
+        good = Request([5, 6, 1], 4)
+        with pytest.raises(ValueError, match=r"^\[2\]: max_new_tokens must be at most 8"):
+            await runner.submit_all([good, good, Request([5, 1], 9)], [{}, {}, {}])
+        assert (runner.pending, runner.queued, runner.active, left) == (0, 0, 0, [])
+        (ok,) = await runner.submit_all([good], [{}])
+        finished = await ok.done
+        runner.close()
+        return finished, ok, left
+
+    finished, ok, left = asyncio.run(run())
+    assert len(left) == 1 and len(ok.times) == len(finished.tokens) and len(ok.gaps) == len(finished.tokens) - 1
 
 
 def test_runner_cancel_frees_the_slot_and_reconfigure_rebuilds(tiny_model):
@@ -253,7 +472,7 @@ def test_serve_config_file_is_valid_and_binds_loopback():
     from ray.serve.schema import ServeDeploySchema
 
     from speed.config import from_dict
-    from speed.serve.app import ServeSettings
+    from speed.serve.settings import ServeSettings
 
     config = ServeDeploySchema.model_validate(yaml.safe_load((repo_root() / "jobs/configs/serve.yaml").read_text()))
     assert config.http_options.host == "127.0.0.1"
@@ -266,7 +485,7 @@ def test_serve_config_file_is_valid_and_binds_loopback():
 
 def test_serve_settings_reject_unknown_and_bad_values():
     from speed.config import from_dict
-    from speed.serve.app import ServeSettings
+    from speed.serve.settings import ServeSettings
 
     with pytest.raises(ValueError, match="unknown ServeSettings key"):
         from_dict(ServeSettings, {"max_actives": 3})

@@ -140,6 +140,16 @@ class RequestStats:
     queued_s: float  # until admitted to a slot
     ttft_s: float  # until its first token was committed (nan if none)
     latency_s: float  # until it finished or was cancelled
+    # Speculation counted as vLLM counts drafts. A draft token is a token launched from an early exit
+    # (before its predecessor's last loop); its draft position is how many uncommitted tokens were ahead of
+    # it when it was launched (1..M-1). A draft is a launch at position 1: the start of a speculative chain.
+    # Accepted tokens are draft tokens later committed unchanged (never flushed). A flush can relaunch at any
+    # position, so per position the acceptance rate is accepted / draft tokens there (not / drafts).
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens by draft position 1..M-1
+    draft_tokens_per_pos: list[int] = field(default_factory=list)  # draft tokens by draft position 1..M-1
 
 
 @dataclass
@@ -216,6 +226,7 @@ class Slot:
     preds: list[int] = field(default_factory=list)  # early-exit prediction after each finished loop
     runners: list[int] = field(default_factory=list)  # each finished loop's runner-up (second-best token)
     p_top: list[float] = field(default_factory=list)  # each finished loop's top-1 probability
+    ahead: int = 0  # uncommitted tokens ahead of it when launched: 0 on the committed path, else its draft position
     modes: list[int] = field(default_factory=list)  # each finished loop's noise-free argmax (= preds if greedy)
     logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
 
@@ -241,6 +252,9 @@ class Sequence:
     flushes: int = 0
     wasted_rows: int = 0
     flips: list[int] = field(default_factory=list)  # per loop: committed tokens whose exit there differed
+    drafts: int = 0  # speculative launches at draft position 1 (RequestStats)
+    draft_tokens: list[int] = field(default_factory=list)  # speculative launches by draft position - 1
+    accepted: list[int] = field(default_factory=list)  # committed draft tokens by draft position - 1
     trace: TraceBuilder | None = None
     logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
 
@@ -313,6 +327,8 @@ class Engine:
             "all_exits": request.method == "speed" or self.config.trace,
             "added": time.perf_counter(),
             "flips": [0] * M,
+            "accepted": [0] * (M - 1),
+            "draft_tokens": [0] * (M - 1),
             "trace": TraceBuilder() if self.config.trace else None,
             "logprobs": None if request.logprobs is None else [],
         }
@@ -506,13 +522,17 @@ class Engine:
                 and guess != eos
                 and slot.pos + 1 < seq.request.max_new_tokens
             ):
-                seq.slots.append(Slot(slot.pos + 1, guess))
+                seq.slots.append(Slot(slot.pos + 1, guess, ahead=i + 1))
+                seq.draft_tokens[i] += 1
+                seq.drafts += i == 0
             i += 1
 
     def _commit(self, seq: Sequence, slot: Slot) -> None:
         token = slot.preds[-1]
         seq.out.append(token)
         self.stats.tokens += 1
+        if slot.ahead:
+            seq.accepted[slot.ahead - 1] += 1
         if seq.all_exits:
             for loop, pred in enumerate(slot.preds):
                 seq.flips[loop] += pred != token
@@ -550,6 +570,11 @@ class Engine:
             queued_s=seq.admitted - seq.added,
             ttft_s=seq.first_token - seq.added,
             latency_s=now - seq.added,
+            drafts=seq.drafts,
+            draft_tokens=sum(seq.draft_tokens),
+            accepted_tokens=sum(seq.accepted),
+            accepted_per_pos=list(seq.accepted),
+            draft_tokens_per_pos=list(seq.draft_tokens),
         )
         trace = seq.trace.table() if seq.trace is not None else None
         return Finished(seq.id, seq.out, stats, trace, cancelled, seq.logprobs)

@@ -96,6 +96,11 @@ class Tokenizer:
             raise ValueError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
         return self._sp.decode(ids)
 
+    def piece(self, i: int) -> str:
+        """The text of one token as a piece (``▁`` as a space: `` the``), for log-probability listings;
+        an id outside the vocabulary (a model's padding rows) as ``<id N>``."""
+        return self._sp.id_to_piece(i).replace("\u2581", " ") if 0 <= i < self.vocab_size else f"<id {i}>"
+
     def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
         """``decode`` of each sequence."""
         return [self.decode(ids) for ids in batch]

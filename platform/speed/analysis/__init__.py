@@ -8,11 +8,13 @@ generator.
 
 from speed.analysis.flips import flip_rates, flip_rates_by_position
 from speed.analysis.results import Evaluation, Results, discover, load_evaluation
-from speed.analysis.serving import load_summary, rows_per_step
+from speed.analysis.serving import acceptance, acceptance_by_position, load_summary, rows_per_step
 from speed.analysis.sweep import Sweep, launch_costs, load_sweep, loop_flips, trials
 from speed.analysis.tradeoff import benchmark_latency, model_identity, tradeoff
 
 __all__ = [
+    "acceptance",
+    "acceptance_by_position",
     "Evaluation",
     "Results",
     "Sweep",

@@ -6,7 +6,10 @@ each run's throughput and latency; the concurrency and replica count of a run
 are read off its rows (the most requests in flight at once, the replicas that
 answered), so they need no label. The replicas' request rows (``arrived``,
 ``total_ms``, ``steps``, ``rows``, ``method``) give how many rows a request had
-computed per pipeline step, against how loaded its replica was when it arrived.
+computed per pipeline step, against how loaded its replica was when it arrived,
+and (``drafts``, ``draft_tokens``, ``accepted_tokens``, ``accepted_per_pos``,
+``temperature``) how much of SPEED's speculation was accepted, by draft position
+and by temperature, in vLLM's terms (``speed.engine.RequestStats``).
 """
 
 from __future__ import annotations
@@ -107,3 +110,84 @@ def rows_per_step(requests: pa.Table) -> pa.Table:
             "flushes": requests["flushes"],
         }
     )
+
+
+ACCEPTANCE_SCHEMA = pa.schema(
+    [
+        pa.field("method", pa.string()),
+        pa.field("temperature", pa.float64()),
+        pa.field("requests", pa.int64()),
+        pa.field("tokens", pa.int64()),  # completion tokens
+        pa.field("drafts", pa.int64()),
+        pa.field("draft_tokens", pa.int64()),
+        pa.field("accepted_tokens", pa.int64()),
+        pa.field("acceptance_rate", pa.float64()),  # accepted / draft tokens; null without drafts
+        pa.field("mean_acceptance_length", pa.float64()),  # 1 + accepted / drafts; null without drafts
+    ]
+)
+
+ACCEPTANCE_BY_POSITION_SCHEMA = pa.schema(
+    [
+        pa.field("method", pa.string()),
+        pa.field("temperature", pa.float64()),
+        pa.field("position", pa.int64()),  # draft position 1..M-1
+        pa.field("accepted_tokens", pa.int64()),
+        pa.field("draft_tokens", pa.int64()),  # tokens launched at this position
+        pa.field("acceptance_rate", pa.float64()),  # accepted / draft tokens at this position
+    ]
+)
+
+
+def _groups(requests: pa.Table) -> dict[tuple[str, float], list[dict]]:
+    groups: dict[tuple[str, float], list[dict]] = {}
+    columns = ["method", "temperature", "completion_tokens", "drafts", "draft_tokens", "accepted_tokens"]
+    for r in requests.select([*columns, "accepted_per_pos", "draft_tokens_per_pos"]).to_pylist():
+        groups.setdefault((r["method"], r["temperature"]), []).append(r)
+    return dict(sorted(groups.items()))
+
+
+def acceptance(requests: pa.Table) -> pa.Table:
+    """Per (method, temperature) of the replicas' request rows: speculation counters and rates
+    (``ACCEPTANCE_SCHEMA``)."""
+    rows = []
+    for (method, temperature), part in _groups(requests).items():
+        drafts = sum(r["drafts"] for r in part)
+        draft_tokens = sum(r["draft_tokens"] for r in part)
+        accepted = sum(r["accepted_tokens"] for r in part)
+        rows.append(
+            {
+                "method": method,
+                "temperature": temperature,
+                "requests": len(part),
+                "tokens": sum(r["completion_tokens"] for r in part),
+                "drafts": drafts,
+                "draft_tokens": draft_tokens,
+                "accepted_tokens": accepted,
+                "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            }
+        )
+    return pa.Table.from_pylist(rows, schema=ACCEPTANCE_SCHEMA)
+
+
+def acceptance_by_position(requests: pa.Table) -> pa.Table:
+    """Per (method, temperature, draft position) where tokens were launched: accepted over draft tokens
+    (``ACCEPTANCE_BY_POSITION_SCHEMA``); methods without drafts (sequential) have no rows."""
+    rows = []
+    for (method, temperature), part in _groups(requests).items():
+        positions = max(len(r["draft_tokens_per_pos"]) for r in part)
+        for pos in range(positions):
+            launched = sum(r["draft_tokens_per_pos"][pos] for r in part if pos < len(r["draft_tokens_per_pos"]))
+            accepted = sum(r["accepted_per_pos"][pos] for r in part if pos < len(r["accepted_per_pos"]))
+            if launched:
+                rows.append(
+                    {
+                        "method": method,
+                        "temperature": temperature,
+                        "position": pos + 1,
+                        "accepted_tokens": accepted,
+                        "draft_tokens": launched,
+                        "acceptance_rate": accepted / launched,
+                    }
+                )
+    return pa.Table.from_pylist(rows, schema=ACCEPTANCE_BY_POSITION_SCHEMA)

@@ -12,7 +12,10 @@ concurrency and every variant (interleaved, so that drift in the machine's
 load hits all variants alike) a closed-loop load sends the same prompts;
 the answers of all three variants must be identical. Reported per variant and
 concurrency: tokens per second (all rounds' tokens over their wall time),
-p50/p99 latency and p50 time to first token over all requests.
+p50/p99 latency and p50 time to first token over all requests. With
+``temperature`` > 0 every request samples with the same ``seed``, so the
+answers must still be identical across variants (sampling is a function of the
+seed and the position, never of the batch or the method).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class ServeBenchConfig:
     max_active: int = 16
     row_budget: int | None = None  # variant c's rows per step
     launch_loop: int = 1
+    temperature: float = 0.0  # > 0: every request samples at this temperature with ``seed``
+    seed: int = 0
     threads: int = 1  # torch threads of each replica (one: spinning OpenMP threads stall on a busy machine)
     warmup: int = 4  # untimed requests per variant first
     stats_path: str | None = None  # where the replicas write their statistics (None: a temporary folder)
@@ -113,8 +118,9 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
     }
     prompts = task_prompts(config.task, config.split)
     try:
+        sampling = {"temperature": config.temperature, "seed": config.seed}
         for url, method, _, _ in variants.values():
-            body = {"method": method, "launch_loop": config.launch_loop}
+            body = {"method": method, "launch_loop": config.launch_loop, **sampling}
             warm = LoadConfig(url=url, requests=config.warmup, max_tokens=config.max_tokens, body=body, label="warmup")
             run_load(warm, prompts)
         runs, tables, texts = [], [], {}
@@ -131,7 +137,7 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
                         concurrency=c,
                         requests=n,
                         max_tokens=config.max_tokens,
-                        body={"method": method, "launch_loop": config.launch_loop},
+                        body={"method": method, "launch_loop": config.launch_loop, **sampling},
                         label=label,
                     )
                     result = run_load(load, batch)
@@ -153,6 +159,7 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
                             "p50_ms": s["p50_ms"] or 0.0,
                             "p99_ms": s["p99_ms"] or 0.0,
                             "ttft_p50_ms": s["ttft_p50_ms"],
+                            "temperature": float(config.temperature),
                             "load_1m": _load_1m(),
                             "checkpoint": config.checkpoint,
                         }

@@ -41,6 +41,7 @@ class LoadConfig:
     seed: int = 0  # open-loop arrival times
     body: dict[str, Any] = field(default_factory=dict)  # extra request fields (method, task, launch_loop, ...)
     label: str = "load"  # the ``run`` column
+    api_key: str | None = field(default=None, repr=False)  # sent as ``Authorization: Bearer <key>``; None: none
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -131,7 +132,8 @@ async def _run(config: LoadConfig, prompts: list[str | list[int]]) -> LoadResult
     timeout = aiohttp.ClientTimeout(total=config.time_limit_s)
     connector = aiohttp.TCPConnector(limit=config.concurrency)
     url = config.url.rstrip("/") + "/v1/completions"
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
         start = time.perf_counter()
         deadline = start + config.time_limit_s
 
@@ -149,6 +151,8 @@ async def _run(config: LoadConfig, prompts: list[str | list[int]]) -> LoadResult
                     "max_tokens": config.max_tokens,
                     "stream": config.stream,
                 }
+                if config.stream:
+                    body["stream_options"] = {"include_usage": True}  # the token counts come in the last chunk
                 scheduled = planned[i] if config.rate is not None else None  # closed loop: from the send
                 rows[i] = await _send(session, url, body, start, scheduled, deadline)
                 rows[i].update(run=config.label, request=i, prompt=prompt_index)
@@ -216,7 +220,7 @@ def _absorb(row: dict[str, Any], answer: dict[str, Any]) -> None:
         row["text"] = (row.get("text") or "") + c.get("text", "")
         if c.get("finish_reason"):
             row["finish_reason"] = c["finish_reason"]
-    if "usage" in answer:
+    if answer.get("usage"):
         row["prompt_tokens"] = answer["usage"]["prompt_tokens"]
         row["completion_tokens"] = answer["usage"]["completion_tokens"]
     if "speed" in answer:

@@ -1,52 +1,156 @@
-"""The HTTP protocol: OpenAI-style completion requests (validated, unknown fields rejected) and answers.
+"""The HTTP protocol: OpenAI-style completion and chat requests (validated, unknown fields rejected) and errors.
 
-``POST /v1/completions`` takes OpenAI's completion fields that make sense for
-greedy decoding plus SPEED's own (``method``, ``launch_loop``,
-``invalidation``, ``task``); every answer carries a ``speed`` object with the
-decoder's statistics. Errors follow OpenAI's shape:
+``POST /v1/completions`` takes OpenAI's completion fields: ``prompt``,
+``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``n``, ``stop``,
+``logprobs``, ``echo``, ``stream`` with ``stream_options.include_usage``,
+``presence_penalty``, ``frequency_penalty``, ``user``, ``model``; vLLM's
+``top_k``; and SPEED's own (``method``, ``launch_loop``, ``invalidation``,
+``task``). ``POST /v1/chat/completions`` takes the same decoding fields with
+``messages``: the last user message is the source text, under the request's
+``task`` or the deployment's. A field OpenAI defines that this server does not
+implement (``best_of``, ``suffix``, ``logit_bias``, tools, ...) is a 400 saying
+it is not supported; any other unknown field is a 400 too. Every answer carries
+a ``speed`` object with the decoder's statistics. Errors follow OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
+
+Choice ``i`` of a request (prompt-major: prompt ``p``'s ``n`` choices are
+``p*n .. p*n+n-1``) samples with ``speed.sampling.choice_seed(seed, i)``; a
+request without ``seed`` gets a random one, returned in ``speed.seed`` and in
+the statistics rows, so every sampled answer can be reproduced. The answers'
+shapes are ``speed.serve.responses``; their text, ``speed.serve.text``.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 PROMPT_SHAPES = "a non-empty string, a list of strings, a list of token ids, or a list of token-id lists"
+MAX_N = 16  # choices per prompt
+MAX_STOP = 4  # stop strings per request (OpenAI's bound)
+MAX_COMPLETION_LOGPROBS = 5  # completions' ``logprobs`` (OpenAI's bound)
+MAX_CHAT_LOGPROBS = 20  # chat's ``top_logprobs`` (OpenAI's bound)
+
+# Fields OpenAI defines that this server does not implement: a 400 naming them, not "unknown field".
+NOT_SUPPORTED = {
+    "best_of": "every choice is returned; ask for n choices instead",
+    "suffix": "a seq2seq decoder completes no text after a suffix",
+    "logit_bias": "per-token biases are not applied",
+}
+CHAT_NOT_SUPPORTED = NOT_SUPPORTED | {
+    name: "this server answers text only"
+    for name in (
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "response_format",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+    )
+}
+
+_TEXT = {"type": "string", "pattern": r"\S"}  # what ``_has_text`` accepts (Python's \S, as the check uses)
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = {
+    "anyOf": [
+        _TEXT,
+        {"type": "array", "items": _TEXT, "minItems": 1},
+        _IDS,
+        {"type": "array", "items": _IDS, "minItems": 1},
+    ]
+}
 
 
-class CompletionRequest(BaseModel):
-    """A completion request; fields left out take the deployment's defaults (``ServeSettings``)."""
+Stop = Annotated[str, Field(min_length=1)]  # a stop string
+
+
+def _has_text(value: str) -> bool:
+    return re.search(r"\S", value) is not None
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    include_usage: bool = False  # a last chunk with empty choices and the usage
+
+
+class _Decoding(BaseModel):
+    """The decoding fields both surfaces share; fields left out take the deployment's defaults (``ServeSettings``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    not_supported: ClassVar[dict[str, str]] = NOT_SUPPORTED
+
     model: str | None = None  # must name the served model when given
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | int | None = None  # greedy only: 0 (or left out)
-    n: int = 1
+    temperature: float | None = Field(default=None, ge=0, le=2)  # 0 (the default): greedy
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, lt=2**31)  # vLLM's extension; 0 or -1: off
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None  # accepted for OpenAI clients, not used
     method: Literal["speed", "sequential"] | None = None
     launch_loop: int | None = Field(default=None, ge=1)
     invalidation: Literal["eager", "final"] | None = None
     task: str | None = None  # a speed.data.tasks name whose prefix goes before each text prompt
 
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in cls.not_supported.items():
+                if name in data:
+                    raise PydanticCustomError(
+                        "not_supported", "{field}: not supported by this server ({why})", {"field": name, "why": why}
+                    )
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Decoding:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options applies to streamed answers only: set stream to true or leave it out")
+        return self
+
+    def stops(self) -> list[str]:
+        """The stop strings as a list (empty: none)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Decoding):
+    """A ``/v1/completions`` request."""
+
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # top alternatives per token
+    echo: bool = False  # the prompt's text before each choice's text
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
         if isinstance(value, str):
-            if not value.strip():
+            if not _has_text(value):
                 raise ValueError("prompt is empty: send the text to complete")
             return value
         if not isinstance(value, list) or not value:
             raise ValueError(f"prompt must be {PROMPT_SHAPES}")
         if all(isinstance(p, str) for p in value):
-            empty = next((i for i, p in enumerate(value) if not p.strip()), None)
+            empty = next((i for i, p in enumerate(value) if not _has_text(p)), None)
             if empty is not None:
                 raise ValueError(f"prompt[{empty}] is empty: every prompt needs text")
             return value
@@ -59,19 +163,11 @@ class CompletionRequest(BaseModel):
             return value
         raise ValueError(f"prompt must be {PROMPT_SHAPES}, not a mixture")
 
-    @field_validator("temperature")
-    @classmethod
-    def _greedy(cls, value: float | int | None) -> float | int | None:
-        if value is not None and value != 0:
-            raise ValueError(f"this server decodes greedily only: temperature must be 0 or left out, got {value}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"greedy decoding has one answer per prompt: n must be 1, got {value}")
-        return value
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported: an encoder's prompt has no log-probabilities")
+        return self
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list: texts or token-id lists."""
@@ -82,15 +178,88 @@ class CompletionRequest(BaseModel):
             return [p]  # type: ignore[list-item]
         return p  # type: ignore[return-value]
 
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
 
-_BRANCHES = {"str", "int", "float", "bool"}
+
+class TextPart(BaseModel):
+    """One part of a message's content list (text only)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+
+
+class ChatRequest(_Decoding):
+    """A ``/v1/chat/completions`` request: the last user message is the source text."""
+
+    not_supported: ClassVar[dict[str, str]] = CHAT_NOT_SUPPORTED
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("send max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if not any(m.role == "user" and _has_text(m.text()) for m in self.messages):
+            raise ValueError("messages hold no user message with text: the last one is the text to decode")
+        return self
+
+    def source(self) -> str:
+        """The text to decode: the last user message's."""
+        return next(m.text() for m in reversed(self.messages) if m.role == "user" and _has_text(m.text()))
+
+    @property
+    def requested_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
 
 def _is_id(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
+def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A model's JSON schema with its ``$defs`` inlined, to embed in the OpenAPI document."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def expand(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return expand(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: expand(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [expand(v) for v in node]
+        return node
+
+    return expand(schema)
+
+
 # ----- errors --------------------------------------------------------------------------------------
+
+_BRANCHES = {"str", "int", "float", "bool"}
+_BRANCH_PREFIXES = ("list[", "literal[", "function-", "constrained-")
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
@@ -98,121 +267,27 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def validation_message(error: ValidationError | list[dict[str, Any]]) -> tuple[str, str | None]:
+def validation_message(
+    error: ValidationError | list[dict[str, Any]], model: type[BaseModel] = CompletionRequest
+) -> tuple[str, str | None]:
     """One readable message (and the first offending field) from pydantic's or FastAPI's errors."""
     errors = error.errors() if isinstance(error, ValidationError) else error
     parts, first = [], None
-    allowed = ", ".join(CompletionRequest.model_fields)
+    allowed = ", ".join(model.model_fields)
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         # a union's branch names ("str", "list[int]") are noise next to the message
-        loc = [x for x in loc if x not in _BRANCHES and not x.startswith(("list[", "literal["))]
+        loc = [x for x in loc if x not in _BRANCHES and not x.startswith(_BRANCH_PREFIXES)]
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        if e.get("type") == "not_supported":
+            first = first or e["ctx"]["field"]
+            parts.append(msg)
+            continue
         where = ".".join(loc) or "body"
         first = first or where
-        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         if e.get("type") == "extra_forbidden":
-            msg = f"unknown field; the fields are: {allowed}"
+            msg = f"unknown field; the fields are: {allowed}" if len(loc) == 1 else "unknown field"
         elif e.get("type") == "json_invalid":
             msg = "the body is not valid JSON"
         parts.append(f"{where}: {msg}")
     return "; ".join(dict.fromkeys(parts)), first
-
-
-# ----- answers -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Choice:
-    """One decoded prompt, ready to answer."""
-
-    index: int
-    text: str
-    finish_reason: str  # "stop" or "length"
-    prompt_tokens: int
-    completion_tokens: int
-    speed: dict[str, Any]  # the decoder's statistics of this prompt
-
-
-def usage(choices: list[Choice]) -> dict[str, int]:
-    """OpenAI's token counts."""
-    prompt = sum(c.prompt_tokens for c in choices)
-    completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def speed_object(replica: str, settings: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
-    """The ``speed`` object of an answer: who decoded it, how, and each prompt's statistics."""
-    return {"replica": replica, **settings, "choices": [c.speed for c in sorted(choices, key=lambda c: c.index)]}
-
-
-def completion_body(
-    request_id: str, created: int, model: str, choices: list[Choice], speed: dict[str, Any]
-) -> dict[str, Any]:
-    """A whole (non-streamed) completion answer."""
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"text": c.text, "index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
-            for c in sorted(choices, key=lambda c: c.index)
-        ],
-        "usage": usage(choices),
-        "speed": speed,
-    }
-
-
-def chunk(request_id: str, created: int, model: str, index: int, text: str, finish_reason: str | None) -> str:
-    """One server-sent event with a text delta of choice ``index``."""
-    body = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    return sse(body)
-
-
-def sse(body: dict[str, Any] | str) -> str:
-    """A server-sent event line: ``data: <json>`` (or a literal such as ``[DONE]``)."""
-    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
-
-
-DONE = sse("[DONE]")
-
-
-def now() -> int:
-    """OpenAI's ``created``: Unix seconds."""
-    return int(time.time())
-
-
-class TextStream:
-    """Incremental detokenisation: the text a new token adds to what was already sent.
-
-    SentencePiece joins pieces with context (a leading ``▁`` is a space except
-    at the start), so each delta is the difference of whole decodes; text that
-    is not yet a clean extension is held back until it is.
-    """
-
-    def __init__(self, decode: Any) -> None:
-        self._decode = decode
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def push(self, token: int) -> str:
-        """Add a token; return the new text to send (possibly empty)."""
-        self.tokens.append(token)
-        text = self._decode(self.tokens)
-        if text.endswith("\ufffd") or not text.startswith(self.sent):  # a split character, or a rewrite
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
-
-    def finish(self) -> str:
-        """Whatever the final decode adds beyond what was sent (after held-back text)."""
-        text = self._decode(self.tokens)
-        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
-        self.sent = text
-        return delta

@@ -4,19 +4,21 @@ Every engine call (``add``, ``step``, ``cancel``, rebuilding) runs on one
 worker thread, in submission order, so the event loop keeps answering HTTP
 while a step computes, and the engine is only ever touched by that thread.
 The stepping task runs while requests are active and sleeps otherwise.
-Committed tokens go to each request's queue as they come, for streaming.
+Committed tokens (``speed.engine.Commit``: token and log-probabilities) go to
+each request's queue as they come, for streaming, with the time they arrived.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from speed.engine import Engine, EngineConfig, Finished, Request
+from speed.engine import Commit, Engine, EngineConfig, Finished, Request
 from speed.serve.stats import ServeCounters
 
 log = logging.getLogger(__name__)
@@ -29,13 +31,19 @@ class Submission:
     request: Request
     meta: dict[str, Any] = field(default_factory=dict)  # the caller's own keys (request id, arrival, ...)
     id: int = -1  # the engine's id, set when the engine accepted it
-    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)  # None after the last token
+    tokens: asyncio.Queue[Commit | None] = field(default_factory=asyncio.Queue)  # None after the last token
     done: asyncio.Future[Finished] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    times: list[float] = field(default_factory=list)  # perf_counter when each committed token reached the runner
 
-    async def stream(self) -> AsyncIterator[int]:
+    async def stream(self) -> AsyncIterator[Commit]:
         """The committed tokens, in order, until the request finishes."""
-        while (token := await self.tokens.get()) is not None:
-            yield token
+        while (commit := await self.tokens.get()) is not None:
+            yield commit
+
+    @property
+    def gaps(self) -> list[float]:
+        """Seconds between consecutive committed tokens (inter-token latencies)."""
+        return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
 class EngineRunner:
@@ -91,14 +99,28 @@ class EngineRunner:
 
     async def submit(self, request: Request, meta: dict[str, Any] | None = None) -> Submission:
         """Queue a request (``ValueError`` from the engine says what is wrong with it)."""
+        (submission,) = await self.submit_all([request], [meta or {}])
+        return submission
+
+    async def submit_all(self, requests: list[Request], metas: list[dict[str, Any]]) -> list[Submission]:
+        """Queue several requests, all or none: when the engine refuses one (``ValueError``, its message
+        prefixed with the request's index when there are several), those already queued are removed
+        without a trace (no ``on_finished``)."""
         self._start()
         await self._open.wait()
-        submission = Submission(request, meta or {})
+        submissions = [Submission(r, m) for r, m in zip(requests, metas)]
         engine = self._engine
 
         def add() -> None:  # on the engine thread: registered before any step can commit its tokens
-            submission.id = engine.add(request)
-            self._pending[submission.id] = submission
+            for i, s in enumerate(submissions):
+                try:
+                    s.id = engine.add(s.request)
+                except ValueError as err:
+                    for added in submissions[:i]:
+                        engine.cancel(added.id)
+                        del self._pending[added.id]
+                    raise ValueError(f"[{i}]: {err}" if len(submissions) > 1 else str(err)) from None
+                self._pending[s.id] = s
 
         self._adding += 1
         try:
@@ -106,7 +128,7 @@ class EngineRunner:
         finally:
             self._adding -= 1
         self._wake.set()
-        return submission
+        return submissions
 
     def cancel_soon(self, request_id: int) -> None:
         """Cancel a request without waiting (safe inside ``finally`` of a cancelled task)."""
@@ -173,10 +195,12 @@ class EngineRunner:
             self.counters.add_step(result.rows)
             if self.on_step is not None:
                 self.on_step(result.rows, self._engine.active, self._engine.queued)
+            now = time.perf_counter()
             for commit in result.committed:
                 submission = self._pending.get(commit.id)
                 if submission is not None:
-                    submission.tokens.put_nowait(commit.token)
+                    submission.times.append(now)
+                    submission.tokens.put_nowait(commit)
             for finished in result.finished:
                 self._finish(finished)
 
@@ -184,8 +208,7 @@ class EngineRunner:
         submission = self._pending.pop(finished.id, None)
         if submission is None:
             return
-        s = finished.stats
-        self.counters.add_finished(s.tokens, s.flushes, s.wasted_rows, s.flip_rate, finished.cancelled)
+        self.counters.add_finished(finished.stats, len(submission.request.input_ids), finished.cancelled)
         if self.on_finished is not None:
             try:
                 self.on_finished(finished, submission)

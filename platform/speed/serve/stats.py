@@ -7,10 +7,18 @@ storage path, local or a URI that ``pyarrow.fs`` understands::
 
     <storage>/requests/<replica>-<n>.parquet    REQUEST_SCHEMA, one file per flushed row group
     <storage>/traces/<replica>-<n>.parquet      SERVE_TRACE_SCHEMA
+    <storage>/wal/<replica>-<n>.requests.arrows the rows of file n while it is buffered (local storage only)
+    <storage>/wal/<replica>-<n>.traces.arrows
 
 A flush writes each buffer as one new file (one row group), so files on object
 stores are never appended to and every file is readable while the replica
-runs. ``read_requests`` / ``read_traces`` read a storage path back.
+runs. On local storage every row is also appended to a write-ahead log (an
+Arrow IPC stream, one record batch per request, written through to the OS
+before the answer leaves the replica), so a replica killed hard (SIGKILL, a
+signal to its process group, an out-of-memory kill) loses no row it answered;
+a flush writes Parquet file ``n`` and then deletes log ``n``. ``read_requests``
+/ ``read_traces`` read a storage path back: the Parquet files and the logs no
+Parquet file replaces yet (a log's torn last record is dropped).
 The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
 ``BENCH_SERVE_SCHEMA`` rows.
 """
@@ -21,7 +29,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
@@ -30,8 +38,12 @@ import pyarrow.parquet as pq
 
 from speed.trace import TRACE_SCHEMA
 
+if TYPE_CHECKING:
+    from speed.engine import RequestStats
+
 REQUESTS_DIR = "requests"
 TRACES_DIR = "traces"
+WAL_DIR = "wal"  # write-ahead logs of the rows not yet in Parquet (local storage)
 
 REQUEST_SCHEMA = pa.schema(
     [
@@ -45,19 +57,34 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
         pa.field("launch_loop", pa.int16(), nullable=False),
         pa.field("invalidation", pa.string(), nullable=False),  # "eager" or "final"
+        pa.field("route", pa.string(), nullable=False),  # "completions" or "chat"
+        pa.field("prompt", pa.int32(), nullable=False),  # index of its prompt (a prompt's n choices share it)
+        pa.field("temperature", pa.float64(), nullable=False),  # 0: greedy
+        pa.field("top_p", pa.float64(), nullable=False),
+        pa.field("top_k", pa.int32(), nullable=False),  # 0: off
+        pa.field("seed", pa.int64(), nullable=False),  # this choice's seed (speed.sampling.choice_seed)
+        pa.field("presence_penalty", pa.float64(), nullable=False),
+        pa.field("frequency_penalty", pa.float64(), nullable=False),
         pa.field("stream", pa.bool_(), nullable=False),  # answered as server-sent events
         pa.field("max_tokens", pa.int32(), nullable=False),
         pa.field("prompt_tokens", pa.int32(), nullable=False),  # encoder tokens, task prefix and EOS included
         pa.field("completion_tokens", pa.int32(), nullable=False),  # decoded tokens, EOS included when produced
-        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS), "length" or "cancelled"
+        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS, stop string), "length", "cancelled"
         pa.field("steps", pa.int32(), nullable=False),  # engine steps that computed one of its rows
         pa.field("rows", pa.int64(), nullable=False),  # its rows (token-loops) computed
         pa.field("flushes", pa.int32(), nullable=False),  # misprediction flushes
         pa.field("wasted_rows", pa.int64(), nullable=False),  # rows of flushed, past-EOS or cancelled tokens
         pa.field("flip_rate", pa.list_(pa.float64()), nullable=False),  # per loop, vs the final token; [] if unknown
+        # speculation as vLLM counts it (speed.engine.RequestStats): drafts, draft tokens, accepted ones
+        pa.field("drafts", pa.int32(), nullable=False),
+        pa.field("draft_tokens", pa.int32(), nullable=False),
+        pa.field("accepted_tokens", pa.int32(), nullable=False),
+        pa.field("accepted_per_pos", pa.list_(pa.int32()), nullable=False),  # by draft position 1..M-1
+        pa.field("draft_tokens_per_pos", pa.list_(pa.int32()), nullable=False),
         pa.field("queued_ms", pa.float64(), nullable=False),  # engine queue, until it got a slot
         pa.field("ttft_ms", pa.float64()),  # until its first token was committed; null if none
         pa.field("latency_ms", pa.float64(), nullable=False),  # engine: from add to finish
+        pa.field("itl_ms", pa.float64()),  # mean time between its committed tokens; null under two tokens
         pa.field("total_ms", pa.float64(), nullable=False),  # replica: from arrival to the last byte's hand-off
         pa.field("max_active", pa.int32(), nullable=False),  # the engine's capacity when it ran
         pa.field("row_budget", pa.int32()),  # the engine's rows per step; null: unlimited
@@ -112,6 +139,7 @@ BENCH_SERVE_SCHEMA = pa.schema(
         pa.field("p50_ms", pa.float64(), nullable=False),
         pa.field("p99_ms", pa.float64(), nullable=False),
         pa.field("ttft_p50_ms", pa.float64()),
+        pa.field("temperature", pa.float64(), nullable=False),  # of every request (seeded per prompt)
         pa.field("load_1m", pa.float64(), nullable=False),  # the machine's 1-minute load average after the run
         pa.field("checkpoint", pa.string(), nullable=False),
     ]
@@ -128,30 +156,92 @@ def file_tag(replica: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", replica) or "replica"
 
 
+def _read_log(path: str) -> list[pa.RecordBatch]:
+    """The complete record batches of a write-ahead log; a torn tail (a writer killed mid-record) is dropped."""
+    batches: list[pa.RecordBatch] = []
+    with pa.OSFile(path) as f:  # FileNotFoundError: compacted since it was listed
+        try:
+            reader = pa.ipc.open_stream(f)
+            while True:
+                batches.append(reader.read_next_batch())
+        except StopIteration:
+            pass
+        except (pa.ArrowInvalid, OSError):  # the last record (or the schema) was cut short
+            pass
+    return batches
+
+
 def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
     fs, root = storage_filesystem(storage)
-    path = f"{root.rstrip('/')}/{folder}"
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return schema.empty_table()
-    return pads.dataset(path, schema=schema, format="parquet", filesystem=fs).to_table()
+    root = root.rstrip("/")
+    path, wal, suffix = f"{root}/{folder}", f"{root}/{WAL_DIR}", f".{folder}.arrows"
+    for _ in range(3):
+        logs = []  # listed first: a log compacted after this listing has its Parquet file in the one below
+        if isinstance(fs, pafs.LocalFileSystem) and fs.get_file_info(wal).type == pafs.FileType.Directory:
+            logs = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(wal)) if i.path.endswith(suffix))
+        table, written = schema.empty_table(), set()
+        if fs.get_file_info(path).type != pafs.FileType.NotFound:
+            dataset = pads.dataset(path, schema=schema, format="parquet", filesystem=fs)
+            table, written = dataset.to_table(), {Path(f).name for f in dataset.files}
+        try:
+            logged = [
+                batch
+                for log in logs
+                if Path(log).name.removesuffix(suffix) + ".parquet" not in written
+                for batch in _read_log(log)
+            ]
+        except FileNotFoundError:  # compacted between the two listings: list again
+            continue
+        return pa.concat_tables([table, pa.Table.from_batches(logged, schema)]) if logged else table
+    raise RuntimeError(f"{storage}: the statistics kept changing while they were read")
 
 
 def read_requests(storage: str) -> pa.Table:
-    """Every request row written under ``storage`` (``REQUEST_SCHEMA``); empty if none yet."""
+    """Every request row written under ``storage`` (``REQUEST_SCHEMA``), logged rows included; empty if none."""
     return _read(storage, REQUESTS_DIR, REQUEST_SCHEMA)
 
 
 def read_traces(storage: str) -> pa.Table:
-    """Every trace row written under ``storage`` (``SERVE_TRACE_SCHEMA``); empty if none yet."""
+    """Every trace row written under ``storage`` (``SERVE_TRACE_SCHEMA``), logged rows included; empty if none."""
     return _read(storage, TRACES_DIR, SERVE_TRACE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """Buffered rows swapped out of a sink, to be written as Parquet file ``number``."""
+
+    requests: pa.Table
+    traces: pa.Table
+    number: int
+
+
+class _Log:
+    """One append-only Arrow IPC stream; every record goes to the OS as it is written (no user-space buffer)."""
+
+    def __init__(self, path: str, schema: pa.Schema) -> None:
+        self.path = path
+        self._file = pa.OSFile(path, "wb")
+        self._writer = pa.ipc.new_stream(self._file, schema)
+
+    def append(self, data: pa.RecordBatch | pa.Table) -> None:
+        if isinstance(data, pa.Table):
+            self._writer.write_table(data)
+        else:
+            self._writer.write_batch(data)
+
+    def close(self) -> None:
+        self._writer.close()
+        self._file.close()
 
 
 class StatsSink:
     """Buffers request and trace rows of one replica; writes them as Parquet on a size or time bound.
 
-    ``add`` never writes; the owner calls ``flush`` when ``due()`` (and on
-    shutdown), possibly from another thread: ``take`` swaps the buffers out
-    first, so rows added during a write go into the next file.
+    ``add`` never writes Parquet (on local storage it appends the rows to the
+    write-ahead log of the current file); the owner calls ``flush`` when
+    ``due()`` (and on shutdown), or ``take`` and then ``write`` from another
+    thread: ``take`` swaps the buffers out first, so rows added during a
+    write go into the next file. ``durable`` says whether rows are logged.
     """
 
     def __init__(self, storage: str, replica: str, max_rows: int = 256, max_seconds: float = 30.0) -> None:
@@ -161,11 +251,13 @@ class StatsSink:
         self.root = root.rstrip("/")
         self.tag = file_tag(replica)
         self.max_rows, self.max_seconds = max_rows, max_seconds
+        self.durable = isinstance(self.fs, pafs.LocalFileSystem)  # object stores cannot append
         self._requests: list[dict[str, Any]] = []
         self._traces: list[pa.Table] = []
         self._since = time.monotonic()
-        self._files = 0
-        for folder in (REQUESTS_DIR, TRACES_DIR):
+        self._files = 1  # the number of the file the buffered rows will be written as
+        self._logs: dict[str, _Log] = {}
+        for folder in (REQUESTS_DIR, TRACES_DIR) + ((WAL_DIR,) if self.durable else ()):
             self.fs.create_dir(f"{self.root}/{folder}", recursive=True)
 
     @property
@@ -174,12 +266,17 @@ class StatsSink:
         return len(self._requests)
 
     def add(self, request: dict[str, Any], trace: pa.Table | None) -> None:
-        """Buffer one request row (``REQUEST_SCHEMA`` keys) and its trace rows (``SERVE_TRACE_SCHEMA``)."""
+        """Buffer (and log) one request row (``REQUEST_SCHEMA`` keys) and its trace rows (``SERVE_TRACE_SCHEMA``)."""
         if not self._requests:
             self._since = time.monotonic()
-        self._requests.append(request)
         if trace is not None and trace.num_rows:
-            self._traces.append(trace.select(SERVE_TRACE_SCHEMA.names).cast(SERVE_TRACE_SCHEMA))
+            trace = trace.select(SERVE_TRACE_SCHEMA.names).cast(SERVE_TRACE_SCHEMA)
+            if self.durable:  # logged before the request row, which closes the request
+                self._log(TRACES_DIR, SERVE_TRACE_SCHEMA).append(trace)
+            self._traces.append(trace)
+        if self.durable:
+            self._log(REQUESTS_DIR, REQUEST_SCHEMA).append(pa.RecordBatch.from_pylist([request], REQUEST_SCHEMA))
+        self._requests.append(request)
 
     def due(self) -> bool:
         """Whether the buffer reached ``max_rows`` or holds rows older than ``max_seconds``."""
@@ -187,31 +284,49 @@ class StatsSink:
             len(self._requests) >= self.max_rows or time.monotonic() - self._since >= self.max_seconds
         )
 
-    def take(self) -> tuple[pa.Table, pa.Table] | None:
-        """Swap the buffers out as (requests, traces) tables; None when empty."""
+    def take(self) -> Taken | None:
+        """Swap the buffers out (and close their logs); None when empty."""
         if not self._requests:
             return None
         requests = pa.Table.from_pylist(self._requests, schema=REQUEST_SCHEMA)
         traces = pa.concat_tables(self._traces) if self._traces else SERVE_TRACE_SCHEMA.empty_table()
-        self._requests, self._traces = [], []
-        return requests, traces
-
-    def write(self, tables: tuple[pa.Table, pa.Table]) -> None:
-        """Write taken tables as one new file each (a single row group)."""
+        for log in self._logs.values():
+            log.close()
+        taken = Taken(requests, traces, self._files)
+        self._requests, self._traces, self._logs = [], [], {}
         self._files += 1
-        name = f"{self.tag}-{self._files:06d}.parquet"
-        requests, traces = tables
-        pq.write_table(requests, f"{self.root}/{REQUESTS_DIR}/{name}", filesystem=self.fs, row_group_size=None)
-        if traces.num_rows:
-            pq.write_table(traces, f"{self.root}/{TRACES_DIR}/{name}", filesystem=self.fs, row_group_size=None)
+        return taken
+
+    def write(self, taken: Taken) -> None:
+        """Write taken rows as one new Parquet file each (a single row group), then delete their logs."""
+        name = f"{self.tag}-{taken.number:06d}"
+        for folder, table in ((TRACES_DIR, taken.traces), (REQUESTS_DIR, taken.requests)):
+            if not table.num_rows:
+                continue
+            final = f"{self.root}/{folder}/{name}.parquet"
+            if not self.durable:  # an object store's upload appears whole
+                pq.write_table(table, final, filesystem=self.fs, row_group_size=None)
+                continue
+            partial = f"{self.root}/{folder}/.{name}.parquet"  # readers skip dot files
+            pq.write_table(table, partial, filesystem=self.fs, row_group_size=None)
+            self.fs.move(partial, final)
+            self.fs.delete_file(self._log_path(name, folder))
 
     def flush(self) -> int:
         """Write whatever is buffered now; returns the request rows written."""
-        tables = self.take()
-        if tables is None:
+        taken = self.take()
+        if taken is None:
             return 0
-        self.write(tables)
-        return tables[0].num_rows
+        self.write(taken)
+        return taken.requests.num_rows
+
+    def _log_path(self, name: str, folder: str) -> str:
+        return f"{self.root}/{WAL_DIR}/{name}.{folder}.arrows"
+
+    def _log(self, folder: str, schema: pa.Schema) -> _Log:
+        if folder not in self._logs:
+            self._logs[folder] = _Log(self._log_path(f"{self.tag}-{self._files:06d}", folder), schema)
+        return self._logs[folder]
 
 
 @dataclass
@@ -230,6 +345,12 @@ class ServeCounters:
     max_rows_per_step: int = 0
     flips: list[float] = field(default_factory=list)  # per loop: tokens whose early exit differed from the final
     flip_tokens: int = 0  # committed tokens of requests with known flip rates (the flip-rate denominator)
+    prompt_tokens: int = 0  # encoder tokens of the prompts that left the engine
+    drafts: int = 0  # speculation, vLLM's counters (speed.engine.RequestStats)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_tokens_per_pos: list[int] = field(default_factory=list)
 
     def add_step(self, rows: int) -> None:
         """Count one engine step of ``rows`` rows (steps without rows are not counted)."""
@@ -238,15 +359,20 @@ class ServeCounters:
             self.rows += rows
             self.max_rows_per_step = max(self.max_rows_per_step, rows)
 
-    def add_finished(
-        self, tokens: int, flushes: int, wasted_rows: int, flip_rate: list[float], cancelled: bool
-    ) -> None:
+    def add_finished(self, stats: RequestStats, prompt_tokens: int, cancelled: bool) -> None:
         """Count one prompt that left the engine."""
+        tokens, flip_rate = stats.tokens, stats.flip_rate
+        self.prompt_tokens += prompt_tokens
+        self.drafts += stats.drafts
+        self.draft_tokens += stats.draft_tokens
+        self.accepted_tokens += stats.accepted_tokens
+        _add(self.accepted_per_pos, stats.accepted_per_pos)
+        _add(self.draft_tokens_per_pos, stats.draft_tokens_per_pos)
         self.cancelled += cancelled
         self.finished += not cancelled
         self.tokens += tokens
-        self.flushes += flushes
-        self.wasted_rows += wasted_rows
+        self.flushes += stats.flushes
+        self.wasted_rows += stats.wasted_rows
         if flip_rate and tokens:
             if len(self.flips) < len(flip_rate):
                 self.flips += [0.0] * (len(flip_rate) - len(self.flips))
@@ -269,6 +395,35 @@ class ServeCounters:
             "rows_per_step": self.rows / self.steps if self.steps else 0.0,
             "max_rows_per_step": self.max_rows_per_step,
             "flip_rate": [f / self.flip_tokens for f in self.flips] if self.flip_tokens else [],
+            "prompt_tokens": self.prompt_tokens,
+            "spec_decode": spec_decode(
+                self.drafts, self.draft_tokens, self.accepted_tokens, self.accepted_per_pos, self.draft_tokens_per_pos
+            ),
             "active": active,
             "queue_depth": queued,
         }
+
+
+def spec_decode(
+    drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int], draft_tokens_per_pos: list[int]
+) -> dict[str, Any]:
+    """Speculation in vLLM's terms: its counters, acceptance rate (accepted / draft tokens), mean acceptance
+    length (1 + accepted / drafts: tokens per speculative chain, the committed-path token included) and the
+    acceptance rate per draft position (accepted / draft tokens there; None where none was launched)."""
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": list(accepted_per_pos),
+        "num_draft_tokens_per_pos": list(draft_tokens_per_pos),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "acceptance_rate_per_pos": [a / d if d else None for a, d in zip(accepted_per_pos, draft_tokens_per_pos)],
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def _add(total: list[int], counts: list[int]) -> None:
+    """Add ``counts`` into ``total`` element-wise, growing it as needed."""
+    total += [0] * (len(counts) - len(total))
+    for i, n in enumerate(counts):
+        total[i] += n

@@ -1,0 +1,89 @@
+"""What a request body must pass before any work is done on it: its size, its JSON, its text, its prompt count.
+
+``read_body`` stops reading at ``max_bytes`` (a 413, also when the client sent
+no Content-Length); ``parse_body`` turns every malformed body into a
+``BadRequest`` that says what is wrong (not JSON, not UTF-8, nested too deeply
+for the parser, an integer too long to convert, a string that holds a lone
+UTF-16 surrogate, which is not text) and caps the prompts of one request,
+like OpenAI's prompt array, before a prompt is validated or tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from starlette.requests import Request as StarletteRequest
+
+
+class BadRequest(Exception):
+    """A request the server cannot decode as asked: answered ``status`` (400) with ``message``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # only escapes (\\ud800) make these; UTF-8 cannot hold them
+
+
+async def read_body(http: StarletteRequest, max_bytes: int) -> bytes:
+    """The raw body, read no further than ``max_bytes`` (a 413 beyond, before reading it when the size is sent)."""
+    too_large = f"the body is larger than this server accepts ({max_bytes} bytes): send fewer or shorter prompts"
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BadRequest(too_large, status=413)
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BadRequest(too_large, status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_body(raw: bytes, max_prompts: int) -> dict[str, Any]:
+    """The body as a JSON object of clean text holding at most ``max_prompts`` prompts, else a ``BadRequest``."""
+    example = 'send a JSON object like {"prompt": "..."}'
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"the body is not valid UTF-8 ({err}); {example}") from None
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"the body is not valid JSON ({err}); {example}") from None
+    except RecursionError:
+        raise BadRequest(f"the body nests arrays or objects too deeply to parse; {example}") from None
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise BadRequest(f"the body holds a number this server cannot read ({err})") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object with a prompt, got {type(data).__name__}")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise BadRequest(f"{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): not text", where)
+    prompt = data.get("prompt")
+    count = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+    if count > max_prompts:
+        raise BadRequest(
+            f"prompt holds {count} prompts; this server takes at most {max_prompts} per request: split them",
+            "prompt",
+        )
+    return data
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The path (``prompt[2]``) of the first string, key or value, holding a lone surrogate; None if there is none."""
+    stack: list[tuple[str, Any]] = [("body", data)]
+    while stack:  # iterative: the parser already bounded the depth, but not to Python's recursion limit
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not key.isascii() and _SURROGATE.search(key):
+                    return f"{where} key"
+                stack.append((key if where == "body" else f"{where}.{key}", item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None

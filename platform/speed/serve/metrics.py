@@ -1,0 +1,107 @@
+"""A replica's Prometheus metrics (Ray's export), under vLLM's names with a ``speed_`` prefix, beside SPEED's own.
+
+vLLM's: ``speed_time_to_first_token_seconds``, ``speed_inter_token_latency_seconds``,
+``speed_e2e_request_latency_seconds``, ``speed_request_queue_time_seconds``
+(histograms, seconds); ``speed_num_requests_running``, ``speed_num_requests_waiting``
+(gauges); ``speed_prompt_tokens``, ``speed_generation_tokens`` and the speculative
+decoding counters ``speed_spec_decode_num_drafts``, ``speed_spec_decode_num_draft_tokens``,
+``speed_spec_decode_num_accepted_tokens``, ``speed_spec_decode_num_accepted_tokens_per_pos``
+(tag ``position``, 1..M-1) as ``speed.engine.RequestStats`` defines them, and beside them
+``speed_spec_decode_num_draft_tokens_per_pos`` (a flush may relaunch at any position, so the
+acceptance rate at a position is accepted over draft tokens there)
+(acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts).
+SPEED's own: ``speed_requests`` (tags method, finish_reason), ``speed_flushes``,
+``speed_flipped_tokens`` (tag ``loop``: committed tokens whose exit there differed;
+over ``speed_generation_tokens`` it is the flip rate per loop) and the histogram
+``speed_rows_per_step``. Ray's exporter puts its ``ray_`` namespace before every name and
+``_total`` after a counter's (``ray_speed_spec_decode_num_drafts_total``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+class ServeMetrics:
+    """Counters, histograms and gauges of one replica; ``metrics`` is ``ray.serve.metrics`` (or a stand-in)."""
+
+    def __init__(self, metrics: Any = None) -> None:
+        if metrics is None:
+            from ray.serve import metrics
+        m, by = metrics, ("method",)
+        self.requests = m.Counter(
+            "speed_requests", "Choices that left the engine", tag_keys=("method", "finish_reason")
+        )
+        self.prompt_tokens = m.Counter("speed_prompt_tokens", "Prompt (encoder) tokens", tag_keys=by)
+        self.generation_tokens = m.Counter("speed_generation_tokens", "Committed tokens", tag_keys=by)
+        self.flushes = m.Counter("speed_flushes", "Misprediction flushes", tag_keys=by)
+        self.flipped = m.Counter(
+            "speed_flipped_tokens", "Committed tokens whose early exit at a loop differed", tag_keys=("method", "loop")
+        )
+        self.drafts = m.Counter("speed_spec_decode_num_drafts", "Speculative chains started", tag_keys=by)
+        self.draft_tokens = m.Counter(
+            "speed_spec_decode_num_draft_tokens", "Tokens launched speculatively", tag_keys=by
+        )
+        self.accepted = m.Counter(
+            "speed_spec_decode_num_accepted_tokens", "Speculative tokens committed unchanged", tag_keys=by
+        )
+        self.accepted_per_pos = m.Counter(
+            "speed_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted speculative tokens by draft position",
+            tag_keys=("method", "position"),
+        )
+        self.draft_tokens_per_pos = m.Counter(
+            "speed_spec_decode_num_draft_tokens_per_pos",
+            "Speculative tokens by draft position",
+            tag_keys=("method", "position"),
+        )
+        self.ttft = m.Histogram("speed_time_to_first_token_seconds", "Time to first token", SECONDS, tag_keys=by)
+        self.itl = m.Histogram("speed_inter_token_latency_seconds", "Time between tokens", ITL_SECONDS, tag_keys=by)
+        self.e2e = m.Histogram("speed_e2e_request_latency_seconds", "Arrival to last token", SECONDS, tag_keys=by)
+        self.queue = m.Histogram("speed_request_queue_time_seconds", "Waiting for an engine slot", SECONDS, tag_keys=by)
+        self.rows = m.Histogram("speed_rows_per_step", "Rows computed per engine step", ROWS)
+        self.running = m.Gauge("speed_num_requests_running", "Requests holding an engine slot")
+        self.waiting = m.Gauge("speed_num_requests_waiting", "Requests waiting for an engine slot")
+
+    def step(self, rows: int, active: int, queued: int) -> None:
+        """After an engine step."""
+        if rows:
+            self.rows.observe(rows)
+        self.running.set(active)
+        self.waiting.set(queued)
+
+    def finished(self, row: dict[str, Any], gaps: list[float]) -> None:
+        """A choice left the engine: its ``REQUEST_SCHEMA`` row and its inter-token gaps (seconds)."""
+        tags = {"method": row["method"]}
+        self.requests.inc(tags={**tags, "finish_reason": row["finish_reason"]})
+        for counter, value in (
+            (self.prompt_tokens, row["prompt_tokens"]),
+            (self.generation_tokens, row["completion_tokens"]),
+            (self.flushes, row["flushes"]),
+            (self.drafts, row["drafts"]),
+            (self.draft_tokens, row["draft_tokens"]),
+            (self.accepted, row["accepted_tokens"]),
+        ):
+            if value:
+                counter.inc(value, tags=tags)
+        for counter, counts in (
+            (self.accepted_per_pos, row["accepted_per_pos"]),
+            (self.draft_tokens_per_pos, row["draft_tokens_per_pos"]),
+        ):
+            for pos, n in enumerate(counts, start=1):
+                if n:
+                    counter.inc(n, tags={**tags, "position": str(pos)})
+        for loop, rate in enumerate(row["flip_rate"], start=1):
+            flipped = round(rate * row["completion_tokens"])
+            if flipped:
+                self.flipped.inc(flipped, tags={**tags, "loop": str(loop)})
+        if row["ttft_ms"] is not None:
+            self.ttft.observe(row["ttft_ms"] / 1e3, tags=tags)
+        for gap in gaps:
+            self.itl.observe(gap, tags=tags)
+        self.e2e.observe(row["total_ms"] / 1e3, tags=tags)
+        self.queue.observe(row["queued_ms"] / 1e3, tags=tags)

@@ -1,0 +1,105 @@
+"""From a validated request body to engine requests: defaults resolved, prompts encoded, one request per choice.
+
+The body's shape is checked by ``speed.serve.protocol`` (pydantic); what
+depends on the model and capacity (prompt length, vocabulary, ``max_tokens``,
+``launch_loop``) and the sampling settings are checked once, by the engine's
+``add`` and ``speed.sampling.Sampling``: their ``ValueError`` is the 400's
+message. Only what neither can know is checked here: the model's name and the
+task.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from speed.data import get_task
+from speed.engine import Request
+from speed.sampling import Sampling, choice_seed
+from speed.serve.limits import BadRequest
+from speed.serve.protocol import ChatRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request resolved into one engine request per choice (prompt-major), and how to answer it."""
+
+    requests: list[Request]
+    prompts: list[int]  # per choice: its prompt's index
+    seeds: list[int]  # per choice: its sampling seed
+    echoes: list[str]  # per prompt: the text echoed before its choices' text ("" without echo)
+    task: str | None
+    seed: int  # the request's seed (given, or drawn for it)
+    stops: list[str]
+    logprobs: int | None  # top alternatives per token; None: no logprobs
+    include_usage: bool
+
+    def settings(self) -> dict[str, Any]:
+        """How it was decoded, for the answer's ``speed`` object."""
+        r = self.requests[0]
+        s = r.sampling
+        return {
+            "method": r.method,
+            "launch_loop": r.launch_loop,
+            "invalidation": r.invalidation,
+            "seed": self.seed,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+        }
+
+
+def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer: Any, model_name: str) -> Plan:
+    """Resolve ``body`` against the deployment's ``settings`` (``ServeSettings``) into engine requests."""
+    s = settings
+    if body.model is not None and body.model != model_name:
+        raise BadRequest(f"model {body.model!r} is not served here; this server serves {model_name!r}", "model", 404)
+    chat = isinstance(body, ChatRequest)
+    prompts = [body.source()] if chat else body.prompts()
+    texts = isinstance(prompts[0], str)
+    if body.task is not None and not texts:
+        raise BadRequest("task applies to text prompts only; token-id prompts are sent as they are", "task")
+    task = (body.task or s.task) if texts else None
+    try:
+        prefix = get_task(task).prefix if task else ""
+    except ValueError as err:
+        raise BadRequest(str(err), "task") from None
+    inputs = tokenizer.encode_batch([prefix + p for p in prompts]) if texts else [list(p) for p in prompts]
+    echo = not chat and body.echo
+    try:
+        echoes = [(p if texts else tokenizer.decode(p)) if echo else "" for p in prompts]
+    except ValueError as err:  # a token id the tokenizer does not know
+        raise BadRequest(f"prompt: {err}", "prompt") from None
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    max_tokens = (body.requested_tokens if chat else body.max_tokens) or s.max_tokens
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # vLLM: -1 (or 0) is off
+    logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
+    requests, prompt_of, seeds = [], [], []
+    for p, ids in enumerate(inputs):
+        for k in range(body.n):
+            index = p * body.n + k
+            try:
+                sampling = Sampling(
+                    temperature=body.temperature if body.temperature is not None else 0.0,
+                    top_k=top_k,
+                    top_p=body.top_p if body.top_p is not None else 1.0,
+                    seed=choice_seed(seed, index),
+                    presence_penalty=body.presence_penalty or 0.0,
+                    frequency_penalty=body.frequency_penalty or 0.0,
+                )
+            except ValueError as err:
+                raise BadRequest(str(err)) from None
+            request = Request(
+                ids,
+                max_tokens,
+                body.method or s.method,
+                body.launch_loop if body.launch_loop is not None else s.launch_loop,
+                body.invalidation or s.invalidation,
+                sampling=sampling,
+                logprobs=logprobs,
+            )
+            requests.append(request)
+            prompt_of.append(p)
+            seeds.append(sampling.seed)
+    return Plan(requests, prompt_of, seeds, echoes, task, seed, body.stops(), logprobs, body.include_usage)

@@ -1,0 +1,68 @@
+"""A replica's live settings (Serve's ``user_config``): capacity, row budget, request defaults, statistics and
+body limits; unknown keys are errors (``speed.config.from_dict``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from speed.data import get_task
+from speed.engine import EngineConfig
+from speed.paths import repo_root
+
+DEFAULT_STATS_PATH = str(repo_root() / "runs" / "serve")
+METHODS = ("speed", "sequential")
+INVALIDATIONS = ("eager", "final")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """A replica's live settings: Serve's ``user_config``, applied by ``reconfigure``; unknown keys are errors."""
+
+    max_active: int = 16  # engine capacity: requests decoded at once
+    max_source_len: int = 128  # longest prompt in tokens (task prefix and EOS included)
+    max_target_len: int = 128  # largest max_tokens
+    row_budget: int | None = None  # rows per engine step; None: every in-flight row
+    method: str = "speed"  # defaults for requests that leave them out
+    launch_loop: int = 1
+    invalidation: str = "eager"
+    task: str | None = None  # task prefix put before text prompts that name no task
+    max_tokens: int = 64
+    trace: bool = True  # per-request flip traces to Parquet
+    threads: int | None = None  # torch CPU threads of the replica; None: torch's choice
+    flush_rows: int = 256  # statistics: write a row group at this many requests ...
+    flush_s: float = 30.0  # ... or when the oldest buffered row is this old
+    max_prompts: int = 32  # prompts in one request (a longer prompt array is a 400)
+    max_body_bytes: int = 1 << 20  # request body size (a larger body is a 413, refused before it is read)
+
+    def __post_init__(self) -> None:
+        positive = ("max_active", "max_source_len", "max_target_len", "launch_loop", "max_tokens", "flush_rows")
+        for name in (*positive, "max_prompts", "max_body_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"ServeSettings.{name} must be an integer >= 1, got {value!r}")
+        for name in ("row_budget", "threads"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"ServeSettings.{name} must be an integer >= 1 or null, got {value!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"ServeSettings.method must be one of {METHODS}, got {self.method!r}")
+        if self.invalidation not in INVALIDATIONS:
+            raise ValueError(f"ServeSettings.invalidation must be one of {INVALIDATIONS}, got {self.invalidation!r}")
+        if self.task is not None:
+            get_task(self.task)
+        if self.max_tokens > self.max_target_len:
+            raise ValueError(f"ServeSettings.max_tokens {self.max_tokens} exceeds max_target_len {self.max_target_len}")
+        if type(self.trace) is not bool:
+            raise ValueError(f"ServeSettings.trace must be true or false, got {self.trace!r}")
+        if not isinstance(self.flush_s, (int, float)) or self.flush_s <= 0:
+            raise ValueError(f"ServeSettings.flush_s must be a positive number, got {self.flush_s!r}")
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's fixed capacity and budget."""
+        return EngineConfig(
+            max_active=self.max_active,
+            max_source_len=self.max_source_len,
+            max_target_len=self.max_target_len,
+            row_budget=self.row_budget,
+            trace=self.trace,
+        )

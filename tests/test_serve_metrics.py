@@ -1,0 +1,156 @@
+"""Speculation counted as vLLM counts it, from the engine to the replica's counters and Prometheus metrics.
+
+The engine defines (``speed.engine.RequestStats``): a draft token is a token
+launched from an early exit; its draft position is how many uncommitted tokens
+were ahead of it then; a draft is a launch at position 1; accepted tokens are
+draft tokens later committed. Oracle speculation (the final tokens known) is
+never wrong, sequential decoding never drafts, and every committed token is
+either accepted or on the committed path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speed import SpeedT5, generate, preset
+from speed.engine import Engine, EngineConfig, Request
+from speed.serve.metrics import ServeMetrics
+from speed.serve.stats import ServeCounters, spec_decode
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(3)
+    return SpeedT5(preset("tiny", pattern="2x4")).eval()
+
+
+def _first_finished(model, request):
+    engine = Engine(model, EngineConfig(max_active=1, max_source_len=16, max_target_len=32))
+    engine.add(request)
+    while True:
+        step = engine.step()
+        if step.finished:
+            return step.finished[0]
+
+
+IDS = [5, 17, 33, 9, 60, 2, 1]
+
+
+def test_oracle_speculation_accepts_every_draft_token(model):
+    final = generate(model, torch.tensor([IDS]), method="sequential", max_new_tokens=20).tokens[0]
+    f = _first_finished(model, Request(IDS, 20, "speed", launch_loop=1, oracle=final))
+    st = f.stats
+    assert f.tokens == final and st.flushes == 0
+    assert st.draft_tokens == st.accepted_tokens == len(final) - 1  # all but the first token were speculated
+    assert st.drafts == 1 and len(st.accepted_per_pos) == 3  # one chain, positions 1..M-1
+    assert sum(st.accepted_per_pos) == st.accepted_tokens and st.accepted_per_pos[0] >= 1
+    assert st.draft_tokens_per_pos == st.accepted_per_pos  # every draft token accepted, position by position
+
+
+def test_sequential_decoding_never_drafts(model):
+    st = _first_finished(model, Request(IDS, 20, "sequential")).stats
+    assert (st.drafts, st.draft_tokens, st.accepted_tokens, st.accepted_per_pos) == (0, 0, 0, [0, 0, 0])
+    assert st.draft_tokens_per_pos == [0, 0, 0]
+
+
+@pytest.mark.parametrize("launch_loop", [1, 2, 3])
+def test_counters_add_up_under_real_speculation(model, launch_loop):
+    f = _first_finished(model, Request(IDS, 24, "speed", launch_loop=launch_loop))
+    st = f.stats
+    assert st.accepted_tokens == sum(st.accepted_per_pos) <= st.draft_tokens == sum(st.draft_tokens_per_pos)
+    assert all(a <= d for a, d in zip(st.accepted_per_pos, st.draft_tokens_per_pos))
+    assert st.drafts == st.draft_tokens_per_pos[0]  # a draft: a launch at position 1
+    assert st.drafts <= st.draft_tokens and st.drafts >= 1
+    # each committed token was accepted or launched on the committed path, which starts a chain or ends one
+    assert st.tokens - st.accepted_tokens >= st.drafts - st.flushes
+    if launch_loop > 2:  # with 4 loops a token launched after 3 can have at most one token ahead of it
+        assert st.accepted_per_pos[1:] == st.draft_tokens_per_pos[1:] == [0, 0]
+
+
+def test_spec_decode_rates():
+    s = spec_decode(drafts=4, draft_tokens=10, accepted=6, accepted_per_pos=[4, 2, 0], draft_tokens_per_pos=[5, 4, 0])
+    assert (s["acceptance_rate"], s["mean_acceptance_length"]) == (0.6, 2.5)
+    assert s["acceptance_rate_per_pos"] == [0.8, 0.5, None]
+    none = spec_decode(0, 0, 0, [], [])
+    assert (none["acceptance_rate"], none["mean_acceptance_length"]) == (None, None)
+
+
+def test_replica_counters_sum_speculation(model):
+    c = ServeCounters()
+    for launch_loop in (1, 2):
+        c.add_finished(_first_finished(model, Request(IDS, 16, "speed", launch_loop=launch_loop)).stats, 7, False)
+    s = c.snapshot(0, 0)["spec_decode"]
+    assert s["num_accepted_tokens"] == sum(s["num_accepted_tokens_per_pos"]) and s["num_drafts"] >= 2
+    assert s["acceptance_rate"] == s["num_accepted_tokens"] / s["num_draft_tokens"]
+
+
+class _Recorder:
+    """A stand-in for ``ray.serve.metrics``: records every inc, observe and set by metric name."""
+
+    def __init__(self):
+        self.seen: dict[str, list] = {}
+
+    def _metric(self, name, *args, **kwargs):
+        seen = self.seen.setdefault(name, [])
+
+        class Metric:
+            def inc(self, value=1, tags=None):
+                seen.append((value, tags))
+
+            def observe(self, value, tags=None):
+                seen.append((value, tags))
+
+            def set(self, value, tags=None):
+                seen.append((value, tags))
+
+        return Metric()
+
+    Counter = Histogram = Gauge = _metric
+
+
+def test_prometheus_names_are_vllms_with_a_prefix_and_in_seconds():
+    rec = _Recorder()
+    metrics = ServeMetrics(rec)
+    row = {"method": "speed", "finish_reason": "stop", "prompt_tokens": 7, "completion_tokens": 10, "flushes": 1}
+    row |= {"drafts": 3, "draft_tokens": 8, "accepted_tokens": 6, "accepted_per_pos": [3, 2, 1]}
+    row |= {"draft_tokens_per_pos": [3, 3, 2]}
+    row |= {"flip_rate": [0.5, 0.1, 0.0], "ttft_ms": 40.0, "total_ms": 250.0, "queued_ms": 5.0}
+    metrics.finished(row, gaps=[0.02, 0.03])
+    metrics.step(rows=6, active=2, queued=1)
+    got = {name: [v for v, _ in seen] for name, seen in rec.seen.items() if seen}
+    assert got["speed_spec_decode_num_drafts"] == [3] and got["speed_spec_decode_num_draft_tokens"] == [8]
+    assert got["speed_spec_decode_num_accepted_tokens"] == [6]
+    per_pos = {tags["position"]: v for v, tags in rec.seen["speed_spec_decode_num_accepted_tokens_per_pos"]}
+    assert per_pos == {"1": 3, "2": 2, "3": 1}
+    launched = {tags["position"]: v for v, tags in rec.seen["speed_spec_decode_num_draft_tokens_per_pos"]}
+    assert launched == {"1": 3, "2": 3, "3": 2}
+    assert got["speed_time_to_first_token_seconds"] == [0.04]
+    assert got["speed_inter_token_latency_seconds"] == [0.02, 0.03]
+    assert got["speed_e2e_request_latency_seconds"] == [0.25] and got["speed_request_queue_time_seconds"] == [0.005]
+    assert got["speed_prompt_tokens"] == [7] and got["speed_generation_tokens"] == [10]
+    assert got["speed_flipped_tokens"] == [5, 1] and got["speed_flushes"] == [1]
+    assert (got["speed_num_requests_running"], got["speed_num_requests_waiting"]) == ([2], [1])
+    assert got["speed_rows_per_step"] == [6]
+
+
+def test_acceptance_tables_by_temperature_and_position():
+    import pyarrow as pa
+
+    from speed.analysis import acceptance, acceptance_by_position
+
+    def row(method, t, drafts, launched, per_pos, tokens=10):
+        counts = {"draft_tokens": sum(launched), "accepted_tokens": sum(per_pos), "accepted_per_pos": per_pos}
+        counts["draft_tokens_per_pos"] = launched
+        return {"method": method, "temperature": t, "completion_tokens": tokens, "drafts": drafts, **counts}
+
+    rows = [row("speed", 0.0, 2, [2, 4], [2, 1]), row("speed", 0.0, 2, [2, 2], [1, 0])]
+    rows += [row("speed", 0.8, 4, [4, 4], [2, 0]), row("sequential", 0.0, 0, [0, 0], [0, 0])]
+    table = pa.Table.from_pylist(rows)
+    overall = {(r["method"], r["temperature"]): r for r in acceptance(table).to_pylist()}
+    assert overall["speed", 0.0]["acceptance_rate"] == 4 / 10 and overall["speed", 0.0]["mean_acceptance_length"] == 2
+    assert overall["speed", 0.8]["requests"] == 1 and overall["sequential", 0.0]["acceptance_rate"] is None
+    by_pos = [
+        (r["temperature"], r["position"], r["acceptance_rate"]) for r in acceptance_by_position(table).to_pylist()
+    ]
+    assert by_pos == [(0.0, 1, 0.75), (0.0, 2, 1 / 6), (0.8, 1, 0.5), (0.8, 2, 0.0)]  # sequential: no rows
