@@ -12,6 +12,7 @@ import sys
 import time
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -31,6 +32,7 @@ from speed.serve.stats import (
     WAL_DIR,
     ServeCounters,
     StatsSink,
+    compact_orphans,
     read_requests,
     read_traces,
 )
@@ -292,6 +294,16 @@ def test_sink_logs_every_row_so_a_replica_killed_hard_loses_none(tmp_path):
     with open(log, "ab") as f:
         f.write(b"\xff\xff\xff\xff\x10\x00")  # a record cut short by the kill
     assert read_requests(storage).num_rows == 5
+    live = StatsSink(storage, "app#SpeedServer#alive")  # a new replica compacts the dead one's logs ...
+    live.add(_row(9), _trace("cmpl-9", 1))
+    assert compact_orphans(storage) == 0  # ... never a live one's (it holds their lock)
+    assert sorted(p.name for p in (tmp_path / "stats" / WAL_DIR).iterdir()) == [
+        "app_SpeedServer_alive-000001.requests.arrows",
+        "app_SpeedServer_alive-000001.traces.arrows",
+    ]
+    parquet = pa.concat_tables(pq.read_table(f) for f in sorted((tmp_path / "stats" / "requests").glob("*.parquet")))
+    assert sorted(parquet["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(5)]  # what notebooks read
+    assert read_requests(storage).num_rows == 6 and read_traces(storage).num_rows == 16
 
 
 def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(tmp_path):

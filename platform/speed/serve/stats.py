@@ -16,7 +16,8 @@ runs. On local storage every row is also appended to a write-ahead log (an
 Arrow IPC stream, one record batch per request, written through to the OS
 before the answer leaves the replica), so a replica killed hard (SIGKILL, a
 signal to its process group, an out-of-memory kill) loses no row it answered;
-a flush writes Parquet file ``n`` and then deletes log ``n``. ``read_requests``
+a flush writes Parquet file ``n`` and then deletes log ``n``; a new sink turns the
+logs of dead replicas into their Parquet files (``compact_orphans``). ``read_requests``
 / ``read_traces`` read a storage path back: the Parquet files and the logs no
 Parquet file replaces yet (a log's torn last record is dropped).
 The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
@@ -25,6 +26,8 @@ The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -213,14 +216,18 @@ class Taken:
     requests: pa.Table
     traces: pa.Table
     number: int
+    logs: list[_Log] = field(default_factory=list)  # theirs, held (locked) until the Parquet files replace them
 
 
 class _Log:
-    """One append-only Arrow IPC stream; every record goes to the OS as it is written (no user-space buffer)."""
+    """One append-only Arrow IPC stream; every record goes to the OS as it is written (no user-space buffer).
+    Its writer holds an exclusive ``flock`` on it until it is deleted, which the OS releases when the writer
+    dies however it dies: an unlocked log belongs to a dead replica (``compact_orphans``)."""
 
     def __init__(self, path: str, schema: pa.Schema) -> None:
         self.path = path
         self._file = pa.OSFile(path, "wb")
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
         self._writer = pa.ipc.new_stream(self._file, schema)
 
     def append(self, data: pa.RecordBatch | pa.Table) -> None:
@@ -229,9 +236,58 @@ class _Log:
         else:
             self._writer.write_batch(data)
 
-    def close(self) -> None:
+    def close_writer(self) -> None:
+        """End the stream; the file (and its lock) stays open until ``release``."""
         self._writer.close()
+
+    def release(self) -> None:
+        """Delete the log and drop its lock (its rows are in Parquet now)."""
+        Path(self.path).unlink(missing_ok=True)
         self._file.close()
+
+
+def _write_atomically(fs: pafs.FileSystem, table: pa.Table, final: str) -> None:
+    """One Parquet file (one row group) that appears whole: written under a dot name readers skip, renamed."""
+    folder, name = final.rsplit("/", 1)
+    partial = f"{folder}/.{name}"
+    pq.write_table(table, partial, filesystem=fs, row_group_size=None)
+    fs.move(partial, final)
+
+
+def compact_orphans(storage: str) -> int:
+    """Turn the logs of dead replicas (a hard kill leaves them; no live writer holds their lock) into the
+    Parquet files they stand for, so that readers of the Parquet files alone (the notebooks) see their
+    rows too; returns the logs compacted. Local storage only; a new replica calls it when it starts."""
+    fs, root = storage_filesystem(storage)
+    wal = Path(root) / WAL_DIR
+    if not isinstance(fs, pafs.LocalFileSystem) or not wal.is_dir():
+        return 0
+    compacted = 0
+    for log in sorted(wal.glob("*.arrows")):
+        stem, folder, _ = log.name.rsplit(".", 2)
+        schema = {REQUESTS_DIR: REQUEST_SCHEMA, TRACES_DIR: SERVE_TRACE_SCHEMA}.get(folder)
+        if schema is None:
+            continue
+        try:
+            fd = os.open(log, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # compacted or written meanwhile
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its replica is alive
+            final = Path(root) / folder / f"{stem}.parquet"
+            if not log.exists() or os.stat(log).st_ino != os.fstat(fd).st_ino or final.exists():
+                continue  # replaced by its Parquet file between the listing and the lock
+            batches = _read_log(str(log))
+            if batches:
+                _write_atomically(fs, pa.Table.from_batches(batches, schema), str(final))
+            log.unlink()
+            compacted += 1
+        finally:
+            os.close(fd)
+    return compacted
 
 
 class StatsSink:
@@ -259,6 +315,7 @@ class StatsSink:
         self._logs: dict[str, _Log] = {}
         for folder in (REQUESTS_DIR, TRACES_DIR) + ((WAL_DIR,) if self.durable else ()):
             self.fs.create_dir(f"{self.root}/{folder}", recursive=True)
+        compact_orphans(storage)
 
     @property
     def pending(self) -> int:
@@ -291,8 +348,8 @@ class StatsSink:
         requests = pa.Table.from_pylist(self._requests, schema=REQUEST_SCHEMA)
         traces = pa.concat_tables(self._traces) if self._traces else SERVE_TRACE_SCHEMA.empty_table()
         for log in self._logs.values():
-            log.close()
-        taken = Taken(requests, traces, self._files)
+            log.close_writer()
+        taken = Taken(requests, traces, self._files, list(self._logs.values()))
         self._requests, self._traces, self._logs = [], [], {}
         self._files += 1
         return taken
@@ -307,10 +364,9 @@ class StatsSink:
             if not self.durable:  # an object store's upload appears whole
                 pq.write_table(table, final, filesystem=self.fs, row_group_size=None)
                 continue
-            partial = f"{self.root}/{folder}/.{name}.parquet"  # readers skip dot files
-            pq.write_table(table, partial, filesystem=self.fs, row_group_size=None)
-            self.fs.move(partial, final)
-            self.fs.delete_file(self._log_path(name, folder))
+            _write_atomically(self.fs, table, final)
+        for log in taken.logs:
+            log.release()
 
     def flush(self) -> int:
         """Write whatever is buffered now; returns the request rows written."""
