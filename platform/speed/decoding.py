@@ -48,6 +48,9 @@ def generate(
     invalidation: Invalidation = "eager",
     trace: bool = True,
     oracle: list[list[int]] | None = None,
+    branches: int = 0,
+    branch_below: float = 1.0,
+    min_confidence: float = 0.0,
 ) -> GenerateResult:
     """Greedy-decode a batch of encoder inputs (B, S) with a looped decoder.
 
@@ -56,7 +59,9 @@ def generate(
     ``method="speed"`` pipelines: successors launch after ``launch_loop``
     loops (1..M) and are invalidated per ``invalidation``. ``oracle`` (SPEED
     only) forces speculation to the given final tokens, isolating the
-    engine's own overhead. Both return identical tokens. Sequence b decodes
+    engine's own overhead. ``branches``, ``branch_below`` and ``min_confidence``
+    are SPEED's runner-up branches and confidence gate (``speed.engine.Request``).
+    Both return identical tokens. Sequence b decodes
     the tokens where ``attention_mask[b]`` is 1, encoded on their own.
     """
     if method not in ("sequential", "speed"):
@@ -77,7 +82,17 @@ def generate(
     if attention_mask is not None:
         rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(rows, attention_mask.tolist())]
     requests = [
-        Request(row, max_new_tokens, method, launch_loop, invalidation, None if oracle is None else list(oracle[b]))
+        Request(
+            row,
+            max_new_tokens,
+            method,
+            launch_loop,
+            invalidation,
+            None if oracle is None else list(oracle[b]),
+            branches=branches,
+            branch_below=branch_below,
+            min_confidence=min_confidence,
+        )
         for b, row in enumerate(rows)
     ]
     config = EngineConfig(max_active=batch, max_source_len=length, max_target_len=max_new_tokens, trace=trace)

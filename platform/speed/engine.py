@@ -16,13 +16,24 @@ the last loop's predictions, so the output equals sequential greedy decoding.
 Sequential decoding is the same pipeline that never launches a successor
 before its predecessor's last loop.
 
+Runner-up branches (tree speculation, ``Request.branches``): an in-flight
+token whose exit is unsure may also carry a second successor launched from its
+runner-up prediction. It runs beside the chain (its key/value in a side slot of
+the cache, see ``speed.cache``) and launches nothing itself; when a later loop
+switches to the runner-up, the branch becomes the chain and the old chain is
+flushed, instead of a restart from the first loop. When the runner-up changes,
+the branch restarts from the new one. Only last-loop predictions are committed,
+so branches change the schedule, never the output. ``Request.min_confidence``
+gates launching: a successor waits until its predecessor's exit is at least that
+confident.
+
 Capacity is fixed at construction: ``max_active`` slots, each a KV-cache row
 and an encoder-memory slot, handed out from a free list. A request waits in a
 queue until a slot is free; joining or leaving writes only its own slot. Each
 step computes every active request's in-flight rows, or at most
 ``row_budget`` of them: the rows on the committed path (each request's oldest
-in-flight token, whose input is known to be right) first, speculative rows in
-what is left.
+in-flight token, whose input is known to be right) first, speculative chain rows
+in what is left, runner-up branches last.
 
 Threads: ``add`` may be called from any thread at any time (it only queues);
 ``step`` and ``cancel`` hold the engine's lock, so one step runs at a time and
@@ -104,6 +115,9 @@ class Request:
     launch_loop: int = 1  # loops a token runs before its successor launches from its prediction (1..M)
     invalidation: Invalidation = "eager"
     oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
+    branches: int = 0  # runner-up branches in flight at once (0..M; 0: none): see the module doc
+    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
+    min_confidence: float = 0.0  # a successor launches only from an exit whose top-1 probability is at least this
 
 
 @dataclass
@@ -114,8 +128,9 @@ class DecodeStats:
     steps: int = 0  # engine iterations (SPEED: pipeline steps; generate's sequential: token positions)
     group_passes: int = 0  # runs of the shared N-layer group, each reading its weights once
     rows: int = 0  # token-loops computed (a row = one token through one loop)
-    flushes: int = 0  # misprediction flushes (each may drop several in-flight tokens)
-    wasted_rows: int = 0  # rows spent on tokens that were flushed, fell past EOS or were cancelled
+    flushes: int = 0  # misprediction restarts (each may drop several in-flight tokens)
+    wasted_rows: int = 0  # rows spent on tokens that were flushed, fell past EOS or were cancelled, branches dropped
+    promotions: int = 0  # mispredictions whose runner-up branch took over the chain (no restart)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -136,6 +151,7 @@ class RequestStats:
     queued_s: float  # until admitted to a slot
     ttft_s: float  # until its first token was committed (nan if none)
     latency_s: float  # until it finished or was cancelled
+    promotions: int = 0  # runner-up branches that became the chain
 
 
 @dataclass
@@ -161,9 +177,15 @@ class StepResult:
 # ----- policies: small pure functions ------------------------------------------------------
 
 
-def should_launch(depth: int, launch_loop: int) -> bool:
-    """A token with ``depth`` finished loops may launch its successor from its latest prediction."""
-    return depth >= launch_loop
+def should_launch(depth: int, launch_loop: int, p_top: float = 1.0, min_confidence: float = 0.0) -> bool:
+    """A token with ``depth`` finished loops, whose latest exit has top-1 probability ``p_top``, may launch its
+    successor from that exit's prediction."""
+    return depth >= launch_loop and p_top >= min_confidence
+
+
+def should_branch(p_top: float, branch_below: float) -> bool:
+    """A token whose latest exit has top-1 probability ``p_top`` may carry a branch from its runner-up."""
+    return p_top < branch_below
 
 
 def should_flush(invalidation: Invalidation, depth: int, n_loops: int) -> bool:
@@ -203,6 +225,8 @@ class Slot:
     preds: list[int] = field(default_factory=list)  # early-exit prediction after each finished loop
     runners: list[int] = field(default_factory=list)  # each finished loop's runner-up (second-best token)
     p_top: list[float] = field(default_factory=list)  # each finished loop's top-1 probability
+    branch: Slot | None = None  # a second successor at pos + 1, launched from a runner-up; it launches nothing
+    side: int = -1  # a branch's side slot in the cache (its own key/value); -1 on the chain
 
 
 @dataclass
@@ -217,6 +241,7 @@ class Sequence:
     row: int = -1  # its slot: KV-cache row and encoder-memory slot; -1 while queued
     out: list[int] = field(default_factory=list)  # committed tokens
     slots: list[Slot] = field(default_factory=list)  # in flight, oldest first; slot i+1 launched from slot i
+    side_free: list[int] = field(default_factory=list)  # a heap of the cache's side slots its branches may take
     done: bool = False
     admitted: float = float("nan")
     first_token: float = float("nan")
@@ -225,6 +250,7 @@ class Sequence:
     rows: int = 0
     flushes: int = 0
     wasted_rows: int = 0
+    promotions: int = 0
     flips: list[int] = field(default_factory=list)  # per loop: committed tokens whose exit there differed
     trace: TraceBuilder | None = None
 
@@ -234,6 +260,10 @@ class Sequence:
         if oracle is not None and slot.pos < len(oracle):
             return oracle[slot.pos]
         return slot.preds[-1]
+
+    def in_flight(self) -> list[Slot]:
+        """Every slot that computes rows: the chain, then the branches (by their parent, oldest first)."""
+        return [*self.slots, *(s.branch for s in self.slots if s.branch is not None)]
 
 
 # ----- the engine ------------------------------------------------------------------------------
@@ -286,6 +316,7 @@ class Engine:
             "all_exits": request.method == "speed" or self.config.trace,
             "added": time.perf_counter(),
             "flips": [0] * M,
+            "side_free": list(range(M)),
             "trace": TraceBuilder() if self.config.trace else None,
         }
         with self._queue_lock:
@@ -305,7 +336,7 @@ class Engine:
                         return None
                     self._waiting.remove(seq)
             else:
-                dropped = sum(len(slot.preds) for slot in seq.slots)
+                dropped = sum(len(slot.preds) for slot in seq.in_flight())
                 seq.wasted_rows += dropped
                 self.stats.wasted_rows += dropped
                 seq.slots.clear()
@@ -332,7 +363,12 @@ class Engine:
             for slot, h in zip(fresh, self.model.embed(tokens)):
                 slot.hidden = h
         M = self.model.n_loops
-        rows = Rows.build([s.row for s, _ in work], [len(t.preds) for _, t in work], [t.pos for _, t in work])
+        rows = Rows.build(
+            [s.row for s, _ in work],
+            [len(t.preds) for _, t in work],
+            [t.pos for _, t in work],
+            [t.side for _, t in work],
+        )
         with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
         inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
         hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
@@ -400,6 +436,12 @@ class Engine:
             raise ValueError(f"input_ids must be token ids in [0, {V}), got {bad!r}")
         if request.oracle is not None and request.method != "speed":
             raise ValueError("an oracle needs method='speed'")
+        if type(request.branches) is not int or not 0 <= request.branches <= M:
+            raise ValueError(f"branches must be in 0..{M} (the model's loops), got {request.branches!r}")
+        if not 0.0 < request.branch_below <= 1.0:
+            raise ValueError(f"branch_below must be in (0, 1], got {request.branch_below!r}")
+        if not 0.0 <= request.min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {request.min_confidence!r}")
 
     def _admit(self) -> None:
         """Move waiting requests into free slots, encoding each alone into its slot."""
@@ -415,61 +457,115 @@ class Engine:
             self._active[seq.id] = seq
 
     def _select(self) -> list[tuple[Sequence, Slot]]:
-        """This step's rows, in admission order: all in-flight rows, or the row budget's choice."""
+        """This step's rows, in admission order: all in-flight rows, or the row budget's choice.
+
+        The budget serves each request's committed path, then chain speculation, then branches; a branch
+        runs only in a step that runs its parent, so it never catches up with the keys it reads.
+        """
         seqs = self._active.values()
         budget = self.config.row_budget
-        if budget is None:
-            return [(s, slot) for s in seqs for slot in s.slots]
-        if sum(len(s.slots) for s in seqs) <= budget:
-            for s in seqs:
-                s.last_served = self._step_no
-            return [(s, slot) for s in seqs for slot in s.slots]
+        flying = {s.id: s.in_flight() for s in seqs}
+        if budget is None or sum(map(len, flying.values())) <= budget:
+            if budget is not None:
+                for s in seqs:
+                    s.last_served = self._step_no
+            return [(s, slot) for s in seqs for slot in flying[s.id]]
         order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
-        take = dict(zip((s.id for s in order), budget_rows([len(s.slots) for s in order], budget)))
+        take = budget_rows([len(s.slots) for s in order], budget)
+        branches = [[t.branch for t in s.slots[:n] if t.branch is not None] for s, n in zip(order, take)]
+        branch_take = budget_rows([len(b) for b in branches], budget - sum(take))
+        chosen = {s.id: [*s.slots[:n], *b[:m]] for s, n, b, m in zip(order, take, branches, branch_take)}
         work = []
         for s in seqs:
-            if take[s.id]:
+            if chosen[s.id]:
                 s.last_served = self._step_no
-                work.extend((s, slot) for slot in s.slots[: take[s.id]])
+                work.extend((s, slot) for slot in chosen[s.id])
         return work
 
     def _schedule(self, seq: Sequence) -> None:
-        """After a step: commit a finished token, flush mispredicted successors, launch new ones."""
+        """After a step: commit a finished token, flush or promote past mispredictions, launch new tokens."""
         M, eos = self.model.n_loops, self.model.eos_id
-        invalidation = seq.request.invalidation
+        request = seq.request
         i = 0
         while i < len(seq.slots):
             slot = seq.slots[i]
             depth = len(slot.preds)
             if depth == 0:  # launched in this step, or left out by the row budget
                 return
-            succ = seq.slots[i + 1] if i + 1 < len(seq.slots) else None
             if depth == M:  # the oldest token finished its last loop: commit it
                 token = slot.preds[-1]
                 seq.slots.pop(0)
                 self._commit(seq, slot)
-                if token == eos or len(seq.out) >= seq.request.max_new_tokens:
+                if token == eos or len(seq.out) >= request.max_new_tokens:
+                    self._drop_branch(seq, slot)
                     self._flush(seq, 0, mispredicted=False)
                     seq.done = True
                     return
-                if succ is not None and succ.token != token:
-                    self._flush(seq, 0, mispredicted=True)
-                    succ = None
-                if succ is None:
+                self._follow(seq, slot, 0, token)
+                self._drop_branch(seq, slot)  # not taken over: the chain was right
+                if not seq.slots:
                     seq.slots.append(Slot(slot.pos + 1, token))
                 continue  # the successor is now the oldest, at index 0
             guess = seq.speculation(slot)
-            if succ is not None and succ.token != guess and should_flush(invalidation, depth, M):
-                self._flush(seq, i + 1, mispredicted=True)
-                succ = None
+            if should_flush(request.invalidation, depth, M):
+                self._follow(seq, slot, i + 1, guess)
+            succ = seq.slots[i + 1] if i + 1 < len(seq.slots) else None
             if (
                 succ is None
-                and should_launch(depth, seq.launch_loop)
+                and should_launch(depth, seq.launch_loop, slot.p_top[-1], request.min_confidence)
                 and guess != eos
-                and slot.pos + 1 < seq.request.max_new_tokens
+                and slot.pos + 1 < request.max_new_tokens
             ):
-                seq.slots.append(Slot(slot.pos + 1, guess))
+                succ = Slot(slot.pos + 1, guess)
+                seq.slots.append(succ)
+            self._keep_branch(seq, slot, succ, guess)
             i += 1
+
+    def _follow(self, seq: Sequence, parent: Slot, start: int, token: int) -> None:
+        """Make ``token`` the successor of ``parent`` (at ``seq.slots[start]``): keep the chain if it has it,
+        else promote the parent's branch if that has it, else flush the chain (it relaunches)."""
+        succ = seq.slots[start] if start < len(seq.slots) else None
+        if succ is not None and succ.token == token:
+            return
+        branch = parent.branch
+        if branch is None or branch.token != token:
+            self._flush(seq, start, mispredicted=succ is not None)
+            return
+        parent.branch = None
+        self._flush(seq, start, mispredicted=False)
+        self._cache.promote(seq.row, branch.side, branch.pos, len(branch.preds))
+        heapq.heappush(seq.side_free, branch.side)
+        branch.side = -1
+        seq.slots.append(branch)
+        seq.promotions += 1
+        self.stats.promotions += 1
+
+    def _keep_branch(self, seq: Sequence, slot: Slot, succ: Slot | None, guess: int) -> None:
+        """Keep ``slot``'s branch on its runner-up: restart it when the runner-up changes, launch one if allowed."""
+        request, runner = seq.request, slot.runners[-1]
+        branch = slot.branch
+        if branch is not None and (branch.token not in (runner, guess) or succ is None or branch.token == succ.token):
+            self._drop_branch(seq, slot)
+            branch = None
+        if (
+            branch is None
+            and succ is not None
+            and runner not in (succ.token, self.model.eos_id, NO_EXIT)
+            and request.oracle is None
+            and self.model.n_loops - len(seq.side_free) < request.branches
+            and should_branch(slot.p_top[-1], request.branch_below)
+        ):
+            slot.branch = Slot(slot.pos + 1, runner, side=heapq.heappop(seq.side_free))
+
+    def _drop_branch(self, seq: Sequence, slot: Slot) -> None:
+        """Drop ``slot``'s branch, if any (its rows are wasted), freeing its side slot."""
+        branch = slot.branch
+        if branch is None:
+            return
+        slot.branch = None
+        heapq.heappush(seq.side_free, branch.side)
+        seq.wasted_rows += len(branch.preds)
+        self.stats.wasted_rows += len(branch.preds)
 
     def _commit(self, seq: Sequence, slot: Slot) -> None:
         token = slot.preds[-1]
@@ -488,6 +584,8 @@ class Engine:
             return
         del seq.slots[start:]
         self._cache.invalidate(seq.row, dropped[0].pos)
+        for slot in dropped:
+            self._drop_branch(seq, slot)
         wasted = sum(len(s.preds) for s in dropped)
         seq.wasted_rows += wasted
         seq.flushes += mispredicted
@@ -510,6 +608,7 @@ class Engine:
             queued_s=seq.admitted - seq.added,
             ttft_s=seq.first_token - seq.added,
             latency_s=now - seq.added,
+            promotions=seq.promotions,
         )
         trace = seq.trace.table() if seq.trace is not None else None
         return Finished(seq.id, seq.out, stats, trace, cancelled)
