@@ -40,6 +40,8 @@ SETTINGS = {
     "launch_loop": "SPEED launches a successor after this many loops",
     "invalidation": "eager or final",
     "branches": "SPEED's runner-up branches in flight per sequence (0: none; up to the model's loops)",
+    "branch_depth": "tokens a branch's lane may hold (1: the branch launches no successor)",
+    "row_budget": "SPEED's rows per step at most (default: all in flight)",
     "branch_below": "a token carries a branch only while its exit's top-1 probability is below this",
     "min_confidence": "a successor launches only from an exit whose top-1 probability is at least this",
     "oracle": "also decode with oracle speculation (untimed): the summary's oracle_steps_per_token",

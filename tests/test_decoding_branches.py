@@ -85,6 +85,25 @@ def test_branch_takes_over_instead_of_a_restart():
     assert model.snapshots[2][:, 0].tolist() == [2, 1, 0]
 
 
+def test_a_lane_keeps_the_branch_s_successors():
+    # position 0 flips at its last loop (loops 1, 2: 20 with runner-up 10). A branch that launches nothing is
+    # promoted with 2 loops done, but its successor starts only then: 7 steps for 4 tokens. A lane of depth 3
+    # grew that successor beside it, so the pipeline stays full: 6 steps, the oracle's (4 + 3 - 1).
+    def table(s, p, lo):
+        return (20, 10, False) if (p == 0 and lo < 3) else right(p)
+
+    branch = run(BranchStub(3, table), max_new_tokens=4, branches=1)
+    model = BranchStub(3, table)
+    lane = run(model, max_new_tokens=4, branches=1, branch_depth=3)
+    assert branch.tokens == lane.tokens == [[10, 11, 12, 13]]
+    b, t = branch.stats, lane.stats
+    assert (b.steps, b.rows, b.wasted_rows, b.promotions, b.flushes) == (7, 15, 3, 1, 0)
+    assert (t.steps, t.rows, t.wasted_rows, t.promotions, t.flushes) == (6, 15, 3, 1, 0)
+    # step 3: the chain (positions 0, 1, 2), then the lane: its branch at 1 (side 0) and the branch's successor
+    assert model.steps[2] == [(2, 0, -1), (1, 1, -1), (0, 2, -1), (1, 1, 0), (0, 2, 1)]
+    assert model.steps[3] == [(2, 1, -1), (1, 2, -1), (0, 3, -1)]  # promoted: both on the chain, the next launched
+
+
 def test_branch_restarts_when_the_runner_up_changes():
     # position 0: loop 1 says 20 (runner-up 30), loop 2 says 20 (runner-up 10), loop 3 commits 10.
     # Step 2 drops the branch from 30 (1 row) and launches one from 10; step 3 promotes it (1 loop done)
@@ -169,17 +188,26 @@ def test_bad_branch_settings(kw, fragment):
         engine.add(Request([3, 4], 4, **kw))
 
 
+def test_bad_branch_depth():
+    engine = Engine(StubModel(3, lambda s, p, lo: 5), EngineConfig(max_active=1, max_source_len=6, max_target_len=8))
+    for depth in (0, 4):
+        with pytest.raises(ValueError, match=r"branch_depth must be in 1\.\.3"):
+            engine.add(Request([3, 4], 4, branches=1, branch_depth=depth))
+
+
 @pytest.mark.parametrize("block", range(3))
 def test_branches_equal_sequential_bitwise(block):
     """Random tiny models, branches and gates on: every loop's logits of every token equal sequential's."""
     cases = promotions = restarts = 0
-    for seed in range(block * 12, block * 12 + 12):
+    for seed in range(block * 8, block * 8 + 8):
         model, ids, mask, max_new, rng = random_case(seed)
         reference = LogitRecorder(model)
         ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
         m = model.n_loops
         for invalidation in ("eager", "final"):
-            for branches, below, gate in [(m, 1.0, 0.0), (rng.randint(0, m), rng.random(), rng.random() / 4)]:
+            settings = [(m, 1, 1.0, 0.0), (m, m, 1.0, 0.0)]
+            settings.append((rng.randint(0, m), rng.randint(1, m), rng.random(), rng.random() / 4))
+            for branches, depth, below, gate in settings:
                 candidate = LogitRecorder(model)
                 got = generate(
                     candidate,
@@ -190,6 +218,7 @@ def test_branches_equal_sequential_bitwise(block):
                     launch_loop=rng.randint(1, m),
                     invalidation=invalidation,
                     branches=branches,
+                    branch_depth=depth,
                     branch_below=max(below, 1e-3),
                     min_confidence=gate,
                 )
@@ -199,7 +228,7 @@ def test_branches_equal_sequential_bitwise(block):
                 promotions += got.stats.promotions
                 restarts += got.stats.flushes
                 cases += 1
-    assert cases == 12 * 4 and promotions > 0 and restarts > 0
+    assert cases == 8 * 2 * 3 and promotions > 0 and restarts > 0
 
 
 def test_churn_with_branches_equals_sequential_alone():
@@ -224,6 +253,7 @@ def test_churn_with_branches_equals_sequential_alone():
             return dataclasses.replace(
                 random_request(r, mo, 10, 16),
                 branches=r.randint(0, mo.n_loops),
+                branch_depth=r.randint(1, mo.n_loops),
                 branch_below=r.choice([1.0, 0.5]),
                 min_confidence=r.choice([0.0, 0.0, 0.1]),
             )

@@ -19,8 +19,9 @@ before its predecessor's last loop.
 Runner-up branches (tree speculation, ``Request.branches``): an in-flight
 token whose exit is unsure may also carry a second successor launched from its
 runner-up prediction. It runs beside the chain (its key/value in a side slot of
-the cache, see ``speed.cache``) and launches nothing itself; when a later loop
-switches to the runner-up, the branch becomes the chain and the old chain is
+the cache, see ``speed.cache``) and may grow a lane of its own successors, up
+to ``Request.branch_depth`` tokens (1: it launches nothing); when a later loop
+switches to the runner-up, the lane becomes the chain and the old chain is
 flushed, instead of a restart from the first loop. When the runner-up changes,
 the branch restarts from the new one. Only last-loop predictions are committed,
 so branches change the schedule, never the output. ``Request.min_confidence``
@@ -116,6 +117,7 @@ class Request:
     invalidation: Invalidation = "eager"
     oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
     branches: int = 0  # runner-up branches in flight at once (0..M; 0: none): see the module doc
+    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
     branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
     min_confidence: float = 0.0  # a successor launches only from an exit whose top-1 probability is at least this
 
@@ -225,8 +227,10 @@ class Slot:
     preds: list[int] = field(default_factory=list)  # early-exit prediction after each finished loop
     runners: list[int] = field(default_factory=list)  # each finished loop's runner-up (second-best token)
     p_top: list[float] = field(default_factory=list)  # each finished loop's top-1 probability
-    branch: Slot | None = None  # a second successor at pos + 1, launched from a runner-up; it launches nothing
-    side: int = -1  # a branch's side slot in the cache (its own key/value); -1 on the chain
+    lane: list[Slot] = field(default_factory=list)  # its branch at pos + 1 (from its runner-up) and the branch's own
+    # successors at pos + 2, ...; empty: no branch
+    side: int = -1  # a lane token's side slot in the cache (its own key/value); -1 on the chain
+    up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side slot), oldest first
 
 
 @dataclass
@@ -262,8 +266,8 @@ class Sequence:
         return slot.preds[-1]
 
     def in_flight(self) -> list[Slot]:
-        """Every slot that computes rows: the chain, then the branches (by their parent, oldest first)."""
-        return [*self.slots, *(s.branch for s in self.slots if s.branch is not None)]
+        """Every slot that computes rows: the chain, then the lanes (by their parent, oldest first)."""
+        return [*self.slots, *(t for s in self.slots for t in s.lane)]
 
 
 # ----- the engine ------------------------------------------------------------------------------
@@ -316,7 +320,7 @@ class Engine:
             "all_exits": request.method == "speed" or self.config.trace,
             "added": time.perf_counter(),
             "flips": [0] * M,
-            "side_free": list(range(M)),
+            "side_free": list(range(M * M)),
             "trace": TraceBuilder() if self.config.trace else None,
         }
         with self._queue_lock:
@@ -368,6 +372,7 @@ class Engine:
             [len(t.preds) for _, t in work],
             [t.pos for _, t in work],
             [t.side for _, t in work],
+            [t.up for _, t in work],
         )
         with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
         inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
@@ -438,6 +443,8 @@ class Engine:
             raise ValueError("an oracle needs method='speed'")
         if type(request.branches) is not int or not 0 <= request.branches <= M:
             raise ValueError(f"branches must be in 0..{M} (the model's loops), got {request.branches!r}")
+        if type(request.branch_depth) is not int or not 1 <= request.branch_depth <= M:
+            raise ValueError(f"branch_depth must be in 1..{M} (the model's loops), got {request.branch_depth!r}")
         if not 0.0 < request.branch_below <= 1.0:
             raise ValueError(f"branch_below must be in (0, 1], got {request.branch_below!r}")
         if not 0.0 <= request.min_confidence <= 1.0:
@@ -472,7 +479,7 @@ class Engine:
             return [(s, slot) for s in seqs for slot in flying[s.id]]
         order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
         take = budget_rows([len(s.slots) for s in order], budget)
-        branches = [[t.branch for t in s.slots[:n] if t.branch is not None] for s, n in zip(order, take)]
+        branches = [[t for c in s.slots[:n] for t in c.lane] for s, n in zip(order, take)]  # a lane's own order
         branch_take = budget_rows([len(b) for b in branches], budget - sum(take))
         chosen = {s.id: [*s.slots[:n], *b[:m]] for s, n, b, m in zip(order, take, branches, branch_take)}
         work = []
@@ -497,12 +504,12 @@ class Engine:
                 seq.slots.pop(0)
                 self._commit(seq, slot)
                 if token == eos or len(seq.out) >= request.max_new_tokens:
-                    self._drop_branch(seq, slot)
+                    self._drop_lane(seq, slot.lane, 0)
                     self._flush(seq, 0, mispredicted=False)
                     seq.done = True
                     return
                 self._follow(seq, slot, 0, token)
-                self._drop_branch(seq, slot)  # not taken over: the chain was right
+                self._drop_lane(seq, slot.lane, 0)  # not taken over: the chain was right
                 if not seq.slots:
                     seq.slots.append(Slot(slot.pos + 1, token))
                 continue  # the successor is now the oldest, at index 0
@@ -518,54 +525,71 @@ class Engine:
             ):
                 succ = Slot(slot.pos + 1, guess)
                 seq.slots.append(succ)
-            self._keep_branch(seq, slot, succ, guess)
+            self._keep_lane(seq, slot, succ, guess)
             i += 1
 
     def _follow(self, seq: Sequence, parent: Slot, start: int, token: int) -> None:
         """Make ``token`` the successor of ``parent`` (at ``seq.slots[start]``): keep the chain if it has it,
-        else promote the parent's branch if that has it, else flush the chain (it relaunches)."""
+        else promote the parent's lane if its branch has it, else flush the chain (it relaunches)."""
         succ = seq.slots[start] if start < len(seq.slots) else None
         if succ is not None and succ.token == token:
             return
-        branch = parent.branch
-        if branch is None or branch.token != token:
+        lane = parent.lane
+        if not lane or lane[0].token != token:
             self._flush(seq, start, mispredicted=succ is not None)
             return
-        parent.branch = None
+        parent.lane = []
         self._flush(seq, start, mispredicted=False)
-        self._cache.promote(seq.row, branch.side, branch.pos, len(branch.preds))
-        heapq.heappush(seq.side_free, branch.side)
-        branch.side = -1
-        seq.slots.append(branch)
+        for t in lane:  # in position order: each lands at the end of the prefix its predecessor just extended
+            self._cache.promote(seq.row, t.side, t.pos, len(t.preds))
+            heapq.heappush(seq.side_free, t.side)
+            t.side, t.up = -1, ()
+        seq.slots.extend(lane)
         seq.promotions += 1
         self.stats.promotions += 1
 
-    def _keep_branch(self, seq: Sequence, slot: Slot, succ: Slot | None, guess: int) -> None:
-        """Keep ``slot``'s branch on its runner-up: restart it when the runner-up changes, launch one if allowed."""
-        request, runner = seq.request, slot.runners[-1]
-        branch = slot.branch
-        if branch is not None and (branch.token not in (runner, guess) or succ is None or branch.token == succ.token):
-            self._drop_branch(seq, slot)
-            branch = None
+    def _keep_lane(self, seq: Sequence, slot: Slot, succ: Slot | None, guess: int) -> None:
+        """Keep ``slot``'s branch on its runner-up (restart it when the runner-up changes; launch one if allowed),
+        then grow or trim its lane as the chain grows: from each lane token's own latest prediction."""
+        request, runner, eos = seq.request, slot.runners[-1], self.model.eos_id
+        lane = slot.lane
+        if lane and (lane[0].token not in (runner, guess) or succ is None or lane[0].token == succ.token):
+            self._drop_lane(seq, lane, 0)
         if (
-            branch is None
+            not lane
             and succ is not None
-            and runner not in (succ.token, self.model.eos_id, NO_EXIT)
+            and runner not in (succ.token, eos, NO_EXIT)
             and request.oracle is None
-            and self.model.n_loops - len(seq.side_free) < request.branches
+            and sum(bool(s.lane) for s in seq.slots) < request.branches
             and should_branch(slot.p_top[-1], request.branch_below)
         ):
-            slot.branch = Slot(slot.pos + 1, runner, side=heapq.heappop(seq.side_free))
+            lane.append(Slot(slot.pos + 1, runner, side=heapq.heappop(seq.side_free)))
+        M = self.model.n_loops
+        for j, t in enumerate(lane):
+            depth = len(t.preds)
+            if depth == 0:
+                return
+            nxt = lane[j + 1] if j + 1 < len(lane) else None
+            pred = t.preds[-1]
+            if nxt is not None and nxt.token != pred and should_flush(request.invalidation, depth, M):
+                self._drop_lane(seq, lane, j + 1)
+                nxt = None
+            if (
+                nxt is None
+                and len(lane) < request.branch_depth
+                and should_launch(depth, seq.launch_loop, t.p_top[-1], request.min_confidence)
+                and pred != eos
+                and t.pos + 1 < request.max_new_tokens
+            ):
+                lane.append(Slot(t.pos + 1, pred, side=heapq.heappop(seq.side_free), up=(*t.up, (t.pos, t.side))))
 
-    def _drop_branch(self, seq: Sequence, slot: Slot) -> None:
-        """Drop ``slot``'s branch, if any (its rows are wasted), freeing its side slot."""
-        branch = slot.branch
-        if branch is None:
-            return
-        slot.branch = None
-        heapq.heappush(seq.side_free, branch.side)
-        seq.wasted_rows += len(branch.preds)
-        self.stats.wasted_rows += len(branch.preds)
+    def _drop_lane(self, seq: Sequence, lane: list[Slot], start: int) -> None:
+        """Drop lane tokens from index ``start`` on (their rows are wasted), freeing their side slots."""
+        for t in lane[start:]:
+            heapq.heappush(seq.side_free, t.side)
+            seq.wasted_rows += len(t.preds)
+            self.stats.wasted_rows += len(t.preds)
+        del lane[start:]
 
     def _commit(self, seq: Sequence, slot: Slot) -> None:
         token = slot.preds[-1]
@@ -585,7 +609,7 @@ class Engine:
         del seq.slots[start:]
         self._cache.invalidate(seq.row, dropped[0].pos)
         for slot in dropped:
-            self._drop_branch(seq, slot)
+            self._drop_lane(seq, slot.lane, 0)
         wasted = sum(len(s.preds) for s in dropped)
         seq.wasted_rows += wasted
         seq.flushes += mispredicted

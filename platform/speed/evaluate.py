@@ -77,8 +77,10 @@ class EvalConfig:
     launch_loop: int = 1  # SPEED launches a successor after this many loops
     invalidation: Literal["eager", "final"] = "eager"
     branches: int = 0  # SPEED's runner-up branches in flight per sequence (0..M; speed.engine.Request)
+    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
     branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
     min_confidence: float = 0.0  # a successor launches only from an exit at least this confident
+    row_budget: int | None = None  # SPEED's rows per step at most (speed.engine.EngineConfig); None: all in flight
     oracle: bool = True  # also decode (untimed) with oracle speculation: the steps SPEED needs if every exit agreed
     check_sequential: bool = True  # also decode sequentially, require identical output, report the speed-up
     bitwise: bool = True  # with check_sequential: any difference fails (else only differences beyond near_tie)
@@ -90,8 +92,12 @@ class EvalConfig:
         for name in ("batch_size", "max_new_tokens", "launch_loop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EvalConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.branches < 0:
-            raise ValueError(f"EvalConfig.branches must be at least 0, got {self.branches}")
+        if self.branches < 0 or self.branch_depth < 1:
+            raise ValueError(
+                f"EvalConfig.branches must be >= 0 and branch_depth >= 1, got {self.branches}, {self.branch_depth}"
+            )
+        if self.row_budget is not None and self.row_budget < 1:
+            raise ValueError(f"EvalConfig.row_budget must be at least 1 or None, got {self.row_budget}")
         if not 0.0 < self.branch_below <= 1.0:
             raise ValueError(f"EvalConfig.branch_below must be in (0, 1], got {self.branch_below}")
         if not 0.0 <= self.min_confidence <= 1.0:
@@ -284,7 +290,8 @@ def _decode(
 
 def _speed_settings(config: EvalConfig) -> dict[str, Any]:
     """SPEED's runner-up branch and confidence-gate settings, as ``generate`` takes them."""
-    return {"branches": config.branches, "branch_below": config.branch_below, "min_confidence": config.min_confidence}
+    names = ("branches", "branch_depth", "branch_below", "min_confidence", "row_budget")
+    return {name: getattr(config, name) for name in names}
 
 
 def _mismatches(
