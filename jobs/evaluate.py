@@ -40,6 +40,12 @@ SETTINGS = {
     "max_source_len": "encoder tokens per input (default: the training data's, else 512)",
     "launch_loop": "SPEED launches a successor after this many loops",
     "invalidation": "eager or final",
+    "branches": "SPEED's runner-up branches in flight per sequence (0: none; up to the model's loops)",
+    "branch_depth": "tokens a branch's lane may hold (1: the branch launches no successor)",
+    "row_budget": "SPEED's rows per step at most (default: all in flight)",
+    "branch_below": "a token carries a branch only while its exit's top-1 probability is below this",
+    "min_confidence": "a successor launches only from an exit whose top-1 probability is at least this",
+    "oracle": "also decode with oracle speculation (untimed): the summary's oracle_steps_per_token",
     "check_sequential": "also decode sequentially: outputs must be identical; reports the speed-up",
     "bitwise": "with the check, fail on any difference (else only on one that is not a near-tie)",
     "near_tie": "top-2 logit gap below which a difference is a near-tie (with --no-bitwise)",
@@ -57,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     settings = p.add_argument_group("evaluation (speed.evaluate.EvalConfig)")
     for name, help_ in SETTINGS.items():
         flag = f"--{name.replace('_', '-')}"
-        if name in ("check_sequential", "bitwise"):
+        if name in ("check_sequential", "bitwise", "oracle"):
             settings.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
         else:
             settings.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_)

@@ -77,3 +77,38 @@ def test_read_spans_whole_chunks_of_the_rows_depths():
     for bad in (0, ATTN_CHUNK - 1, 3 * ATTN_CHUNK):
         with pytest.raises(ValueError, match="span must be a multiple"):
             cache.read(0, rows, bad)
+
+
+def test_branch_rows_keep_their_own_entry_and_read_the_prefix():
+    """A branch row at position p writes its side slot and reads positions 0..p-1 from its sequence, p from its
+    side slot; the chain token at p keeps its own entry; promotion copies the branch's loops into position p."""
+    cache = KVCache(n_loops=2, n_layers=1, batch=2, n_heads=1, max_len=8, d_kv=1)
+    assert cache.side_keys[0].shape == (2, 2 * 4, 1, 1)  # n_loops**2 side slots per sequence
+    for pos in range(3):  # sequence 1, loop 0: positions 0..2 on the chain
+        cache.write(0, Rows.build([1], [0], [pos]), torch.full((1, 1, 1), float(pos + 1)), torch.zeros(1, 1, 1))
+    # one step: a chain row and a branch row, both at position 3
+    rows = Rows.build([1, 1], [0, 0], [3, 3], side=[-1, 1])
+    k = torch.tensor([7.0, 9.0]).view(2, 1, 1)
+    cache.write(0, rows, k, -k)
+    assert cache.lengths[0, 0].tolist() == [0, 4]  # only the chain row moved the valid length
+    assert cache.side_keys[0][0, 1 * 4 + 1, 0, 0].item() == 9.0
+    keys, values = cache.read(0, rows, ATTN_CHUNK)
+    assert keys[0, 0, :5, 0].tolist() == [1.0, 2.0, 3.0, 7.0, 0.0]
+    assert keys[1, 0, :5, 0].tolist() == [1.0, 2.0, 3.0, 9.0, 0.0]  # its own key at 3, the prefix before it
+    assert values[1, 0, 3, 0].item() == -9.0
+    assert cache.keys[0][0, 1, 0, 3, 0].item() == 7.0  # the chain's entry is untouched
+    # a lane: the branch's successor at 4 reads the branch's entry at 3 (side 1, not the chain's), its own at 4
+    cache.write(0, Rows.build([1], [0], [4], side=[2], up=[((3, 1),)]), torch.full((1, 1, 1), 5.0), k[:1])
+    lane = Rows.build([1], [0], [4], side=[2], up=[((3, 1),)])
+    assert cache.read(0, lane, ATTN_CHUNK)[0][0, 0, :6, 0].tolist() == [1.0, 2.0, 3.0, 9.0, 5.0, 0.0]
+    assert lane.take(np.array([0, 0])).up == (((3, 1),), ((3, 1),))
+    with pytest.raises(CacheError, match="branch write .* position 5, but its prefix's valid length is 4"):
+        cache.write(0, Rows.build([1], [0], [5], side=[0]), k[:1], k[:1])
+    with pytest.raises(CacheError, match="promotion to position 3"):
+        cache.promote(1, 1, 3, 1)  # position 3 is still the chain's
+    cache.invalidate(1, 3)
+    cache.promote(1, 1, 3, 1)
+    assert cache.lengths[0, 0].tolist() == [0, 4] and cache.keys[0][0, 1, 0, 3, 0].item() == 9.0
+    assert cache.values[0][0, 1, 0, 3, 0].item() == -9.0
+    chain_only = Rows.build([0], [0], [0], side=[-1])
+    assert chain_only.side is None and rows.take(np.array([0, 0])).side is None  # no branch rows: the plain path

@@ -101,7 +101,7 @@ def _break_sequential(monkeypatch):
 
     def broken(model, *args, **kwargs):
         result = real(model, *args, **kwargs)
-        calls.append(kwargs["method"])
+        calls.append("oracle" if kwargs.get("oracle") else kwargs["method"])
         if kwargs["method"] == "sequential" and len(result.tokens) == 2 and not isinstance(model, LogitRecorder):
             result.tokens[1][0] += 1  # the timed batch, not the warm-up nor the gap's re-run
         return result
@@ -111,7 +111,34 @@ def _break_sequential(monkeypatch):
 
 
 def _config(**kw) -> EvalConfig:
-    return EvalConfig("translate_en_de", batch_size=2, max_new_tokens=8, max_source_len=64, **kw)
+    return EvalConfig("translate_en_de", **({"batch_size": 2, "max_new_tokens": 8, "max_source_len": 64} | kw))
+
+
+def test_decode_summary_reports_the_oracle_branches_and_flip_cost(checkpoint, tmp_path):
+    """Steps and rows per token beside the oracle's (counted by the same engine on the same outputs), the flip
+    cost from the trace, and the branch settings recorded; branches change the steps, never the output."""
+    _, model, tok = checkpoint
+    plain = run_evaluation(model, tok, _config(limit=6, batch_size=1), tmp_path / "plain", progress=False)
+    tree = run_evaluation(model, tok, _config(limit=6, batch_size=1, branches=3), tmp_path / "tree", progress=False)
+    lengths = pq.read_table(tmp_path / "plain" / "predictions.parquet")["output_tokens"].to_pylist()
+    for summary in (plain, tree):
+        d = summary["decode"]
+        tokens = d["speed"]["tokens"]
+        assert tokens == sum(lengths) and d["identical"]
+        # oracle speculation never flushes: one sequence of T tokens takes T + M - 1 steps
+        assert d["oracle_steps_per_token"] * tokens == pytest.approx(sum(n + 2 for n in lengths))
+        assert d["oracle_steps_per_token"] <= d["steps_per_token"] == pytest.approx(d["speed"]["steps"] / tokens)
+        assert d["own_over_oracle"] == pytest.approx(d["oracle_steps_per_token"] / d["steps_per_token"])
+        assert d["rows_per_token"] == pytest.approx(3 + d["wasted_rows_per_token"])
+        rates = summary["flip_rates"]
+        assert d["flip_cost_per_loop"] == pytest.approx([(r["loop"] - 1) * r["flip_rate_prev"] for r in rates])
+        assert d["flip_cost"] == pytest.approx(sum(d["flip_cost_per_loop"]))
+    assert (plain["config"]["branches"], tree["config"]["branches"]) == (0, 3)
+    assert plain["decode"]["speed"]["promotions"] == 0 < tree["decode"]["speed"]["promotions"]
+    assert plain["decode"]["speed"]["steps"] != tree["decode"]["speed"]["steps"]
+    assert plain["decode"]["oracle_steps_per_token"] == tree["decode"]["oracle_steps_per_token"]
+    off = run_evaluation(model, tok, _config(limit=2, oracle=False), tmp_path / "off", progress=False)
+    assert "oracle_steps_per_token" not in off["decode"] and "steps_per_token" in off["decode"]
 
 
 def test_a_mismatch_is_recorded_written_then_fails(checkpoint, tmp_path, monkeypatch):
@@ -162,6 +189,10 @@ def test_bad_settings(checkpoint, tmp_path):
         EvalConfig(batch_size=0)
     with pytest.raises(ValueError, match="EvalConfig: top_p must be in"):
         EvalConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="branch_below"):
+        EvalConfig(branch_below=0.0)
+    with pytest.raises(ValueError, match="min_confidence"):
+        EvalConfig(min_confidence=2.0)
     with pytest.raises(ValueError, match="evaluation needs task and max_source_len"):
         run_evaluation(model, tok, EvalConfig(), tmp_path)
     small = SpeedT5(preset("tiny", vocab_size=tok.vocab_size - 1))

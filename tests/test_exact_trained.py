@@ -5,8 +5,9 @@ issue's Multi30k checkpoint met a 4.8e-07 top-2 gap at position 54). So a
 small 2x3 model is trained for real on Multi30k EN-DE (in-process, a few
 hundred steps), and SPEED's per-loop logits must equal sequential decoding's
 bit for bit on 100+ test sentences decoded to 64 tokens each, in batches of
-varying composition, for several launch loops and both policies, on 2 threads,
-greedy and with seeded sampling (every other batch; half the churn's requests).
+varying composition, for several launch loops and both policies, with and
+without runner-up branches and the confidence gate, on 2 threads, greedy and
+with seeded sampling (every other batch; half the churn's requests).
 """
 
 from __future__ import annotations
@@ -78,8 +79,15 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
         test = load_records("translate_en_de", "test", limit=SENTENCES)
         inputs = [truncate(ids, 48) for ids in tok.encode_batch(test["source"])]
         rng = random.Random(threads)
-        policies = [(1, "eager"), (2, "final"), (3, "eager")]
-        start, batch_no, rows_checked, gaps, sampled = 0, 0, 0, [], 0
+        # (launch loop, invalidation, runner-up branches, confidence gate)
+        policies = [
+            (1, "eager", 0, 0.0),
+            (2, "final", 0, 0.0),
+            (3, "eager", 0, 0.0),
+            (1, "eager", 3, 0.0),
+            (1, "final", 1, 0.5),
+        ]
+        start, batch_no, rows_checked, gaps, sampled, promotions = 0, 0, 0, [], 0, 0
         while start < len(inputs):
             size = rng.randint(1, 8)  # batch compositions change: different rows share each step
             input_ids, mask = pad_inputs(inputs[start : start + size])
@@ -91,7 +99,7 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
                 reference, input_ids, mask, method="sequential", max_new_tokens=NEW_TOKENS, sampling=sampling
             )
             assert all(len(t) == NEW_TOKENS for t in ref.tokens)
-            launch_loop, invalidation = policies[batch_no % len(policies)]
+            launch_loop, invalidation, branches, gate = policies[batch_no % len(policies)]
             candidate = LogitRecorder(model)
             got = generate(
                 candidate,
@@ -102,8 +110,11 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
                 launch_loop=launch_loop,
                 invalidation=invalidation,
                 sampling=sampling,
+                branches=branches,
+                min_confidence=gate,
             )
             assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], (start, size)
+            promotions += got.stats.promotions
             assert got.tokens == ref.tokens
             rows_checked += sum(map(len, ref.tokens)) * model.n_loops
             gaps += [top2_gap(reference.logits[(b, 2, p)]) for b in range(len(ref.tokens)) for p in range(NEW_TOKENS)]
@@ -112,7 +123,11 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
     finally:
         torch.set_num_threads(before)
     assert rows_checked == SENTENCES * NEW_TOKENS * model.n_loops and sampled > 5
-    print(f"{rows_checked} logit rows bit-identical; smallest last-loop top-2 gap {min(gaps):.2e}")
+    assert promotions > 0  # runner-up branches took over
+    print(
+        f"{rows_checked} logit rows bit-identical; smallest last-loop top-2 gap {min(gaps):.2e}; "
+        f"{promotions} promotions"
+    )
 
 
 class RequestRecorder(LogitRecorder):
@@ -120,13 +135,9 @@ class RequestRecorder(LogitRecorder):
 
     engine: Engine | None = None
 
-    def step(self, memory, cache, rows, hidden, with_logits=True):
-        out, logits = self.model.step(memory, cache, rows, hidden, with_logits)
-        if logits is not None:
-            owner = {seq.row: seq.id for seq in self.engine._active.values()}
-            for r, (row, loop, pos) in enumerate(zip(rows.seq.tolist(), rows.loop.tolist(), rows.pos.tolist())):
-                self.logits[(owner[row], loop, pos)] = logits[r]
-        return out, logits
+    def key(self, row, loop, pos):
+        owner = next(seq.id for seq in self.engine._active.values() if seq.row == row)
+        return (owner, loop, pos)
 
 
 @pytest.mark.slow
@@ -140,7 +151,7 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
     inputs = [truncate(ids, 48) for ids in tok.encode_batch(test["source"])][104:]  # not the other test's sentences
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    checked = cancelled = flushes = sampled = 0
+    checked = cancelled = flushes = sampled = promotions = 0
     try:
         for seed in range(3):
             rng = random.Random(seed)
@@ -165,6 +176,8 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
                     sampling=rng.choice(
                         [Sampling(), Sampling(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(2**63))]
                     ),
+                    branches=rng.choice([0, 1, model.n_loops]),
+                    min_confidence=rng.choice([0.0, 0.0, 0.4]),
                 ),
                 0.2,
                 40,
@@ -189,7 +202,11 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
                 cancelled += f.cancelled
                 flushes += f.stats.flushes
                 sampled += not request.sampling.greedy
+                promotions += f.stats.promotions
     finally:
         torch.set_num_threads(before)
-    assert cancelled > 0 and flushes > 0 and sampled > 0 and checked > 3 * 10 * 24 * model.n_loops
-    print(f"{checked} logit rows bit-identical under churn; {cancelled} cancelled; {flushes} flushes")
+    assert cancelled > 0 and flushes > 0 and sampled > 0 and promotions > 0 and checked > 3 * 10 * 24 * model.n_loops
+    print(
+        f"{checked} logit rows bit-identical under churn; {cancelled} cancelled; {flushes} flushes; "
+        f"{promotions} promotions"
+    )

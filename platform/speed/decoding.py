@@ -50,6 +50,11 @@ def generate(
     trace: bool = True,
     oracle: list[list[int]] | None = None,
     sampling: Sampling | None = None,
+    branches: int = 0,
+    branch_depth: int = 1,
+    branch_below: float = 1.0,
+    min_confidence: float = 0.0,
+    row_budget: int | None = None,
 ) -> GenerateResult:
     """Decode a batch of encoder inputs (B, S) with a looped decoder.
 
@@ -58,7 +63,10 @@ def generate(
     ``method="speed"`` pipelines: successors launch after ``launch_loop``
     loops (1..M) and are invalidated per ``invalidation``. ``oracle`` (SPEED
     only) forces speculation to the given final tokens, isolating the
-    engine's own overhead. Both return identical tokens. Sequence b decodes
+    engine's own overhead. ``branches``, ``branch_depth``, ``branch_below`` and ``min_confidence``
+    are SPEED's runner-up branches and confidence gate (``speed.engine.Request``);
+    ``row_budget`` caps the rows of a step (``speed.engine.EngineConfig``).
+    Both return identical tokens. Sequence b decodes
     the tokens where ``attention_mask[b]`` is 1, encoded on their own.
     ``sampling`` (default greedy) applies to every sequence with its one seed:
     the noise depends on (seed, output position) only, so two sequences of the
@@ -90,10 +98,16 @@ def generate(
             invalidation,
             None if oracle is None else list(oracle[b]),
             Sampling() if sampling is None else sampling,
+            branches=branches,
+            branch_depth=branch_depth,
+            branch_below=branch_below,
+            min_confidence=min_confidence,
         )
         for b, row in enumerate(rows)
     ]
-    config = EngineConfig(max_active=batch, max_source_len=length, max_target_len=max_new_tokens, trace=trace)
+    config = EngineConfig(
+        max_active=batch, max_source_len=length, max_target_len=max_new_tokens, row_budget=row_budget, trace=trace
+    )
     was_training = getattr(model, "training", False)
     if was_training:
         model.eval()  # type: ignore[attr-defined]

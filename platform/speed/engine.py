@@ -18,13 +18,25 @@ request's seed and the output position, never on the step or the batch.
 Sequential decoding is the same pipeline that never launches a successor
 before its predecessor's last loop.
 
+Runner-up branches (tree speculation, ``Request.branches``): an in-flight
+token whose exit is unsure may also carry a second successor launched from its
+runner-up prediction. It runs beside the chain (its key/value in a side slot of
+the cache, see ``speed.cache``) and may grow a lane of its own successors, up
+to ``Request.branch_depth`` tokens (1: it launches nothing); when a later loop
+switches to the runner-up, the lane becomes the chain and the old chain is
+flushed, instead of a restart from the first loop. When the runner-up changes,
+the branch restarts from the new one. Only last-loop predictions are committed,
+so branches change the schedule, never the output. ``Request.min_confidence``
+gates launching: a successor waits until its predecessor's exit is at least that
+confident.
+
 Capacity is fixed at construction: ``max_active`` slots, each a KV-cache row
 and an encoder-memory slot, handed out from a free list. A request waits in a
 queue until a slot is free; joining or leaving writes only its own slot. Each
 step computes every active request's in-flight rows, or at most
 ``row_budget`` of them: the rows on the committed path (each request's oldest
-in-flight token, whose input is known to be right) first, speculative rows in
-what is left.
+in-flight token, whose input is known to be right) first, speculative chain rows
+in what is left, runner-up branches last.
 
 Threads: ``add`` may be called from any thread at any time (it only queues);
 ``step`` and ``cancel`` hold the engine's lock, so one step runs at a time and
@@ -108,6 +120,10 @@ class Request:
     oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
     sampling: Sampling = Sampling()  # greedy by default
     logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and its k best alternatives
+    branches: int = 0  # runner-up branches in flight at once (0..M; 0: none): see the module doc
+    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
+    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
+    min_confidence: float = 0.0  # a successor launches only from an exit whose top-1 probability is at least this
 
 
 @dataclass
@@ -118,8 +134,9 @@ class DecodeStats:
     steps: int = 0  # engine iterations (SPEED: pipeline steps; generate's sequential: token positions)
     group_passes: int = 0  # runs of the shared N-layer group, each reading its weights once
     rows: int = 0  # token-loops computed (a row = one token through one loop)
-    flushes: int = 0  # misprediction flushes (each may drop several in-flight tokens)
-    wasted_rows: int = 0  # rows spent on tokens that were flushed, fell past EOS or were cancelled
+    flushes: int = 0  # misprediction restarts (each may drop several in-flight tokens)
+    wasted_rows: int = 0  # rows spent on tokens that were flushed, fell past EOS or were cancelled, branches dropped
+    promotions: int = 0  # mispredictions whose runner-up branch took over the chain (no restart)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -150,6 +167,7 @@ class RequestStats:
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens by draft position 1..M-1
     draft_tokens_per_pos: list[int] = field(default_factory=list)  # draft tokens by draft position 1..M-1
+    promotions: int = 0  # runner-up branches that became the chain
 
 
 @dataclass
@@ -184,9 +202,15 @@ class StepResult:
 # ----- policies: small pure functions ------------------------------------------------------
 
 
-def should_launch(depth: int, launch_loop: int) -> bool:
-    """A token with ``depth`` finished loops may launch its successor from its latest prediction."""
-    return depth >= launch_loop
+def should_launch(depth: int, launch_loop: int, p_top: float = 1.0, min_confidence: float = 0.0) -> bool:
+    """A token with ``depth`` finished loops, whose latest exit has top-1 probability ``p_top``, may launch its
+    successor from that exit's prediction."""
+    return depth >= launch_loop and p_top >= min_confidence
+
+
+def should_branch(p_top: float, branch_below: float) -> bool:
+    """A token whose latest exit has top-1 probability ``p_top`` may carry a branch from its runner-up."""
+    return p_top < branch_below
 
 
 def should_flush(invalidation: Invalidation, depth: int, n_loops: int) -> bool:
@@ -229,6 +253,10 @@ class Slot:
     ahead: int = 0  # uncommitted tokens ahead of it when launched: 0 on the committed path, else its draft position
     modes: list[int] = field(default_factory=list)  # each finished loop's noise-free argmax (= preds if greedy)
     logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
+    lane: list[Slot] = field(default_factory=list)  # its branch at pos + 1 (from its runner-up) and the branch's own
+    # successors at pos + 2, ...; empty: no branch
+    side: int = -1  # a lane token's side slot in the cache (its own key/value); -1 on the chain
+    up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side slot), oldest first
 
 
 @dataclass
@@ -243,6 +271,7 @@ class Sequence:
     row: int = -1  # its slot: KV-cache row and encoder-memory slot; -1 while queued
     out: list[int] = field(default_factory=list)  # committed tokens
     slots: list[Slot] = field(default_factory=list)  # in flight, oldest first; slot i+1 launched from slot i
+    side_free: list[int] = field(default_factory=list)  # a heap of the cache's side slots its branches may take
     done: bool = False
     admitted: float = float("nan")
     first_token: float = float("nan")
@@ -251,6 +280,7 @@ class Sequence:
     rows: int = 0
     flushes: int = 0
     wasted_rows: int = 0
+    promotions: int = 0
     flips: list[int] = field(default_factory=list)  # per loop: committed tokens whose exit there differed
     drafts: int = 0  # speculative launches at draft position 1 (RequestStats)
     draft_tokens: list[int] = field(default_factory=list)  # speculative launches by draft position - 1
@@ -275,6 +305,10 @@ class Sequence:
         if sampling.penalized:  # the committed tokens, then the slot's in-flight predecessors
             history = self.out + [s.token for s in self.slots[1 : slot.pos - len(self.out) + 1]]
         return Draw(sampling, slot.pos, history)
+
+    def in_flight(self) -> list[Slot]:
+        """Every slot that computes rows: the chain, then the lanes (by their parent, oldest first)."""
+        return [*self.slots, *(t for s in self.slots for t in s.lane)]
 
 
 # ----- the engine ------------------------------------------------------------------------------
@@ -329,6 +363,7 @@ class Engine:
             "flips": [0] * M,
             "accepted": [0] * (M - 1),
             "draft_tokens": [0] * (M - 1),
+            "side_free": list(range(M * M)),
             "trace": TraceBuilder() if self.config.trace else None,
             "logprobs": None if request.logprobs is None else [],
         }
@@ -349,7 +384,7 @@ class Engine:
                         return None
                     self._waiting.remove(seq)
             else:
-                dropped = sum(len(slot.preds) for slot in seq.slots)
+                dropped = sum(len(slot.preds) for slot in seq.in_flight())
                 seq.wasted_rows += dropped
                 self.stats.wasted_rows += dropped
                 seq.slots.clear()
@@ -376,7 +411,13 @@ class Engine:
             for slot, h in zip(fresh, self.model.embed(tokens)):
                 slot.hidden = h
         M = self.model.n_loops
-        rows = Rows.build([s.row for s, _ in work], [len(t.preds) for _, t in work], [t.pos for _, t in work])
+        rows = Rows.build(
+            [s.row for s, _ in work],
+            [len(t.preds) for _, t in work],
+            [t.pos for _, t in work],
+            [t.side for _, t in work],
+            [t.up for _, t in work],
+        )
         with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
         inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
         hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
@@ -454,6 +495,14 @@ class Engine:
         k = request.logprobs
         if k is not None and (type(k) is not int or not 0 <= k <= min(MAX_LOGPROBS, V)):
             raise ValueError(f"logprobs must be None or an integer in 0..{min(MAX_LOGPROBS, V)}, got {k!r}")
+        if type(request.branches) is not int or not 0 <= request.branches <= M:
+            raise ValueError(f"branches must be in 0..{M} (the model's loops), got {request.branches!r}")
+        if type(request.branch_depth) is not int or not 1 <= request.branch_depth <= M:
+            raise ValueError(f"branch_depth must be in 1..{M} (the model's loops), got {request.branch_depth!r}")
+        if not 0.0 < request.branch_below <= 1.0:
+            raise ValueError(f"branch_below must be in (0, 1], got {request.branch_below!r}")
+        if not 0.0 <= request.min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {request.min_confidence!r}")
 
     def _admit(self) -> None:
         """Move waiting requests into free slots, encoding each alone into its slot."""
@@ -469,63 +518,134 @@ class Engine:
             self._active[seq.id] = seq
 
     def _select(self) -> list[tuple[Sequence, Slot]]:
-        """This step's rows, in admission order: all in-flight rows, or the row budget's choice."""
+        """This step's rows, in admission order: all in-flight rows, or the row budget's choice.
+
+        The budget serves each request's committed path, then chain speculation, then branches; a branch
+        runs only in a step that runs its parent, so it never catches up with the keys it reads.
+        """
         seqs = self._active.values()
         budget = self.config.row_budget
-        if budget is None:
-            return [(s, slot) for s in seqs for slot in s.slots]
-        if sum(len(s.slots) for s in seqs) <= budget:
-            for s in seqs:
-                s.last_served = self._step_no
-            return [(s, slot) for s in seqs for slot in s.slots]
+        flying = {s.id: s.in_flight() for s in seqs}
+        if budget is None or sum(map(len, flying.values())) <= budget:
+            if budget is not None:
+                for s in seqs:
+                    s.last_served = self._step_no
+            return [(s, slot) for s in seqs for slot in flying[s.id]]
         order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
-        take = dict(zip((s.id for s in order), budget_rows([len(s.slots) for s in order], budget)))
+        take = budget_rows([len(s.slots) for s in order], budget)
+        branches = [[t for c in s.slots[:n] for t in c.lane] for s, n in zip(order, take)]  # a lane's own order
+        branch_take = budget_rows([len(b) for b in branches], budget - sum(take))
+        chosen = {s.id: [*s.slots[:n], *b[:m]] for s, n, b, m in zip(order, take, branches, branch_take)}
         work = []
         for s in seqs:
-            if take[s.id]:
+            if chosen[s.id]:
                 s.last_served = self._step_no
-                work.extend((s, slot) for slot in s.slots[: take[s.id]])
+                work.extend((s, slot) for slot in chosen[s.id])
         return work
 
     def _schedule(self, seq: Sequence) -> None:
-        """After a step: commit a finished token, flush mispredicted successors, launch new ones."""
+        """After a step: commit a finished token, flush or promote past mispredictions, launch new tokens."""
         M, eos = self.model.n_loops, self.model.eos_id
-        invalidation = seq.request.invalidation
+        request = seq.request
         i = 0
         while i < len(seq.slots):
             slot = seq.slots[i]
             depth = len(slot.preds)
             if depth == 0:  # launched in this step, or left out by the row budget
                 return
-            succ = seq.slots[i + 1] if i + 1 < len(seq.slots) else None
             if depth == M:  # the oldest token finished its last loop: commit it
                 token = slot.preds[-1]
                 seq.slots.pop(0)
                 self._commit(seq, slot)
-                if token == eos or len(seq.out) >= seq.request.max_new_tokens:
+                if token == eos or len(seq.out) >= request.max_new_tokens:
+                    self._drop_lane(seq, slot.lane, 0)
                     self._flush(seq, 0, mispredicted=False)
                     seq.done = True
                     return
-                if succ is not None and succ.token != token:
-                    self._flush(seq, 0, mispredicted=True)
-                    succ = None
-                if succ is None:
+                self._follow(seq, slot, 0, token)
+                self._drop_lane(seq, slot.lane, 0)  # not taken over: the chain was right
+                if not seq.slots:
                     seq.slots.append(Slot(slot.pos + 1, token))
                 continue  # the successor is now the oldest, at index 0
             guess = seq.speculation(slot)
-            if succ is not None and succ.token != guess and should_flush(invalidation, depth, M):
-                self._flush(seq, i + 1, mispredicted=True)
-                succ = None
+            if should_flush(request.invalidation, depth, M):
+                self._follow(seq, slot, i + 1, guess)
+            succ = seq.slots[i + 1] if i + 1 < len(seq.slots) else None
             if (
                 succ is None
-                and should_launch(depth, seq.launch_loop)
+                and should_launch(depth, seq.launch_loop, slot.p_top[-1], request.min_confidence)
                 and guess != eos
-                and slot.pos + 1 < seq.request.max_new_tokens
+                and slot.pos + 1 < request.max_new_tokens
             ):
-                seq.slots.append(Slot(slot.pos + 1, guess, ahead=i + 1))
+                succ = Slot(slot.pos + 1, guess, ahead=i + 1)
+                seq.slots.append(succ)
                 seq.draft_tokens[i] += 1
                 seq.drafts += i == 0
+            self._keep_lane(seq, slot, succ, guess)
             i += 1
+
+    def _follow(self, seq: Sequence, parent: Slot, start: int, token: int) -> None:
+        """Make ``token`` the successor of ``parent`` (at ``seq.slots[start]``): keep the chain if it has it,
+        else promote the parent's lane if its branch has it, else flush the chain (it relaunches)."""
+        succ = seq.slots[start] if start < len(seq.slots) else None
+        if succ is not None and succ.token == token:
+            return
+        lane = parent.lane
+        if not lane or lane[0].token != token:
+            self._flush(seq, start, mispredicted=succ is not None)
+            return
+        parent.lane = []
+        self._flush(seq, start, mispredicted=False)
+        for t in lane:  # in position order: each lands at the end of the prefix its predecessor just extended
+            self._cache.promote(seq.row, t.side, t.pos, len(t.preds))
+            heapq.heappush(seq.side_free, t.side)
+            t.side, t.up = -1, ()
+        seq.slots.extend(lane)
+        seq.promotions += 1
+        self.stats.promotions += 1
+
+    def _keep_lane(self, seq: Sequence, slot: Slot, succ: Slot | None, guess: int) -> None:
+        """Keep ``slot``'s branch on its runner-up (restart it when the runner-up changes; launch one if allowed),
+        then grow or trim its lane as the chain grows: from each lane token's own latest prediction."""
+        request, runner, eos = seq.request, slot.runners[-1], self.model.eos_id
+        lane = slot.lane
+        if lane and (lane[0].token not in (runner, guess) or succ is None or lane[0].token == succ.token):
+            self._drop_lane(seq, lane, 0)
+        if (
+            not lane
+            and succ is not None
+            and runner not in (succ.token, eos, NO_EXIT)
+            and request.oracle is None
+            and sum(bool(s.lane) for s in seq.slots) < request.branches
+            and should_branch(slot.p_top[-1], request.branch_below)
+        ):
+            lane.append(Slot(slot.pos + 1, runner, side=heapq.heappop(seq.side_free)))
+        M = self.model.n_loops
+        for j, t in enumerate(lane):
+            depth = len(t.preds)
+            if depth == 0:
+                return
+            nxt = lane[j + 1] if j + 1 < len(lane) else None
+            pred = t.preds[-1]
+            if nxt is not None and nxt.token != pred and should_flush(request.invalidation, depth, M):
+                self._drop_lane(seq, lane, j + 1)
+                nxt = None
+            if (
+                nxt is None
+                and len(lane) < request.branch_depth
+                and should_launch(depth, seq.launch_loop, t.p_top[-1], request.min_confidence)
+                and pred != eos
+                and t.pos + 1 < request.max_new_tokens
+            ):
+                lane.append(Slot(t.pos + 1, pred, side=heapq.heappop(seq.side_free), up=(*t.up, (t.pos, t.side))))
+
+    def _drop_lane(self, seq: Sequence, lane: list[Slot], start: int) -> None:
+        """Drop lane tokens from index ``start`` on (their rows are wasted), freeing their side slots."""
+        for t in lane[start:]:
+            heapq.heappush(seq.side_free, t.side)
+            seq.wasted_rows += len(t.preds)
+            self.stats.wasted_rows += len(t.preds)
+        del lane[start:]
 
     def _commit(self, seq: Sequence, slot: Slot) -> None:
         token = slot.preds[-1]
@@ -548,6 +668,8 @@ class Engine:
             return
         del seq.slots[start:]
         self._cache.invalidate(seq.row, dropped[0].pos)
+        for slot in dropped:
+            self._drop_lane(seq, slot.lane, 0)
         wasted = sum(len(s.preds) for s in dropped)
         seq.wasted_rows += wasted
         seq.flushes += mispredicted
@@ -575,6 +697,7 @@ class Engine:
             accepted_tokens=sum(seq.accepted),
             accepted_per_pos=list(seq.accepted),
             draft_tokens_per_pos=list(seq.draft_tokens),
+            promotions=seq.promotions,
         )
         trace = seq.trace.table() if seq.trace is not None else None
         return Finished(seq.id, seq.out, stats, trace, cancelled, seq.logprobs)

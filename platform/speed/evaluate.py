@@ -3,7 +3,8 @@
 Writes three files into ``out_dir``: ``predictions.parquet``
 (``PREDICTIONS_SCHEMA``), ``trace.parquet`` (``EVAL_TRACE_SCHEMA``: the
 per-token flip trace plus the example index, joinable with the predictions)
-and ``summary.json`` (metrics, flip rate per loop, decode speed and, with
+and ``summary.json`` (metrics, flip rate per loop, decode speed, SPEED's steps
+and rows per token beside the oracle's, the flip cost and, with
 ``check_sequential``, the speed-up over sequential decoding, whose output
 must be identical). With ``check_sequential`` both decoders run on every
 batch, timed interleaved (alternating which goes first), so that a busy
@@ -35,7 +36,7 @@ from speed.model import SpeedT5
 from speed.progress import ProgressBar
 from speed.sampling import Sampling
 from speed.tokenizer import EOS_ID, Tokenizer
-from speed.trace import TRACE_SCHEMA, flip_rates
+from speed.trace import TRACE_SCHEMA, flip_costs, flip_rates
 
 PREDICTIONS_FILE = "predictions.parquet"
 TRACE_FILE = "trace.parquet"
@@ -76,6 +77,12 @@ class EvalConfig:
     max_source_len: int | None = None  # encoder inputs are truncated to this many tokens; None: the training data's
     launch_loop: int = 1  # SPEED launches a successor after this many loops
     invalidation: Literal["eager", "final"] = "eager"
+    branches: int = 0  # SPEED's runner-up branches in flight per sequence (0..M; speed.engine.Request)
+    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
+    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
+    min_confidence: float = 0.0  # a successor launches only from an exit at least this confident
+    row_budget: int | None = None  # SPEED's rows per step at most (speed.engine.EngineConfig); None: all in flight
+    oracle: bool = True  # also decode (untimed) with oracle speculation: the steps SPEED needs if every exit agreed
     check_sequential: bool = True  # also decode sequentially, require identical output, report the speed-up
     bitwise: bool = True  # with check_sequential: any difference fails (else only differences beyond near_tie)
     near_tie: float = 1e-5  # top-2 logit gap under which a difference counts as a near-tie (bitwise off)
@@ -90,6 +97,16 @@ class EvalConfig:
         for name in ("batch_size", "max_new_tokens", "launch_loop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EvalConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.branches < 0 or self.branch_depth < 1:
+            raise ValueError(
+                f"EvalConfig.branches must be >= 0 and branch_depth >= 1, got {self.branches}, {self.branch_depth}"
+            )
+        if self.row_budget is not None and self.row_budget < 1:
+            raise ValueError(f"EvalConfig.row_budget must be at least 1 or None, got {self.row_budget}")
+        if not 0.0 < self.branch_below <= 1.0:
+            raise ValueError(f"EvalConfig.branch_below must be in (0, 1], got {self.branch_below}")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"EvalConfig.min_confidence must be in [0, 1], got {self.min_confidence}")
         if self.max_source_len is not None and self.max_source_len < 2:
             raise ValueError(f"EvalConfig.max_source_len must be at least 2, got {self.max_source_len}")
         if self.limit is not None and self.limit < 1:
@@ -175,7 +192,7 @@ def run_evaluation(
 
     methods = ("speed", "sequential") if config.check_sequential else ("speed",)
     _warm_up(model, inputs[0], methods)
-    decoded, sequential, mismatches = _decode(model, inputs, config, progress)
+    decoded, sequential, oracle, mismatches = _decode(model, inputs, config, progress)
     hypotheses = tok.decode_batch(decoded.tokens)
 
     out = Path(out_dir)
@@ -201,7 +218,7 @@ def run_evaluation(
         "tokenizer": str(tok.path),
         "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},
         "flip_rates": flip_rates(decoded.trace).to_pylist(),
-        "decode": _speed_summary(decoded, sequential, mismatches, config.bitwise, config.near_tie),
+        "decode": _speed_summary(decoded, sequential, oracle, mismatches, config.bitwise, config.near_tie),
         "files": {name: str(out / f) for name, f in _FILES.items()},
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
@@ -222,11 +239,13 @@ def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...]) -> No
 
 def _decode(
     model: SpeedT5, inputs: list[list[int]], config: EvalConfig, progress: bool
-) -> tuple[_Decoded, _Decoded | None, list[Mismatch]]:
+) -> tuple[_Decoded, _Decoded | None, _Decoded | None, list[Mismatch]]:
     """Decode ``inputs`` in batches with SPEED (with its trace) and, if checked, sequentially.
 
     The two methods run batch by batch, alternating which goes first, each
-    timed on its own.
+    timed on its own. With ``config.oracle`` each batch is decoded once more,
+    untimed, with SPEED speculating its own final tokens (same launch loop and
+    invalidation, no branches): returned third, its steps are the oracle's.
     """
     device = next(model.parameters()).device
     methods = ("speed", "sequential") if config.check_sequential else ("speed",)
@@ -250,10 +269,24 @@ def _decode(
                 invalidation=config.invalidation,
                 trace=method == "speed",
                 sampling=config.sampling,
+                **(_speed_settings(config) if method == "speed" else {}),
             )
             runs[method].seconds += time.perf_counter() - begin
+        if config.oracle:
+            results["oracle"] = generate(
+                model,
+                input_ids,
+                attention_mask,
+                method="speed",
+                max_new_tokens=config.max_new_tokens,
+                launch_loop=config.launch_loop,
+                invalidation=config.invalidation,
+                trace=False,
+                oracle=results["speed"].tokens,
+                sampling=config.sampling,
+            )
         for method, result in results.items():
-            run = runs[method]
+            run = runs.setdefault(method, _Decoded([], DecodeStats(), 0.0, None))
             run.tokens.extend(result.tokens)
             for f in dataclasses.fields(DecodeStats):
                 setattr(run.stats, f.name, getattr(run.stats, f.name) + getattr(result.stats, f.name))
@@ -266,9 +299,15 @@ def _decode(
             )
         if bar is not None:
             rates = ", ".join(f"{m} {r.stats.tokens / r.seconds:.0f}" for m, r in runs.items() if r.seconds)
-            bar.update(len(results["speed"].tokens), f"tokens/s {rates}")
+            bar.update(len(results["speed"].tokens), f"tokens/s {rates}")  # the oracle run is untimed
     runs["speed"].trace = pa.concat_tables(traces) if traces else None
-    return runs["speed"], runs.get("sequential"), mismatches
+    return runs["speed"], runs.get("sequential"), runs.get("oracle"), mismatches
+
+
+def _speed_settings(config: EvalConfig) -> dict[str, Any]:
+    """SPEED's runner-up branch and confidence-gate settings, as ``generate`` takes them."""
+    names = ("branches", "branch_depth", "branch_below", "min_confidence", "row_budget")
+    return {name: getattr(config, name) for name in names}
 
 
 def _mismatches(
@@ -333,7 +372,12 @@ def _fail_on_mismatch(mismatches: list[Mismatch], bitwise: bool, near_tie: float
 
 
 def _speed_summary(
-    speed: _Decoded, sequential: _Decoded | None, mismatches: list[Mismatch], bitwise: bool, near_tie: float
+    speed: _Decoded,
+    sequential: _Decoded | None,
+    oracle: _Decoded | None,
+    mismatches: list[Mismatch],
+    bitwise: bool,
+    near_tie: float,
 ) -> dict[str, Any]:
     def one(d: _Decoded) -> dict[str, Any]:
         return {
@@ -343,7 +387,23 @@ def _speed_summary(
             "tokens_per_s": d.stats.tokens / d.seconds if d.seconds else 0.0,
         }
 
-    summary: dict[str, Any] = {"speed": one(speed)}
+    def per_token(n: int) -> float:
+        return n / speed.stats.tokens if speed.stats.tokens else 0.0
+
+    costs = flip_costs(speed.trace) if speed.trace is not None else []
+    summary: dict[str, Any] = {
+        "speed": one(speed),
+        "steps_per_token": per_token(speed.stats.steps),
+        "rows_per_token": per_token(speed.stats.rows),
+        "wasted_rows_per_token": per_token(speed.stats.wasted_rows),
+        "flip_cost": sum(costs),  # speed.trace.flip_costs: steps per token that flips cost without branches
+        "flip_cost_per_loop": costs,
+    }
+    if oracle is not None:
+        summary["oracle_steps_per_token"] = per_token(oracle.stats.steps)
+        summary["oracle_rows_per_token"] = per_token(oracle.stats.rows)
+        steps = speed.stats.steps
+        summary["own_over_oracle"] = oracle.stats.steps / steps if steps else 0.0  # 1: every early exit agreed
     if sequential is not None:
         summary["sequential"] = one(sequential)
         summary["identical"] = not mismatches
@@ -366,8 +426,18 @@ def format_summary(summary: dict[str, Any]) -> str:
     speed = decode["speed"]
     lines.append(
         f"  SPEED: {speed['tokens_per_s']:.1f} tokens/s, {speed['tokens_per_pass']:.3f} tokens per group pass, "
-        f"{speed['flushes']} flushes"
+        f"{speed['flushes']} flushes, {speed.get('promotions', 0)} branch promotions"
     )
+    if "steps_per_token" in decode:
+        oracle = (
+            f" (oracle {decode['oracle_steps_per_token']:.3f}: own/oracle {decode['own_over_oracle']:.3f})"
+            if "oracle_steps_per_token" in decode
+            else ""
+        )
+        lines.append(
+            f"  steps per token {decode['steps_per_token']:.3f}{oracle}, rows per token "
+            f"{decode['rows_per_token']:.3f}, flip cost {decode['flip_cost']:.3f} steps per token"
+        )
     if "sequential" in decode:
         same = "identical output" if decode["identical"] else f"{len(decode['mismatches'])} example(s) differ"
         lines.append(

@@ -5,9 +5,11 @@ difference) and keeps, for every (cache row, loop, position), the early-exit
 logits of the last time that row was computed. In a SPEED run a flushed token
 is recomputed at the same (row, loop, position) with its corrected input, and
 nothing at a position runs after its token is committed, so the last record
-is the committed token's. Tests compare SPEED's records with sequential
-decoding's (``torch.equal``); evaluation uses them to report the top-2 gap
-where two decodings differ.
+is the committed token's. A runner-up branch's rows are kept apart until the
+engine promotes the branch into the chain (``KVCache.promote``, observed on
+the cache the recorder hands out); then they become its position's records.
+Tests compare SPEED's records with sequential decoding's (``torch.equal``);
+evaluation uses them to report the top-2 gap where two decodings differ.
 """
 
 from __future__ import annotations
@@ -24,25 +26,49 @@ from speed.cache import KVCache, Rows
 class LogitRecorder:
     """A ``Stepper`` that forwards to ``model`` and records each row's early-exit logits (V,).
 
-    ``logits[(row, loop, pos)]``: loop 0-based, as in ``Rows``. Rows run
+    ``logits[key(row, loop, pos)]``: loop 0-based, as in ``Rows``. Rows run
     without logits (sequential decoding without a trace skips non-final
     exits) record nothing.
     """
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.logits: dict[tuple[int, int, int], Tensor] = {}
+        self.logits: dict[Any, Tensor] = {}
+        self._branches: dict[tuple[int, int, int, int], Tensor] = {}  # (row, side slot, loop, pos) -> (V,)
 
-    def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, start_id, cache, prepare, embed, eval, ...
+    def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, start_id, prepare, embed, eval, ...
         return getattr(self.model, name)
+
+    def key(self, row: int, loop: int, pos: int) -> Any:
+        """The record's key (subclasses may name rows otherwise, e.g. by request)."""
+        return (row, loop, pos)
+
+    def cache(self, batch: int, max_len: int) -> KVCache:
+        """The model's cache, whose branch promotions also move the branch's records into the chain's."""
+        cache = self.model.cache(batch, max_len)
+        promote = cache.promote
+
+        def promote_and_record(seq: int, side: int, pos: int, depth: int) -> None:
+            promote(seq, side, pos, depth)
+            for loop in range(depth):
+                self.logits[self.key(seq, loop, pos)] = self._branches.pop((seq, side, loop, pos))
+
+        cache.promote = promote_and_record  # type: ignore[method-assign]
+        return cache
 
     def step(
         self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
     ) -> tuple[Tensor, Tensor | None]:
         out, logits = self.model.step(memory, cache, rows, hidden, with_logits)
         if logits is not None:
-            for r, key in enumerate(zip(rows.seq.tolist(), rows.loop.tolist(), rows.pos.tolist())):
-                self.logits[key] = logits[r]
+            side = rows.side.tolist() if rows.side is not None else [-1] * len(rows)
+            for r, (row, loop, pos, b) in enumerate(
+                zip(rows.seq.tolist(), rows.loop.tolist(), rows.pos.tolist(), side)
+            ):
+                if b < 0:
+                    self.logits[self.key(row, loop, pos)] = logits[r]
+                else:
+                    self._branches[(row, b, loop, pos)] = logits[r]
         return out, logits
 
 

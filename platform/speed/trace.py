@@ -58,3 +58,16 @@ def flip_rates(trace: pa.Table) -> pa.Table:
     return grouped.take(pc.sort_indices(grouped, [("loop", "ascending")])).select(
         ["loop", "tokens", "flip_rate_prev", "flip_rate_final"]
     )
+
+
+def flip_costs(trace: pa.Table) -> list[float]:
+    """Per loop k (1-based): the pipeline steps per committed token that its flips cost SPEED, (k-1) x flip_prev.
+
+    A flip at loop k (the prediction differs from loop k-1's) restarts the
+    successor that launched after loop 1 and ran k-1 loops (launch loop 1, no
+    branches), so it delays the token after it by about k-1 steps; the sum over
+    loops is the expected delay per token. It needs no decoding beyond the
+    trace (a teacher-forced pass gives the same flags).
+    """
+    rates = flip_rates(trace)
+    return [(k - 1) * r for k, r in zip(rates.column("loop").to_pylist(), rates.column("flip_rate_prev").to_pylist())]
