@@ -208,3 +208,15 @@ def test_teacher_forced_flips_count_changes_per_loop():
     assert tokens == 3
     assert prev.tolist() == [0, 1, 2]  # loop 2 changed position 1; loop 3 changed positions 0 and 2
     assert final.tolist() == [3, 2, 0]  # against loop 3's predictions [1, 2, 0]
+
+
+def test_a_traces_flip_costs_sum_to_the_flip_cost_of_its_rates():
+    from speed.trace import TraceBuilder, flip_costs, flip_rates
+
+    builder = TraceBuilder()
+    for position, preds in enumerate([[5, 6, 6], [7, 7, 8], [1, 2, 3], [4, 4, 4]]):
+        builder.add_token(0, position, preds)
+    trace = builder.table()
+    costs = flip_costs(trace)
+    assert costs == pytest.approx([0.0, 0.5 * 1, 0.5 * 2])  # loop 2 flips tokens 0 and 2, loop 3 tokens 1 and 2
+    assert sum(costs) == pytest.approx(flip_cost(flip_rates(trace).column("flip_rate_prev").to_pylist()))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from speed.losses import flip_cost_weights
+
 TRACE_SCHEMA = pa.schema(
     [
         pa.field("sequence", pa.int32(), nullable=False),  # index in the decoded batch
@@ -67,7 +69,8 @@ def flip_costs(trace: pa.Table) -> list[float]:
     successor that launched after loop 1 and ran k-1 loops (launch loop 1, no
     branches), so it delays the token after it by about k-1 steps; the sum over
     loops is the expected delay per token. It needs no decoding beyond the
-    trace (a teacher-forced pass gives the same flags).
+    trace (a teacher-forced pass gives the same flags). Their sum is
+    ``speed.losses.flip_cost`` of the trace's flip rates.
     """
-    rates = flip_rates(trace)
-    return [(k - 1) * r for k, r in zip(rates.column("loop").to_pylist(), rates.column("flip_rate_prev").to_pylist())]
+    prev = flip_rates(trace).column("flip_rate_prev").to_pylist()  # loops 1..M in order
+    return [w * r for w, r in zip(flip_cost_weights(len(prev)).tolist(), prev)]
