@@ -105,9 +105,13 @@ def _load_runs(model: SpeedT5, root: Path) -> None:
             request_rows.append(
                 {"request_id": request_id, "choice": 0, "replica": "replica-0", "engine_id": i, "arrived": arrived,
                  "model": "tiny", "task": None, "method": "speed", "launch_loop": 1, "invalidation": "eager",
-                 "stream": False, "max_tokens": 8, "prompt_tokens": 6, "completion_tokens": stats.tokens,
+                 "route": "completions", "prompt": 0, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0,
+                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "stream": False, "max_tokens": 8,
+                 "prompt_tokens": 6, "completion_tokens": stats.tokens,
                  "finish_reason": finish, "steps": stats.steps, "rows": stats.rows, "flushes": stats.flushes,
-                 "wasted_rows": stats.wasted_rows, "flip_rate": [], "queued_ms": 0.0, "ttft_ms": None,
+                 "wasted_rows": stats.wasted_rows, "flip_rate": [], "drafts": 0, "draft_tokens": 0,
+                 "accepted_tokens": 0,
+                 "accepted_per_pos": [], "draft_tokens_per_pos": [], "queued_ms": 0.0, "ttft_ms": None,
                  "latency_ms": ms, "total_ms": ms, "max_active": concurrency, "row_budget": None}
             )  # fmt: skip
 
