@@ -48,3 +48,16 @@ def drive(
     assert engine.active == engine.queued == 0
     assert sorted(f.id for f in finished) == sorted(requests)
     return requests, finished
+
+
+def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context, **settings):
+    """Decode ``ids`` with SPEED (``settings`` as ``generate`` takes them) under a ``LogitRecorder`` and assert
+    every loop's logits and the tokens equal the sequential ``reference``'s run ``ref``; return SPEED's result."""
+    from speed.decoding import generate
+    from speed.exactness import LogitRecorder, compare_logits
+
+    candidate = LogitRecorder(model)
+    got = generate(candidate, ids, mask, method="speed", max_new_tokens=max_new, **settings)
+    assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], context
+    assert got.tokens == ref.tokens
+    return got

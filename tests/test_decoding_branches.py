@@ -14,13 +14,14 @@ import random
 
 import pytest
 import torch
+from engine_helpers import speed_as_sequential
 from test_decoding_exact import random_case
 from test_decoding_schedule import EOS, StubModel, target
 
 from speed.cache import Rows
 from speed.decoding import generate
 from speed.engine import Engine, EngineConfig, Request, should_branch, should_launch
-from speed.exactness import LogitRecorder, compare_logits
+from speed.exactness import LogitRecorder
 
 
 class BranchStub(StubModel):
@@ -208,21 +209,11 @@ def test_branches_equal_sequential_bitwise(block):
             settings = [(m, 1, 1.0, 0.0), (m, m, 1.0, 0.0)]
             settings.append((rng.randint(0, m), rng.randint(1, m), rng.random(), rng.random() / 4))
             for branches, depth, below, gate in settings:
-                candidate = LogitRecorder(model)
-                got = generate(
-                    candidate,
-                    ids,
-                    mask,
-                    method="speed",
-                    max_new_tokens=max_new,
-                    launch_loop=rng.randint(1, m),
-                    invalidation=invalidation,
-                    branches=branches,
-                    branch_depth=depth,
-                    branch_below=max(below, 1e-3),
-                    min_confidence=gate,
-                )
-                assert compare_logits(reference, candidate, ref.tokens, m) == [], (seed, invalidation, branches)
+                got = speed_as_sequential(
+                    model, reference, ref, ids, mask, max_new, (seed, invalidation, branches),
+                    launch_loop=rng.randint(1, m), invalidation=invalidation, branches=branches,
+                    branch_depth=depth, branch_below=max(below, 1e-3), min_confidence=gate,
+                )  # fmt: skip
                 assert got.tokens == ref.tokens and got.trace.equals(ref.trace)
                 assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
                 promotions += got.stats.promotions

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from engine_helpers import speed_as_sequential
 
 from speed.config import preset
 from speed.decoding import generate
@@ -53,18 +54,10 @@ def test_speed_equals_sequential(block):
         m = model.n_loops
         for invalidation in ("eager", "final"):
             for launch_loop in sorted({1, rng.randint(1, m), m}):
-                candidate = LogitRecorder(model)
-                got = generate(
-                    candidate,
-                    ids,
-                    mask,
-                    method="speed",
-                    max_new_tokens=max_new,
-                    launch_loop=launch_loop,
-                    invalidation=invalidation,
-                )
-                assert compare_logits(reference, candidate, ref.tokens, m) == [], (seed, invalidation, launch_loop)
-                assert got.tokens == ref.tokens
+                got = speed_as_sequential(
+                    model, reference, ref, ids, mask, max_new, (seed, invalidation, launch_loop),
+                    launch_loop=launch_loop, invalidation=invalidation,
+                )  # fmt: skip
                 assert got.trace.equals(ref.trace)
                 assert got.stats.tokens == ref.stats.tokens == sum(map(len, ref.tokens))
                 assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
@@ -97,19 +90,11 @@ def test_sampled_speed_equals_sequential_sampling(block):
         for coupled in (True, False):
             for invalidation in ("eager", "final"):
                 launch_loop = rng.randint(1, m)
-                candidate = LogitRecorder(model)
-                got = generate(
-                    candidate,
-                    ids,
-                    mask,
-                    method="speed",
-                    max_new_tokens=max_new,
-                    launch_loop=launch_loop,
-                    invalidation=invalidation,
+                got = speed_as_sequential(
+                    model, reference, ref, ids, mask, max_new, (seed, coupled, invalidation),
+                    launch_loop=launch_loop, invalidation=invalidation,
                     sampling=dataclasses.replace(sampling, coupled=coupled),
-                )
-                assert compare_logits(reference, candidate, ref.tokens, m) == [], (seed, coupled, invalidation)
-                assert got.tokens == ref.tokens
+                )  # fmt: skip
                 assert got.trace.equals(ref.trace)  # every loop's draw too
                 flushes += got.stats.flushes
                 cases += 1
