@@ -99,3 +99,28 @@ def test_the_checks_catch_a_wrong_command():
     assert got == [".venv/bin/python jobs/compare.py --baseline a --nope 1", "make nowhere", "jobs/gone.py --x"]
     assert "--nope" not in job_flags("jobs/compare.py") and "--baseline" in job_flags("jobs/compare.py")
     assert "nowhere" not in make_targets() and {"demo", "test"} <= make_targets()
+    assert anchor("SPEED's levers and what they buy") == "speeds-levers-and-what-they-buy"
+    assert anchor("Serving (`jobs/bench_serve.py`)") == "serving-jobsbench_servepy"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_resolve(page: Path):
+    """Every relative link names an existing file and, with ``#anchor``, one of its headings."""
+    wrong = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            wrong.append(f"{target}: no {path}")
+        elif fragment and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(), flags=re.S), flags=re.M)
+            if fragment not in {anchor(h) for h in headings}:
+                wrong.append(f"{target}: no heading #{fragment} in {path or page.name}")
+    assert not wrong, "\n".join(wrong)
