@@ -509,6 +509,37 @@ def test_serve_settings_reject_unknown_and_bad_values():
         ServeSettings(task="nope")
 
 
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("branches", -1, "branches must be an integer >= 0"),
+        ("branches", 1.5, "branches must be an integer >= 0"),
+        ("branch_depth", 0, "branch_depth must be an integer >= 1"),
+        ("branch_below", 0.0, "branch_below must be a number in \\(0, 1\\]"),
+        ("min_confidence", 1.2, "min_confidence must be a number in \\[0, 1\\]"),
+        ("min_confidence", True, "min_confidence must be a number"),
+    ],
+)
+def test_serve_settings_check_the_levers(field, value, says):
+    from speed.serve.settings import ServeSettings
+
+    with pytest.raises(ValueError, match=says):
+        ServeSettings(**{field: value})
+
+
+def test_serve_settings_levers_are_set_and_checked_against_the_model():
+    from speed.config import from_dict
+    from speed.serve.settings import ServeSettings
+
+    s = from_dict(ServeSettings, {"branches": 6, "branch_depth": 2, "min_confidence": 0.5})
+    assert (s.branches, s.branch_depth, s.branch_below, s.min_confidence) == (6, 2, 1.0, 0.5)
+    s.check_model(6)
+    with pytest.raises(ValueError, match="ServeSettings.branches 6 exceeds the model's 3 loops"):
+        s.check_model(3)
+    with pytest.raises(ValueError, match="ServeSettings.launch_loop 4 exceeds the model's 3 loops"):
+        ServeSettings(launch_loop=4).check_model(3)
+
+
 def test_bench_ratios_and_table_against_the_bars():
     from speed.serve.bench import ServeBenchResult, format_table, ratios
 

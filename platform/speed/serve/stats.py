@@ -60,6 +60,11 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
         pa.field("launch_loop", pa.int16(), nullable=False),
         pa.field("invalidation", pa.string(), nullable=False),  # "eager" or "final"
+        # SPEED's runner-up branches and confidence gate (speed.engine.Request); null for sequential decoding
+        pa.field("branches", pa.int16()),
+        pa.field("branch_depth", pa.int16()),
+        pa.field("branch_below", pa.float64()),
+        pa.field("min_confidence", pa.float64()),
         pa.field("route", pa.string(), nullable=False),  # "completions" or "chat"
         pa.field("prompt", pa.int32(), nullable=False),  # index of its prompt (a prompt's n choices share it)
         pa.field("temperature", pa.float64(), nullable=False),  # 0: greedy
