@@ -160,6 +160,11 @@ def test_branches_and_confidence_gate_change_no_token_and_are_recorded(server):
         assert {k: a.json()["speed"][k] for k in default} == want
     rows = {r["request_id"]: r for r in read_requests(server["stats"]).to_pylist()}
     assert [{k: rows[i][k] for k in default} for i in ids] == expected
+    spec = requests.get(server["url"] + "/openapi.json", timeout=30).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert {"minimum": 0, "type": "integer"} in body["properties"]["branches"]["anyOf"]
+        assert {"maximum": 1.0, "minimum": 0.0, "type": "number"} in body["properties"]["min_confidence"]["anyOf"]
 
 
 def test_prompt_list_answers_each_prompt(server):

@@ -435,8 +435,11 @@ def test_sweep_analysis_and_notebook_on_the_real_sweep(sweep, tmp_path):
         assert r["saving"] == pytest.approx(r["depth"] / r["speed_cost"])
     flips = loop_flips(loaded.results)
     assert flips.num_rows == sum(r["n_loops"] for r in finished)
-    costs = launch_costs(loaded.results)
+    best = {r["trial"]: (r["best_branches"], r["speed_rows_per_token"]) for r in finished}
+    assert {r["trial"]: (r["best_branches"], r["speed_rows_per_token"]) for r in table.to_pylist()} == best
+    costs = launch_costs(loaded.results)  # plain SPEED's: the settings with branches stay in results' costs
     assert costs.num_rows == sum(2 * r["n_loops"] for r in finished)
+    assert set(costs.column("branches").to_pylist()) == {0}
     run_notebooks(tmp_path / "results", [repo_root() / "analysis" / "sweep.ipynb"])
     assert {r["recipe"] for r in table.to_pylist()} == {"linear", "linear + settle consecutive:1:fc"}
     for figure in (

@@ -42,6 +42,9 @@ TRIALS_SCHEMA = pa.schema(
         pa.field("saving", pa.float64()),  # depth / speed_cost: SPEED's reduction of layer steps
         pa.field("best_launch_loop", pa.int32()),
         pa.field("best_invalidation", pa.string()),
+        pa.field("best_branches", pa.int32()),  # runner-up branches at the best setting (null: not measured)
+        pa.field("best_min_confidence", pa.float64()),
+        pa.field("speed_rows_per_token", pa.float64()),  # rows per token at the best setting
         pa.field("on_frontier", pa.bool_()),
     ]
 )
