@@ -79,7 +79,9 @@ async def _bad(_request: Any, error: BadRequest) -> JSONResponse:
     return JSONResponse(protocol.error_body(error.message, error.param, kind), status_code=error.status)
 
 
-_PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "prompt")  # what an engine error can be about
+# what an engine error can be about
+_PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "branches", "branch_depth", "branch_below")
+_PARAMS += ("min_confidence", "prompt")
 
 
 # one server-sent event: ``data:`` a JSON chunk (``speed.serve.responses.Surface.chunk``) or ``[DONE]``
@@ -161,8 +163,7 @@ class SpeedServer:
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply ``user_config`` (``ServeSettings`` keys); the engine is rebuilt when its capacity changes."""
         settings = from_dict(ServeSettings, dict(user_config or {}))
-        if settings.launch_loop > self.model.n_loops:
-            raise ValueError(f"launch_loop {settings.launch_loop} exceeds the model's {self.model.n_loops} loops")
+        settings.check_model(self.model.n_loops)
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)
         self.sink.max_rows, self.sink.max_seconds = settings.flush_rows, float(settings.flush_s)

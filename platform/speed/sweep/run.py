@@ -27,6 +27,7 @@ from ray import tune
 
 from speed.data.prepare import CorpusSpec, cache_root, prepare_corpus
 from speed.losses import flip_cost
+from speed.sweep.measure import PLAIN
 from speed.sweep.results import (
     FRONTIER_FILE,
     LATENCY_FILE,
@@ -103,6 +104,7 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
         cost_limit=sweep.cost_limit,
         max_new_tokens=sweep.max_new_tokens,
         fail_pattern=sweep.fail_pattern,
+        levers=sweep.levers,
     )
     ensure_ray()
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_DRIVER_RESOURCES)
@@ -238,6 +240,8 @@ def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
             "speed_steps_per_token": best["steps_per_token"],
             "best_launch_loop": best["launch_loop"],
             "best_invalidation": best["invalidation"],
+            **{f"best_{k}": best.get(k, v) for k, v in PLAIN.items()},
+            "speed_rows_per_token": best.get("rows_per_token"),
             "examples": m.examples,
         }
     return row
