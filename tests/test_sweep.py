@@ -357,6 +357,32 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_every_trial_is_one_mlflow_run_with_its_config_and_reports(sweep):
+    from speed.train.tracking import SWEEP_TAG, import_mlflow
+
+    outcome = sweep[2]
+    client = import_mlflow().MlflowClient((Path(outcome.directory).parent / "mlruns").as_uri())  # the default store
+    experiment = client.get_experiment_by_name(outcome.name)
+    runs = client.search_runs([experiment.experiment_id])
+    assert {r.data.tags[SWEEP_TAG] for r in runs} == {outcome.name}
+    # Runs are named like the trials (with the settle label's colons); the interrupted trial's run was continued.
+    by_index = {r.data.tags["trial_name"].split("-", 1)[0]: r for r in runs}
+    assert len(by_index) == len(runs) == outcome.results.num_rows
+    for row in outcome.results.to_pylist():
+        run = by_index[row["trial"].split("-", 1)[0]]
+        assert run.info.status == ("FAILED" if row["status"] == "failed" else "FINISHED")
+        params = run.data.params
+        assert params["grid/pattern"] == row["pattern"] and params["grid/loss_weights"] == row["loss_weights"]
+        if row["status"] == "finished":  # every report: validation at the checkpoints, then the measured one
+            assert run.data.metrics["val_loss_last"] == pytest.approx(row["val_loss_last"])
+            assert run.data.metrics["val_flip_cost"] == pytest.approx(row["val_flip_cost"])
+            assert run.data.metrics["step"] == row["steps"]
+            history = client.get_metric_history(run.info.run_id, "val_loss_last")
+            assert len(history) >= 2  # the step-2 checkpoint's report and the final one
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_results_table_frontier_and_latency(sweep):
     outcome = sweep[2]
     results = pq.read_table(Path(outcome.directory, RESULTS_FILE))
