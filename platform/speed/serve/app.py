@@ -157,6 +157,7 @@ class SpeedServer:
         self.runner = EngineRunner(self.model, self.settings.engine_config(), self._record, self._step)
         self.sink = StatsSink(stats_path, self.replica, self.settings.flush_rows, self.settings.flush_s)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speed-stats")  # Parquet, in order
+        self._on_write_done = _log_write_error  # held by the replica: no module lookup at interpreter shutdown
         self._flusher: asyncio.Task | None = None
         self._metrics = ServeMetrics()
 
@@ -355,7 +356,7 @@ class SpeedServer:
         """Write the buffered statistics on the writer thread, so the event loop keeps serving."""
         taken = self.sink.take()
         if taken is not None:
-            self._writer.submit(self.sink.write, taken).add_done_callback(_log_write_error)
+            self._writer.submit(self.sink.write, taken).add_done_callback(self._on_write_done)
 
     def _start_flusher(self) -> None:
         if self._flusher is None:
@@ -369,7 +370,9 @@ class SpeedServer:
                 self._write_soon()
 
 
-def _log_write_error(done: Future) -> None:
+def _log_write_error(done: Future, log: logging.Logger = log) -> None:
+    # ``log`` is bound at definition: a write finishing while the interpreter shuts down (``__del__`` -> ``drain``)
+    # must not look up module globals, which are gone by then.
     if done.exception() is not None:  # the rows stay in their write-ahead log on local storage
         log.error("writing request statistics failed: %r", done.exception())
 
