@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 from ray import tune
 
 from speed.data.prepare import CorpusSpec, cache_root, prepare_corpus
 from speed.losses import flip_cost
+from speed.storage import absolute, locate
 from speed.sweep.results import (
     FRONTIER_FILE,
     LATENCY_FILE,
@@ -48,7 +48,7 @@ from speed.sweep.space import (
 )
 from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job, trial_name
 from speed.train.config import JobConfig, job_to_dict
-from speed.train.launch import ensure_ray, prepare, prepare_data, storage_uri
+from speed.train.launch import ensure_ray, prepare, prepare_data
 
 # A trial's own process only waits on its Train run and its measurement task, which reserve the CPUs and
 # GPUs; Tune needs a non-empty bundle, so it asks for a little memory instead of a CPU a worker would miss.
@@ -85,7 +85,7 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
         job, tokenizer_path = prepare(job, Path(scratch))
         job = replace(job, eval=None)  # trials measure on the validation split instead (speed.sweep.measure)
         name = sweep_name(sweep, job)
-        storage = storage_uri(job.run.storage_path)
+        storage = absolute(job.run.storage_path)
         directory = f"{storage.rstrip('/')}/{name}"
         d = job.data
         spec = CorpusSpec(d.task, "validation", d.source, sweep.val_limit, d.max_source_len, d.max_target_len)
@@ -287,6 +287,6 @@ def _latency_task(front: pa.Table, results: pa.Table, job_dict: dict[str, Any], 
 
 
 def _write(table: pa.Table, directory: str, file: str) -> None:
-    fs, path = pafs.FileSystem.from_uri(directory) if "://" in directory else (pafs.LocalFileSystem(), directory)
-    fs.create_dir(path, recursive=True)
-    pq.write_table(table, f"{path}/{file}", filesystem=fs)
+    folder = locate(directory)
+    folder.makedirs()
+    pq.write_table(table, (folder / file).path, filesystem=folder.fs)

@@ -23,11 +23,12 @@ import ray
 from ray import tune
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from speed.checkpoint import newest_complete_checkpoint, read_checkpoint_config
+from speed.storage import locate
 from speed.sweep.measure import Measurement
 from speed.sweep.space import trial_pattern, trial_scheme, trial_settle
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
-from speed.train.launch import build_trainer, copy_tree
-from speed.train.state import checkpoint_uri, newest_complete_checkpoint, read_checkpoint_config
+from speed.train.launch import build_trainer
 
 MEASUREMENT_FILE = "measurement.json"
 EVAL_DIR = "eval_validation"  # in the trial's Train run directory: predictions, trace, summary
@@ -93,7 +94,9 @@ def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:
     )
     result = trainer.fit()
     # The run's newest complete checkpoint on storage: Ray's result lags it when a resumed run trained no step.
-    checkpoint = newest_complete_checkpoint(run_dir) or checkpoint_uri(result.checkpoint)
+    checkpoint = newest_complete_checkpoint(run_dir)
+    if checkpoint is None:
+        raise RuntimeError(f"trial {job.run.name} finished without a complete checkpoint in {run_dir}")
     gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
     # Outside the trial's placement group (a bundle of memory only): the task takes the workers' resources.
     outside = PlacementGroupSchedulingStrategy(placement_group=None)
@@ -126,11 +129,10 @@ def _measure(
     """The measurement and the validation losses of a checkpoint (``val_loss_loop*``, ``val_loss_last``)."""
     import torch
 
-    from speed.checkpoint import load_model
+    from speed.checkpoint import load_model, local_checkpoint
     from speed.data.corpus import open_corpus
     from speed.sweep.measure import measure
     from speed.tokenizer import Tokenizer
-    from speed.train.state import local_checkpoint
     from speed.train.validation import validation_metrics
 
     job = job_from_dict(job_dict)
@@ -149,6 +151,6 @@ def _measure(
             setup.max_new_tokens,
             out,
         )
-        copy_tree(out, out_uri)
+        locate(out_uri).upload(out)
         validation = validation_metrics(loaded.model, open_corpus(setup.validation), job.micro_batch)
     return result.to_dict(), validation

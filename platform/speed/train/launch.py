@@ -21,21 +21,21 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from speed.checkpoint import TOKENIZER_FILE
-from speed.cluster import code_runtime_env
-from speed.config import ModelConfig, from_dict, to_dict
-from speed.data.prepare import CorpusSpec, PreparedCorpus, cache_root, prepare_corpus
-from speed.paths import data_dir
-from speed.tokenizer import Tokenizer, train_tokenizer
-from speed.train import local_ray
-from speed.train.config import JobConfig, job_to_dict, run_name
-from speed.train.state import (
-    checkpoint_uri,
+from speed.checkpoint import (
+    TOKENIZER_FILE,
     latest_checkpoint,
     local_checkpoint,
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
+from speed.cluster import code_runtime_env
+from speed.config import ModelConfig, from_dict, to_dict
+from speed.data.prepare import CorpusSpec, PreparedCorpus, cache_root, prepare_corpus
+from speed.paths import data_dir
+from speed.storage import absolute, locate
+from speed.tokenizer import Tokenizer, train_tokenizer
+from speed.train import local_ray
+from speed.train.config import JobConfig, job_to_dict, run_name
 
 HF_PREFIX = "hf:"
 
@@ -73,11 +73,6 @@ def check_inputs(job: JobConfig) -> None:
     for origin in (job.init_from, job.resume):
         if origin is not None and not origin.startswith(HF_PREFIX):
             latest_checkpoint(origin)
-
-
-def storage_uri(path: str) -> str:
-    """A URI as given; a local path made absolute (Ray needs absolute local storage paths)."""
-    return path if "://" in path else str(Path(path).expanduser().resolve())
 
 
 def prepare(job: JobConfig, scratch: Path) -> tuple[JobConfig, Path]:
@@ -145,8 +140,8 @@ def _trained_tokenizer(job: JobConfig) -> Path:
         sort_keys=True,
     )
     digest = hashlib.sha256((key + str(data_dir())).encode()).hexdigest()[:12]
-    storage = job.run.storage_path
-    root = Path(storage_uri(storage)) / "tokenizers" if "://" not in storage else Path.home() / ".cache" / "speed"
+    storage = locate(job.run.storage_path)
+    root = Path(storage.path) / "tokenizers" if storage.local else Path.home() / ".cache" / "speed"
     path = root / f"spm-{digest}" / TOKENIZER_FILE
     if path.is_file():
         print(f"tokenizer: reusing {path}", flush=True)
@@ -159,9 +154,8 @@ def _trained_tokenizer(job: JobConfig) -> Path:
             if column in records.column_names:
                 texts.extend(records[column])
     start = time.perf_counter()
-    tmp = path.with_name(f"{TOKENIZER_FILE}.{os.getpid()}.tmp")
-    train_tokenizer(texts, tmp, vocab_size=job.data.vocab_size)
-    tmp.replace(path)  # atomic: concurrent jobs never read a half-written file
+    with locate(path).atomic() as partial:  # concurrent jobs never read a half-written file
+        train_tokenizer(texts, partial, vocab_size=job.data.vocab_size)
     print(f"tokenizer: trained {job.data.vocab_size} pieces on {tasks} in {time.perf_counter() - start:.0f}s -> {path}")
     return path
 
@@ -187,7 +181,7 @@ def prepare_data(job: JobConfig, tokenizer_path: Path) -> PreparedCorpus:
     """The job's training split, tokenized once into shards under ``<storage_path>/data`` (or found there)."""
     d = job.data
     spec = CorpusSpec(d.task, "train", d.source, d.limit, d.max_source_len, d.max_target_len, d.pack)
-    return prepare_corpus(spec, tokenizer_path, cache_root(storage_uri(job.run.storage_path)))
+    return prepare_corpus(spec, tokenizer_path, cache_root(absolute(job.run.storage_path)))
 
 
 def build_trainer(
@@ -230,7 +224,7 @@ def build_trainer(
         ),
         run_config=ray.train.RunConfig(
             name=job.run.name,
-            storage_path=storage_uri(job.run.storage_path),
+            storage_path=absolute(job.run.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=job.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
             callbacks=callbacks,
@@ -246,15 +240,13 @@ def run_job(job: JobConfig) -> TrainOutcome:
         job, tokenizer_path = prepare(job, Path(scratch))
         tokenizer = tokenizer_path.read_bytes()
         job = replace(job, run=replace(job.run, name=job.run.name or run_name(job)))
-        run_dir = f"{storage_uri(job.run.storage_path).rstrip('/')}/{job.run.name}"
+        run_dir = f"{absolute(job.run.storage_path).rstrip('/')}/{job.run.name}"
         print(f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_dir}", flush=True)
         ensure_ray()
         corpus = prepare_data(job, tokenizer_path).uri
     result = build_trainer(job, tokenizer, corpus, run_dir, deadline).fit()
     # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
     checkpoint = newest_complete_checkpoint(run_dir)
-    if checkpoint is None and result.checkpoint is not None:
-        checkpoint = checkpoint_uri(result.checkpoint)
     if checkpoint is None:
         raise RuntimeError(f"run {job.run.name} finished without a checkpoint in {run_dir}")
     evaluation = None
@@ -294,15 +286,8 @@ def _evaluate(job_dict: dict[str, Any], checkpoint: str, out_uri: str) -> dict[s
         loaded = load_model(directory, map_location=device)
         tokenizer = Tokenizer.load(loaded.tokenizer_path)
         summary = run_evaluation(loaded.model.to(device), tokenizer, job.final_eval, out)
-        copy_tree(out, out_uri)
+        locate(out_uri).upload(out)
     return summary
-
-
-def copy_tree(local_dir: str | Path, uri: str) -> None:
-    """Copy a local folder's files to a local path or URI (created as needed)."""
-    fs, path = pafs.FileSystem.from_uri(storage_uri(uri))
-    fs.create_dir(path, recursive=True)
-    pafs.copy_files(str(local_dir), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
 # ----- the run directory ---------------------------------------------------------------------------------
@@ -310,12 +295,11 @@ def copy_tree(local_dir: str | Path, uri: str) -> None:
 
 def describe(outcome: TrainOutcome, seconds: float) -> str:
     """What the run left where: the run directory's entries, the final checkpoint, the evaluation."""
-    fs, path = pafs.FileSystem.from_uri(storage_uri(outcome.run_dir))
-    entries = sorted(fs.get_file_info(pafs.FileSelector(path)), key=lambda i: i.base_name)
+    run_dir = locate(outcome.run_dir)
     lines = [f"finished in {seconds / 60:.1f} min; run directory {outcome.run_dir}"]
-    for info in entries:
+    for info in run_dir.entries():
         if info.type == pafs.FileType.Directory:
-            files = sorted(c.base_name for c in fs.get_file_info(pafs.FileSelector(info.path)))
+            files = [c.base_name for c in (run_dir / info.base_name).entries()]
             lines.append(f"  {info.base_name}/  {' '.join(files)}")
         else:
             lines.append(f"  {info.base_name}")

@@ -30,7 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speed.checkpoint import MODEL_FILE, TOKENIZER_FILE, load_model
+from speed.checkpoint import (
+    MODEL_FILE,
+    TOKENIZER_FILE,
+    load_model,
+    local_checkpoint,
+    newest_complete_checkpoint,
+    read_checkpoint_config,
+)
 from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.losses import loss_weights, settled_loss
 from speed.model import SpeedT5
@@ -51,10 +58,7 @@ from speed.train.state import (
     checkpoint_name,
     checkpoint_uri,
     load_training_state,
-    local_checkpoint,
     mark_complete,
-    newest_complete_checkpoint,
-    read_checkpoint_config,
     rng_state,
     save_training_checkpoint,
     set_rng_state,
@@ -125,7 +129,7 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
         job.train.seed,
         job.train.group_by_length,
     )
-    own = _own_checkpoint(config["run_dir"], ray.train.get_checkpoint(), world)  # this run's newest, if any
+    own = _own_checkpoint(config["run_dir"], world)  # this run's newest, if any
     resuming = own is not None or job.resume is not None
     model = initial_model(job, load_init=not resuming)  # resumed weights come from the checkpoint
     optimizer = build_optimizer(model, job.optim)
@@ -152,18 +156,14 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
     _train(job, model, optimizer, scheduler, plan, corpus, tokenizer_path, step, history, config, own is not None)
 
 
-def _own_checkpoint(run_dir: str, registered: ray.train.Checkpoint | None, world: int) -> str | None:
-    """This run's newest checkpoint (path or URI), as rank 0 sees it; None when the run has none yet.
+def _own_checkpoint(run_dir: str, world: int) -> str | None:
+    """This run's newest complete checkpoint on storage (path or URI), as rank 0 sees it; None when it has none yet.
 
-    The newest complete checkpoint on storage; Ray's registered one (which lags
-    it) only when newer, as in runs checkpointed before the completion markers.
+    Not Ray's registered checkpoint, which lags the markers (``_upload``).
     """
     chosen = [None]
     if ray.train.get_context().get_world_rank() == 0:
-        on_storage = newest_complete_checkpoint(run_dir)
-        ray_uri = checkpoint_uri(registered) if registered is not None else None
-        candidates = [c for c in (on_storage, ray_uri) if c is not None]
-        chosen = [max(candidates, key=lambda c: c.rstrip("/").rsplit("/", 1)[-1]) if candidates else None]
+        chosen = [newest_complete_checkpoint(run_dir)]
     if world > 1:
         dist.broadcast_object_list(chosen, src=0)  # every rank resumes from the same step
     return chosen[0]
