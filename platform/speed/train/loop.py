@@ -135,7 +135,6 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
     ray_ctx = ray.train.get_context()
     rank, world = ray_ctx.get_world_rank(), ray_ctx.get_world_size()
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
-    device = ray.train.torch.get_device()
     tokenizer_path = workdir / TOKENIZER_FILE
     tokenizer_path.write_bytes(config["tokenizer"])
 
@@ -155,19 +154,18 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.optim, job.train.max_steps)
     _seed_worker(job.train.seed, rank)
-    # A prepared validation split (sweeps): rank 0 adds every loop's validation loss to each checkpoint's report.
-    validation = open_corpus(config["validation"]) if rank == 0 and config.get("validation") else None
     ctx = WorkerContext(
         job=job,
         rank=rank,
         world=world,
-        device=device,
+        device=ray.train.torch.get_device(),
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         plan=plan,
         corpus=corpus,
-        validation=validation,
+        # A prepared validation split (sweeps): rank 0 adds every loop's validation loss to each report.
+        validation=open_corpus(config["validation"]) if rank == 0 and config.get("validation") else None,
         tokenizer_path=tokenizer_path,
         tokenizer=config["tokenizer"],
         deadline=config.get("deadline"),
@@ -184,7 +182,7 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
     if rank == 0:
         print(
             f"{len(corpus)} training examples, {plan.steps_per_epoch} steps/epoch, {world} worker(s) x "
-            f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {device}",
+            f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {ctx.device}",
             flush=True,
         )
     ctx = replace(ctx, model=ray.train.torch.prepare_model(model))
@@ -260,14 +258,8 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
             sync = world == 1 or i == len(micro) - 1  # all-reduce gradients once per optimizer step
             with nullcontext() if sync else model.no_sync():
                 with autocast:  # the forward only; backward runs in the dtypes autocast chose
-                    out = model(
-                        input_ids=batch["input_ids"],
-                        decoder_input_ids=batch["decoder_input_ids"],
-                        attention_mask=batch["attention_mask"],
-                        labels=batch["labels"],
-                        weights=weights,
-                        return_logits=t.settle.active,
-                    )
+                    # collate's keys are the forward's: input_ids, attention_mask, labels, decoder_input_ids
+                    out = model(**batch, weights=weights, return_logits=t.settle.active)
                     loss, settle = settled_loss(out.loss, out.loop_logits, batch["labels"], t.settle, step + 1)
                 (loss / len(micro)).backward()
             loop_sum += out.loop_losses.detach().float()
