@@ -20,3 +20,14 @@ def test_tokenizer_and_data_stages_prepare_what_training_and_sweeps_read(tiny_to
     both = data_stage(resolved.job, resolved.tokenizer_path, validation_limit=5)
     assert both.train == alone.train  # prepared once, found again
     assert len(open_corpus(both.validation)) == 5 and "-validation-" in both.validation
+
+
+def test_a_trained_tokenizer_is_cached_whole_under_the_storage_path(tmp_path, capsys):
+    flags = ["--preset", "tiny", "--limit", "40", "--vocab-size", "300", "--storage-path", str(tmp_path / "runs")]
+    job = job_from_args("pretrain", flags)
+    first = tokenizer_stage(job, tmp_path / "scratch")
+    assert first.tokenizer_path.parent.parent == tmp_path / "runs" / "tokenizers"
+    assert [p.name for p in first.tokenizer_path.parent.iterdir()] == ["spm.model"]  # no partial file left
+    assert first.job.model.vocab_size == Tokenizer.load(first.tokenizer_path).vocab_size
+    again = tokenizer_stage(job, tmp_path / "scratch")
+    assert again == first and "tokenizer: reusing" in capsys.readouterr().out
