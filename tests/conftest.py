@@ -52,3 +52,14 @@ def tiny_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer") / "spm.model"
     train_tokenizer(load_records("pretrain", "train", limit=40)["text"], path, vocab_size=300)
     return path
+
+
+@pytest.fixture
+def memory_store():
+    """A ``memory://`` URI (fsspec's in-memory file system, through speed.storage) standing in for object
+    storage; the store is emptied afterwards."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    yield "memory://bucket/store"
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs[:] = [""]

@@ -10,14 +10,12 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
 
-import speed.data.prepare as prepare_module
 from speed.data import collate, load_records, tokenize_records
 from speed.data.corpus import COMPLETE_MARKER, MANIFEST_FILE, local_copy, open_corpus
 from speed.data.prepare import CorpusSpec, prepare_corpus
+from speed.storage import locate
 from speed.tokenizer import Tokenizer, train_tokenizer
 from speed.train.batches import BatchPlan
 
@@ -207,33 +205,21 @@ def test_ray_tasks_prepare_the_same_shards(ray_session, tiny_tokenizer, tmp_path
     assert _rows(local.uri) == _rows(remote.uri)
 
 
-@pytest.fixture
-def memory_fs(monkeypatch):
-    """A pyarrow view of an fsspec in-memory file system, standing in for object storage at mem://."""
-    fs = pafs.PyFileSystem(pafs.FSSpecHandler(MemoryFileSystem()))
-    real = prepare_module._filesystem
-    monkeypatch.setattr(
-        prepare_module, "_filesystem", lambda root: (fs, "/" + root[6:]) if root.startswith("mem://") else real(root)
-    )
-    yield fs
-    MemoryFileSystem.store.clear()
-    MemoryFileSystem.pseudo_dirs[:] = [""]
-
-
-def test_remote_storage_marker_last_and_a_local_copy_per_node(memory_fs, tiny_tokenizer, tmp_path):
-    prepared = _prepare(PRETRAIN, tiny_tokenizer, "mem://bucket/data")
-    path = "/" + prepared.uri[len("mem://") :]
-    names = {info.base_name for info in memory_fs.get_file_info(pafs.FileSelector(path))}
+def test_remote_storage_marker_last_and_a_local_copy_per_node(memory_store, tiny_tokenizer, tmp_path):
+    prepared = _prepare(PRETRAIN, tiny_tokenizer, memory_store)
+    split = locate(prepared.uri)
+    assert not split.local and prepared.uri.startswith(memory_store)
+    names = {info.base_name for info in split.entries()}
     assert {COMPLETE_MARKER, MANIFEST_FILE} <= names and len(names) == 2 + len(prepared.manifest.shards)
-    assert _prepare(PRETRAIN, tiny_tokenizer, "mem://bucket/data").cached
-    copy = local_copy(memory_fs, path, tmp_path / "cache")
-    assert copy == tmp_path / "cache" / Path(path).name and local_copy(memory_fs, path, tmp_path / "cache") == copy
+    assert _prepare(PRETRAIN, tiny_tokenizer, memory_store).cached
+    copy = local_copy(split, tmp_path / "cache")
+    assert copy == tmp_path / "cache" / Path(split.path).name and local_copy(split, tmp_path / "cache") == copy
     local = _prepare(PRETRAIN, tiny_tokenizer, tmp_path / "store")
     assert _rows(str(copy)) == _rows(local.uri)
-    memory_fs.delete_file(f"{path}/{COMPLETE_MARKER}")  # an upload that died before its marker
+    (split / COMPLETE_MARKER).delete()  # an upload that died before its marker
     with pytest.raises(FileNotFoundError, match="not a complete prepared corpus"):
-        local_copy(memory_fs, path, tmp_path / "cache2")
-    assert not _prepare(PRETRAIN, tiny_tokenizer, "mem://bucket/data").cached
+        local_copy(split, tmp_path / "cache2")
+    assert not _prepare(PRETRAIN, tiny_tokenizer, memory_store).cached
 
 
 def test_invalid_specs_are_refused(tiny_tokenizer, tmp_path):

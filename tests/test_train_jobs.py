@@ -22,10 +22,10 @@ from pathlib import Path
 import cluster_helpers
 import pytest
 
-from speed.checkpoint import load_model
+from speed.checkpoint import load_model, newest_complete_checkpoint
 from speed.paths import data_dir, repo_root
 from speed.train.local_ray import OWNER_ENV, marked_processes
-from speed.train.state import load_training_state, newest_complete_checkpoint
+from speed.train.state import load_training_state
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

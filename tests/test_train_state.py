@@ -1,29 +1,29 @@
 """Training checkpoints: readable by speed.checkpoint.load_model, resumable, refused when incompatible."""
 
-import json
 import random
 
 import pytest
 import torch
 
-from speed.checkpoint import load_model
+from speed.checkpoint import (
+    COMPLETE_FILE,
+    latest_checkpoint,
+    load_model,
+    newest_complete_checkpoint,
+    read_checkpoint_config,
+)
 from speed.config import preset
-from speed.evaluate import EvalConfig
 from speed.model import SpeedT5
 from speed.train.config import job_from_args, job_to_dict, resumable_job
 from speed.train.optim import build_optimizer, build_scheduler
 from speed.train.progress import StepRecord, format_duration, progress_line, records_to_table, window_mean
 from speed.train.state import (
-    COMPLETE_FILE,
     IncompatibleCheckpointError,
     TrainingState,
     check_compatible,
     checkpoint_name,
-    latest_checkpoint,
     load_training_state,
     mark_complete,
-    newest_complete_checkpoint,
-    read_checkpoint_config,
     rng_state,
     save_training_checkpoint,
     set_rng_state,
@@ -131,15 +131,3 @@ def test_progress_shows_the_mean_of_the_window():
     assert mean.loop_losses == pytest.approx([5.25 / 3, 3.5 / 3])
     assert mean.tokens_per_s == pytest.approx(200.0) and mean.step_time_s == pytest.approx(0.5)
     assert window_mean(records[-1:]) == records[-1]
-
-
-def test_a_checkpoint_written_before_evalconfig_resumes(saved):
-    _, _, _, directory = saved
-    config = json.loads((directory / "config.json").read_text())
-    old = {"split": "test", "limit": None, "batch_size": 16, "max_new_tokens": 64, "launch_loop": 1}
-    old |= {"invalidation": "eager", "check_sequential": True}  # EvalSettings' fields
-    for enabled, expected in ((False, None), (True, {**old})):
-        config["job"]["eval"] = {**old, "enabled": enabled}
-        (directory / "config.json").write_text(json.dumps(config))
-        assert resumable_job(str(directory))["eval"] == expected
-        assert job_from_args("pretrain", ["--resume", str(directory)]).eval == (expected and EvalConfig(**expected))

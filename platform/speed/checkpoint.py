@@ -1,28 +1,37 @@
-"""Model checkpoints: a directory holding weights, the resolved config and the tokenizer.
+"""Model checkpoints: a directory holding weights, the resolved config and the tokenizer; finding them.
 
 Layout (shared by training, evaluation and serving):
     model.pt     the model's state dict
     config.json  {"model": ModelConfig fields, ...any other resolved configs}
     spm.model    the SentencePiece tokenizer, when one was given
-Training jobs add their own files (optimizer, scheduler, RNG) beside these.
+Training jobs add their own files (optimizer, scheduler, RNG; ``speed.train.state``) beside these.
+A training run's directory holds ``checkpoint_<step>`` folders; one is complete once it holds
+``complete``, written after its other files are on storage. Checkpoints and runs are named by a
+local path or a URI alike (``speed.storage``).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 
 from speed.config import ModelConfig, from_dict, to_dict
 from speed.model import SpeedT5
+from speed.storage import locate
 
 MODEL_FILE = "model.pt"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "spm.model"
+CHECKPOINT_PREFIX = "checkpoint_"
+COMPLETE_FILE = "complete"  # written after every other file of a checkpoint is on storage (holds the step)
 
 
 @dataclass
@@ -65,3 +74,52 @@ def load_model(directory: str | Path, map_location: str | torch.device = "cpu") 
     model.eval()
     tok = directory / TOKENIZER_FILE
     return LoadedModel(model, tok if tok.is_file() else None, config)
+
+
+def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json (sections ``model``, ``job``, ``step``), from a local path or a URI."""
+    config = locate(directory) / CONFIG_FILE
+    if not config.is_file():
+        raise FileNotFoundError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}")
+    return json.loads(config.read_text())
+
+
+def newest_complete_checkpoint(run_dir: str) -> str | None:
+    """The newest ``checkpoint_*`` of a run directory that holds the completion marker; None when there is none.
+
+    Checkpoints on storage, not Ray's ``checkpoint_manager_snapshot.json``, which
+    lags them: a run stopped hard resumes at most one checkpoint interval back.
+    """
+    run = locate(run_dir)
+    folders = [i.base_name for i in run.entries() if i.type == pafs.FileType.Directory]
+    for name in sorted((n for n in folders if n.startswith(CHECKPOINT_PREFIX)), reverse=True):
+        if (run / name / COMPLETE_FILE).is_file():
+            return f"{run_dir.rstrip('/')}/{name}"
+    return None
+
+
+def latest_checkpoint(path: str) -> str:
+    """``path`` itself when it is a checkpoint, else the newest complete ``checkpoint_*`` inside a run directory."""
+    where = locate(path)
+    if not where.is_dir():
+        raise FileNotFoundError(f"no checkpoint or run directory at {path}")
+    if (where / CONFIG_FILE).is_file():
+        return path
+    newest = newest_complete_checkpoint(path)
+    if newest is None:
+        raise FileNotFoundError(f"{path} holds no {CONFIG_FILE} and no complete {CHECKPOINT_PREFIX}* directory")
+    return newest
+
+
+@contextmanager
+def local_checkpoint(path: str) -> Iterator[Path]:
+    """A checkpoint (or the newest one of a run) as a local directory, downloaded first when ``path`` is a URI."""
+    from ray.train import Checkpoint
+
+    uri = latest_checkpoint(path)
+    where = locate(uri)
+    if where.local:
+        yield Path(where.path)
+        return
+    with Checkpoint(uri).as_directory() as local:
+        yield Path(local)

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 
 from speed.data.batching import corrupt_run
 from speed.data.spans import noise_rng
+from speed.storage import Location, locate
 
 FORMAT_VERSION = 1  # bump when the layout or the meaning of a column changes: old caches are then missed
 MANIFEST_FILE = "manifest.json"
@@ -210,27 +210,27 @@ def _row(segment: _Segment, name: str, row: int) -> list[int]:
 
 def open_corpus(uri: str) -> TokenizedCorpus:
     """The prepared split at a local path or a URI (a remote one is first copied to this node's cache)."""
-    fs, path = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
-    if isinstance(fs, pafs.LocalFileSystem):
-        return TokenizedCorpus(path)
-    return TokenizedCorpus(local_copy(fs, path, Path(tempfile.gettempdir()) / "speed-data"))
+    where = locate(uri)
+    if where.local:
+        return TokenizedCorpus(where.path)
+    return TokenizedCorpus(local_copy(where, Path(tempfile.gettempdir()) / "speed-data"))
 
 
-def local_copy(fs: pafs.FileSystem, path: str, cache: Path) -> Path:
-    """A complete local copy of the prepared split at ``path`` on ``fs``, shared by the workers of a node.
+def local_copy(split: Location, cache: Path) -> Path:
+    """A complete local copy of the prepared split at ``split`` (remote storage), shared by the workers of a node.
 
     The folder's name holds its cache key, so a copy made once serves every
     later run; it is fetched under a temporary name and renamed when complete.
     """
-    target = cache / path.rstrip("/").rsplit("/", 1)[-1]
+    target = cache / split.path.rstrip("/").rsplit("/", 1)[-1]
     if (target / COMPLETE_MARKER).is_file():
         return target
-    if fs.get_file_info(f"{path}/{COMPLETE_MARKER}").type != pafs.FileType.File:
-        raise FileNotFoundError(f"{path} is not a complete prepared corpus (no {COMPLETE_MARKER})")
+    if not (split / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(f"{split.path} is not a complete prepared corpus (no {COMPLETE_MARKER})")
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache))
     try:
-        pafs.copy_files(path, str(staging), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        split.download(staging)
         os.replace(staging, target)  # fails if another worker got there first: its copy is as good
     except OSError:
         if not (target / COMPLETE_MARKER).is_file():

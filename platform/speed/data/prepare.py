@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 
 from speed.data.batching import MAP_BATCH, encode_pairs, encode_runs, pack_runs, pretrain_run_length
 from speed.data.corpus import COMPLETE_MARKER, FORMAT_VERSION, MANIFEST_FILE, Manifest, Shard, write_shard
@@ -39,6 +38,7 @@ from speed.data.records import RecordCount, iter_records
 from speed.data.sources import PARQUET_SUFFIX, Source, resolve_source
 from speed.data.spans import corrupted_sizes
 from speed.data.tasks import get_task
+from speed.storage import Location, locate
 from speed.tokenizer import Tokenizer
 
 DOCS_PER_SHARD = 50_000  # source records per shard: a few tens of MB of tokens, cheap to map and to copy
@@ -118,30 +118,30 @@ def prepare_corpus(
     tokenizer = Tokenizer.load(tokenizer_path)
     key = corpus_key(spec, tokenizer_bytes)
     name = f"{spec.task}-{spec.split}-{key}"
-    fs, root_path = _filesystem(root)
-    final = f"{root_path.rstrip('/')}/{name}"
-    local = isinstance(fs, pafs.LocalFileSystem)
-    uri = final if local else f"{root.rstrip('/')}/{name}"
-    if fs.get_file_info(f"{final}/{COMPLETE_MARKER}").type == pafs.FileType.File:
-        with fs.open_input_stream(f"{final}/{MANIFEST_FILE}") as f:
-            manifest = Manifest.from_json(f.read().decode())
+    top = locate(root)
+    final = top / name
+    uri = final.path if final.local else final.uri
+    if (final / COMPLETE_MARKER).is_file():
+        manifest = Manifest.from_json((final / MANIFEST_FILE).read_text())
         log(f"data: reusing {uri} ({manifest.examples:,} examples of {manifest.records:,} records)")
         return PreparedCorpus(uri, manifest, cached=True)
 
-    if local:
-        Path(root_path).mkdir(parents=True, exist_ok=True)
-        _remove_abandoned(Path(root_path), name)
+    if top.local:
+        top.makedirs()
+        _remove_abandoned(Path(top.path), name)
     staging = Path(
-        tempfile.mkdtemp(prefix=f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-", dir=root_path if local else None)
+        tempfile.mkdtemp(
+            prefix=f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-", dir=top.path if top.local else None
+        )
     )
     try:
         manifest = _build(spec, tokenizer, key, staging, docs_per_shard, use_ray, log)
         (staging / MANIFEST_FILE).write_text(manifest.to_json())
-        if local:
+        if top.local:
             (staging / COMPLETE_MARKER).write_text("")
-            _publish_local(staging, Path(final))
+            _publish_local(staging, Path(final.path))
         else:
-            _publish_remote(staging, fs, final)
+            _publish_remote(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(
@@ -149,12 +149,6 @@ def prepare_corpus(
         f"-> {uri}"
     )
     return PreparedCorpus(uri, manifest, cached=False)
-
-
-def _filesystem(root: str) -> tuple[pafs.FileSystem, str]:
-    if "://" in root:
-        return pafs.FileSystem.from_uri(root)
-    return pafs.LocalFileSystem(), str(Path(root).expanduser().resolve())
 
 
 def _publish_local(staging: Path, final: Path) -> None:
@@ -168,14 +162,11 @@ def _publish_local(staging: Path, final: Path) -> None:
             raise
 
 
-def _publish_remote(staging: Path, fs: pafs.FileSystem, final: str) -> None:
+def _publish_remote(staging: Path, final: Location) -> None:
     """Upload the shards and the manifest, then the marker last (object stores have no atomic rename)."""
-    if fs.get_file_info(final).type != pafs.FileType.NotFound:
-        fs.delete_dir(final)
-    fs.create_dir(final, recursive=True)
-    pafs.copy_files(str(staging), final, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-    with fs.open_output_stream(f"{final}/{COMPLETE_MARKER}") as f:
-        f.write(b"")
+    final.delete()
+    final.upload(staging)
+    (final / COMPLETE_MARKER).write_bytes(b"")
 
 
 def _remove_abandoned(root: Path, name: str) -> None:

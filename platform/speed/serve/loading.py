@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from speed.checkpoint import load_model
+from speed.checkpoint import load_model, local_checkpoint
 from speed.tokenizer import Tokenizer
 
 
 def load_served_model(checkpoint: str, device: str) -> tuple[torch.nn.Module, Tokenizer]:
     """The model (eval mode, on ``device``) and tokenizer of a checkpoint path or URI (or a run's newest)."""
-    from speed.train.state import local_checkpoint
-
     with local_checkpoint(checkpoint) as directory:
         loaded = load_model(directory, map_location=device)
         if loaded.tokenizer_path is None:

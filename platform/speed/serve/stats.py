@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from speed.storage import Location, locate
 from speed.trace import TRACE_SCHEMA
 
 if TYPE_CHECKING:
@@ -160,11 +160,6 @@ BENCH_SERVE_SCHEMA = pa.schema(
 )
 
 
-def storage_filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """The ``pyarrow.fs`` file system and path of a local path or a URI (``s3://``, ``gs://``, ``file://``)."""
-    return pafs.FileSystem.from_uri(path if "://" in path else str(Path(path).expanduser().resolve()))
-
-
 def file_tag(replica: str) -> str:
     """A replica id as a file-name prefix (Serve's ids hold characters like ``#``)."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", replica) or "replica"
@@ -186,16 +181,14 @@ def _read_log(path: str) -> list[pa.RecordBatch]:
 
 
 def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
-    fs, root = storage_filesystem(storage)
-    root = root.rstrip("/")
-    path, wal, suffix = f"{root}/{folder}", f"{root}/{WAL_DIR}", f".{folder}.arrows"
+    where = locate(storage)
+    files, wal, suffix = where / folder, where / WAL_DIR, f".{folder}.arrows"
     for _ in range(3):
-        logs = []  # listed first: a log compacted after this listing has its Parquet file in the one below
-        if isinstance(fs, pafs.LocalFileSystem) and fs.get_file_info(wal).type == pafs.FileType.Directory:
-            logs = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(wal)) if i.path.endswith(suffix))
+        # Logs listed first: a log compacted after this listing has its Parquet file in the one below.
+        logs = [i.path for i in wal.entries() if i.path.endswith(suffix)] if where.local else []
         table, written = schema.empty_table(), set()
-        if fs.get_file_info(path).type != pafs.FileType.NotFound:
-            dataset = pads.dataset(path, schema=schema, format="parquet", filesystem=fs)
+        if files.exists():
+            dataset = pads.dataset(files.path, schema=schema, format="parquet", filesystem=where.fs)
             table, written = dataset.to_table(), {Path(f).name for f in dataset.files}
         try:
             logged = [
@@ -257,21 +250,20 @@ class _Log:
         self._file.close()
 
 
-def _write_atomically(fs: pafs.FileSystem, table: pa.Table, final: str) -> None:
+def _write_atomically(final: Location, table: pa.Table) -> None:
     """One Parquet file (one row group) that appears whole: written under a dot name readers skip, renamed."""
-    folder, name = final.rsplit("/", 1)
-    partial = f"{folder}/.{name}"
-    pq.write_table(table, partial, filesystem=fs, row_group_size=None)
-    fs.move(partial, final)
+    with final.atomic() as partial:
+        pq.write_table(table, partial, filesystem=final.fs, row_group_size=None)
 
 
 def compact_orphans(storage: str) -> int:
     """Turn the logs of dead replicas (a hard kill leaves them; no live writer holds their lock) into the
     Parquet files they stand for, so that readers of the Parquet files alone (the notebooks) see their
     rows too; returns the logs compacted. Local storage only; a new replica calls it when it starts."""
-    fs, root = storage_filesystem(storage)
+    where = locate(storage)
+    root = where.path
     wal = Path(root) / WAL_DIR
-    if not isinstance(fs, pafs.LocalFileSystem) or not wal.is_dir():
+    if not where.local or not wal.is_dir():
         return 0
     compacted = 0
     for log in sorted(wal.glob("*.arrows")):
@@ -293,7 +285,7 @@ def compact_orphans(storage: str) -> int:
                 continue  # replaced by its Parquet file between the listing and the lock
             batches = _read_log(str(log))
             if batches:
-                _write_atomically(fs, pa.Table.from_batches(batches, schema), str(final))
+                _write_atomically(where / folder / final.name, pa.Table.from_batches(batches, schema))
             log.unlink()
             compacted += 1
         finally:
@@ -314,18 +306,17 @@ class StatsSink:
     def __init__(self, storage: str, replica: str, max_rows: int = 256, max_seconds: float = 30.0) -> None:
         if max_rows < 1 or max_seconds <= 0:
             raise ValueError(f"flush bounds must be positive, got max_rows={max_rows}, max_seconds={max_seconds}")
-        self.fs, root = storage_filesystem(storage)
-        self.root = root.rstrip("/")
+        self.storage = locate(storage)
         self.tag = file_tag(replica)
         self.max_rows, self.max_seconds = max_rows, max_seconds
-        self.durable = isinstance(self.fs, pafs.LocalFileSystem)  # object stores cannot append
+        self.durable = self.storage.local  # object stores cannot append
         self._requests: list[dict[str, Any]] = []
         self._traces: list[pa.Table] = []
         self._since = time.monotonic()
         self._files = 1  # the number of the file the buffered rows will be written as
         self._logs: dict[str, _Log] = {}
         for folder in (REQUESTS_DIR, TRACES_DIR) + ((WAL_DIR,) if self.durable else ()):
-            self.fs.create_dir(f"{self.root}/{folder}", recursive=True)
+            (self.storage / folder).makedirs()
         compact_orphans(storage)
 
     @property
@@ -371,11 +362,11 @@ class StatsSink:
         for folder, table in ((TRACES_DIR, taken.traces), (REQUESTS_DIR, taken.requests)):
             if not table.num_rows:
                 continue
-            final = f"{self.root}/{folder}/{name}.parquet"
+            final = self.storage / folder / f"{name}.parquet"
             if not self.durable:  # an object store's upload appears whole
-                pq.write_table(table, final, filesystem=self.fs, row_group_size=None)
+                pq.write_table(table, final.path, filesystem=final.fs, row_group_size=None)
                 continue
-            _write_atomically(self.fs, table, final)
+            _write_atomically(final, table)
         for log in taken.logs:
             log.release()
 
@@ -388,7 +379,7 @@ class StatsSink:
         return taken.requests.num_rows
 
     def _log_path(self, name: str, folder: str) -> str:
-        return f"{self.root}/{WAL_DIR}/{name}.{folder}.arrows"
+        return (self.storage / WAL_DIR / f"{name}.{folder}.arrows").path
 
     def _log(self, folder: str, schema: pa.Schema) -> _Log:
         if folder not in self._logs:

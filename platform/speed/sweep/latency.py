@@ -18,14 +18,13 @@ import pyarrow as pa
 import torch
 
 from speed.bench import interleave
-from speed.checkpoint import load_model
+from speed.checkpoint import load_model, local_checkpoint
 from speed.data import pad_inputs, read_records, truncate
 from speed.decoding import DecodeStats, generate
 from speed.model import SpeedT5
 from speed.sweep.measure import PLAIN
 from speed.sweep.results import LATENCY_SCHEMA
 from speed.tokenizer import Tokenizer
-from speed.train.state import local_checkpoint
 
 
 def time_frontier(

@@ -2,8 +2,8 @@
 
 ``run_sweep(sweep, job)`` is what ``jobs/sweep.py`` calls. Stages:
 
-1. the tokenizer (``speed.train.launch.prepare``: trained once, cached), the
-   tokenized training and validation splits (``speed.data.prepare``), shared by every trial;
+1. the tokenizer and the tokenized training and validation splits (``speed.train.launch``'s
+   tokenizer and data stages: prepared once, cached), shared by every trial;
 2. the trials (``speed.sweep.trial``) under ``<storage>/<name>``: a second run
    of the same sweep finds that folder and continues it with ``Tuner.restore``
    (finished and failed trials stay as they are, unfinished ones resume); with
@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 from ray import tune
 
-from speed.data.prepare import CorpusSpec, cache_root, prepare_corpus
 from speed.losses import flip_cost
+from speed.storage import absolute, locate
 from speed.sweep.measure import PLAIN
 from speed.sweep.results import (
     FRONTIER_FILE,
@@ -51,7 +50,7 @@ from speed.sweep.space import (
 from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job, trial_name
 from speed.train import tracking
 from speed.train.config import JobConfig, job_to_dict
-from speed.train.launch import ensure_ray, prepare, prepare_data, storage_uri
+from speed.train.launch import data_stage, ensure_ray, tokenizer_stage
 
 # A trial's own process only waits on its Train run and its measurement task, which reserve the CPUs and
 # GPUs; Tune needs a non-empty bundle, so it asks for a little memory instead of a CPU a worker would miss.
@@ -86,22 +85,17 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
     for note in plan.notes:
         print(f"note: {note}", flush=True)
     with tempfile.TemporaryDirectory(prefix="speed-tokenizer-") as scratch:
-        job, tokenizer_path = prepare(job, Path(scratch))
-        job = replace(job, eval=None)  # trials measure on the validation split instead (speed.sweep.measure)
+        resolved = tokenizer_stage(job, Path(scratch))
+        job = replace(resolved.job, eval=None)  # trials measure on the validation split instead (speed.sweep.measure)
         name = sweep_name(sweep, job)
-        storage = storage_uri(job.run.storage_path)
+        storage = absolute(job.run.storage_path)
         directory = f"{storage.rstrip('/')}/{name}"
-        d = job.data
-        spec = CorpusSpec(d.task, "validation", d.source, sweep.val_limit, d.max_source_len, d.max_target_len)
-        validation = prepare_corpus(spec, tokenizer_path, cache_root(storage)).uri
-        corpus = prepare_data(job, tokenizer_path).uri
-        tokenizer = tokenizer_path.read_bytes()
+        data = data_stage(job, resolved.tokenizer_path, validation_limit=sweep.val_limit)
     setup = SweepSetup(
         sweep=name,
         job=job_to_dict(replace(job, tracking=None)),  # the sweep's MLflow callback tracks the trials
-        tokenizer=tokenizer,
-        corpus=corpus,
-        validation=validation,
+        tokenizer=resolved.tokenizer,
+        data=data,
         train_storage=f"{directory}/train",
         measure_limit=sweep.measure_limit,
         cost_limit=sweep.cost_limit,
@@ -294,6 +288,6 @@ def _latency_task(front: pa.Table, results: pa.Table, job_dict: dict[str, Any], 
 
 
 def _write(table: pa.Table, directory: str, file: str) -> None:
-    fs, path = pafs.FileSystem.from_uri(directory) if "://" in directory else (pafs.LocalFileSystem(), directory)
-    fs.create_dir(path, recursive=True)
-    pq.write_table(table, f"{path}/{file}", filesystem=fs)
+    folder = locate(directory)
+    folder.makedirs()
+    pq.write_table(table, (folder / file).path, filesystem=folder.fs)

@@ -1,8 +1,8 @@
 """One trial of a sweep: a Tune function trainable that runs a Ray Train job, then measures its checkpoint.
 
 Ray Train V2 does not run a ``TorchTrainer`` as a Tune trainable; instead each
-trial's function builds the job's trainer (``speed.train.launch.build_trainer``)
-and calls ``fit()``, with ``TuneReportCallback`` forwarding rank 0's reports
+trial's function runs the job's training stage (``speed.train.launch.train_stage``,
+which calls ``fit()``), with ``TuneReportCallback`` forwarding rank 0's reports
 (the training and validation losses, every ``checkpoint_every`` steps) to Tune,
 whose scheduler may stop the trial there. The Train run is named after the
 trial, so a restored sweep resumes an unfinished trial from its last training
@@ -23,11 +23,11 @@ import ray
 from ray import tune
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from speed.storage import locate
 from speed.sweep.measure import Measurement
 from speed.sweep.space import trial_pattern, trial_scheme, trial_settle
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
-from speed.train.launch import build_trainer, copy_tree
-from speed.train.state import checkpoint_uri, newest_complete_checkpoint, read_checkpoint_config
+from speed.train.launch import PreparedData, train_stage
 
 MEASUREMENT_FILE = "measurement.json"
 EVAL_DIR = "eval_validation"  # in the trial's Train run directory: predictions, trace, summary
@@ -40,8 +40,7 @@ class SweepSetup:
     sweep: str  # the sweep's name
     job: dict[str, Any]  # the base finetuning job, resolved (model vocabulary = the tokenizer's)
     tokenizer: bytes  # the sweep's SentencePiece model, trained once
-    corpus: str  # the prepared training split (speed.data.prepare), tokenized once for all trials
-    validation: str  # the prepared validation split (speed.data.prepare) for the periodic losses
+    data: PreparedData  # the training split and the validation split (periodic losses), tokenized once for all
     train_storage: str  # where the trials' Train runs live: <storage>/<sweep>/train
     measure_limit: int
     cost_limit: int
@@ -87,22 +86,15 @@ def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:
             tune.report(json.loads((Path(directory) / MEASUREMENT_FILE).read_text())["report"])
         return
     job = trial_job(setup, trial_config, tune.get_context().get_trial_name())
-    run_dir = f"{setup.train_storage.rstrip('/')}/{job.run.name}"
-    callbacks = [TuneReportCallback()]  # rank 0's reports -> tune.report
-    trainer = build_trainer(
-        job, setup.tokenizer, setup.corpus, run_dir, None, validation=setup.validation, callbacks=callbacks
-    )
-    result = trainer.fit()
-    # The run's newest complete checkpoint on storage: Ray's result lags it when a resumed run trained no step.
-    checkpoint = newest_complete_checkpoint(run_dir) or checkpoint_uri(result.checkpoint)
+    trained = train_stage(job, setup.tokenizer, setup.data, callbacks=[TuneReportCallback()])  # rank 0 -> Tune
+    checkpoint, run_dir = trained.checkpoint, trained.run_dir
     gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
     # Outside the trial's placement group (a bundle of memory only): the task takes the workers' resources.
     outside = PlacementGroupSchedulingStrategy(placement_group=None)
     task = ray.remote(_measure).options(num_cpus=job.scale.cpus_per_worker, num_gpus=gpus, scheduling_strategy=outside)
     measurement, validation = ray.get(task.remote(job_to_dict(job), checkpoint, setup, f"{run_dir}/{EVAL_DIR}"))
     # From the final checkpoint, not from fit()'s metrics: a resumed run that had no step left reports none.
-    step = read_checkpoint_config(checkpoint)["step"]
-    report = {"step": step, "loss": (result.metrics or {}).get("loss"), "checkpoint": checkpoint, **validation}
+    report = {"step": trained.step, "loss": trained.metrics.get("loss"), "checkpoint": checkpoint, **validation}
     with tempfile.TemporaryDirectory() as tmp:
         data = {"report": report, "measurement": measurement}
         (Path(tmp) / MEASUREMENT_FILE).write_text(json.dumps(data))
@@ -127,11 +119,10 @@ def _measure(
     """The measurement and the validation losses of a checkpoint (``val_loss_loop*``, ``val_loss_last``)."""
     import torch
 
-    from speed.checkpoint import load_model
+    from speed.checkpoint import load_model, local_checkpoint
     from speed.data.corpus import open_corpus
     from speed.sweep.measure import PLAIN, lever_settings, measure
     from speed.tokenizer import Tokenizer
-    from speed.train.state import local_checkpoint
     from speed.train.validation import validation_metrics
 
     job = job_from_dict(job_dict)
@@ -152,6 +143,6 @@ def _measure(
             out,
             lever_settings(*values, loaded.model.n_loops),
         )
-        copy_tree(out, out_uri)
-        validation = validation_metrics(loaded.model, open_corpus(setup.validation), job.micro_batch)
+        locate(out_uri).upload(out)
+        validation = validation_metrics(loaded.model, open_corpus(setup.data.validation), job.micro_batch)
     return result.to_dict(), validation

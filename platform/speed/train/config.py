@@ -23,12 +23,13 @@ from typing import Any
 
 import yaml
 
+from speed.checkpoint import local_checkpoint, read_checkpoint_config
 from speed.cli import JobParser
 from speed.config import ConfigError, ModelConfig, from_dict, preset, to_dict
 from speed.data.tasks import TASKS
 from speed.evaluate import EvalConfig
 from speed.losses import SCHEMES, SettleConfig, check_scheme
-from speed.train.state import IncompatibleCheckpointError, local_checkpoint, read_checkpoint_config
+from speed.train.state import IncompatibleCheckpointError
 
 KINDS = ("pretrain", "finetune")
 OPTIMIZERS = ("adamw", "adafactor")
@@ -324,9 +325,6 @@ def resumable_job(path: str) -> dict[str, Any]:
     if "job" not in saved:
         raise IncompatibleCheckpointError(f"{path} is a model checkpoint without a training job; use --init-from")
     job = {**saved["job"], "model": saved["model"], "resume": path}
-    settings = job.get("eval")
-    if isinstance(settings, dict) and "enabled" in settings:  # written before EvalConfig, as EvalSettings
-        job["eval"] = {k: v for k, v in settings.items() if k != "enabled"} if settings["enabled"] else None
     for section, keys in LAUNCH_ONLY.items():
         for key in keys:
             job[section][key] = None

@@ -1,8 +1,17 @@
-"""The driver side of a training job: resolve tokenizer and model, run the ``TorchTrainer``, evaluate.
+"""The driver side of a training job, as named stages: tokenizer, data, training, evaluation.
 
 ``run_job(job)`` is what ``jobs/pretrain.py``, ``jobs/finetune.py`` and
-``jobs/demo.py`` call. It connects to ``$RAY_ADDRESS`` when set (``ray job
-submit`` sets it) and otherwise starts a local Ray in-process.
+``jobs/demo.py`` call; it composes the stages, and a sweep (``speed.sweep``)
+calls the same ones:
+
+1. ``tokenizer_stage``: the tokenizer (given, trained and cached, or a checkpoint's) and the
+   job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``;
+2. ``data_stage``: the splits tokenized once on storage (``speed.data.prepare``) -> ``PreparedData``;
+3. ``train_stage``: the ``TorchTrainer`` run, resumed from the run's newest complete checkpoint -> ``Trained``;
+4. ``evaluation_stage``: a finetuned model's evaluation (``speed.evaluate``), in a Ray task.
+
+``run_job`` connects to ``$RAY_ADDRESS`` when set (``ray job submit`` sets it)
+and otherwise starts a local Ray in-process (``ensure_ray``).
 """
 
 from __future__ import annotations
@@ -21,21 +30,21 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from speed.checkpoint import TOKENIZER_FILE
-from speed.cluster import code_runtime_env
-from speed.config import ModelConfig, from_dict, to_dict
-from speed.data.prepare import CorpusSpec, PreparedCorpus, cache_root, prepare_corpus
-from speed.paths import data_dir
-from speed.tokenizer import Tokenizer, train_tokenizer
-from speed.train import local_ray
-from speed.train.config import JobConfig, job_to_dict, run_name
-from speed.train.state import (
-    checkpoint_uri,
+from speed.checkpoint import (
+    TOKENIZER_FILE,
     latest_checkpoint,
     local_checkpoint,
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
+from speed.cluster import code_runtime_env
+from speed.config import ModelConfig, from_dict, to_dict
+from speed.data.prepare import CorpusSpec, cache_root, prepare_corpus
+from speed.paths import data_dir
+from speed.storage import absolute, locate
+from speed.tokenizer import Tokenizer, train_tokenizer
+from speed.train import local_ray
+from speed.train.config import JobConfig, job_to_dict, run_name
 
 HF_PREFIX = "hf:"
 
@@ -52,7 +61,63 @@ class TrainOutcome:
     evaluation: dict[str, Any] | None  # speed.evaluate summary (finetuning), else None
 
 
-# ----- checking inputs, resolving the tokenizer and the model config -----------------------------------
+@dataclass(frozen=True)
+class ResolvedJob:
+    """The tokenizer stage's result."""
+
+    job: JobConfig  # completed: the model config (vocabulary, or the checkpoint's or Hugging Face model's)
+    tokenizer_path: Path  # a local file (in the caller's scratch folder when taken from a checkpoint)
+    tokenizer: bytes  # its contents, which the workers receive
+
+    @classmethod
+    def of(cls, job: JobConfig, tokenizer_path: Path) -> ResolvedJob:
+        """``job`` with the tokenizer file (and its contents)."""
+        return cls(job, tokenizer_path, tokenizer_path.read_bytes())
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The data stage's result: prepared splits on storage (paths or URIs for ``speed.data.corpus.open_corpus``)."""
+
+    train: str
+    validation: str | None = None  # the validation split whose loop losses every checkpoint report carries
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The training stage's result."""
+
+    run_dir: str  # storage_path/name (a local path or a URI)
+    checkpoint: str  # the run's newest complete checkpoint (path or URI)
+    step: int  # optimizer steps in that checkpoint
+    metrics: dict[str, Any]  # the last metrics rank 0 reported in this launch (empty if it trained no step)
+
+
+# ----- the driver: the stages composed -------------------------------------------------------------------
+
+
+def run_job(job: JobConfig) -> TrainOutcome:
+    """Train (pretrain or finetune) as configured, evaluate a finetuned model, print the run layout."""
+    started = time.time()
+    deadline = started + 60 * job.train.time_budget_min if job.train.time_budget_min else None
+    with tempfile.TemporaryDirectory(prefix="speed-tokenizer-") as scratch:
+        resolved = tokenizer_stage(job, Path(scratch))
+        job = resolved.job
+        job = replace(job, run=replace(job.run, name=job.run.name or run_name(job)))
+        print(
+            f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_directory(job)}",
+            flush=True,
+        )
+        ensure_ray()
+        data = data_stage(job, resolved.tokenizer_path)
+    trained = train_stage(job, resolved.tokenizer, data, deadline)
+    evaluation = evaluation_stage(job, trained)
+    outcome = TrainOutcome(job, trained.run_dir, trained.checkpoint, trained.step, trained.metrics, evaluation)
+    print(describe(outcome, time.time() - started), flush=True)
+    return outcome
+
+
+# ----- checking inputs ----------------------------------------------------------------------------------
 
 
 def check_inputs(job: JobConfig) -> None:
@@ -78,13 +143,11 @@ def check_inputs(job: JobConfig) -> None:
     tracking.check(job)
 
 
-def storage_uri(path: str) -> str:
-    """A URI as given; a local path made absolute (Ray needs absolute local storage paths)."""
-    return path if "://" in path else str(Path(path).expanduser().resolve())
+# ----- 1. the tokenizer stage ---------------------------------------------------------------------------
 
 
-def prepare(job: JobConfig, scratch: Path) -> tuple[JobConfig, Path]:
-    """Resolve the tokenizer and the model config; returns the completed job and a local tokenizer file.
+def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
+    """Resolve the tokenizer and the model config.
 
     A tokenizer taken from a checkpoint is copied into ``scratch`` (the caller's temporary folder).
 
@@ -103,16 +166,16 @@ def prepare(job: JobConfig, scratch: Path) -> tuple[JobConfig, Path]:
             tokenizer_path.write_bytes((directory / TOKENIZER_FILE).read_bytes())
         model = from_dict(ModelConfig, saved["model"])
         _note_replaced(job.model, model, origin)
-        return replace(job, model=model), tokenizer_path
+        return ResolvedJob.of(replace(job, model=model), tokenizer_path)
     if origin:
         name = origin[len(HF_PREFIX) :]
         model = _hf_model_config(name, job.model.pattern)
         _note_replaced(job.model, model, origin)
-        return replace(job, model=model), _hf_tokenizer(name)
+        return ResolvedJob.of(replace(job, model=model), _hf_tokenizer(name))
     tokenizer_path = Path(job.data.tokenizer) if job.data.tokenizer else _trained_tokenizer(job)
     # Exactly the tokenizer's size, unpadded: ids past it would be undecodable if an undertrained model chose them.
     vocab = Tokenizer.load(tokenizer_path).vocab_size
-    return replace(job, model=job.model.replace(vocab_size=vocab)), tokenizer_path
+    return ResolvedJob.of(replace(job, model=job.model.replace(vocab_size=vocab)), tokenizer_path)
 
 
 def _note_replaced(asked: ModelConfig, used: ModelConfig, origin: str) -> None:
@@ -148,8 +211,8 @@ def _trained_tokenizer(job: JobConfig) -> Path:
         sort_keys=True,
     )
     digest = hashlib.sha256((key + str(data_dir())).encode()).hexdigest()[:12]
-    storage = job.run.storage_path
-    root = Path(storage_uri(storage)) / "tokenizers" if "://" not in storage else Path.home() / ".cache" / "speed"
+    storage = locate(job.run.storage_path)
+    root = Path(storage.path) / "tokenizers" if storage.local else Path.home() / ".cache" / "speed"
     path = root / f"spm-{digest}" / TOKENIZER_FILE
     if path.is_file():
         print(f"tokenizer: reusing {path}", flush=True)
@@ -162,9 +225,8 @@ def _trained_tokenizer(job: JobConfig) -> Path:
             if column in records.column_names:
                 texts.extend(records[column])
     start = time.perf_counter()
-    tmp = path.with_name(f"{TOKENIZER_FILE}.{os.getpid()}.tmp")
-    train_tokenizer(texts, tmp, vocab_size=job.data.vocab_size)
-    tmp.replace(path)  # atomic: concurrent jobs never read a half-written file
+    with locate(path).atomic() as partial:  # concurrent jobs never read a half-written file
+        train_tokenizer(texts, partial, vocab_size=job.data.vocab_size)
     print(f"tokenizer: trained {job.data.vocab_size} pieces on {tasks} in {time.perf_counter() - start:.0f}s -> {path}")
     return path
 
@@ -186,28 +248,62 @@ def ensure_ray() -> None:
         local_ray.start(runtime_env=code_runtime_env())
 
 
-def prepare_data(job: JobConfig, tokenizer_path: Path) -> PreparedCorpus:
-    """The job's training split, tokenized once into shards under ``<storage_path>/data`` (or found there)."""
-    d = job.data
+# ----- 2. the data stage -------------------------------------------------------------------------------
+
+
+def data_stage(job: JobConfig, tokenizer_path: Path, validation_limit: int | None = None) -> PreparedData:
+    """The job's training split (and, with ``validation_limit``, that many validation records) tokenized once
+    into shards under ``<storage_path>/data``, or found there."""
+    d, root = job.data, cache_root(absolute(job.run.storage_path))
     spec = CorpusSpec(d.task, "train", d.source, d.limit, d.max_source_len, d.max_target_len, d.pack)
-    return prepare_corpus(spec, tokenizer_path, cache_root(storage_uri(job.run.storage_path)))
+    train = prepare_corpus(spec, tokenizer_path, root).uri
+    if validation_limit is None:
+        return PreparedData(train)
+    spec = CorpusSpec(d.task, "validation", d.source, validation_limit, d.max_source_len, d.max_target_len)
+    return PreparedData(train, prepare_corpus(spec, tokenizer_path, root).uri)
+
+
+# ----- 3. the training stage ---------------------------------------------------------------------------
+
+
+def run_directory(job: JobConfig) -> str:
+    """Where the job's run lives: ``<storage_path>/<run name>`` (a local path made absolute, or a URI)."""
+    return f"{absolute(job.run.storage_path).rstrip('/')}/{job.run.name}"
+
+
+def train_stage(
+    job: JobConfig,
+    tokenizer: bytes,
+    data: PreparedData,
+    deadline: float | None = None,
+    callbacks: list[ray.train.UserCallback] | None = None,
+) -> Trained:
+    """Train ``job`` (named: ``job.run.name``) on the prepared data; a rerun resumes its newest checkpoint.
+
+    ``tokenizer``: the .model file's bytes; ``deadline``: Unix time of the wall-clock budget;
+    ``callbacks``: Ray Train callbacks (a sweep's ``TuneReportCallback``).
+    """
+    run_dir = run_directory(job)
+    result = build_trainer(job, tokenizer, data, run_dir, deadline, callbacks).fit()
+    # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
+    checkpoint = newest_complete_checkpoint(run_dir)
+    if checkpoint is None:
+        raise RuntimeError(f"run {job.run.name} finished without a checkpoint in {run_dir}")
+    step = read_checkpoint_config(checkpoint)["step"]
+    return Trained(run_dir, checkpoint, step, dict(result.metrics or {}))
 
 
 def build_trainer(
     job: JobConfig,
     tokenizer: bytes,
-    corpus: str,
+    data: PreparedData,
     run_dir: str,
     deadline: float | None,
-    *,
-    validation: str | None = None,
     callbacks: list[ray.train.UserCallback] | None = None,
 ) -> TorchTrainer:
-    """A ``TorchTrainer`` running ``train_loop_per_worker`` on the prepared ``corpus`` (path or URI).
+    """A ``TorchTrainer`` running ``train_loop_per_worker`` on the prepared data.
 
-    ``validation``: a prepared validation split (``speed.data.prepare``) whose every-loop
-    losses each checkpoint report carries; ``callbacks``: Ray Train callbacks (a sweep's
-    ``TuneReportCallback``).
+    With ``data.validation``, each checkpoint report carries its every-loop losses.
     """
     from speed.train.loop import train_loop_per_worker
 
@@ -220,10 +316,10 @@ def build_trainer(
     loop_config = {
         "job": job_to_dict(job),
         "tokenizer": tokenizer,  # the .model file's bytes, shipped so that workers on any node can read it
-        "corpus": corpus,
+        "corpus": data.train,
         "deadline": deadline,
         "run_dir": run_dir,
-        "validation": validation,
+        "validation": data.validation,
     }
     return TorchTrainer(
         train_loop_per_worker,
@@ -233,7 +329,7 @@ def build_trainer(
         ),
         run_config=ray.train.RunConfig(
             name=job.run.name,
-            storage_path=storage_uri(job.run.storage_path),
+            storage_path=absolute(job.run.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=job.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
             callbacks=callbacks,
@@ -241,35 +337,15 @@ def build_trainer(
     )
 
 
-def run_job(job: JobConfig) -> TrainOutcome:
-    """Train (pretrain or finetune) as configured, evaluate a finetuned model, print the run layout."""
-    started = time.time()
-    deadline = started + 60 * job.train.time_budget_min if job.train.time_budget_min else None
-    with tempfile.TemporaryDirectory(prefix="speed-tokenizer-") as scratch:
-        job, tokenizer_path = prepare(job, Path(scratch))
-        tokenizer = tokenizer_path.read_bytes()
-        job = replace(job, run=replace(job.run, name=job.run.name or run_name(job)))
-        run_dir = f"{storage_uri(job.run.storage_path).rstrip('/')}/{job.run.name}"
-        print(f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_dir}", flush=True)
-        ensure_ray()
-        corpus = prepare_data(job, tokenizer_path).uri
-    result = build_trainer(job, tokenizer, corpus, run_dir, deadline).fit()
-    # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
-    checkpoint = newest_complete_checkpoint(run_dir)
-    if checkpoint is None and result.checkpoint is not None:
-        checkpoint = checkpoint_uri(result.checkpoint)
-    if checkpoint is None:
-        raise RuntimeError(f"run {job.run.name} finished without a checkpoint in {run_dir}")
-    evaluation = None
-    if job.kind == "finetune" and job.eval is not None:
-        evaluation = evaluate_checkpoint(job, checkpoint, f"{run_dir}/eval_{job.final_eval.split}")
-    step = read_checkpoint_config(checkpoint)["step"]
-    outcome = TrainOutcome(job, run_dir, checkpoint, step, dict(result.metrics or {}), evaluation)
-    print(describe(outcome, time.time() - started), flush=True)
-    return outcome
+# ----- 4. the evaluation stage (finetuning) -------------------------------------------------------------
 
 
-# ----- evaluation after finetuning -----------------------------------------------------------------------
+def evaluation_stage(job: JobConfig, trained: Trained) -> dict[str, Any] | None:
+    """A finetuning job's evaluation of its final checkpoint (``speed.evaluate`` summary), under
+    ``<run_dir>/eval_<split>``; None for pretraining or ``eval: null``."""
+    if job.kind != "finetune" or job.eval is None:
+        return None
+    return evaluate_checkpoint(job, trained.checkpoint, f"{trained.run_dir}/eval_{job.final_eval.split}")
 
 
 def evaluate_checkpoint(job: JobConfig, checkpoint: str, out_uri: str) -> dict[str, Any]:
@@ -297,15 +373,8 @@ def _evaluate(job_dict: dict[str, Any], checkpoint: str, out_uri: str) -> dict[s
         loaded = load_model(directory, map_location=device)
         tokenizer = Tokenizer.load(loaded.tokenizer_path)
         summary = run_evaluation(loaded.model.to(device), tokenizer, job.final_eval, out)
-        copy_tree(out, out_uri)
+        locate(out_uri).upload(out)
     return summary
-
-
-def copy_tree(local_dir: str | Path, uri: str) -> None:
-    """Copy a local folder's files to a local path or URI (created as needed)."""
-    fs, path = pafs.FileSystem.from_uri(storage_uri(uri))
-    fs.create_dir(path, recursive=True)
-    pafs.copy_files(str(local_dir), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
 # ----- the run directory ---------------------------------------------------------------------------------
@@ -313,12 +382,11 @@ def copy_tree(local_dir: str | Path, uri: str) -> None:
 
 def describe(outcome: TrainOutcome, seconds: float) -> str:
     """What the run left where: the run directory's entries, the final checkpoint, the evaluation."""
-    fs, path = pafs.FileSystem.from_uri(storage_uri(outcome.run_dir))
-    entries = sorted(fs.get_file_info(pafs.FileSelector(path)), key=lambda i: i.base_name)
+    run_dir = locate(outcome.run_dir)
     lines = [f"finished in {seconds / 60:.1f} min; run directory {outcome.run_dir}"]
-    for info in entries:
+    for info in run_dir.entries():
         if info.type == pafs.FileType.Directory:
-            files = sorted(c.base_name for c in fs.get_file_info(pafs.FileSelector(info.path)))
+            files = [c.base_name for c in (run_dir / info.base_name).entries()]
             lines.append(f"  {info.base_name}/  {' '.join(files)}")
         else:
             lines.append(f"  {info.base_name}")

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speed.checkpoint import MODEL_FILE, TOKENIZER_FILE, load_model
+from speed.checkpoint import (
+    MODEL_FILE,
+    TOKENIZER_FILE,
+    load_model,
+    local_checkpoint,
+    newest_complete_checkpoint,
+    read_checkpoint_config,
+)
 from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.losses import loss_weights, settled_loss
 from speed.model import SpeedT5
@@ -53,10 +61,7 @@ from speed.train.state import (
     checkpoint_name,
     checkpoint_uri,
     load_training_state,
-    local_checkpoint,
     mark_complete,
-    newest_complete_checkpoint,
-    read_checkpoint_config,
     rng_state,
     save_training_checkpoint,
     set_rng_state,
@@ -108,12 +113,30 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         _work(config, Path(workdir))
 
 
+@dataclass(frozen=True)
+class WorkerContext:
+    """What one worker's steps, checkpoints and restore read; built once in ``_work``."""
+
+    job: JobConfig
+    rank: int
+    world: int
+    device: torch.device
+    model: nn.Module  # Ray's prepare_model of it (on ``device``; DDP when world > 1) once restored
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    plan: BatchPlan  # this rank's share of every global batch
+    corpus: TokenizedCorpus  # the prepared training split
+    validation: TokenizedCorpus | None  # rank 0 only, when the job has a prepared validation split (sweeps)
+    tokenizer_path: Path  # this worker's copy of the run's tokenizer, written into every checkpoint
+    tokenizer: bytes  # its contents: a checkpoint with another tokenizer cannot continue the run
+    deadline: float | None  # Unix time of the wall-clock budget; None: no budget
+
+
 def _work(config: dict[str, Any], workdir: Path) -> None:
     job = job_from_dict(config["job"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    ray_ctx = ray.train.get_context()
+    rank, world = ray_ctx.get_world_rank(), ray_ctx.get_world_size()
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
-    device = ray.train.torch.get_device()
     tokenizer_path = workdir / TOKENIZER_FILE
     tokenizer_path.write_bytes(config["tokenizer"])
 
@@ -127,111 +150,102 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
         job.train.seed,
         job.train.group_by_length,
     )
-    own = _own_checkpoint(config["run_dir"], ray.train.get_checkpoint(), world)  # this run's newest, if any
+    own = _own_checkpoint(config["run_dir"], world)  # this run's newest, if any
     resuming = own is not None or job.resume is not None
     model = initial_model(job, load_init=not resuming)  # resumed weights come from the checkpoint
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.optim, job.train.max_steps)
     _seed_worker(job.train.seed, rank)
+    ctx = WorkerContext(
+        job=job,
+        rank=rank,
+        world=world,
+        device=ray.train.torch.get_device(),
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        plan=plan,
+        corpus=corpus,
+        # A prepared validation split (sweeps): rank 0 adds every loop's validation loss to each report.
+        validation=open_corpus(config["validation"]) if rank == 0 and config.get("validation") else None,
+        tokenizer_path=tokenizer_path,
+        tokenizer=config["tokenizer"],
+        deadline=config.get("deadline"),
+    )
 
     history = TRAIN_LOG_SCHEMA.empty_table()
     step = 0
     if resuming:
         origin = own if own is not None else job.resume
         with local_checkpoint(origin) as directory:
-            step, history = _restore(
-                Path(directory), config["job"], config["tokenizer"], model, optimizer, scheduler, rank, world
-            )
+            step, history = _restore(ctx, Path(directory))
         if rank == 0:
             print(f"resumed at step {step} from {origin}", flush=True)
     if rank == 0:
         print(
             f"{len(corpus)} training examples, {plan.steps_per_epoch} steps/epoch, {world} worker(s) x "
-            f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {device}",
+            f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {ctx.device}",
             flush=True,
         )
-    model = ray.train.torch.prepare_model(model)
-    _train(job, model, optimizer, scheduler, plan, corpus, tokenizer_path, step, history, config, own is not None)
+    ctx = replace(ctx, model=ray.train.torch.prepare_model(model))  # on a GPU: moves the parameters there
+    if step:  # the restored optimizer state went to the parameters' device at load (the CPU): follow them
+        ctx.optimizer.load_state_dict(ctx.optimizer.state_dict())
+    _train(ctx, step, history, resumed_own=own is not None)
 
 
-def _own_checkpoint(run_dir: str, registered: ray.train.Checkpoint | None, world: int) -> str | None:
-    """This run's newest checkpoint (path or URI), as rank 0 sees it; None when the run has none yet.
+def _own_checkpoint(run_dir: str, world: int) -> str | None:
+    """This run's newest complete checkpoint on storage (path or URI), as rank 0 sees it; None when it has none yet.
 
-    The newest complete checkpoint on storage; Ray's registered one (which lags
-    it) only when newer, as in runs checkpointed before the completion markers.
+    Not Ray's registered checkpoint, which lags the markers (``_upload``).
     """
     chosen = [None]
     if ray.train.get_context().get_world_rank() == 0:
-        on_storage = newest_complete_checkpoint(run_dir)
-        ray_uri = checkpoint_uri(registered) if registered is not None else None
-        candidates = [c for c in (on_storage, ray_uri) if c is not None]
-        chosen = [max(candidates, key=lambda c: c.rstrip("/").rsplit("/", 1)[-1]) if candidates else None]
+        chosen = [newest_complete_checkpoint(run_dir)]
     if world > 1:
         dist.broadcast_object_list(chosen, src=0)  # every rank resumes from the same step
     return chosen[0]
 
 
-def _restore(
-    directory: Path,
-    job_dict: dict[str, Any],
-    tokenizer_bytes: bytes,
-    model: SpeedT5,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    rank: int,
-    world: int,
-) -> tuple[int, pa.Table]:
+def _restore(ctx: WorkerContext, directory: Path) -> tuple[int, pa.Table]:
     """Load weights, optimizer, scheduler and this rank's RNG from a training checkpoint; returns (step, log)."""
-    check_compatible(read_checkpoint_config(directory), job_dict, tokenizer_bytes, str(directory))
-    job = job_from_dict(job_dict)
+    job = ctx.job
+    check_compatible(read_checkpoint_config(directory), job_to_dict(job), ctx.tokenizer, str(directory))
     state = load_training_state(directory)
-    model.load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
-    optimizer.load_state_dict(state.optimizer)
-    scheduler.load_state_dict(state.scheduler)
+    _unwrap(ctx.model).load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
+    ctx.optimizer.load_state_dict(state.optimizer)
+    ctx.scheduler.load_state_dict(state.scheduler)
     # The schedule follows this run's config (its lr and max_steps), not the one saved.
-    scheduler.base_lrs = [job.optim.lr] * len(optimizer.param_groups)
-    for group in optimizer.param_groups:
+    ctx.scheduler.base_lrs = [job.optim.lr] * len(ctx.optimizer.param_groups)
+    for group in ctx.optimizer.param_groups:
         group["initial_lr"] = job.optim.lr
         group["lr"] = job.optim.lr * lr_factor(state.step, job.optim, job.train.max_steps)
-    if len(state.rng) == world:
-        set_rng_state(state.rng[rank])
+    if len(state.rng) == ctx.world:
+        set_rng_state(state.rng[ctx.rank])
     else:  # another worker count: the data order still resumes exactly, dropout streams restart
-        _seed_worker(job.train.seed + state.step, rank)
+        _seed_worker(job.train.seed + state.step, ctx.rank)
     return state.step, state.log
 
 
-def _train(
-    job: JobConfig,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    plan: BatchPlan,
-    corpus: TokenizedCorpus,
-    tokenizer_path: Path,
-    step: int,
-    history: pa.Table,
-    config: dict[str, Any],
-    resumed_own: bool,
-) -> None:
-    """The step loop, from ``step`` to ``max_steps`` (or a clean early stop), checkpointing on the way."""
+def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) -> None:
+    """The step loop, from ``step`` to ``max_steps`` (or a clean early stop), checkpointing on the way.
+
+    ``history``: the log of the steps before ``step``; ``resumed_own``: this run's checkpoint of ``step``
+    (not another run's) was restored, so it is on storage already.
+    """
     from speed.data import collate
 
+    job, model, optimizer, scheduler = ctx.job, ctx.model, ctx.optimizer, ctx.scheduler
+    plan, corpus, rank, world, device, deadline = ctx.plan, ctx.corpus, ctx.rank, ctx.world, ctx.device, ctx.deadline
     t = job.train
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
     n_loops = _unwrap(model).n_loops
     weights = loss_weights(t.loss_weights, n_loops).to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and t.bf16 else nullcontext()
     clip = job.optim.grad_clip if job.optim.grad_clip > 0 else math.inf
-    deadline = config.get("deadline")
     last_step = min(t.max_steps, t.stop_at_step or t.max_steps)
     launched = time.perf_counter()
     records: list[StepRecord] = []
     saved_at = step if resumed_own else None  # this run's checkpoint of ``step`` is on storage already
     restarts = history.column("restarts")[-1].as_py() + 1 if history.num_rows else 0
-    # A prepared validation split (sweeps): rank 0 adds every loop's validation loss to each checkpoint's report.
-    validation = open_corpus(config["validation"]) if rank == 0 and config.get("validation") else None
 
     while step < last_step:
         if t.fail_at_step == step + 1 and not resumed_own and rank == world - 1:
@@ -248,14 +262,8 @@ def _train(
             sync = world == 1 or i == len(micro) - 1  # all-reduce gradients once per optimizer step
             with nullcontext() if sync else model.no_sync():
                 with autocast:  # the forward only; backward runs in the dtypes autocast chose
-                    out = model(
-                        input_ids=batch["input_ids"],
-                        decoder_input_ids=batch["decoder_input_ids"],
-                        attention_mask=batch["attention_mask"],
-                        labels=batch["labels"],
-                        weights=weights,
-                        return_logits=t.settle.active,
-                    )
+                    # collate's keys are the forward's: input_ids, attention_mask, labels, decoder_input_ids
+                    out = model(**batch, weights=weights, return_logits=t.settle.active)
                     loss, settle = settled_loss(out.loss, out.loop_logits, batch["labels"], t.settle, step + 1)
                 (loss / len(micro)).backward()
             loop_sum += out.loop_losses.detach().float()
@@ -298,17 +306,14 @@ def _train(
             print(progress_line(window, t.max_steps, eta_seconds(last_step - step, pace, budget_left)), flush=True)
             tracking.log_step(window)  # rank 0's MLflow run, when tracked
         if step % t.checkpoint_every == 0 or stop:
-            _checkpoint(
-                job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world, validation,
-                settle_term,
-            )  # fmt: skip
+            _checkpoint(ctx, step, history, records, settle_term)
             saved_at = step
         if stop:
             if rank == 0 and step < last_step:
                 print(f"time budget of {t.time_budget_min} min reached: stopped at step {step}", flush=True)
             break
     if saved_at != step:  # nothing left to train (a finished run resumed): still leave a checkpoint here
-        _checkpoint(job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world, validation)
+        _checkpoint(ctx, step, history, records)
 
 
 def _past_deadline(deadline: float, records: list[StepRecord], started: float) -> bool:
@@ -318,27 +323,22 @@ def _past_deadline(deadline: float, records: list[StepRecord], started: float) -
 
 
 def _checkpoint(
-    job: JobConfig,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    tokenizer_path: Path,
+    ctx: WorkerContext,
     step: int,
     history: pa.Table,
     records: list[StepRecord],
-    rank: int,
-    world: int,
-    validation: TokenizedCorpus | None,
     settle_term: float | None = None,
 ) -> None:
     """Every rank reports (a barrier); rank 0 alone writes the checkpoint, with every rank's RNG state.
 
-    The report holds the last step's losses (with ``train.settle``: ``settle_loss``, the term S, and
-    ``settle_weight``, lambda at that step) and, with a validation split, ``speed.train.validation``'s metrics.
+    ``history`` and ``records``: the log before this launch and this launch's steps. The report holds the
+    last step's losses (with ``train.settle``: ``settle_loss``, the term S, and ``settle_weight``, lambda at
+    that step) and, with a validation split, ``speed.train.validation``'s metrics.
     """
+    job = ctx.job
     rngs = [rng_state()]
-    if world > 1:
-        rngs = [None] * world
+    if ctx.world > 1:
+        rngs = [None] * ctx.world
         dist.all_gather_object(rngs, rng_state())
     last = records[-1] if records else None
     metrics: dict[str, Any] = {"step": step}
@@ -347,15 +347,15 @@ def _checkpoint(
         metrics |= {f"loss_loop{i + 1}": x for i, x in enumerate(last.loop_losses)}
         if job.train.settle.active and settle_term is not None:
             metrics |= {"settle_loss": settle_term, "settle_weight": job.train.settle.weight_at(step)}
-    if validation is not None:
-        metrics |= validation_metrics(_unwrap(model), validation, job.micro_batch)
+    if ctx.validation is not None:
+        metrics |= validation_metrics(_unwrap(ctx.model), ctx.validation, job.micro_batch)
     tracking.log_report(step, metrics)  # rank 0: the validation metrics and the settle term, when tracked
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
-        if rank == 0:
+        if ctx.rank == 0:
             log = pa.concat_tables([history, records_to_table(records)])
-            state = TrainingState(step, optimizer.state_dict(), scheduler.state_dict(), rngs, log)
-            save_training_checkpoint(tmp, _unwrap(model), tokenizer_path, job_to_dict(job), state)
+            state = TrainingState(step, ctx.optimizer.state_dict(), ctx.scheduler.state_dict(), rngs, log)
+            save_training_checkpoint(tmp, _unwrap(ctx.model), ctx.tokenizer_path, job_to_dict(job), state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         name = checkpoint_name(step)
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=_upload(step))

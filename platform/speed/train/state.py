@@ -10,10 +10,7 @@ so ``speed.checkpoint.load_model(dir)`` (evaluation, serving) reads any of them.
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,16 +19,14 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
-from pyarrow.fs import FileType
 
-from speed.checkpoint import CONFIG_FILE, TOKENIZER_FILE, save_model
+from speed.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, TOKENIZER_FILE, save_model
 from speed.model import SpeedT5
+from speed.storage import locate
 from speed.train.progress import TRAIN_LOG_SCHEMA
 
 TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_LOG_FILE = "train_log.parquet"
-CHECKPOINT_PREFIX = "checkpoint_"
-COMPLETE_FILE = "complete"  # written after every other file of a checkpoint is on storage (holds the step)
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -108,16 +103,6 @@ def load_training_state(directory: str | Path) -> TrainingState:
     return TrainingState(raw["step"], raw["optimizer"], raw["scheduler"], raw["rng"], log)
 
 
-def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:
-    """A checkpoint's config.json (sections ``model``, ``job``, ``step``), from a local path or a URI."""
-    fs, root = _filesystem(str(directory))
-    path = f"{root}/{CONFIG_FILE}"
-    if fs.get_file_info(path).type != FileType.File:
-        raise FileNotFoundError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}")
-    with fs.open_input_stream(path) as f:
-        return json.loads(f.read().decode())
-
-
 def check_compatible(saved: dict[str, Any], job: dict[str, Any], tokenizer_bytes: bytes, where: str) -> None:
     """Refuse a checkpoint (config.json dict) whose model, task, optimizer or tokenizer differs from ``job``'s.
 
@@ -140,13 +125,7 @@ def check_compatible(saved: dict[str, Any], job: dict[str, Any], tokenizer_bytes
         raise IncompatibleCheckpointError(f"checkpoint {where} cannot continue this run: " + "; ".join(problems))
 
 
-# ----- locating checkpoints (local folders and URIs alike) ------------------------------------------
-
-
-def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    if "://" not in uri:
-        uri = str(Path(uri).expanduser().resolve())
-    return pafs.FileSystem.from_uri(uri)
+# ----- marking checkpoints complete (``speed.checkpoint`` finds them) ------------------------------
 
 
 def checkpoint_uri(checkpoint: Any) -> str:
@@ -159,51 +138,4 @@ def checkpoint_uri(checkpoint: Any) -> str:
 
 def mark_complete(checkpoint: str, step: int) -> None:
     """Write the marker that says every file of ``checkpoint`` (a path or URI) is on storage: call it last."""
-    fs, root = _filesystem(checkpoint)
-    with fs.open_output_stream(f"{root}/{COMPLETE_FILE}") as f:
-        f.write(f"{step}\n".encode())
-
-
-def newest_complete_checkpoint(run_dir: str) -> str | None:
-    """The newest ``checkpoint_*`` of a run directory that holds the completion marker; None when there is none.
-
-    Checkpoints on storage, not Ray's ``checkpoint_manager_snapshot.json``, which
-    lags them: a run stopped hard resumes at most one checkpoint interval back.
-    """
-    fs, root = _filesystem(run_dir)
-    if fs.get_file_info(root).type != FileType.Directory:
-        return None
-    children = fs.get_file_info(pafs.FileSelector(root))
-    names = [c.base_name for c in children if c.type == FileType.Directory]
-    names = [name for name in names if name.startswith(CHECKPOINT_PREFIX)]
-    for name in sorted(names, reverse=True):
-        if fs.get_file_info(f"{root}/{name}/{COMPLETE_FILE}").type == FileType.File:
-            return f"{run_dir.rstrip('/')}/{name}"
-    return None
-
-
-def latest_checkpoint(path: str) -> str:
-    """``path`` itself when it is a checkpoint, else the newest complete ``checkpoint_*`` inside a run directory."""
-    fs, root = _filesystem(path)
-    info = fs.get_file_info(root)
-    if info.type != FileType.Directory:
-        raise FileNotFoundError(f"no checkpoint or run directory at {path}")
-    if fs.get_file_info(f"{root}/{CONFIG_FILE}").type == FileType.File:
-        return path
-    newest = newest_complete_checkpoint(path)
-    if newest is None:
-        raise FileNotFoundError(f"{path} holds no {CONFIG_FILE} and no complete {CHECKPOINT_PREFIX}* directory")
-    return newest
-
-
-@contextmanager
-def local_checkpoint(path: str) -> Iterator[Path]:
-    """A checkpoint (or the newest one of a run) as a local directory, downloaded first when ``path`` is a URI."""
-    from ray.train import Checkpoint
-
-    uri = latest_checkpoint(path)
-    if "://" not in uri:
-        yield Path(uri).expanduser().resolve()
-        return
-    with Checkpoint(uri).as_directory() as local:
-        yield Path(local)
+    (locate(checkpoint) / COMPLETE_FILE).write_text(f"{step}\n")

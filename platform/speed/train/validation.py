@@ -47,13 +47,7 @@ def validate(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> Valida
             for start in range(0, len(corpus), batch_size):
                 indices = range(start, min(start + batch_size, len(corpus)))
                 batch = {k: v.to(device) for k, v in collate(corpus.examples(indices, 0, 0)).items()}
-                out = model(
-                    input_ids=batch["input_ids"],
-                    decoder_input_ids=batch["decoder_input_ids"],
-                    attention_mask=batch["attention_mask"],
-                    labels=batch["labels"],
-                    return_logits=True,
-                )
+                out = model(**batch, return_logits=True)  # collate's keys are the forward's
                 flips_prev, flips_final, n = teacher_forced_flips(out.loop_logits, batch["labels"])
                 total += out.loop_losses.double().cpu() * n  # (M,): per-token means back to sums
                 prev += flips_prev.cpu()
