@@ -50,6 +50,8 @@ def _error_line(capsys, job: str, argv: list[str]) -> str:
         ("evaluate", ["--checkpoint", "x", "--top-p", "2"], r"error: EvalConfig: top_p must be in \(0, 1\], got 2"),
         ("bench_sampling", ["--checkpoint", "/nonexistent/ckpt"], "error: checkpoint /nonexistent/ckpt has no config"),
         ("bench_sampling", ["--checkpoint", "x", "--temperatures", "0,-1"], "error: temperatures must be >= 0"),
+        ("serve", ["--checkpoint", "x", "--set", "max_active"], "error: --set expects KEY=VALUE, got 'max_active'"),
+        ("serve", ["--checkpoint", "x", "--set", "task=[a"], r"error: --set task=\[a: not valid YAML \("),
     ],
 )
 def test_a_mistake_is_one_line_and_status_2(capsys, job, argv, message):

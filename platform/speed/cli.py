@@ -12,6 +12,11 @@ import argparse
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+import yaml
+
+from speed.config import ConfigError
 
 USAGE_STATUS = 2  # argparse's status for a bad command line
 
@@ -24,6 +29,22 @@ class JobParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(USAGE_STATUS, f"error: {message} (see {self.prog} --help)\n")
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``text`` as YAML; invalid YAML is a ``ConfigError`` naming ``where``."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """One ``--set KEY=VALUE`` -> ``(KEY, VALUE parsed as YAML)``; no ``=`` or no key is a ``ConfigError``."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    return key, parse_yaml(value, f"--set {item}")
 
 
 @contextmanager
