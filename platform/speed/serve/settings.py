@@ -6,12 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speed.data import get_task
-from speed.engine import EngineConfig
+from speed.engine import INVALIDATIONS, METHODS, EngineConfig, Invalidation, Method
 from speed.paths import repo_root
 
 DEFAULT_STATS_PATH = str(repo_root() / "runs" / "serve")
-METHODS = ("speed", "sequential")
-INVALIDATIONS = ("eager", "final")
 
 
 @dataclass(frozen=True)
@@ -22,9 +20,9 @@ class ServeSettings:
     max_source_len: int = 128  # longest prompt in tokens (task prefix and EOS included)
     max_target_len: int = 128  # largest max_tokens
     row_budget: int | None = None  # rows per engine step; None: every in-flight row
-    method: str = "speed"  # defaults for requests that leave them out
+    method: Method = "speed"  # defaults for requests that leave them out
     launch_loop: int = 1
-    invalidation: str = "eager"
+    invalidation: Invalidation = "eager"
     task: str | None = None  # task prefix put before text prompts that name no task
     max_tokens: int = 64
     trace: bool = True  # per-request flip traces to Parquet

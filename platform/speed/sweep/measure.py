@@ -18,11 +18,10 @@ import pyarrow.parquet as pq
 
 from speed.data import pad_inputs, truncate
 from speed.decoding import DecodeStats, generate
+from speed.engine import INVALIDATIONS
 from speed.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
 from speed.model import SpeedT5
 from speed.tokenizer import Tokenizer
-
-POLICIES = ("eager", "final")
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ def speed_costs(model: SpeedT5, inputs: list[list[int]], max_new_tokens: int) ->
     n_unique = model.config.sharing.n_unique
     costs = []
     for launch_loop in range(1, model.n_loops + 1):
-        for policy in POLICIES:
+        for policy in INVALIDATIONS:
             total = DecodeStats()
             for ids in inputs:
                 input_ids, mask = pad_inputs([ids])  # (1, S), (1, S)
