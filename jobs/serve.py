@@ -31,6 +31,7 @@ from ray import serve
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import parse_set, user_errors
+from speed.cluster import code_runtime_env
 from speed.serve.app import DEFAULT_STATS_PATH, start_app
 from speed.serve.auth import API_KEY_ENV
 
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors():  # a --set without '=' or with invalid YAML: one line, status 2
         settings = dict(map(parse_set, args.set))
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
+    # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True, runtime_env=code_runtime_env())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:
         url = start_app(
