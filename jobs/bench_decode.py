@@ -11,17 +11,15 @@ sequential NxM; for ours_deep, transformers' generate of the same random
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.bench import BenchConfig, format_table, run_benchmark
-from speed.cli import JobParser, user_errors
+from speed.cli import JobParser, config_from_args, report_rows, user_errors
 from speed.config import preset
 
 
@@ -43,23 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     with user_errors():  # an unknown preset, a bad pattern or size: one line, status 2
-        cfg = BenchConfig(
-            model=preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size),
-            batch=args.batch,
-            source_len=args.source_len,
-            new_tokens=args.new_tokens,
-            reps=args.reps,
-            seed=args.seed,
-            compare_hf=not args.no_hf,
-        )
-    table = run_benchmark(cfg)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, args.out)
-    if args.json:
-        print(json.dumps({"config": vars(args) | {"out": str(args.out)}, "rows": table.to_pylist()}, default=str))
-    else:
-        print(format_table(table))
-        print(f"rows written to {args.out}")
+        model = preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
+        cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf)
+    report_rows(run_benchmark(cfg), args, format_table)
     return 0
 
 

@@ -13,18 +13,16 @@ to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.bench import format_sampling_table, run_sampling_benchmark
 from speed.checkpoint import load_model
-from speed.cli import JobParser, user_errors
+from speed.cli import JobParser, report_rows, user_errors
 from speed.data import read_records, truncate
 from speed.tokenizer import Tokenizer
 
@@ -62,13 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     table = run_sampling_benchmark(loaded.model, inputs, temperatures, args.max_new_tokens)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, args.out)
-    if args.json:
-        print(json.dumps({"config": vars(args) | {"out": str(args.out)}, "rows": table.to_pylist()}, default=str))
-    else:
-        print(format_sampling_table(table))
-        print(f"rows written to {args.out}")
+    report_rows(table, args, format_sampling_table)
     return 0 if all(table.column("identical").to_pylist()) else 1
 
 

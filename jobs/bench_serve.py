@@ -26,6 +26,8 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
+from speed.cli import config_from_args
+from speed.cluster import code_runtime_env
 from speed.paths import repo_root
 from speed.serve.bench import ServeBenchConfig, format_table, run_serve_bench
 
@@ -56,27 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark the flags describe; print the table; write the rows."""
     args = parse_args(argv)
-    config = ServeBenchConfig(
-        checkpoint=str(Path(args.checkpoint).resolve()) if "://" not in args.checkpoint else args.checkpoint,
-        concurrency=tuple(args.concurrency),
-        rounds=args.rounds,
-        requests_per_client=args.requests_per_client,
-        min_requests=args.min_requests,
-        max_tokens=args.max_tokens,
-        max_active=args.max_active,
-        row_budget=args.row_budget,
-        launch_loop=args.launch_loop,
-        branches=args.branches,
-        branch_depth=args.branch_depth,
-        min_confidence=args.min_confidence,
-        temperature=args.temperature,
-        seed=args.seed,
-        threads=args.threads,
-    )
+    checkpoint = str(Path(args.checkpoint).resolve()) if "://" not in args.checkpoint else args.checkpoint
+    config = config_from_args(ServeBenchConfig, args, checkpoint=checkpoint, concurrency=tuple(args.concurrency))
     # Ray starts workers at niceness 15; the replicas here run at the client's priority, so that other work on
     # the machine slows server and client alike.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
+    ray.init(
+        address="local",
+        num_cpus=os.cpu_count(),
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=code_runtime_env(),
+    )
     try:
         result = run_serve_bench(config)
     finally:

@@ -25,6 +25,7 @@ from speed.checkpoint import load_model
 from speed.cli import JobParser, user_errors
 from speed.config import from_dict
 from speed.data import TASKS, get_task, resolve_source
+from speed.engine import INVALIDATIONS
 from speed.evaluate import EvalConfig, format_summary, run_evaluation
 from speed.tokenizer import Tokenizer
 
@@ -39,7 +40,7 @@ SETTINGS = {
     "max_new_tokens": "output tokens per sequence at most",
     "max_source_len": "encoder tokens per input (default: the training data's, else 512)",
     "launch_loop": "SPEED launches a successor after this many loops",
-    "invalidation": "eager or final",
+    "invalidation": " or ".join(INVALIDATIONS),
     "branches": "SPEED's runner-up branches in flight per sequence (0: none; up to the model's loops)",
     "branch_depth": "tokens a branch's lane may hold (1: the branch launches no successor)",
     "row_budget": "SPEED's rows per step at most (default: all in flight)",

@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
+from speed.cli import config_from_args
+from speed.engine import METHODS
 from speed.paths import repo_root
 from speed.serve.auth import API_KEY_ENV
 from speed.serve.loadgen import DEFAULT_URL, LoadConfig, run_load, task_prompts
@@ -32,11 +34,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (open loop: at most)")
     p.add_argument("--requests", type=int, default=32, help="how many requests to send")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    p.add_argument("--time-limit", type=float, default=600.0, help="seconds; stop sending and abandon after this")
+    p.add_argument(
+        "--time-limit",
+        dest="time_limit_s",
+        type=float,
+        default=600.0,
+        help="seconds; stop sending and abandon after this",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--task", default="translate_en_de", help="task of the default prompts, sent with each request")
     p.add_argument("--prompts", default=None, help="a text file, one prompt per line (sent without a task)")
-    p.add_argument("--method", choices=("speed", "sequential"), default=None, help="default: the server's")
+    p.add_argument("--method", choices=METHODS, default=None, help="default: the server's")
     p.add_argument("--launch-loop", type=int, default=None)
     p.add_argument("--no-stream", action="store_true", help="ask for whole answers (no client-side ttft)")
     p.add_argument("--label", default="load", help="the run column of the rows")
@@ -56,18 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = task_prompts(args.task, "test")
         body = {"task": args.task}
     body.update({k: v for k, v in (("method", args.method), ("launch_loop", args.launch_loop)) if v is not None})
-    config = LoadConfig(
-        url=args.url,
-        concurrency=args.concurrency,
-        requests=args.requests,
-        rate=args.rate,
-        time_limit_s=args.time_limit,
-        max_tokens=args.max_tokens,
-        stream=not args.no_stream,
-        body=body,
-        label=args.label,
-        api_key=args.api_key,
-    )
+    config = config_from_args(LoadConfig, args, stream=not args.no_stream, body=body)
     result = run_load(config, prompts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(result.table, args.out)

@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 
 import ray
-import yaml
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
+from speed.cli import parse_set, user_errors
+from speed.cluster import code_runtime_env
 from speed.serve.app import DEFAULT_STATS_PATH, start_app
 from speed.serve.auth import API_KEY_ENV
 
@@ -95,14 +96,11 @@ def _local_ray_died() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Deploy, print the URL, block until interrupted."""
     args = parse_args(argv)
-    settings = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"error: --set expects KEY=VALUE, got {item!r}")
-        settings[key] = yaml.safe_load(value)
+    with user_errors():  # a --set without '=' or with invalid YAML: one line, status 2
+        settings = dict(map(parse_set, args.set))
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True)
+    # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True, runtime_env=code_runtime_env())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:
         url = start_app(

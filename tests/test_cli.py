@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib.util
+import json
 import re
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from speed.cli import config_from_args, report_rows
 from speed.paths import repo_root
 
 
@@ -50,6 +56,8 @@ def _error_line(capsys, job: str, argv: list[str]) -> str:
         ("evaluate", ["--checkpoint", "x", "--top-p", "2"], r"error: EvalConfig: top_p must be in \(0, 1\], got 2"),
         ("bench_sampling", ["--checkpoint", "/nonexistent/ckpt"], "error: checkpoint /nonexistent/ckpt has no config"),
         ("bench_sampling", ["--checkpoint", "x", "--temperatures", "0,-1"], "error: temperatures must be >= 0"),
+        ("serve", ["--checkpoint", "x", "--set", "max_active"], "error: --set expects KEY=VALUE, got 'max_active'"),
+        ("serve", ["--checkpoint", "x", "--set", "task=[a"], r"error: --set task=\[a: not valid YAML \("),
     ],
 )
 def test_a_mistake_is_one_line_and_status_2(capsys, job, argv, message):
@@ -76,3 +84,28 @@ def test_the_exit_status_of_the_process():
     )
     assert done.returncode == 2
     assert done.stderr.startswith("error: unknown model preset 'huge'") and done.stderr.count("\n") == 1
+
+
+def test_config_from_args_takes_the_flags_named_like_fields_and_the_given_values_over_them():
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        a: int
+        b: int = 2
+        c: int = 3
+
+    args = argparse.Namespace(a=1, c=5, out="elsewhere")  # `out` names no field: left alone
+    assert config_from_args(Settings, args) == Settings(a=1, b=2, c=5)
+    assert config_from_args(Settings, args, c=7) == Settings(a=1, b=2, c=7)
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_report_rows_writes_the_rows_then_prints_them(tmp_path, capsys, as_json):
+    out = tmp_path / "results" / "bench.parquet"
+    table = pa.table({"variant": ["speed"], "ms_per_token": [1.5]})
+    report_rows(table, argparse.Namespace(out=out, json=as_json), lambda t: f"TABLE of {t.num_rows}")
+    assert pq.read_table(out).equals(table)
+    printed = capsys.readouterr().out
+    if as_json:
+        assert json.loads(printed) == {"config": {"out": str(out), "json": True}, "rows": table.to_pylist()}
+    else:
+        assert printed == f"TABLE of 1\nrows written to {out}\n"

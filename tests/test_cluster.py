@@ -3,6 +3,7 @@ the local cluster of clusters/README.md listens on loopback only."""
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import json
 import shutil
@@ -54,6 +55,30 @@ def test_code_runtime_env_ships_this_package_unless_the_job_chose_py_modules(mon
     assert code_runtime_env() == {"py_modules": [str(package_dir())]}  # no corpora here: nothing to point at
     monkeypatch.setenv(JOB_CONFIG_ENV, json.dumps({"runtime_env": {"py_modules": ["s3://bucket/speed.zip"]}}))
     assert code_runtime_env() == {}
+
+
+class _Stop(Exception):
+    """Raised by the stand-in for ``ray.init``: the job has said how it connects, nothing else needs to run."""
+
+
+@pytest.mark.parametrize("name", ["serve", "bench_serve"])
+def test_serving_jobs_ship_their_speed_to_the_replicas(monkeypatch, name):
+    """Serve replicas import the driver's speed through the runtime environment, not through $PYTHONPATH."""
+    spec = importlib.util.spec_from_file_location(f"{name}_job", repo_root() / "jobs" / f"{name}.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    connected = {}
+
+    def init(**kwargs):
+        connected.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(job.ray, "init", init)
+    monkeypatch.setenv("RAY_worker_niceness", "0")  # bench_serve sets it when unset; the test leaves it as it was
+    with pytest.raises(_Stop):
+        job.main(["--checkpoint", "runs/x"])
+    assert connected["runtime_env"] == code_runtime_env()
+    assert connected["runtime_env"]["py_modules"] == [str(package_dir())]
 
 
 @pytest.mark.ray

@@ -9,9 +9,21 @@ their tracebacks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from speed.config import ConfigError
+
+T = TypeVar("T")
 
 USAGE_STATUS = 2  # argparse's status for a bad command line
 
@@ -24,6 +36,42 @@ class JobParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(USAGE_STATUS, f"error: {message} (see {self.prog} --help)\n")
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``text`` as YAML; invalid YAML is a ``ConfigError`` naming ``where``."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """One ``--set KEY=VALUE`` -> ``(KEY, VALUE parsed as YAML)``; no ``=`` or no key is a ``ConfigError``."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    return key, parse_yaml(value, f"--set {item}")
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """The dataclass ``cls`` from the flags named like its fields (``--max-tokens`` fills ``max_tokens``);
+    ``given`` values (the flags that need a conversion) win, fields without a flag keep their defaults."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**(flags | given))
+
+
+def report_rows(table: pa.Table, args: argparse.Namespace, format_table: Callable[[pa.Table], str]) -> None:
+    """A benchmark's rows written to ``args.out`` (Parquet), then printed: one JSON object of the flags and the
+    rows with ``args.json``, else ``format_table``'s table and where the rows went."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out)
+    if args.json:
+        print(json.dumps({"config": vars(args) | {"out": str(out)}, "rows": table.to_pylist()}, default=str))
+    else:
+        print(format_table(table))
+        print(f"rows written to {out}")
 
 
 @contextmanager

@@ -64,6 +64,20 @@ UNUSED_CROSS_BIAS = "decoder.block.0.layer.1.EncDecAttention.relative_attention_
 T5_MODEL_TYPES = ("t5", "mt5")
 # Both are the tanh approximation of GELU that our GatedFFN computes.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+# Our ModelConfig field -> the T5Config field that holds the same value (both directions of the conversion).
+HF_FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "d_model",
+    "n_heads": "num_heads",
+    "d_kv": "d_kv",
+    "d_ff": "d_ff",
+    "n_encoder_layers": "num_layers",
+    "dropout": "dropout_rate",
+    "relative_buckets": "relative_attention_num_buckets",
+    "relative_max_distance": "relative_attention_max_distance",
+    "layer_norm_eps": "layer_norm_epsilon",
+    "pad_id": "pad_token_id",
+}
 
 
 @dataclass(frozen=True)
@@ -120,19 +134,10 @@ def config_from_hf(hf_config: T5Config, pattern: str | None = None) -> ModelConf
         if len(eos_id) != 1:
             raise ValueError(f"eos_token_id={eos_id}: SpeedT5 supports exactly one EOS token")
         eos_id = eos_id[0]
+    same = {ours: getattr(hf_config, hf) for ours, hf in HF_FIELDS.items()}
     return ModelConfig(
-        vocab_size=hf_config.vocab_size,
-        d_model=hf_config.d_model,
-        n_heads=hf_config.num_heads,
-        d_kv=hf_config.d_kv,
-        d_ff=hf_config.d_ff,
-        n_encoder_layers=hf_config.num_layers,
+        **(same | {"dropout": float(same["dropout"])}),
         pattern=pattern if pattern is not None else f"{hf_decoder_depth(hf_config)}x1",
-        dropout=float(hf_config.dropout_rate),
-        relative_buckets=hf_config.relative_attention_num_buckets,
-        relative_max_distance=hf_config.relative_attention_max_distance,
-        layer_norm_eps=hf_config.layer_norm_epsilon,
-        pad_id=pad_id,
         eos_id=eos_id,
     )
 
@@ -162,20 +167,10 @@ def hf_config_from(config: ModelConfig, n_decoder_layers: int | None = None) -> 
     if n_decoder < 1:
         raise ValueError(f"n_decoder_layers must be positive, got {n_decoder}")
     return T5Config(
-        vocab_size=config.vocab_size,
-        d_model=config.d_model,
-        d_kv=config.d_kv,
-        d_ff=config.d_ff,
-        num_layers=config.n_encoder_layers,
+        **{hf: getattr(config, ours) for ours, hf in HF_FIELDS.items()},
         num_decoder_layers=n_decoder,
-        num_heads=config.n_heads,
-        relative_attention_num_buckets=config.relative_buckets,
-        relative_attention_max_distance=config.relative_max_distance,
-        dropout_rate=config.dropout,
-        layer_norm_epsilon=config.layer_norm_eps,
         feed_forward_proj="gated-gelu",
         tie_word_embeddings=False,
-        pad_token_id=config.pad_id,
         eos_token_id=config.eos_id,
         decoder_start_token_id=config.pad_id,
     )

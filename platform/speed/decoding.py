@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from speed.engine import (
+    METHODS,
     DecodeStats,
     Engine,
     EngineConfig,
@@ -72,8 +73,8 @@ def generate(
     the noise depends on (seed, output position) only, so two sequences of the
     batch with the same input draw the same tokens.
     """
-    if method not in ("sequential", "speed"):
-        raise ValueError(f"method must be 'sequential' or 'speed', got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:

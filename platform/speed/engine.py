@@ -50,7 +50,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, get_args
 
 import pyarrow as pa
 import torch
@@ -62,6 +62,8 @@ from speed.trace import TraceBuilder
 
 Method = Literal["sequential", "speed"]
 Invalidation = Literal["eager", "final"]
+METHODS: tuple[Method, ...] = get_args(Method)  # the names every layer checks against
+INVALIDATIONS: tuple[Invalidation, ...] = get_args(Invalidation)
 
 NO_EXIT = -1  # prediction of a loop whose early exit was not evaluated (sequential decoding without a trace)
 
@@ -464,10 +466,10 @@ class Engine:
 
     def _validate(self, request: Request) -> None:
         c, M = self.config, self.model.n_loops
-        if request.method not in ("sequential", "speed"):
-            raise ValueError(f"method must be 'sequential' or 'speed', got {request.method!r}")
-        if request.invalidation not in ("eager", "final"):
-            raise ValueError(f"invalidation must be 'eager' or 'final', got {request.invalidation!r}")
+        if request.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {request.method!r}")
+        if request.invalidation not in INVALIDATIONS:
+            raise ValueError(f"invalidation must be one of {INVALIDATIONS}, got {request.invalidation!r}")
         if type(request.launch_loop) is not int or not 1 <= request.launch_loop <= M:
             raise ValueError(f"launch_loop must be in 1..{M} (the model's loops), got {request.launch_loop!r}")
         n = request.max_new_tokens

@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,6 +31,7 @@ from speed import metrics
 from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
 from speed.decoding import DecodeStats, GenerateResult, generate
+from speed.engine import INVALIDATIONS, Invalidation
 from speed.exactness import LogitRecorder, top2_gap
 from speed.model import SpeedT5
 from speed.progress import ProgressBar
@@ -76,7 +77,7 @@ class EvalConfig:
     max_new_tokens: int = 64
     max_source_len: int | None = None  # encoder inputs are truncated to this many tokens; None: the training data's
     launch_loop: int = 1  # SPEED launches a successor after this many loops
-    invalidation: Literal["eager", "final"] = "eager"
+    invalidation: Invalidation = "eager"
     branches: int = 0  # SPEED's runner-up branches in flight per sequence (0..M; speed.engine.Request)
     branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
     branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
@@ -111,8 +112,8 @@ class EvalConfig:
             raise ValueError(f"EvalConfig.max_source_len must be at least 2, got {self.max_source_len}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"EvalConfig.limit must be positive or None, got {self.limit}")
-        if self.invalidation not in ("eager", "final"):
-            raise ValueError(f"EvalConfig.invalidation must be 'eager' or 'final', got {self.invalidation!r}")
+        if self.invalidation not in INVALIDATIONS:
+            raise ValueError(f"EvalConfig.invalidation must be one of {INVALIDATIONS}, got {self.invalidation!r}")
         try:
             _ = self.sampling  # Sampling checks its settings
         except ValueError as err:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from speed.data.spans import corruption_lengths, noise_rng, span_corruption, span_counts
-from speed.data.tasks import get_task
+from speed.data.tasks import Task, get_task
 from speed.model import shift_right
 from speed.tokenizer import EOS_ID, LABEL_PAD, Tokenizer
 
@@ -49,16 +49,13 @@ def tokenize_records(
     ``num_proc`` worker processes tokenise in parallel (ignored for streams).
     """
     spec = get_task(task)
-    if max_source_len < 2 or max_target_len < 2:
-        raise ValueError(f"length limits must leave room for a token and EOS, got {max_source_len}, {max_target_len}")
+    check_encoding(spec, max_source_len, max_target_len, pack)
     needed = list(spec.columns)
     if ds.column_names is not None and not set(needed) <= set(ds.column_names):
         raise ValueError(f"task {task!r} needs columns {needed}, the data set has {ds.column_names}")
     procs = None if isinstance(ds, datasets.IterableDataset) else num_proc
     columns = list(ds.column_names or needed)  # a stream may not know its columns
     if not spec.is_pretrain:
-        if pack:
-            raise ValueError("pack=True applies to pretraining only: source/target pairs are never joined")
         kwargs = {"tokenizer": tokenizer, "max_source_len": max_source_len, "max_target_len": max_target_len}
         return _map(ds, encode_pairs, kwargs, columns, f"tokenize {task}", procs, features=_FEATURES)
     run = pretrain_run_length(tokenizer, max_source_len, max_target_len, noise_density, mean_span_length)
@@ -70,6 +67,14 @@ def tokenize_records(
     return _map(
         runs, _corrupt_runs, kwargs, ["tokens"], "span corruption", procs, with_indices=True, features=_FEATURES
     )
+
+
+def check_encoding(task: Task, max_source_len: int, max_target_len: int, pack: bool) -> None:
+    """Whether ``task`` can be encoded within these limits (and packed); a ``ValueError`` says why not."""
+    if pack and not task.is_pretrain:
+        raise ValueError("pack=True applies to pretraining only: source/target pairs are never joined")
+    if max_source_len < 2 or max_target_len < 2:
+        raise ValueError(f"length limits must leave room for a token and EOS, got {max_source_len}, {max_target_len}")
 
 
 def pretrain_run_length(

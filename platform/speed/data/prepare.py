@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from speed.data.batching import MAP_BATCH, encode_pairs, encode_runs, pack_runs, pretrain_run_length
+from speed.data.batching import MAP_BATCH, check_encoding, encode_pairs, encode_runs, pack_runs, pretrain_run_length
 from speed.data.corpus import COMPLETE_MARKER, FORMAT_VERSION, MANIFEST_FILE, Manifest, Shard, write_shard
 from speed.data.records import RecordCount, iter_records
 from speed.data.sources import PARQUET_SUFFIX, Source, resolve_source
@@ -60,13 +60,7 @@ class CorpusSpec:
     mean_span_length: float = 3.0
 
     def __post_init__(self) -> None:
-        task = get_task(self.task)
-        if self.pack and not task.is_pretrain:
-            raise ValueError("pack=True applies to pretraining only: source/target pairs are never joined")
-        if self.max_source_len < 2 or self.max_target_len < 2:
-            raise ValueError(
-                f"length limits must leave room for a token and EOS, got {self.max_source_len}, {self.max_target_len}"
-            )
+        check_encoding(get_task(self.task), self.max_source_len, self.max_target_len, self.pack)
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be positive or None, got {self.limit}")
 

@@ -29,6 +29,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from speed.engine import Invalidation
+
 PROMPT_SHAPES = "a non-empty string, a list of strings, a list of token ids, or a list of token-id lists"
 MAX_N = 16  # choices per prompt
 MAX_STOP = 4  # stop strings per request (OpenAI's bound)
@@ -103,9 +105,9 @@ class _Decoding(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None  # accepted for OpenAI clients, not used
-    method: Literal["speed", "sequential"] | None = None
+    method: Literal["speed", "sequential"] | None = None  # this order: the 400 names speed first
     launch_loop: int | None = Field(default=None, ge=1)
-    invalidation: Literal["eager", "final"] | None = None
+    invalidation: Invalidation | None = None
     # SPEED's runner-up branches and confidence gate (speed.engine.Request); the upper bounds are the model's loops
     branches: int | None = Field(default=None, ge=0)
     branch_depth: int | None = Field(default=None, ge=1)

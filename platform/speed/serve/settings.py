@@ -6,12 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speed.data import get_task
-from speed.engine import EngineConfig
+from speed.engine import INVALIDATIONS, METHODS, EngineConfig, Invalidation, Method
 from speed.paths import repo_root
 
 DEFAULT_STATS_PATH = str(repo_root() / "runs" / "serve")
-METHODS = ("speed", "sequential")
-INVALIDATIONS = ("eager", "final")
 
 
 @dataclass(frozen=True)
@@ -22,9 +20,9 @@ class ServeSettings:
     max_source_len: int = 128  # longest prompt in tokens (task prefix and EOS included)
     max_target_len: int = 128  # largest max_tokens
     row_budget: int | None = None  # rows per engine step; None: every in-flight row
-    method: str = "speed"  # defaults for requests that leave them out
+    method: Method = "speed"  # defaults for requests that leave them out
     launch_loop: int = 1
-    invalidation: str = "eager"
+    invalidation: Invalidation = "eager"
     branches: int = 0  # SPEED's runner-up branches in flight (0..M, checked against the model; 0: none)
     branch_depth: int = 1  # tokens a branch's lane may hold (1..M)
     branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this

@@ -21,11 +21,11 @@ import pyarrow.parquet as pq
 
 from speed.data import pad_inputs, truncate
 from speed.decoding import DecodeStats, generate
+from speed.engine import INVALIDATIONS
 from speed.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
 from speed.model import SpeedT5
 from speed.tokenizer import Tokenizer
 
-POLICIES = ("eager", "final")
 PLAIN = {"branches": 0, "branch_depth": 1, "min_confidence": 0.0}  # SPEED without branches or confidence gate
 
 
@@ -126,7 +126,7 @@ def speed_costs(
     costs = []
     for setting in levers:
         for launch_loop in range(1, model.n_loops + 1):
-            for policy in POLICIES:
+            for policy in INVALIDATIONS:
                 total = DecodeStats()
                 for ids in inputs:
                     input_ids, mask = pad_inputs([ids])  # (1, S), (1, S)

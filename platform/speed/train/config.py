@@ -21,10 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from speed.checkpoint import local_checkpoint, read_checkpoint_config
-from speed.cli import JobParser
+from speed.cli import JobParser, parse_set, parse_yaml
 from speed.config import ConfigError, ModelConfig, from_dict, preset, to_dict
 from speed.data.tasks import TASKS
 from speed.evaluate import EvalConfig
@@ -288,7 +286,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no config file at {path}")
-    data = _yaml(path.read_text(), str(path)) or {}
+    data = parse_yaml(path.read_text(), str(path)) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of sections (model, data, optim, ...), got {type(data).__name__}")
     return data
@@ -419,11 +417,8 @@ def job_from_layers(kind: str, config_path: str | Path | None, sets: list[str], 
     user: dict[str, Any] = load_yaml(config_path) if config_path else {}
     if user.get("kind", kind) != kind:
         raise ValueError(f"{config_path} is a {user['kind']!r} config, not {kind!r}")
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        user = merge(user, _dotted(key, _yaml(value, f"--set {item}")))
+    for key, value in map(parse_set, sets):
+        user = merge(user, _dotted(key, value))
     for key, value in flags.items():
         user = merge(user, _dotted(key, value))
     base = merge(DEFAULTS[kind], {"kind": kind})
@@ -432,13 +427,6 @@ def job_from_layers(kind: str, config_path: str | Path | None, sets: list[str], 
         if base.get("kind") != kind:
             raise ValueError(f"--resume {user['resume']} is a {base.get('kind')!r} run, not {kind!r}")
     return job_from_dict(merge(base, user))
-
-
-def _yaml(text: str, where: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{where}: not valid YAML ({' '.join(str(err).split())})") from None
 
 
 def _dotted(key: str, value: Any) -> dict[str, Any]:
