@@ -1,47 +1,4 @@
-"""A continuous-batching decoding engine: requests join and leave a running SPEED pipeline.
-
-The engine never imports the model. It drives any ``Stepper``: an object that
-encodes a request into a memory slot (``admit``), embeds tokens, and runs ONE
-pass of its shared N-layer group over a set of rows, each row a token at its
-own loop depth, reading and writing an engine-owned ``KVCache``.
-
-SPEED (speculative pipelined execution): a token is launched from its
-predecessor's early-exit prediction after ``launch_loop`` loops, so one step
-advances up to M in-flight tokens of a request by one loop each, reading the
-shared weights once. When a later loop's prediction differs from the token a
-successor was launched with, the successor and everything after it are
-flushed (``eager``: at once; ``final``: only when the predecessor finishes its
-last loop) and relaunched from the new prediction. Committed tokens are always
-the last loop's decisions, so the output equals sequential decoding: greedy, or
-seeded sampling (``speed.sampling``), whose noise depends only on the
-request's seed and the output position, never on the step or the batch.
-Sequential decoding is the same pipeline that never launches a successor
-before its predecessor's last loop.
-
-Runner-up branches (tree speculation, ``Request.branches``): an in-flight
-token whose exit is unsure may also carry a second successor launched from its
-runner-up prediction. It runs beside the chain (its key/value in a side slot of
-the cache, see ``speed.cache``) and may grow a lane of its own successors, up
-to ``Request.branch_depth`` tokens (1: it launches nothing); when a later loop
-switches to the runner-up, the lane becomes the chain and the old chain is
-flushed, instead of a restart from the first loop. When the runner-up changes,
-the branch restarts from the new one. Only last-loop predictions are committed,
-so branches change the schedule, never the output. ``Request.min_confidence``
-gates launching: a successor waits until its predecessor's exit is at least that
-confident.
-
-Capacity is fixed at construction: ``max_active`` slots, each a KV-cache row
-and an encoder-memory slot, handed out from a free list. A request waits in a
-queue until a slot is free; joining or leaving writes only its own slot. Each
-step computes every active request's in-flight rows, or at most
-``row_budget`` of them: the rows on the committed path (each request's oldest
-in-flight token, whose input is known to be right) first, speculative chain rows
-in what is left, runner-up branches last.
-
-Threads: ``add`` may be called from any thread at any time (it only queues);
-``step`` and ``cancel`` hold the engine's lock, so one step runs at a time and
-a cancel waits for a running step to end.
-"""
+"""The engine: admission, one pipeline step at a time, and the scheduling between steps (see ``speed.engine``)."""
 
 from __future__ import annotations
 
@@ -49,275 +6,31 @@ import heapq
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
 
-import pyarrow as pa
 import torch
-from torch import Tensor
 
-from speed.cache import KVCache, Rows
-from speed.sampling import MAX_LOGPROBS, Draw, Sampling, TokenLogprob, exit_choices, exit_scores, token_logprob
+from speed.cache import Rows
+from speed.engine.policies import budget_rows, should_branch, should_flush, should_launch
+from speed.engine.state import Sequence, Slot
+from speed.engine.types import (
+    NO_EXIT,
+    Commit,
+    DecodeStats,
+    EngineConfig,
+    Finished,
+    Request,
+    RequestStats,
+    Stepper,
+    StepResult,
+)
+from speed.sampling import MAX_LOGPROBS, Sampling, exit_choices, exit_scores, token_logprob
 from speed.trace import TraceBuilder
-
-Method = Literal["sequential", "speed"]
-Invalidation = Literal["eager", "final"]
-
-NO_EXIT = -1  # prediction of a loop whose early exit was not evaluated (sequential decoding without a trace)
-
-
-class Stepper(Protocol):
-    """What the engine needs from a looped decoder model."""
-
-    n_loops: int
-    eos_id: int
-    start_id: int
-    vocab_size: int
-
-    def cache(self, batch: int, max_len: int) -> KVCache: ...
-
-    def memory(self, capacity: int, max_source_len: int, max_len: int) -> Any: ...
-
-    def admit(self, memory: Any, slot: int, input_ids: Tensor) -> None: ...
-
-    def embed(self, tokens: Tensor) -> Tensor: ...
-
-    def step(
-        self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
-    ) -> tuple[Tensor, Tensor | None]: ...
-
-
-# ----- settings, requests and results --------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Fixed capacity, chosen at construction."""
-
-    max_active: int = 16  # requests decoded at once (KV-cache rows and encoder-memory slots)
-    max_source_len: int = 128  # encoder tokens per request
-    max_target_len: int = 128  # decoder positions per request (max_new_tokens <= this)
-    row_budget: int | None = None  # rows per step; None: every in-flight row. Committed-path rows go first
-    trace: bool = True  # per-request flip traces (sequential requests then evaluate every loop's exit)
-
-    def __post_init__(self) -> None:
-        for name in ("max_active", "max_source_len", "max_target_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.row_budget is not None and self.row_budget < 1:
-            raise ValueError(f"EngineConfig.row_budget must be at least 1 or None, got {self.row_budget}")
-
-
-@dataclass(frozen=True)
-class Request:
-    """One decoding request."""
-
-    input_ids: list[int]  # encoder ids (EOS-terminated as the tokenizer makes them)
-    max_new_tokens: int
-    method: Method = "speed"
-    launch_loop: int = 1  # loops a token runs before its successor launches from its prediction (1..M)
-    invalidation: Invalidation = "eager"
-    oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
-    sampling: Sampling = Sampling()  # greedy by default
-    logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and its k best alternatives
-    branches: int = 0  # runner-up branches in flight at once (0..M; 0: none): see the module doc
-    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
-    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
-    min_confidence: float = 0.0  # a successor launches only from an exit whose top-1 probability is at least this
-
-
-@dataclass
-class DecodeStats:
-    """Counters of one decoding run or of an engine's life (all requests together)."""
-
-    tokens: int = 0  # committed output tokens
-    steps: int = 0  # engine iterations (SPEED: pipeline steps; generate's sequential: token positions)
-    group_passes: int = 0  # runs of the shared N-layer group, each reading its weights once
-    rows: int = 0  # token-loops computed (a row = one token through one loop)
-    flushes: int = 0  # misprediction restarts (each may drop several in-flight tokens)
-    wasted_rows: int = 0  # rows spent on tokens that were flushed, fell past EOS or were cancelled, branches dropped
-    promotions: int = 0  # mispredictions whose runner-up branch took over the chain (no restart)
-
-    @property
-    def tokens_per_pass(self) -> float:
-        """Committed tokens per group pass: for one sequence 1/M sequential, up to 1 SPEED (x batch size)."""
-        return self.tokens / self.group_passes if self.group_passes else 0.0
-
-
-@dataclass
-class RequestStats:
-    """Counters and timings of one request (times in seconds from ``add``)."""
-
-    tokens: int  # committed tokens
-    steps: int  # engine steps that computed at least one of its rows
-    rows: int  # its rows computed
-    flushes: int
-    wasted_rows: int
-    flip_rate: list[float]  # per loop: share of committed tokens whose loop-i exit differs; [] if not evaluated
-    queued_s: float  # until admitted to a slot
-    ttft_s: float  # until its first token was committed (nan if none)
-    latency_s: float  # until it finished or was cancelled
-    # Speculation counted as vLLM counts drafts. A draft token is a token launched from an early exit
-    # (before its predecessor's last loop); its draft position is how many uncommitted tokens were ahead of
-    # it when it was launched (1..M-1). A draft is a launch at position 1: the start of a speculative chain.
-    # Accepted tokens are draft tokens later committed unchanged (never flushed). A flush can relaunch at any
-    # position, so per position the acceptance rate is accepted / draft tokens there (not / drafts).
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens by draft position 1..M-1
-    draft_tokens_per_pos: list[int] = field(default_factory=list)  # draft tokens by draft position 1..M-1
-    promotions: int = 0  # runner-up branches that became the chain
-
-
-@dataclass
-class Finished:
-    """A request that left the engine: finished, or cancelled (its tokens so far)."""
-
-    id: int
-    tokens: list[int]  # EOS included when produced
-    stats: RequestStats
-    trace: pa.Table | None  # speed.trace.TRACE_SCHEMA rows (sequence = request id), when the engine traces
-    cancelled: bool = False
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
-
-
-class Commit(NamedTuple):
-    """A token committed to a request in a step."""
-
-    id: int  # request id
-    token: int
-    logprob: TokenLogprob | None  # when the request asked for logprobs
-
-
-@dataclass
-class StepResult:
-    """What one ``step`` did."""
-
-    committed: list[Commit]  # tokens committed in this step, in order
-    finished: list[Finished]
-    rows: int  # rows computed in this step
-
-
-# ----- policies: small pure functions ------------------------------------------------------
-
-
-def should_launch(depth: int, launch_loop: int, p_top: float = 1.0, min_confidence: float = 0.0) -> bool:
-    """A token with ``depth`` finished loops, whose latest exit has top-1 probability ``p_top``, may launch its
-    successor from that exit's prediction."""
-    return depth >= launch_loop and p_top >= min_confidence
-
-
-def should_branch(p_top: float, branch_below: float) -> bool:
-    """A token whose latest exit has top-1 probability ``p_top`` may carry a branch from its runner-up."""
-    return p_top < branch_below
-
-
-def should_flush(invalidation: Invalidation, depth: int, n_loops: int) -> bool:
-    """Whether a prediction at ``depth`` that disagrees with the launched successor flushes it."""
-    return invalidation == "eager" or depth == n_loops
-
-
-def budget_rows(in_flight: list[int], budget: int) -> list[int]:
-    """Rows each request may compute this step: one per request in order (its committed path) while
-    the budget lasts, then speculative rows, one level deeper at a time across requests.
-
-    ``in_flight[i]`` is request i's in-flight token count; the result is a prefix length per
-    request, so a speculative token never runs while its predecessor waits.
-    """
-    take = [0] * len(in_flight)
-    left = budget
-    for level in range(max(in_flight, default=0)):
-        for i, n in enumerate(in_flight):
-            if left == 0:
-                return take
-            if n > level and take[i] == level:
-                take[i] += 1
-                left -= 1
-    return take
-
-
-# ----- engine state ----------------------------------------------------------------------
-
-
-@dataclass
-class Slot:
-    """A token in flight at decoder position ``pos`` with input ``token``."""
-
-    pos: int
-    token: int
-    hidden: Tensor | None = None  # (d,) input to its next loop; None until embedded
-    preds: list[int] = field(default_factory=list)  # early-exit prediction after each finished loop
-    runners: list[int] = field(default_factory=list)  # each finished loop's runner-up (second-best token)
-    p_top: list[float] = field(default_factory=list)  # each finished loop's top-1 probability
-    ahead: int = 0  # uncommitted tokens ahead of it when launched: 0 on the committed path, else its draft position
-    modes: list[int] = field(default_factory=list)  # each finished loop's noise-free argmax (= preds if greedy)
-    logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
-    lane: list[Slot] = field(default_factory=list)  # its branch at pos + 1 (from its runner-up) and the branch's own
-    # successors at pos + 2, ...; empty: no branch
-    side: int = -1  # a lane token's side slot in the cache (its own key/value); -1 on the chain
-    up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side slot), oldest first
-
-
-@dataclass
-class Sequence:
-    """One request's state, from ``add`` until it leaves."""
-
-    id: int
-    request: Request
-    launch_loop: int  # M for sequential decoding: nothing is launched before the last loop
-    all_exits: bool  # every loop's exit is evaluated (SPEED, or a traced sequential request)
-    added: float  # perf_counter at add
-    row: int = -1  # its slot: KV-cache row and encoder-memory slot; -1 while queued
-    out: list[int] = field(default_factory=list)  # committed tokens
-    slots: list[Slot] = field(default_factory=list)  # in flight, oldest first; slot i+1 launched from slot i
-    side_free: list[int] = field(default_factory=list)  # a heap of the cache's side slots its branches may take
-    done: bool = False
-    admitted: float = float("nan")
-    first_token: float = float("nan")
-    last_served: int = -1  # the last step that computed its committed-path row (budget fairness)
-    steps: int = 0
-    rows: int = 0
-    flushes: int = 0
-    wasted_rows: int = 0
-    promotions: int = 0
-    flips: list[int] = field(default_factory=list)  # per loop: committed tokens whose exit there differed
-    drafts: int = 0  # speculative launches at draft position 1 (RequestStats)
-    draft_tokens: list[int] = field(default_factory=list)  # speculative launches by draft position - 1
-    accepted: list[int] = field(default_factory=list)  # committed draft tokens by draft position - 1
-    trace: TraceBuilder | None = None
-    logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
-
-    def speculation(self, slot: Slot) -> int:
-        """The prediction to speculate from: the oracle's token if forced, else the latest exit's draw
-        (coupled) or its argmax."""
-        oracle = self.request.oracle
-        if oracle is not None and slot.pos < len(oracle):
-            return oracle[slot.pos]
-        return slot.preds[-1] if self.request.sampling.coupled else slot.modes[-1]
-
-    def draw(self, slot: Slot) -> Draw | None:
-        """What the slot's exits need to decide: None for plain greedy (the raw logits' argmax)."""
-        sampling = self.request.sampling
-        if sampling.plain:
-            return None
-        history = None
-        if sampling.penalized:  # the committed tokens, then the slot's in-flight predecessors
-            history = self.out + [s.token for s in self.slots[1 : slot.pos - len(self.out) + 1]]
-        return Draw(sampling, slot.pos, history)
-
-    def in_flight(self) -> list[Slot]:
-        """Every slot that computes rows: the chain, then the lanes (by their parent, oldest first)."""
-        return [*self.slots, *(t for s in self.slots for t in s.lane)]
-
-
-# ----- the engine ------------------------------------------------------------------------------
 
 
 class Engine:
     """Continuous-batching decoder, greedy or seeded sampling, over a ``Stepper`` (see the module doc)."""
 
-    def __init__(self, model: Stepper, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, model: Stepper, config: EngineConfig = EngineConfig()) -> None:  # noqa: B008 (frozen)
         if getattr(model, "training", False):
             raise ValueError("the engine decodes with the model in eval mode: call model.eval() first")
         self.model, self.config = model, config
