@@ -17,7 +17,7 @@ EOS = 1
 
 
 class StubModel:
-    """A looped decoder whose prediction after loop l at position p is ``table(seq, p, l)`` (l 1-based)."""
+    """A looped decoder whose prediction after loop l at position p is ``table(slot, p, l)`` (l 1-based)."""
 
     start_id = 0
     eos_id = EOS
@@ -26,8 +26,8 @@ class StubModel:
         self.n_loops, self.table, self.vocab = n_loops, table, vocab
         self.snapshots: list[np.ndarray] = []  # cache lengths before each step
 
-    def cache(self, batch, max_len):
-        return KVCache(self.n_loops, 1, batch, 1, max_len, 1)
+    def cache(self, n_slots, max_len):
+        return KVCache(self.n_loops, 1, n_slots, 1, max_len, 1)
 
     @property
     def vocab_size(self):
@@ -46,7 +46,7 @@ class StubModel:
         self.snapshots.append(cache.lengths[:, 0, :].copy())
         z = torch.zeros(len(rows), 1, 1)
         cache.write(0, rows, z, z)
-        preds = [self.table(int(s), int(p), int(lo) + 1) for s, p, lo in zip(rows.seq, rows.pos, rows.loop)]
+        preds = [self.table(int(s), int(p), int(lo) + 1) for s, p, lo in zip(rows.slot, rows.pos, rows.loop)]
         logits = torch.nn.functional.one_hot(torch.tensor(preds), self.vocab).float()
         return hidden, logits
 

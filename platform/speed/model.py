@@ -95,9 +95,9 @@ class SelfAttention(nn.Module):
         """One new token per row of a tile (n, d), the token of each of ``rows``.
 
         Writes the rows' keys/values at their depths, then attends over the
-        first L cache slots of each row's depth, L whole attention chunks;
-        ``bias`` (n, H, 1, L) adds position bias and masks slots past each
-        row's position.
+        first L key positions of each row's depth, L whole attention chunks;
+        ``bias`` (n, H, 1, L) adds position bias and masks the positions past
+        each row's own.
         """
         n = x.shape[0]
         q, k, v = tile_linear(self.qkv, x).view(n, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (n, H, D)
@@ -219,7 +219,7 @@ class Memory:
     request is admitted to its slot. ``cross_bias``: (C, 1, 1, S) mask of
     each slot's real tokens (0) and unused tail (a large negative);
     ``source_lens`` (C,): each slot's number of real tokens. ``self_bias``:
-    (max_len, H, L) decoder position bias plus causal mask for L key slots
+    (max_len, H, L) decoder position bias plus causal mask for L key positions
     (``max_len`` rounded up to whole chunks), indexed by query position; it
     does not depend on the request.
     """
@@ -364,11 +364,11 @@ class SpeedT5(nn.Module):
         """T5 starts decoding from the pad token."""
         return self.config.pad_id
 
-    def cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache for ``batch`` sequences of up to ``max_len`` decoder positions."""
+    def cache(self, n_slots: int, max_len: int) -> KVCache:
+        """An empty KV cache for ``n_slots`` requests of up to ``max_len`` decoder positions each."""
         c = self.config
         p = self.lm_head.weight
-        return KVCache(self.n_loops, len(self.decoder_layers), batch, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
+        return KVCache(self.n_loops, len(self.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
 
     @property
     def device(self) -> torch.device:
@@ -443,14 +443,14 @@ class SpeedT5(nn.Module):
         """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
         # Attention runs over the fewest whole chunks that cover the tile's rows: the kernels' results do not
         # depend on how many masked chunks follow (see ``attend``), so the span changes no row's logits.
-        n, seq_t, _, pos_t = len(rows), *rows.tensors(x.device)
-        L, S = chunk_span(int(rows.pos.max()) + 1), chunk_span(int(memory.source_lens[rows.seq].max()))
+        n, slot_t, _, pos_t = len(rows), *rows.tensors(x.device)
+        L, S = chunk_span(int(rows.pos.max()) + 1), chunk_span(int(memory.source_lens[rows.slot].max()))
         self_bias = memory.self_bias[..., :L].index_select(0, pos_t).unsqueeze(2)  # (n, H, 1, L)
-        first = int(rows.seq[0])
-        one_slot = bool((rows.seq == first).all())  # e.g. one request's pipeline: share its keys, copy none
+        first = int(rows.slot[0])
+        one_slot = bool((rows.slot == first).all())  # e.g. one request's pipeline: share its keys, copy none
 
         def source(t: Tensor) -> Tensor:  # each row's slot of a per-slot tensor (C, ...) -> (n, ...)
-            return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, seq_t)
+            return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, slot_t)
 
         cross_bias = source(memory.cross_bias[..., :S])  # (n, 1, 1, S)
         # CYCLE order: loop l's pass runs virtual depths l*N .. l*N+N-1, whose physical layers are 0..N-1

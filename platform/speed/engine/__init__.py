@@ -20,7 +20,7 @@ before its predecessor's last loop.
 
 Runner-up branches (tree speculation, ``Request.branches``): an in-flight
 token whose exit is unsure may also carry a second successor launched from its
-runner-up prediction. It runs beside the chain (its key/value in a side slot of
+runner-up prediction. It runs beside the chain (its key/value in a side entry of
 the cache, see ``speed.cache``) and may grow a lane of its own successors, up
 to ``Request.branch_depth`` tokens (1: it launches nothing); when a later loop
 switches to the runner-up, the lane becomes the chain and the old chain is
@@ -30,8 +30,8 @@ so branches change the schedule, never the output. ``Request.min_confidence``
 gates launching: a successor waits until its predecessor's exit is at least that
 confident.
 
-Capacity is fixed at construction: ``max_active`` slots, each a KV-cache row
-and an encoder-memory slot, handed out from a free list. A request waits in a
+Capacity is fixed at construction: ``max_active`` slots, each a place in the
+KV cache and in the encoder memory, handed out from a free list. A request waits in a
 queue until a slot is free; joining or leaving writes only its own slot. Each
 step computes every active request's in-flight rows, or at most
 ``row_budget`` of them: the rows on the committed path (each request's oldest

@@ -125,7 +125,7 @@ class Engine:
                 slot.hidden = h
         M = self.model.n_loops
         rows = Rows.build(
-            [s.row for s, _ in work],
+            [s.slot for s, _ in work],
             [len(t.preds) for _, t in work],
             [t.pos for _, t in work],
             [t.side for _, t in work],
@@ -222,10 +222,10 @@ class Engine:
         while self._free and self._waiting:
             with self._queue_lock:
                 seq = self._waiting.popleft()
-            seq.row = heapq.heappop(self._free)
-            self._cache.reset(seq.row)
+            seq.slot = heapq.heappop(self._free)
+            self._cache.reset(seq.slot)
             ids = torch.tensor([list(seq.request.input_ids)], device=self._device)  # (1, S)
-            self.model.admit(self._memory, seq.row, ids)
+            self.model.admit(self._memory, seq.slot, ids)
             seq.slots.append(Slot(0, self.model.start_id))
             seq.admitted = time.perf_counter()
             self._active[seq.id] = seq
@@ -310,7 +310,7 @@ class Engine:
         parent.lane = []
         self._flush(seq, start, mispredicted=False)
         for t in lane:  # in position order: each lands at the end of the prefix its predecessor just extended
-            self._cache.promote(seq.row, t.side, t.pos, len(t.preds))
+            self._cache.promote(seq.slot, t.side, t.pos, len(t.preds))
             heapq.heappush(seq.side_free, t.side)
             t.side, t.up = -1, ()
         seq.slots.extend(lane)
@@ -353,7 +353,7 @@ class Engine:
                 lane.append(Slot(t.pos + 1, pred, side=heapq.heappop(seq.side_free), up=(*t.up, (t.pos, t.side))))
 
     def _drop_lane(self, seq: Sequence, lane: list[Slot], start: int) -> None:
-        """Drop lane tokens from index ``start`` on (their rows are wasted), freeing their side slots."""
+        """Drop lane tokens from index ``start`` on (their rows are wasted), freeing their side entries."""
         for t in lane[start:]:
             heapq.heappush(seq.side_free, t.side)
             seq.wasted_rows += len(t.preds)
@@ -380,7 +380,7 @@ class Engine:
         if not dropped:
             return
         del seq.slots[start:]
-        self._cache.invalidate(seq.row, dropped[0].pos)
+        self._cache.invalidate(seq.slot, dropped[0].pos)
         for slot in dropped:
             self._drop_lane(seq, slot.lane, 0)
         wasted = sum(len(s.preds) for s in dropped)
@@ -391,7 +391,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         del self._active[seq.id]
-        heapq.heappush(self._free, seq.row)
+        heapq.heappush(self._free, seq.slot)
 
     def _finished(self, seq: Sequence, now: float, cancelled: bool) -> Finished:
         tokens = len(seq.out)

@@ -26,8 +26,8 @@ class Slot:
     logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
     lane: list[Slot] = field(default_factory=list)  # its branch at pos + 1 (from its runner-up) and the branch's own
     # successors at pos + 2, ...; empty: no branch
-    side: int = -1  # a lane token's side slot in the cache (its own key/value); -1 on the chain
-    up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side slot), oldest first
+    side: int = -1  # a lane token's side entry in the cache (its own key/value); -1 on the chain
+    up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side entry), oldest first
 
 
 @dataclass
@@ -39,10 +39,10 @@ class Sequence:
     launch_loop: int  # M for sequential decoding: nothing is launched before the last loop
     all_exits: bool  # every loop's exit is evaluated (SPEED, or a traced sequential request)
     added: float  # perf_counter at add
-    row: int = -1  # its slot: KV-cache row and encoder-memory slot; -1 while queued
+    slot: int = -1  # its engine slot (its place in the KV cache and the encoder memory); -1 while queued
     out: list[int] = field(default_factory=list)  # committed tokens
     slots: list[Slot] = field(default_factory=list)  # in flight, oldest first; slot i+1 launched from slot i
-    side_free: list[int] = field(default_factory=list)  # a heap of the cache's side slots its branches may take
+    side_free: list[int] = field(default_factory=list)  # a heap of its slot's side entries its branches may take
     done: bool = False
     admitted: float = float("nan")
     first_token: float = float("nan")

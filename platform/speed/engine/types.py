@@ -25,7 +25,7 @@ class Stepper(Protocol):
     start_id: int
     vocab_size: int
 
-    def cache(self, batch: int, max_len: int) -> KVCache: ...
+    def cache(self, n_slots: int, max_len: int) -> KVCache: ...
 
     def memory(self, capacity: int, max_source_len: int, max_len: int) -> Any: ...
 
@@ -42,7 +42,7 @@ class Stepper(Protocol):
 class EngineConfig:
     """Fixed capacity, chosen at construction."""
 
-    max_active: int = 16  # requests decoded at once (KV-cache rows and encoder-memory slots)
+    max_active: int = 16  # requests decoded at once: engine slots, each a place in the KV cache and encoder memory
     max_source_len: int = 128  # encoder tokens per request
     max_target_len: int = 128  # decoder positions per request (max_new_tokens <= this)
     row_budget: int | None = None  # rows per step; None: every in-flight row. Committed-path rows go first
