@@ -11,7 +11,7 @@ import torch
 
 from speed.cache import Rows
 from speed.engine.policies import budget_rows, should_branch, should_flush, should_launch
-from speed.engine.state import Sequence, Slot
+from speed.engine.state import InFlight, Sequence
 from speed.engine.types import (
     NO_EXIT,
     Commit,
@@ -97,10 +97,10 @@ class Engine:
                         return None
                     self._waiting.remove(seq)
             else:
-                dropped = sum(len(slot.preds) for slot in seq.in_flight())
+                dropped = sum(len(t.preds) for t in seq.in_flight())
                 seq.wasted_rows += dropped
                 self.stats.wasted_rows += dropped
-                seq.slots.clear()
+                seq.chain.clear()
                 self._release(seq)
             return self._finished(seq, time.perf_counter(), cancelled=True)
 
@@ -118,11 +118,11 @@ class Engine:
             return StepResult([], [], 0)
         work = self._select()
         self._step_no += 1
-        fresh = [slot for _, slot in work if slot.hidden is None]
+        fresh = [t for _, t in work if t.hidden is None]
         if fresh:
-            tokens = torch.tensor([slot.token for slot in fresh], device=self._device)
-            for slot, h in zip(fresh, self.model.embed(tokens)):
-                slot.hidden = h
+            tokens = torch.tensor([t.token for t in fresh], device=self._device)
+            for t, h in zip(fresh, self.model.embed(tokens)):
+                t.hidden = h
         M = self.model.n_loops
         rows = Rows.build(
             [s.slot for s, _ in work],
@@ -142,14 +142,14 @@ class Engine:
             preds = runners = modes = [NO_EXIT] * len(work)
             p_top = [float("nan")] * len(work)
         ran: dict[int, Sequence] = {}
-        for r, ((seq, slot), h) in enumerate(zip(work, hidden.unbind(0))):
-            slot.hidden = h
-            slot.preds.append(preds[r])
-            slot.runners.append(runners[r])
-            slot.p_top.append(p_top[r])
-            slot.modes.append(modes[r])
-            if len(slot.preds) == M and seq.request.logprobs is not None:
-                slot.logprob = token_logprob(logits[r], preds[r], seq.request.logprobs)
+        for r, ((seq, t), h) in enumerate(zip(work, hidden.unbind(0))):
+            t.hidden = h
+            t.preds.append(preds[r])
+            t.runners.append(runners[r])
+            t.p_top.append(p_top[r])
+            t.modes.append(modes[r])
+            if len(t.preds) == M and seq.request.logprobs is not None:
+                t.logprob = token_logprob(logits[r], preds[r], seq.request.logprobs)
             seq.rows += 1
             ran[seq.id] = seq
         st = self.stats
@@ -226,11 +226,11 @@ class Engine:
             self._cache.reset(seq.slot)
             ids = torch.tensor([list(seq.request.input_ids)], device=self._device)  # (1, S)
             self.model.admit(self._memory, seq.slot, ids)
-            seq.slots.append(Slot(0, self.model.start_id))
+            seq.chain.append(InFlight(0, self.model.start_id))
             seq.admitted = time.perf_counter()
             self._active[seq.id] = seq
 
-    def _select(self) -> list[tuple[Sequence, Slot]]:
+    def _select(self) -> list[tuple[Sequence, InFlight]]:
         """This step's rows, in admission order: all in-flight rows, or the row budget's choice.
 
         The budget serves each request's committed path, then chain speculation, then branches; a branch
@@ -243,17 +243,17 @@ class Engine:
             if budget is not None:
                 for s in seqs:
                     s.last_served = self._step_no
-            return [(s, slot) for s in seqs for slot in flying[s.id]]
+            return [(s, t) for s in seqs for t in flying[s.id]]
         order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
-        take = budget_rows([len(s.slots) for s in order], budget)
-        branches = [[t for c in s.slots[:n] for t in c.lane] for s, n in zip(order, take)]  # a lane's own order
+        take = budget_rows([len(s.chain) for s in order], budget)
+        branches = [[t for c in s.chain[:n] for t in c.lane] for s, n in zip(order, take)]  # a lane's own order
         branch_take = budget_rows([len(b) for b in branches], budget - sum(take))
-        chosen = {s.id: [*s.slots[:n], *b[:m]] for s, n, b, m in zip(order, take, branches, branch_take)}
+        chosen = {s.id: [*s.chain[:n], *b[:m]] for s, n, b, m in zip(order, take, branches, branch_take)}
         work = []
         for s in seqs:
             if chosen[s.id]:
                 s.last_served = self._step_no
-                work.extend((s, slot) for slot in chosen[s.id])
+                work.extend((s, t) for t in chosen[s.id])
         return work
 
     def _schedule(self, seq: Sequence) -> None:
@@ -261,46 +261,46 @@ class Engine:
         M, eos = self.model.n_loops, self.model.eos_id
         request = seq.request
         i = 0
-        while i < len(seq.slots):
-            slot = seq.slots[i]
-            depth = len(slot.preds)
+        while i < len(seq.chain):
+            t = seq.chain[i]
+            depth = len(t.preds)
             if depth == 0:  # launched in this step, or left out by the row budget
                 return
             if depth == M:  # the oldest token finished its last loop: commit it
-                token = slot.preds[-1]
-                seq.slots.pop(0)
-                self._commit(seq, slot)
+                token = t.preds[-1]
+                seq.chain.pop(0)
+                self._commit(seq, t)
                 if token == eos or len(seq.out) >= request.max_new_tokens:
-                    self._drop_lane(seq, slot.lane, 0)
+                    self._drop_lane(seq, t.lane, 0)
                     self._flush(seq, 0, mispredicted=False)
                     seq.done = True
                     return
-                self._follow(seq, slot, 0, token)
-                self._drop_lane(seq, slot.lane, 0)  # not taken over: the chain was right
-                if not seq.slots:
-                    seq.slots.append(Slot(slot.pos + 1, token))
+                self._follow(seq, t, 0, token)
+                self._drop_lane(seq, t.lane, 0)  # not taken over: the chain was right
+                if not seq.chain:
+                    seq.chain.append(InFlight(t.pos + 1, token))
                 continue  # the successor is now the oldest, at index 0
-            guess = seq.speculation(slot)
+            guess = seq.speculation(t)
             if should_flush(request.invalidation, depth, M):
-                self._follow(seq, slot, i + 1, guess)
-            succ = seq.slots[i + 1] if i + 1 < len(seq.slots) else None
+                self._follow(seq, t, i + 1, guess)
+            succ = seq.chain[i + 1] if i + 1 < len(seq.chain) else None
             if (
                 succ is None
-                and should_launch(depth, seq.launch_loop, slot.p_top[-1], request.min_confidence)
+                and should_launch(depth, seq.launch_loop, t.p_top[-1], request.min_confidence)
                 and guess != eos
-                and slot.pos + 1 < request.max_new_tokens
+                and t.pos + 1 < request.max_new_tokens
             ):
-                succ = Slot(slot.pos + 1, guess, ahead=i + 1)
-                seq.slots.append(succ)
+                succ = InFlight(t.pos + 1, guess, ahead=i + 1)
+                seq.chain.append(succ)
                 seq.draft_tokens[i] += 1
                 seq.drafts += i == 0
-            self._keep_lane(seq, slot, succ, guess)
+            self._keep_lane(seq, t, succ, guess)
             i += 1
 
-    def _follow(self, seq: Sequence, parent: Slot, start: int, token: int) -> None:
-        """Make ``token`` the successor of ``parent`` (at ``seq.slots[start]``): keep the chain if it has it,
+    def _follow(self, seq: Sequence, parent: InFlight, start: int, token: int) -> None:
+        """Make ``token`` the successor of ``parent`` (at ``seq.chain[start]``): keep the chain if it has it,
         else promote the parent's lane if its branch has it, else flush the chain (it relaunches)."""
-        succ = seq.slots[start] if start < len(seq.slots) else None
+        succ = seq.chain[start] if start < len(seq.chain) else None
         if succ is not None and succ.token == token:
             return
         lane = parent.lane
@@ -313,15 +313,15 @@ class Engine:
             self._cache.promote(seq.slot, t.side, t.pos, len(t.preds))
             heapq.heappush(seq.side_free, t.side)
             t.side, t.up = -1, ()
-        seq.slots.extend(lane)
+        seq.chain.extend(lane)
         seq.promotions += 1
         self.stats.promotions += 1
 
-    def _keep_lane(self, seq: Sequence, slot: Slot, succ: Slot | None, guess: int) -> None:
-        """Keep ``slot``'s branch on its runner-up (restart it when the runner-up changes; launch one if allowed),
+    def _keep_lane(self, seq: Sequence, parent: InFlight, succ: InFlight | None, guess: int) -> None:
+        """Keep ``parent``'s branch on its runner-up (restart it when the runner-up changes; launch one if allowed),
         then grow or trim its lane as the chain grows: from each lane token's own latest prediction."""
-        request, runner, eos = seq.request, slot.runners[-1], self.model.eos_id
-        lane = slot.lane
+        request, runner, eos = seq.request, parent.runners[-1], self.model.eos_id
+        lane = parent.lane
         if lane and (lane[0].token not in (runner, guess) or succ is None or lane[0].token == succ.token):
             self._drop_lane(seq, lane, 0)
         if (
@@ -329,10 +329,10 @@ class Engine:
             and succ is not None
             and runner not in (succ.token, eos, NO_EXIT)
             and request.oracle is None
-            and sum(bool(s.lane) for s in seq.slots) < request.branches
-            and should_branch(slot.p_top[-1], request.branch_below)
+            and sum(bool(c.lane) for c in seq.chain) < request.branches
+            and should_branch(parent.p_top[-1], request.branch_below)
         ):
-            lane.append(Slot(slot.pos + 1, runner, side=heapq.heappop(seq.side_free)))
+            lane.append(InFlight(parent.pos + 1, runner, side=heapq.heappop(seq.side_free)))
         M = self.model.n_loops
         for j, t in enumerate(lane):
             depth = len(t.preds)
@@ -350,9 +350,9 @@ class Engine:
                 and pred != eos
                 and t.pos + 1 < request.max_new_tokens
             ):
-                lane.append(Slot(t.pos + 1, pred, side=heapq.heappop(seq.side_free), up=(*t.up, (t.pos, t.side))))
+                lane.append(InFlight(t.pos + 1, pred, side=heapq.heappop(seq.side_free), up=(*t.up, (t.pos, t.side))))
 
-    def _drop_lane(self, seq: Sequence, lane: list[Slot], start: int) -> None:
+    def _drop_lane(self, seq: Sequence, lane: list[InFlight], start: int) -> None:
         """Drop lane tokens from index ``start`` on (their rows are wasted), freeing their side entries."""
         for t in lane[start:]:
             heapq.heappush(seq.side_free, t.side)
@@ -360,29 +360,29 @@ class Engine:
             self.stats.wasted_rows += len(t.preds)
         del lane[start:]
 
-    def _commit(self, seq: Sequence, slot: Slot) -> None:
-        token = slot.preds[-1]
+    def _commit(self, seq: Sequence, t: InFlight) -> None:
+        token = t.preds[-1]
         seq.out.append(token)
         self.stats.tokens += 1
-        if slot.ahead:
-            seq.accepted[slot.ahead - 1] += 1
+        if t.ahead:
+            seq.accepted[t.ahead - 1] += 1
         if seq.all_exits:
-            for loop, pred in enumerate(slot.preds):
+            for loop, pred in enumerate(t.preds):
                 seq.flips[loop] += pred != token
         if seq.trace is not None:
-            seq.trace.add_token(seq.id, slot.pos, slot.preds)
+            seq.trace.add_token(seq.id, t.pos, t.preds)
         if seq.logprobs is not None:
-            seq.logprobs.append(slot.logprob)
+            seq.logprobs.append(t.logprob)
 
     def _flush(self, seq: Sequence, start: int, mispredicted: bool) -> None:
-        """Drop in-flight slots from index ``start`` on and invalidate their cache entries."""
-        dropped = seq.slots[start:]
+        """Drop the chain's tokens from index ``start`` on and invalidate their cache entries."""
+        dropped = seq.chain[start:]
         if not dropped:
             return
-        del seq.slots[start:]
+        del seq.chain[start:]
         self._cache.invalidate(seq.slot, dropped[0].pos)
-        for slot in dropped:
-            self._drop_lane(seq, slot.lane, 0)
+        for t in dropped:
+            self._drop_lane(seq, t.lane, 0)
         wasted = sum(len(s.preds) for s in dropped)
         seq.wasted_rows += wasted
         seq.flushes += mispredicted

@@ -1,4 +1,4 @@
-"""The engine's decoding state: a request's ``Sequence`` and its tokens in flight."""
+"""The engine's decoding state: a request's ``Sequence`` and its ``InFlight`` tokens."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from speed.trace import TraceBuilder
 
 
 @dataclass
-class Slot:
-    """A token in flight at decoder position ``pos`` with input ``token``."""
+class InFlight:
+    """A token in flight at decoder position ``pos`` with input ``token``: launched, not yet committed."""
 
     pos: int
     token: int
@@ -24,8 +24,8 @@ class Slot:
     ahead: int = 0  # uncommitted tokens ahead of it when launched: 0 on the committed path, else its draft position
     modes: list[int] = field(default_factory=list)  # each finished loop's noise-free argmax (= preds if greedy)
     logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
-    lane: list[Slot] = field(default_factory=list)  # its branch at pos + 1 (from its runner-up) and the branch's own
-    # successors at pos + 2, ...; empty: no branch
+    lane: list[InFlight] = field(default_factory=list)  # its branch at pos + 1 (from its runner-up) and the
+    # branch's own successors at pos + 2, ...; empty: no branch
     side: int = -1  # a lane token's side entry in the cache (its own key/value); -1 on the chain
     up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side entry), oldest first
 
@@ -41,7 +41,7 @@ class Sequence:
     added: float  # perf_counter at add
     slot: int = -1  # its engine slot (its place in the KV cache and the encoder memory); -1 while queued
     out: list[int] = field(default_factory=list)  # committed tokens
-    slots: list[Slot] = field(default_factory=list)  # in flight, oldest first; slot i+1 launched from slot i
+    chain: list[InFlight] = field(default_factory=list)  # in flight, oldest first; chain[i+1] launched from chain[i]
     side_free: list[int] = field(default_factory=list)  # a heap of its slot's side entries its branches may take
     done: bool = False
     admitted: float = float("nan")
@@ -59,24 +59,24 @@ class Sequence:
     trace: TraceBuilder | None = None
     logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
 
-    def speculation(self, slot: Slot) -> int:
+    def speculation(self, t: InFlight) -> int:
         """The prediction to speculate from: the oracle's token if forced, else the latest exit's draw
         (coupled) or its argmax."""
         oracle = self.request.oracle
-        if oracle is not None and slot.pos < len(oracle):
-            return oracle[slot.pos]
-        return slot.preds[-1] if self.request.sampling.coupled else slot.modes[-1]
+        if oracle is not None and t.pos < len(oracle):
+            return oracle[t.pos]
+        return t.preds[-1] if self.request.sampling.coupled else t.modes[-1]
 
-    def draw(self, slot: Slot) -> Draw | None:
-        """What the slot's exits need to decide: None for plain greedy (the raw logits' argmax)."""
+    def draw(self, t: InFlight) -> Draw | None:
+        """What the token's exits need to decide: None for plain greedy (the raw logits' argmax)."""
         sampling = self.request.sampling
         if sampling.plain:
             return None
         history = None
-        if sampling.penalized:  # the committed tokens, then the slot's in-flight predecessors
-            history = self.out + [s.token for s in self.slots[1 : slot.pos - len(self.out) + 1]]
-        return Draw(sampling, slot.pos, history)
+        if sampling.penalized:  # the committed tokens, then the token's in-flight predecessors
+            history = self.out + [c.token for c in self.chain[1 : t.pos - len(self.out) + 1]]
+        return Draw(sampling, t.pos, history)
 
-    def in_flight(self) -> list[Slot]:
-        """Every slot that computes rows: the chain, then the lanes (by their parent, oldest first)."""
-        return [*self.slots, *(t for s in self.slots for t in s.lane)]
+    def in_flight(self) -> list[InFlight]:
+        """Every token that computes rows: the chain, then the lanes (by their parent, oldest first)."""
+        return [*self.chain, *(t for c in self.chain for t in c.lane)]
