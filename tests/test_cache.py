@@ -17,7 +17,7 @@ def test_write_read_and_invalidate_copies_nothing():
         assert keys[0, 0, :, 0].tolist() == [*range(pos + 1), *[0.0] * (ATTN_CHUNK - 1 - pos)]
         assert torch.equal(values, -keys)
     assert cache.lengths[0, 1].tolist() == [4, 4]
-    assert cache.lengths[0, 0].tolist() == [0, 0]  # another depth: untouched
+    assert cache.lengths[0, 0].tolist() == [0, 0]  # another virtual layer: untouched
     storage = cache.keys[1].data_ptr()
     before = cache.keys[1].clone()
     cache.invalidate(slot=1, from_pos=2)
@@ -36,7 +36,7 @@ def test_gaps_and_overwrites_are_errors():
     cache.write(0, Rows.build([0], [1], [0]), z, z)
     with pytest.raises(CacheError, match="position 0, but its valid length is 1"):
         cache.write(0, Rows.build([0], [1], [0]), z, z)
-    # two rows of one sequence at one depth in the same pass cannot both be appended
+    # two rows of one slot at one virtual layer in the same pass cannot both be appended
     with pytest.raises(CacheError):
         cache.write(0, Rows.build([0, 0], [0, 0], [0, 1]), torch.zeros(2, 1, 1), torch.zeros(2, 1, 1))
 
@@ -55,16 +55,16 @@ def test_rows_take_and_device_tensors():
     rows = Rows.build([0, 1, 2], [0, 1, 0], [3, 4, 5])
     tile = rows.take(np.array([0, 2, 2, 2]))  # padded by repeating the last row
     assert tile.slot.tolist() == [0, 2, 2, 2] and tile.pos.tolist() == [3, 5, 5, 5]
-    seq_t, loop_t, pos_t = tile.tensors("cpu")
-    assert seq_t.tolist() == [0, 2, 2, 2] and loop_t.dtype == torch.long
-    assert tile.tensors("cpu")[0] is seq_t  # made once per device
+    slot_t, loop_t, pos_t = tile.tensors("cpu")
+    assert slot_t.tolist() == [0, 2, 2, 2] and loop_t.dtype == torch.long
+    assert tile.tensors("cpu")[0] is slot_t  # made once per device
     with pytest.raises(ValueError, match="differ in length"):
         Rows.build([0], [0, 1], [0])
 
 
-def test_read_spans_whole_chunks_of_the_rows_depths():
+def test_read_spans_whole_chunks_of_the_rows_virtual_layers():
     """Storage is ``max_len`` rounded up to whole chunks; a read copies only the asked span, row by row from its
-    own (loop, sequence) depth."""
+    own (loop, slot) pair."""
     cache = KVCache(n_loops=2, n_layers=1, n_slots=3, n_heads=2, max_len=ATTN_CHUNK + 3, d_kv=4)
     assert cache.n_positions == 2 * ATTN_CHUNK and cache.keys[0].shape == (2, 3, 2, 2 * ATTN_CHUNK, 4)
     cache.keys[0].copy_(torch.randn_like(cache.keys[0]))

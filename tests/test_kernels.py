@@ -118,7 +118,7 @@ def random_step_case(seed: int):
 
 
 def step_at(model, memory, cache, pairs, hidden):
-    """``model.step`` for rows at (sequence, loop) ``pairs``, each at its depth's valid length; the cache's
+    """``model.step`` for rows at (slot, loop) ``pairs``, each at its virtual layer's valid length; the cache's
     lengths are restored afterwards, so that every call sees the same cache."""
     lengths = cache.lengths.copy()
     rows = Rows.build([s for s, _ in pairs], [lo for _, lo in pairs], [lengths[lo, 0, s] for s, lo in pairs])
@@ -132,13 +132,13 @@ def test_step_rows_do_not_depend_on_company_or_position(threads, backend):
     cases = 6 if threads == 1 else 3
     for seed in range(cases):
         model, memory, cache, rng = random_step_case(seed)
-        depths = [(s, lo) for s in range(5) for lo in range(model.n_loops)]
+        slot_loops = [(s, lo) for s in range(5) for lo in range(model.n_loops)]
         d = model.config.d_model
         for _ in range(6):
-            target = rng.choice(depths)
+            target = rng.choice(slot_loops)
             h = torch.randn(d)
             alone, alone_logits = step_at(model, memory, cache, [target], h[None])
-            others = rng.sample([p for p in depths if p != target], rng.randint(1, min(len(depths) - 1, 13)))
+            others = rng.sample([p for p in slot_loops if p != target], rng.randint(1, min(len(slot_loops) - 1, 13)))
             at = rng.randint(0, len(others))
             pairs = [*others[:at], target, *others[at:]]  # up to 14 rows: sometimes two tiles
             hidden = torch.randn(len(pairs), d)

@@ -1,19 +1,19 @@
-"""The decoder's key/value cache, keyed by virtual depth (loop, layer).
+"""The decoder's key/value cache, keyed by virtual layer (loop, layer).
 
 A looped decoder runs each unique layer M times, once per loop, so one
 physical layer owns M separate caches: keys written by loop 1 of layer 2 are
 never read by loop 3 of layer 2. The cache is preallocated; rows are written
 at explicit positions (as in gpt-fast), and invalidating speculative tokens
-only lowers per-depth valid lengths: it copies nothing, and the next write at
+only lowers per-virtual-layer valid lengths: it copies nothing, and the next write at
 that position overwrites the stale entry.
 
 The cache holds ``n_slots`` requests at once, one per engine slot; a slot
-keeps up to ``max_len`` key positions per depth.
+keeps up to ``max_len`` key positions per virtual layer.
 
 Runner-up branches (tree speculation): a branch is a second token at the same
 position p as a speculative chain token, so it cannot share the chain's
 position; it may grow its own chain (a lane) at p+1, p+2, ... Each slot has
-side entries per depth, one key/value each: a branch row writes its key/value
+side entries per virtual layer, one key/value each: a branch row writes its key/value
 there, and a read gathers the row's prefix up to the fork from its slot's
 positions and the lane's positions from their side entries, in position order,
 so attention sums exactly the keys a chain token with the same prefix would
@@ -107,13 +107,13 @@ class Rows:
 
 
 class KVCache:
-    """Preallocated self-attention keys/values for every (loop, layer) depth.
+    """Preallocated self-attention keys/values for every virtual layer (loop, layer).
 
     Storage per physical layer j: ``keys[j]`` and ``values[j]`` of shape
     (n_loops, n_slots, n_heads, n_positions, d_kv), where ``n_positions`` is
     ``max_len`` rounded up to whole attention chunks (the tail is never
     written and always masked). ``lengths[loop, layer, slot]`` is the valid
-    prefix length at that depth for that slot. Branch rows keep their
+    prefix length at that virtual layer for that slot. Branch rows keep their
     key/value in ``side_keys[j]``/``side_values[j]`` (n_loops, n_slots *
     n_side, n_heads, d_kv): side entry b of slot s is index ``s * n_side + b``.
     """
@@ -143,12 +143,12 @@ class KVCache:
         self.device = torch.device(device)
 
     def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
-        """Append each row's key/value (R, H, D) at its depth.
+        """Append each row's key/value (R, H, D) at its virtual layer (its loop, ``layer``).
 
         Each chain row must land exactly at the end of the valid prefix of its
-        depth (a gap or an overwrite of a valid entry is a scheduling bug and
+        virtual layer (a gap or an overwrite of a valid entry is a scheduling bug and
         raises ``CacheError``); a branch row goes to its side entry and needs
-        its prefix (positions before its own) valid at its depth.
+        its prefix (positions before its own) valid at its virtual layer.
         """
         if rows.side is not None:
             branch = rows.side >= 0
@@ -163,7 +163,7 @@ class KVCache:
         if not np.array_equal(have, rows.pos):
             bad = int(np.flatnonzero(have != rows.pos)[0])
             raise CacheError(
-                f"write at depth (loop {rows.loop[bad]}, layer {layer}), slot {rows.slot[bad]}, "
+                f"write at virtual layer (loop {rows.loop[bad]}, layer {layer}), slot {rows.slot[bad]}, "
                 f"position {rows.pos[bad]}, but its valid length is {have[bad]}"
             )
         if int(rows.pos.max()) >= self.max_len:
@@ -180,7 +180,7 @@ class KVCache:
         if (have < fork).any():
             bad = int(np.flatnonzero(have < fork)[0])
             raise CacheError(
-                f"branch write at depth (loop {loop[bad]}, layer {layer}), slot {slot[bad]}, position "
+                f"branch write at virtual layer (loop {loop[bad]}, layer {layer}), slot {slot[bad]}, position "
                 f"{pos[bad]}, but its prefix's valid length is {have[bad]} (its lane forks at {fork[bad]})"
             )
         if int(pos.max()) >= self.max_len:
@@ -190,7 +190,7 @@ class KVCache:
         self.side_values[layer][loop_t, flat_t] = v
 
     def read(self, layer: int, rows: Rows, span: int) -> tuple[Tensor, Tensor]:
-        """Keys and values (R, H, span, D) each row attends to: the first ``span`` positions of its depth.
+        """Keys and values (R, H, span, D) each row attends to: the first ``span`` positions of its virtual layer.
 
         ``span`` is a whole number of attention chunks covering every row's
         position (``chunk_span``); positions past a row's own are stale or
@@ -213,26 +213,24 @@ class KVCache:
             values[r_t, :, pos_t] = self.side_values[layer][lo_t, flat_t]
         return keys, values
 
-    def promote(self, slot: int, side: int, pos: int, depth: int) -> None:
-        """Make the branch in side entry ``side`` of ``slot`` the token at ``pos``: copy its ``depth`` loops' entries.
+    def promote(self, slot: int, side: int, pos: int, loops_done: int) -> None:
+        """Make the branch in side entry ``side`` of ``slot`` the token at ``pos``: copy its first ``loops_done`` loops.
 
-        Position ``pos`` must be free (invalidated) at those depths and its
+        Position ``pos`` must be free (invalidated) at those loops and its
         prefix valid, as for a chain write.
         """
-        if depth == 0:
+        if loops_done == 0:
             return
-        have = self.lengths[:depth, :, slot]
+        have = self.lengths[:loops_done, :, slot]
         if (have != pos).any():
-            raise CacheError(
-                f"promotion to position {pos} of slot {slot}, but its valid lengths are {have.tolist()}"
-            )
+            raise CacheError(f"promotion to position {pos} of slot {slot}, but its valid lengths are {have.tolist()}")
         for j in range(len(self.keys)):
-            self.keys[j][:depth, slot, :, pos] = self.side_keys[j][:depth, slot * self.n_side + side]
-            self.values[j][:depth, slot, :, pos] = self.side_values[j][:depth, slot * self.n_side + side]
-        self.lengths[:depth, :, slot] = pos + 1
+            self.keys[j][:loops_done, slot, :, pos] = self.side_keys[j][:loops_done, slot * self.n_side + side]
+            self.values[j][:loops_done, slot, :, pos] = self.side_values[j][:loops_done, slot * self.n_side + side]
+        self.lengths[:loops_done, :, slot] = pos + 1
 
     def invalidate(self, slot: int, from_pos: int) -> None:
-        """Drop positions >= ``from_pos`` of ``slot`` at every depth (no copy)."""
+        """Drop positions >= ``from_pos`` of ``slot`` at every virtual layer (no copy)."""
         np.minimum(self.lengths[:, :, slot], from_pos, out=self.lengths[:, :, slot])
 
     def reset(self, slot: int) -> None:

@@ -49,9 +49,9 @@ class LogitRecorder:
         cache = self.model.cache(n_slots, max_len)
         promote = cache.promote
 
-        def promote_and_record(slot: int, side: int, pos: int, depth: int) -> None:
-            promote(slot, side, pos, depth)
-            for loop in range(depth):
+        def promote_and_record(slot: int, side: int, pos: int, loops_done: int) -> None:
+            promote(slot, side, pos, loops_done)
+            for loop in range(loops_done):
                 self.logits[self.key(slot, loop, pos)] = self._branches.pop((slot, side, loop, pos))
 
         cache.promote = promote_and_record  # type: ignore[method-assign]

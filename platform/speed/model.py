@@ -94,8 +94,8 @@ class SelfAttention(nn.Module):
     def decode(self, x: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
         """One new token per row of a tile (n, d), the token of each of ``rows``.
 
-        Writes the rows' keys/values at their depths, then attends over the
-        first L key positions of each row's depth, L whole attention chunks;
+        Writes the rows' keys/values at their virtual layers, then attends over
+        the first L key positions of each row's virtual layer, L whole attention chunks;
         ``bias`` (n, H, 1, L) adds position bias and masks the positions past
         each row's own.
         """
@@ -331,10 +331,10 @@ class SpeedT5(nn.Module):
         x = self.dropout(self.shared(decoder_input_ids))
         losses, all_logits = [], []
         sharing = self.sharing
-        for depth in range(sharing.depth):
-            j = sharing.physical_layer(depth)
+        for v in range(sharing.depth):  # virtual layers
+            j = sharing.physical_layer(v)
             x = self.decoder_layers[j](x, self_bias, *memories[j], cross_bias)
-            if depth + 1 < sharing.depth and sharing.loop_of(depth + 1) == sharing.loop_of(depth):
+            if v + 1 < sharing.depth and sharing.loop_of(v + 1) == sharing.loop_of(v):
                 continue  # the early exit comes after the loop's last layer
             logits = self.exit_logits(x)  # (B, T, V)
             if labels is not None:
@@ -418,7 +418,7 @@ class SpeedT5(nn.Module):
     def step(
         self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One pass of the shared N-layer group over R rows, each at its own loop depth.
+        """One pass of the shared N-layer group over R rows, each at its own loop.
 
         ``hidden`` (R, d) is each row's input to this loop; returns its output
         (R, d) and, if asked, the early-exit logits (R, V). Each row's results
@@ -453,7 +453,7 @@ class SpeedT5(nn.Module):
             return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, slot_t)
 
         cross_bias = source(memory.cross_bias[..., :S])  # (n, 1, 1, S)
-        # CYCLE order: loop l's pass runs virtual depths l*N .. l*N+N-1, whose physical layers are 0..N-1
+        # CYCLE order: loop l's pass runs virtual layers l*N .. l*N+N-1, whose physical layers are 0..N-1
         for j in range(self.sharing.n_unique):
             layer = self.decoder_layers[self.sharing.physical_layer(j)]
             keys, values = source(memory.keys[j][:, :, :S]), source(memory.values[j][:, :, :S])  # (n, H, S, D)

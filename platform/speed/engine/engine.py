@@ -263,10 +263,10 @@ class Engine:
         i = 0
         while i < len(seq.chain):
             t = seq.chain[i]
-            depth = len(t.preds)
-            if depth == 0:  # launched in this step, or left out by the row budget
+            loops_done = len(t.preds)
+            if loops_done == 0:  # launched in this step, or left out by the row budget
                 return
-            if depth == M:  # the oldest token finished its last loop: commit it
+            if loops_done == M:  # the oldest token finished its last loop: commit it
                 token = t.preds[-1]
                 seq.chain.pop(0)
                 self._commit(seq, t)
@@ -281,12 +281,12 @@ class Engine:
                     seq.chain.append(InFlight(t.pos + 1, token))
                 continue  # the successor is now the oldest, at index 0
             guess = seq.speculation(t)
-            if should_flush(request.invalidation, depth, M):
+            if should_flush(request.invalidation, loops_done, M):
                 self._follow(seq, t, i + 1, guess)
             succ = seq.chain[i + 1] if i + 1 < len(seq.chain) else None
             if (
                 succ is None
-                and should_launch(depth, seq.launch_loop, t.p_top[-1], request.min_confidence)
+                and should_launch(loops_done, seq.launch_loop, t.p_top[-1], request.min_confidence)
                 and guess != eos
                 and t.pos + 1 < request.max_new_tokens
             ):
@@ -335,18 +335,18 @@ class Engine:
             lane.append(InFlight(parent.pos + 1, runner, side=heapq.heappop(seq.side_free)))
         M = self.model.n_loops
         for j, t in enumerate(lane):
-            depth = len(t.preds)
-            if depth == 0:
+            loops_done = len(t.preds)
+            if loops_done == 0:
                 return
             nxt = lane[j + 1] if j + 1 < len(lane) else None
             pred = t.preds[-1]
-            if nxt is not None and nxt.token != pred and should_flush(request.invalidation, depth, M):
+            if nxt is not None and nxt.token != pred and should_flush(request.invalidation, loops_done, M):
                 self._drop_lane(seq, lane, j + 1)
                 nxt = None
             if (
                 nxt is None
                 and len(lane) < request.branch_depth
-                and should_launch(depth, seq.launch_loop, t.p_top[-1], request.min_confidence)
+                and should_launch(loops_done, seq.launch_loop, t.p_top[-1], request.min_confidence)
                 and pred != eos
                 and t.pos + 1 < request.max_new_tokens
             ):

@@ -8,10 +8,10 @@ from __future__ import annotations
 from speed.engine.types import Invalidation
 
 
-def should_launch(depth: int, launch_loop: int, p_top: float = 1.0, min_confidence: float = 0.0) -> bool:
-    """A token with ``depth`` finished loops, whose latest exit has top-1 probability ``p_top``, may launch its
+def should_launch(loops_done: int, launch_loop: int, p_top: float = 1.0, min_confidence: float = 0.0) -> bool:
+    """A token with ``loops_done`` finished loops, whose latest exit has top-1 probability ``p_top``, may launch its
     successor from that exit's prediction."""
-    return depth >= launch_loop and p_top >= min_confidence
+    return loops_done >= launch_loop and p_top >= min_confidence
 
 
 def should_branch(p_top: float, branch_below: float) -> bool:
@@ -19,9 +19,9 @@ def should_branch(p_top: float, branch_below: float) -> bool:
     return p_top < branch_below
 
 
-def should_flush(invalidation: Invalidation, depth: int, n_loops: int) -> bool:
-    """Whether a prediction at ``depth`` that disagrees with the launched successor flushes it."""
-    return invalidation == "eager" or depth == n_loops
+def should_flush(invalidation: Invalidation, loops_done: int, n_loops: int) -> bool:
+    """Whether a prediction after ``loops_done`` loops that disagrees with the launched successor flushes it."""
+    return invalidation == "eager" or loops_done == n_loops
 
 
 def budget_rows(in_flight: list[int], budget: int) -> list[int]:
