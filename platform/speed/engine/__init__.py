@@ -3,7 +3,7 @@
 The engine never imports the model. It drives any ``Stepper``: an object that
 encodes a request into a memory slot (``admit``), embeds tokens, and runs ONE
 pass of its shared N-layer group over a set of rows, each row a token at its
-own loop depth, reading and writing an engine-owned ``KVCache``.
+own loop, reading and writing an engine-owned ``KVCache``.
 
 SPEED (speculative pipelined execution): a token is launched from its
 predecessor's early-exit prediction after ``launch_loop`` loops, so one step
@@ -41,6 +41,38 @@ in what is left, runner-up branches last.
 Threads: ``add`` may be called from any thread at any time (it only queues);
 ``step`` and ``cancel`` hold the engine's lock, so one step runs at a time and
 a cancel waits for a running step to end.
+
+Modules: ``types`` (the ``Stepper`` protocol, ``EngineConfig``, ``Request``
+and what comes back), ``policies`` (pure functions: launch, branch, flush,
+row budget), ``state`` (a request's ``Sequence`` and its ``InFlight``
+tokens), ``engine`` (``Engine``: admission, stepping, scheduling, locking).
+
+Names, one per concept (M loops of N shared layers):
+
+- request (``Request``): what a caller asks for. ``Sequence``: its decoding
+  state in the engine, from ``add`` until it leaves (in traces the
+  ``sequence`` column is its id).
+- slot: a request's place while it is active, one of
+  ``EngineConfig.max_active``: its index in the KV cache and in the encoder
+  memory (``Sequence.slot``, ``Rows.slot``, ``Stepper.admit``).
+- position (``pos``): a decoder output index, 0-based; a slot keeps keys at
+  positions 0..max_len-1 of every virtual layer.
+- loop: one run of the shared N-layer group (0-based in code, 1-based in
+  traces); its early exit is that loop's prediction.
+- virtual layer: one of a token's N*M layer runs, written (loop, layer) with
+  ``layer`` the physical layer 0..N-1; the cache keeps keys per virtual
+  layer. depth: their number, N*M (``SharingPattern.depth``).
+- in-flight token (``InFlight``): launched, not yet committed; ``loops_done``
+  (``len(preds)``) of its M loops are finished.
+- chain (``Sequence.chain``): a request's in-flight tokens in position order,
+  each launched from its predecessor's exit; the oldest is on the committed
+  path. branch: a second successor launched from a runner-up prediction;
+  lane: the branch and its own successors, whose keys live in the slot's
+  side entries (``Request.branch_depth`` is a lane's length in tokens).
+- row: one in-flight token through one loop in one step (``Rows``, R of
+  them; ``row_budget``, ``DecodeStats.rows``). step: one engine iteration,
+  one group pass over the step's rows.
+- draft token, draft position: vLLM's speculation terms (``RequestStats``).
 """
 
 from speed.engine.engine import Engine
