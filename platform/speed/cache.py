@@ -4,8 +4,8 @@ A looped decoder runs each unique layer M times, once per loop, so one
 physical layer owns M separate caches: keys written by loop 1 of layer 2 are
 never read by loop 3 of layer 2. The cache is preallocated; rows are written
 at explicit positions (as in gpt-fast), and invalidating speculative tokens
-only lowers per-virtual-layer valid lengths: it copies nothing, and the next write at
-that position overwrites the stale entry.
+only lowers per-virtual-layer valid lengths: it copies nothing, and the next
+write at that position overwrites the stale entry.
 
 The cache holds ``n_slots`` requests at once, one per engine slot; a slot
 keeps up to ``max_len`` key positions per virtual layer.
@@ -13,11 +13,11 @@ keeps up to ``max_len`` key positions per virtual layer.
 Runner-up branches (tree speculation): a branch is a second token at the same
 position p as a speculative chain token, so it cannot share the chain's
 position; it may grow its own chain (a lane) at p+1, p+2, ... Each slot has
-side entries per virtual layer, one key/value each: a branch row writes its key/value
-there, and a read gathers the row's prefix up to the fork from its slot's
-positions and the lane's positions from their side entries, in position order,
-so attention sums exactly the keys a chain token with the same prefix would
-see. Promoting a lane copies each token's entries (one per loop it ran) into
+side entries per virtual layer, one key/value each: a branch row writes its
+key/value there, and a read gathers the row's prefix up to the fork from its
+slot's positions and the lane's positions from their side entries, in
+position order, so attention sums exactly the keys a chain token with the
+same prefix would see. Promoting a lane copies each token's entries (one per loop it ran) into
 its positions of the slot.
 """
 
