@@ -1,8 +1,10 @@
 """The serving benchmark (not a test): (a) one request at a time, sequential; (b) continuous batching,
-sequential; (c) continuous batching, SPEED; closed-loop HTTP load at concurrency 1, 4 and 16.
+sequential; (c) continuous batching, SPEED; (d) with --branches or --min-confidence, (c) with SPEED's
+runner-up branches or confidence gate; closed-loop HTTP load at concurrency 1, 4 and 16.
 
     python jobs/bench_serve.py --checkpoint runs/demo/<finetune run> [--rounds 2] [--row-budget 48] [--json]
     python jobs/bench_serve.py --checkpoint runs/demo/<finetune run> --temperature 0.8 --seed 7   # sampled
+    python jobs/bench_serve.py --checkpoint runs/demo/<finetune run> --branches 6 --row-budget 8  # (d) beside (c)
 
 Prompts are Multi30k test sources (task translate_en_de). Starts a private local
 Ray (all of this machine's CPUs), deploys the checkpoint twice behind Ray Serve on
@@ -40,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-active", type=int, default=d.max_active, help="engine capacity of (b) and (c)")
     p.add_argument("--row-budget", type=int, default=d.row_budget, help="rows per engine step of (b) and (c)")
     p.add_argument("--launch-loop", type=int, default=d.launch_loop)
+    p.add_argument("--branches", type=int, default=d.branches, help="runner-up branches of variant (d)")
+    p.add_argument("--branch-depth", type=int, default=d.branch_depth, help="branch lane length of variant (d)")
+    p.add_argument("--min-confidence", type=float, default=d.min_confidence, help="confidence gate of (d)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sample at this temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=d.seed, help="every request's sampling seed")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per replica")
@@ -61,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         max_active=args.max_active,
         row_budget=args.row_budget,
         launch_loop=args.launch_loop,
+        branches=args.branches,
+        branch_depth=args.branch_depth,
+        min_confidence=args.min_confidence,
         temperature=args.temperature,
         seed=args.seed,
         threads=args.threads,

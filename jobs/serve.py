@@ -11,7 +11,7 @@ statistics), then shuts Serve and Ray down. Binds 127.0.0.1 unless --host says
 otherwise. With --api-key (or $SPEED_API_KEY, which `ps` does not show) every route
 but /healthz needs `Authorization: Bearer <key>`. --set KEY=VALUE fills the replicas'
 user_config (speed.serve.settings.ServeSettings: max_active, row_budget, method,
-launch_loop, task, max_prompts, max_body_bytes, ...). For `serve run` / `serve deploy`
+launch_loop, branches, min_confidence, task, max_prompts, ...). For `serve run` / `serve deploy`
 use jobs/configs/serve.yaml.
 """
 

@@ -4,13 +4,15 @@
     python jobs/sweep.py --patterns depth=12 2x1 --schemes linear uniform --config jobs/configs/sweep_multi30k.yaml
     python jobs/sweep.py --patterns 2x6 --loss-family power --loss-range 0 2 --search random --samples 8
     python jobs/sweep.py --patterns 2x6 --settle none to_last:1 consecutive:3:fc   # agreement terms (speed.losses)
+    python jobs/sweep.py --patterns 2x6 --branches 0 6 --min-confidence 0 0.5      # SPEED's levers in the costs
 
 Every trial finetunes the base job (``--config`` YAML, job flags, ``--set``)
 with one pattern, one loss-weight scheme and one settle term, reports every loop's
 validation loss and teacher-forced flip cost at each checkpoint (ASHA stops
 laggards on the last loop's loss, or with ``--metric val_flip_cost`` on the flip cost), and is then
 measured on the validation split: BLEU or ROUGE, flip rate per loop, SPEED
-steps per token for every launch loop and both invalidation policies. Results:
+steps per token for every launch loop and both invalidation policies (and every
+--branches x --branch-depth x --min-confidence setting, rows per token beside). Results:
 <storage>/<sweep>/results.parquet, frontier.parquet, latency.parquet. Rerunning
 the same command resumes the sweep (finished trials are kept).
 """
@@ -50,6 +52,9 @@ SWEEP_FLAGS = {
     "--max-new-tokens": ("max_new_tokens", int, None, "decoding length limit"),
     "--latency-limit": ("latency_limit", int, None, "inputs the latency stage decodes per variant (0: no stage)"),
     "--latency-reps": ("latency_reps", int, None, "interleaved rounds of the latency stage"),
+    "--branches": ("branches", int, "+", "runner-up branches each trial's SPEED costs are also measured with"),
+    "--branch-depth": ("branch_depth", int, "+", "branch lane lengths of those measurements"),
+    "--min-confidence": ("min_confidence", float, "+", "confidence gates of those measurements (0: none)"),
     "--fail-pattern": ("fail_pattern", str, None, "fault drill: this pattern's trials fail in training"),
 }
 

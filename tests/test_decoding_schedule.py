@@ -1,54 +1,18 @@
 """Stub-model tests: exact SPEED schedules, flushes and cache lengths.
 
-The stub's early exit for output position p after loop l is a fixed table
-entry, so every schedule can be worked out by hand.
+The stub (``speed.schedule.TableModel``)'s early exit for output position p
+after loop l is a fixed table entry, so every schedule can be worked out by hand.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from speed.cache import KVCache, Rows
 from speed.decoding import generate
+from speed.schedule import TableModel as StubModel
 
-EOS = 1
-
-
-class StubModel:
-    """A looped decoder whose prediction after loop l at position p is ``table(slot, p, l)`` (l 1-based)."""
-
-    start_id = 0
-    eos_id = EOS
-
-    def __init__(self, n_loops: int, table, vocab: int = 128) -> None:
-        self.n_loops, self.table, self.vocab = n_loops, table, vocab
-        self.snapshots: list[np.ndarray] = []  # cache lengths before each step
-
-    def cache(self, n_slots, max_len):
-        return KVCache(self.n_loops, 1, n_slots, 1, max_len, 1)
-
-    @property
-    def vocab_size(self):
-        return self.vocab
-
-    def memory(self, capacity, max_source_len, max_len):
-        return None
-
-    def admit(self, memory, slot, input_ids):
-        pass
-
-    def embed(self, tokens):
-        return torch.zeros(len(tokens), 1)
-
-    def step(self, memory, cache: KVCache, rows: Rows, hidden, with_logits=True):
-        self.snapshots.append(cache.lengths[:, 0, :].copy())
-        z = torch.zeros(len(rows), 1, 1)
-        cache.write(0, rows, z, z)
-        preds = [self.table(int(s), int(p), int(lo) + 1) for s, p, lo in zip(rows.slot, rows.pos, rows.loop)]
-        logits = torch.nn.functional.one_hot(torch.tensor(preds), self.vocab).float()
-        return hidden, logits
+EOS = StubModel.eos_id
 
 
 def target(p: int) -> int:

@@ -133,6 +133,40 @@ def test_concurrent_answers_equal_offline_decoding(server):
         assert (spec["num_drafts"] == 0) == never
 
 
+def test_branches_and_confidence_gate_change_no_token_and_are_recorded(server):
+    """SPEED's levers through HTTP: runner-up branches and the confidence gate give the sequential tokens; each
+    answer's ``speed`` object and statistics row hold the values used (null for sequential decoding)."""
+    prompt = "A woman rides a bicycle down the hill."
+    bodies = [
+        {"prompt": prompt, "max_tokens": 14},
+        {"prompt": prompt, "max_tokens": 14, "branches": 3, "branch_depth": 2},
+        {"prompt": prompt, "max_tokens": 14, "branches": 2, "branch_below": 0.9, "min_confidence": 0.3},
+        {"prompt": prompt, "max_tokens": 14, "method": "sequential", "branches": 3},
+    ]
+    answers = [_complete(server, b) for b in bodies]
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 14, "branches": 3, "branch_depth": 3}
+    answer = requests.post(server["url"] + "/v1/chat/completions", json=chat, timeout=120)
+    assert answer.status_code == 200, answer.text
+    server["answered"].append((answer.json()["id"], 1))
+    text, _ = _offline(server, prompt, 14)
+    assert [a.json()["choices"][0]["text"] for a in answers] == [text] * 4
+    assert answer.json()["choices"][0]["message"]["content"] == text
+    default = {"branches": 0, "branch_depth": 1, "branch_below": 1.0, "min_confidence": 0.0}
+    expected = [default, {**default, "branches": 3, "branch_depth": 2}]
+    expected += [{**default, "branches": 2, "branch_below": 0.9, "min_confidence": 0.3}, dict.fromkeys(default)]
+    expected.append({**default, "branches": 3, "branch_depth": 3})
+    ids = [a.json()["id"] for a in [*answers, answer]]
+    for a, want in zip([*answers, answer], expected):
+        assert {k: a.json()["speed"][k] for k in default} == want
+    rows = {r["request_id"]: r for r in read_requests(server["stats"]).to_pylist()}
+    assert [{k: rows[i][k] for k in default} for i in ids] == expected
+    spec = requests.get(server["url"] + "/openapi.json", timeout=30).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert {"minimum": 0, "type": "integer"} in body["properties"]["branches"]["anyOf"]
+        assert {"maximum": 1.0, "minimum": 0.0, "type": "number"} in body["properties"]["min_confidence"]["anyOf"]
+
+
 def test_prompt_list_answers_each_prompt(server):
     prompts = ["A red car.", "A woman sings on a stage.", "Kids jump."]
     a = _complete(server, {"prompt": prompts, "max_tokens": 7}).json()
@@ -332,6 +366,11 @@ def test_unseeded_sampling_returns_its_seed_and_repeats_with_it(server, client):
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "word " * 80}, 400, "tokens, more than 48 (the engine"),
         ({"prompt": "x", "launch_loop": 4}, 400, "launch_loop must be in 1..3"),
+        ({"prompt": "x", "branches": 4}, 400, "branches must be in 0..3 (the model's loops), got 4"),
+        ({"prompt": "x", "branch_depth": 4}, 400, "branch_depth must be in 1..3 (the model's loops), got 4"),
+        ({"prompt": "x", "branches": -1}, 400, "branches: Input should be greater than or equal to 0"),
+        ({"prompt": "x", "min_confidence": 1.5}, 400, "min_confidence: Input should be less than or equal to 1"),
+        ({"prompt": "x", "branch_below": 0}, 400, "branch_below: Input should be greater than 0"),
         ({"prompt": "x", "task": "nope"}, 400, "unknown task 'nope'"),
         ({"prompt": [5, 99999]}, 400, "prompt must be token ids in [0, 400), got 99999"),
         ({"prompt": [5, 99999], "echo": True}, 400, "token id 99999 outside the vocabulary"),

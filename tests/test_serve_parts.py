@@ -509,6 +509,37 @@ def test_serve_settings_reject_unknown_and_bad_values():
         ServeSettings(task="nope")
 
 
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("branches", -1, "branches must be an integer >= 0"),
+        ("branches", 1.5, "branches must be an integer >= 0"),
+        ("branch_depth", 0, "branch_depth must be an integer >= 1"),
+        ("branch_below", 0.0, "branch_below must be a number in \\(0, 1\\]"),
+        ("min_confidence", 1.2, "min_confidence must be a number in \\[0, 1\\]"),
+        ("min_confidence", True, "min_confidence must be a number"),
+    ],
+)
+def test_serve_settings_check_the_levers(field, value, says):
+    from speed.serve.settings import ServeSettings
+
+    with pytest.raises(ValueError, match=says):
+        ServeSettings(**{field: value})
+
+
+def test_serve_settings_levers_are_set_and_checked_against_the_model():
+    from speed.config import from_dict
+    from speed.serve.settings import ServeSettings
+
+    s = from_dict(ServeSettings, {"branches": 6, "branch_depth": 2, "min_confidence": 0.5})
+    assert (s.branches, s.branch_depth, s.branch_below, s.min_confidence) == (6, 2, 1.0, 0.5)
+    s.check_model(6)
+    with pytest.raises(ValueError, match="ServeSettings.branches 6 exceeds the model's 3 loops"):
+        s.check_model(3)
+    with pytest.raises(ValueError, match="ServeSettings.launch_loop 4 exceeds the model's 3 loops"):
+        ServeSettings(launch_loop=4).check_model(3)
+
+
 def test_bench_ratios_and_table_against_the_bars():
     from speed.serve.bench import ServeBenchResult, format_table, ratios
 
@@ -527,4 +558,38 @@ def test_bench_ratios_and_table_against_the_bars():
     table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
     assert "c_over_b_tokens_per_s_at_16 = 0.94 (bar >= 0.95: NOT met)" in table
     assert "c_over_b_p50_at_1 = 0.50 (bar <= 0.6: met)" in table
-    assert "| (c) continuous batching, SPEED | 16 | 94.0 | 170 | 340 |  | 8 | 0 |" in table
+    assert "| (c) continuous batching, SPEED | 16 | 94.0 | 170 | 340 |  | 8 | 0 |  |  |" in table
+
+
+def test_bench_variant_d_ratios_and_engine_counts_per_run():
+    """Variant (d) is compared with (c) (no bar); steps and rows per token come from the replicas' rows of each
+    run's answered requests, joined on the request id."""
+    from speed.serve.bench import ServeBenchConfig, ServeBenchResult, engine_counts, format_table, per_token, ratios
+
+    assert ServeBenchConfig(checkpoint="x").levers() is None
+    assert ServeBenchConfig(checkpoint="x", branches=6).levers() == {
+        "branches": 6, "branch_depth": 1, "min_confidence": 0.0
+    }  # fmt: skip
+    requests = pa.table({"run": ["c-c1-r0", "c-c1-r0", "d-c1-r0", "d-c1-r0"], "request_id": ["1", "2", "3", None]})
+    served = pa.table(
+        {"request_id": ["3", "1", "2", "9"], "steps": [30, 12, 8, 99], "rows": [90, 40, 20, 999]}
+        | {"completion_tokens": [10, 6, 4, 50]}
+    )
+    counts = engine_counts(requests, served)
+    assert counts == {
+        "c-c1-r0": {"steps": 20, "rows": 60, "tokens": 10},
+        "d-c1-r0": {"steps": 30, "rows": 90, "tokens": 10},
+    }
+    assert per_token(list(counts.values())) == {"steps_per_token": 2.5, "rows_per_token": 7.5}
+    assert per_token([{"steps": 0, "rows": 0, "tokens": 0}]) == {"steps_per_token": None, "rows_per_token": None}
+
+    def s(tps, p50, steps):
+        return {"tokens_per_s": tps, "p50_ms": p50, "p99_ms": p50, "ttft_p50_ms": None, "requests": 4, "errors": 0,
+                "steps_per_token": steps, "rows_per_token": 2 * steps}  # fmt: skip
+
+    summary = {("a", 1): s(10, 100, 6.0), ("b", 1): s(10, 100, 6.0), ("c", 1): s(20, 50, 2.0), ("d", 1): s(25, 40, 1.5)}
+    r = ratios(summary)
+    assert r["d_over_c_tokens_per_s_at_1"] == 1.25 and r["d_over_c_p50_at_1"] == 0.8
+    table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
+    assert "| (d) continuous batching, SPEED with branches | 1 | 25.0 | 40 | 40 |  | 4 | 0 | 1.50 | 3.00 |" in table
+    assert "- d_over_c_tokens_per_s_at_1 = 1.25\n" in table

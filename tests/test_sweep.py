@@ -189,6 +189,63 @@ def test_settle_terms_are_swept_like_schemes():
         SweepConfig(metric="bleu")
 
 
+def test_levers_are_sweep_settings_of_the_cost_measurement():
+    """--branches, --branch-depth, --min-confidence: validated, in the digest only when set, combined per model."""
+    from speed.sweep.measure import PLAIN, lever_settings
+
+    sweep, _ = _sweep_job_module().parse(["--patterns", "2x3", "--branches", "0", "6", "--min-confidence", "0", "0.5"])
+    assert sweep.levers == {"branches": (0, 6), "branch_depth": (1,), "min_confidence": (0.0, 0.5)}
+    assert sweep.trials == SweepConfig(patterns=("2x3",)).trials  # measurement settings, not trials
+    assert sweep_digest(SweepConfig(branches=[0]), {"a": 1}) == "ae40f167"  # the default keeps the sweep's name
+    assert sweep_digest(replace(SweepConfig(), branches=(0, 6)), {"a": 1}) != "ae40f167"
+    for bad, match in [
+        ({"branches": (-1,)}, "branches must be integers >= 0"),
+        ({"branch_depth": (0,)}, "branch_depth must be integers >= 1"),
+        ({"min_confidence": (1.5,)}, r"min_confidence must be numbers in \[0, 1\]"),
+        ({"branches": ()}, "branches must be integers"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SweepConfig(**bad)
+    assert lever_settings((0,), (1,), (0.0,), 6) == [PLAIN]
+    # capped at the model's loops, the depth moot without branches, no repeats, in order
+    assert lever_settings((0, 6, 3), (1, 4), (0.0,), 3) == [
+        PLAIN,
+        {"branches": 3, "branch_depth": 1, "min_confidence": 0.0},
+        {"branches": 3, "branch_depth": 3, "min_confidence": 0.0},
+    ]
+
+
+def test_speed_costs_per_lever_setting_and_the_best_of_them(tiny_tokenizer):
+    """Every lever setting is measured beside each launch loop and policy (rows per token with it), and the best
+    cost breaks ties on steps with rows; a measurement from before the levers still has a best (plain) cost."""
+    import torch
+
+    from speed import SpeedT5, preset
+    from speed.sweep.measure import Measurement, lever_settings, speed_costs
+
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=400)).eval()
+    levers = lever_settings((0, 3), (2,), (0.0, 0.5), model.n_loops)
+    inputs = [[5, 17, 33, 1], [8, 9, 1]]
+    costs = speed_costs(model, inputs, 6, levers)
+    assert len(costs) == 3 * 2 * 4
+    got = {(c["launch_loop"], c["invalidation"], c["branches"], c["branch_depth"], c["min_confidence"]) for c in costs}
+    assert got == {(k, p, b, 2 if b else 1, g) for k in (1, 2, 3) for p in ("eager", "final") for b in (0, 3)
+                   for g in (0.0, 0.5)}  # fmt: skip
+    for c in costs:
+        assert 1 <= c["steps_per_token"] <= 3 and c["rows_per_token"] >= 3  # every token runs all its loops
+        if c["launch_loop"] == 3:  # launching after the last loop: sequential, nothing to branch or gate
+            assert c["steps_per_token"] == 3 and c["rows_per_token"] == 3
+    m = Measurement("bleu", 0.0, {}, [], [], costs, 2)
+    best = m.best_cost()
+    fewest = min(c["layer_steps_per_token"] for c in costs)
+    assert best["layer_steps_per_token"] == fewest
+    assert best["rows_per_token"] == min(c["rows_per_token"] for c in costs if c["layer_steps_per_token"] == fewest)
+    old = [{k: v for k, v in c.items() if k not in ("branches", "branch_depth", "min_confidence", "rows_per_token")}
+           for c in costs if c["branches"] == 0 and c["min_confidence"] == 0]  # fmt: skip
+    assert Measurement("bleu", 0.0, {}, [], [], old, 2).best_cost()["launch_loop"] in (1, 2, 3)
+
+
 def test_random_search_samples_the_parametric_family():
     space = param_space(SweepConfig(patterns=("2x6",), loss_family="ratio", loss_range=(0.5, 2.0), search="random"))
     assert isinstance(space["loss_parameter"], tune.search.sample.Float)
@@ -256,6 +313,7 @@ SWEEP = SweepConfig(
     max_new_tokens=8,
     latency_limit=2,
     latency_reps=1,
+    branches=(0, 2),  # each trial's costs with and without runner-up branches (capped at 1 for 2x1)
     fail_pattern="2x2",
 )
 
@@ -299,6 +357,32 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_every_trial_is_one_mlflow_run_with_its_config_and_reports(sweep):
+    from speed.train.tracking import SWEEP_TAG, import_mlflow
+
+    outcome = sweep[2]
+    client = import_mlflow().MlflowClient((Path(outcome.directory).parent / "mlruns").as_uri())  # the default store
+    experiment = client.get_experiment_by_name(outcome.name)
+    runs = client.search_runs([experiment.experiment_id])
+    assert {r.data.tags[SWEEP_TAG] for r in runs} == {outcome.name}
+    # Runs are named like the trials (with the settle label's colons); the interrupted trial's run was continued.
+    by_index = {r.data.tags["trial_name"].split("-", 1)[0]: r for r in runs}
+    assert len(by_index) == len(runs) == outcome.results.num_rows
+    for row in outcome.results.to_pylist():
+        run = by_index[row["trial"].split("-", 1)[0]]
+        assert run.info.status == ("FAILED" if row["status"] == "failed" else "FINISHED")
+        params = run.data.params
+        assert params["grid/pattern"] == row["pattern"] and params["grid/loss_weights"] == row["loss_weights"]
+        if row["status"] == "finished":  # every report: validation at the checkpoints, then the measured one
+            assert run.data.metrics["val_loss_last"] == pytest.approx(row["val_loss_last"])
+            assert run.data.metrics["val_flip_cost"] == pytest.approx(row["val_flip_cost"])
+            assert run.data.metrics["step"] == row["steps"]
+            history = client.get_metric_history(run.info.run_id, "val_loss_last")
+            assert len(history) >= 2  # the step-2 checkpoint's report and the final one
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_results_table_frontier_and_latency(sweep):
     outcome = sweep[2]
     results = pq.read_table(Path(outcome.directory, RESULTS_FILE))
@@ -319,15 +403,18 @@ def test_results_table_frontier_and_latency(sweep):
         assert r["steps"] == 4 and r["accuracy_metric"] == "bleu" and r["accuracy"] == r["bleu"] >= 0
         assert len(r["val_loss_loops"]) == m and r["val_loss_last"] == r["val_loss_loops"][-1] > 0
         assert len(r["flip_rate_final"]) == m and r["flip_rate_final"][-1] == 0  # the last loop is the token
-        costs = {(c["launch_loop"], c["invalidation"]): c for c in r["costs"]}
-        assert set(costs) == {(k, p) for k in range(1, m + 1) for p in ("eager", "final")}
+        costs = {(c["launch_loop"], c["invalidation"], c["branches"]): c for c in r["costs"]}
+        assert set(costs) == {(k, p, b) for k in range(1, m + 1) for p in ("eager", "final") for b in (0, min(2, m))}
         for c in r["costs"]:
             assert 1 <= c["steps_per_token"] <= m and c["layer_steps_per_token"] == pytest.approx(
                 c["steps_per_token"] * n
             )
         # Launching from the last loop is sequential decoding: exactly M steps per token.
-        assert costs[(m, "eager")]["steps_per_token"] == m
+        assert costs[(m, "eager", 0)]["steps_per_token"] == m
         assert r["speed_cost"] == min(c["layer_steps_per_token"] for c in r["costs"])
+        best = costs[(r["best_launch_loop"], r["best_invalidation"], r["best_branches"])]
+        assert (best["layer_steps_per_token"], best["rows_per_token"]) == (r["speed_cost"], r["speed_rows_per_token"])
+        assert (r["best_branch_depth"], r["best_min_confidence"]) == (1, 0.0)
     front = pq.read_table(Path(outcome.directory, FRONTIER_FILE))
     assert front.schema == FRONTIER_SCHEMA and front.equals(outcome.frontier)
     finished = [r for r in results.to_pylist() if r["status"] == "finished"]
@@ -342,10 +429,13 @@ def test_results_table_frontier_and_latency(sweep):
     assert latency.schema == LATENCY_SCHEMA and latency.equals(outcome.latency)
     rows = latency.to_pylist()
     assert {(r["trial"], r["variant"]) for r in rows} >= {("00004-2x1-linear", "sequential")}
+    best = {r["trial"]: r["best_branches"] for r in results.to_pylist()}
     for r in rows:
-        assert r["ms_per_token"] > 0 and r["tokens"] > 0
+        assert r["ms_per_token"] > 0 and r["tokens"] > 0 and r["rows"] >= r["tokens"]
         if r["variant"] == "sequential":
-            assert r["speedup_vs_sequential"] == 1.0
+            assert r["speedup_vs_sequential"] == 1.0 and r["branches"] is None
+        else:
+            assert r["branches"] == best[r["trial"]]
 
 
 @pytest.mark.ray
@@ -371,8 +461,11 @@ def test_sweep_analysis_and_notebook_on_the_real_sweep(sweep, tmp_path):
         assert r["saving"] == pytest.approx(r["depth"] / r["speed_cost"])
     flips = loop_flips(loaded.results)
     assert flips.num_rows == sum(r["n_loops"] for r in finished)
-    costs = launch_costs(loaded.results)
+    best = {r["trial"]: (r["best_branches"], r["speed_rows_per_token"]) for r in finished}
+    assert {r["trial"]: (r["best_branches"], r["speed_rows_per_token"]) for r in table.to_pylist()} == best
+    costs = launch_costs(loaded.results)  # plain SPEED's: the settings with branches stay in results' costs
     assert costs.num_rows == sum(2 * r["n_loops"] for r in finished)
+    assert set(costs.column("branches").to_pylist()) == {0}
     run_notebooks(tmp_path / "results", [repo_root() / "analysis" / "sweep.ipynb"])
     assert {r["recipe"] for r in table.to_pylist()} == {"linear", "linear + settle consecutive:1:fc"}
     for figure in (

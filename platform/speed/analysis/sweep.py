@@ -42,6 +42,9 @@ TRIALS_SCHEMA = pa.schema(
         pa.field("saving", pa.float64()),  # depth / speed_cost: SPEED's reduction of layer steps
         pa.field("best_launch_loop", pa.int32()),
         pa.field("best_invalidation", pa.string()),
+        pa.field("best_branches", pa.int32()),  # runner-up branches at the best setting (null: not measured)
+        pa.field("best_min_confidence", pa.float64()),
+        pa.field("speed_rows_per_token", pa.float64()),  # rows per token at the best setting
         pa.field("on_frontier", pa.bool_()),
     ]
 )
@@ -99,7 +102,13 @@ def recipe(loss_weights: str, settle: str | None) -> str:
 
 
 def _launch1(costs: list[dict]) -> float | None:
-    return next((c["steps_per_token"] for c in costs if (c["launch_loop"], c["invalidation"]) == (1, "eager")), None)
+    launch1 = (c for c in _plain(costs) if (c["launch_loop"], c["invalidation"]) == (1, "eager"))
+    return next((c["steps_per_token"] for c in launch1), None)
+
+
+def _plain(costs: list[dict]) -> list[dict]:
+    """The costs of plain SPEED: no runner-up branches, no confidence gate (null: measured before the levers)."""
+    return [c for c in costs if not c.get("branches") and not c.get("min_confidence")]
 
 
 def loop_flips(results: pa.Table) -> pa.Table:
@@ -119,10 +128,11 @@ def loop_flips(results: pa.Table) -> pa.Table:
 
 
 def launch_costs(results: pa.Table) -> pa.Table:
-    """One row per (finished trial, launch loop, invalidation policy): SPEED's steps and flushes per token."""
+    """One row per (finished trial, launch loop, invalidation policy): plain SPEED's steps and flushes per token
+    (the settings with branches or a confidence gate are in ``results``' ``costs``)."""
     rows = []
     for r in _finished(results):
-        for c in r["costs"]:
+        for c in _plain(r["costs"]):
             rows.append({"trial": r["trial"], "pattern": r["pattern"], "loss_weights": r["loss_weights"], **c})
     fields = [pa.field(n, pa.string()) for n in ("trial", "pattern", "loss_weights")]
     schema = pa.schema(fields + list(RESULTS_SCHEMA.field("costs").type.value_type))

@@ -79,7 +79,9 @@ async def _bad(_request: Any, error: BadRequest) -> JSONResponse:
     return JSONResponse(protocol.error_body(error.message, error.param, kind), status_code=error.status)
 
 
-_PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "prompt")  # what an engine error can be about
+# what an engine error can be about
+_PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "branches", "branch_depth", "branch_below")
+_PARAMS += ("min_confidence", "prompt")
 
 
 # one server-sent event: ``data:`` a JSON chunk (``speed.serve.responses.Surface.chunk``) or ``[DONE]``
@@ -155,14 +157,14 @@ class SpeedServer:
         self.runner = EngineRunner(self.model, self.settings.engine_config(), self._record, self._step)
         self.sink = StatsSink(stats_path, self.replica, self.settings.flush_rows, self.settings.flush_s)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speed-stats")  # Parquet, in order
+        self._on_write_done = _log_write_error  # held by the replica: no module lookup at interpreter shutdown
         self._flusher: asyncio.Task | None = None
         self._metrics = ServeMetrics()
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply ``user_config`` (``ServeSettings`` keys); the engine is rebuilt when its capacity changes."""
         settings = from_dict(ServeSettings, dict(user_config or {}))
-        if settings.launch_loop > self.model.n_loops:
-            raise ValueError(f"launch_loop {settings.launch_loop} exceeds the model's {self.model.n_loops} loops")
+        settings.check_model(self.model.n_loops)
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)
         self.sink.max_rows, self.sink.max_seconds = settings.flush_rows, float(settings.flush_s)
@@ -354,7 +356,7 @@ class SpeedServer:
         """Write the buffered statistics on the writer thread, so the event loop keeps serving."""
         taken = self.sink.take()
         if taken is not None:
-            self._writer.submit(self.sink.write, taken).add_done_callback(_log_write_error)
+            self._writer.submit(self.sink.write, taken).add_done_callback(self._on_write_done)
 
     def _start_flusher(self) -> None:
         if self._flusher is None:
@@ -368,7 +370,9 @@ class SpeedServer:
                 self._write_soon()
 
 
-def _log_write_error(done: Future) -> None:
+def _log_write_error(done: Future, log: logging.Logger = log) -> None:
+    # ``log`` is bound at definition: a write finishing while the interpreter shuts down (``__del__`` -> ``drain``)
+    # must not look up module globals, which are gone by then.
     if done.exception() is not None:  # the rows stay in their write-ahead log on local storage
         log.error("writing request statistics failed: %r", done.exception())
 

@@ -1,18 +1,23 @@
 """The serving benchmark: one request at a time vs continuous batching, sequential vs SPEED, over HTTP.
 
-Three variants of the same checkpoint behind Ray Serve on this machine:
+Three or four variants of the same checkpoint behind Ray Serve on this machine:
 
     a  one request at a time, sequential decoding   (engine capacity 1)
     b  continuous batching, sequential decoding     (capacity ``max_active``)
     c  continuous batching, SPEED                   (capacity ``max_active``, ``row_budget``)
+    d  c with runner-up branches or the confidence gate (``branches``, ``branch_depth``, ``min_confidence``;
+       only when one of them is set)
 
 Two applications run side by side (capacity 1 and capacity ``max_active``);
-the decoding method is the request's ``method`` field. For every round, every
+the decoding method and SPEED's levers are request fields. For every round, every
 concurrency and every variant (interleaved, so that drift in the machine's
 load hits all variants alike) a closed-loop load sends the same prompts;
 the answers of all three variants must be identical. Reported per variant and
 concurrency: tokens per second (all rounds' tokens over their wall time),
-p50/p99 latency and p50 time to first token over all requests. With
+p50/p99 latency and p50 time to first token over all requests, and the
+engine's steps and rows per committed token (summed over the replicas'
+statistics rows of those requests: a request's steps are the engine steps
+that computed one of its rows). With
 ``temperature`` > 0 every request samples with the same ``seed``, so the
 answers must still be identical across variants (sampling is a function of the
 seed and the position, never of the batch or the method).
@@ -30,12 +35,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from speed.serve.loadgen import LoadConfig, run_load, summarize, task_prompts
-from speed.serve.stats import BENCH_SERVE_SCHEMA
+from speed.serve.stats import BENCH_SERVE_SCHEMA, read_requests
 
 VARIANTS = {
     "a": "one request at a time, sequential",
     "b": "continuous batching, sequential",
     "c": "continuous batching, SPEED",
+    "d": "continuous batching, SPEED with branches",
 }
 
 
@@ -54,6 +60,9 @@ class ServeBenchConfig:
     max_active: int = 16
     row_budget: int | None = None  # variant c's rows per step
     launch_loop: int = 1
+    branches: int = 0  # variant d's runner-up branches (d runs when this or min_confidence is set)
+    branch_depth: int = 1  # variant d's branch lanes
+    min_confidence: float = 0.0  # variant d's confidence gate
     temperature: float = 0.0  # > 0: every request samples at this temperature with ``seed``
     seed: int = 0
     threads: int = 1  # torch threads of each replica (one: spinning OpenMP threads stall on a busy machine)
@@ -62,6 +71,12 @@ class ServeBenchConfig:
 
     def requests_at(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_client * concurrency)
+
+    def levers(self) -> dict[str, Any] | None:
+        """Variant d's request fields; None when no lever is set (no variant d)."""
+        if self.branches == 0 and self.min_confidence == 0.0:
+            return None
+        return {"branches": self.branches, "branch_depth": self.branch_depth, "min_confidence": self.min_confidence}
 
 
 @dataclass
@@ -111,16 +126,24 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
             **deploy,
         ),
     }  # fmt: skip
+    lever_fields = {"branches": None, "branch_depth": None, "min_confidence": None}  # not SPEED's levers: null
+    plain = {"branches": 0, "branch_depth": 1, "min_confidence": 0.0}
     variants = {
-        "a": (urls["one"], "sequential", 1, None),
-        "b": (urls["batch"], "sequential", config.max_active, config.row_budget),
-        "c": (urls["batch"], "speed", config.max_active, config.row_budget),
+        "a": (urls["one"], "sequential", 1, None, lever_fields),
+        "b": (urls["batch"], "sequential", config.max_active, config.row_budget, lever_fields),
+        "c": (urls["batch"], "speed", config.max_active, config.row_budget, plain),
     }
+    if config.levers() is not None:
+        variants["d"] = (urls["batch"], "speed", config.max_active, config.row_budget, config.levers())
     prompts = task_prompts(config.task, config.split)
+    sampling = {"temperature": config.temperature, "seed": config.seed, "launch_loop": config.launch_loop}
+    bodies = {
+        name: {"method": method, **sampling, **{k: v for k, v in levers.items() if v is not None}}
+        for name, (_, method, _, _, levers) in variants.items()
+    }
     try:
-        sampling = {"temperature": config.temperature, "seed": config.seed}
-        for url, method, _, _ in variants.values():
-            body = {"method": method, "launch_loop": config.launch_loop, **sampling}
+        for name, (url, *_) in variants.items():
+            body = bodies[name]
             warm = LoadConfig(url=url, requests=config.warmup, max_tokens=config.max_tokens, body=body, label="warmup")
             run_load(warm, prompts)
         runs, tables, texts = [], [], {}
@@ -130,16 +153,10 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
                 n = config.requests_at(c)
                 batch = prompts[offset : offset + n]
                 offset = (offset + n) % max(1, len(prompts) - n)
-                for name, (url, method, max_active, budget) in variants.items():
-                    label = f"{name}-c{c}-r{rnd}"
-                    load = LoadConfig(
-                        url=url,
-                        concurrency=c,
-                        requests=n,
-                        max_tokens=config.max_tokens,
-                        body={"method": method, "launch_loop": config.launch_loop, **sampling},
-                        label=label,
-                    )
+                for name, (url, method, max_active, budget, levers) in variants.items():
+                    label = _label({"variant": name, "concurrency": c, "round": rnd})
+                    load = LoadConfig(url=url, concurrency=c, requests=n, max_tokens=config.max_tokens,
+                                      body=bodies[name], label=label)  # fmt: skip
                     result = run_load(load, batch)
                     s = result.summary()
                     runs.append(
@@ -149,6 +166,7 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
                             "method": method,
                             "max_active": max_active,
                             "row_budget": budget,
+                            **levers,
                             "concurrency": c,
                             "round": rnd,
                             "requests": s["requests"],
@@ -174,36 +192,72 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
                     )
     finally:
         for app in ("one", "batch"):
-            serve.delete(app)
+            serve.delete(app)  # each replica drains and writes its statistics rows
     requests = pa.concat_tables(tables)
+    counts = engine_counts(requests, read_requests(stats_path))
+    for run in runs:
+        run |= per_token([counts[_label(run)]])
     mismatches = sum(len(set(v.values())) != 1 or len(v) != len(variants) for v in texts.values())
-    summary = _pooled(requests, runs)
+    summary = _pooled(requests, runs, counts)
     return ServeBenchResult(pa.Table.from_pylist(runs, schema=BENCH_SERVE_SCHEMA), summary, requests, mismatches,
                             ratios(summary))  # fmt: skip
 
 
-def _pooled(requests: pa.Table, runs: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
-    """Per (variant, concurrency): every round's requests pooled; tokens/s over the rounds' summed wall time."""
+def engine_counts(requests: pa.Table, served: pa.Table) -> dict[str, dict[str, int]]:
+    """Per load run (``requests``' ``run``, LOADGEN_SCHEMA): the engine's steps, rows and committed tokens,
+    summed over the replicas' statistics rows (``served``, REQUEST_SCHEMA) of the run's requests."""
+    answered = requests.select(["run", "request_id"]).filter(pc.is_valid(requests["request_id"]))
+    cols = ["steps", "rows", "completion_tokens"]
+    joined = answered.join(served.select(["request_id", *cols]), "request_id", join_type="inner")
+    out = {run: {"steps": 0, "rows": 0, "tokens": 0} for run in requests["run"].unique().to_pylist()}
+    for r in joined.group_by("run").aggregate([(c, "sum") for c in cols]).to_pylist():
+        out[r["run"]] = {"steps": r["steps_sum"], "rows": r["rows_sum"], "tokens": r["completion_tokens_sum"]}
+    return out
+
+
+def per_token(counts: list[dict[str, int]]) -> dict[str, float | None]:
+    """Steps and rows per committed token of some runs' ``engine_counts`` together (None: no token)."""
+    tokens = sum(c["tokens"] for c in counts)
+    if not tokens:
+        return {"steps_per_token": None, "rows_per_token": None}
+    return {f"{k}_per_token": sum(c[k] for c in counts) / tokens for k in ("steps", "rows")}
+
+
+def _label(run: dict[str, Any]) -> str:
+    """A run's ``run`` label in the load generator's rows."""
+    return f"{run['variant']}-c{run['concurrency']}-r{run['round']}"
+
+
+def _pooled(
+    requests: pa.Table, runs: list[dict[str, Any]], counts: dict[str, dict[str, int]]
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """Per (variant, concurrency): every round's requests pooled; tokens/s over the rounds' summed wall time;
+    steps and rows per token over the rounds' summed ``engine_counts``."""
     out = {}
     for key in sorted({(r["variant"], r["concurrency"]) for r in runs}):
         mine = [r for r in runs if (r["variant"], r["concurrency"]) == key]
-        labels = {f"{r['variant']}-c{r['concurrency']}-r{r['round']}" for r in mine}
-        rows = requests.filter(pc.is_in(requests["run"], pa.array(sorted(labels))))
+        labels = sorted({_label(r) for r in mine})
+        rows = requests.filter(pc.is_in(requests["run"], pa.array(labels)))
         s = summarize(rows, sum(r["seconds"] for r in mine))
         s["load_1m"] = statistics.mean(r["load_1m"] for r in mine)
-        out[key] = s
+        out[key] = s | per_token([counts[label] for label in labels])
     return out
 
 
 def ratios(summary: dict[tuple[str, int], dict[str, Any]]) -> dict[str, float]:
     """The issue's bars as measured ratios: (c)/(a) tokens/s at the highest concurrency, (c)/(b) tokens/s at
-    each concurrency, (c)/(b) p50 latency at the lowest."""
+    each concurrency, (c)/(b) p50 latency at the lowest; with a variant (d), (d)/(c) tokens/s at each
+    concurrency and p50 latency at the lowest (no bar)."""
     conc = sorted({c for _, c in summary})
     lo, hi = conc[0], conc[-1]
     out = {f"c_over_a_tokens_per_s_at_{hi}": summary["c", hi]["tokens_per_s"] / summary["a", hi]["tokens_per_s"]}
     for c in conc:
         out[f"c_over_b_tokens_per_s_at_{c}"] = summary["c", c]["tokens_per_s"] / summary["b", c]["tokens_per_s"]
     out[f"c_over_b_p50_at_{lo}"] = summary["c", lo]["p50_ms"] / summary["b", lo]["p50_ms"]
+    if ("d", lo) in summary:
+        for c in conc:
+            out[f"d_over_c_tokens_per_s_at_{c}"] = summary["d", c]["tokens_per_s"] / summary["c", c]["tokens_per_s"]
+        out[f"d_over_c_p50_at_{lo}"] = summary["d", lo]["p50_ms"] / summary["c", lo]["p50_ms"]
     return out
 
 
@@ -217,20 +271,29 @@ BARS = {
 def format_table(result: ServeBenchResult) -> str:
     """A Markdown table per variant and concurrency, then the ratios against the issue's bars."""
     lines = [
-        "| variant | concurrency | tokens/s | p50 ms | p99 ms | ttft p50 ms | requests | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | concurrency | tokens/s | p50 ms | p99 ms | ttft p50 ms | requests | errors | steps/token "
+        "| rows/token |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (variant, c), s in sorted(result.summary.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ttft = f"{s['ttft_p50_ms']:.0f}" if s["ttft_p50_ms"] is not None else ""
         lines.append(
             f"| ({variant}) {VARIANTS[variant]} | {c} | {s['tokens_per_s']:.1f} | {s['p50_ms']:.0f} | "
-            f"{s['p99_ms']:.0f} | {ttft} | {s['requests']} | {s['errors']} |"
+            f"{s['p99_ms']:.0f} | {ttft} | {s['requests']} | {s['errors']} | {_num(s.get('steps_per_token'))} | "
+            f"{_num(s.get('rows_per_token'))} |"
         )
     lines.append("")
     for name, value in result.ratios.items():
-        op, bar = next(v for k, v in BARS.items() if name.startswith(k))
+        op, bar = next((v for k, v in BARS.items() if name.startswith(k)), (None, None))
+        if op is None:
+            lines.append(f"- {name} = {value:.2f}")
+            continue
         ok = value >= bar if op == ">=" else value <= bar
         lines.append(f"- {name} = {value:.2f} (bar {op} {bar}: {'met' if ok else 'NOT met'})")
     lines.append(f"- answers identical across variants: {'yes' if result.mismatches == 0 else 'NO'} "
                  f"({result.mismatches} prompts differ)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"

@@ -2,7 +2,7 @@
 
 The body's shape is checked by ``speed.serve.protocol`` (pydantic); what
 depends on the model and capacity (prompt length, vocabulary, ``max_tokens``,
-``launch_loop``) and the sampling settings are checked once, by the engine's
+``launch_loop``, ``branches``, ``branch_depth``) and the sampling settings are checked once, by the engine's
 ``add`` and ``speed.sampling.Sampling``: their ``ValueError`` is the 400's
 message. Only what neither can know is checked here: the model's name and the
 task.
@@ -19,6 +19,8 @@ from speed.engine import Request
 from speed.sampling import Sampling, choice_seed
 from speed.serve.limits import BadRequest
 from speed.serve.protocol import ChatRequest, CompletionRequest
+
+LEVERS = ("branches", "branch_depth", "branch_below", "min_confidence")  # request fields beside launch_loop
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,23 @@ class Plan:
             "method": r.method,
             "launch_loop": r.launch_loop,
             "invalidation": r.invalidation,
+            **levers(r),
             "seed": self.seed,
             "temperature": s.temperature,
             "top_p": s.top_p,
             "top_k": s.top_k,
         }
+
+
+def levers(request: Request) -> dict[str, Any]:
+    """SPEED's branch and confidence settings of a request; null for a sequential one (they do not apply)."""
+    speed = request.method == "speed"
+    return {name: getattr(request, name) if speed else None for name in LEVERS}
+
+
+def _default(body: CompletionRequest | ChatRequest, settings: Any, name: str) -> Any:
+    value = getattr(body, name)
+    return getattr(settings, name) if value is None else value
 
 
 def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer: Any, model_name: str) -> Plan:
@@ -94,10 +108,11 @@ def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer
                 ids,
                 max_tokens,
                 body.method or s.method,
-                body.launch_loop if body.launch_loop is not None else s.launch_loop,
+                _default(body, s, "launch_loop"),
                 body.invalidation or s.invalidation,
                 sampling=sampling,
                 logprobs=logprobs,
+                **{name: _default(body, s, name) for name in LEVERS},
             )
             requests.append(request)
             prompt_of.append(p)

@@ -5,6 +5,7 @@
 ``logprobs``, ``echo``, ``stream`` with ``stream_options.include_usage``,
 ``presence_penalty``, ``frequency_penalty``, ``user``, ``model``; vLLM's
 ``top_k``; and SPEED's own (``method``, ``launch_loop``, ``invalidation``,
+``branches``, ``branch_depth``, ``branch_below``, ``min_confidence``,
 ``task``). ``POST /v1/chat/completions`` takes the same decoding fields with
 ``messages``: the last user message is the source text, under the request's
 ``task`` or the deployment's. A field OpenAI defines that this server does not
@@ -105,6 +106,11 @@ class _Decoding(BaseModel):
     method: Literal["speed", "sequential"] | None = None
     launch_loop: int | None = Field(default=None, ge=1)
     invalidation: Literal["eager", "final"] | None = None
+    # SPEED's runner-up branches and confidence gate (speed.engine.Request); the upper bounds are the model's loops
+    branches: int | None = Field(default=None, ge=0)
+    branch_depth: int | None = Field(default=None, ge=1)
+    branch_below: float | None = Field(default=None, gt=0, le=1)
+    min_confidence: float | None = Field(default=None, ge=0, le=1)
     task: str | None = None  # a speed.data.tasks name whose prefix goes before each text prompt
 
     @model_validator(mode="before")

@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from speed.engine import Finished, Request
+from speed.serve.planning import levers
 from speed.serve.stats import spec_decode
 
 
@@ -89,6 +90,7 @@ def request_row(
         "method": request.method,
         "launch_loop": request.launch_loop,
         "invalidation": request.invalidation,
+        **levers(request),
         "route": meta.route,
         "prompt": meta.prompt,
         "temperature": float(s.temperature),

@@ -25,6 +25,10 @@ class ServeSettings:
     method: str = "speed"  # defaults for requests that leave them out
     launch_loop: int = 1
     invalidation: str = "eager"
+    branches: int = 0  # SPEED's runner-up branches in flight (0..M, checked against the model; 0: none)
+    branch_depth: int = 1  # tokens a branch's lane may hold (1..M)
+    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
+    min_confidence: float = 0.0  # a successor launches only from an exit this confident (top-1 probability)
     task: str | None = None  # task prefix put before text prompts that name no task
     max_tokens: int = 64
     trace: bool = True  # per-request flip traces to Parquet
@@ -40,6 +44,14 @@ class ServeSettings:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"ServeSettings.{name} must be an integer >= 1, got {value!r}")
+        if type(self.branches) is not int or self.branches < 0:
+            raise ValueError(f"ServeSettings.branches must be an integer >= 0, got {self.branches!r}")
+        if type(self.branch_depth) is not int or self.branch_depth < 1:
+            raise ValueError(f"ServeSettings.branch_depth must be an integer >= 1, got {self.branch_depth!r}")
+        if not _number(self.branch_below) or not 0.0 < self.branch_below <= 1.0:
+            raise ValueError(f"ServeSettings.branch_below must be a number in (0, 1], got {self.branch_below!r}")
+        if not _number(self.min_confidence) or not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"ServeSettings.min_confidence must be a number in [0, 1], got {self.min_confidence!r}")
         for name in ("row_budget", "threads"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
@@ -54,7 +66,7 @@ class ServeSettings:
             raise ValueError(f"ServeSettings.max_tokens {self.max_tokens} exceeds max_target_len {self.max_target_len}")
         if type(self.trace) is not bool:
             raise ValueError(f"ServeSettings.trace must be true or false, got {self.trace!r}")
-        if not isinstance(self.flush_s, (int, float)) or self.flush_s <= 0:
+        if not _number(self.flush_s) or self.flush_s <= 0:
             raise ValueError(f"ServeSettings.flush_s must be a positive number, got {self.flush_s!r}")
 
     def engine_config(self) -> EngineConfig:
@@ -66,3 +78,13 @@ class ServeSettings:
             row_budget=self.row_budget,
             trace=self.trace,
         )
+
+    def check_model(self, n_loops: int) -> None:
+        """``ValueError`` when a request default needs more loops than the served model's ``n_loops``."""
+        for name in ("launch_loop", "branches", "branch_depth"):
+            if getattr(self, name) > n_loops:
+                raise ValueError(f"ServeSettings.{name} {getattr(self, name)} exceeds the model's {n_loops} loops")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -60,6 +60,11 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
         pa.field("launch_loop", pa.int16(), nullable=False),
         pa.field("invalidation", pa.string(), nullable=False),  # "eager" or "final"
+        # SPEED's runner-up branches and confidence gate (speed.engine.Request); null for sequential decoding
+        pa.field("branches", pa.int16()),
+        pa.field("branch_depth", pa.int16()),
+        pa.field("branch_below", pa.float64()),
+        pa.field("min_confidence", pa.float64()),
         pa.field("route", pa.string(), nullable=False),  # "completions" or "chat"
         pa.field("prompt", pa.int32(), nullable=False),  # index of its prompt (a prompt's n choices share it)
         pa.field("temperature", pa.float64(), nullable=False),  # 0: greedy
@@ -132,6 +137,9 @@ BENCH_SERVE_SCHEMA = pa.schema(
         pa.field("method", pa.string(), nullable=False),
         pa.field("max_active", pa.int32(), nullable=False),
         pa.field("row_budget", pa.int32()),
+        pa.field("branches", pa.int16()),  # SPEED's levers of the variant's requests; null for sequential
+        pa.field("branch_depth", pa.int16()),
+        pa.field("min_confidence", pa.float64()),
         pa.field("concurrency", pa.int32(), nullable=False),
         pa.field("round", pa.int32(), nullable=False),
         pa.field("requests", pa.int32(), nullable=False),
@@ -142,6 +150,9 @@ BENCH_SERVE_SCHEMA = pa.schema(
         pa.field("p50_ms", pa.float64(), nullable=False),
         pa.field("p99_ms", pa.float64(), nullable=False),
         pa.field("ttft_p50_ms", pa.float64()),
+        # the engine's, from the replicas' REQUEST_SCHEMA rows of the run's requests; null: none found
+        pa.field("steps_per_token", pa.float64()),
+        pa.field("rows_per_token", pa.float64()),
         pa.field("temperature", pa.float64(), nullable=False),  # of every request (seeded per prompt)
         pa.field("load_1m", pa.float64(), nullable=False),  # the machine's 1-minute load average after the run
         pa.field("checkpoint", pa.string(), nullable=False),

@@ -3,7 +3,7 @@
 Trials share nodes, so their wall-clock would measure their neighbours; this
 stage runs after them, alone, and times every variant on the same validation
 inputs (each decoded at batch 1) in interleaved rounds (``speed.bench.interleave``):
-SPEED at each frontier trial's best setting, the same checkpoint decoded
+SPEED at each frontier trial's best setting (levers included), the same checkpoint decoded
 sequentially (its full depth), and every trained ``Nx1`` of the sweep (the
 shallow decoders, and the unshared full-depth ``Dx1`` when one was trained).
 """
@@ -22,6 +22,7 @@ from speed.checkpoint import load_model
 from speed.data import pad_inputs, read_records, truncate
 from speed.decoding import DecodeStats, generate
 from speed.model import SpeedT5
+from speed.sweep.measure import PLAIN
 from speed.sweep.results import LATENCY_SCHEMA
 from speed.tokenizer import Tokenizer
 from speed.train.state import local_checkpoint
@@ -60,6 +61,7 @@ def time_frontier(
         variants[name] = _decoder(models[trial], inputs, max_new_tokens, stats, name)
         if trial in frontier.column("trial").to_pylist() and row["n_loops"] > 1:
             setting = {"launch_loop": row["best_launch_loop"], "invalidation": row["best_invalidation"]}
+            setting |= _levers(row)
             name = f"{trial}/speed"
             variants[name] = _decoder(models[trial], inputs, max_new_tokens, stats, name, setting)
     print(f"latency: {len(variants)} variants x {len(inputs)} inputs at batch 1, {reps} interleaved rounds", flush=True)
@@ -72,6 +74,7 @@ def time_frontier(
         row = finished[trial]
         speed = variant == "speed"
         base = shallow.get(row["n_unique"])
+        levers = _levers(row) if speed else dict.fromkeys(PLAIN)
         rows.append(
             {
                 "trial": trial,
@@ -79,17 +82,24 @@ def time_frontier(
                 "variant": variant,
                 "launch_loop": row["best_launch_loop"] if speed else None,
                 "invalidation": row["best_invalidation"] if speed else None,
+                **levers,
                 "ms_per_token": median[name],
                 "ms_per_token_min": min(ts),
                 "speedup_vs_sequential": median[f"{trial}/sequential"] / median[name],
                 "ratio_vs_shallow": median[name] / base if base is not None else None,
                 "tokens": stats[name].tokens,
                 "steps": stats[name].steps,
+                "rows": stats[name].rows,
                 "reps": reps,
                 "threads": torch.get_num_threads(),
             }
         )
     return pa.Table.from_pylist(rows, schema=LATENCY_SCHEMA)
+
+
+def _levers(row: dict[str, Any]) -> dict[str, Any]:
+    """A results row's best lever setting (plain where the row predates the levers)."""
+    return {k: v if row.get(f"best_{k}") is None else row[f"best_{k}"] for k, v in PLAIN.items()}
 
 
 def _decoder(
@@ -119,6 +129,7 @@ def _decoder(
             )
             total.tokens += result.stats.tokens
             total.steps += result.stats.steps
+            total.rows += result.stats.rows
         stats[name] = total
         return total.tokens
 

@@ -2,7 +2,9 @@
 
 Accuracy (BLEU or ROUGE of SPEED's output, checked identical to sequential
 decoding), the flip rate of every loop's early exit, and SPEED's pipeline steps
-per token for every launch loop 1..M under both invalidation policies. The
+per token for every launch loop 1..M under both invalidation policies, and for
+each of the sweep's lever settings (runner-up branches, branch depth,
+confidence gate: ``lever_settings``) the model's loops allow. The
 steps are counted by the decoding engine (``DecodeStats``) one sequence at a
 time, so they are a property of the model and the data, not of the hardware
 or of the batch a sequence shared.
@@ -10,6 +12,7 @@ or of the batch a sequence shared.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from speed.model import SpeedT5
 from speed.tokenizer import Tokenizer
 
 POLICIES = ("eager", "final")
+PLAIN = {"branches": 0, "branch_depth": 1, "min_confidence": 0.0}  # SPEED without branches or confidence gate
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,16 @@ class Measurement:
     examples: int
 
     def best_cost(self) -> dict[str, Any]:
-        """The cheapest setting: fewest layer steps per token (ties: the lower launch loop, eager first)."""
-        return min(self.costs, key=lambda c: (c["layer_steps_per_token"], c["launch_loop"], c["invalidation"]))
+        """The cheapest setting: fewest layer steps per token (ties: fewer rows per token, the lower launch loop,
+        eager first, fewer branches, the lower confidence gate). A measurement from before the levers has only
+        plain settings."""
+
+        def key(c: dict[str, Any]) -> tuple:
+            levers = [c.get(k, v) for k, v in PLAIN.items()]
+            return (c["layer_steps_per_token"], c.get("rows_per_token", 0.0), c["launch_loop"], c["invalidation"],
+                    *levers)  # fmt: skip
+
+        return min(self.costs, key=key)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (``Measurement(**d)`` parses it back)."""
@@ -56,11 +68,13 @@ def measure(
     max_source_len: int,
     max_new_tokens: int,
     out_dir: str | Path,
+    levers: Sequence[dict[str, Any]] = (PLAIN,),
 ) -> Measurement:
     """Evaluate ``model`` on the first ``limit`` validation examples; the evaluation files go to ``out_dir``.
 
     SPEED's steps per token are counted on the first ``cost_limit`` of them, each decoded alone for every
-    launch loop 1..M and both policies (2*M decodes per example: the slowest part for deep patterns).
+    launch loop 1..M, both policies and every lever setting (2*M*len(levers) decodes per example: the slowest
+    part for deep patterns).
     """
     config = EvalConfig(
         task=task,
@@ -82,42 +96,65 @@ def measure(
         scores=scores,
         flip_rate_prev=[r["flip_rate_prev"] for r in flips],
         flip_rate_final=[r["flip_rate_final"] for r in flips],
-        costs=speed_costs(model, inputs[:cost_limit], max_new_tokens),
+        costs=speed_costs(model, inputs[:cost_limit], max_new_tokens, levers),
         examples=summary["examples"],
     )
 
 
-def speed_costs(model: SpeedT5, inputs: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
-    """SPEED's steps per token for launch loops 1..M and both policies, decoding each input alone."""
+def lever_settings(
+    branches: Sequence[int], branch_depth: Sequence[int], min_confidence: Sequence[float], n_loops: int
+) -> list[dict[str, Any]]:
+    """Every combination of the levers, for a model of ``n_loops`` loops: branches and branch depth capped at
+    ``n_loops`` (without branches the depth is moot), in the order given, without repeats."""
+    settings = []
+    for b in branches:
+        for d in branch_depth:
+            for c in min_confidence:
+                b_, d_ = min(b, n_loops), min(d, n_loops)
+                setting = {"branches": b_, "branch_depth": d_ if b_ else 1, "min_confidence": float(c)}
+                if setting not in settings:
+                    settings.append(setting)
+    return settings
+
+
+def speed_costs(
+    model: SpeedT5, inputs: list[list[int]], max_new_tokens: int, levers: Sequence[dict[str, Any]] = (PLAIN,)
+) -> list[dict[str, Any]]:
+    """SPEED's steps and rows per token for launch loops 1..M, both policies and every lever setting
+    (``branches``, ``branch_depth``, ``min_confidence``), decoding each input alone."""
     n_unique = model.config.sharing.n_unique
     costs = []
-    for launch_loop in range(1, model.n_loops + 1):
-        for policy in POLICIES:
-            total = DecodeStats()
-            for ids in inputs:
-                input_ids, mask = pad_inputs([ids])  # (1, S), (1, S)
-                result = generate(
-                    model,
-                    input_ids,
-                    mask,
-                    method="speed",
-                    max_new_tokens=max_new_tokens,
-                    launch_loop=launch_loop,
-                    invalidation=policy,
-                    trace=False,
+    for setting in levers:
+        for launch_loop in range(1, model.n_loops + 1):
+            for policy in POLICIES:
+                total = DecodeStats()
+                for ids in inputs:
+                    input_ids, mask = pad_inputs([ids])  # (1, S), (1, S)
+                    result = generate(
+                        model,
+                        input_ids,
+                        mask,
+                        method="speed",
+                        max_new_tokens=max_new_tokens,
+                        launch_loop=launch_loop,
+                        invalidation=policy,
+                        trace=False,
+                        **setting,
+                    )
+                    for name in ("tokens", "steps", "rows", "flushes", "wasted_rows"):
+                        setattr(total, name, getattr(total, name) + getattr(result.stats, name))
+                costs.append(
+                    {
+                        "launch_loop": launch_loop,
+                        "invalidation": policy,
+                        **setting,
+                        "steps_per_token": total.steps / total.tokens,
+                        "layer_steps_per_token": total.steps * n_unique / total.tokens,
+                        "rows_per_token": total.rows / total.tokens,
+                        "flushes_per_token": total.flushes / total.tokens,
+                        "wasted_rows_per_token": total.wasted_rows / total.tokens,
+                    }
                 )
-                for name in ("tokens", "steps", "flushes", "wasted_rows"):
-                    setattr(total, name, getattr(total, name) + getattr(result.stats, name))
-            costs.append(
-                {
-                    "launch_loop": launch_loop,
-                    "invalidation": policy,
-                    "steps_per_token": total.steps / total.tokens,
-                    "layer_steps_per_token": total.steps * n_unique / total.tokens,
-                    "flushes_per_token": total.flushes / total.tokens,
-                    "wasted_rows_per_token": total.wasted_rows / total.tokens,
-                }
-            )
     return costs
 
 

@@ -10,7 +10,9 @@ SPEED cost is hardware independent: *layer steps per token*, the pipeline steps
 a sequence needs per committed token times the N unique layers each step runs
 (one step reads the group's weights once, for every token in flight). A
 sequential NxM decoder costs N*M; a perfectly speculating one N. The best
-launch loop and invalidation policy of each trial set its cost.
+launch loop, invalidation policy and lever setting (runner-up branches, confidence
+gate) of each trial set its cost; the rows it computes per token are recorded
+beside it (branches trade rows for steps).
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ COST_TYPE = pa.struct(
     [
         pa.field("launch_loop", pa.int32()),  # 1..M
         pa.field("invalidation", pa.string()),  # eager | final
+        # SPEED's levers (speed.engine.Request); null in a measurement from before they were swept (plain)
+        pa.field("branches", pa.int32()),  # runner-up branches in flight (0: none)
+        pa.field("branch_depth", pa.int32()),
+        pa.field("min_confidence", pa.float64()),  # confidence gate of a launch (0: none)
         pa.field("steps_per_token", pa.float64()),  # pipeline steps per committed token
         pa.field("layer_steps_per_token", pa.float64()),  # steps_per_token * N
+        pa.field("rows_per_token", pa.float64()),  # token-loops computed per committed token (branches add rows)
         pa.field("flushes_per_token", pa.float64()),
         pa.field("wasted_rows_per_token", pa.float64()),  # token-loops computed for flushed tokens
     ]
@@ -77,6 +84,10 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("speed_steps_per_token", pa.float64()),  # steps_per_token at that setting
         pa.field("best_launch_loop", pa.int32()),
         pa.field("best_invalidation", pa.string()),
+        pa.field("best_branches", pa.int32()),  # the levers at that setting
+        pa.field("best_branch_depth", pa.int32()),
+        pa.field("best_min_confidence", pa.float64()),
+        pa.field("speed_rows_per_token", pa.float64()),  # rows_per_token at that setting
         pa.field("examples", pa.int32()),  # validation examples decoded for the metrics
         pa.field("checkpoint", pa.string()),  # the trial's final training checkpoint
     ]
@@ -95,6 +106,9 @@ FRONTIER_SCHEMA = pa.schema(
         pa.field("depth", pa.int32(), nullable=False),
         pa.field("best_launch_loop", pa.int32(), nullable=False),
         pa.field("best_invalidation", pa.string(), nullable=False),
+        pa.field("best_branches", pa.int32()),
+        pa.field("best_branch_depth", pa.int32()),
+        pa.field("best_min_confidence", pa.float64()),
         pa.field("flip_rate_loop1", pa.float64()),
         pa.field("checkpoint", pa.string(), nullable=False),
     ]
@@ -107,12 +121,16 @@ LATENCY_SCHEMA = pa.schema(
         pa.field("variant", pa.string(), nullable=False),  # speed | sequential | shallow (a trained Nx1 trial)
         pa.field("launch_loop", pa.int32()),  # SPEED only
         pa.field("invalidation", pa.string()),  # SPEED only
+        pa.field("branches", pa.int32()),  # SPEED only
+        pa.field("branch_depth", pa.int32()),  # SPEED only
+        pa.field("min_confidence", pa.float64()),  # SPEED only
         pa.field("ms_per_token", pa.float64(), nullable=False),  # median over the interleaved rounds
         pa.field("ms_per_token_min", pa.float64(), nullable=False),
         pa.field("speedup_vs_sequential", pa.float64()),  # the same checkpoint's sequential ms / this ms
         pa.field("ratio_vs_shallow", pa.float64()),  # this ms / the shallow decoder's (when one was trained)
         pa.field("tokens", pa.int64(), nullable=False),  # committed tokens per round
         pa.field("steps", pa.int64(), nullable=False),  # pipeline steps per round (batch 1, summed over inputs)
+        pa.field("rows", pa.int64(), nullable=False),  # rows (token-loops) per round
         pa.field("reps", pa.int32(), nullable=False),
         pa.field("threads", pa.int32(), nullable=False),
     ]
@@ -151,7 +169,7 @@ def format_results(results: pa.Table) -> str:
     )
     lines = [head, "-" * len(head)]
     for r in sorted(results.to_pylist(), key=lambda r: r["trial"]):
-        setting = f"launch {r['best_launch_loop']}, {r['best_invalidation']}" if r["best_launch_loop"] else ""
+        setting = _setting(r) if r["best_launch_loop"] else ""
         lines.append(
             f"{r['trial']:<36}{r['status']:>9}{_num(r['steps'], 'd'):>6}{_num(r['val_loss_last'], '.3f'):>9}"
             f"{r['accuracy_metric'] or '':>8}{_num(r['accuracy'], '.2f'):>7}{_num(r['flip_rate_loop1'], '.3f'):>8}"
@@ -171,7 +189,7 @@ def format_frontier(table: pa.Table) -> str:
         lines.append(
             f"{r['trial']:<36}{r['accuracy_metric']:>8}{r['accuracy']:>7.2f}{r['speed_cost']:>7.2f}"
             f"{r['speed_steps_per_token']:>10.2f}{r['depth']:>6}{_num(r['flip_rate_loop1'], '.3f'):>8}"
-            f"  launch {r['best_launch_loop']}, {r['best_invalidation']}"
+            f"  {_setting(r)}"
         )
     return "\n".join(lines)
 
@@ -182,11 +200,23 @@ def format_latency(table: pa.Table) -> str:
     lines = [head, "-" * len(head)]
     for r in table.to_pylist():
         setting = f"{r['launch_loop']},{r['invalidation']}" if r["launch_loop"] else ""
+        setting += f",b{r['branches']}x{r['branch_depth']}" if r["branches"] else ""
+        setting += f",c{r['min_confidence']:g}" if r["min_confidence"] else ""
         lines.append(
             f"{r['trial']:<36}{r['variant']:>11}{setting:>12}{r['ms_per_token']:>10.2f}"
             f"{_ratio(r['speedup_vs_sequential']):>8}{_ratio(r['ratio_vs_shallow']):>11}{r['steps']:>7}"
         )
     return "\n".join(lines)
+
+
+def _setting(row: dict[str, Any]) -> str:
+    """A results or frontier row's best setting in words (the levers only when set)."""
+    text = f"launch {row['best_launch_loop']}, {row['best_invalidation']}"
+    if row.get("best_branches"):
+        text += f", {row['best_branches']} branches x {row['best_branch_depth']}"
+    if row.get("best_min_confidence"):
+        text += f", confidence >= {row['best_min_confidence']:g}"
+    return text
 
 
 def _num(value: Any, spec: str) -> str:

@@ -6,7 +6,8 @@
    tokenized training and validation splits (``speed.data.prepare``), shared by every trial;
 2. the trials (``speed.sweep.trial``) under ``<storage>/<name>``: a second run
    of the same sweep finds that folder and continues it with ``Tuner.restore``
-   (finished and failed trials stay as they are, unfinished ones resume);
+   (finished and failed trials stay as they are, unfinished ones resume); with
+   tracking, one MLflow run per trial (``speed.train.tracking.sweep_callback``);
 3. ``results.parquet`` (one row per trial) and ``frontier.parquet``;
 4. the latency stage (``speed.sweep.latency``) in one Ray task: ``latency.parquet``.
 """
@@ -27,6 +28,7 @@ from ray import tune
 
 from speed.data.prepare import CorpusSpec, cache_root, prepare_corpus
 from speed.losses import flip_cost
+from speed.sweep.measure import PLAIN
 from speed.sweep.results import (
     FRONTIER_FILE,
     LATENCY_FILE,
@@ -47,6 +49,7 @@ from speed.sweep.space import (
     trial_scheme,
 )
 from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job, trial_name
+from speed.train import tracking
 from speed.train.config import JobConfig, job_to_dict
 from speed.train.launch import ensure_ray, prepare, prepare_data, storage_uri
 
@@ -70,6 +73,7 @@ def sweep_name(sweep: SweepConfig, job: JobConfig) -> str:
     """``sweep-<task>-<hash of the sweep and the base job>``, unless the job names its run."""
     where = job_to_dict(job)
     where.pop("run")  # storage, retries: where the sweep runs, not what it finds
+    where.pop("tracking")  # where it is watched
     return job.run.name or f"sweep-{job.data.task}-{sweep_digest(sweep, where)}"
 
 
@@ -94,7 +98,7 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
         tokenizer = tokenizer_path.read_bytes()
     setup = SweepSetup(
         sweep=name,
-        job=job_to_dict(job),
+        job=job_to_dict(replace(job, tracking=None)),  # the sweep's MLflow callback tracks the trials
         tokenizer=tokenizer,
         corpus=corpus,
         validation=validation,
@@ -103,6 +107,7 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
         cost_limit=sweep.cost_limit,
         max_new_tokens=sweep.max_new_tokens,
         fail_pattern=sweep.fail_pattern,
+        levers=sweep.levers,
     )
     ensure_ray()
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), TRIAL_DRIVER_RESOURCES)
@@ -119,7 +124,7 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
                 name=name,
                 storage_path=storage,
                 failure_config=tune.FailureConfig(max_failures=0),  # a failing trial is recorded, not retried
-                callbacks=callbacks,
+                callbacks=[*(callbacks or []), *filter(None, [tracking.sweep_callback(job, name)])],
                 verbose=1,
             ),
         )
@@ -238,6 +243,8 @@ def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
             "speed_steps_per_token": best["steps_per_token"],
             "best_launch_loop": best["launch_loop"],
             "best_invalidation": best["invalidation"],
+            **{f"best_{k}": best.get(k, v) for k, v in PLAIN.items()},
+            "speed_rows_per_token": best.get("rows_per_token"),
             "examples": m.examples,
         }
     return row

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ class SweepSetup:
     cost_limit: int
     max_new_tokens: int
     fail_pattern: str | None  # fault drill: this pattern's trials fail in training
+    levers: dict[str, tuple] = field(default_factory=dict)  # SweepConfig.levers: the costs' lever values
 
 
 def trial_name(trial: Any) -> str:
@@ -128,7 +129,7 @@ def _measure(
 
     from speed.checkpoint import load_model
     from speed.data.corpus import open_corpus
-    from speed.sweep.measure import measure
+    from speed.sweep.measure import PLAIN, lever_settings, measure
     from speed.tokenizer import Tokenizer
     from speed.train.state import local_checkpoint
     from speed.train.validation import validation_metrics
@@ -138,6 +139,7 @@ def _measure(
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
     with local_checkpoint(checkpoint) as directory, tempfile.TemporaryDirectory() as out:
         loaded = load_model(directory, map_location=device)
+        values = [setup.levers.get(name, (default,)) for name, default in PLAIN.items()]
         result = measure(
             loaded.model.to(device).eval(),
             Tokenizer.load(loaded.tokenizer_path),
@@ -148,6 +150,7 @@ def _measure(
             job.data.max_source_len,
             setup.max_new_tokens,
             out,
+            lever_settings(*values, loaded.model.n_loops),
         )
         copy_tree(out, out_uri)
         validation = validation_metrics(loaded.model, open_corpus(setup.validation), job.micro_batch)

@@ -1,7 +1,8 @@
 """Frozen configs of a training job, and their parsing from YAML and command-line flags.
 
 A job is one ``JobConfig``: the model, the data, the optimiser, the loop, the
-Ray scaling, the run (storage, name, retries) and the final evaluation. YAML
+Ray scaling, the run (storage, name, retries), the final evaluation and the
+MLflow tracking (``speed.train.tracking``). YAML
 files and flags are only input: they are merged over the job kind's defaults
 (``defaults < YAML < flags``) and turned into dataclasses by
 ``speed.config.from_dict``, so a misspelled key is an error naming it.
@@ -158,6 +159,32 @@ class RunSettings:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    """Where the run's live metrics go in MLflow (``speed.train.tracking``); the job's ``tracking: null`` logs none."""
+
+    uri: str | None = None  # tracking server (http://...) or store; None = a file store <storage_path>/mlruns
+    experiment: str | None = None  # MLflow experiment; None = the job kind (pretrain, finetune) or the sweep's name
+
+    def __post_init__(self) -> None:
+        for name in ("uri", "experiment"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ValueError(f"TrackingConfig.{name} must be a non-empty string or None, got {value!r}")
+
+    def store_uri(self, storage_path: str) -> str | None:
+        """The tracking URI: ``uri``, else a file store beside local runs; None (no tracking) for URI storage.
+
+        A local ``uri`` path becomes an absolute ``file://`` URI. Runs on remote storage (``s3://...``) have no
+        default: MLflow's file store is local only, and a store in the working directory would scatter runs.
+        """
+        if self.uri is not None:
+            return self.uri if "://" in self.uri else Path(self.uri).expanduser().resolve().as_uri()
+        if "://" in storage_path:
+            return None
+        return (Path(storage_path).expanduser().resolve() / "mlruns").as_uri()
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """Everything a pretraining or finetuning job needs; travels inside every checkpoint."""
 
@@ -169,6 +196,7 @@ class JobConfig:
     scale: ScaleConfig = field(default_factory=ScaleConfig)
     run: RunSettings = field(default_factory=RunSettings)
     eval: EvalConfig | None = field(default_factory=EvalConfig)  # finetune: evaluated at the end; None: not
+    tracking: TrackingConfig | None = field(default_factory=TrackingConfig)  # MLflow; None: no live tracking
     init_from: str | None = None  # finetune: a speed checkpoint dir/URI, or "hf:<name or path>" (T5 v1.1 weights)
     resume: str | None = None  # continue a finished or interrupted run from this checkpoint (or run) dir/URI
 
@@ -269,7 +297,7 @@ def run_name(job: JobConfig) -> str:
     """A deterministic name: kind, task, pattern and a hash of everything that changes the result.
 
     Launch-only settings (time budget, stops, fault injection, threads, storage,
-    retries, evaluation) are left out, so relaunching the same experiment lands
+    retries, evaluation, tracking) are left out, so relaunching the same experiment lands
     in the same run and Ray resumes it from its last checkpoint.
     """
     d = job_to_dict(job)
@@ -277,7 +305,7 @@ def run_name(job: JobConfig) -> str:
         d["train"].pop(key)
     if not job.train.settle.active:
         d["train"].pop("settle")  # runs named before the settle term existed keep their names
-    for key in ("run", "eval", "resume", "scale"):
+    for key in ("run", "eval", "resume", "scale", "tracking"):
         d.pop(key)
     digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
     return f"{job.kind}-{job.data.task}-{job.model.pattern}-{digest}"
@@ -351,6 +379,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--eval-split": ("eval.split", str, "split evaluated after finetuning"),
     "--eval-limit": ("eval.limit", int, "first N records of the evaluation split"),
     "--no-eval": ("eval", None, "skip the evaluation after finetuning"),
+    "--tracking-uri": ("tracking.uri", str, "MLflow tracking server or store (default: file store <storage>/mlruns)"),
+    "--no-tracking": ("tracking", None, "log nothing to MLflow"),
 }
 
 
@@ -363,7 +393,8 @@ def build_parser(kind: str, description: str) -> argparse.ArgumentParser:
         allow_abbrev=False,  # a truncated or misspelled flag is an error, never a guess
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML job file (sections: model, data, optim, train, scale, run, eval)")
+    sections = "model, data, optim, train, scale, run, eval, tracking"
+    parser.add_argument("--config", help=f"YAML job file (sections: {sections})")
     parser.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="any other field, e.g. optim.betas=[0.9,0.99]"
     )

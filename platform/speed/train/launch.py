@@ -59,10 +59,12 @@ def check_inputs(job: JobConfig) -> None:
     """Fail now, not after training, on what the job names but cannot find.
 
     The training split and the split evaluated at the end (local sources; hub data
-    sets are not contacted), the tokenizer file, and the checkpoint ``init_from``
-    or ``resume`` names. Raises ``FileNotFoundError`` or ``ValueError`` naming it.
+    sets are not contacted), the tokenizer file, the checkpoint ``init_from``
+    or ``resume`` names, and the MLflow tracking store or server. Raises
+    ``FileNotFoundError`` or ``ValueError`` naming it.
     """
     from speed.data import get_task, resolve_source
+    from speed.train import tracking
 
     resolve_source(get_task(job.data.task), "train", job.data.source)
     if job.kind == "finetune" and job.eval is not None:
@@ -73,6 +75,7 @@ def check_inputs(job: JobConfig) -> None:
     for origin in (job.init_from, job.resume):
         if origin is not None and not origin.startswith(HF_PREFIX):
             latest_checkpoint(origin)
+    tracking.check(job)
 
 
 def storage_uri(path: str) -> str:

@@ -6,7 +6,8 @@ shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
 warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
 the shared early-exit loss ``L_w = sum_i w_i L_i``, plus ``lambda_t * S`` when
 ``train.settle`` asks for the agreement term (``speed.losses.SettleConfig``). Rank 0 logs every loop's
-loss and tokens/s, and writes checkpoints reported through ``ray.train.report``.
+loss and tokens/s (also to MLflow: ``speed.train.tracking``), and writes checkpoints reported through
+``ray.train.report``.
 A worker (re)started by Ray, or a rerun of the same command, resumes from the
 run's newest complete checkpoint on storage; a ``--resume`` run from the
 checkpoint it names.
@@ -34,6 +35,7 @@ from speed.checkpoint import MODEL_FILE, TOKENIZER_FILE, load_model
 from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.losses import loss_weights, settled_loss
 from speed.model import SpeedT5
+from speed.train import tracking
 from speed.train.batches import BatchPlan
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
 from speed.train.optim import build_optimizer, build_scheduler, lr_factor
@@ -102,7 +104,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ``corpus`` (the prepared training split: a path or URI), ``deadline`` (Unix time or None) and
     ``run_dir`` (this run's directory on storage: its newest checkpoint there resumes it).
     """
-    with tempfile.TemporaryDirectory(prefix="speed-worker-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="speed-worker-") as workdir, tracking.session(config["job"]):
         _work(config, Path(workdir))
 
 
@@ -294,6 +296,7 @@ def _train(
             budget_left = deadline - time.time() if deadline is not None else None
             window = window_mean(records[-t.log_every :])  # the steps since the previous line
             print(progress_line(window, t.max_steps, eta_seconds(last_step - step, pace, budget_left)), flush=True)
+            tracking.log_step(window)  # rank 0's MLflow run, when tracked
         if step % t.checkpoint_every == 0 or stop:
             _checkpoint(
                 job, model, optimizer, scheduler, tokenizer_path, step, history, records, rank, world, validation,
@@ -346,6 +349,7 @@ def _checkpoint(
             metrics |= {"settle_loss": settle_term, "settle_weight": job.train.settle.weight_at(step)}
     if validation is not None:
         metrics |= validation_metrics(_unwrap(model), validation, job.micro_batch)
+    tracking.log_report(step, metrics)  # rank 0: the validation metrics and the settle term, when tracked
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if rank == 0:
