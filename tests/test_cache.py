@@ -7,7 +7,7 @@ from speed.kernels import ATTN_CHUNK
 
 
 def test_write_read_and_invalidate_copies_nothing():
-    cache = KVCache(n_loops=3, n_layers=2, batch=2, n_heads=1, max_len=8, d_kv=1)
+    cache = KVCache(n_loops=3, n_layers=2, n_slots=2, n_heads=1, max_len=8, d_kv=1)
     for pos in range(4):
         rows = Rows.build([0, 1], [0, 0], [pos, pos])
         k = torch.full((2, 1, 1), float(pos))
@@ -17,10 +17,10 @@ def test_write_read_and_invalidate_copies_nothing():
         assert keys[0, 0, :, 0].tolist() == [*range(pos + 1), *[0.0] * (ATTN_CHUNK - 1 - pos)]
         assert torch.equal(values, -keys)
     assert cache.lengths[0, 1].tolist() == [4, 4]
-    assert cache.lengths[0, 0].tolist() == [0, 0]  # another depth: untouched
+    assert cache.lengths[0, 0].tolist() == [0, 0]  # another virtual layer: untouched
     storage = cache.keys[1].data_ptr()
     before = cache.keys[1].clone()
-    cache.invalidate(seq=1, from_pos=2)
+    cache.invalidate(slot=1, from_pos=2)
     assert cache.lengths[0, 1].tolist() == [4, 2]
     assert cache.keys[1].data_ptr() == storage and torch.equal(cache.keys[1], before)
     # the next write at position 2 overwrites the stale entry
@@ -29,20 +29,20 @@ def test_write_read_and_invalidate_copies_nothing():
 
 
 def test_gaps_and_overwrites_are_errors():
-    cache = KVCache(n_loops=2, n_layers=1, batch=1, n_heads=1, max_len=4, d_kv=1)
+    cache = KVCache(n_loops=2, n_layers=1, n_slots=1, n_heads=1, max_len=4, d_kv=1)
     z = torch.zeros(1, 1, 1)
     with pytest.raises(CacheError, match="position 1, but its valid length is 0"):
         cache.write(0, Rows.build([0], [1], [1]), z, z)
     cache.write(0, Rows.build([0], [1], [0]), z, z)
     with pytest.raises(CacheError, match="position 0, but its valid length is 1"):
         cache.write(0, Rows.build([0], [1], [0]), z, z)
-    # two rows of one sequence at one depth in the same pass cannot both be appended
+    # two rows of one slot at one virtual layer in the same pass cannot both be appended
     with pytest.raises(CacheError):
         cache.write(0, Rows.build([0, 0], [0, 0], [0, 1]), torch.zeros(2, 1, 1), torch.zeros(2, 1, 1))
 
 
 def test_reset_and_max_len():
-    cache = KVCache(n_loops=1, n_layers=1, batch=1, n_heads=1, max_len=1, d_kv=1)
+    cache = KVCache(n_loops=1, n_layers=1, n_slots=1, n_heads=1, max_len=1, d_kv=1)
     z = torch.zeros(1, 1, 1)
     cache.write(0, Rows.build([0], [0], [0]), z, z)
     with pytest.raises(CacheError, match="beyond the cache's max_len 1"):
@@ -54,25 +54,25 @@ def test_reset_and_max_len():
 def test_rows_take_and_device_tensors():
     rows = Rows.build([0, 1, 2], [0, 1, 0], [3, 4, 5])
     tile = rows.take(np.array([0, 2, 2, 2]))  # padded by repeating the last row
-    assert tile.seq.tolist() == [0, 2, 2, 2] and tile.pos.tolist() == [3, 5, 5, 5]
-    seq_t, loop_t, pos_t = tile.tensors("cpu")
-    assert seq_t.tolist() == [0, 2, 2, 2] and loop_t.dtype == torch.long
-    assert tile.tensors("cpu")[0] is seq_t  # made once per device
+    assert tile.slot.tolist() == [0, 2, 2, 2] and tile.pos.tolist() == [3, 5, 5, 5]
+    slot_t, loop_t, pos_t = tile.tensors("cpu")
+    assert slot_t.tolist() == [0, 2, 2, 2] and loop_t.dtype == torch.long
+    assert tile.tensors("cpu")[0] is slot_t  # made once per device
     with pytest.raises(ValueError, match="differ in length"):
         Rows.build([0], [0, 1], [0])
 
 
-def test_read_spans_whole_chunks_of_the_rows_depths():
+def test_read_spans_whole_chunks_of_the_rows_virtual_layers():
     """Storage is ``max_len`` rounded up to whole chunks; a read copies only the asked span, row by row from its
-    own (loop, sequence) depth."""
-    cache = KVCache(n_loops=2, n_layers=1, batch=3, n_heads=2, max_len=ATTN_CHUNK + 3, d_kv=4)
-    assert cache.slots == 2 * ATTN_CHUNK and cache.keys[0].shape == (2, 3, 2, 2 * ATTN_CHUNK, 4)
+    own (loop, slot) pair."""
+    cache = KVCache(n_loops=2, n_layers=1, n_slots=3, n_heads=2, max_len=ATTN_CHUNK + 3, d_kv=4)
+    assert cache.n_positions == 2 * ATTN_CHUNK and cache.keys[0].shape == (2, 3, 2, 2 * ATTN_CHUNK, 4)
     cache.keys[0].copy_(torch.randn_like(cache.keys[0]))
     rows = Rows.build([2, 0, 2], [1, 0, 0], [0, 0, 0])
     for span in (ATTN_CHUNK, 2 * ATTN_CHUNK):
         keys, _ = cache.read(0, rows, span)
         assert keys.shape == (3, 2, span, 4)
-        for r, (s, lo) in enumerate(zip(rows.seq, rows.loop)):
+        for r, (s, lo) in enumerate(zip(rows.slot, rows.loop)):
             assert torch.equal(keys[r], cache.keys[0][lo, s, :, :span])
     for bad in (0, ATTN_CHUNK - 1, 3 * ATTN_CHUNK):
         with pytest.raises(ValueError, match="span must be a multiple"):
@@ -80,10 +80,10 @@ def test_read_spans_whole_chunks_of_the_rows_depths():
 
 
 def test_branch_rows_keep_their_own_entry_and_read_the_prefix():
-    """A branch row at position p writes its side slot and reads positions 0..p-1 from its sequence, p from its
-    side slot; the chain token at p keeps its own entry; promotion copies the branch's loops into position p."""
-    cache = KVCache(n_loops=2, n_layers=1, batch=2, n_heads=1, max_len=8, d_kv=1)
-    assert cache.side_keys[0].shape == (2, 2 * 4, 1, 1)  # n_loops**2 side slots per sequence
+    """A branch row at position p writes its side entry and reads positions 0..p-1 from its slot, p from its
+    side entry; the chain token at p keeps its own entry; promotion copies the branch's loops into position p."""
+    cache = KVCache(n_loops=2, n_layers=1, n_slots=2, n_heads=1, max_len=8, d_kv=1)
+    assert cache.side_keys[0].shape == (2, 2 * 4, 1, 1)  # n_loops**2 side entries per slot
     for pos in range(3):  # sequence 1, loop 0: positions 0..2 on the chain
         cache.write(0, Rows.build([1], [0], [pos]), torch.full((1, 1, 1), float(pos + 1)), torch.zeros(1, 1, 1))
     # one step: a chain row and a branch row, both at position 3

@@ -25,7 +25,7 @@ from speed.exactness import LogitRecorder
 
 
 class BranchStub(StubModel):
-    """``table(seq, pos, loop)`` -> (top-1, runner-up, confident): confident exits put ~all probability on the
+    """``table(slot, pos, loop)`` -> (top-1, runner-up, confident): confident exits put ~all probability on the
     top-1, unsure ones split it between the two. Records each step's rows as (loop, pos, side) triples."""
 
     def __init__(self, n_loops, table, vocab: int = 128) -> None:
@@ -39,7 +39,7 @@ class BranchStub(StubModel):
         z = torch.zeros(len(rows), 1, 1)
         cache.write(0, rows, z, z)
         logits = torch.zeros(len(rows), self.vocab)
-        for r, (s, p, lo) in enumerate(zip(rows.seq, rows.pos, rows.loop)):
+        for r, (s, p, lo) in enumerate(zip(rows.slot, rows.pos, rows.loop)):
             top, runner, confident = self.table(int(s), int(p), int(lo) + 1)
             logits[r, top], logits[r, runner] = (30.0, 0.0) if confident else (2.0, 1.9)
         return hidden, logits
@@ -82,7 +82,7 @@ def test_branch_takes_over_instead_of_a_restart():
         [(2, 1, -1), (1, 2, -1)],
         [(2, 2, -1)],
     ]
-    # before step 3 loop 0 holds position 0 and the promoted branch's entry at 1 (copied from its side slot)
+    # before step 3 loop 0 holds position 0 and the promoted branch's entry at 1 (copied from its side entry)
     assert model.snapshots[2][:, 0].tolist() == [2, 1, 0]
 
 
@@ -116,7 +116,7 @@ def test_branch_restarts_when_the_runner_up_changes():
     s = res.stats
     assert (s.steps, s.promotions, s.flushes, s.wasted_rows, s.rows) == (6, 1, 0, 1 + 2 + 1, 9 + 4)
     assert model.steps[1] == [(1, 0, -1), (0, 1, -1), (0, 1, 0)]
-    assert model.steps[2] == [(2, 0, -1), (1, 1, -1), (0, 2, -1), (0, 1, 0)]  # the new branch, in the freed side slot
+    assert model.steps[2] == [(2, 0, -1), (1, 1, -1), (0, 2, -1), (0, 1, 0)]  # the new branch, in the freed side entry
     assert model.steps[3] == [(1, 1, -1), (0, 2, -1)]  # the promoted branch's second loop, on the chain
 
 

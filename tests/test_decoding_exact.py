@@ -113,7 +113,7 @@ def test_a_logit_difference_is_caught():
     row[5] = torch.nextafter(row[5], torch.tensor(float("inf")))
     candidate.logits[key] = row
     (mismatch,) = compare_logits(reference, candidate, ref.tokens, model.n_loops)
-    assert (mismatch.row, mismatch.loop, mismatch.pos) == key and 0 < mismatch.max_abs_diff < 1e-5
+    assert (mismatch.slot, mismatch.loop, mismatch.pos) == key and 0 < mismatch.max_abs_diff < 1e-5
 
 
 def test_oracle_speculation_matches_and_never_flushes():

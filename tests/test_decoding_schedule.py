@@ -61,16 +61,16 @@ def test_always_wrong_changing_guess_eager_vs_final():
 
 
 def test_sometimes_wrong_exact_schedule_and_cache_lengths():
-    # M=3, 5 tokens; only position 2's early exits are wrong. Worked out by hand (sP = slot at position P):
-    # step 3: s2 (loop 1) launches s3 from the wrong guess; step 4: s3 (loop 1) launches s4;
-    # step 5: s2 finishes with the true token: flush s3 (2 rows) and s4 (1 row), relaunch s3.
-    # Before step 5, loop 0 holds s0..s3, loop 1 s0..s2, loop 2 s0..s1; after the flush all hold s0..s2.
+    # M=3, 5 tokens; only position 2's early exits are wrong. Worked out by hand (tP = the token at position P):
+    # step 3: t2 (loop 1) launches t3 from the wrong guess; step 4: t3 (loop 1) launches t4;
+    # step 5: t2 finishes with the true token: flush t3 (2 rows) and t4 (1 row), relaunch t3.
+    # Before step 5, loop 0 holds t0..t3, loop 1 t0..t2, loop 2 t0..t1; after the flush all hold t0..t2.
     model = StubModel(3, lambda s, p, lo: 99 if (p == 2 and lo < 3) else target(p))
     res = run(model, max_new_tokens=5)
     assert res.tokens == [[target(p) for p in range(5)]]
     s = res.stats
     assert (s.steps, s.flushes, s.wasted_rows, s.rows) == (9, 1, 3, 18)
-    # valid lengths per loop before step 5 (s2..s4 in flight) and step 6 (after the flush)
+    # valid lengths per loop before step 5 (t2..t4 in flight) and step 6 (after the flush)
     assert model.snapshots[4][:, 0].tolist() == [4, 3, 2]
     assert model.snapshots[5][:, 0].tolist() == [3, 3, 3]
     assert run(StubModel(3, lambda s, p, lo: target(p)), max_new_tokens=5).stats.steps == 7  # cost: M-1 steps
@@ -81,7 +81,7 @@ def test_eos_stops_and_discards_speculation():
     res = run(model, max_new_tokens=10)
     assert res.tokens == [[10, 11, 12, EOS]]
     assert res.stats.flushes == 0  # speculation past the end is waste, not a misprediction
-    assert res.stats.wasted_rows == 2 + 1  # s4 ran 2 loops, s5 ran 1
+    assert res.stats.wasted_rows == 2 + 1  # t4 ran 2 loops, t5 ran 1
     assert res.stats.rows == 4 * 3 + 3
 
 

@@ -132,7 +132,7 @@ class RecordingStub(StubModel):
         self.steps: list[list[tuple[int, int, int]]] = []
 
     def step(self, memory, cache, rows, hidden, with_logits=True):
-        self.steps.append(list(zip(rows.seq.tolist(), rows.loop.tolist(), rows.pos.tolist())))
+        self.steps.append(list(zip(rows.slot.tolist(), rows.loop.tolist(), rows.pos.tolist())))
         return super().step(memory, cache, rows, hidden, with_logits)
 
 

@@ -135,8 +135,8 @@ class RequestRecorder(LogitRecorder):
 
     engine: Engine | None = None
 
-    def key(self, row, loop, pos):
-        owner = next(seq.id for seq in self.engine._active.values() if seq.row == row)
+    def key(self, slot, loop, pos):
+        owner = next(seq.id for seq in self.engine._active.values() if seq.slot == slot)
         return (owner, loop, pos)
 
 

@@ -109,7 +109,7 @@ def random_step_case(seed: int):
         model.admit(memory, b, ids[b : b + 1, :n])
     cache = model.cache(batch, max_len)
     for keys, values in zip(cache.keys, cache.values):
-        keys.normal_()  # stale slots hold garbage: masking must make it irrelevant
+        keys.normal_()  # stale positions hold garbage: masking must make it irrelevant
         values.normal_()
     cache.lengths[:] = np.array([[rng.randrange(max_len) for _ in range(batch)] for _ in range(model.n_loops)])[
         :, None, :
@@ -118,7 +118,7 @@ def random_step_case(seed: int):
 
 
 def step_at(model, memory, cache, pairs, hidden):
-    """``model.step`` for rows at (sequence, loop) ``pairs``, each at its depth's valid length; the cache's
+    """``model.step`` for rows at (slot, loop) ``pairs``, each at its virtual layer's valid length; the cache's
     lengths are restored afterwards, so that every call sees the same cache."""
     lengths = cache.lengths.copy()
     rows = Rows.build([s for s, _ in pairs], [lo for _, lo in pairs], [lengths[lo, 0, s] for s, lo in pairs])
@@ -132,13 +132,13 @@ def test_step_rows_do_not_depend_on_company_or_position(threads, backend):
     cases = 6 if threads == 1 else 3
     for seed in range(cases):
         model, memory, cache, rng = random_step_case(seed)
-        depths = [(s, lo) for s in range(5) for lo in range(model.n_loops)]
+        slot_loops = [(s, lo) for s in range(5) for lo in range(model.n_loops)]
         d = model.config.d_model
         for _ in range(6):
-            target = rng.choice(depths)
+            target = rng.choice(slot_loops)
             h = torch.randn(d)
             alone, alone_logits = step_at(model, memory, cache, [target], h[None])
-            others = rng.sample([p for p in depths if p != target], rng.randint(1, min(len(depths) - 1, 13)))
+            others = rng.sample([p for p in slot_loops if p != target], rng.randint(1, min(len(slot_loops) - 1, 13)))
             at = rng.randint(0, len(others))
             pairs = [*others[:at], target, *others[at:]]  # up to 14 rows: sometimes two tiles
             hidden = torch.randn(len(pairs), d)
@@ -220,7 +220,7 @@ def test_attend_rows_do_not_depend_on_how_many_rows_attend(threads):
     for heads, length, d in [(12, 512, 64), (4, 80, 16), (3, 13, 12)]:
         q, keys, values = torch.randn(TILE_ROWS, heads, d), *torch.randn(2, TILE_ROWS, heads, length, d)
         bias = torch.randn(TILE_ROWS, heads, 1, length)
-        bias[..., length // 2 :] = torch.finfo(torch.float32).min  # masked slots, as past a row's position
+        bias[..., length // 2 :] = torch.finfo(torch.float32).min  # masked positions, as past a row's own
         full = attend(q, keys, values, bias)
         for n in range(1, TILE_ROWS + 1):
             assert torch.equal(attend(q[:n], keys[:n], values[:n], bias[:n]), full[:n]), (heads, length, d, n)
@@ -228,9 +228,9 @@ def test_attend_rows_do_not_depend_on_how_many_rows_attend(threads):
             assert torch.equal(attend(q[r : r + 1], keys[r : r + 1], values[r : r + 1], bias[r : r + 1])[0], full[r])
 
 
-def test_attend_does_not_depend_on_the_number_of_masked_slots(threads):
+def test_attend_does_not_depend_on_the_number_of_masked_positions(threads):
     """A request's attention must not change with the capacity of the engine that decodes it: the same keys
-    with more masked slots after them (a bigger cache or encoder memory) give bit-identical results."""
+    with more masked positions after them (a bigger cache or encoder memory) give bit-identical results."""
     from speed.kernels import attend
 
     torch.manual_seed(threads)

@@ -1,21 +1,24 @@
-"""The decoder's key/value cache, keyed by virtual depth (loop, layer).
+"""The decoder's key/value cache, keyed by virtual layer (loop, layer).
 
 A looped decoder runs each unique layer M times, once per loop, so one
 physical layer owns M separate caches: keys written by loop 1 of layer 2 are
 never read by loop 3 of layer 2. The cache is preallocated; rows are written
 at explicit positions (as in gpt-fast), and invalidating speculative tokens
-only lowers per-depth valid lengths: it copies nothing, and the next write at
-that position overwrites the stale entry.
+only lowers per-virtual-layer valid lengths: it copies nothing, and the next
+write at that position overwrites the stale entry.
+
+The cache holds ``n_slots`` requests at once, one per engine slot; a slot
+keeps up to ``max_len`` key positions per virtual layer.
 
 Runner-up branches (tree speculation): a branch is a second token at the same
-position p as a speculative chain token, so it cannot share the chain's slot;
-it may grow its own chain (a lane) at p+1, p+2, ... Each sequence has side
-slots per depth, one position each: a branch row writes its key/value there,
-and a read gathers the row's prefix up to the fork from its sequence's slots
-and the lane's positions from their side slots, in position order, so
-attention sums exactly the keys a chain token with the same prefix would see.
-Promoting a lane copies each token's entries (one position per loop it ran)
-into its position of the sequence.
+position p as a speculative chain token, so it cannot share the chain's
+position; it may grow its own chain (a lane) at p+1, p+2, ... Each slot has
+side entries per virtual layer, one key/value each: a branch row writes its
+key/value there, and a read gathers the row's prefix up to the fork from its
+slot's positions and the lane's positions from their side entries, in
+position order, so attention sums exactly the keys a chain token with the
+same prefix would see. Promoting a lane copies each token's entries (one per loop it ran) into
+its positions of the slot.
 """
 
 from __future__ import annotations
@@ -37,50 +40,50 @@ class CacheError(RuntimeError):
 class Rows:
     """The tokens processed by one pass of the shared layer group, one row each.
 
-    Row r is the token at decoder position ``pos[r]`` of cache row ``seq[r]``,
+    Row r is the token at decoder position ``pos[r]`` of engine slot ``slot[r]``,
     running loop ``loop[r]`` (0-based); ``side[r]`` >= 0 makes it a branch row
-    that keeps its own key/value in that side slot of its sequence (-1: a
-    chain row), and ``up[r]`` lists the (position, side slot) of the branch
-    tokens before it in its lane, oldest first (the lane forks at the first).
+    that keeps its own key/value in that side entry of its slot (-1: a chain
+    row), and ``up[r]`` lists the (position, side entry) of the branch tokens
+    before it in its lane, oldest first (the lane forks at the first).
     ``side`` and ``up`` are None when no row is a branch.
     """
 
-    seq: np.ndarray  # (R,) int64
+    slot: np.ndarray  # (R,) int64
     loop: np.ndarray  # (R,) int64
     pos: np.ndarray  # (R,) int64
-    side: np.ndarray | None = None  # (R,) int64 side slot of a branch row, -1 for a chain row; None: no branches
-    up: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per row: its lane's earlier (pos, side slot)s
-    _tensors: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (seq, loop, pos)
+    side: np.ndarray | None = None  # (R,) int64 side entry of a branch row, -1 for a chain row; None: no branches
+    up: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per row: its lane's earlier (pos, side entry)s
+    _tensors: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (slot, loop, pos)
 
     @classmethod
     def build(
         cls,
-        seq: list[int],
+        slot: list[int],
         loop: list[int],
         pos: list[int],
         side: list[int] | None = None,
         up: list[tuple[tuple[int, int], ...]] | None = None,
     ) -> Rows:
         """Rows from three equally long lists of ints (and, for branch rows, ``side`` and ``up``)."""
-        s, lo, p = (np.asarray(x, dtype=np.int64) for x in (seq, loop, pos))
+        s, lo, p = (np.asarray(x, dtype=np.int64) for x in (slot, loop, pos))
         if not len(s) == len(lo) == len(p) == (len(p) if side is None else len(side)):
-            raise ValueError(f"seq, loop, pos (and side) differ in length: {len(s)}, {len(lo)}, {len(p)}")
+            raise ValueError(f"slot, loop, pos (and side) differ in length: {len(s)}, {len(lo)}, {len(p)}")
         if side is None or all(x < 0 for x in side):
             return cls(s, lo, p)
         return cls(s, lo, p, np.asarray(side, dtype=np.int64), tuple(up) if up is not None else ((),) * len(p))
 
     def __len__(self) -> int:
-        return len(self.seq)
+        return len(self.slot)
 
     def take(self, index: np.ndarray) -> Rows:
         """The rows at ``index`` (an index may repeat, e.g. to pad a tile)."""
         if self.side is None or (self.side[index] < 0).all():
-            return Rows(self.seq[index], self.loop[index], self.pos[index])
+            return Rows(self.slot[index], self.loop[index], self.pos[index])
         up = tuple(self.up[i] for i in index.tolist())
-        return Rows(self.seq[index], self.loop[index], self.pos[index], self.side[index], up)
+        return Rows(self.slot[index], self.loop[index], self.pos[index], self.side[index], up)
 
     def lane_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every (row, position, side slot) a branch row reads from side slots: its lane's and its own."""
+        """Every (row, position, side entry) a branch row reads from side entries: its lane's and its own."""
         if "lane" not in self._tensors:
             r, p, b = [], [], []
             for i in np.flatnonzero(self.side >= 0).tolist():
@@ -96,56 +99,56 @@ class Rows:
         return np.asarray([u[0][0] if u else p for u, p, b in zip(self.up, self.pos.tolist(), self.side) if b >= 0])
 
     def tensors(self, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
-        """(seq, loop, pos) as long tensors on ``device``, made once per device."""
+        """(slot, loop, pos) as long tensors on ``device``, made once per device."""
         key = str(device)
         if key not in self._tensors:
-            self._tensors[key] = tuple(torch.as_tensor(a, device=device) for a in (self.seq, self.loop, self.pos))
+            self._tensors[key] = tuple(torch.as_tensor(a, device=device) for a in (self.slot, self.loop, self.pos))
         return self._tensors[key]
 
 
 class KVCache:
-    """Preallocated self-attention keys/values for every (loop, layer) depth.
+    """Preallocated self-attention keys/values for every virtual layer (loop, layer).
 
     Storage per physical layer j: ``keys[j]`` and ``values[j]`` of shape
-    (n_loops, batch, n_heads, slots, d_kv), where ``slots`` is ``max_len``
-    rounded up to whole attention chunks (the tail is never written and
-    always masked). ``lengths[loop, layer, seq]`` is the valid prefix length
-    at that depth for that sequence. Branch rows keep their key/value in
-    ``side_keys[j]``/``side_values[j]`` (n_loops, batch * n_side, n_heads,
-    d_kv): side slot b of sequence s is index ``s * n_side + b``.
+    (n_loops, n_slots, n_heads, n_positions, d_kv), where ``n_positions`` is
+    ``max_len`` rounded up to whole attention chunks (the tail is never
+    written and always masked). ``lengths[loop, layer, slot]`` is the valid
+    prefix length at that virtual layer for that slot. Branch rows keep their
+    key/value in ``side_keys[j]``/``side_values[j]`` (n_loops, n_slots *
+    n_side, n_heads, d_kv): side entry b of slot s is index ``s * n_side + b``.
     """
 
     def __init__(
         self,
         n_loops: int,
         n_layers: int,
-        batch: int,
+        n_slots: int,
         n_heads: int,
         max_len: int,
         d_kv: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.slots = chunk_span(max_len)
-        shape = (n_loops, batch, n_heads, self.slots, d_kv)
+        self.n_positions = chunk_span(max_len)
+        shape = (n_loops, n_slots, n_heads, self.n_positions, d_kv)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.lengths = np.zeros((n_loops, n_layers, batch), dtype=np.int64)
-        self.n_side = n_loops * n_loops  # side slots per sequence: a lane of < n_loops tokens per in-flight token
-        side_shape = (n_loops, batch * self.n_side, n_heads, d_kv)
+        self.lengths = np.zeros((n_loops, n_layers, n_slots), dtype=np.int64)
+        self.n_side = n_loops * n_loops  # side entries per slot: a lane of < n_loops tokens per in-flight token
+        side_shape = (n_loops, n_slots * self.n_side, n_heads, d_kv)
         self.side_keys = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.side_values = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
-        self.batch = batch
+        self.n_slots = n_slots
         self.device = torch.device(device)
 
     def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
-        """Append each row's key/value (R, H, D) at its depth.
+        """Append each row's key/value (R, H, D) at its virtual layer (its loop, ``layer``).
 
         Each chain row must land exactly at the end of the valid prefix of its
-        depth (a gap or an overwrite of a valid entry is a scheduling bug and
-        raises ``CacheError``); a branch row goes to its side slot and needs
-        its prefix (positions before its own) valid at its depth.
+        virtual layer (a gap or an overwrite of a valid entry is a scheduling bug and
+        raises ``CacheError``); a branch row goes to its side entry and needs
+        its prefix (positions before its own) valid at its virtual layer.
         """
         if rows.side is not None:
             branch = rows.side >= 0
@@ -156,82 +159,80 @@ class KVCache:
                 c = torch.as_tensor(chain, device=k.device)
                 self.write(layer, rows.take(chain), k.index_select(0, c), v.index_select(0, c))
             return
-        have = self.lengths[rows.loop, layer, rows.seq]
+        have = self.lengths[rows.loop, layer, rows.slot]
         if not np.array_equal(have, rows.pos):
             bad = int(np.flatnonzero(have != rows.pos)[0])
             raise CacheError(
-                f"write at depth (loop {rows.loop[bad]}, layer {layer}), sequence {rows.seq[bad]}, "
+                f"write at virtual layer (loop {rows.loop[bad]}, layer {layer}), slot {rows.slot[bad]}, "
                 f"position {rows.pos[bad]}, but its valid length is {have[bad]}"
             )
         if int(rows.pos.max()) >= self.max_len:
             raise CacheError(f"position {int(rows.pos.max())} beyond the cache's max_len {self.max_len}")
-        self.lengths[rows.loop, layer, rows.seq] = rows.pos + 1
-        seq_t, loop_t, pos_t = rows.tensors(self.device)
-        self.keys[layer][loop_t, seq_t, :, pos_t] = k
-        self.values[layer][loop_t, seq_t, :, pos_t] = v
+        self.lengths[rows.loop, layer, rows.slot] = rows.pos + 1
+        slot_t, loop_t, pos_t = rows.tensors(self.device)
+        self.keys[layer][loop_t, slot_t, :, pos_t] = k
+        self.values[layer][loop_t, slot_t, :, pos_t] = v
 
     def _write_side(self, layer: int, rows: Rows, k: Tensor, v: Tensor, branch: np.ndarray) -> None:
-        """Store the branch rows' (``branch`` mask) keys/values (B, H, D) in their side slots."""
-        seq, loop, pos, side = rows.seq[branch], rows.loop[branch], rows.pos[branch], rows.side[branch]
-        have, fork = self.lengths[loop, layer, seq], rows.forks()
+        """Store the branch rows' (``branch`` mask) keys/values (B, H, D) in their side entries."""
+        slot, loop, pos, side = rows.slot[branch], rows.loop[branch], rows.pos[branch], rows.side[branch]
+        have, fork = self.lengths[loop, layer, slot], rows.forks()
         if (have < fork).any():
             bad = int(np.flatnonzero(have < fork)[0])
             raise CacheError(
-                f"branch write at depth (loop {loop[bad]}, layer {layer}), sequence {seq[bad]}, position "
+                f"branch write at virtual layer (loop {loop[bad]}, layer {layer}), slot {slot[bad]}, position "
                 f"{pos[bad]}, but its prefix's valid length is {have[bad]} (its lane forks at {fork[bad]})"
             )
         if int(pos.max()) >= self.max_len:
             raise CacheError(f"position {int(pos.max())} beyond the cache's max_len {self.max_len}")
-        loop_t, flat_t = (torch.as_tensor(a, device=self.device) for a in (loop, seq * self.n_side + side))
+        loop_t, flat_t = (torch.as_tensor(a, device=self.device) for a in (loop, slot * self.n_side + side))
         self.side_keys[layer][loop_t, flat_t] = k
         self.side_values[layer][loop_t, flat_t] = v
 
     def read(self, layer: int, rows: Rows, span: int) -> tuple[Tensor, Tensor]:
-        """Keys and values (R, H, span, D) each row attends to: the first ``span`` slots of its depth.
+        """Keys and values (R, H, span, D) each row attends to: the first ``span`` positions of its virtual layer.
 
         ``span`` is a whole number of attention chunks covering every row's
-        position (``chunk_span``); slots past a row's own position are stale
-        or empty and must be masked. One ``index_select`` per tensor over the
-        flattened (loop, sequence) rows, copying only the span.
+        position (``chunk_span``); positions past a row's own are stale or
+        empty and must be masked. One ``index_select`` per tensor over the
+        flattened (loop, slot) pairs, copying only the span.
         """
-        if span % ATTN_CHUNK or not 0 < span <= self.slots:
-            raise ValueError(f"span must be a multiple of {ATTN_CHUNK} in 1..{self.slots}, got {span}")
-        seq_t, loop_t, _ = rows.tensors(self.device)
-        flat = loop_t * self.batch + seq_t
+        if span % ATTN_CHUNK or not 0 < span <= self.n_positions:
+            raise ValueError(f"span must be a multiple of {ATTN_CHUNK} in 1..{self.n_positions}, got {span}")
+        slot_t, loop_t, _ = rows.tensors(self.device)
+        flat = loop_t * self.n_slots + slot_t
         keys, values = (t[layer].flatten(0, 1)[:, :, :span] for t in (self.keys, self.values))
         keys, values = keys.index_select(0, flat), values.index_select(0, flat)  # (R, H, span, D), copies
         if rows.side is not None:  # a branch row sees its lane's keys/values from the fork on, the chain's before
             r, pos, side = rows.lane_entries()
             r_t, pos_t, lo_t, flat_t = (
                 torch.as_tensor(a, device=self.device)
-                for a in (r, pos, rows.loop[r], rows.seq[r] * self.n_side + side)
+                for a in (r, pos, rows.loop[r], rows.slot[r] * self.n_side + side)
             )
             keys[r_t, :, pos_t] = self.side_keys[layer][lo_t, flat_t]
             values[r_t, :, pos_t] = self.side_values[layer][lo_t, flat_t]
         return keys, values
 
-    def promote(self, seq: int, side: int, pos: int, depth: int) -> None:
-        """Make the branch in ``side`` slot of ``seq`` the token at ``pos``: copy its ``depth`` loops' entries.
+    def promote(self, slot: int, side: int, pos: int, loops_done: int) -> None:
+        """Make the branch in side entry ``side`` of ``slot`` the token at ``pos``: copy its first ``loops_done`` loops.
 
-        Position ``pos`` must be free (invalidated) at those depths and its
+        Position ``pos`` must be free (invalidated) at those loops and its
         prefix valid, as for a chain write.
         """
-        if depth == 0:
+        if loops_done == 0:
             return
-        have = self.lengths[:depth, :, seq]
+        have = self.lengths[:loops_done, :, slot]
         if (have != pos).any():
-            raise CacheError(
-                f"promotion to position {pos} of sequence {seq}, but its valid lengths are {have.tolist()}"
-            )
+            raise CacheError(f"promotion to position {pos} of slot {slot}, but its valid lengths are {have.tolist()}")
         for j in range(len(self.keys)):
-            self.keys[j][:depth, seq, :, pos] = self.side_keys[j][:depth, seq * self.n_side + side]
-            self.values[j][:depth, seq, :, pos] = self.side_values[j][:depth, seq * self.n_side + side]
-        self.lengths[:depth, :, seq] = pos + 1
+            self.keys[j][:loops_done, slot, :, pos] = self.side_keys[j][:loops_done, slot * self.n_side + side]
+            self.values[j][:loops_done, slot, :, pos] = self.side_values[j][:loops_done, slot * self.n_side + side]
+        self.lengths[:loops_done, :, slot] = pos + 1
 
-    def invalidate(self, seq: int, from_pos: int) -> None:
-        """Drop positions >= ``from_pos`` of sequence ``seq`` at every depth (no copy)."""
-        np.minimum(self.lengths[:, :, seq], from_pos, out=self.lengths[:, :, seq])
+    def invalidate(self, slot: int, from_pos: int) -> None:
+        """Drop positions >= ``from_pos`` of ``slot`` at every virtual layer (no copy)."""
+        np.minimum(self.lengths[:, :, slot], from_pos, out=self.lengths[:, :, slot])
 
-    def reset(self, seq: int) -> None:
-        """Empty sequence ``seq``'s row, e.g. when a new request takes it over."""
-        self.lengths[:, :, seq] = 0
+    def reset(self, slot: int) -> None:
+        """Empty ``slot``, e.g. when a new request takes it over."""
+        self.lengths[:, :, slot] = 0

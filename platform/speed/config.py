@@ -56,20 +56,20 @@ class SharingPattern:
 
     @property
     def depth(self) -> int:
-        """Number of virtual decoder layers (layer passes per token): N * M."""
+        """Number of virtual decoder layers (layer runs per token): N * M."""
         return self.n_unique * self.n_loops
 
-    def physical_layer(self, virtual_depth: int) -> int:
-        """The unique layer that runs at virtual depth ``v`` (CYCLE order)."""
-        if not 0 <= virtual_depth < self.depth:
-            raise IndexError(f"virtual depth {virtual_depth} outside [0, {self.depth}) for pattern {self}")
-        return virtual_depth % self.n_unique
+    def physical_layer(self, virtual_layer: int) -> int:
+        """The unique layer that runs as ``virtual_layer`` (0..depth-1, CYCLE order)."""
+        if not 0 <= virtual_layer < self.depth:
+            raise IndexError(f"virtual layer {virtual_layer} outside [0, {self.depth}) for pattern {self}")
+        return virtual_layer % self.n_unique
 
-    def loop_of(self, virtual_depth: int) -> int:
-        """The loop (0-based) that virtual depth ``v`` belongs to."""
-        if not 0 <= virtual_depth < self.depth:
-            raise IndexError(f"virtual depth {virtual_depth} outside [0, {self.depth}) for pattern {self}")
-        return virtual_depth // self.n_unique
+    def loop_of(self, virtual_layer: int) -> int:
+        """The loop (0-based) that ``virtual_layer`` belongs to."""
+        if not 0 <= virtual_layer < self.depth:
+            raise IndexError(f"virtual layer {virtual_layer} outside [0, {self.depth}) for pattern {self}")
+        return virtual_layer // self.n_unique
 
     def __str__(self) -> str:
         return f"{self.n_unique}x{self.n_loops}"

@@ -87,12 +87,12 @@ def generate(
         raise ValueError("oracle needs method='speed' and one token list per sequence")
 
     batch, length = input_ids.shape
-    rows = input_ids.tolist()
+    sources = input_ids.tolist()
     if attention_mask is not None:
-        rows = [[t for t, m in zip(row, mask) if m] for row, mask in zip(rows, attention_mask.tolist())]
+        sources = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(sources, attention_mask.tolist())]
     requests = [
         Request(
-            row,
+            ids,
             max_new_tokens,
             method,
             launch_loop,
@@ -104,7 +104,7 @@ def generate(
             branch_below=branch_below,
             min_confidence=min_confidence,
         )
-        for b, row in enumerate(rows)
+        for b, ids in enumerate(sources)
     ]
     config = EngineConfig(
         max_active=batch, max_source_len=length, max_target_len=max_new_tokens, row_budget=row_budget, trace=trace

@@ -1,15 +1,16 @@
 """Proving SPEED exact: record every loop's logits and compare two decodings bit for bit.
 
 ``LogitRecorder`` wraps any ``Stepper`` (the decoding engines cannot tell the
-difference) and keeps, for every (cache row, loop, position), the early-exit
-logits of the last time that row was computed. In a SPEED run a flushed token
-is recomputed at the same (row, loop, position) with its corrected input, and
+difference) and keeps, for every (engine slot, loop, position), the early-exit
+logits of the last time it was computed. In a SPEED run a flushed token is
+recomputed at the same (slot, loop, position) with its corrected input, and
 nothing at a position runs after its token is committed, so the last record
 is the committed token's. A runner-up branch's rows are kept apart until the
 engine promotes the branch into the chain (``KVCache.promote``, observed on
 the cache the recorder hands out); then they become its position's records.
 Tests compare SPEED's records with sequential decoding's (``torch.equal``);
 evaluation uses them to report the top-2 gap where two decodings differ.
+``generate`` gives batch element b slot b.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from speed.cache import KVCache, Rows
 class LogitRecorder:
     """A ``Stepper`` that forwards to ``model`` and records each row's early-exit logits (V,).
 
-    ``logits[key(row, loop, pos)]``: loop 0-based, as in ``Rows``. Rows run
+    ``logits[key(slot, loop, pos)]``: loop 0-based, as in ``Rows``. Rows run
     without logits (sequential decoding without a trace skips non-final
     exits) record nothing.
     """
@@ -34,24 +35,24 @@ class LogitRecorder:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.logits: dict[Any, Tensor] = {}
-        self._branches: dict[tuple[int, int, int, int], Tensor] = {}  # (row, side slot, loop, pos) -> (V,)
+        self._branches: dict[tuple[int, int, int, int], Tensor] = {}  # (slot, side entry, loop, pos) -> (V,)
 
-    def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, start_id, prepare, embed, eval, ...
+    def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, start_id, memory, admit, embed, eval, ...
         return getattr(self.model, name)
 
-    def key(self, row: int, loop: int, pos: int) -> Any:
-        """The record's key (subclasses may name rows otherwise, e.g. by request)."""
-        return (row, loop, pos)
+    def key(self, slot: int, loop: int, pos: int) -> Any:
+        """The record's key (subclasses may name slots otherwise, e.g. by the request holding it)."""
+        return (slot, loop, pos)
 
-    def cache(self, batch: int, max_len: int) -> KVCache:
+    def cache(self, n_slots: int, max_len: int) -> KVCache:
         """The model's cache, whose branch promotions also move the branch's records into the chain's."""
-        cache = self.model.cache(batch, max_len)
+        cache = self.model.cache(n_slots, max_len)
         promote = cache.promote
 
-        def promote_and_record(seq: int, side: int, pos: int, depth: int) -> None:
-            promote(seq, side, pos, depth)
-            for loop in range(depth):
-                self.logits[self.key(seq, loop, pos)] = self._branches.pop((seq, side, loop, pos))
+        def promote_and_record(slot: int, side: int, pos: int, loops_done: int) -> None:
+            promote(slot, side, pos, loops_done)
+            for loop in range(loops_done):
+                self.logits[self.key(slot, loop, pos)] = self._branches.pop((slot, side, loop, pos))
 
         cache.promote = promote_and_record  # type: ignore[method-assign]
         return cache
@@ -62,21 +63,21 @@ class LogitRecorder:
         out, logits = self.model.step(memory, cache, rows, hidden, with_logits)
         if logits is not None:
             side = rows.side.tolist() if rows.side is not None else [-1] * len(rows)
-            for r, (row, loop, pos, b) in enumerate(
-                zip(rows.seq.tolist(), rows.loop.tolist(), rows.pos.tolist(), side)
+            for r, (slot, loop, pos, b) in enumerate(
+                zip(rows.slot.tolist(), rows.loop.tolist(), rows.pos.tolist(), side)
             ):
                 if b < 0:
-                    self.logits[self.key(row, loop, pos)] = logits[r]
+                    self.logits[self.key(slot, loop, pos)] = logits[r]
                 else:
-                    self._branches[(row, b, loop, pos)] = logits[r]
+                    self._branches[(slot, b, loop, pos)] = logits[r]
         return out, logits
 
 
 @dataclass(frozen=True)
 class LogitMismatch:
-    """Where two recorded decodings' logits differ: cache row, loop (0-based), position, largest difference."""
+    """Where two recorded decodings' logits differ: engine slot, loop (0-based), position, largest difference."""
 
-    row: int
+    slot: int
     loop: int
     pos: int
     max_abs_diff: float
@@ -85,20 +86,21 @@ class LogitMismatch:
 def compare_logits(
     reference: LogitRecorder, candidate: LogitRecorder, tokens: list[list[int]], n_loops: int
 ) -> list[LogitMismatch]:
-    """Every (row, loop, position) of the committed ``tokens`` whose logits are not bit-identical.
+    """Every (slot, loop, position) of the committed ``tokens`` (slot b's at ``tokens[b]``) whose logits are not
+    bit-identical.
 
     A record missing from either side is a mismatch too (``max_abs_diff`` inf).
     """
     mismatches = []
-    for row, out in enumerate(tokens):
+    for slot, out in enumerate(tokens):
         for pos in range(len(out)):
             for loop in range(n_loops):
-                a = reference.logits.get((row, loop, pos))
-                b = candidate.logits.get((row, loop, pos))
+                a = reference.logits.get((slot, loop, pos))
+                b = candidate.logits.get((slot, loop, pos))
                 if a is None or b is None:
-                    mismatches.append(LogitMismatch(row, loop, pos, float("inf")))
+                    mismatches.append(LogitMismatch(slot, loop, pos, float("inf")))
                 elif not torch.equal(a, b):
-                    mismatches.append(LogitMismatch(row, loop, pos, float((a - b).abs().max())))
+                    mismatches.append(LogitMismatch(slot, loop, pos, float((a - b).abs().max())))
     return mismatches
 
 

@@ -17,8 +17,8 @@ across threads; attention's softmax is blocked by its key length). So:
   rows padded by repeating the last), since the plain GEMM's kernel changes
   with the row count; that is also the GPU path.
 - Attention is written as elementwise products and reductions that are per
-  row and sum the key slots in fixed chunks of ``ATTN_CHUNK`` (see
-  ``attend``), so its result does not depend on the number of masked slots
+  row and sum the key positions in fixed chunks of ``ATTN_CHUNK`` (see
+  ``attend``), so its result does not depend on the number of masked positions
   after a row's real ones: a step attends over the fewest whole chunks that
   cover its rows, and a request decodes to the same logits whatever the
   capacity of the engine or server that runs it. Cross-attention always
@@ -27,7 +27,7 @@ across threads; attention's softmax is blocked by its key length). So:
 
 ``tests/test_kernels.py`` checks that a row's result depends neither on its
 company nor on its position nor on the number of rows, nor attention's on the
-number of masked slots or chunks. The sequential
+number of masked positions or chunks. The sequential
 reference and the SPEED engine call the same kernels, so their logits are
 equal bit for bit (on the same device, dtype and thread count).
 """
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence
-ATTN_CHUNK = 32  # attention sums its key slots in chunks of this many (see ``attend``)
+ATTN_CHUNK = 32  # attention sums its key positions in chunks of this many (see ``attend``)
 
 
 @dataclass(frozen=True)
@@ -124,11 +124,11 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
     return F.linear(x, layer.weight)
 
 
-def chunk_span(slots: int, chunk: int = ATTN_CHUNK) -> int:
-    """``slots`` rounded up to a whole number of attention chunks (at least one)."""
-    if slots < 0:
-        raise ValueError(f"slots must be >= 0, got {slots}")
-    return max(1, -(-slots // chunk)) * chunk
+def chunk_span(length: int, chunk: int = ATTN_CHUNK) -> int:
+    """``length`` key positions rounded up to a whole number of attention chunks (at least one)."""
+    if length < 0:
+        raise ValueError(f"length must be >= 0, got {length}")
+    return max(1, -(-length // chunk)) * chunk
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = ATTN_CHUNK) -> Tensor:
@@ -139,13 +139,13 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = A
     not (with 2 threads the rows of the second thread round differently,
     measured). A plain ``sum`` or ``softmax`` over L groups its additions by
     vector lanes and by L, so its result would change with the number of
-    (masked) slots, that is with the cache's or the encoder memory's
-    capacity. So the slots are summed in fixed chunks of ``chunk`` (one
+    (masked) positions, that is with the cache's or the encoder memory's
+    capacity. So the positions are summed in fixed chunks of ``chunk`` (one
     reduction shape, whatever L), and the chunk sums one after the other
-    (``cumsum``): masked slots get weight exactly zero, so more masked
+    (``cumsum``): masked positions get weight exactly zero, so more masked
     chunks after the real ones add exact zeros, and a row's result depends
-    neither on what the masked slots hold nor on how many there are. L that
-    is not a whole number of chunks is padded with masked slots (callers
+    neither on what the masked positions hold nor on how many there are. L that
+    is not a whole number of chunks is padded with masked positions (callers
     that care about the copy pass whole chunks). T5 applies no 1/sqrt(D)
     scaling.
     """

@@ -94,10 +94,10 @@ class SelfAttention(nn.Module):
     def decode(self, x: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
         """One new token per row of a tile (n, d), the token of each of ``rows``.
 
-        Writes the rows' keys/values at their depths, then attends over the
-        first L cache slots of each row's depth, L whole attention chunks;
-        ``bias`` (n, H, 1, L) adds position bias and masks slots past each
-        row's position.
+        Writes the rows' keys/values at their virtual layers, then attends over
+        the first L key positions of each row's virtual layer, L whole attention chunks;
+        ``bias`` (n, H, 1, L) adds position bias and masks the positions past
+        each row's own.
         """
         n = x.shape[0]
         q, k, v = tile_linear(self.qkv, x).view(n, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (n, H, D)
@@ -219,7 +219,7 @@ class Memory:
     request is admitted to its slot. ``cross_bias``: (C, 1, 1, S) mask of
     each slot's real tokens (0) and unused tail (a large negative);
     ``source_lens`` (C,): each slot's number of real tokens. ``self_bias``:
-    (max_len, H, L) decoder position bias plus causal mask for L key slots
+    (max_len, H, L) decoder position bias plus causal mask for L key positions
     (``max_len`` rounded up to whole chunks), indexed by query position; it
     does not depend on the request.
     """
@@ -331,10 +331,10 @@ class SpeedT5(nn.Module):
         x = self.dropout(self.shared(decoder_input_ids))
         losses, all_logits = [], []
         sharing = self.sharing
-        for depth in range(sharing.depth):
-            j = sharing.physical_layer(depth)
+        for v in range(sharing.depth):  # virtual layers
+            j = sharing.physical_layer(v)
             x = self.decoder_layers[j](x, self_bias, *memories[j], cross_bias)
-            if depth + 1 < sharing.depth and sharing.loop_of(depth + 1) == sharing.loop_of(depth):
+            if v + 1 < sharing.depth and sharing.loop_of(v + 1) == sharing.loop_of(v):
                 continue  # the early exit comes after the loop's last layer
             logits = self.exit_logits(x)  # (B, T, V)
             if labels is not None:
@@ -364,11 +364,11 @@ class SpeedT5(nn.Module):
         """T5 starts decoding from the pad token."""
         return self.config.pad_id
 
-    def cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty KV cache for ``batch`` sequences of up to ``max_len`` decoder positions."""
+    def cache(self, n_slots: int, max_len: int) -> KVCache:
+        """An empty KV cache for ``n_slots`` requests of up to ``max_len`` decoder positions each."""
         c = self.config
         p = self.lm_head.weight
-        return KVCache(self.n_loops, len(self.decoder_layers), batch, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
+        return KVCache(self.n_loops, len(self.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
 
     @property
     def device(self) -> torch.device:
@@ -418,7 +418,7 @@ class SpeedT5(nn.Module):
     def step(
         self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One pass of the shared N-layer group over R rows, each at its own loop depth.
+        """One pass of the shared N-layer group over R rows, each at its own loop.
 
         ``hidden`` (R, d) is each row's input to this loop; returns its output
         (R, d) and, if asked, the early-exit logits (R, V). Each row's results
@@ -443,17 +443,17 @@ class SpeedT5(nn.Module):
         """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
         # Attention runs over the fewest whole chunks that cover the tile's rows: the kernels' results do not
         # depend on how many masked chunks follow (see ``attend``), so the span changes no row's logits.
-        n, seq_t, _, pos_t = len(rows), *rows.tensors(x.device)
-        L, S = chunk_span(int(rows.pos.max()) + 1), chunk_span(int(memory.source_lens[rows.seq].max()))
+        n, slot_t, _, pos_t = len(rows), *rows.tensors(x.device)
+        L, S = chunk_span(int(rows.pos.max()) + 1), chunk_span(int(memory.source_lens[rows.slot].max()))
         self_bias = memory.self_bias[..., :L].index_select(0, pos_t).unsqueeze(2)  # (n, H, 1, L)
-        first = int(rows.seq[0])
-        one_slot = bool((rows.seq == first).all())  # e.g. one request's pipeline: share its keys, copy none
+        first = int(rows.slot[0])
+        one_slot = bool((rows.slot == first).all())  # e.g. one request's pipeline: share its keys, copy none
 
         def source(t: Tensor) -> Tensor:  # each row's slot of a per-slot tensor (C, ...) -> (n, ...)
-            return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, seq_t)
+            return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, slot_t)
 
         cross_bias = source(memory.cross_bias[..., :S])  # (n, 1, 1, S)
-        # CYCLE order: loop l's pass runs virtual depths l*N .. l*N+N-1, whose physical layers are 0..N-1
+        # CYCLE order: loop l's pass runs virtual layers l*N .. l*N+N-1, whose physical layers are 0..N-1
         for j in range(self.sharing.n_unique):
             layer = self.decoder_layers[self.sharing.physical_layer(j)]
             keys, values = source(memory.keys[j][:, :, :S]), source(memory.values[j][:, :, :S])  # (n, H, S, D)

@@ -23,15 +23,15 @@ from torch import Tensor
 from speed.cache import KVCache, Rows
 from speed.engine import Engine, EngineConfig, Invalidation, Request
 
-Table = Callable[[int, int, int], int]  # (sequence, position, 1-based loop) -> predicted token
+Table = Callable[[int, int, int], int]  # (slot, position, 1-based loop) -> predicted token
 
 
 class TableModel:
     """A looped decoder (a ``speed.engine.Stepper``) whose prediction after loop l at position p is
-    ``table(seq, p, l)`` (l 1-based). Its hidden state is the row's input token, carried through the loops.
+    ``table(slot, p, l)`` (l 1-based). Its hidden state is the row's input token, carried through the loops.
 
-    ``snapshots`` holds the cache's valid lengths (loops, sequences) before each step; ``calls`` each step's
-    rows as (sequence, position, 0-based loop, input token, prediction).
+    ``snapshots`` holds the cache's valid lengths (loops, slots) before each step; ``calls`` each step's
+    rows as (slot, position, 0-based loop, input token, prediction).
     """
 
     start_id = 0
@@ -42,8 +42,8 @@ class TableModel:
         self.snapshots: list[np.ndarray] = []
         self.calls: list[list[tuple[int, int, int, int, int]]] = []
 
-    def cache(self, batch: int, max_len: int) -> KVCache:
-        self.kv = KVCache(self.n_loops, 1, batch, 1, max_len, 1)  # kept to read its lengths after the last step
+    def cache(self, n_slots: int, max_len: int) -> KVCache:
+        self.kv = KVCache(self.n_loops, 1, n_slots, 1, max_len, 1)  # kept to read its lengths after the last step
         return self.kv
 
     @property
@@ -63,9 +63,9 @@ class TableModel:
         self.snapshots.append(cache.lengths[:, 0, :].copy())
         z = torch.zeros(len(rows), 1, 1)
         cache.write(0, rows, z, z)
-        preds = [self.table(int(s), int(p), int(lo) + 1) for s, p, lo in zip(rows.seq, rows.pos, rows.loop)]
+        preds = [self.table(int(s), int(p), int(lo) + 1) for s, p, lo in zip(rows.slot, rows.pos, rows.loop)]
         inputs = [int(h) for h in hidden[:, 0].tolist()]
-        self.calls.append(list(zip(rows.seq.tolist(), rows.pos.tolist(), rows.loop.tolist(), inputs, preds)))
+        self.calls.append(list(zip(rows.slot.tolist(), rows.pos.tolist(), rows.loop.tolist(), inputs, preds)))
         logits = torch.nn.functional.one_hot(torch.tensor(preds), self.vocab).float()
         return hidden, logits
 

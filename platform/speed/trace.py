@@ -15,7 +15,7 @@ from speed.losses import flip_cost_weights
 
 TRACE_SCHEMA = pa.schema(
     [
-        pa.field("sequence", pa.int32(), nullable=False),  # index in the decoded batch
+        pa.field("sequence", pa.int32(), nullable=False),  # request id (generate: index in the decoded batch)
         pa.field("position", pa.int32(), nullable=False),  # output token index, 0-based
         pa.field("loop", pa.int16(), nullable=False),  # 1-based loop whose exit made the prediction
         pa.field("prediction", pa.int32(), nullable=False),  # argmax of that loop's early exit

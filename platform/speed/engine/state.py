@@ -1,0 +1,82 @@
+"""The engine's decoding state: a request's ``Sequence`` and its ``InFlight`` tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from speed.engine.types import Request
+from speed.sampling import Draw, TokenLogprob
+from speed.trace import TraceBuilder
+
+
+@dataclass
+class InFlight:
+    """A token in flight at decoder position ``pos`` with input ``token``: launched, not yet committed."""
+
+    pos: int
+    token: int
+    hidden: Tensor | None = None  # (d,) input to its next loop; None until embedded
+    preds: list[int] = field(default_factory=list)  # early-exit prediction after each finished loop
+    runners: list[int] = field(default_factory=list)  # each finished loop's runner-up (second-best token)
+    p_top: list[float] = field(default_factory=list)  # each finished loop's top-1 probability
+    ahead: int = 0  # uncommitted tokens ahead of it when launched: 0 on the committed path, else its draft position
+    modes: list[int] = field(default_factory=list)  # each finished loop's noise-free argmax (= preds if greedy)
+    logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
+    lane: list[InFlight] = field(default_factory=list)  # its branch at pos + 1 (from its runner-up) and the
+    # branch's own successors at pos + 2, ...; empty: no branch
+    side: int = -1  # a lane token's side entry in the cache (its own key/value); -1 on the chain
+    up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side entry), oldest first
+
+
+@dataclass
+class Sequence:
+    """One request's state, from ``add`` until it leaves."""
+
+    id: int
+    request: Request
+    launch_loop: int  # M for sequential decoding: nothing is launched before the last loop
+    all_exits: bool  # every loop's exit is evaluated (SPEED, or a traced sequential request)
+    added: float  # perf_counter at add
+    slot: int = -1  # its engine slot (its place in the KV cache and the encoder memory); -1 while queued
+    out: list[int] = field(default_factory=list)  # committed tokens
+    chain: list[InFlight] = field(default_factory=list)  # in flight, oldest first; chain[i+1] launched from chain[i]
+    side_free: list[int] = field(default_factory=list)  # a heap of its slot's side entries its branches may take
+    done: bool = False
+    admitted: float = float("nan")
+    first_token: float = float("nan")
+    last_served: int = -1  # the last step that computed its committed-path row (budget fairness)
+    steps: int = 0
+    rows: int = 0
+    flushes: int = 0
+    wasted_rows: int = 0
+    promotions: int = 0
+    flips: list[int] = field(default_factory=list)  # per loop: committed tokens whose exit there differed
+    drafts: int = 0  # speculative launches at draft position 1 (RequestStats)
+    draft_tokens: list[int] = field(default_factory=list)  # speculative launches by draft position - 1
+    accepted: list[int] = field(default_factory=list)  # committed draft tokens by draft position - 1
+    trace: TraceBuilder | None = None
+    logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
+
+    def speculation(self, t: InFlight) -> int:
+        """The prediction to speculate from: the oracle's token if forced, else the latest exit's draw
+        (coupled) or its argmax."""
+        oracle = self.request.oracle
+        if oracle is not None and t.pos < len(oracle):
+            return oracle[t.pos]
+        return t.preds[-1] if self.request.sampling.coupled else t.modes[-1]
+
+    def draw(self, t: InFlight) -> Draw | None:
+        """What the token's exits need to decide: None for plain greedy (the raw logits' argmax)."""
+        sampling = self.request.sampling
+        if sampling.plain:
+            return None
+        history = None
+        if sampling.penalized:  # the committed tokens, then the token's in-flight predecessors
+            history = self.out + [c.token for c in self.chain[1 : t.pos - len(self.out) + 1]]
+        return Draw(sampling, t.pos, history)
+
+    def in_flight(self) -> list[InFlight]:
+        """Every token that computes rows: the chain, then the lanes (by their parent, oldest first)."""
+        return [*self.chain, *(t for c in self.chain for t in c.lane)]

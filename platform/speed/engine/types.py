@@ -1,0 +1,149 @@
+"""What crosses the engine's boundary: the ``Stepper`` it drives, its config, a request and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, Protocol, get_args
+
+import pyarrow as pa
+from torch import Tensor
+
+from speed.cache import KVCache, Rows
+from speed.sampling import Sampling, TokenLogprob
+
+Method = Literal["sequential", "speed"]
+Invalidation = Literal["eager", "final"]
+METHODS: tuple[Method, ...] = get_args(Method)  # the names every layer checks against
+INVALIDATIONS: tuple[Invalidation, ...] = get_args(Invalidation)
+
+NO_EXIT = -1  # prediction of a loop whose early exit was not evaluated (sequential decoding without a trace)
+
+
+class Stepper(Protocol):
+    """What the engine needs from a looped decoder model."""
+
+    n_loops: int
+    eos_id: int
+    start_id: int
+    vocab_size: int
+
+    def cache(self, n_slots: int, max_len: int) -> KVCache: ...
+
+    def memory(self, capacity: int, max_source_len: int, max_len: int) -> Any: ...
+
+    def admit(self, memory: Any, slot: int, input_ids: Tensor) -> None: ...
+
+    def embed(self, tokens: Tensor) -> Tensor: ...
+
+    def step(
+        self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+    ) -> tuple[Tensor, Tensor | None]: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Fixed capacity, chosen at construction."""
+
+    max_active: int = 16  # requests decoded at once: engine slots, each a place in the KV cache and encoder memory
+    max_source_len: int = 128  # encoder tokens per request
+    max_target_len: int = 128  # decoder positions per request (max_new_tokens <= this)
+    row_budget: int | None = None  # rows per step; None: every in-flight row. Committed-path rows go first
+    trace: bool = True  # per-request flip traces (sequential requests then evaluate every loop's exit)
+
+    def __post_init__(self) -> None:
+        for name in ("max_active", "max_source_len", "max_target_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.row_budget is not None and self.row_budget < 1:
+            raise ValueError(f"EngineConfig.row_budget must be at least 1 or None, got {self.row_budget}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One decoding request."""
+
+    input_ids: list[int]  # encoder ids (EOS-terminated as the tokenizer makes them)
+    max_new_tokens: int
+    method: Method = "speed"
+    launch_loop: int = 1  # loops a token runs before its successor launches from its prediction (1..M)
+    invalidation: Invalidation = "eager"
+    oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
+    sampling: Sampling = Sampling()  # greedy by default
+    logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and its k best alternatives
+    branches: int = 0  # runner-up branches in flight at once (0..M; 0: none): see the module doc
+    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
+    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
+    min_confidence: float = 0.0  # a successor launches only from an exit whose top-1 probability is at least this
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one decoding run or of an engine's life (all requests together)."""
+
+    tokens: int = 0  # committed output tokens
+    steps: int = 0  # engine iterations (SPEED: pipeline steps; generate's sequential: token positions)
+    group_passes: int = 0  # runs of the shared N-layer group, each reading its weights once
+    rows: int = 0  # token-loops computed (a row = one token through one loop)
+    flushes: int = 0  # misprediction restarts (each may drop several in-flight tokens)
+    wasted_rows: int = 0  # rows spent on tokens that were flushed, fell past EOS or were cancelled, branches dropped
+    promotions: int = 0  # mispredictions whose runner-up branch took over the chain (no restart)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Committed tokens per group pass: for one sequence 1/M sequential, up to 1 SPEED (x batch size)."""
+        return self.tokens / self.group_passes if self.group_passes else 0.0
+
+
+@dataclass
+class RequestStats:
+    """Counters and timings of one request (times in seconds from ``add``)."""
+
+    tokens: int  # committed tokens
+    steps: int  # engine steps that computed at least one of its rows
+    rows: int  # its rows computed
+    flushes: int
+    wasted_rows: int
+    flip_rate: list[float]  # per loop: share of committed tokens whose loop-i exit differs; [] if not evaluated
+    queued_s: float  # until admitted to a slot
+    ttft_s: float  # until its first token was committed (nan if none)
+    latency_s: float  # until it finished or was cancelled
+    # Speculation counted as vLLM counts drafts. A draft token is a token launched from an early exit
+    # (before its predecessor's last loop); its draft position is how many uncommitted tokens were ahead of
+    # it when it was launched (1..M-1). A draft is a launch at position 1: the start of a speculative chain.
+    # Accepted tokens are draft tokens later committed unchanged (never flushed). A flush can relaunch at any
+    # position, so per position the acceptance rate is accepted / draft tokens there (not / drafts).
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens by draft position 1..M-1
+    draft_tokens_per_pos: list[int] = field(default_factory=list)  # draft tokens by draft position 1..M-1
+    promotions: int = 0  # runner-up branches that became the chain
+
+
+@dataclass
+class Finished:
+    """A request that left the engine: finished, or cancelled (its tokens so far)."""
+
+    id: int
+    tokens: list[int]  # EOS included when produced
+    stats: RequestStats
+    trace: pa.Table | None  # speed.trace.TRACE_SCHEMA rows (sequence = request id), when the engine traces
+    cancelled: bool = False
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
+
+
+class Commit(NamedTuple):
+    """A token committed to a request in a step."""
+
+    id: int  # request id
+    token: int
+    logprob: TokenLogprob | None  # when the request asked for logprobs
+
+
+@dataclass
+class StepResult:
+    """What one ``step`` did."""
+
+    committed: list[Commit]  # tokens committed in this step, in order
+    finished: list[Finished]
+    rows: int  # rows computed in this step
