@@ -5,7 +5,7 @@
 
 The corpus is replicated by symbolic links in a temporary folder (never in the
 project), prepared once per scale with the pretraining job's default settings,
-then read by a fresh worker-like process (``speed.data.bench``).
+then read by a fresh worker-like process (``speed.benchmarks.data``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
+from speed.benchmarks.data import as_row, format_rows, in_subprocess, replicate
 from speed.data import get_task, load_records
-from speed.data.bench import as_row, format_rows, in_subprocess, replicate
-from speed.data.prepare import DOCS_PER_SHARD, CorpusSpec
+from speed.data.shards import DOCS_PER_SHARD, CorpusSpec
 from speed.paths import data_dir
 from speed.tokenizer import train_tokenizer
 

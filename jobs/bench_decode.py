@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.bench import BenchConfig, format_table, run_benchmark
+from speed.benchmarks.decode import BenchConfig, format_table, run_benchmark
 from speed.cli import JobParser, config_from_args, report_rows, user_errors
 from speed.config import preset
 

@@ -6,7 +6,7 @@ Decodes the checkpoint task's held-out test sentences one at a time (sentence i 
 sequentially and with SPEED at each temperature (0 is greedy), speculating from the early exit's draw
 under the same noise (coupled) or from its argmax; reports group passes per token, ms per token, the
 speed-up over sequential sampling at the same temperature (variants interleaved per sentence) and
-whether every output equals sequential sampling's. Writes the rows (speed.bench.SAMPLING_BENCH_SCHEMA)
+whether every output equals sequential sampling's. Writes the rows (speed.benchmarks.decode.SAMPLING_BENCH_SCHEMA)
 to --out.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.bench import format_sampling_table, run_sampling_benchmark
+from speed.benchmarks.decode import format_sampling_table, run_sampling_benchmark
 from speed.checkpoint import load_model
 from speed.cli import JobParser, report_rows, user_errors
 from speed.data import read_records, truncate

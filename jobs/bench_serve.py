@@ -26,10 +26,10 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
+from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_bench
 from speed.cli import config_from_args
 from speed.cluster import code_runtime_env
 from speed.paths import repo_root
-from speed.serve.bench import ServeBenchConfig, format_table, run_serve_bench
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

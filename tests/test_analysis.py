@@ -29,7 +29,7 @@ from speed.analysis import (
 )
 from speed.analysis.notebooks import notebook_paths
 from speed.analysis.serving import in_flight_at, max_in_flight
-from speed.bench import BenchConfig, run_benchmark
+from speed.benchmarks.decode import BenchConfig, run_benchmark
 from speed.config import to_dict
 from speed.evaluate import EvalConfig, run_evaluation
 from speed.paths import repo_root

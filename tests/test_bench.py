@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from speed.bench import SAMPLING_BENCH_SCHEMA, format_sampling_table, run_sampling_benchmark
+from speed.benchmarks.decode import SAMPLING_BENCH_SCHEMA, format_sampling_table, run_sampling_benchmark
 from speed.config import preset
 from speed.decoding import generate
 from speed.model import SpeedT5

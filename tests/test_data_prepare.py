@@ -14,7 +14,7 @@ import pytest
 
 from speed.data import collate, load_records, tokenize_records
 from speed.data.corpus import COMPLETE_MARKER, MANIFEST_FILE, local_copy, open_corpus
-from speed.data.prepare import CorpusSpec, prepare_corpus
+from speed.data.shards import CorpusSpec, prepare_corpus
 from speed.storage import locate
 from speed.tokenizer import Tokenizer, train_tokenizer
 from speed.train.batches import BatchPlan

@@ -541,7 +541,7 @@ def test_serve_settings_levers_are_set_and_checked_against_the_model():
 
 
 def test_bench_ratios_and_table_against_the_bars():
-    from speed.serve.bench import ServeBenchResult, format_table, ratios
+    from speed.benchmarks.serving import ServeBenchResult, format_table, ratios
 
     def s(tps, p50):
         return {"tokens_per_s": tps, "p50_ms": p50, "p99_ms": 2 * p50, "ttft_p50_ms": None, "requests": 8, "errors": 0}
@@ -564,7 +564,14 @@ def test_bench_ratios_and_table_against_the_bars():
 def test_bench_variant_d_ratios_and_engine_counts_per_run():
     """Variant (d) is compared with (c) (no bar); steps and rows per token come from the replicas' rows of each
     run's answered requests, joined on the request id."""
-    from speed.serve.bench import ServeBenchConfig, ServeBenchResult, engine_counts, format_table, per_token, ratios
+    from speed.benchmarks.serving import (
+        ServeBenchConfig,
+        ServeBenchResult,
+        engine_counts,
+        format_table,
+        per_token,
+        ratios,
+    )
 
     assert ServeBenchConfig(checkpoint="x").levers() is None
     assert ServeBenchConfig(checkpoint="x", branches=6).levers() == {

@@ -16,7 +16,6 @@ from speed.config import preset
 from speed.model import SpeedT5
 from speed.train.config import job_from_args, job_to_dict, resumable_job
 from speed.train.optim import build_optimizer, build_scheduler
-from speed.train.progress import StepRecord, format_duration, progress_line, records_to_table, window_mean
 from speed.train.state import (
     IncompatibleCheckpointError,
     TrainingState,
@@ -28,6 +27,7 @@ from speed.train.state import (
     save_training_checkpoint,
     set_rng_state,
 )
+from speed.train.train_log import StepRecord, format_duration, progress_line, records_to_table, window_mean
 
 
 def _record(step):

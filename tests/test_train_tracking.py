@@ -17,8 +17,8 @@ import pytest
 
 from speed.paths import repo_root
 from speed.train.config import TrackingConfig, job_from_args, job_from_dict, job_to_dict, run_name
-from speed.train.progress import StepRecord
 from speed.train.tracking import TrackingError, check, experiment_name, flatten, step_metrics, tracking_uri
+from speed.train.train_log import StepRecord
 
 
 def test_tracking_flags_and_section(tmp_path):

@@ -2,7 +2,7 @@
 
 A results folder may hold evaluation folders (``summary.json`` beside
 ``trace.parquet`` and ``predictions.parquet``), decode benchmark Parquet
-(``speed.bench.BENCH_SCHEMA``), load-generator Parquet
+(``speed.benchmarks.decode.BENCH_SCHEMA``), load-generator Parquet
 (``speed.serve.stats.LOADGEN_SCHEMA``), the Serve application's statistics
 (``REQUEST_SCHEMA`` rows) and sweep folders (``results.parquet``,
 ``speed.sweep.results.RESULTS_SCHEMA``), in any layout.
@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speed.bench import BENCH_SCHEMA
+from speed.benchmarks.decode import BENCH_SCHEMA
 from speed.config import SharingPattern
 from speed.evaluate import PREDICTIONS_FILE, SUMMARY_FILE, TRACE_FILE
 from speed.serve.stats import LOADGEN_SCHEMA, REQUEST_SCHEMA

@@ -1,6 +1,6 @@
 """A tokenized corpus on storage: its folder layout, and memory-mapped reading by example index.
 
-One prepared split (``speed.data.prepare``) is one folder::
+One prepared split (``speed.data.shards``) is one folder::
 
     shard-00000-00000.arrow ...   Arrow IPC files, uncompressed, so they map without a copy
     manifest.json                 what the folder holds (``Manifest``)

@@ -4,5 +4,5 @@
 - ``speed.serve.runner``: one engine per replica, stepped by an asyncio loop (no Ray)
 - ``speed.serve.protocol``: the OpenAI-style request and response models
 - ``speed.serve.stats``: Parquet schemas, the statistics sink and the live counters
-- ``speed.serve.loadgen``: closed- and open-loop HTTP load; ``speed.serve.bench``: the serving benchmark
+- ``speed.serve.loadgen``: closed- and open-loop HTTP load; ``speed.benchmarks.serving``: the serving benchmark
 """

@@ -2,7 +2,7 @@
 
 Trials share nodes, so their wall-clock would measure their neighbours; this
 stage runs after them, alone, and times every variant on the same validation
-inputs (each decoded at batch 1) in interleaved rounds (``speed.bench.interleave``):
+inputs (each decoded at batch 1) in interleaved rounds (``speed.benchmarks.decode.interleave``):
 SPEED at each frontier trial's best setting (levers included), the same checkpoint decoded
 sequentially (its full depth), and every trained ``Nx1`` of the sweep (the
 shallow decoders, and the unshared full-depth ``Dx1`` when one was trained).
@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from speed.bench import interleave
+from speed.benchmarks.decode import interleave
 from speed.checkpoint import load_model, local_checkpoint
 from speed.data import pad_inputs, read_records, truncate
 from speed.decoding import DecodeStats, generate

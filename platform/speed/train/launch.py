@@ -6,7 +6,7 @@ calls the same ones:
 
 1. ``tokenizer_stage``: the tokenizer (given, trained and cached, or a checkpoint's) and the
    job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``;
-2. ``data_stage``: the splits tokenized once on storage (``speed.data.prepare``) -> ``PreparedData``;
+2. ``data_stage``: the splits tokenized once on storage (``speed.data.shards``) -> ``PreparedData``;
 3. ``train_stage``: the ``TorchTrainer`` run, resumed from the run's newest complete checkpoint -> ``Trained``;
 4. ``evaluation_stage``: a finetuned model's evaluation (``speed.evaluate``), in a Ray task.
 
@@ -39,7 +39,7 @@ from speed.checkpoint import (
 )
 from speed.cluster import code_runtime_env
 from speed.config import ModelConfig, from_dict, to_dict
-from speed.data.prepare import CorpusSpec, cache_root, prepare_corpus
+from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
 from speed.paths import data_dir
 from speed.storage import absolute, locate
 from speed.tokenizer import Tokenizer, train_tokenizer

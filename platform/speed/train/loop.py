@@ -1,7 +1,7 @@
 """``train_loop_per_worker``: what every Ray Train worker runs.
 
 DDP through ``ray.train.torch.prepare_model``; each worker memory-maps the
-corpus the driver prepared (``speed.data.prepare``) and trains on its own
+corpus the driver prepared (``speed.data.shards``) and trains on its own
 shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
 warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
 the shared early-exit loss ``L_w = sum_i w_i L_i``, plus ``lambda_t * S`` when
@@ -47,14 +47,6 @@ from speed.train import tracking
 from speed.train.batches import BatchPlan
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
 from speed.train.optim import build_optimizer, build_scheduler, lr_factor
-from speed.train.progress import (
-    TRAIN_LOG_SCHEMA,
-    StepRecord,
-    eta_seconds,
-    progress_line,
-    records_to_table,
-    window_mean,
-)
 from speed.train.state import (
     TrainingState,
     check_compatible,
@@ -65,6 +57,14 @@ from speed.train.state import (
     rng_state,
     save_training_checkpoint,
     set_rng_state,
+)
+from speed.train.train_log import (
+    TRAIN_LOG_SCHEMA,
+    StepRecord,
+    eta_seconds,
+    progress_line,
+    records_to_table,
+    window_mean,
 )
 from speed.train.validation import validation_metrics
 

@@ -3,7 +3,7 @@
 A training checkpoint directory holds
     model.pt, config.json, spm.model   speed.checkpoint.save_model (config.json: {"model", "job", "step"})
     train_state.pt                     step, optimizer, scheduler, every rank's RNG states, world size
-    train_log.parquet                  speed.train.progress.TRAIN_LOG_SCHEMA, one row per step so far
+    train_log.parquet                  speed.train.train_log.TRAIN_LOG_SCHEMA, one row per step so far
     complete                           the step, written last (``mark_complete``): the checkpoint is whole
 so ``speed.checkpoint.load_model(dir)`` (evaluation, serving) reads any of them.
 """
@@ -23,7 +23,7 @@ import torch
 from speed.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, TOKENIZER_FILE, save_model
 from speed.model import SpeedT5
 from speed.storage import locate
-from speed.train.progress import TRAIN_LOG_SCHEMA
+from speed.train.train_log import TRAIN_LOG_SCHEMA
 
 TRAIN_STATE_FILE = "train_state.pt"
 TRAIN_LOG_FILE = "train_log.parquet"

@@ -35,7 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from speed.train.config import JobConfig, job_from_dict
-from speed.train.progress import StepRecord
+from speed.train.train_log import StepRecord
 
 RUN_TAG = "speed.run"  # the Train run's name, on its MLflow run
 SWEEP_TAG = "speed.sweep"
@@ -191,7 +191,7 @@ def _tagged_run(client: Any, experiment: str, tag: str, value: str) -> Any | Non
 
 
 def log_step(record: StepRecord) -> None:
-    """Log a progress line's values (``speed.train.progress.window_mean``) to the open MLflow run, if any."""
+    """Log a progress line's values (``speed.train.train_log.window_mean``) to the open MLflow run, if any."""
     if _session is not None:
         _session.log(record.step, step_metrics(record))
 

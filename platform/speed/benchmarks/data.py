@@ -84,7 +84,7 @@ def measure_in_memory(spec_json: str, tokenizer: str, batch_size: int, steps: in
     import torch  # noqa: F401
 
     from speed.data import collate, load_records, tokenize_records
-    from speed.data.prepare import CorpusSpec
+    from speed.data.shards import CorpusSpec
     from speed.tokenizer import Tokenizer
     from speed.train.batches import BatchPlan
 
@@ -113,9 +113,9 @@ def _warm_baseline(collate: Callable[[list[dict]], dict]) -> float:
 
 
 def in_subprocess(function: str, *args: object) -> dict:
-    """Run ``speed.data.bench.<function>(*args)`` in a fresh interpreter; its result as a dict."""
+    """Run ``speed.benchmarks.data.<function>(*args)`` in a fresh interpreter; its result as a dict."""
     code = (
-        "import json, sys; from dataclasses import asdict; import speed.data.bench as b; "
+        "import json, sys; from dataclasses import asdict; import speed.benchmarks.data as b; "
         f"print(json.dumps(asdict(b.{function}(*json.loads(sys.argv[1])))))"
     )
     out = subprocess.run(
@@ -139,7 +139,7 @@ class PrepareRun:
 
 def measure_prepare(spec_json: str, tokenizer: str, root: str, docs_per_shard: int, use_ray: bool) -> PrepareRun:
     """Prepare a corpus (call in a fresh process): wall time, counts and the preparing process's peak memory."""
-    from speed.data.prepare import CorpusSpec, prepare_corpus
+    from speed.data.shards import CorpusSpec, prepare_corpus
 
     if use_ray:
         import ray
