@@ -41,3 +41,36 @@ def test_sampling_benchmark_rows():
     assert seq["speedup"] == 1.0
     assert rows[("speed", 1.0, "argmax")]["speedup"] == seq["seconds"] / rows[("speed", 1.0, "argmax")]["seconds"]
     assert "coupled" in format_sampling_table(table)
+
+
+def test_lever_benchmark_rows_count_every_variant_and_check_it_against_sequential():
+    from speed.benchmarks.decode import LEVER_BENCH_SCHEMA, format_lever_table, parse_levers, run_lever_benchmark
+
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3")).eval()
+    inputs = [[5, 6, 7], [8, 9]]
+    levers = parse_levers("b3=branches:3,row_budget:4;lanes=branches:3,branch_depth:3")
+    assert levers == {"b3": {"branches": 3, "row_budget": 4}, "lanes": {"branches": 3, "branch_depth": 3}}
+    table = run_lever_benchmark(model, inputs, levers, 8)
+    assert table.schema.equals(LEVER_BENCH_SCHEMA)
+    rows = {r["variant"]: r for r in table.to_pylist()}
+    assert list(rows) == ["sequential", "shallow", "speed", "b3", "lanes"]
+    sequential = [generate(model, torch.tensor([x]), method="sequential", max_new_tokens=8).tokens for x in inputs]
+    assert rows["sequential"]["tokens"] == sum(len(t[0]) for t in sequential)
+    for name in ("sequential", "speed", "b3", "lanes"):
+        assert rows[name]["identical"] and rows[name]["tokens"] == rows["sequential"]["tokens"], name
+    assert rows["sequential"]["passes_per_token"] == rows["sequential"]["rows_per_token"] == 3.0  # M per token
+    assert rows["shallow"]["passes_per_token"] == 1.0  # one loop
+    assert rows["speed"]["vs_speed"] == 1.0 and rows["b3"]["settings"] == '{"branches": 3, "row_budget": 4}'
+    assert 1.0 <= rows["speed"]["passes_per_token"] <= 3.0
+    assert format_lever_table(table).count("\n") == len(rows) + 1
+
+
+def test_lever_settings_are_refused_when_misspelled():
+    import pytest
+
+    from speed.benchmarks.decode import parse_levers
+
+    for text in ("b=branch:6", "b=branches", "speed=branches:1", "b=branches:1;b=branches:2", "branches:6"):
+        with pytest.raises(ValueError):
+            parse_levers(text)

@@ -296,3 +296,106 @@ def format_sampling_table(table: pa.Table) -> str:
             f"{r['ms_per_token']:>10.2f}{r['speedup']:>9.2f}x  {r['identical']}"
         )
     return "\n".join(lines)
+
+
+# ----- SPEED's levers on a trained checkpoint ---------------------------------------------------------------
+
+LEVER_BENCH_SCHEMA = pa.schema(
+    [
+        pa.field("variant", pa.string()),  # sequential | shallow | speed | a lever setting's name
+        pa.field("settings", pa.string()),  # JSON of the generate keywords (branches, branch_depth, row_budget, ...)
+        pa.field("sentences", pa.int64()),
+        pa.field("tokens", pa.int64()),
+        pa.field("passes_per_token", pa.float64()),  # group passes (weight reads) per token; SPEED at batch 1: steps
+        pa.field("rows_per_token", pa.float64()),  # rows the steps ran per token (a row: one token through one loop)
+        pa.field("seconds", pa.float64()),  # wall time decoding, summed over the sentences
+        pa.field("ms_per_token", pa.float64()),
+        pa.field("vs_speed", pa.float64()),  # this variant's seconds per token / plain SPEED's
+        pa.field("identical", pa.bool_()),  # every sentence equals sequential decoding (shallow: a different model)
+    ]
+)
+
+
+def parse_levers(text: str) -> dict[str, dict]:
+    """``"b6=branches:6,row_budget:8;lanes=branches:6,branch_depth:6"`` -> ``{"b6": {...}, "lanes": {...}}``."""
+    known = {"branches": int, "branch_depth": int, "branch_below": float, "min_confidence": float, "row_budget": int}
+    out: dict[str, dict] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, sep, body = part.partition("=")
+        if not sep or not name or name in ("sequential", "shallow", "speed") or name in out:
+            raise ValueError(f"a lever setting is NAME=key:value,... with a new name, got {part!r}")
+        setting = {}
+        for item in filter(None, body.split(",")):
+            key, sep, value = item.partition(":")
+            if key not in known or not sep:
+                raise ValueError(f"{part!r}: {item!r} is not one of {sorted(known)} as key:value")
+            setting[key] = known[key](value)
+        out[name] = setting
+    return out
+
+
+def run_lever_benchmark(
+    model: SpeedT5, inputs: list[list[int]], levers: dict[str, dict], max_new_tokens: int
+) -> pa.Table:
+    """Batch 1, greedy: each input decoded sequentially, by the shallow Nx1 (the same weights, one loop), by plain
+    SPEED and by SPEED with each lever setting (``generate`` keywords); the variants alternate per sentence in a
+    rotating order, so that a loaded machine slows them alike. One row per variant (``LEVER_BENCH_SCHEMA``)."""
+    shallow = SpeedT5(model.config.replace(pattern=f"{model.sharing.n_unique}x1")).eval()
+    shallow.load_state_dict(model.state_dict())  # the same parameters: a shared decoder's first loop alone
+    variants: dict[str, tuple[SpeedT5, dict]] = {
+        "sequential": (model, {"method": "sequential"}),
+        "shallow": (shallow, {"method": "sequential"}),
+        "speed": (model, {"method": "speed"}),
+    } | {name: (model, {"method": "speed", **kw}) for name, kw in levers.items()}
+    names = list(variants)
+    seconds, tokens, passes, rows = ({n: 0.0 for n in names} for _ in range(4))
+    identical = {n: True for n in names}
+    for i, ids in enumerate(inputs):
+        x = torch.tensor([ids])
+        out = {}
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            m, kw = variants[name]
+            t0 = time.perf_counter()
+            result = generate(m, x, max_new_tokens=max_new_tokens, trace=False, **kw)
+            seconds[name] += time.perf_counter() - t0
+            out[name] = result.tokens
+            tokens[name] += result.stats.tokens
+            passes[name] += result.stats.group_passes
+            rows[name] += result.stats.rows
+        for name in names:
+            identical[name] &= out[name] == out["sequential"]
+        if (i + 1) % 10 == 0 or i + 1 == len(inputs):
+            shown = ", ".join(f"{n} {passes[n] / tokens[n]:.2f}" for n in names)
+            print(f"  {i + 1}/{len(inputs)} sentences; passes per token: {shown}", flush=True)
+    per_token = {n: seconds[n] / tokens[n] for n in names}
+    return pa.Table.from_pylist(
+        [
+            {
+                "variant": n,
+                "settings": json.dumps({k: v for k, v in variants[n][1].items() if k != "method"}, sort_keys=True),
+                "sentences": len(inputs),
+                "tokens": int(tokens[n]),
+                "passes_per_token": passes[n] / tokens[n],
+                "rows_per_token": rows[n] / tokens[n],
+                "seconds": seconds[n],
+                "ms_per_token": per_token[n] * 1000,
+                "vs_speed": per_token[n] / per_token["speed"],
+                "identical": identical[n],
+            }
+            for n in names
+        ],
+        schema=LEVER_BENCH_SCHEMA,
+    )
+
+
+def format_lever_table(table: pa.Table) -> str:
+    """A fixed-width text table of the lever benchmark rows."""
+    head = f"{'variant':<14}{'tokens':>8}{'passes/token':>14}{'rows/token':>12}{'ms/token':>10}{'vs SPEED':>10}"
+    lines = [head + "  identical  settings", "-" * (len(head) + 21)]
+    for r in table.to_pylist():
+        lines.append(
+            f"{r['variant']:<14}{r['tokens']:>8}{r['passes_per_token']:>14.3f}{r['rows_per_token']:>12.2f}"
+            f"{r['ms_per_token']:>10.2f}{r['vs_speed']:>9.2f}x  {str(r['identical']):<9}  {r['settings']}"
+        )
+    return "\n".join(lines)
