@@ -21,11 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.benchmarks.decode import format_lever_table, parse_levers, run_lever_benchmark
-from speed.checkpoint import load_model
+from speed.benchmarks.decode import format_lever_table, held_out, parse_levers, run_lever_benchmark
 from speed.cli import JobParser, report_rows, user_errors
-from speed.data import read_records, truncate
-from speed.tokenizer import Tokenizer
 
 DEFAULT_LEVERS = "b6_rb8=branches:6,row_budget:8;lanes_rb8=branches:6,branch_depth:6,row_budget:8"
 
@@ -44,25 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with user_errors():  # a missing checkpoint, task or split, a misspelled lever: one line, status 2
         levers = parse_levers(args.levers)
-        loaded = load_model(args.checkpoint)
-        if loaded.tokenizer_path is None:
-            raise FileNotFoundError(f"checkpoint {args.checkpoint} holds no spm.model")
-        data = loaded.config.get("job", {}).get("data", {})
-        if not data.get("task"):
-            raise ValueError(f"checkpoint {args.checkpoint} records no training task")
-        records = read_records(data["task"], args.split, data.get("source"), args.limit)
+        work = held_out(args.checkpoint, args.split, args.limit)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = Tokenizer.load(loaded.tokenizer_path)
-    max_source_len = data.get("max_source_len") or 512
-    inputs = [truncate(ids, max_source_len) for ids in tok.encode_batch(records.dataset.to_dict()["source"])]
     print(
-        f"lever benchmark: {loaded.model.config.pattern}, {len(inputs)} {data['task']} {args.split} sentences, "
+        f"lever benchmark: {work.model.config.pattern}, {len(work.inputs)} {work.task} {args.split} sentences, "
         f"batch 1, threads {torch.get_num_threads()}",
         flush=True,
     )
     with torch.inference_mode():
-        table = run_lever_benchmark(loaded.model, inputs, levers, args.max_new_tokens)
+        table = run_lever_benchmark(work.model, work.inputs, levers, args.max_new_tokens)
     report_rows(table, args, format_lever_table)
     speed_rows = [r for r in table.to_pylist() if r["variant"] not in ("sequential", "shallow")]
     return 0 if all(r["identical"] for r in speed_rows) else 1

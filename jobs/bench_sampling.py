@@ -20,11 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.benchmarks.decode import format_sampling_table, run_sampling_benchmark
-from speed.checkpoint import load_model
+from speed.benchmarks.decode import format_sampling_table, held_out, run_sampling_benchmark
 from speed.cli import JobParser, report_rows, user_errors
-from speed.data import read_records, truncate
-from speed.tokenizer import Tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,24 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         temperatures = tuple(float(t) for t in args.temperatures.split(","))
         if any(t < 0 for t in temperatures):
             raise ValueError(f"temperatures must be >= 0, got {args.temperatures}")
-        loaded = load_model(args.checkpoint)
-        if loaded.tokenizer_path is None:
-            raise FileNotFoundError(f"checkpoint {args.checkpoint} holds no spm.model")
-        data = loaded.config.get("job", {}).get("data", {})
-        if not data.get("task"):
-            raise ValueError(f"checkpoint {args.checkpoint} records no training task")
-        records = read_records(data["task"], args.split, data.get("source"), args.limit)
+        work = held_out(args.checkpoint, args.split, args.limit)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = Tokenizer.load(loaded.tokenizer_path)
-    max_source_len = data.get("max_source_len") or 512
-    inputs = [truncate(ids, max_source_len) for ids in tok.encode_batch(records.dataset.to_dict()["source"])]
     print(
-        f"sampling benchmark: {loaded.model.config.pattern}, {len(inputs)} {data['task']} {args.split} sentences, "
+        f"sampling benchmark: {work.model.config.pattern}, {len(work.inputs)} {work.task} {args.split} sentences, "
         f"batch 1, temperatures {temperatures}, threads {torch.get_num_threads()}",
         flush=True,
     )
-    table = run_sampling_benchmark(loaded.model, inputs, temperatures, args.max_new_tokens)
+    table = run_sampling_benchmark(work.model, work.inputs, temperatures, args.max_new_tokens)
     report_rows(table, args, format_sampling_table)
     return 0 if all(table.column("identical").to_pylist()) else 1
 

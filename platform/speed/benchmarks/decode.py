@@ -399,3 +399,32 @@ def format_lever_table(table: pa.Table) -> str:
             f"{r['ms_per_token']:>10.2f}{r['vs_speed']:>9.2f}x  {str(r['identical']):<9}  {r['settings']}"
         )
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A trained checkpoint and the encoder inputs of its task's held-out sentences (the benchmarks' workload)."""
+
+    model: SpeedT5
+    task: str
+    inputs: list[list[int]]
+
+
+def held_out(checkpoint: str, split: str, limit: int | None) -> HeldOut:
+    """Load ``checkpoint`` and tokenize the first ``limit`` records of its training task's ``split``, truncated as
+    in training; a checkpoint without tokenizer or task is a clear error."""
+    from speed.checkpoint import load_model
+    from speed.data import read_records, truncate
+    from speed.tokenizer import Tokenizer
+
+    loaded = load_model(checkpoint)
+    if loaded.tokenizer_path is None:
+        raise FileNotFoundError(f"checkpoint {checkpoint} holds no spm.model")
+    data = loaded.config.get("job", {}).get("data", {})
+    if not data.get("task"):
+        raise ValueError(f"checkpoint {checkpoint} records no training task")
+    records = read_records(data["task"], split, data.get("source"), limit)
+    tok = Tokenizer.load(loaded.tokenizer_path)
+    max_source_len = data.get("max_source_len") or 512
+    sources = tok.encode_batch(records.dataset.to_dict()["source"])
+    return HeldOut(loaded.model, data["task"], [truncate(ids, max_source_len) for ids in sources])
