@@ -126,6 +126,13 @@ async def _parse(http: StarletteRequest, settings: ServeSettings, model: type[Ba
         raise BadRequest(message, param) from None
 
 
+# Defined before the deployment class: Serve serializes the class when it is decorated, with the module's
+# globals as they are at that moment, so a helper defined below it does not exist in the replicas.
+def _log_write_error(done: Future) -> None:
+    if done.exception() is not None:  # the rows stay in their write-ahead log on local storage
+        log.error("writing request statistics failed: %r", done.exception())
+
+
 @serve.deployment(
     name="SpeedServer",
     max_ongoing_requests=32,  # per replica; beyond the engine's capacity they wait in its queue
@@ -157,7 +164,6 @@ class SpeedServer:
         self.runner = EngineRunner(self.model, self.settings.engine_config(), self._record, self._step)
         self.sink = StatsSink(stats_path, self.replica, self.settings.flush_rows, self.settings.flush_s)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speed-stats")  # Parquet, in order
-        self._on_write_done = _log_write_error  # held by the replica: no module lookup at interpreter shutdown
         self._flusher: asyncio.Task | None = None
         self._metrics = ServeMetrics()
 
@@ -356,7 +362,7 @@ class SpeedServer:
         """Write the buffered statistics on the writer thread, so the event loop keeps serving."""
         taken = self.sink.take()
         if taken is not None:
-            self._writer.submit(self.sink.write, taken).add_done_callback(self._on_write_done)
+            self._writer.submit(self.sink.write, taken).add_done_callback(_log_write_error)
 
     def _start_flusher(self) -> None:
         if self._flusher is None:
@@ -368,13 +374,6 @@ class SpeedServer:
             await asyncio.sleep(min(1.0, self.sink.max_seconds / 4))
             if self.sink.due():
                 self._write_soon()
-
-
-def _log_write_error(done: Future, log: logging.Logger = log) -> None:
-    # ``log`` is bound at definition: a write finishing while the interpreter shuts down (``__del__`` -> ``drain``)
-    # must not look up module globals, which are gone by then.
-    if done.exception() is not None:  # the rows stay in their write-ahead log on local storage
-        log.error("writing request statistics failed: %r", done.exception())
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
