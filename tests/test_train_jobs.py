@@ -24,7 +24,7 @@ import pytest
 
 from speed.checkpoint import load_model, newest_complete_checkpoint
 from speed.paths import data_dir, repo_root
-from speed.train.local_ray import OWNER_ENV, marked_processes
+from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
 from speed.train.state import load_training_state
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -63,6 +63,29 @@ def test_ray_job_submit_pretrains_and_checkpoints(local_cluster, tiny_tokenizer,
 # ----- a run stopped by Ctrl-C or killed resumes from its newest complete checkpoint, leaving no process --------
 
 
+@pytest.fixture
+def launch(tiny_tokenizer, tmp_path):
+    """Starts ``jobs/pretrain.py`` runs of one storage folder; whatever they left running, pass or fail, is ended
+    at teardown: each job's process group and every process of its private Ray (found by its owner mark)."""
+    storage = tmp_path / "runs"
+    started: list[tuple[subprocess.Popen, str]] = []
+
+    def start(*extra: str) -> tuple[subprocess.Popen, Path, str]:
+        token = secrets.token_hex(8)
+        log = tmp_path / f"launch{len(started)}.log"
+        process = _launch(storage, tiny_tokenizer, token, log, *extra)
+        started.append((process, token))
+        return process, log, token
+
+    yield storage, start
+    for process, token in started:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        end_processes(marked_processes(token))
+    assert not [t for _, t in started if marked_processes(t)], "a job's Ray processes outlived the test"
+
+
 def _launch(storage: Path, tokenizer: Path, token: str, log: Path, *extra: str) -> subprocess.Popen:
     """``jobs/pretrain.py`` with a private local Ray whose processes carry ``SPEED_RAY_OWNER=token``."""
     flags = ["--preset", "tiny", "--pattern", "2x2", "--limit", "40", "--tokenizer", str(tokenizer)]
@@ -74,19 +97,34 @@ def _launch(storage: Path, tokenizer: Path, token: str, log: Path, *extra: str) 
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _tail(log: Path | None, lines: int = 40) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log and log.exists() else ""
+
+
 def _wait(
-    condition, what: str, timeout_s: float = 300.0, process: subprocess.Popen | None = None, log: Path | None = None
+    condition,
+    what: str,
+    timeout_s: float = 180.0,
+    process: subprocess.Popen | None = None,
+    log: Path | None = None,
+    stall_s: float = 90.0,
 ):
+    """Poll ``condition`` until it holds; fail at once, with the log's tail, when the job ends first or its log
+    has not grown for ``stall_s`` seconds."""
     deadline = time.time() + timeout_s
+    size, grew = -1, time.time()
     while time.time() < deadline:
         value = condition()
         if value:
             return value
         if process is not None and process.poll() is not None:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log else ""
-            raise AssertionError(f"the job ended (status {process.poll()}) before {what}; its log ends:\n{tail}")
+            raise AssertionError(f"the job ended (status {process.poll()}) before {what}; its log ends:\n{_tail(log)}")
+        if log is not None and log.exists() and log.stat().st_size != size:
+            size, grew = log.stat().st_size, time.time()
+        if log is not None and time.time() - grew > stall_s:
+            raise AssertionError(f"the job's log stood still for {stall_s:.0f} s before {what}:\n{_tail(log)}")
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; the log ends:\n{_tail(log)}")
 
 
 def _newest_step(storage: Path) -> int:
@@ -103,46 +141,49 @@ def _steps_on_storage(storage: Path) -> tuple[int, int]:
 
 
 def _resumed_at(log: Path) -> int | None:
-    found = re.search(r"resumed at step (\d+) from (\S+)", log.read_text())
+    """The step the driver said the run resumes at (``speed.train.launch.train_stage``), None before it said so."""
+    found = re.search(r"resuming at step (\d+) from (\S+)", log.read_text())
     return int(found.group(1)) if found else None
 
 
-def _check_resumed(log: Path, newest: int) -> int:
-    """The run resumed from the newest complete checkpoint on storage."""
-    resumed = _resumed_at(log)
-    assert resumed == newest, f"resumed at {resumed}, newest complete checkpoint {newest}: {log.read_text()[-3000:]}"
-    return resumed
+def _stopped_then_resumed(storage: Path, start, stop) -> None:
+    """A run with a few checkpoints on storage is stopped by ``stop(process)``; its Ray processes all end; the
+    same command then says it resumes from the newest complete checkpoint, does, and finishes six steps later."""
+    first, log, token = start()
+    _wait(lambda: _newest_step(storage) >= 10, "checkpoint 10", process=first, log=log)
+    assert marked_processes(token), "the run's Ray processes carry the owner mark"
+    stop(first)
+    _wait(lambda: not marked_processes(token), "the stopped run's Ray processes to end", timeout_s=60, log=log)
 
-
-def test_a_stopped_run_resumes_from_its_newest_checkpoint_and_leaves_no_process(tiny_tokenizer, tmp_path):
-    storage = tmp_path / "runs"
-    tokens = [secrets.token_hex(8) for _ in range(3)]
-    logs = [tmp_path / f"launch{i}.log" for i in range(3)]
-
-    # 1. Ctrl-C (SIGINT to the job's process group) once a few checkpoints are on storage.
-    first = _launch(storage, tiny_tokenizer, tokens[0], logs[0])
-    _wait(lambda: _newest_step(storage) >= 10, "checkpoint 10", process=first, log=logs[0])
-    os.killpg(first.pid, signal.SIGINT)
-    first.wait(timeout=120)
-    _wait(lambda: not marked_processes(tokens[0]), "the first run's Ray processes to end", timeout_s=60)
-
-    # 2. The same command resumes from the newest complete checkpoint; then its driver is SIGKILLed.
     newest, folder = _steps_on_storage(storage)
-    assert folder - newest <= 5  # at most the checkpoint being written when stopped is lost
-    second = _launch(storage, tiny_tokenizer, tokens[1], logs[1])
-    _wait(lambda: _resumed_at(logs[1]) is not None, "the second run to resume", process=second, log=logs[1])
-    resumed = _check_resumed(logs[1], newest)
-    _wait(lambda: _newest_step(storage) >= resumed + 10, "two more checkpoints", process=second, log=logs[1])
-    assert marked_processes(tokens[1]), "the second run's Ray processes carry the owner mark"
-    second.kill()  # the driver alone: Ray's processes would outlive it
-    second.wait(timeout=30)
-    _wait(lambda: not marked_processes(tokens[1]), "the killed run's Ray processes to end", timeout_s=60)
+    assert newest >= 10 and folder - newest <= 5  # at most the checkpoint being written when stopped is lost
+    again, log, token = start("--stop-at-step", str(newest + 6))
+    resumed = _wait(lambda: _resumed_at(log), "the relaunch to say it resumes", timeout_s=120, process=again, log=log)
+    assert resumed == newest, f"resumed at {resumed}, newest complete checkpoint {newest}:\n{_tail(log)}"
+    assert again.wait(timeout=300) == 0, _tail(log, 80)
+    text = log.read_text()
+    assert f"from {storage}" in text and f"(step {newest + 6})" in text, _tail(log)
+    assert load_training_state(newest_complete_checkpoint(str(next(storage.glob("pretrain-*"))))).step == newest + 6
+    _wait(lambda: not marked_processes(token), "the finished run's Ray processes to end", timeout_s=60, log=log)
 
-    # 3. And again, for six steps: it resumes from the newest complete checkpoint the killed run left.
-    newest, folder = _steps_on_storage(storage)
-    assert folder - newest <= 5
-    third = _launch(storage, tiny_tokenizer, tokens[2], logs[2], "--stop-at-step", str(newest + 6))
-    assert third.wait(timeout=600) == 0, logs[2].read_text()[-3000:]
-    _check_resumed(logs[2], newest)
-    assert f"(step {newest + 6})" in logs[2].read_text()
-    _wait(lambda: not marked_processes(tokens[2]), "the finished run's Ray processes to end", timeout_s=60)
+
+def test_a_run_stopped_by_ctrl_c_resumes_from_its_newest_checkpoint_and_leaves_no_process(launch):
+    """SIGINT to the job's process group, as Ctrl-C in a terminal sends it."""
+    storage, start = launch
+
+    def ctrl_c(process: subprocess.Popen) -> None:
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=120)
+
+    _stopped_then_resumed(storage, start, ctrl_c)
+
+
+def test_a_run_whose_driver_is_killed_resumes_from_its_newest_checkpoint_and_leaves_no_process(launch):
+    """SIGKILL to the driver alone: Ray's processes would outlive it but for the private Ray's watchdog."""
+    storage, start = launch
+
+    def kill(process: subprocess.Popen) -> None:
+        process.kill()
+        process.wait(timeout=30)
+
+    _stopped_then_resumed(storage, start, kill)

@@ -284,6 +284,9 @@ def train_stage(
     ``callbacks``: Ray Train callbacks (a sweep's ``TuneReportCallback``).
     """
     run_dir = run_directory(job)
+    start = resume_point(job, run_dir)
+    if start is not None:  # said here, not by a worker: a worker's output may never reach the job's
+        print(f"resuming at step {start.step} from {start.checkpoint}", flush=True)
     result = build_trainer(job, tokenizer, data, run_dir, deadline, callbacks).fit()
     # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
     checkpoint = newest_complete_checkpoint(run_dir)
@@ -291,6 +294,23 @@ def train_stage(
         raise RuntimeError(f"run {job.run.name} finished without a checkpoint in {run_dir}")
     step = read_checkpoint_config(checkpoint)["step"]
     return Trained(run_dir, checkpoint, step, dict(result.metrics or {}))
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a launch's workers start: ``checkpoint`` (path or URI), saved at ``step``."""
+
+    step: int
+    checkpoint: str
+
+
+def resume_point(job: JobConfig, run_dir: str) -> ResumePoint | None:
+    """The checkpoint this launch continues: the run's newest complete one (a rerun), else the one ``--resume``
+    names; None for a fresh run. The workers choose the same one (``speed.train.loop``)."""
+    checkpoint = newest_complete_checkpoint(run_dir) or (latest_checkpoint(job.resume) if job.resume else None)
+    if checkpoint is None:
+        return None
+    return ResumePoint(read_checkpoint_config(checkpoint)["step"], checkpoint)
 
 
 def build_trainer(
