@@ -38,7 +38,7 @@ from speed.serve.loadgen import LoadConfig, run_load
 from speed.serve.stats import read_requests, read_traces
 from speed.tokenizer import EOS_ID, Tokenizer
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("serve_app")]  # one deployment, one worker
 
 APP = "speed-test"
 SETTINGS = {"max_active": 4, "max_source_len": 48, "max_target_len": 400, "row_budget": 8, "max_tokens": 12}
@@ -586,6 +586,13 @@ def test_statistics_hold_one_row_per_answered_prompt_after_shutdown(server):
 
     assert _complete(server, {"prompt": "Before the end.", "max_tokens": 4}).status_code == 200
     serve.delete(APP)  # drains the replica; its __del__ writes what is buffered
+    try:
+        _check_statistics_after_shutdown(server)
+    finally:
+        server["redeploy"](SETTINGS)  # for the tests that run after this one, pass or fail
+
+
+def _check_statistics_after_shutdown(server):
     rows = read_requests(server["stats"])
     finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
     answered = sorted((rid, choice) for rid, n in server["answered"] for choice in range(n))
@@ -603,7 +610,6 @@ def test_statistics_hold_one_row_per_answered_prompt_after_shutdown(server):
         assert r["accepted_tokens"] == sum(r["accepted_per_pos"]) and r["route"] in ("completions", "chat")
         if r["temperature"] == 0.8 and r["top_k"] == 40:  # the seeded n=3 request: choice i has choice_seed(11, i)
             assert r["seed"] == choice_seed(11, r["choice"])
-    server["redeploy"](SETTINGS)  # for the tests that run after this one
 
 
 @pytest.mark.slow
@@ -615,7 +621,11 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     from speed.analysis.notebooks import run_notebooks
     from speed.analysis.results import read_tables
 
-    runs = _load_runs(server)  # its own load runs: the test needs no other to run first
+    # Its own answers (the test needs no other to run first): a sampled one, then the load runs' greedy ones,
+    # which push the sampled row out of the buffer into a Parquet file (flush_rows=3).
+    sampled = {"prompt": "A sampled answer.", "max_tokens": 4, "temperature": 0.8, "seed": 3}
+    assert _complete(server, sampled).status_code == 200
+    runs = _load_runs(server)
     root = tmp_path / "results"
     shutil.copytree(server["stats"], root / "stats")
     (root / "load").mkdir()
@@ -634,13 +644,14 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     assert (found.requests[0].parent / "serving_rows_per_step.png").stat().st_size > 0
     assert (found.requests[0].parent / "serving_acceptance.png").stat().st_size > 0
     temperatures = set(acceptance(read_tables(found.requests))["temperature"].to_pylist())
-    assert {0.0, 0.8} <= temperatures  # the openai-client tests sampled at 0.8
+    assert {0.0, 0.8} <= temperatures  # the load runs' greedy answers and the sampled one
 
 
 # ----- the real job: jobs/serve.py, stopped by SIGTERM ---------------------------------------------------------
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("serve_job")  # the job's own Ray, not the module's deployment: any worker
 @pytest.mark.parametrize("to", ["process", "group"])
 def test_sigterm_stops_jobs_serve_with_every_answered_row_on_disk(tiny_tokenizer, tmp_path, to):
     """``kill`` (the job's process: Serve drains, the replica writes Parquet) or a SIGTERM to the whole process
