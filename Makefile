@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint bench analysis clean
+.PHONY: demo test test-quick lint bench analysis clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,10 +16,18 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
-# Tests use tiny models: one intra-op thread each avoids oversubscribing the cores.
+# Tests use tiny models: one intra-op thread each avoids oversubscribing the cores. Two pytest-xdist workers
+# (TEST_WORKERS; 0 runs in one process, in file order): each a session of its own (tests/conftest.py).
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 test: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu" $(XDIST) $(PYTEST_ARGS)
+
+# The inner loop: no Ray, no Serve, no training runs (the `ray` and `slow` marks), under 90 s.
+test-quick: $(VENV)/.installed
+	$(PY) -m ruff check platform jobs tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not ray and not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests

@@ -1,5 +1,10 @@
 """Shared fixtures: one local Ray instance for the whole test session, a tiny tokenizer for training tests.
 
+``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): each worker is a test session
+of its own (its own Ray, when one of its tests needs one); the tests of one ``xdist_group`` (a module whose
+tests share an expensive fixture: a Serve deployment, a sweep, a trained model) run on one worker, and the
+groups and slow tests are handed out first so that the two workers finish together.
+
 Ray 2.60 uses token authentication for every local cluster and, on a machine
 without one, writes a new token into ``~/.ray/auth_token``. The test session
 brings a token of its own (``RAY_AUTH_TOKEN_PATH``, inherited by every Ray
@@ -16,6 +21,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, the groups and slow tests first (a stable sort: file order, or pytest-randomly's, within)."""
+    if getattr(config.option, "numprocesses", None):
+        items.sort(key=lambda item: (not item.get_closest_marker("xdist_group"), not item.get_closest_marker("slow")))
 
 
 def pytest_configure(config: pytest.Config) -> None:

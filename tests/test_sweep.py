@@ -298,7 +298,8 @@ class _InterruptAfterFirstTrial(tune.Callback):
 def _job(storage: Path, tokenizer: Path):
     flags = ["--preset", "tiny", "--task", "translate_en_de", "--limit", "64", "--tokenizer", str(tokenizer)]
     flags += ["--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--warmup-steps", "1"]
-    flags += ["--max-source-len", "24", "--max-target-len", "24", "--cpus-per-worker", "2", "--log-every", "2"]
+    # One CPU a trial: two trials at a time on the session's 2-CPU Ray (most of a tiny trial is start-up).
+    flags += ["--max-source-len", "24", "--max-target-len", "24", "--cpus-per-worker", "1", "--log-every", "2"]
     return job_from_args("finetune", flags + ["--storage-path", str(storage)])
 
 
@@ -331,6 +332,7 @@ def sweep(ray_session, tiny_tokenizer, tmp_path_factory):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_an_interrupted_sweep_resumes_without_losing_finished_trials(sweep):
     first, first_results, second = sweep
     assert first.name == second.name and first.directory == second.directory  # deterministic, no timestamp
@@ -347,6 +349,7 @@ def test_an_interrupted_sweep_resumes_without_losing_finished_trials(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(sweep):
     rows = {r["trial"]: r for r in sweep[2].results.to_pylist()}
     failed = rows["00002-2x2-linear"]
@@ -357,6 +360,7 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_every_trial_is_one_mlflow_run_with_its_config_and_reports(sweep):
     from speed.train.tracking import SWEEP_TAG, import_mlflow
 
@@ -383,6 +387,7 @@ def test_every_trial_is_one_mlflow_run_with_its_config_and_reports(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_results_table_frontier_and_latency(sweep):
     outcome = sweep[2]
     results = pq.read_table(Path(outcome.directory, RESULTS_FILE))
@@ -440,6 +445,7 @@ def test_results_table_frontier_and_latency(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_sweep_analysis_and_notebook_on_the_real_sweep(sweep, tmp_path):
     """speed.analysis reads the sweep's folder as the notebook does, and the notebook draws its figures there."""
     import shutil

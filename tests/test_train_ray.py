@@ -18,7 +18,7 @@ from speed.train import job_from_args, run_job
 from speed.train.state import TRAIN_LOG_FILE, load_training_state
 from speed.train.tracking import RUN_TAG, import_mlflow, tracking_uri
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("train_ray")]  # one reference run
 
 
 def _job(storage, tokenizer, *extra):
