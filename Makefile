@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-quick lint bench analysis clean
+.PHONY: demo test test-quick lint bench gpu-check analysis clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) jobs/bench_decode.py
+
+# On a GPU machine, with that machine's own python3 and torch (no .venv, no Ray): every CUDA path once,
+# within 6 minutes; one JSON report ($$OUT/gpu_check.json when OUT is set, else results/) and a summary table.
+gpu-check:
+	$(PYTHON) jobs/gpu_check.py
 
 # Every notebook in analysis/ on a results folder (evaluations, benchmarks, load runs, Serve statistics, found
 # by content); figures are written as PNG beside the files they read, executed notebooks into RESULTS/notebooks.

@@ -2,6 +2,7 @@
 
     python jobs/bench_decode.py                       # base dims, 16k vocabulary, 2x6
     python jobs/bench_decode.py --pattern 3x4 --json  # one JSON object on stdout
+    python jobs/bench_decode.py --device cuda         # on a GPU (jobs/gpu_check.py times batch 1 and 8 there)
 
 Speed-up is the baseline's ms/token divided by the variant's (baseline:
 sequential NxM; for ours_deep, transformers' generate of the same random
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="torch device every variant runs on, e.g. cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
     p.add_argument("--out", type=Path, default=Path("results/bench_decode.parquet"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -24,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 from speed.cli import JobParser, user_errors
 from speed.evaluate import format_summary
 from speed.paths import repo_root
-from speed.train import run_job
 from speed.train.config import job_from_layers
-from speed.train.launch import check_inputs
+from speed.train.launch import check_inputs, run_job
 
 CONFIGS = repo_root() / "jobs" / "configs"
 

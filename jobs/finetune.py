@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.cli import user_errors
 from speed.evaluate import format_summary
-from speed.train import job_from_args, run_job
-from speed.train.launch import check_inputs
+from speed.train.config import job_from_args
+from speed.train.launch import check_inputs, run_job
 
 
 def main(argv: list[str] | None = None) -> int:

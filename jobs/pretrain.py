@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import user_errors
-from speed.train import job_from_args, run_job
-from speed.train.launch import check_inputs
+from speed.train.config import job_from_args
+from speed.train.launch import check_inputs, run_job
 
 
 def main(argv: list[str] | None = None) -> int:

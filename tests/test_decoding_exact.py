@@ -34,14 +34,20 @@ def random_case(seed: int):
     if seed % 3 == 0:  # make EOS likely so that sequences end at different times
         with torch.no_grad():
             model.lm_head.weight[model.eos_id] *= 3.0
-    batch = rng.randint(1, 4)
+    ids, mask = padded_batch(rng, rng.randint(1, 4), model.config.vocab_size)
+    return model, ids, mask, rng.randint(1, 20), rng
+
+
+def padded_batch(rng: random.Random, batch: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` random inputs of 1-9 tokens (lengths from ``rng``, tokens from torch's generator), right-padded:
+    (ids, attention mask)."""
     lengths = [rng.randint(1, 9) for _ in range(batch)]
     ids = torch.zeros(batch, max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, n in enumerate(lengths):
-        ids[b, :n] = torch.randint(3, model.config.vocab_size, (n,))
+        ids[b, :n] = torch.randint(3, vocab_size, (n,))
         mask[b, :n] = 1
-    return model, ids, mask, rng.randint(1, 20), rng
+    return ids, mask
 
 
 @pytest.mark.parametrize("block", range(8))

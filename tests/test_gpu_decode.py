@@ -1,60 +1,127 @@
 """Decoding and evaluation on a CUDA device: every decode tensor on the model's device, SPEED exact there too.
 
-Skipped, with the reason, where no CUDA device is present; run them on a GPU
-machine with ``pytest -m gpu``.
+Greedy and sampled, batch 1 and 8 (padded), float32 and bfloat16, runner-up branches and lanes, the engine
+under churn: every loop's logits of every committed token equal sequential decoding's on the same device,
+bit for bit. Skipped, with the reason, where no CUDA device is present; run them on a GPU machine with
+``pytest -m gpu`` (``jobs/gpu_check.py`` does, on a machine without Ray or the data libraries: only the
+evaluate job's test needs those, and it is skipped, with the reason, without them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import random
 
 import pytest
 import torch
+from engine_helpers import drive, speed_as_sequential
+from test_decoding_exact import padded_batch
+from test_engine import alone, random_request, tiny_model
 
 from speed import SpeedT5, preset
 from speed.checkpoint import save_model
-from speed.data import load_records
 from speed.decoding import generate
-from speed.exactness import LogitRecorder, compare_logits
+from speed.engine import Engine, EngineConfig
+from speed.exactness import LogitRecorder
 from speed.paths import repo_root
 from speed.sampling import Sampling
-from speed.tokenizer import train_tokenizer
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none"),
 ]
 
+SAMPLINGS = [None, Sampling(temperature=1.0, top_p=0.9, seed=3, presence_penalty=0.5)]
 
-@pytest.mark.parametrize("sampling", [None, Sampling(temperature=1.0, top_p=0.9, seed=3, presence_penalty=0.5)])
+
+def cuda_case(seed: int, pattern: str, batch: int, dtype: torch.dtype = torch.float32):
+    """A random tiny model on CUDA and a padded batch of ``batch`` CPU inputs of 1-9 tokens (the model moves
+    them to its device)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = SpeedT5(preset("tiny", pattern=pattern)).eval().to("cuda", dtype)
+    return (model, *padded_batch(rng, batch, model.config.vocab_size))
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", ["2x6", "3x4", "1x5"])
 def test_speed_logits_equal_sequential_on_cuda(pattern, dtype, sampling):
-    torch.manual_seed(0)
-    model = SpeedT5(preset("tiny", pattern=pattern)).eval().to("cuda", dtype)
-    for seed in range(4):
-        torch.manual_seed(seed)
-        ids = torch.randint(3, 128, (seed + 1, 7))  # CPU ids: the model moves them to its device
+    for seed, batch in enumerate((1, 8)):
+        model, ids, mask = cuda_case(seed, pattern, batch, dtype)
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, method="sequential", max_new_tokens=24, sampling=sampling)
+        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=24, sampling=sampling)
+        assert next(iter(reference.logits.values())).device.type == "cuda"
         for launch_loop, invalidation in [(1, "eager"), (2, "final")]:
-            candidate = LogitRecorder(model)
-            got = generate(
-                candidate,
-                ids,
-                method="speed",
-                max_new_tokens=24,
-                launch_loop=launch_loop,
-                invalidation=invalidation,
-                sampling=sampling,
+            speed_as_sequential(
+                model, reference, ref, ids, mask, 24, (seed, batch, launch_loop), launch_loop=launch_loop,
+                invalidation=invalidation, sampling=sampling,
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_branches_and_lanes_equal_sequential_on_cuda(sampling):
+    promotions = 0
+    for seed, (pattern, batch) in enumerate([("2x6", 1), ("2x6", 8), ("3x4", 1), ("3x4", 8)]):
+        model, ids, mask = cuda_case(100 + seed, pattern, batch)
+        m = model.n_loops
+        reference = LogitRecorder(model)
+        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=20, sampling=sampling)
+        lanes = [
+            {"branches": m, "branch_depth": 1, "invalidation": "eager"},
+            {"branches": m, "branch_depth": m, "invalidation": "final"},
+            {"branches": 2, "branch_depth": m, "branch_below": 0.5, "min_confidence": 0.1, "invalidation": "eager"},
+        ]
+        for settings in lanes:
+            got = speed_as_sequential(
+                model, reference, ref, ids, mask, 20, (seed, settings), sampling=sampling, **settings
             )
-            assert next(iter(candidate.logits.values())).device.type == "cuda"
-            assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
-            assert got.tokens == ref.tokens
+            assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
+            promotions += got.stats.promotions
+    assert promotions > 0  # a branch took over somewhere: the lane path ran on the device
+
+
+def test_engine_churn_on_cuda():
+    """Requests (greedy and sampled, random policies and branch settings) join, leave and are cancelled
+    under row budgets in an engine on CUDA: each equals its sequential decoding alone."""
+    flushes = cancelled = 0
+    for seed in range(6):
+        rng = random.Random(200 + seed)
+        model = tiny_model(seed, ["2x3", "1x4", "3x3", "2x6"][seed % 4]).to("cuda")
+        config = EngineConfig(
+            max_active=rng.randint(1, 4),
+            max_source_len=10,
+            max_target_len=16,
+            row_budget=rng.choice([None, rng.randint(1, 10)]),
+        )
+
+        def make(r=rng, mo=model):
+            return dataclasses.replace(
+                random_request(r, mo, 10, 16), branches=r.randint(0, mo.n_loops), branch_depth=r.randint(1, mo.n_loops)
+            )
+
+        arrivals = [rng.randrange(0, 30) for _ in range(6)]
+        requests, finished = drive(Engine(model, config), rng, arrivals, make, 0.2, 10)
+        for f in finished:
+            ref = alone(model, requests[f.id])
+            assert f.tokens == ref.tokens[0][: len(f.tokens)]
+            if f.cancelled:
+                cancelled += 1
+            else:
+                assert f.tokens == ref.tokens[0], f"request {f.id} of seed {seed}: {requests[f.id]}"
+                assert f.stats.rows == f.stats.tokens * model.n_loops + f.stats.wasted_rows
+            flushes += f.stats.flushes
+    assert flushes > 0 and cancelled > 0  # speculation was flushed and requests left early, on the device
 
 
 def test_evaluate_job_on_cuda(tmp_path):
+    for module in ("datasets", "rouge_score"):  # the evaluate job reads records and scores ROUGE with them
+        pytest.importorskip(module, reason=f"the evaluate job needs {module}, which this machine lacks")
+    from speed.data import load_records
+    from speed.tokenizer import train_tokenizer
+
     ds = load_records("translate_en_de", "train", limit=200)
     tok = train_tokenizer([*ds["source"], *ds["target"]], tmp_path / "spm.model", vocab_size=200, num_extra=10)
     torch.manual_seed(0)

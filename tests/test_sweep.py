@@ -34,8 +34,7 @@ from speed.sweep.space import (
     trial_scheme,
     trial_settle,
 )
-from speed.train import job_from_args
-from speed.train.config import TrainConfig
+from speed.train.config import TrainConfig, job_from_args
 
 
 def test_pattern_families():

@@ -1,4 +1,4 @@
-"""Learning-rate schedule values, both optimizers, scheduler state round trip."""
+"""Learning-rate schedule values, both optimizers, scheduler state round trip, the state following its parameters."""
 
 import math
 
@@ -7,8 +7,7 @@ import torch
 
 from speed.config import preset
 from speed.model import SpeedT5
-from speed.train.config import OptimConfig
-from speed.train.optim import build_optimizer, build_scheduler, lr_factor
+from speed.train.optim import OptimConfig, build_optimizer, build_scheduler, follow_parameters, lr_factor
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -66,3 +65,21 @@ def test_scheduler_state_round_trip_continues_the_schedule():
     sched2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * lr_factor(6, c, 10))
+
+
+def test_restored_state_follows_the_parameters():
+    """A state restored beside float32 parameters follows them to float64 (on a GPU: to the device), unchanged."""
+    model = torch.nn.Linear(3, 2)
+    opt = build_optimizer(model, OptimConfig())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    saved = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    restored = build_optimizer(model, OptimConfig())
+    restored.load_state_dict(opt.state_dict())
+    model.double()
+    follow_parameters(restored)
+    state = restored.state[model.weight]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float64
+    assert all(torch.equal(state[k].float(), saved[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    model(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+    restored.step()  # float64 parameters with float32 moments would raise here

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from speed.checkpoint import load_model
-from speed.train import job_from_args, run_job
+from speed.train.config import job_from_args
+from speed.train.launch import run_job
 from speed.train.state import TRAIN_LOG_FILE, load_training_state
 from speed.train.tracking import RUN_TAG, import_mlflow, tracking_uri
 

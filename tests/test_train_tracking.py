@@ -69,7 +69,8 @@ def test_a_file_store_writes_only_under_the_storage_path(tmp_path):
     cwd.mkdir()
     script = (
         "import json, sys\n"
-        "from speed.train import job_from_args, tracking\n"
+        "from speed.train import tracking\n"
+        "from speed.train.config import job_from_args\n"
         "job = job_from_args('pretrain', ['--storage-path', sys.argv[1]])\n"
         "tracking.check(job)\n"
         "mlflow = tracking.import_mlflow()\n"

@@ -44,7 +44,7 @@ BENCH_SCHEMA = pa.schema(
         pa.field("batch", pa.int32()),
         pa.field("threads", pa.int32()),
         pa.field("torch", pa.string()),
-        pa.field("machine", pa.string()),
+        pa.field("machine", pa.string()),  # the CPU architecture, or on CUDA the GPU's name
     ]
 )
 
@@ -60,6 +60,7 @@ class BenchConfig:
     reps: int = 5
     seed: int = 0
     compare_hf: bool = True  # also time our sequential Dx1 (D = N*M) against transformers' generate
+    device: str = "cpu"  # where every variant runs (its inputs start on the CPU, as a request's do)
 
 
 def random_model(config: ModelConfig, seed: int) -> SpeedT5:
@@ -71,19 +72,23 @@ def random_model(config: ModelConfig, seed: int) -> SpeedT5:
     return model
 
 
-def interleave(variants: dict[str, Callable[[], int]], reps: int) -> dict[str, list[float]]:
+def interleave(variants: dict[str, Callable[[], int]], reps: int, device: str = "cpu") -> dict[str, list[float]]:
     """Run each variant once untimed, then ``reps`` timed rounds in rotating order; ms per token.
 
-    Each variant returns the number of tokens it decoded.
+    Each variant returns the number of tokens it decoded; on a CUDA ``device`` the clock is read only
+    after the device has finished the variant's work.
     """
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     for fn in variants.values():
         fn()
+    sync()
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             tokens = variants[name]()
+            sync()
             times[name].append((time.perf_counter() - t0) * 1000 / tokens)
         print(
             f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1]:.1f}" for n in names) + " ms/token", flush=True
@@ -94,8 +99,8 @@ def interleave(variants: dict[str, Callable[[], int]], reps: int) -> dict[str, l
 def run_benchmark(cfg: BenchConfig) -> pa.Table:
     """Measure all variants side by side and return one row per variant (``BENCH_SCHEMA``)."""
     sharing = cfg.model.sharing
-    model = random_model(cfg.model, cfg.seed)
-    shallow = random_model(cfg.model.replace(pattern=f"{sharing.n_unique}x1"), cfg.seed)
+    model = random_model(cfg.model, cfg.seed).to(cfg.device)
+    shallow = random_model(cfg.model.replace(pattern=f"{sharing.n_unique}x1"), cfg.seed).to(cfg.device)
     torch.manual_seed(cfg.seed + 1)
     ids = torch.randint(3, cfg.model.vocab_size, (cfg.batch, cfg.source_len))
     n = cfg.new_tokens
@@ -126,14 +131,17 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
         variants["hf_generate"] = lambda: hf_go().numel()  # batch x n tokens (EOS disabled)
     print(
         f"benchmark: {cfg.model.pattern} d_model={cfg.model.d_model} vocab={cfg.model.vocab_size} "
-        f"batch={cfg.batch} tokens={n} reps={cfg.reps} threads={torch.get_num_threads()}",
+        f"batch={cfg.batch} tokens={n} reps={cfg.reps} threads={torch.get_num_threads()} device={cfg.device}",
         flush=True,
     )
-    times = interleave(variants, cfg.reps)
+    times = interleave(variants, cfg.reps, cfg.device)
     for name in ("speed", "speed_oracle"):
         if results[name].tokens != reference.tokens:
             raise AssertionError(f"{name} output differs from sequential greedy decoding")
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    machine = f"{_platform.machine()} {_platform.processor() or ''}".strip()
+    if torch.device(cfg.device).type == "cuda":
+        machine = torch.cuda.get_device_name(cfg.device)
     rows = []
     for name, ts in times.items():
         stats = results[name].stats if name in results else None
@@ -159,7 +167,7 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
                 "batch": cfg.batch,
                 "threads": torch.get_num_threads(),
                 "torch": torch.__version__,
-                "machine": f"{_platform.machine()} {_platform.processor() or ''}".strip(),
+                "machine": machine,
             }
         )
     return pa.Table.from_pylist(rows, schema=BENCH_SCHEMA)
@@ -181,14 +189,15 @@ def _hf_pair(cfg: BenchConfig, ids: torch.Tensor):
     hf = T5ForConditionalGeneration(hf_config_from(cfg.model.replace(dropout=0.0), n_decoder_layers=depth)).eval()
     with torch.no_grad():
         hf.lm_head.weight[cfg.model.eos_id].zero_()
-    ours = from_hf_model(hf, pattern=f"{depth}x1").eval()
+    ours = from_hf_model(hf, pattern=f"{depth}x1").eval().to(cfg.device)
+    hf, hf_ids = hf.to(cfg.device), ids.to(cfg.device)
     n = cfg.new_tokens
 
     def hf_generate() -> torch.Tensor:
         # An explicit cache: transformers 5.x sizes T5's default one by the encoder depth.
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         with torch.inference_mode():
-            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1, cache=cache)
+            out = hf.generate(hf_ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1, cache=cache)
         assert out.shape[1] == n + 1  # decoder start + n tokens
         return out[:, 1:]
 

@@ -1,6 +1,10 @@
-"""Training on Ray Train: job configs, the per-worker loop, checkpoints that resume exactly, the driver."""
+"""Training on Ray Train: job configs, the per-worker loop, checkpoints that resume exactly, the driver.
 
-from speed.train.config import JobConfig, job_from_args, job_from_dict, job_to_dict, run_name
-from speed.train.launch import TrainOutcome, run_job
+- ``speed.train.config``: ``JobConfig`` and its sections, parsed from YAML and flags; run names.
+- ``speed.train.launch``: the driver's stages and ``run_job`` (what the training jobs call).
+- ``speed.train.loop``: ``train_loop_per_worker``, what every Ray Train worker runs.
+- ``speed.train.optim``, ``speed.train.state``: the optimizer and its schedule; training checkpoints.
 
-__all__ = ["JobConfig", "TrainOutcome", "job_from_args", "job_from_dict", "job_to_dict", "run_job", "run_name"]
+This package imports nothing itself: the optimizer and checkpoint modules load without Ray (``jobs/gpu_check.py``
+trains on a machine that has none); only the driver and the loop import it.
+"""

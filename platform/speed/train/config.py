@@ -27,11 +27,10 @@ from speed.config import ConfigError, ModelConfig, from_dict, preset, to_dict
 from speed.data.tasks import TASKS
 from speed.evaluate import EvalConfig
 from speed.losses import SCHEMES, SettleConfig, check_scheme
+from speed.train.optim import SCHEDULES, OptimConfig
 from speed.train.state import IncompatibleCheckpointError
 
 KINDS = ("pretrain", "finetune")
-OPTIMIZERS = ("adamw", "adafactor")
-SCHEDULES = ("cosine", "linear", "constant", "rsqrt")
 
 
 @dataclass(frozen=True)
@@ -58,35 +57,6 @@ class DataConfig:
                 raise ValueError(f"DataConfig.{name} must be positive, got {getattr(self, name)}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"DataConfig.limit must be positive or None, got {self.limit}")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Optimiser and learning-rate schedule (linear warm-up, then ``schedule`` decay to ``min_lr_ratio``)."""
-
-    name: str = "adamw"  # adamw | adafactor (torch.optim.Adafactor)
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.98)  # AdamW only
-    warmup_steps: int = 50
-    schedule: str = "cosine"  # cosine | linear | constant | rsqrt
-    min_lr_ratio: float = 0.1  # floor of the decay, as a fraction of lr
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(self.betas))
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.name!r}; choose one of {list(OPTIMIZERS)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {list(SCHEDULES)}")
-        if self.lr <= 0:
-            raise ValueError(f"OptimConfig.lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
-            raise ValueError("OptimConfig.warmup_steps, grad_clip and weight_decay must be >= 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if len(self.betas) != 2:
-            raise ValueError(f"OptimConfig.betas must be two numbers, got {self.betas}")
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from speed.model import SpeedT5
 from speed.train import tracking
 from speed.train.batches import BatchPlan
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
-from speed.train.optim import build_optimizer, build_scheduler, lr_factor
+from speed.train.optim import build_optimizer, build_scheduler, follow_parameters, lr_factor
 from speed.train.state import (
     TrainingState,
     check_compatible,
@@ -188,8 +188,8 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
             flush=True,
         )
     ctx = replace(ctx, model=ray.train.torch.prepare_model(model))  # on a GPU: moves the parameters there
-    if step:  # the restored optimizer state went to the parameters' device at load (the CPU): follow them
-        ctx.optimizer.load_state_dict(ctx.optimizer.state_dict())
+    if step:  # the restored optimizer state went to the parameters' device at load (the CPU)
+        follow_parameters(ctx.optimizer)
     _train(ctx, step, history, resumed_own=own is not None)
 
 

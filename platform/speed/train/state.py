@@ -69,13 +69,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_training_checkpoint(
     directory: str | Path,
     model: SpeedT5,
-    tokenizer_path: str | Path,
+    tokenizer_path: str | Path | None,
     job: dict[str, Any],
     state: TrainingState,
 ) -> Path:
     """Write a resumable checkpoint (model part via ``speed.checkpoint.save_model``) into ``directory``.
 
-    ``job`` is the resolved job (``speed.train.config.job_to_dict``).
+    ``job`` is the resolved job (``speed.train.config.job_to_dict``); without ``tokenizer_path`` the
+    checkpoint holds no tokenizer (the GPU check's throwaway one, ``speed.benchmarks.gpu``).
     """
     directory = Path(directory)
     job_dict = {key: value for key, value in job.items() if key != "model"}  # the model: config.json's "model"

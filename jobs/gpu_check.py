@@ -1,0 +1,64 @@
+"""The GPU check (`make gpu-check`): the CUDA paths run once, within 6 minutes, on a machine without Ray.
+
+    python3 jobs/gpu_check.py                          # on a GPU machine: its own python3 and torch
+    python3 jobs/gpu_check.py --device cpu --tiny      # a dry run of every stage at tiny size on the CPU
+
+Stages (speed.benchmarks.gpu): training (a few steps on the device, a checkpoint saved and loaded, the
+optimizer state back on the device), agreement (CUDA tokens against the CPU's for the same weights),
+timing (decode at base dims, batch 1 and 8: 12x1, 2x6 sequential, 2x6 SPEED own and oracle, 2x1), and
+exactness (pytest -m gpu tests/test_gpu_decode.py). A failing stage is recorded and the next one runs.
+Writes one JSON file (--out; default $OUT/gpu_check.json when $OUT is set, else results/gpu_check.json),
+rewritten after every stage, and prints a summary table. Without a CUDA device it says so in one line
+and exits 2 before doing anything; it exits 1 when a stage failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
+
+from speed.benchmarks.gpu import FULL, TINY, format_report, report_dict, run_check
+from speed.cli import JobParser
+
+
+def default_out() -> Path:
+    """``$OUT/gpu_check.json`` where a runner collects files from ``$OUT``, else under results/."""
+    return Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("results/gpu_check.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = JobParser(prog="gpu_check.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="torch device to check (default: cuda)")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: a dry run of every stage in seconds")
+    p.add_argument("--budget-s", type=float, default=330.0, help="wall-clock budget; pytest gets what is left")
+    p.add_argument("--out", type=Path, default=None, help="the JSON report (default: see above)")
+    args = p.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(
+            f"error: no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda}): nothing was "
+            "checked; --device cpu --tiny is a dry run",
+            file=sys.stderr,
+        )
+        return 2
+    out = args.out or default_out()
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(report) -> None:
+        out.write_text(json.dumps(report_dict(report), indent=2, default=str))
+
+    report = run_check(TINY if args.tiny else FULL, args.device, args.budget_s, write)
+    print()
+    print(format_report(report))
+    print(f"report written to {out}")
+    return 0 if all(s.ok for s in report.stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
