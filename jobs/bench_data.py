@@ -2,6 +2,7 @@
 
     python jobs/bench_data.py                          # the local pretraining corpus, 1x 10x 100x
     python jobs/bench_data.py --scales 1,10 --before 1 # also the pre-stage in-memory path at 1x
+    python jobs/bench_data.py --split validation --scales 1,2 --steps 2 --vocab-size 300  # in seconds
 
 The corpus is replicated by symbolic links in a temporary folder (never in the
 project), prepared once per scale with the pretraining job's default settings,
@@ -29,6 +30,7 @@ from speed.tokenizer import train_tokenizer
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--split", default="train", help="the pretraining corpus's split to replicate")
     p.add_argument("--scales", default="1,10,100", help="copies of the corpus, comma-separated")
     p.add_argument("--before", default="", help="scales at which to also measure the in-memory path, e.g. 1,10")
     p.add_argument("--steps", type=int, default=200, help="batches each worker collates")
@@ -48,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         corpus_dir = data_dir() / get_task("pretrain").local_dir
         tokenizer = work / "spm.model"
         if not tokenizer.is_file():
-            train_tokenizer(load_records("pretrain", "train")["text"], tokenizer, vocab_size=args.vocab_size)
+            train_tokenizer(load_records("pretrain", args.split)["text"], tokenizer, vocab_size=args.vocab_size)
         rows = []
         for scale in (int(s) for s in args.scales.split(",")):
-            source = replicate(corpus_dir, "train", scale, work / f"corpus-{scale}x")
-            spec = CorpusSpec("pretrain", "train", str(source), None, args.max_source_len, args.max_target_len, True)
+            source = replicate(corpus_dir, args.split, scale, work / f"corpus-{scale}x")
+            spec = CorpusSpec("pretrain", args.split, str(source), None, args.max_source_len, args.max_target_len, True)
             spec_json = json.dumps(asdict(spec))
             prep = in_subprocess(
                 "measure_prepare", spec_json, str(tokenizer), str(work / "data"), args.docs_per_shard, args.ray

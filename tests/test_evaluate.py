@@ -76,7 +76,18 @@ def test_job_end_to_end(checkpoint, tmp_path, capsys):
 
     assert json.loads((out / "summary.json").read_text()) == summary
     assert set(summary["metrics"]) == {"bleu", "chrf"} and 0 <= summary["metrics"]["bleu"]["score"] <= 100
-    assert [r["loop"] for r in summary["flip_rates"]] == [1, 2, 3] and summary["flip_rates"][2]["flip_rate_final"] == 0
+    loops = {}  # (example, position) -> each loop's prediction, from the trace's raw predictions
+    for r in trace.to_pylist():
+        loops.setdefault((r["example"], r["position"]), {})[r["loop"]] = r["prediction"]
+    assert [r["loop"] for r in summary["flip_rates"]] == [1, 2, 3]
+    for rate in summary["flip_rates"]:
+        lo = rate["loop"]
+        prev = [lo > 1 and p[lo] != p[lo - 1] for p in loops.values()]
+        final = [p[lo] != p[3] for p in loops.values()]
+        assert rate["tokens"] == len(loops)
+        got = (rate["flip_rate_prev"], rate["flip_rate_final"])
+        assert got == pytest.approx((sum(prev) / len(prev), sum(final) / len(final))), lo
+    assert 0 < summary["flip_rates"][0]["flip_rate_final"] < 1  # early exits that flip: the rates tell loops apart
     decode = summary["decode"]
     assert decode["identical"] and decode["mismatches"] == [] and decode["speedup"] > 0
     assert decode["speed"]["tokens"] == decode["sequential"]["tokens"] == sum(predictions["output_tokens"].to_pylist())

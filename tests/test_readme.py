@@ -23,6 +23,7 @@ from speed.paths import repo_root
 
 ROOT = repo_root()
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXAMPLE_PAGES = ["README.md", "decoding.md"]  # the pages with python examples; the others hold none
 JOB = re.compile(r"(?:^|[\s/])(jobs/\w+\.py)((?:\s+\S+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -61,12 +62,16 @@ def make_targets() -> set[str]:
     return set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), flags=re.M))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_python_examples_are_on_the_pages_expected():
+    """Each page's python blocks are found, and a page gaining or losing its examples is noticed."""
+    assert [p.name for p in PAGES if blocks(p.read_text(), "python")] == EXAMPLE_PAGES
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name in EXAMPLE_PAGES], ids=lambda p: p.name)
 def test_python_blocks_run(page: Path):
-    text = page.read_text()
-    if page.name == "README.md":
-        assert blocks(text, "python"), "the README has no python example"
-    for block in blocks(text, "python"):
+    found = blocks(page.read_text(), "python")
+    assert found, f"{page.name} has no python example"
+    for block in found:
         exec(compile(block, str(page.relative_to(ROOT)), "exec"), {})
 
 

@@ -13,7 +13,6 @@ from speed.schedule import (
     EXAMPLE_LOOPS,
     EXAMPLE_TOKENS,
     example,
-    example_table,
     main,
     schedule,
 )
@@ -57,10 +56,31 @@ def test_flushes_and_rows_agree_with_the_engines_counters(invalidation):
         assert steps[-1].lengths == [t] * m
 
 
+def cells(table: str) -> list[list[str]]:
+    """A markdown table's body rows, cell by cell."""
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+
+
 def test_docs_page_holds_the_generated_table(capsys):
-    """docs/decoding.md's table is exactly what ``python -m speed.schedule`` prints today."""
+    """``python -m speed.schedule`` prints the hand-worked schedule in words, and docs/decoding.md holds exactly
+    that table."""
     main([])
     printed = capsys.readouterr().out
-    assert printed == example_table()
+    rows = cells(printed)  # step | rows | committed | launched | flushed | valid KV length per loop
+    assert [r[0] for r in rows] == [str(step) for step in range(1, 10)]
+    assert {r[0]: r[2] for r in rows if r[2]} == {"3": "the", "4": "cat", "5": "sat", "8": "on", "9": "mats"}
+    assert {r[0]: r[4] for r in rows if r[4]} == {"5": "p3, p4 (3 rows)"}
+    assert rows[4][1:4] == ["p2 loop 3: sat, p3 loop 2: on, p4 loop 1: mats", "sat", "p3 ← sat"]
+    assert (rows[2][3], rows[3][5], rows[8][5]) == ("p3 ← dog", "4 / 3 / 2", "5 / 5 / 5")
     found = MARKERS.findall((repo_root() / "docs" / "decoding.md").read_text())
     assert found == [printed], "regenerate it: python -m speed.schedule"
+
+
+def test_the_launch_loop_flag_reaches_the_schedule(capsys):
+    """Launched after loop 2, each token waits a step longer: p3, launched from p2's wrong "dog" at step 6, is
+    flushed after one row when p2's last loop says "sat" at step 7; 12 steps in all."""
+    main(["--launch-loop", "2"])
+    rows = cells(capsys.readouterr().out)
+    launched = {r[0]: r[3] for r in rows if r[3]}
+    assert launched == {"2": "p1 ← the", "4": "p2 ← cat", "6": "p3 ← dog", "7": "p3 ← sat", "9": "p4 ← on"}
+    assert len(rows) == 12 and {r[0]: r[4] for r in rows if r[4]} == {"7": "p3 (1 row)"}

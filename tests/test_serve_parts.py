@@ -434,16 +434,53 @@ def test_runner_cancel_frees_the_slot_and_reconfigure_rebuilds(tiny_model):
     assert runner.config.max_active == 3 and runner.counters.cancelled == 1 and runner.active == 0
 
 
-def test_runner_turns_an_engine_error_into_a_failed_request(tiny_model):
-    async def run():
-        runner = EngineRunner(tiny_model, EngineConfig(max_active=2, max_source_len=8, max_target_len=8))
-        with pytest.raises(ValueError, match="max_new_tokens must be at most 8"):
-            await runner.submit(Request([5, 1], 50))
-        ok = await (await runner.submit(Request([5, 1], 3))).done
-        runner.close()
-        return ok
+class FaultyModel:
+    """``model`` whose ``fail_at``-th step raises, and so does every later step of that engine (known by its
+    cache): a fault that leaves the engine unusable. An engine built afterwards steps normally."""
 
-    assert len(asyncio.run(run()).tokens) >= 1
+    def __init__(self, model: SpeedT5, fail_at: int) -> None:
+        self.model, self.fail_at, self.steps, self.broken = model, fail_at, 0, None
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def step(self, memory, cache, *args, **kwargs):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            self.broken = cache
+        if cache is self.broken:
+            raise RuntimeError("injected fault")
+        return self.model.step(memory, cache, *args, **kwargs)
+
+
+def test_runner_fails_every_pending_request_on_an_engine_fault_and_answers_the_next(tiny_model):
+    """The fifth step raises with two requests decoding and one queued: all three end with the error, their
+    streams end, none leaves a statistics row; the engine is rebuilt and a request sent at once is answered."""
+    inputs = [[5, 6, 7, 1], [8, 9, 1], [10, 11, 12, 1]]
+    alone = [generate(tiny_model, torch.tensor([x]), method="sequential", max_new_tokens=12).tokens[0] for x in inputs]
+    assert all(len(t) > 2 for t in alone), "each request must still be decoding when the fault comes"
+
+    async def run():
+        left = []
+        config = EngineConfig(max_active=2, max_source_len=8, max_target_len=16)
+        runner = EngineRunner(FaultyModel(tiny_model, fail_at=5), config, lambda f, s: left.append(s))
+        methods = ["speed", "sequential", "speed"]
+        failed = await runner.submit_all([Request(x, 12, m) for x, m in zip(inputs, methods)], [{}] * 3)
+        streamed = []
+        for s in failed:
+            streamed.append([c.token async for c in s.stream()])  # the stream ends
+            with pytest.raises(RuntimeError, match="injected fault"):
+                await s.done
+        after = await (await runner.submit(Request(inputs[0], 6))).done
+        state = (runner.pending, runner.active, runner.queued, len(left), runner.counters.finished)
+        runner.close()
+        return streamed, after, state
+
+    streamed, after, state = asyncio.run(asyncio.wait_for(run(), 30))  # a request left hanging fails it
+    assert streamed[0] and streamed[1] and streamed[2] == []  # the two active ones had streamed, the queued not
+    assert all(t == a[: len(t)] for t, a in zip(streamed, alone))
+    assert after.tokens == alone[0][:6]
+    assert state == (0, 0, 0, 1, 1)  # the old engine's requests are gone with it; one answer counted
 
 
 # ----- load generator and config file --------------------------------------------------------------------

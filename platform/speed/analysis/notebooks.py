@@ -7,14 +7,13 @@ start and the imports cost seconds each), each from a cleared namespace
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import nbformat
 from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
-from speed.paths import repo_root
+from speed.paths import checkout_env, repo_root
 
 RESULTS_ENV = "SPEED_RESULTS"
 
@@ -32,10 +31,8 @@ def run_notebooks(
     Raises ``nbclient.exceptions.CellExecutionError`` at the first failing cell.
     """
     paths = notebook_paths() if paths is None else paths
-    env = dict(os.environ)
+    env = checkout_env()  # the kernel imports this checkout's speed
     env[RESULTS_ENV] = str(Path(results).resolve())
-    # The kernel imports this checkout's speed, whatever the virtualenv has installed.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root() / "platform"), env.get("PYTHONPATH")) if p)
     env["MPLBACKEND"] = "Agg"  # headless: figures are saved, not shown
     kernel = KernelManager(kernel_name="python3")
     kernel.start_kernel(cwd=str(repo_root() / "analysis"), env=env)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from speed.data.sources import split_files
+from speed.paths import checkout_env
 
 _MIB = 1024 * 1024
 
@@ -113,14 +114,14 @@ def _warm_baseline(collate: Callable[[list[dict]], dict]) -> float:
 
 
 def in_subprocess(function: str, *args: object) -> dict:
-    """Run ``speed.benchmarks.data.<function>(*args)`` in a fresh interpreter; its result as a dict."""
+    """Run ``speed.benchmarks.data.<function>(*args)`` in a fresh interpreter (importing this checkout's speed);
+    its result as a dict."""
     code = (
         "import json, sys; from dataclasses import asdict; import speed.benchmarks.data as b; "
         f"print(json.dumps(asdict(b.{function}(*json.loads(sys.argv[1])))))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(list(args))], check=True, stdout=subprocess.PIPE, text=True
-    ).stdout
+    command = [sys.executable, "-c", code, json.dumps(list(args))]
+    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=checkout_env()).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

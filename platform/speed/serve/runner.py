@@ -189,8 +189,14 @@ class EngineRunner:
                 result = await self._call(self._engine.step)
             except Exception as err:  # a fault in decoding: fail its requests, keep the replica serving
                 log.exception("engine step failed; failing %d requests and rebuilding the engine", len(self._pending))
-                self._fail_all(err)
-                self._engine = await self._call(Engine, self.model, self.config)
+                # New requests wait for the new engine. Those added to the old one, even after the fault (their
+                # add was queued before the rebuild on the engine thread), are all pending once it is built: fail.
+                self._open.clear()
+                try:
+                    self._engine = await self._call(Engine, self.model, self.config)
+                finally:
+                    self._fail_all(err)
+                    self._open.set()
                 continue
             self.counters.add_step(result.rows)
             if self.on_step is not None:

@@ -1,0 +1,56 @@
+"""The serving benchmark (``speed.benchmarks.serving.run_serve_bench``) run once at its smallest size: a tiny
+checkpoint behind both applications on the session's Ray, one round at concurrency 1, two requests a variant."""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+import pytest
+import torch
+
+from speed import SpeedT5, preset
+from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_bench
+from speed.checkpoint import save_model
+from speed.serve.stats import BENCH_SERVE_SCHEMA, read_requests
+from speed.tokenizer import EOS_ID, Tokenizer
+
+pytestmark = pytest.mark.ray
+
+
+def test_one_round_rows_count_every_variant(ray_session, tiny_tokenizer, tmp_path):
+    """Every variant answers the same prompts alike, to max_tokens; the engine's counts per token are M for
+    sequential decoding and fewer steps for SPEED; the replicas' statistics rows hold each timed request."""
+    from ray import serve
+
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=Tokenizer.load(tiny_tokenizer).vocab_size)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[EOS_ID] = 0  # EOS never the argmax: every answer runs to max_tokens
+    save_model(tmp_path / "ckpt", model, tiny_tokenizer)
+    sizes = {"concurrency": (1,), "rounds": 1, "requests_per_client": 2, "min_requests": 2, "warmup": 1}
+    stats = str(tmp_path / "stats")
+    config = ServeBenchConfig(str(tmp_path / "ckpt"), max_tokens=6, max_active=2, stats_path=stats, **sizes)
+    try:
+        result = run_serve_bench(config)
+    finally:
+        serve.shutdown()  # run_serve_bench deleted its applications; the proxy goes too
+
+    assert result.runs.schema.equals(BENCH_SERVE_SCHEMA) and result.mismatches == 0
+    runs = {r["variant"]: r for r in result.runs.to_pylist()}
+    assert list(runs) == ["a", "b", "c"]  # no lever set: no variant d
+    expected = {"a": ("sequential", 1), "b": ("sequential", 2), "c": ("speed", 2)}
+    assert {v: (r["method"], r["max_active"]) for v, r in runs.items()} == expected
+    for r in runs.values():
+        assert (r["concurrency"], r["round"], r["requests"], r["errors"], r["tokens"]) == (1, 0, 2, 0, 12)
+        assert r["tokens_per_s"] == pytest.approx(12 / r["seconds"]) and 0 < r["p50_ms"] <= r["p99_ms"]
+    for v in "ab":  # one row per loop and token, one loop per step
+        assert runs[v]["steps_per_token"] == runs[v]["rows_per_token"] == 3.0
+    assert 1.0 <= runs["c"]["steps_per_token"] < 3.0 <= runs["c"]["rows_per_token"]
+
+    assert sorted(pc.unique(result.requests["run"]).to_pylist()) == ["a-c1-r0", "b-c1-r0", "c-c1-r0"]
+    served = read_requests(stats)  # warm-up requests too
+    timed = set(result.requests["request_id"].to_pylist())
+    assert len(timed) == 6 and timed <= set(served["request_id"].to_pylist())
+    assert {(v, c) for v, c in result.summary} == {("a", 1), ("b", 1), ("c", 1)}
+    assert set(result.ratios) == {"c_over_a_tokens_per_s_at_1", "c_over_b_tokens_per_s_at_1", "c_over_b_p50_at_1"}
+    assert result.ratios["c_over_b_p50_at_1"] == pytest.approx(runs["c"]["p50_ms"] / runs["b"]["p50_ms"])
+    assert "answers identical across variants: yes" in format_table(result)
