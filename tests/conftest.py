@@ -55,6 +55,18 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
+def ray_cluster():
+    """A real ``ray start --head`` cluster on 127.0.0.1 (tests/cluster_helpers.py), shared by the tests whose
+    subject is a cluster as users start one (``ray job submit``, its listeners): (dashboard address, env for the
+    ``ray`` CLI). 2 CPUs; no ``$PYTHONPATH``, so its workers import only what is installed and what a job ships.
+    Its tests are one xdist group: one such cluster per test run."""
+    import cluster_helpers
+
+    with cluster_helpers.local_cluster(num_cpus=2, keep_pythonpath=False) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """A 300-piece SentencePiece model trained on the first 40 pretraining documents (~2 s)."""
     from speed.data import load_records

@@ -5,7 +5,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import pytest
+
 from speed.engine import Engine, Request, StepResult
+
+# The blocks of random cases of a differential test: the first in every tier, the others left out of
+# `make test-quick` (marked slow), so the inner loop still checks exactness on a few dozen random cases.
+BLOCKS = [pytest.param(i, marks=[pytest.mark.slow] if i else []) for i in range(8)]
 
 
 def drive(

@@ -19,6 +19,7 @@ def _job():
     return job
 
 
+@pytest.mark.slow  # three fresh Python processes: ~10-20 s
 def test_a_row_counts_the_replicated_corpus_and_each_process_memory(tmp_path, capsys):
     flags = ["--split", "validation", "--scales", "2", "--before", "2", "--steps", "2", "--vocab-size", "300"]
     assert _job().main([*flags, "--max-source-len", "64", "--workdir", str(tmp_path), "--json"]) == 0

@@ -83,7 +83,8 @@ def test_serving_jobs_ship_their_speed_to_the_replicas(monkeypatch, name):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_submitted_job_imports_speed_from_its_working_dir(tmp_path):
+@pytest.mark.xdist_group("ray_cluster")  # the shared `ray start` cluster
+def test_submitted_job_imports_speed_from_its_working_dir(ray_cluster, tmp_path):
     """The cluster has no $PYTHONPATH: without the shipping, driver and workers would import the venv's install."""
     work = tmp_path / "submitted"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -93,10 +94,10 @@ def test_submitted_job_imports_speed_from_its_working_dir(tmp_path):
     (work / "platform" / "speed" / "MARKER").write_text(marker)
     (work / "probe.py").write_text(PROBE)
 
-    with cluster_helpers.local_cluster(num_cpus=1, keep_pythonpath=False) as (address, env):
-        submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--working-dir", str(work)]
-        submit += ["--", "python", "probe.py"]
-        done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
+    address, env = ray_cluster
+    submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--working-dir", str(work)]
+    submit += ["--", "python", "probe.py"]
+    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "succeeded" in output, output[-4000:]
     (line,) = [ln for ln in output.splitlines() if ln.startswith("RESULT ")]
@@ -129,18 +130,19 @@ def _is_loopback(address: str) -> bool:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_local_cluster_listens_on_loopback_only():
+@pytest.mark.xdist_group("ray_cluster")  # the shared `ray start` cluster
+def test_local_cluster_listens_on_loopback_only(ray_cluster):
     """`ray start --head` as clusters/README.md runs it, and a job on it: no process of that cluster listens on an
     address other machines can reach; none is exempt (without LOOPBACK_ENV the GCS, the raylet, the agents, the
     metrics servers and the Ray client server listen on every interface or on the machine's address)."""
-    with cluster_helpers.local_cluster(num_cpus=1) as (address, env):
-        submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--", "python", "-c", LONG_JOB]
-        job = subprocess.Popen(submit, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        seen: set[tuple[str, str]] = set()
-        while job.poll() is None:  # every listener of the cluster's processes while the job runs
-            seen |= _listeners(marked_processes(env[OWNER_ENV]))
-            time.sleep(0.5)
-        output = job.stdout.read()
+    address, env = ray_cluster
+    submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--", "python", "-c", LONG_JOB]
+    job = subprocess.Popen(submit, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[tuple[str, str]] = set()
+    while job.poll() is None:  # every listener of the cluster's processes while the job runs
+        seen |= _listeners(marked_processes(env[OWNER_ENV]))
+        time.sleep(0.5)
+    output = job.stdout.read()
     assert job.returncode == 0 and "succeeded" in output, output[-4000:]
     names = {name for name, _ in seen}
     assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::") for n in names), seen  # not vacuous

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import speed_as_sequential
+from engine_helpers import BLOCKS, speed_as_sequential
 from test_decoding_exact import random_case
 from test_decoding_schedule import EOS, StubModel, target
 
@@ -196,7 +196,7 @@ def test_bad_branch_depth():
             engine.add(Request([3, 4], 4, branches=1, branch_depth=depth))
 
 
-@pytest.mark.parametrize("block", range(3))
+@pytest.mark.parametrize("block", BLOCKS[:3])
 def test_branches_equal_sequential_bitwise(block):
     """Random tiny models, branches and gates on: every loop's logits of every token equal sequential's."""
     cases = promotions = restarts = 0

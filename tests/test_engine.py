@@ -14,7 +14,7 @@ import threading
 import pyarrow.compute as pc
 import pytest
 import torch
-from engine_helpers import drive
+from engine_helpers import BLOCKS, drive
 from test_decoding_schedule import EOS, StubModel, target
 
 from speed.config import preset
@@ -70,7 +70,7 @@ def random_request(rng: random.Random, model: SpeedT5, max_source: int, max_targ
     )
 
 
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", BLOCKS[:4])
 def test_churn_equals_sequential_alone(block):
     """Random arrivals, cancellations, capacities, budgets, policies, greedy and sampled requests mixed:
     each finished request is exact."""

@@ -55,6 +55,7 @@ print("decoded", fast.stats.tokens)
     assert out.stdout.strip() == "decoded 12"
 
 
+@pytest.mark.slow  # the whole check, its inner pytest included, in a subprocess: ~15 s
 def test_dry_run_on_the_cpu_without_ray(tmp_path):
     """Every stage at tiny size on the CPU, in a process (and a pytest) that cannot import Ray."""
     report_file = tmp_path / "out" / "gpu_check.json"

@@ -30,15 +30,9 @@ from speed.train.state import load_training_state
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture
-def local_cluster():
-    """A 2-CPU Ray head on 127.0.0.1 (tests/cluster_helpers.py); yields (dashboard address, env for the CLI)."""
-    with cluster_helpers.local_cluster(num_cpus=2) as cluster:
-        yield cluster
-
-
-def test_ray_job_submit_pretrains_and_checkpoints(local_cluster, tiny_tokenizer, tmp_path):
-    address, env = local_cluster
+@pytest.mark.xdist_group("ray_cluster")  # the shared `ray start` cluster (conftest)
+def test_ray_job_submit_pretrains_and_checkpoints(ray_cluster, tiny_tokenizer, tmp_path):
+    address, env = ray_cluster
     storage = tmp_path / "runs"
     flags = ["--preset", "tiny", "--pattern", "2x3", "--limit", "40", "--tokenizer", str(tiny_tokenizer)]
     flags += ["--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--cpus-per-worker", "1"]
