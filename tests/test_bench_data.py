@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from speed.data import load_records, tokenize_records
 from speed.paths import repo_root
 from speed.tokenizer import Tokenizer
