@@ -18,9 +18,12 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+
+SESSION_ENV = "SPEED_TEST_SESSION"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,6 +33,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Every process a test starts inherits the session's mark (pytest_sessionfinish looks for those left).
+    os.environ[SESSION_ENV] = secrets.token_hex(8)
     folder = Path(tempfile.mkdtemp(prefix="speed-test-ray-"))
     token = folder / "auth_token"
     token.write_text(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes: 256 random bits
@@ -37,6 +42,30 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.pop("RAY_AUTH_TOKEN", None)  # takes precedence over the path
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A test run leaves no process behind: any process started under this session (a Ray, a job, a server)
+    still running once the session's fixtures are torn down is ended, and the run fails naming it."""
+    from speed.train.local_ray import end_processes, marked_processes
+
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return  # xdist's controller: its workers, still there, check their own
+    token, deadline = os.environ[SESSION_ENV], time.monotonic() + 20  # Ray's own shutdown may take a moment
+    while (left := marked_processes(token, name=SESSION_ENV)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        names = sorted({_name(pid) for pid in left})
+        end_processes(left)
+        print(f"\nerror: {len(left)} processes started by the tests outlived them: {', '.join(names)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") or str(pid)
+    except OSError:
+        return str(pid)
 
 
 @pytest.fixture(scope="session")

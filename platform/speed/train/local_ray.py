@@ -57,12 +57,12 @@ def start(num_cpus: int | None = None, runtime_env: dict | None = None) -> str:
     return token
 
 
-def marked_processes(token: str, exclude: set[int] = frozenset()) -> list[int]:
-    """Running processes whose initial environment holds ``SPEED_RAY_OWNER=<token>``.
+def marked_processes(token: str, exclude: set[int] = frozenset(), name: str = OWNER_ENV) -> list[int]:
+    """Running processes whose initial environment holds ``SPEED_RAY_OWNER=<token>`` (``name=<token>``).
 
     Never the caller itself nor its ancestors (a shell that exported the token), nor ``exclude``.
     """
-    mark = f"{OWNER_ENV}={token}".encode()
+    mark = f"{name}={token}".encode()
     exclude = set(exclude) | _ancestry()
     found = []
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
