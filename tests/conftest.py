@@ -44,21 +44,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left():
     """A test run leaves no process behind: any process started under this session (a Ray, a job, a server)
-    still running once the session's fixtures are torn down is ended, and the run fails naming it."""
+    still running once every other fixture is torn down (this one is set up first, so torn down last) is
+    ended, and the run fails naming it."""
     from speed.train.local_ray import end_processes, marked_processes
 
-    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
-        return  # xdist's controller: its workers, still there, check their own
+    yield
     token, deadline = os.environ[SESSION_ENV], time.monotonic() + 20  # Ray's own shutdown may take a moment
     while (left := marked_processes(token, name=SESSION_ENV)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left:
         names = sorted({_name(pid) for pid in left})
         end_processes(left)
-        print(f"\nerror: {len(left)} processes started by the tests outlived them: {', '.join(names)}")
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        pytest.fail(f"{len(left)} processes started by the tests outlived them: {', '.join(names)}")
 
 
 def _name(pid: int) -> str:
