@@ -297,8 +297,7 @@ class _InterruptAfterFirstTrial(tune.Callback):
 def _job(storage: Path, tokenizer: Path):
     flags = ["--preset", "tiny", "--task", "translate_en_de", "--limit", "64", "--tokenizer", str(tokenizer)]
     flags += ["--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--warmup-steps", "1"]
-    # One CPU a trial: two trials at a time on the session's 2-CPU Ray (most of a tiny trial is start-up).
-    flags += ["--max-source-len", "24", "--max-target-len", "24", "--cpus-per-worker", "1", "--log-every", "2"]
+    flags += ["--max-source-len", "24", "--max-target-len", "24", "--cpus-per-worker", "2", "--log-every", "2"]
     return job_from_args("finetune", flags + ["--storage-path", str(storage)])
 
 
