@@ -37,6 +37,7 @@ from speed.serve.stats import (
     read_traces,
 )
 from speed.serve.text import TextStream
+from speed.storage import locate
 from speed.trace import TRACE_SCHEMA
 
 # ----- request validation ------------------------------------------------------------------------
@@ -327,6 +328,36 @@ def test_sink_on_a_uri(tmp_path):
     sink.add(_row(0), None)
     sink.flush()
     assert read_requests(f"file://{tmp_path}/stats")["request_id"].to_pylist() == ["cmpl-0"]
+
+
+@pytest.mark.parametrize("where", ["local", "uri"])
+def test_a_malformed_row_costs_only_itself(tmp_path, memory_store, caplog, where):
+    """A row that does not fit REQUEST_SCHEMA (a wrong type, a null where none may be) or whose trace does not
+    fit its schema is logged and set aside under rejected/ with the error; the other rows are written, now and
+    in every later flush (on a URI, where rows are not logged, ``take`` used to fail on it from then on)."""
+    storage = str(tmp_path / "stats") if where == "local" else memory_store
+    sink = StatsSink(storage, "app#SpeedServer#r", max_rows=100, max_seconds=600)
+    sink.add(_row(0), _trace("cmpl-0", 2))
+    with caplog.at_level("ERROR", logger="speed.serve.stats"):
+        sink.add(_row(1, steps="five"), _trace("cmpl-1", 3))  # int32 column, a string
+        sink.add(_row(2, request_id=None), None)  # not nullable
+        sink.add(_row(3), _trace("cmpl-3", 1).drop_columns(["loop"]))  # its trace lacks a column
+    sink.add(_row(4), _trace("cmpl-4", 1))
+    assert (sink.pending, sink.set_aside) == (2, 3)
+    assert sink.flush() == 2
+    sink.add(_row(5), None)
+    assert sink.flush() == 1  # and later flushes work
+    requests, traces = read_requests(storage), read_traces(storage)
+    assert sorted(requests["request_id"].to_pylist()) == ["cmpl-0", "cmpl-4", "cmpl-5"]
+    assert sorted(set(traces["request_id"].to_pylist())) == ["cmpl-0", "cmpl-4"] and traces.num_rows == 3
+    said = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert len(said) == 3 and "cmpl-1" in said[0] and "int32" in said[0] and "request_id: null" in said[1]
+    rejected = locate(storage) / "rejected"
+    found = [json.loads((rejected / i.base_name).read_text()) for i in rejected.entries()]
+    assert [r["request"]["request_id"] for r in found] == ["cmpl-1", None, "cmpl-3"]
+    assert "tried to convert to int32" in found[0]["error"] and found[0]["request"]["steps"] == "five"
+    assert len(found[0]["trace"]) == 3 and "loop" in found[2]["error"]
+    assert found[0]["request"]["arrived"].startswith("1970-01-01")  # what JSON lacks, as text
 
 
 def _stats(**counts):
