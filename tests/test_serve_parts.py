@@ -35,6 +35,7 @@ from speed.serve.stats import (
     compact_orphans,
     read_requests,
     read_traces,
+    write_ahead_logs,
 )
 from speed.serve.text import TextStream
 from speed.storage import locate
@@ -307,6 +308,51 @@ def test_sink_logs_every_row_so_a_replica_killed_hard_loses_none(tmp_path):
     assert read_requests(storage).num_rows == 6 and read_traces(storage).num_rows == 16
 
 
+_STOPPING_WRITER = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from test_serve_parts import _row, _trace
+from speed.serve.stats import StatsSink
+sink = StatsSink({storage!r}, "app#SpeedServer#stopping", max_rows=100, max_seconds=600)
+for i in range(4):
+    sink.add(_row(i), _trace(f"cmpl-{{i}}", 2))
+print("logged", flush=True)
+sys.stdin.readline()
+time.sleep(0.5)  # a replica still ending when its job compacts
+os.kill(os.getpid(), signal.SIGKILL)  # as a signal to the process group stops it: no flush
+"""
+
+
+def test_a_stopping_job_turns_its_replicas_logs_into_parquet_any_reader_sees(tmp_path):
+    """What ``jobs/serve.py`` does once its replicas are gone (``compact_orphans`` with ``wait_s``): it waits for a
+    writer still holding its logs to end, then writes them as Parquet, which plain pandas and pyarrow read; a
+    writer that stays keeps its logs, and the wait is bounded."""
+    import pandas as pd
+
+    storage = str(tmp_path / "stats")
+    code = _STOPPING_WRITER.format(tests=str(repo_root() / "tests"), storage=storage)
+    env = {**os.environ, "PYTHONPATH": str(repo_root() / "platform")}
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    writer = subprocess.Popen([sys.executable, "-c", code], env=env, **pipes)
+    try:
+        assert writer.stdout.readline() == "logged\n"
+        assert compact_orphans(storage) == 0 and len(write_ahead_logs(storage)) == 2  # alive: its logs are its own
+        writer.stdin.write("end\n")
+        writer.stdin.flush()
+        assert compact_orphans(storage, wait_s=120) == 2  # waited for it to end
+    finally:
+        writer.kill()
+        writer.wait(timeout=60)
+    assert write_ahead_logs(storage) == []
+    assert sorted(pd.read_parquet(tmp_path / "stats" / "requests")["request_id"]) == [f"cmpl-{i}" for i in range(4)]
+    assert pq.read_table(tmp_path / "stats" / "traces").num_rows == 8
+    live = StatsSink(storage, "app#SpeedServer#alive")
+    live.add(_row(9), None)
+    started = time.monotonic()
+    assert compact_orphans(storage, wait_s=0.5) == 0 and 0.5 <= time.monotonic() - started < 5
+    assert len(write_ahead_logs(storage)) == 1
+
+
 def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(tmp_path):
     sink = StatsSink(str(tmp_path), "r#1", max_rows=100, max_seconds=600)
     for i in range(3):
@@ -318,6 +364,8 @@ def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(tmp_path):
     assert sink.flush() == 3 and not list(wal.iterdir())
     for name, data in logs.items():  # killed between the Parquet file's rename and the log's deletion
         (wal / name).write_bytes(data)
+    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
+    assert compact_orphans(str(tmp_path)) == 2 and not list(wal.iterdir())  # stale: their Parquet files stand
     assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
     sink.add(_row(3), None)
     assert read_requests(str(tmp_path)).num_rows == 4  # the next file's log

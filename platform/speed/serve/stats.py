@@ -18,7 +18,8 @@ Arrow IPC stream, one record batch per request, written through to the OS
 before the answer leaves the replica), so a replica killed hard (SIGKILL, a
 signal to its process group, an out-of-memory kill) loses no row it answered;
 a flush writes Parquet file ``n`` and then deletes log ``n``; a new sink turns the
-logs of dead replicas into their Parquet files (``compact_orphans``). A row that does not fit ``REQUEST_SCHEMA``
+logs of dead replicas into their Parquet files (``compact_orphans``), and so does
+``jobs/serve.py`` once its replicas are gone. A row that does not fit ``REQUEST_SCHEMA``
 (or trace rows that do not fit theirs) costs only itself: it is logged and set aside
 under ``rejected/`` with the error, and the other rows are written. ``read_requests``
 / ``read_traces`` read a storage path back: the Parquet files and the logs no
@@ -273,17 +274,32 @@ def _write_atomically(final: Location, table: pa.Table) -> None:
         pq.write_table(table, partial, filesystem=final.fs, row_group_size=None)
 
 
-def compact_orphans(storage: str) -> int:
-    """Turn the logs of dead replicas (a hard kill leaves them; no live writer holds their lock) into the
-    Parquet files they stand for, so that readers of the Parquet files alone (the notebooks) see their
-    rows too; returns the logs compacted. Local storage only; a new replica calls it when it starts."""
+def write_ahead_logs(storage: str) -> list[str]:
+    """The write-ahead logs under a local ``storage`` (rows not in Parquet yet), sorted; empty on a URI."""
     where = locate(storage)
-    root = where.path
-    wal = Path(root) / WAL_DIR
-    if not where.local or not wal.is_dir():
-        return 0
-    compacted = 0
-    for log in sorted(wal.glob("*.arrows")):
+    wal = Path(where.path) / WAL_DIR
+    return sorted(str(p) for p in wal.glob("*.arrows")) if where.local and wal.is_dir() else []
+
+
+def compact_orphans(storage: str, wait_s: float = 0.0) -> int:
+    """Turn the logs of dead replicas (a hard kill leaves them; no live writer holds their lock) into the
+    Parquet files they stand for, so that readers of the Parquet files alone (the notebooks, pandas, DuckDB)
+    see their rows too; returns the logs compacted. Local storage only; a new replica calls it when it
+    starts, ``jobs/serve.py`` when it stops, with ``wait_s``: how long to wait for the writers still holding
+    a log to end (replicas being stopped) before leaving their logs as they are."""
+    deadline = time.monotonic() + wait_s
+    compacted, held = _compact(storage)
+    while held and time.monotonic() < deadline:
+        time.sleep(0.1)
+        more, held = _compact(storage)
+        compacted += more
+    return compacted
+
+
+def _compact(storage: str) -> tuple[int, int]:
+    """One pass of ``compact_orphans``: (logs compacted, logs a live writer holds)."""
+    where, compacted, held = locate(storage), 0, 0
+    for log in map(Path, write_ahead_logs(storage)):
         stem, folder, _ = log.name.rsplit(".", 2)
         schema = {REQUESTS_DIR: REQUEST_SCHEMA, TRACES_DIR: SERVE_TRACE_SCHEMA}.get(folder)
         if schema is None:
@@ -296,18 +312,20 @@ def compact_orphans(storage: str) -> int:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                continue  # its replica is alive
-            final = Path(root) / folder / f"{stem}.parquet"
-            if not log.exists() or os.stat(log).st_ino != os.fstat(fd).st_ino or final.exists():
+                held += 1  # its replica is alive
+                continue
+            final = where / folder / f"{stem}.parquet"
+            if not log.exists() or os.stat(log).st_ino != os.fstat(fd).st_ino:
                 continue  # replaced by its Parquet file between the listing and the lock
-            batches = _read_log(str(log))
-            if batches:
-                _write_atomically(where / folder / final.name, pa.Table.from_batches(batches, schema))
+            if not final.exists():  # else its writer died between the Parquet file's rename and the log's deletion
+                batches = _read_log(str(log))
+                if batches:
+                    _write_atomically(final, pa.Table.from_batches(batches, schema))
             log.unlink()
             compacted += 1
         finally:
             os.close(fd)
-    return compacted
+    return compacted, held
 
 
 class StatsSink:
