@@ -33,7 +33,7 @@ from ray import serve
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import parse_set, user_errors
-from speed.cluster import code_runtime_env
+from speed.cluster import code_runtime_env, loopback_options
 from speed.serve.app import DEFAULT_STATS_PATH, start_app
 from speed.serve.auth import API_KEY_ENV
 from speed.serve.stats import compact_orphans, write_ahead_logs
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     stats_path = absolute(args.stats_path)  # the replicas' working folder is not this one
     # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True, runtime_env=code_runtime_env())
+    address = os.environ.get("RAY_ADDRESS")
+    where = {"address": address} if address else {"address": "local", **loopback_options()}  # loopback only
+    ray.init(**where, log_to_driver=True, runtime_env=code_runtime_env())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:
         url = start_app(
