@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_bench
 from speed.cli import config_from_args
-from speed.cluster import code_runtime_env
+from speed.cluster import code_runtime_env, loopback_options
 from speed.paths import repo_root
 
 
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         include_dashboard=False,
         log_to_driver=False,
         runtime_env=code_runtime_env(),
+        **loopback_options(),
     )
     try:
         result = run_serve_bench(config)

@@ -7,8 +7,10 @@
 Starts on the local Ray (or joins $RAY_ADDRESS) and blocks until interrupted (Ctrl-C or
 SIGTERM, what `kill`, systemd and Kubernetes send), then stops within --stop-timeout-s:
 it deletes the application (Serve drains every replica, which writes its remaining
-statistics), then shuts Serve and Ray down. Binds 127.0.0.1 unless --host says
-otherwise. With --api-key (or $SPEED_API_KEY, which `ps` does not show) every route
+statistics), then shuts Serve and Ray down, and writes the write-ahead logs of replicas
+that could not drain (a signal to the whole process group stops them at once) as their
+Parquet files, so that any Parquet reader sees every answered row. Binds 127.0.0.1
+unless --host says otherwise. With --api-key (or $SPEED_API_KEY, which `ps` does not show) every route
 but /healthz needs `Authorization: Bearer <key>`. --set KEY=VALUE fills the replicas'
 user_config (speed.serve.settings.ServeSettings: max_active, row_budget, method,
 launch_loop, branches, min_confidence, task, max_prompts, ...). For `serve run` / `serve deploy`
@@ -31,9 +33,11 @@ from ray import serve
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import parse_set, user_errors
-from speed.cluster import code_runtime_env
+from speed.cluster import code_runtime_env, loopback_options
 from speed.serve.app import DEFAULT_STATS_PATH, start_app
 from speed.serve.auth import API_KEY_ENV
+from speed.serve.stats import compact_orphans, write_ahead_logs
+from speed.storage import absolute
 
 APP = "speed"
 
@@ -84,6 +88,16 @@ def stop(timeout_s: float) -> None:
         print(f"stopping: Serve's graceful stop ran past {timeout_s} s; giving up on it", flush=True)
 
 
+def compact_statistics(stats_path: str, wait_s: float) -> None:
+    """Once the replicas are gone: their write-ahead logs (rows of replicas stopped before they could write
+    them, on local storage) into Parquet, waiting up to ``wait_s`` for replicas still ending to let go."""
+    compacted = compact_orphans(stats_path, wait_s=wait_s)
+    left = write_ahead_logs(stats_path)
+    if compacted or left:
+        held = f"; {len(left)} still held by a running writer (read_requests reads them)" if left else ""
+        print(f"stopping: {compacted} write-ahead logs of stopped replicas written as Parquet{held}", flush=True)
+
+
 def _local_ray_died() -> bool:
     """Whether a process of the Ray this job started (GCS, raylet, ...) has died (Ray's private node API)."""
     node = getattr(ray._private.worker, "_global_node", None)  # joined clusters: it started none
@@ -99,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors():  # a --set without '=' or with invalid YAML: one line, status 2
         settings = dict(map(parse_set, args.set))
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    stats_path = absolute(args.stats_path)  # the replicas' working folder is not this one
     # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=True, runtime_env=code_runtime_env())
+    address = os.environ.get("RAY_ADDRESS")
+    where = {"address": address} if address else {"address": "local", **loopback_options()}  # loopback only
+    ray.init(**where, log_to_driver=True, runtime_env=code_runtime_env())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:
         url = start_app(
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             replicas=args.replicas,
             settings=settings,
-            stats_path=args.stats_path,
+            stats_path=stats_path,
             model_name=args.model_name,
             device="cuda" if args.num_gpus > 0 else "cpu",
             num_cpus=args.num_cpus,
@@ -118,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             api_key=api_key,
         )
         key = "; an API key is required" if api_key else ""
-        print(f"serving {args.checkpoint} at {url} (Ctrl-C stops){key}; statistics in {args.stats_path}", flush=True)
+        print(f"serving {args.checkpoint} at {url} (Ctrl-C stops){key}; statistics in {stats_path}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -129,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         stop(args.stop_timeout_s)
         ray.shutdown()
+        compact_statistics(stats_path, wait_s=max(0.0, args.stop_timeout_s - (time.monotonic() - started)))
         print(f"stopped in {time.monotonic() - started:.1f} s", flush=True)
     return 0
 

@@ -78,7 +78,9 @@ def ray_session():
     """
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
+    from speed.cluster import loopback_options
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True, **loopback_options())
     yield ray
     ray.shutdown()
 

@@ -1,11 +1,12 @@
 """Speculation counted as vLLM counts it, from the engine to the replica's counters and Prometheus metrics.
 
 The engine defines (``speed.engine.RequestStats``): a draft token is a token
-launched from an early exit; its draft position is how many uncommitted tokens
-were ahead of it then; a draft is a launch at position 1; accepted tokens are
-draft tokens later committed. Oracle speculation (the final tokens known) is
-never wrong, sequential decoding never drafts, and every committed token is
-either accepted or on the committed path.
+launched from an early exit, on the chain or in a runner-up lane; its draft
+position is how many uncommitted tokens were ahead of it then; a draft is a
+launch at position 1; accepted tokens are draft tokens later committed (a
+lane's once promoted). Oracle speculation (the final tokens known) is never
+wrong, sequential decoding never drafts, and every committed token is either
+accepted or on the committed path.
 """
 
 from __future__ import annotations
@@ -66,6 +67,45 @@ def test_counters_add_up_under_real_speculation(model, launch_loop):
     assert st.tokens - st.accepted_tokens >= st.drafts - st.flushes
     if launch_loop > 2:  # with 4 loops a token launched after 3 can have at most one token ahead of it
         assert st.accepted_per_pos[1:] == st.draft_tokens_per_pos[1:] == [0, 0]
+
+
+def test_a_runner_up_lane_s_tokens_are_drafts_and_once_promoted_accepted():
+    """The worked schedule of test_decoding_branches (M=3): position 0's loop-1 exit says 20 with runner-up 10,
+    loop 2 switches to 10. Step 1 launches the chain successor 20 and the branch 10, both at draft position 1
+    (two drafts); step 2 promotes the branch (accepted at position 1 when committed) and launches 11 from it
+    at position 2 (accepted too)."""
+    from test_decoding_branches import BranchStub, right
+
+    stub = BranchStub(3, lambda s, p, lo: (20, 10, False) if (p == 0 and lo == 1) else right(p))
+    f = _first_finished(stub, Request([1, 1, 1], 3, "speed", branches=1))
+    st = f.stats
+    assert f.tokens == [10, 11, 12] and (st.promotions, st.flushes) == (1, 0)
+    assert (st.drafts, st.draft_tokens_per_pos, st.accepted_per_pos) == (2, [2, 1], [1, 1])
+    assert (st.draft_tokens, st.accepted_tokens) == (3, 2)
+
+
+def test_counters_add_up_with_runner_up_lanes(model):
+    """A random model with lanes: every committed token is an accepted draft token or launched on the committed
+    path. Under final invalidation with a successor always launched (launch_loop 1, EOS never predicted) the
+    committed path is the first token and one relaunch per flush, so tokens = accepted + 1 + flushes; a
+    promoted lane's committed tokens must be among the accepted ones."""
+    from speed.tokenizer import EOS_ID
+
+    torch.manual_seed(5)
+    lanes = SpeedT5(preset("tiny", pattern="2x4")).eval()
+    with torch.no_grad():
+        lanes.lm_head.weight[EOS_ID] = 0  # its logit 0: never the argmax of a random model's exit
+    promotions = 0
+    for start in range(6):
+        ids = [(start * 7 + 3 * i) % 50 + 3 for i in range(6)]
+        request = Request(ids, 20, "speed", invalidation="final", branches=4, branch_depth=3)
+        st = _first_finished(lanes, request).stats
+        assert st.tokens == 20 and st.tokens == st.accepted_tokens + 1 + st.flushes
+        assert st.accepted_tokens == sum(st.accepted_per_pos) and st.draft_tokens == sum(st.draft_tokens_per_pos)
+        assert all(a <= d for a, d in zip(st.accepted_per_pos, st.draft_tokens_per_pos))
+        assert st.drafts == st.draft_tokens_per_pos[0]
+        promotions += st.promotions
+    assert promotions > 0  # not vacuous
 
 
 def test_spec_decode_rates():

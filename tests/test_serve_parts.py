@@ -35,8 +35,10 @@ from speed.serve.stats import (
     compact_orphans,
     read_requests,
     read_traces,
+    write_ahead_logs,
 )
 from speed.serve.text import TextStream
+from speed.storage import locate
 from speed.trace import TRACE_SCHEMA
 
 # ----- request validation ------------------------------------------------------------------------
@@ -306,6 +308,51 @@ def test_sink_logs_every_row_so_a_replica_killed_hard_loses_none(tmp_path):
     assert read_requests(storage).num_rows == 6 and read_traces(storage).num_rows == 16
 
 
+_STOPPING_WRITER = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from test_serve_parts import _row, _trace
+from speed.serve.stats import StatsSink
+sink = StatsSink({storage!r}, "app#SpeedServer#stopping", max_rows=100, max_seconds=600)
+for i in range(4):
+    sink.add(_row(i), _trace(f"cmpl-{{i}}", 2))
+print("logged", flush=True)
+sys.stdin.readline()
+time.sleep(0.5)  # a replica still ending when its job compacts
+os.kill(os.getpid(), signal.SIGKILL)  # as a signal to the process group stops it: no flush
+"""
+
+
+def test_a_stopping_job_turns_its_replicas_logs_into_parquet_any_reader_sees(tmp_path):
+    """What ``jobs/serve.py`` does once its replicas are gone (``compact_orphans`` with ``wait_s``): it waits for a
+    writer still holding its logs to end, then writes them as Parquet, which plain pandas and pyarrow read; a
+    writer that stays keeps its logs, and the wait is bounded."""
+    import pandas as pd
+
+    storage = str(tmp_path / "stats")
+    code = _STOPPING_WRITER.format(tests=str(repo_root() / "tests"), storage=storage)
+    env = {**os.environ, "PYTHONPATH": str(repo_root() / "platform")}
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    writer = subprocess.Popen([sys.executable, "-c", code], env=env, **pipes)
+    try:
+        assert writer.stdout.readline() == "logged\n"
+        assert compact_orphans(storage) == 0 and len(write_ahead_logs(storage)) == 2  # alive: its logs are its own
+        writer.stdin.write("end\n")
+        writer.stdin.flush()
+        assert compact_orphans(storage, wait_s=120) == 2  # waited for it to end
+    finally:
+        writer.kill()
+        writer.wait(timeout=60)
+    assert write_ahead_logs(storage) == []
+    assert sorted(pd.read_parquet(tmp_path / "stats" / "requests")["request_id"]) == [f"cmpl-{i}" for i in range(4)]
+    assert pq.read_table(tmp_path / "stats" / "traces").num_rows == 8
+    live = StatsSink(storage, "app#SpeedServer#alive")
+    live.add(_row(9), None)
+    started = time.monotonic()
+    assert compact_orphans(storage, wait_s=0.5) == 0 and 0.5 <= time.monotonic() - started < 5
+    assert len(write_ahead_logs(storage)) == 1
+
+
 def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(tmp_path):
     sink = StatsSink(str(tmp_path), "r#1", max_rows=100, max_seconds=600)
     for i in range(3):
@@ -318,6 +365,8 @@ def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(tmp_path):
     for name, data in logs.items():  # killed between the Parquet file's rename and the log's deletion
         (wal / name).write_bytes(data)
     assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
+    assert compact_orphans(str(tmp_path)) == 2 and not list(wal.iterdir())  # stale: their Parquet files stand
+    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
     sink.add(_row(3), None)
     assert read_requests(str(tmp_path)).num_rows == 4  # the next file's log
 
@@ -327,6 +376,36 @@ def test_sink_on_a_uri(tmp_path):
     sink.add(_row(0), None)
     sink.flush()
     assert read_requests(f"file://{tmp_path}/stats")["request_id"].to_pylist() == ["cmpl-0"]
+
+
+@pytest.mark.parametrize("where", ["local", "uri"])
+def test_a_malformed_row_costs_only_itself(tmp_path, memory_store, caplog, where):
+    """A row that does not fit REQUEST_SCHEMA (a wrong type, a null where none may be) or whose trace does not
+    fit its schema is logged and set aside under rejected/ with the error; the other rows are written, now and
+    in every later flush (on a URI, where rows are not logged, ``take`` used to fail on it from then on)."""
+    storage = str(tmp_path / "stats") if where == "local" else memory_store
+    sink = StatsSink(storage, "app#SpeedServer#r", max_rows=100, max_seconds=600)
+    sink.add(_row(0), _trace("cmpl-0", 2))
+    with caplog.at_level("ERROR", logger="speed.serve.stats"):
+        sink.add(_row(1, steps="five"), _trace("cmpl-1", 3))  # int32 column, a string
+        sink.add(_row(2, request_id=None), None)  # not nullable
+        sink.add(_row(3), _trace("cmpl-3", 1).drop_columns(["loop"]))  # its trace lacks a column
+    sink.add(_row(4), _trace("cmpl-4", 1))
+    assert (sink.pending, sink.set_aside) == (2, 3)
+    assert sink.flush() == 2
+    sink.add(_row(5), None)
+    assert sink.flush() == 1  # and later flushes work
+    requests, traces = read_requests(storage), read_traces(storage)
+    assert sorted(requests["request_id"].to_pylist()) == ["cmpl-0", "cmpl-4", "cmpl-5"]
+    assert sorted(set(traces["request_id"].to_pylist())) == ["cmpl-0", "cmpl-4"] and traces.num_rows == 3
+    said = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+    assert len(said) == 3 and "cmpl-1" in said[0] and "int32" in said[0] and "request_id: null" in said[1]
+    rejected = locate(storage) / "rejected"
+    found = [json.loads((rejected / i.base_name).read_text()) for i in rejected.entries()]
+    assert [r["request"]["request_id"] for r in found] == ["cmpl-1", None, "cmpl-3"]
+    assert "tried to convert to int32" in found[0]["error"] and found[0]["request"]["steps"] == "five"
+    assert len(found[0]["trace"]) == 3 and "loop" in found[2]["error"]
+    assert found[0]["request"]["arrived"].startswith("1970-01-01")  # what JSON lacks, as text
 
 
 def _stats(**counts):

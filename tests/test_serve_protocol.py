@@ -3,11 +3,14 @@ tokens, logprobs aligned with the text, and the published schemas."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import NamedTuple
 
 import pytest
 
-from speed.serve.protocol import ChatRequest, CompletionRequest, inline_schema, validation_message
+from speed.serve.limits import BadRequest, parse_body
+from speed.serve.protocol import TEXT_CHAR, ChatRequest, CompletionRequest, inline_schema, validation_message
 from speed.serve.responses import CHAT, COMPLETIONS, ChatResponse, Choice, CompletionResponse, TokenInfo
 from speed.serve.text import ChoiceText
 
@@ -171,5 +174,110 @@ def test_schemas_are_self_contained_and_refuse_empty_prompts():
     assert "$defs" not in str(schema) and "$ref" not in str(schema)
     assert schema["additionalProperties"] is False and "best_of" not in schema["properties"]
     text = schema["properties"]["prompt"]["anyOf"][0]
-    assert text == {"type": "string", "pattern": r"\S"}
+    assert text == {"type": "string", "pattern": TEXT_CHAR}
     assert "$ref" not in str(inline_schema(ChatRequest))
+
+
+def test_the_published_text_pattern_is_python_s_non_whitespace():
+    """The schema's pattern (an ECMA-262 regex to its readers) names Python's whitespace one by one, so that a
+    fuzzer's idea of text and the server's agree (with "\\S", ECMA's, "\\x85" was text to one, not the other)."""
+    every = map(chr, range(0x110000))
+    assert [c for c in every if (re.fullmatch(TEXT_CHAR, c) is None) != c.isspace()] == []
+    assert re.fullmatch(TEXT_CHAR, "\ufeff") and not re.fullmatch(TEXT_CHAR, "\x85")
+
+
+_USER = {"role": "user", "content": "hi"}
+_STREAM_USAGE = {"stream_options": {"include_usage": True}}
+_PART = {"type": "text", "text": "a"}
+
+
+@pytest.mark.parametrize(
+    "model, body",
+    [
+        (CompletionRequest, {"prompt": "x", **_STREAM_USAGE}),  # stream left out: false
+        (CompletionRequest, {"prompt": "x", "stream": False, **_STREAM_USAGE}),
+        (CompletionRequest, {"prompt": "x", "stream": True, **_STREAM_USAGE}),
+        (CompletionRequest, {"prompt": "x", "stream": False, "stream_options": None}),
+        (CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}),
+        (CompletionRequest, {"prompt": "x", "echo": True, "logprobs": None}),
+        (CompletionRequest, {"prompt": "x", "echo": False, "logprobs": 1}),
+        (ChatRequest, {"messages": [_USER], "stream": False, **_STREAM_USAGE}),
+        (ChatRequest, {"messages": [_USER], "stream": True, **_STREAM_USAGE}),
+        (ChatRequest, {"messages": [_USER], "max_tokens": 3, "max_completion_tokens": 4}),
+        (ChatRequest, {"messages": [_USER], "max_tokens": 3, "max_completion_tokens": None}),
+        (ChatRequest, {"messages": [_USER], "top_logprobs": 2}),
+        (ChatRequest, {"messages": [_USER], "top_logprobs": 2, "logprobs": False}),
+        (ChatRequest, {"messages": [_USER], "top_logprobs": 2, "logprobs": True}),
+        (ChatRequest, {"messages": [_USER], "top_logprobs": None}),
+        (ChatRequest, {"messages": [{"role": "system", "content": "hi"}]}),
+        (ChatRequest, {"messages": [{"role": "user", "content": " \t"}, {"role": "assistant", "content": "a"}]}),
+        (ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": " "}]}]}),
+        (ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": " "}, _PART]}]}),
+    ],
+)
+def test_published_schema_states_every_cross_field_rule(model, body):
+    """What the server refuses across fields (``stream_options`` without ``stream: true``, ``echo`` with
+    ``logprobs``, ...) the published schema refuses too, and what it accepts the schema allows (OpenAI refuses
+    ``stream_options`` without streaming as well), so a generated client or a fuzzer sees the rule."""
+    import jsonschema
+
+    try:
+        model.model_validate(body)
+        accepted = True
+    except ValueError:  # pydantic's ValidationError
+        accepted = False
+    schema = inline_schema(model)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert jsonschema.Draft202012Validator(schema).is_valid(body) == accepted
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_every_body_schemathesis_generates_from_the_published_schema_is_accepted(path):
+    """Schemathesis's positive cases from ``/openapi.json`` as served, sent as JSON: each passes the server's
+    parsing and validation (what is left for its "schema-valid request rejected" are the limits that depend on
+    the model and the deployment: vocabulary, lengths, prompts per request)."""
+    import jsonschema
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+
+    from speed.serve.app import api
+
+    schema = schemathesis.openapi.from_dict(api.openapi())
+    model = ChatRequest if "chat" in path else CompletionRequest
+    body = api.openapi()["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    published = jsonschema.Draft202012Validator(body)
+    refused = []
+    fixed = {"deadline": None, "database": None, "derandomize": True, "suppress_health_check": list(HealthCheck)}
+
+    @settings(max_examples=150, phases=[Phase.generate], **fixed)
+    @given(case=schema[path]["POST"].as_strategy(GenerationMode.POSITIVE))
+    def generated(case):
+        if not published.is_valid(case.body):
+            return  # the generator's own slip (an int64 bound rounded through a float), not the server's
+        try:
+            model.model_validate(parse_body(json.dumps(case.body).encode(), max_prompts=10**6))
+        except (ValueError, BadRequest) as err:
+            refused.append((case.body, err.message if isinstance(err, BadRequest) else validation_message(err, model)))
+
+    generated()
+    assert not refused, refused[:3]
+
+
+def test_whole_numbers_are_integers_as_json_schema_reads_them():
+    """JSON Schema's ``integer`` is any number without a fractional part, so schema-driven clients send ``5.0``:
+    the server reads it as 5, exactly (no float rounding), and keeps a fraction a float, which stays a 400."""
+    raw = b'{"prompt": [3.0, 1e1, 7], "max_tokens": 5.0, "seed": 9223372036854775807.0, "temperature": 1.0}'
+    data = parse_body(raw, max_prompts=8)
+    assert data == {"prompt": [3, 10, 7], "max_tokens": 5, "seed": 2**63 - 1, "temperature": 1}
+    assert [type(v) for v in data["prompt"]] == [int, int, int] and type(data["max_tokens"]) is int
+    request = CompletionRequest.model_validate(data)
+    assert (request.prompts(), request.max_tokens, request.temperature) == ([[3, 10, 7]], 5, 1.0)
+    assert parse_body(b'{"top_p": 0.5, "big": 1e19, "huge": 1e400, "zero": -0.0}', 8) == {
+        "top_p": 0.5,
+        "big": 1e19,  # beyond every int64: left a float (no 400-digit ints from 1e400)
+        "huge": float("inf"),
+        "zero": 0,
+    }
+    message, _ = _message(CompletionRequest, parse_body(b'{"prompt": "x", "max_tokens": 5.5}', 8))
+    assert "max_tokens: Input should be a valid integer" in message

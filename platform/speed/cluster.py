@@ -7,6 +7,10 @@ copy of the submitted folder; the ``jobs/`` scripts put that copy's
 nodes that may hold another copy of the project or none: ``code_runtime_env``
 names the driver's package in the runtime environment's ``py_modules``, so Ray
 uploads it once and puts it first on every worker's ``PYTHONPATH``.
+
+A local Ray the project starts (a job without ``$RAY_ADDRESS``, the test
+suite's) listens on loopback only: ``ray.init(address="local", ...,
+**loopback_options())``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from speed.paths import DATA_DIR_ENV, data_dir
 
 # Set by the job manager for an entry point started by `ray job submit` (ray._private.runtime_env.constants).
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+LOOPBACK = "127.0.0.1"
 
 
 def package_dir() -> Path:
@@ -49,3 +54,20 @@ def code_runtime_env() -> dict[str, Any]:
     if local.is_dir() and "env_vars" not in submitted:
         env["env_vars"] = {DATA_DIR_ENV: str(local.resolve())}
     return env
+
+
+def loopback_options() -> dict[str, Any]:
+    """``ray.init`` options that put every process of a new local Ray (``address="local"``) on loopback: the
+    GCS, the raylet, the agents, the workers (Train's, Serve's) all listen on 127.0.0.1 only.
+
+    Ray 2.60 binds its servers to the node's address, ``_node_ip_address``, but replaces a loopback one with
+    the machine's address (which most then serve on every interface) unless its single-node switch is on:
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads once, when ``ray`` is imported (``ray start``
+    takes it from the environment: ``tests/cluster_helpers.py``). This sets the switch in this process, so
+    call it just before starting the local Ray: the process is then a single-node driver, which must not
+    join a Ray on other machines afterwards (it would tell them its address is 127.0.0.1).
+    """
+    from ray._private import ray_constants  # Ray's private module: where the switch read at import lives
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    return {"_node_ip_address": LOOPBACK}

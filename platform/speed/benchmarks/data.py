@@ -145,7 +145,9 @@ def measure_prepare(spec_json: str, tokenizer: str, root: str, docs_per_shard: i
     if use_ray:
         import ray
 
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        from speed.cluster import loopback_options
+
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, **loopback_options())
     spec = CorpusSpec(**json.loads(spec_json))
     started = time.perf_counter()
     prepared = prepare_corpus(

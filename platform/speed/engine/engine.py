@@ -292,10 +292,8 @@ class Engine:
                 and guess != eos
                 and t.pos + 1 < request.max_new_tokens
             ):
-                succ = InFlight(t.pos + 1, guess, ahead=i + 1)
+                succ = self._draft(seq, t.pos + 1, guess)
                 seq.chain.append(succ)
-                seq.draft_tokens[i] += 1
-                seq.drafts += i == 0
             self._keep_lane(seq, t, succ, guess)
             i += 1
 
@@ -334,7 +332,7 @@ class Engine:
             and sum(bool(c.lane) for c in seq.chain) < request.branches
             and should_branch(parent.p_top[-1], request.branch_below)
         ):
-            lane.append(InFlight(parent.pos + 1, runner, side=heapq.heappop(seq.side_free)))
+            lane.append(self._draft(seq, parent.pos + 1, runner, side=heapq.heappop(seq.side_free)))
         M = self.model.n_loops
         for j, t in enumerate(lane):
             loops_done = len(t.preds)
@@ -352,7 +350,19 @@ class Engine:
                 and pred != eos
                 and t.pos + 1 < request.max_new_tokens
             ):
-                lane.append(InFlight(t.pos + 1, pred, side=heapq.heappop(seq.side_free), up=(*t.up, (t.pos, t.side))))
+                side, up = heapq.heappop(seq.side_free), (*t.up, (t.pos, t.side))
+                lane.append(self._draft(seq, t.pos + 1, pred, side=side, up=up))
+
+    def _draft(
+        self, seq: Sequence, pos: int, token: int, side: int = -1, up: tuple[tuple[int, int], ...] = ()
+    ) -> InFlight:
+        """A token launched at ``pos`` from an early exit (on the chain, or in a lane: ``side``, ``up``), counted
+        as a draft token at its draft position: the uncommitted tokens ahead of it, chain and lane alike (a lane
+        token that is promoted and committed is then an accepted one, as a chain token is)."""
+        ahead = pos - len(seq.out)  # the committed path is at len(seq.out); every position up to pos is in flight
+        seq.draft_tokens[ahead - 1] += 1
+        seq.drafts += ahead == 1
+        return InFlight(pos, token, ahead=ahead, side=side, up=up)
 
     def _drop_lane(self, seq: Sequence, lane: list[InFlight], start: int) -> None:
         """Drop lane tokens from index ``start`` on (their rows are wasted), freeing their side entries."""

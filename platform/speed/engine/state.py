@@ -53,8 +53,8 @@ class Sequence:
     wasted_rows: int = 0
     promotions: int = 0
     flips: list[int] = field(default_factory=list)  # per loop: committed tokens whose exit there differed
-    drafts: int = 0  # speculative launches at draft position 1 (RequestStats)
-    draft_tokens: list[int] = field(default_factory=list)  # speculative launches by draft position - 1
+    drafts: int = 0  # speculative launches at draft position 1, chain or lane (RequestStats)
+    draft_tokens: list[int] = field(default_factory=list)  # speculative launches (chain, lanes) by draft position - 1
     accepted: list[int] = field(default_factory=list)  # committed draft tokens by draft position - 1
     trace: TraceBuilder | None = None
     logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them

@@ -108,10 +108,11 @@ class RequestStats:
     ttft_s: float  # until its first token was committed (nan if none)
     latency_s: float  # until it finished or was cancelled
     # Speculation counted as vLLM counts drafts. A draft token is a token launched from an early exit
-    # (before its predecessor's last loop); its draft position is how many uncommitted tokens were ahead of
-    # it when it was launched (1..M-1). A draft is a launch at position 1: the start of a speculative chain.
-    # Accepted tokens are draft tokens later committed unchanged (never flushed). A flush can relaunch at any
-    # position, so per position the acceptance rate is accepted / draft tokens there (not / drafts).
+    # (before its predecessor's last loop), on the chain or in a runner-up lane; its draft position is how
+    # many uncommitted tokens were ahead of it when it was launched (1..M-1). A draft is a launch at position
+    # 1: the start of a speculative chain or lane. Accepted tokens are draft tokens later committed unchanged
+    # (never flushed; a lane's once promoted). A flush can relaunch at any position, so per position the
+    # acceptance rate is accepted / draft tokens there (not / drafts).
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0

@@ -5,13 +5,17 @@ no Content-Length); ``parse_body`` turns every malformed body into a
 ``BadRequest`` that says what is wrong (not JSON, not UTF-8, nested too deeply
 for the parser, an integer too long to convert, a string that holds a lone
 UTF-16 surrogate, which is not text) and caps the prompts of one request,
-like OpenAI's prompt array, before a prompt is validated or tokenized.
+like OpenAI's prompt array, before a prompt is validated or tokenized. A number
+whose value is whole (``5.0``, ``1e3``) is read as an integer, as JSON Schema reads
+it (its ``integer`` is any number without a fractional part, which is what
+schema-driven clients and fuzzers send) and as vLLM accepts it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from decimal import Decimal
 from typing import Any
 
 from starlette.requests import Request as StarletteRequest
@@ -26,6 +30,7 @@ class BadRequest(Exception):
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # only escapes (\\ud800) make these; UTF-8 cannot hold them
+_WHOLE_DIGITS = 19  # whole numbers below 10**19 (every int64) become ints; beyond, they stay floats (no huge ints)
 
 
 async def read_body(http: StarletteRequest, max_bytes: int) -> bytes:
@@ -47,7 +52,7 @@ def parse_body(raw: bytes, max_prompts: int) -> dict[str, Any]:
     """The body as a JSON object of clean text holding at most ``max_prompts`` prompts, else a ``BadRequest``."""
     example = 'send a JSON object like {"prompt": "..."}'
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_float=_number)
     except UnicodeDecodeError as err:
         raise BadRequest(f"the body is not valid UTF-8 ({err}); {example}") from None
     except json.JSONDecodeError as err:
@@ -69,6 +74,15 @@ def parse_body(raw: bytes, max_prompts: int) -> dict[str, Any]:
             "prompt",
         )
     return data
+
+
+def _number(text: str) -> int | float:
+    """A JSON number written with a fraction or an exponent: an int when its value is whole (exactly: ``Decimal``,
+    not a float's rounding), else a float."""
+    value = Decimal(text)
+    if value.is_finite() and value == value.to_integral_value() and value.adjusted() < _WHOLE_DIGITS:
+        return int(value)
+    return float(text)
 
 
 def _lone_surrogate(data: Any) -> str | None:

@@ -59,7 +59,11 @@ CHAT_NOT_SUPPORTED = NOT_SUPPORTED | {
     )
 }
 
-_TEXT = {"type": "string", "pattern": r"\S"}  # what ``_has_text`` accepts (Python's \S, as the check uses)
+# A character of text: anything but whitespace (Python's ``str.isspace``), spelled out, because JSON Schema's
+# patterns are ECMA-262 regexes, whose \s lacks \x1c-\x1f and \x85 and holds \ufeff: with "\S" a fuzzer sends
+# "\x85" as text. One regex for the schema and the check (``_has_text``).
+TEXT_CHAR = r"[^\t-\r\x1c- \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+_TEXT = {"type": "string", "pattern": TEXT_CHAR}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PROMPT_SCHEMA = {
     "anyOf": [
@@ -75,7 +79,42 @@ Stop = Annotated[str, Field(min_length=1)]  # a stop string
 
 
 def _has_text(value: str) -> bool:
-    return re.search(r"\S", value) is not None
+    return re.search(TEXT_CHAR, value) is not None
+
+
+def _given(field: str, kind: str) -> dict[str, Any]:
+    """JSON Schema: ``field`` is present and not null (of JSON type ``kind``)."""
+    return {"required": [field], "properties": {field: {"type": kind}}}
+
+
+def _is_true(field: str) -> dict[str, Any]:
+    """JSON Schema: ``field`` is present and true."""
+    return {"required": [field], "properties": {field: {"const": True}}}
+
+
+def _absent(field: str) -> dict[str, Any]:
+    """JSON Schema: ``field`` is left out or null."""
+    return {"properties": {field: {"type": "null"}}}
+
+
+# What the models' ``model_validator``s check across fields (``_stream_options_need_stream``,
+# ``_echo_without_logprobs``, ``_chat_checks``) in JSON Schema, published in each model's schema (``allOf``)
+# so that a generated client or a fuzzer knows the rules too, not only the server.
+STREAM_OPTIONS_RULE = {"if": _given("stream_options", "object"), "then": _is_true("stream")}
+ECHO_RULE = {"if": _is_true("echo"), "then": _absent("logprobs")}
+TOP_LOGPROBS_RULE = {"if": _given("top_logprobs", "integer"), "then": _is_true("logprobs")}
+ONE_MAX_TOKENS_RULE = {"not": {"allOf": [_given("max_tokens", "integer"), _given("max_completion_tokens", "integer")]}}
+_TEXT_PART = {"required": ["text"], "properties": {"text": _TEXT}}
+_USER_TEXT = {
+    "required": ["role", "content"],
+    "properties": {"role": {"const": "user"}, "content": {"anyOf": [_TEXT, {"type": "array", "contains": _TEXT_PART}]}},
+}
+USER_MESSAGE_RULE = {"required": ["messages"], "properties": {"messages": {"contains": _USER_TEXT}}}
+
+
+def _publish_rules(schema: dict[str, Any], model: type) -> None:
+    """pydantic's ``json_schema_extra``: the model's cross-field rules (``rules``) as the schema's ``allOf``."""
+    schema["allOf"] = [*schema.get("allOf", []), *model.rules]
 
 
 class StreamOptions(BaseModel):
@@ -89,8 +128,9 @@ class StreamOptions(BaseModel):
 class _Decoding(BaseModel):
     """The decoding fields both surfaces share; fields left out take the deployment's defaults (``ServeSettings``)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish_rules)
     not_supported: ClassVar[dict[str, str]] = NOT_SUPPORTED
+    rules: ClassVar[list[dict[str, Any]]] = [STREAM_OPTIONS_RULE]  # the checks below, in JSON Schema
 
     model: str | None = None  # must name the served model when given
     max_tokens: int | None = Field(default=None, ge=1)
@@ -143,6 +183,8 @@ class _Decoding(BaseModel):
 
 class CompletionRequest(_Decoding):
     """A ``/v1/completions`` request."""
+
+    rules: ClassVar[list[dict[str, Any]]] = [*_Decoding.rules, ECHO_RULE]
 
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # top alternatives per token
@@ -218,6 +260,12 @@ class ChatRequest(_Decoding):
     """A ``/v1/chat/completions`` request: the last user message is the source text."""
 
     not_supported: ClassVar[dict[str, str]] = CHAT_NOT_SUPPORTED
+    rules: ClassVar[list[dict[str, Any]]] = [
+        *_Decoding.rules,
+        ONE_MAX_TOKENS_RULE,
+        TOP_LOGPROBS_RULE,
+        USER_MESSAGE_RULE,
+    ]
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens

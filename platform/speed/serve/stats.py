@@ -9,6 +9,7 @@ storage path, local or a URI that ``pyarrow.fs`` understands::
     <storage>/traces/<replica>-<n>.parquet      SERVE_TRACE_SCHEMA
     <storage>/wal/<replica>-<n>.requests.arrows the rows of file n while it is buffered (local storage only)
     <storage>/wal/<replica>-<n>.traces.arrows
+    <storage>/rejected/<replica>-<k>.json       a row that does not fit its schema, set aside with the error
 
 A flush writes each buffer as one new file (one row group), so files on object
 stores are never appended to and every file is readable while the replica
@@ -17,7 +18,10 @@ Arrow IPC stream, one record batch per request, written through to the OS
 before the answer leaves the replica), so a replica killed hard (SIGKILL, a
 signal to its process group, an out-of-memory kill) loses no row it answered;
 a flush writes Parquet file ``n`` and then deletes log ``n``; a new sink turns the
-logs of dead replicas into their Parquet files (``compact_orphans``). ``read_requests``
+logs of dead replicas into their Parquet files (``compact_orphans``), and so does
+``jobs/serve.py`` once its replicas are gone. A row that does not fit ``REQUEST_SCHEMA``
+(or trace rows that do not fit theirs) costs only itself: it is logged and set aside
+under ``rejected/`` with the error, and the other rows are written. ``read_requests``
 / ``read_traces`` read a storage path back: the Parquet files and the logs no
 Parquet file replaces yet (a log's torn last record is dropped).
 The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
@@ -27,6 +31,8 @@ The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
 from __future__ import annotations
 
 import fcntl
+import json
+import logging
 import os
 import re
 import time
@@ -44,9 +50,12 @@ from speed.trace import TRACE_SCHEMA
 if TYPE_CHECKING:
     from speed.engine import RequestStats
 
+log = logging.getLogger(__name__)
+
 REQUESTS_DIR = "requests"
 TRACES_DIR = "traces"
 WAL_DIR = "wal"  # write-ahead logs of the rows not yet in Parquet (local storage)
+REJECTED_DIR = "rejected"  # rows that did not fit their schema, one JSON file each with the error
 
 REQUEST_SCHEMA = pa.schema(
     [
@@ -250,23 +259,47 @@ class _Log:
         self._file.close()
 
 
+def _checked(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
+    """``data`` if no column its schema declares non-nullable holds a null (Arrow builds such columns
+    without complaint; the Parquet files would then break the schema's promise), else ``ValueError``."""
+    for f, column in zip(data.schema, data.columns):
+        if not f.nullable and column.null_count:
+            raise ValueError(f"{f.name}: null in a column that may not hold one")
+    return data
+
+
 def _write_atomically(final: Location, table: pa.Table) -> None:
     """One Parquet file (one row group) that appears whole: written under a dot name readers skip, renamed."""
     with final.atomic() as partial:
         pq.write_table(table, partial, filesystem=final.fs, row_group_size=None)
 
 
-def compact_orphans(storage: str) -> int:
-    """Turn the logs of dead replicas (a hard kill leaves them; no live writer holds their lock) into the
-    Parquet files they stand for, so that readers of the Parquet files alone (the notebooks) see their
-    rows too; returns the logs compacted. Local storage only; a new replica calls it when it starts."""
+def write_ahead_logs(storage: str) -> list[str]:
+    """The write-ahead logs under a local ``storage`` (rows not in Parquet yet), sorted; empty on a URI."""
     where = locate(storage)
-    root = where.path
-    wal = Path(root) / WAL_DIR
-    if not where.local or not wal.is_dir():
-        return 0
-    compacted = 0
-    for log in sorted(wal.glob("*.arrows")):
+    wal = Path(where.path) / WAL_DIR
+    return sorted(str(p) for p in wal.glob("*.arrows")) if where.local and wal.is_dir() else []
+
+
+def compact_orphans(storage: str, wait_s: float = 0.0) -> int:
+    """Turn the logs of dead replicas (a hard kill leaves them; no live writer holds their lock) into the
+    Parquet files they stand for, so that readers of the Parquet files alone (the notebooks, pandas, DuckDB)
+    see their rows too; returns the logs compacted. Local storage only; a new replica calls it when it
+    starts, ``jobs/serve.py`` when it stops, with ``wait_s``: how long to wait for the writers still holding
+    a log to end (replicas being stopped) before leaving their logs as they are."""
+    deadline = time.monotonic() + wait_s
+    compacted, held = _compact(storage)
+    while held and time.monotonic() < deadline:
+        time.sleep(0.1)
+        more, held = _compact(storage)
+        compacted += more
+    return compacted
+
+
+def _compact(storage: str) -> tuple[int, int]:
+    """One pass of ``compact_orphans``: (logs compacted, logs a live writer holds)."""
+    where, compacted, held = locate(storage), 0, 0
+    for log in map(Path, write_ahead_logs(storage)):
         stem, folder, _ = log.name.rsplit(".", 2)
         schema = {REQUESTS_DIR: REQUEST_SCHEMA, TRACES_DIR: SERVE_TRACE_SCHEMA}.get(folder)
         if schema is None:
@@ -279,18 +312,20 @@ def compact_orphans(storage: str) -> int:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                continue  # its replica is alive
-            final = Path(root) / folder / f"{stem}.parquet"
-            if not log.exists() or os.stat(log).st_ino != os.fstat(fd).st_ino or final.exists():
+                held += 1  # its replica is alive
+                continue
+            final = where / folder / f"{stem}.parquet"
+            if not log.exists() or os.stat(log).st_ino != os.fstat(fd).st_ino:
                 continue  # replaced by its Parquet file between the listing and the lock
-            batches = _read_log(str(log))
-            if batches:
-                _write_atomically(where / folder / final.name, pa.Table.from_batches(batches, schema))
+            if not final.exists():  # else its writer died between the Parquet file's rename and the log's deletion
+                batches = _read_log(str(log))
+                if batches:
+                    _write_atomically(final, pa.Table.from_batches(batches, schema))
             log.unlink()
             compacted += 1
         finally:
             os.close(fd)
-    return compacted
+    return compacted, held
 
 
 class StatsSink:
@@ -310,7 +345,8 @@ class StatsSink:
         self.tag = file_tag(replica)
         self.max_rows, self.max_seconds = max_rows, max_seconds
         self.durable = self.storage.local  # object stores cannot append
-        self._requests: list[dict[str, Any]] = []
+        self.set_aside = 0  # rows that did not fit their schema (written under rejected/)
+        self._requests: list[pa.RecordBatch] = []  # one row each, checked against REQUEST_SCHEMA
         self._traces: list[pa.Table] = []
         self._since = time.monotonic()
         self._files = 1  # the number of the file the buffered rows will be written as
@@ -325,17 +361,27 @@ class StatsSink:
         return len(self._requests)
 
     def add(self, request: dict[str, Any], trace: pa.Table | None) -> None:
-        """Buffer (and log) one request row (``REQUEST_SCHEMA`` keys) and its trace rows (``SERVE_TRACE_SCHEMA``)."""
+        """Buffer (and log) one request row (``REQUEST_SCHEMA`` keys) and its trace rows (``SERVE_TRACE_SCHEMA``).
+
+        A row that does not fit its schema (a missing key, a wrong type, a null where none may be) is set aside
+        with its trace rows: logged and written under ``rejected/`` with the error, never buffered, so that the
+        other rows are written."""
+        try:
+            row = _checked(pa.RecordBatch.from_pylist([request], REQUEST_SCHEMA))
+            if trace is not None and trace.num_rows:
+                trace = _checked(trace.select(SERVE_TRACE_SCHEMA.names).cast(SERVE_TRACE_SCHEMA))
+        except Exception as err:  # whatever the row holds: it must not break the writes of the others
+            self._set_aside(request, trace, err)
+            return
         if not self._requests:
             self._since = time.monotonic()
         if trace is not None and trace.num_rows:
-            trace = trace.select(SERVE_TRACE_SCHEMA.names).cast(SERVE_TRACE_SCHEMA)
             if self.durable:  # logged before the request row, which closes the request
                 self._log(TRACES_DIR, SERVE_TRACE_SCHEMA).append(trace)
             self._traces.append(trace)
         if self.durable:
-            self._log(REQUESTS_DIR, REQUEST_SCHEMA).append(pa.RecordBatch.from_pylist([request], REQUEST_SCHEMA))
-        self._requests.append(request)
+            self._log(REQUESTS_DIR, REQUEST_SCHEMA).append(row)
+        self._requests.append(row)
 
     def due(self) -> bool:
         """Whether the buffer reached ``max_rows`` or holds rows older than ``max_seconds``."""
@@ -347,7 +393,7 @@ class StatsSink:
         """Swap the buffers out (and close their logs); None when empty."""
         if not self._requests:
             return None
-        requests = pa.Table.from_pylist(self._requests, schema=REQUEST_SCHEMA)
+        requests = pa.Table.from_batches(self._requests, REQUEST_SCHEMA)
         traces = pa.concat_tables(self._traces) if self._traces else SERVE_TRACE_SCHEMA.empty_table()
         for log in self._logs.values():
             log.close_writer()
@@ -377,6 +423,21 @@ class StatsSink:
             return 0
         self.write(taken)
         return taken.requests.num_rows
+
+    def _set_aside(self, request: Any, trace: Any, err: Exception) -> None:
+        """Log a row that does not fit its schema and write it, with its trace rows and the error, to
+        ``rejected/<replica>-<k>.json`` (as JSON; what JSON cannot hold as its ``str``)."""
+        self.set_aside += 1
+        rid = request.get("request_id") if isinstance(request, dict) else None
+        where = self.storage / REJECTED_DIR / f"{self.tag}-{self.set_aside:06d}.json"
+        log.error("statistics row of %s set aside in %s: %s: %s", rid, where.uri, type(err).__name__, err)
+        rows = trace.to_pylist() if isinstance(trace, pa.Table) else trace
+        record = {"error": f"{type(err).__name__}: {err}", "request": request, "trace": rows}
+        try:
+            (self.storage / REJECTED_DIR).makedirs()
+            where.write_text(json.dumps(record, default=str))
+        except Exception:  # the set-aside file is a courtesy: the answer and the other rows come first
+            log.exception("could not write %s", where.uri)
 
     def _log_path(self, name: str, folder: str) -> str:
         return (self.storage / WAL_DIR / f"{name}.{folder}.arrows").path

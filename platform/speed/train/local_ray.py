@@ -1,6 +1,7 @@
 """A job's private local Ray that leaves nothing behind, even when the driver is killed.
 
-``start()`` marks the driver's environment with ``SPEED_RAY_OWNER=<token>``
+``start()`` starts it on loopback only (``speed.cluster.loopback_options``) and
+marks the driver's environment with ``SPEED_RAY_OWNER=<token>``
 before ``ray.init``, so that every process of this Ray (GCS, raylet, dashboard,
 runtime-env and dashboard agents, workers) inherits the mark, and gives Ray a
 temp folder of its own. A watchdog, this file run as a script in a session of
@@ -41,6 +42,8 @@ def start(num_cpus: int | None = None, runtime_env: dict | None = None) -> str:
     """
     import ray
 
+    from speed.cluster import loopback_options
+
     token = os.environ.setdefault(OWNER_ENV, secrets.token_hex(8))
     # Short and under /tmp: Ray's unix socket paths inside it are length-limited.
     temp_dir = tempfile.mkdtemp(prefix="speed-ray-", dir="/tmp" if Path("/tmp").is_dir() else None)
@@ -53,7 +56,8 @@ def start(num_cpus: int | None = None, runtime_env: dict | None = None) -> str:
         start_new_session=True,  # outside the driver's process group: Ctrl-C and Ray's reaper do not reach it
         close_fds=True,
     )
-    ray.init(address="local", num_cpus=num_cpus, _temp_dir=temp_dir, log_to_driver=True, runtime_env=runtime_env)
+    options = {"num_cpus": num_cpus, "_temp_dir": temp_dir, "log_to_driver": True, "runtime_env": runtime_env}
+    ray.init(address="local", **options, **loopback_options())  # on loopback only
     return token
 
 
