@@ -241,6 +241,8 @@ def test_prefill_needs_an_empty_slot() -> None:
         with pytest.raises(CacheError, match="from position 0, but its valid length is 2"):
             model.prefill(cache, 1, torch.tensor([5]))
         cache.reset(1)
+        with pytest.raises(ValueError, match="at least one prompt token"):
+            model.prefill(cache, 1, torch.tensor([], dtype=torch.long))
         model.prefill(cache, 1, torch.tensor([5]))
         assert cache.loops.lengths[:, :, 0].sum() == 0  # the other slot untouched
 

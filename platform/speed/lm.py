@@ -313,6 +313,8 @@ class LoopedLM(nn.Module):
     def prefill(self, cache: LMCache, slot: int, input_ids: Tensor) -> Tensor:
         """Run a prompt (T,) through every loop into the empty ``slot``: its keys/values at positions 0..T-1 of
         every virtual layer; returns each loop's logits (M, V) at its last position (the first new token's)."""
+        if input_ids.numel() == 0:
+            raise ValueError("prefill needs at least one prompt token")
         exits = self._exit_states(input_ids.view(1, -1).to(self.device), cache, slot)
         return torch.stack([self.lm_head(state[0, -1]) for state in exits])
 
