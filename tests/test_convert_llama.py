@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from speed.cache import Rows
+from speed.config import SharingPattern
 from speed.convert_llama import (
     config_from_llama,
     conversion_plan,
@@ -128,17 +129,17 @@ def test_greedy_tokens_match_hf_generate(hf_model) -> None:
 
 # A wrong weight must move the logits past the tolerance: the oracle is sharp enough to see each of these.
 BUGS = {
-    "q and k heads swapped": (
+    "q-k-heads-swapped": (
         "core.0.attn.qkv.weight",
         lambda w: torch.cat([w[:8], w[32:40], w[16:32], w[8:16], w[40:]]),
     ),
-    "rotary halves (GPT-J pairs)": (
+    "rotary-gpt-j-pairs": (
         "core.1.attn.qkv.weight",
         lambda w: w.view(-1, 2, 4, 32).transpose(1, 2).reshape(-1, 32),
     ),
-    "gate and up swapped": ("core.2.mlp.wi.weight", lambda w: w.roll(48, 0)),
-    "a norm gain": ("core.3.mlp_norm.weight", lambda w: w + 0.01),
-    "the final norm": ("norm.weight", lambda w: w.flip(0)),
+    "gate-up-swapped": ("core.2.mlp.wi.weight", lambda w: w.roll(48, 0)),
+    "a-norm-gain": ("core.3.mlp_norm.weight", lambda w: w + 0.01),
+    "final-norm-reversed": ("norm.weight", lambda w: w.flip(0)),
 }
 
 
@@ -167,14 +168,10 @@ def test_oracle_catches_a_wrong_weight(bug: str) -> None:
     ],
 )
 def test_layer_sources(pattern: str, layers: int, sources: dict) -> None:
-    from speed.config import SharingPattern
-
     assert layer_sources(SharingPattern.parse(pattern), layers) == sources
 
 
 def test_layer_sources_need_n_to_divide_the_middle_layers() -> None:
-    from speed.config import SharingPattern
-
     with pytest.raises(ValueError, match="N must divide them"):
         layer_sources(SharingPattern.parse("4x2"), 6)
     with pytest.raises(ValueError, match="N must divide them"):

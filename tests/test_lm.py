@@ -28,7 +28,7 @@ VARIANTS = {
     "gqa+prelude+coda+injection+loop_norm": {"pattern": "1+2x3+1", "injection": True, "loop_norm": True, **GQA},
     "sandwich+coda+loop_norm": {"pattern": "2x3+2", "norm": "sandwich", "loop_norm": True, **GQA},
     "sandwich+prelude+injection": {"pattern": "2+1x3", "norm": "sandwich", "injection": True},
-    "all, tied": {"pattern": "1+2x2+1", "norm": "sandwich", "injection": True, "tie_embeddings": True, **GQA},
+    "all+tied": {"pattern": "1+2x2+1", "norm": "sandwich", "injection": True, "tie_embeddings": True, **GQA},
 }
 
 
