@@ -112,3 +112,16 @@ def test_branch_rows_keep_their_own_entry_and_read_the_prefix():
     assert cache.values[0][0, 1, 0, 3, 0].item() == -9.0
     chain_only = Rows.build([0], [0], [0], side=[-1])
     assert chain_only.side is None and rows.take(np.array([0, 0])).side is None  # no branch rows: the plain path
+
+
+def test_a_span_write_fills_positions_of_one_slot_at_one_virtual_layer():
+    cache = KVCache(n_loops=2, n_layers=2, n_slots=2, n_heads=1, max_len=6, d_kv=1)
+    k = torch.arange(4.0).view(1, 4, 1)  # (H, T, D)
+    cache.write_span(1, 1, 0, 0, k, -k)
+    assert cache.lengths[1, 1].tolist() == [4, 0] and cache.lengths.sum() == 4  # only (loop 1, layer 1), slot 0
+    assert cache.keys[1][1, 0, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    cache.write(1, Rows.build([0], [1], [4]), torch.full((1, 1, 1), 7.0), torch.zeros(1, 1, 1))  # rows go on
+    with pytest.raises(CacheError, match="from position 0, but its valid length is 5"):
+        cache.write_span(1, 1, 0, 0, k, k)
+    with pytest.raises(CacheError, match="beyond the cache's max_len 6"):
+        cache.write_span(0, 0, 1, 0, torch.zeros(1, 7, 1), torch.zeros(1, 7, 1))

@@ -13,6 +13,7 @@ from speed.losses import (
     settle_loss,
     settled_loss,
     teacher_forced_flips,
+    weighted_loss,
 )
 from speed.model import SpeedT5, shift_right
 
@@ -220,3 +221,11 @@ def test_a_traces_flip_costs_sum_to_the_flip_cost_of_its_rates():
     costs = flip_costs(trace)
     assert costs == pytest.approx([0.0, 0.5 * 1, 0.5 * 2])  # loop 2 flips tokens 0 and 2, loop 3 tokens 1 and 2
     assert sum(costs) == pytest.approx(flip_cost(flip_rates(trace).column("flip_rate_prev").to_pylist()))
+
+
+def test_weighted_loss_defaults_to_linear_and_checks_the_shape():
+    losses = torch.tensor([3.0, 2.0, 1.0])
+    assert torch.isclose(weighted_loss(losses), (torch.tensor([1.0, 2.0, 3.0]) / 6 * losses).sum())
+    assert weighted_loss(losses, loss_weights("last", 3)) == 1.0
+    with pytest.raises(ValueError, match=r"shape \(2,\), expected \(3,\) for 3 loops"):
+        weighted_loss(losses, torch.ones(2))

@@ -23,7 +23,7 @@ from speed.paths import repo_root
 
 ROOT = repo_root()
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-EXAMPLE_PAGES = ["README.md", "decoding.md"]  # the pages with python examples; the others hold none
+EXAMPLE_PAGES = ["README.md", "decoding.md", "models.md"]  # the pages with python examples; the others hold none
 JOB = re.compile(r"(?:^|[\s/])(jobs/\w+\.py)((?:\s+\S+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 

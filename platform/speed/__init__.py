@@ -1,7 +1,8 @@
-"""speed: SPEED (speculative pipelined decoding) for parameter-shared T5 decoders."""
+"""speed: SPEED (speculative pipelined decoding) for parameter-shared T5 decoders and looped decoder-only LMs."""
 
-from speed.config import PRESETS, ModelConfig, SharingPattern, preset
+from speed.config import PRESETS, LMConfig, ModelConfig, SharingPattern, lm_preset, preset
 from speed.decoding import DecodeStats, GenerateResult, generate
+from speed.lm import LoopedLM
 from speed.losses import loss_weights
 from speed.model import SpeedT5
 
@@ -9,10 +10,13 @@ __all__ = [
     "PRESETS",
     "DecodeStats",
     "GenerateResult",
+    "LMConfig",
+    "LoopedLM",
     "ModelConfig",
     "SharingPattern",
     "SpeedT5",
     "generate",
+    "lm_preset",
     "loss_weights",
     "preset",
 ]

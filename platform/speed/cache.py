@@ -173,6 +173,23 @@ class KVCache:
         self.keys[layer][loop_t, slot_t, :, pos_t] = k
         self.values[layer][loop_t, slot_t, :, pos_t] = v
 
+    def write_span(self, layer: int, loop: int, slot: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Write positions start..start+T-1 of one slot at virtual layer (``loop``, ``layer``): k, v (H, T, D).
+
+        A prompt's prefill: ``start`` must be the valid length there (else ``CacheError``, as for ``write``).
+        """
+        have, T = int(self.lengths[loop, layer, slot]), k.shape[1]
+        if have != start:
+            raise CacheError(
+                f"span write at virtual layer (loop {loop}, layer {layer}), slot {slot}, from position {start}, "
+                f"but its valid length is {have}"
+            )
+        if start + T > self.max_len:
+            raise CacheError(f"positions up to {start + T - 1} beyond the cache's max_len {self.max_len}")
+        self.keys[layer][loop, slot, :, start : start + T] = k
+        self.values[layer][loop, slot, :, start : start + T] = v
+        self.lengths[loop, layer, slot] = start + T
+
     def _write_side(self, layer: int, rows: Rows, k: Tensor, v: Tensor, branch: np.ndarray) -> None:
         """Store the branch rows' (``branch`` mask) keys/values (B, H, D) in their side entries."""
         slot, loop, pos, side = rows.slot[branch], rows.loop[branch], rows.pos[branch], rows.side[branch]

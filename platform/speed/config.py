@@ -1,4 +1,4 @@
-"""Frozen, typed configuration: the sharing pattern and the model dimensions.
+"""Frozen, typed configuration: the sharing pattern and the model dimensions (T5 and the looped LM).
 
 Configs are plain frozen dataclasses. Dicts (from YAML, flags or a checkpoint)
 become configs only through ``from_dict``, which rejects unknown keys by name
@@ -12,39 +12,68 @@ import re
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 T = TypeVar("T")
 
-_PATTERN = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+_CORE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*$")
+_COUNT = re.compile(r"^\s*(\d+)\s*$")
 
 
 @dataclass(frozen=True)
 class SharingPattern:
-    """``NxM``: N unique decoder layers applied M times in CYCLE order (1,2,1,2,...)."""
+    """``P+NxM+C``: a prelude of P layers run once, N unique layers applied M times in CYCLE order (1,2,1,2,...),
+    a coda of C layers; ``NxM`` alone has neither prelude nor coda (P = C = 0).
+
+    Virtual layers (``depth``, ``physical_layer``, ``loop_of``) count the looped core only: the prelude runs
+    once per token, and where the coda runs (after every loop, as the looped LM's exit) is the model's to say.
+    """
 
     n_unique: int
     n_loops: int
+    prelude: int = 0
+    coda: int = 0
 
     def __post_init__(self) -> None:
         if self.n_unique < 1:
             raise ValueError(f"sharing pattern needs at least 1 unique layer, got N={self.n_unique}")
         if self.n_loops < 1:
             raise ValueError(f"sharing pattern needs at least 1 loop, got M={self.n_loops}")
+        if self.prelude < 0 or self.coda < 0:
+            raise ValueError(f"sharing pattern needs P, C >= 0, got P={self.prelude}, C={self.coda}")
 
     @classmethod
     def parse(cls, text: str) -> SharingPattern:
-        """Parse ``"2x6"``; ``"2x0"``, ``"x6"`` or ``"12"`` raise ``ValueError`` naming the problem."""
+        """Parse ``"2x6"``, ``"1+2x6+1"``, ``"1+2x6"`` or ``"2x6+1"``; ``"2x0"``, ``"x6"``, ``"12"``, ``"0+2x6"`` or
+        ``"1+2x6+1+1"`` raise ``ValueError`` naming the problem."""
         if not isinstance(text, str):
             raise TypeError(f"sharing pattern must be a string like '2x6', got {type(text).__name__}")
-        if "x" not in text.lower():
+        parts = text.lower().split("+")
+        cores = [i for i, part in enumerate(parts) if "x" in part]
+        if not cores:
             raise ValueError(f"sharing pattern {text!r} has no 'x': write N unique layers x M loops, e.g. '2x6'")
-        left, _, right = text.lower().partition("x")
+        if len(cores) > 1:
+            raise ValueError(f"sharing pattern {text!r} has {len(cores)} looped parts NxM; write one, e.g. '1+2x6+1'")
+        core = cores[0]
+        if core > 1 or len(parts) - core > 2:
+            raise ValueError(
+                f"sharing pattern {text!r} has too many '+' parts: write P+NxM+C (prelude, core, coda), "
+                f"each of P+ and +C optional, e.g. '1+2x6+1'"
+            )
+        n, m = cls._core(parts[core], text)
+        prelude = cls._count(parts[0], "P (prelude layers)", "before", text) if core == 1 else 0
+        coda = cls._count(parts[core + 1], "C (coda layers)", "after", text) if len(parts) > core + 1 else 0
+        return cls(n, m, prelude, coda)
+
+    @staticmethod
+    def _core(core: str, text: str) -> tuple[int, int]:
+        """N and M of the looped part ``core`` of the pattern ``text`` (named in the errors)."""
+        left, _, right = core.partition("x")
         if not left.strip():
             raise ValueError(f"sharing pattern {text!r} is missing N (unique layers) before the 'x', e.g. '2x6'")
         if not right.strip():
             raise ValueError(f"sharing pattern {text!r} is missing M (loops) after the 'x', e.g. '2x6'")
-        match = _PATTERN.match(text.lower())
+        match = _CORE.match(core)
         if match is None:
             raise ValueError(f"sharing pattern {text!r} is not of the form NxM with positive integers, e.g. '2x6'")
         n, m = int(match.group(1)), int(match.group(2))
@@ -52,11 +81,23 @@ class SharingPattern:
             raise ValueError(f"sharing pattern {text!r}: N (unique layers) must be at least 1")
         if m == 0:
             raise ValueError(f"sharing pattern {text!r}: M (loops) must be at least 1")
-        return cls(n, m)
+        return n, m
+
+    @staticmethod
+    def _count(part: str, name: str, side: str, text: str) -> int:
+        """The prelude or coda layer count (``name``) written in ``part``, on ``side`` of the core."""
+        match = _COUNT.match(part)
+        if match is None:
+            raise ValueError(
+                f"sharing pattern {text!r} needs {name} {side} the core as a positive integer, e.g. '1+2x6+1'"
+            )
+        if int(match.group(1)) == 0:
+            raise ValueError(f"sharing pattern {text!r}: {name} must be at least 1 (omit it for none)")
+        return int(match.group(1))
 
     @property
     def depth(self) -> int:
-        """Number of virtual decoder layers (layer runs per token): N * M."""
+        """Number of virtual layers of the looped core (its layer runs per token): N * M."""
         return self.n_unique * self.n_loops
 
     def physical_layer(self, virtual_layer: int) -> int:
@@ -72,7 +113,8 @@ class SharingPattern:
         return virtual_layer // self.n_unique
 
     def __str__(self) -> str:
-        return f"{self.n_unique}x{self.n_loops}"
+        prelude, coda = f"{self.prelude}+" if self.prelude else "", f"+{self.coda}" if self.coda else ""
+        return f"{prelude}{self.n_unique}x{self.n_loops}{coda}"
 
 
 @dataclass(frozen=True)
@@ -99,7 +141,9 @@ class ModelConfig:
     eos_id: int = 1
 
     def __post_init__(self) -> None:
-        SharingPattern.parse(self.pattern)  # validates
+        sharing = SharingPattern.parse(self.pattern)  # validates
+        if sharing.prelude or sharing.coda:
+            raise ValueError(f"ModelConfig.pattern {self.pattern!r}: T5's decoder has no prelude or coda; write NxM")
         for name in ("vocab_size", "d_model", "n_heads", "d_kv", "d_ff", "relative_buckets", "relative_max_distance"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
@@ -140,6 +184,81 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+Norm = Literal["pre", "sandwich"]  # where a block normalises: before each sublayer, or before and after
+NORMS: tuple[str, ...] = typing.get_args(Norm)
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """A decoder-only looped transformer (``speed.lm.LoopedLM``) of Llama blocks with an exit after every loop.
+
+    Blocks: RMS norm, rotary position embeddings (Llama's split-halves layout), SwiGLU FFN, no biases,
+    grouped-query attention when ``n_kv_heads < n_heads``. ``norm``: ``pre`` (Llama: a norm before each
+    sublayer) or ``sandwich`` (Ouro: also a norm on each sublayer's output). ``pattern``: ``P+NxM+C``
+    (``SharingPattern``). ``loop_norm``: the final norm's output, not the raw core output, feeds the next loop
+    (Ouro). ``injection``: each loop's input is ``adapter([state, prelude output])`` (Huginn; the state is
+    zero before the first loop).
+    """
+
+    vocab_size: int = 32128  # T5's, so that the two families compare at equal embedding sizes
+    d_model: int = 768
+    n_heads: int = 12
+    n_kv_heads: int = 12  # a divisor of n_heads; fewer than n_heads is grouped-query attention
+    head_dim: int = 64  # even: rotary embeddings rotate pairs of (first half, second half) dimensions
+    d_ff: int = 2048
+    pattern: str = "2x6"
+    norm: Norm = "pre"
+    loop_norm: bool = False
+    injection: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False  # the LM head reuses the input embedding (SmolLM); untied as in T5 v1.1 and Ouro
+    eos_id: int = 1
+
+    def __post_init__(self) -> None:
+        SharingPattern.parse(self.pattern)  # validates
+        for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LMConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"LMConfig.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"LMConfig.head_dim must be even (rotary embeddings), got {self.head_dim}")
+        if self.norm not in NORMS:
+            raise ValueError(f"LMConfig.norm must be one of {list(NORMS)}, got {self.norm!r}")
+        for name in ("rope_theta", "norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LMConfig.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.eos_id < self.vocab_size:
+            raise ValueError(f"LMConfig.eos_id={self.eos_id} outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def sharing(self) -> SharingPattern:
+        """The parsed sharing pattern."""
+        return SharingPattern.parse(self.pattern)
+
+    def replace(self, **changes: Any) -> LMConfig:
+        """A copy with some fields changed (unknown fields are an error)."""
+        return from_dict(LMConfig, {**to_dict(self), **changes})
+
+
+# The T5 presets' layer sizes (d_model, heads x head size, FFN, vocabulary), so that a looped LM block has the
+# parameters of a T5 encoder block and the two families compare layer for layer.
+LM_PRESETS: dict[str, LMConfig] = {
+    "base": LMConfig(),
+    "small": LMConfig(d_model=512, n_heads=6, n_kv_heads=6, head_dim=64, d_ff=1024),
+    "mini": LMConfig(vocab_size=8192, d_model=256, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=768),
+    "tiny": LMConfig(vocab_size=128, d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64),
+}
+
+
+def lm_preset(name: str, **overrides: Any) -> LMConfig:
+    """A named looped-LM preset (``base``, ``small``, ``mini``, ``tiny``) with optional field overrides."""
+    if name not in LM_PRESETS:
+        raise ValueError(f"unknown LM preset {name!r}; choose one of {sorted(LM_PRESETS)}")
+    return LM_PRESETS[name].replace(**overrides) if overrides else LM_PRESETS[name]
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -44,17 +44,20 @@ always comes from HF block 0, which computes it for the whole stack.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from speed.config import ModelConfig
 from speed.model import SpeedT5
 
 if TYPE_CHECKING:
     from transformers import T5Config, T5ForConditionalGeneration
+
+M = TypeVar("M", bound=nn.Module)
 
 # HF stores the same embedding under these names as well as ``shared.weight``.
 EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
@@ -268,32 +271,45 @@ def from_hf_state_dict(
     mismatch, or an embedding copy that differs from ``shared`` is an error.
     """
     plan = conversion_plan(config, hf_decoder_layers, layer_map)
-    missing = sorted(hf for hf in plan.used if hf not in state_dict)
-    if missing:
-        raise KeyError(f"HF state dict lacks {len(missing)} tensor(s) the conversion needs: {missing}")
-    unexpected = sorted(k for k in state_dict if k not in plan.used and not _is_skipped(k, plan.skipped))
-    if unexpected:
-        raise KeyError(f"HF state dict has {len(unexpected)} tensor(s) this conversion does not know: {unexpected}")
+    check_names(state_dict, plan.used, lambda name: _is_skipped(name, plan.skipped))
     shared = state_dict["shared.weight"]
     for name in EMBEDDING_COPIES:
         if name in state_dict and not torch.equal(state_dict[name], shared):
             raise ValueError(f"{name} differs from shared.weight; HF would embed with it, SpeedT5 cannot")
+    values = {
+        name: (torch.cat([state_dict[hf] for hf in hf_names], dim=0), " + ".join(hf_names))
+        for name, hf_names in plan.sources.items()
+    }
+    return fill_parameters(SpeedT5(config), values).eval()
 
-    model = SpeedT5(config)
+
+def check_names(state_dict: dict[str, Tensor], used: set[str], skipped: Callable[[str], bool]) -> None:
+    """Refuse (``KeyError``) a state dict that lacks a tensor in ``used`` or holds one neither used nor ``skipped``."""
+    missing = sorted(hf for hf in used if hf not in state_dict)
+    if missing:
+        raise KeyError(f"HF state dict lacks {len(missing)} tensor(s) the conversion needs: {missing}")
+    unexpected = sorted(k for k in state_dict if k not in used and not skipped(k))
+    if unexpected:
+        raise KeyError(f"HF state dict has {len(unexpected)} tensor(s) this conversion does not know: {unexpected}")
+
+
+def fill_parameters(model: M, values: dict[str, tuple[Tensor, str]]) -> M:
+    """``model`` with every parameter copied from ``values[name] = (tensor, the HF tensors it came from)``.
+
+    A parameter without a value, or a value of another shape, is an error.
+    """
     params = dict(model.named_parameters())
-    unfilled = sorted(set(params) - set(plan.sources))
+    unfilled = sorted(set(params) - set(values))
     if unfilled:
-        raise RuntimeError(f"conversion plan leaves SpeedT5 parameter(s) unfilled: {unfilled}")
+        raise RuntimeError(f"conversion plan leaves {type(model).__name__} parameter(s) unfilled: {unfilled}")
     with torch.no_grad():
-        for name, hf_names in plan.sources.items():
-            value = torch.cat([state_dict[hf] for hf in hf_names], dim=0)
+        for name, (value, origin) in values.items():
             if value.shape != params[name].shape:
                 raise ValueError(
-                    f"{name} expects shape {tuple(params[name].shape)}, "
-                    f"HF {' + '.join(hf_names)} give {tuple(value.shape)}"
+                    f"{name} expects shape {tuple(params[name].shape)}, HF {origin} give {tuple(value.shape)}"
                 )
             params[name].copy_(value)
-    return model.eval()
+    return model
 
 
 def from_hf_model(

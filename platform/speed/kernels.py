@@ -36,11 +36,17 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from speed.cache import Rows  # speed.cache imports this module
 
 TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence
 ATTN_CHUNK = 32  # attention sums its key positions in chunks of this many (see ``attend``)
@@ -162,6 +168,29 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = A
     parts = (weights.to(values.dtype).unsqueeze(-1) * values.view(T, H, C, chunk, D)).sum(-2)  # (T, H, C, D)
     mixed = parts.cumsum(-2)[..., -1, :]  # (T, H, D)
     return (mixed.float() / total).to(values.dtype)
+
+
+def in_tiles(
+    step_tile: Callable[[Rows, Tensor], tuple[Tensor, Tensor | None]],
+    rows: Rows,
+    hidden: Tensor,
+    tile_rows: int = TILE_ROWS,
+) -> tuple[Tensor, Tensor | None]:
+    """A decode step over any number of rows: ``step_tile`` on tiles of at most ``tile_rows`` of them, in order.
+
+    ``hidden`` (R, ...) holds the rows' inputs; the tiles' outputs (and exit
+    logits, None when the tiles return none) are concatenated in row order.
+    """
+    if len(rows) <= tile_rows:
+        return step_tile(rows, hidden)
+    outputs, logits = [], []
+    for start in range(0, len(rows), tile_rows):
+        part = rows.take(np.arange(start, min(start + tile_rows, len(rows))))
+        out, exit_logits = step_tile(part, hidden[start : start + len(part)])
+        outputs.append(out)
+        if exit_logits is not None:
+            logits.append(exit_logits)
+    return torch.cat(outputs), (torch.cat(logits) if logits else None)
 
 
 def tile_index(n: int, tile_rows: int, device: torch.device) -> Tensor:

@@ -114,6 +114,15 @@ def loss_weights(scheme: str, n_loops: int) -> Tensor:
     return PARAMETRIC[family](n_loops, float(value)) if sep else SCHEMES[scheme](n_loops)
 
 
+def weighted_loss(loop_losses: Tensor, weights: Tensor | None = None) -> Tensor:
+    """``L_w = sum_i w_i L_i`` of per-loop losses (M,); ``weights`` (M,) default to the paper's linear scheme."""
+    n_loops = loop_losses.shape[0]
+    weights = (loss_weights("linear", n_loops) if weights is None else weights).to(loop_losses)
+    if weights.shape != loop_losses.shape:
+        raise ValueError(f"loss weights have shape {tuple(weights.shape)}, expected ({n_loops},) for {n_loops} loops")
+    return (weights * loop_losses).sum()
+
+
 # ----- flip cost and the settle term -----------------------------------------------------------------------
 #
 # Under SPEED a flip at loop k (loop k's prediction differs from loop k-1's) restarts the successor, which had

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from speed.cache import KVCache, Rows
 from speed.config import ModelConfig
-from speed.kernels import TILE_ROWS, attend, chunk_span, tile_linear
-from speed.losses import loss_weights
+from speed.kernels import attend, chunk_span, in_tiles, tile_linear
+from speed.losses import weighted_loss
 
 
 def relative_position_bucket(
@@ -344,14 +344,7 @@ class SpeedT5(nn.Module):
         if labels is None:
             return SpeedT5Output(None, None, all_logits if return_logits else None)
         loop_losses = torch.stack(losses)  # (M,)
-        if weights is None:
-            weights = loss_weights("linear", self.n_loops)
-        weights = weights.to(loop_losses)
-        if weights.shape != loop_losses.shape:
-            raise ValueError(
-                f"loss weights have shape {tuple(weights.shape)}, expected ({self.n_loops},) for {self.n_loops} loops"
-            )
-        return SpeedT5Output(loop_losses, (weights * loop_losses).sum(), all_logits if return_logits else None)
+        return SpeedT5Output(loop_losses, weighted_loss(loop_losses, weights), all_logits if return_logits else None)
 
     # ----- decoding primitives (used by speed.engine) ----------------------------------
 
@@ -425,17 +418,7 @@ class SpeedT5(nn.Module):
         are bit-identical whatever other rows share the step: the rows run in
         tiles of up to ``TILE_ROWS`` on row-invariant kernels (see ``speed.kernels``).
         """
-        T = TILE_ROWS
-        if len(rows) <= T:
-            return self._step_tile(memory, cache, rows, hidden, with_logits)
-        outputs, logits = [], []
-        for start in range(0, len(rows), T):
-            part = rows.take(np.arange(start, min(start + T, len(rows))))
-            x, exit_logits = self._step_tile(memory, cache, part, hidden[start : start + len(part)], with_logits)
-            outputs.append(x)
-            if exit_logits is not None:
-                logits.append(exit_logits)
-        return torch.cat(outputs), (torch.cat(logits) if with_logits else None)
+        return in_tiles(lambda part, x: self._step_tile(memory, cache, part, x, with_logits), rows, hidden)
 
     def _step_tile(
         self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor, with_logits: bool

@@ -1,0 +1,191 @@
+"""Import Hugging Face Llama weights into ``LoopedLM``: plainly, or tied into loops (Relaxed Recursive Transformers).
+
+Only the plain Llama layout converts (``model_type="llama"``: SiLU SwiGLU,
+no attention or MLP biases, default rotary embeddings without scaling), as a
+pre-norm ``LoopedLM`` without input injection or loop norm; anything else is
+refused, naming the field.
+
+Parameter mapping (HF name -> ours, for an HF layer i standing behind our
+block ``b``; ``q;k;v`` means rows concatenated)::
+
+    model.embed_tokens                                 -> embed_tokens
+    model.layers.i.self_attn.{q;k;v}_proj, o_proj      -> b.attn.qkv, b.attn.o
+    model.layers.i.mlp.{gate;up}_proj, down_proj       -> b.mlp.wi, b.mlp.wo
+    model.layers.i.input_layernorm                     -> b.attn_norm
+    model.layers.i.post_attention_layernorm            -> b.mlp_norm
+    model.norm, lm_head                                -> norm, lm_head
+
+A tied checkpoint (``tie_word_embeddings``) converts to a tied model; its
+``lm_head.weight``, when present, must equal the embedding. Any other HF
+tensor, or a missing one, is an error.
+
+Which HF layers a block stands for (``layer_sources``), for ``P+NxM+C`` from
+an L-layer model: prelude block p is layer p, coda block c is layer
+L - C + c, and the L' = L - P - C middle layers are tied into the core as in
+Relaxed Recursive Transformers (CYCLE sharing, average initialisation):
+shared layer j stands for middle layers j, j + N, j + 2N, ... (L'/N of them,
+so N must divide L') and each of its weights is their average. When
+L' = N * M these are exactly the layers whose places its M runs take (the
+run in loop i stands where middle layer i * N + j stood); when L' = N each
+shared layer is one HF layer, looped M times. For M = 1 (``P+Nx1+C`` from
+P + N + C layers) nothing is averaged and the model computes what the HF
+model does (checked by ``tests/test_convert_llama.py`` to 1e-4); for M > 1
+the tied model is a starting point for uptraining, not a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from speed.config import LMConfig, SharingPattern
+from speed.convert import check_names, fill_parameters
+from speed.lm import LoopedLM
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+LLAMA_MODEL_TYPES = ("llama",)
+EMBEDDING = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+# Present in checkpoints of older transformers versions; recomputed from the config, never learned.
+ROTARY_BUFFER = ".self_attn.rotary_emb.inv_freq"
+
+
+@dataclass(frozen=True)
+class LlamaPlan:
+    """Where each of our parameters comes from.
+
+    ``sources[name]``: one tuple of HF tensor names per HF layer averaged
+    into ``name``; each tuple's tensors are concatenated (dim 0) first.
+    ``skipped[hf_name]``: why that HF tensor is not used.
+    """
+
+    sources: dict[str, tuple[tuple[str, ...], ...]]
+    skipped: dict[str, str]
+
+    @property
+    def used(self) -> set[str]:
+        """All HF tensor names that fill one of our parameters."""
+        return {hf for groups in self.sources.values() for names in groups for hf in names}
+
+
+def config_from_llama(hf_config: LlamaConfig, pattern: str | None = None) -> LMConfig:
+    """Our ``LMConfig`` for a Llama ``LlamaConfig``; ``pattern`` defaults to ``"{layers}x1"`` (the plain stack)."""
+    model_type = getattr(hf_config, "model_type", "llama")
+    if model_type not in LLAMA_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not the Llama layout; expected one of {LLAMA_MODEL_TYPES}")
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: LoopedLM's SwiGLU uses 'silu'")
+    for name in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, name, False):
+            raise ValueError(f"{name}=True: LoopedLM has no biases")
+    rope = _rope_parameters(hf_config)
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type={rope['rope_type']!r}: only default rotary embeddings (no scaling) convert")
+    eos_id = hf_config.eos_token_id
+    if isinstance(eos_id, (list, tuple)) and len(eos_id) == 1:
+        eos_id = eos_id[0]
+    if not isinstance(eos_id, int):
+        raise ValueError(f"eos_token_id={eos_id}: LoopedLM needs exactly one EOS token")
+    n_heads = hf_config.num_attention_heads
+    return LMConfig(
+        vocab_size=hf_config.vocab_size,
+        d_model=hf_config.hidden_size,
+        n_heads=n_heads,
+        n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads,
+        d_ff=hf_config.intermediate_size,
+        pattern=pattern if pattern is not None else f"{hf_config.num_hidden_layers}x1",
+        rope_theta=float(rope["rope_theta"]),
+        norm_eps=hf_config.rms_norm_eps,
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+        eos_id=eos_id,
+    )
+
+
+def _rope_parameters(hf_config: LlamaConfig) -> dict[str, Any]:
+    """The rotary settings: ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling`` (before)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    return {"rope_type": scaling.get("rope_type", scaling.get("type", "default")), "rope_theta": hf_config.rope_theta}
+
+
+def layer_sources(sharing: SharingPattern, n_layers: int) -> dict[str, tuple[int, ...]]:
+    """Our block (``prelude.p``, ``core.j``, ``coda.c``) -> the HF layers it stands for (see the module doc)."""
+    P, N, C = sharing.prelude, sharing.n_unique, sharing.coda
+    middle = n_layers - P - C
+    if middle < N or middle % N:
+        raise ValueError(
+            f"pattern {sharing} ties the {middle} middle layers of a {n_layers}-layer model (after P={P}, C={C}) "
+            f"into N={N} shared layers: N must divide them"
+        )
+    sources = {f"prelude.{p}": (p,) for p in range(P)}
+    sources.update({f"core.{j}": tuple(range(P + j, P + middle, N)) for j in range(N)})
+    sources.update({f"coda.{c}": (n_layers - C + c,) for c in range(C)})
+    return sources
+
+
+def conversion_plan(config: LMConfig, n_layers: int) -> LlamaPlan:
+    """The HF sources of every ``LoopedLM`` parameter, for a Llama of ``n_layers`` layers."""
+    if config.norm != "pre" or config.injection or config.loop_norm:
+        raise ValueError("a Llama converts to a pre-norm LoopedLM without injection or loop norm")
+    sources: dict[str, tuple[tuple[str, ...], ...]] = {
+        "embed_tokens.weight": ((EMBEDDING,),),
+        "norm.weight": (("model.norm.weight",),),
+    }
+    if not config.tie_embeddings:
+        sources["lm_head.weight"] = ((HEAD,),)
+    for block, layers in layer_sources(config.sharing, n_layers).items():
+        hf = [f"model.layers.{i}" for i in layers]
+        sources[f"{block}.attn.qkv.weight"] = tuple(tuple(f"{h}.self_attn.{x}_proj.weight" for x in "qkv") for h in hf)
+        sources[f"{block}.attn.o.weight"] = tuple((f"{h}.self_attn.o_proj.weight",) for h in hf)
+        sources[f"{block}.mlp.wi.weight"] = tuple((f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight") for h in hf)
+        sources[f"{block}.mlp.wo.weight"] = tuple((f"{h}.mlp.down_proj.weight",) for h in hf)
+        sources[f"{block}.attn_norm.weight"] = tuple((f"{h}.input_layernorm.weight",) for h in hf)
+        sources[f"{block}.mlp_norm.weight"] = tuple((f"{h}.post_attention_layernorm.weight",) for h in hf)
+    skipped = {HEAD: "copy of model.embed_tokens.weight (tied)"} if config.tie_embeddings else {}
+    return LlamaPlan(sources, skipped)
+
+
+def from_llama_state_dict(state_dict: dict[str, Tensor], config: LMConfig, n_layers: int) -> LoopedLM:
+    """A ``LoopedLM`` (eval mode, our dtype) filled strictly from a Llama state dict of ``n_layers`` layers.
+
+    Every parameter is filled and every HF tensor used or skipped on purpose;
+    anything else, a shape mismatch, or a tied head that differs from the
+    embedding is an error.
+    """
+    plan = conversion_plan(config, n_layers)
+    check_names(state_dict, plan.used, lambda name: name in plan.skipped or name.endswith(ROTARY_BUFFER))
+    if config.tie_embeddings and HEAD in state_dict and not torch.equal(state_dict[HEAD], state_dict[EMBEDDING]):
+        raise ValueError(f"tied checkpoint, but {HEAD} differs from {EMBEDDING}")
+    values = {}
+    for name, groups in plan.sources.items():
+        layers = [torch.cat([state_dict[hf] for hf in names], dim=0) for names in groups]
+        # One layer is copied exactly; several are averaged in float32 (checkpoints are often bfloat16).
+        value = layers[0] if len(layers) == 1 else torch.stack(layers).float().mean(0)
+        values[name] = (value, " + ".join(groups[0]))
+    return fill_parameters(LoopedLM(config), values).eval()
+
+
+def from_llama(hf_model: LlamaForCausalLM, pattern: str | None = None) -> LoopedLM:
+    """Convert a loaded ``LlamaForCausalLM``; ``pattern`` defaults to ``"{layers}x1"`` (see the module doc)."""
+    config = config_from_llama(hf_model.config, pattern)
+    return from_llama_state_dict(hf_model.state_dict(), config, hf_model.config.num_hidden_layers)
+
+
+def from_pretrained(name_or_path: str, pattern: str | None = None, **kwargs: Any) -> LoopedLM:
+    """Load a Llama checkpoint (hub name, e.g. ``HuggingFaceTB/SmolLM2-135M``, or a ``save_pretrained`` folder).
+
+    Extra keyword arguments go to ``AutoModelForCausalLM.from_pretrained``
+    (e.g. ``revision``, ``local_files_only``); the tokenizer is the
+    checkpoint's own (``AutoTokenizer.from_pretrained(name_or_path)``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    return from_llama(AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs), pattern)

@@ -1,0 +1,376 @@
+"""A decoder-only looped transformer of Llama blocks, with an early exit after every loop.
+
+Layout ``P+NxM+C`` (``speed.config.SharingPattern``): each token's embedding
+runs once through a prelude of P layers; a core of N unique layers then runs
+M times in CYCLE order (loop i runs core layers 0..N-1); after each loop the
+exit, that is the coda's C layers, the final RMS norm and the LM head, gives
+that loop's logits. The coda belongs to the exit, not to the loop: it reads
+the loop's core output, and what feeds the next loop is that core output
+(``loop_norm``: its final-norm output, as in Ouro), never the coda's. So a
+loop whose exit is evaluated costs N + C layers, and a token that runs all M
+loops P + M * (N + C); the coda writes keys and values at every loop, so it
+always runs (``with_logits=False`` skips only the head). With input injection
+(Huginn) each loop's input is ``adapter([state, e])``, e the prelude's output
+and state the previous loop's output, zero before the first loop (Huginn
+draws it at random; zero keeps the model deterministic).
+
+Keys and values have one entry per virtual layer: (loop, core layer) and
+(loop, coda layer) in ``LMCache.loops``, and the prelude's, which run once, in
+``LMCache.prelude``. Two paths compute the same logits: ``forward`` over
+whole (B, T) sequences (training, teacher forcing, the reference), and the
+cached incremental path, ``prefill`` of a prompt plus ``step``, one pass of
+the loop over rows each at its own loop and position (the SPEED step), on the
+batch-invariant kernels of ``speed.kernels`` as ``SpeedT5.step`` is.
+
+Shapes: B batch, T length, R decode rows (n in one tile), d d_model, W the
+carry's width (d, or 2d with injection), H query heads, K key/value heads
+(H a multiple of K), D head_dim, L key positions, V vocabulary, M loops, N
+core, P prelude and C coda layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speed.cache import KVCache, Rows
+from speed.config import LMConfig
+from speed.kernels import attend, chunk_span, in_tiles, tile_linear
+from speed.losses import weighted_loss
+
+Store = Callable[[Tensor, Tensor], None]  # receives one virtual layer's keys and values (B, K, T, D)
+
+
+def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin (..., D) of the rotary angles at integer ``positions`` (...), Llama's layout.
+
+    Frequency f_i = theta^(-2i/D) for i < D/2, repeated for both halves, so
+    dimension i pairs with i + D/2 (``rotate``).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)  # (D/2,)
+    freqs = positions[..., None].float() * inv_freq  # (..., D/2)
+    angles = torch.cat([freqs, freqs], dim=-1)  # (..., D)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Head vectors x (..., D) rotated by the angles of cos/sin (broadcast to x).
+
+    Dimension pairs (a, b) = (i, i + D/2) become (a cos - b sin, b cos + a sin).
+    """
+    first, second = x.chunk(2, dim=-1)  # 2 x (..., D/2)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def _mask_value(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary positions and K key/value heads, each shared by H/K query heads."""
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.qkv = nn.Linear(config.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)  # q;k;v
+        self.o = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
+
+    def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries (..., H, D), keys and values (..., K, D) of a fused projection (..., (H + 2K) * D)."""
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        return qkv.view(*qkv.shape[:-1], H + 2 * K, D).split([H, K, K], dim=-2)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, store: Store | None = None) -> Tensor:
+        """Causal attention over whole sequences (B, T, d), angles cos/sin (T, D); ``store`` gets the keys/values."""
+        B, T, _ = x.shape
+        q, k, v = self._split(self.qkv(x))  # (B, T, H, D), 2 x (B, T, K, D)
+        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), 2 x (B, K, T, D)
+        if store is not None:
+            store(k, v)
+        group = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # 2 x (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D), scaled by D**-0.5
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor
+    ) -> Tensor:
+        """One new token per row of a tile (n, d) at its own position (angles cos/sin (n, D)).
+
+        Writes the rows' keys/values at their virtual layers (their loop,
+        ``layer``), then attends over the first L positions there; ``bias``
+        (n, 1, 1, L) masks the positions past each row's own.
+        """
+        n = x.shape[0]
+        q, k, v = self._split(tile_linear(self.qkv, x))  # (n, H, D), 2 x (n, K, D)
+        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+        cache.write(layer, rows, k, v)
+        keys, values = cache.read(layer, rows, bias.shape[-1])  # 2 x (n, K, L, D)
+        group = self.n_heads // self.n_kv_heads
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)  # (n, H, L, D)
+        y = attend(q * self.head_dim**-0.5, keys, values, bias)  # (n, H, D)
+        return tile_linear(self.o, y.reshape(n, -1))
+
+
+class SwiGLU(nn.Module):
+    """Llama's feed-forward: wo(silu(x w_gate) * (x w_up)), w_gate/w_up fused."""
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.wi = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)  # [gate; up]
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.wi(x).chunk(2, dim=-1)  # 2 x (..., F)
+        return self.wo(F.silu(gate) * up)
+
+    def decode(self, x: Tensor) -> Tensor:
+        """The same for one tile of decode rows (n, d)."""
+        gate, up = tile_linear(self.wi, x).chunk(2, dim=-1)  # 2 x (n, F)
+        return tile_linear(self.wo, F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """``pre``: h += attn(norm(h)); h += mlp(norm(h)). ``sandwich`` (Ouro): each sublayer's output is normed too."""
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        d, eps = config.d_model, config.norm_eps
+
+        def out_norm() -> nn.Module:
+            return nn.RMSNorm(d, eps=eps) if config.norm == "sandwich" else nn.Identity()
+
+        self.attn_norm, self.attn, self.attn_out_norm = nn.RMSNorm(d, eps=eps), Attention(config), out_norm()
+        self.mlp_norm, self.mlp, self.mlp_out_norm = nn.RMSNorm(d, eps=eps), SwiGLU(config), out_norm()
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, store: Store | None = None) -> Tensor:
+        x = x + self.attn_out_norm(self.attn(self.attn_norm(x), cos, sin, store))
+        return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
+
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor
+    ) -> Tensor:
+        """One tile of decode rows (n, d) through this block (see ``Attention.decode``)."""
+        x = x + self.attn_out_norm(self.attn.decode(self.attn_norm(x), cos, sin, rows, cache, layer, bias))
+        return x + self.mlp_out_norm(self.mlp.decode(self.mlp_norm(x)))
+
+
+@dataclass
+class LMCache:
+    """Keys/values of every virtual layer for ``n_slots`` sequences, preallocated (see ``KVCache``).
+
+    ``loops``: one entry per (loop, layer) of the looped layers, layer j < N
+    the core's layer j and layer N + c the coda's layer c (the coda runs in
+    every loop's exit). ``prelude``: the prelude's P layers, which run once per
+    token (its only loop is 0); None without a prelude. Runner-up branches
+    (side entries) are not supported with a prelude: its cache has the side
+    entries of one loop.
+    """
+
+    loops: KVCache
+    prelude: KVCache | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.loops.device
+
+    def _parts(self) -> list[KVCache]:
+        return [self.loops] if self.prelude is None else [self.prelude, self.loops]
+
+    def invalidate(self, slot: int, from_pos: int) -> None:
+        """Drop positions >= ``from_pos`` of ``slot`` at every virtual layer (no copy)."""
+        for part in self._parts():
+            part.invalidate(slot, from_pos)
+
+    def reset(self, slot: int) -> None:
+        """Empty ``slot``, e.g. for a new sequence."""
+        for part in self._parts():
+            part.reset(slot)
+
+
+@dataclass
+class LMOutput:
+    """Forward result: per-loop losses (M,), the weighted loss, optional per-loop logits."""
+
+    loop_losses: Tensor | None
+    loss: Tensor | None
+    loop_logits: list[Tensor] | None  # M x (B, T, V), only when asked for
+
+
+class LoopedLM(nn.Module):
+    """A ``P+NxM+C`` looped decoder-only LM: prelude once, core M times, an exit (coda, norm, head) per loop."""
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.sharing = sharing = config.sharing
+        self.n_loops = sharing.n_loops
+        d = config.d_model
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.prelude = nn.ModuleList(Block(config) for _ in range(sharing.prelude))
+        self.core = nn.ModuleList(Block(config) for _ in range(sharing.n_unique))
+        self.coda = nn.ModuleList(Block(config) for _ in range(sharing.coda))
+        self.adapter = nn.Linear(2 * d, d, bias=False) if config.injection else None  # [state, e] -> loop input
+        self.norm = nn.RMSNorm(d, eps=config.norm_eps)  # the exits' final norm
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """Llama's initialisation: every weight matrix and the embedding N(0, 0.02), norm gains 1."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    # ----- whole sequences ---------------------------------------------------------------------------------
+
+    def _exit_states(self, input_ids: Tensor, cache: LMCache | None = None, slot: int = 0) -> list[Tensor]:
+        """Each loop's exit state M x (B, T, d), the LM head's input; with ``cache`` (B = 1) every virtual
+        layer's keys/values go to positions 0..T-1 of ``slot``."""
+        T, N = input_ids.shape[1], self.sharing.n_unique
+        cos, sin = rotary(torch.arange(T, device=input_ids.device), self.config.head_dim, self.config.rope_theta)
+
+        def store(part: str, loop: int, layer: int) -> Store | None:
+            if cache is None:
+                return None
+            kv = getattr(cache, part)
+            return lambda k, v: kv.write_span(layer, loop, slot, 0, k[0], v[0])
+
+        e = self.embed_tokens(input_ids)  # (B, T, d)
+        for p, block in enumerate(self.prelude):
+            e = block(e, cos, sin, store("prelude", 0, p))
+        state = torch.zeros_like(e) if self.adapter is not None else e
+        exits = []
+        for i in range(self.n_loops):
+            h = self.adapter(torch.cat([state, e], dim=-1)) if self.adapter is not None else state  # (B, T, d)
+            for j, block in enumerate(self.core):
+                h = block(h, cos, sin, store("loops", i, j))
+            y = h
+            for c, block in enumerate(self.coda):
+                y = block(y, cos, sin, store("loops", i, N + c))
+            exits.append(self.norm(y))
+            state = self.norm(h) if self.config.loop_norm else h
+        return exits
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        weights: Tensor | None = None,
+        return_logits: bool = False,
+    ) -> LMOutput:
+        """Teacher-forced forward of token ids (B, T) through all M loops, causal (right padding is harmless).
+
+        ``labels`` (B, T; -100 = ignore) are the tokens that follow each
+        position (``next_token_labels``); with them, returns each loop's mean
+        token cross-entropy L_i and ``L_w = sum_i w_i L_i`` with ``weights``
+        (M,) (default: the paper's linear scheme).
+        """
+        losses, all_logits = [], []
+        for state in self._exit_states(input_ids):
+            logits = self.lm_head(state)  # (B, T, V)
+            if labels is not None:
+                losses.append(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100))
+            if return_logits:
+                all_logits.append(logits)
+        if labels is None:
+            return LMOutput(None, None, all_logits if return_logits else None)
+        loop_losses = torch.stack(losses)  # (M,)
+        return LMOutput(loop_losses, weighted_loss(loop_losses, weights), all_logits if return_logits else None)
+
+    # ----- cached decoding ---------------------------------------------------------------------------------
+
+    @property
+    def eos_id(self) -> int:
+        return self.config.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live; the decode path creates every tensor here."""
+        return self.lm_head.weight.device
+
+    def cache(self, n_slots: int, max_len: int) -> LMCache:
+        """An empty cache for ``n_slots`` sequences of up to ``max_len`` positions (prompt included) each."""
+        c, s, p = self.config, self.sharing, self.lm_head.weight
+
+        def kv(n_loops: int, n_layers: int) -> KVCache:
+            return KVCache(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+
+        return LMCache(kv(s.n_loops, s.n_unique + s.coda), kv(1, s.prelude) if s.prelude else None)
+
+    @torch.no_grad()
+    def prefill(self, cache: LMCache, slot: int, input_ids: Tensor) -> Tensor:
+        """Run a prompt (T,) through every loop into the empty ``slot``: its keys/values at positions 0..T-1 of
+        every virtual layer; returns each loop's logits (M, V) at its last position (the first new token's)."""
+        if input_ids.numel() == 0:
+            raise ValueError("prefill needs at least one prompt token")
+        exits = self._exit_states(input_ids.view(1, -1).to(self.device), cache, slot)
+        return torch.stack([self.lm_head(state[0, -1]) for state in exits])
+
+    def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
+        """Each token's carry into its first loop (R, W): its embedding, after a zero state with injection."""
+        x = self.embed_tokens(torch.as_tensor(tokens, dtype=torch.long, device=self.device))  # (R, d)
+        return torch.cat([torch.zeros_like(x), x], dim=-1) if self.adapter is not None else x
+
+    def step(
+        self, cache: LMCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        """One pass of the loop over R rows, each at its own loop and position (the SPEED step).
+
+        ``hidden`` (R, W) is each row's carry into this loop: ``embed``'s at
+        loop 0, else what the previous ``step`` returned for it. Without
+        injection the carry is the loop's input; with it, [state, e]. A row at
+        loop 0 first runs the prelude (e = prelude(embedding)); every row then
+        runs the core and its exit (the coda, the final norm and, if asked,
+        the LM head). Returns the carries into the next loop (R, W) and the
+        exit logits (R, V). Each row's results are bit-identical whatever
+        other rows share the step (tiles of ``TILE_ROWS`` rows on the
+        row-invariant kernels of ``speed.kernels``).
+        """
+        return in_tiles(lambda part, carry: self._step_tile(cache, part, carry, with_logits), rows, hidden)
+
+    def _step_tile(self, cache: LMCache, rows: Rows, carry: Tensor, with_logits: bool) -> tuple[Tensor, Tensor | None]:
+        """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W)."""
+        c, N, d = self.config, self.sharing.n_unique, self.config.d_model
+        _, _, pos_t = rows.tensors(carry.device)
+        # As in SpeedT5: attention over the fewest whole chunks that cover the tile's rows changes no row's result.
+        L = chunk_span(int(rows.pos.max()) + 1)
+        visible = torch.arange(L, device=carry.device)[None, :] <= pos_t[:, None]  # (n, L)
+        bias = torch.zeros(visible.shape, dtype=carry.dtype, device=carry.device)
+        bias = bias.masked_fill(~visible, _mask_value(carry.dtype))[:, None, None]  # (n, 1, 1, L)
+        cos, sin = rotary(pos_t, c.head_dim, c.rope_theta)  # 2 x (n, D)
+        x = carry[:, -d:]  # (n, d): the embedding at loop 0; then e with injection, else the loop's input
+        first = np.flatnonzero(rows.loop == 0)
+        if self.prelude and len(first):
+            at = torch.as_tensor(first, device=carry.device)
+            e, part = x.index_select(0, at), rows.take(first)  # the rows at loop 0
+            for p, block in enumerate(self.prelude):
+                e = block.decode(e, cos[at], sin[at], part, cache.prelude, p, bias[at])
+            x = x.index_copy(0, at, e)
+        h = tile_linear(self.adapter, torch.cat([carry[:, :d], x], dim=-1)) if self.adapter is not None else x
+        for j, block in enumerate(self.core):
+            h = block.decode(h, cos, sin, rows, cache.loops, j, bias)
+        y = h
+        for k, block in enumerate(self.coda):
+            y = block.decode(y, cos, sin, rows, cache.loops, N + k, bias)
+        logits = tile_linear(self.lm_head, self.norm(y)) if with_logits else None  # (n, V)
+        state = self.norm(h) if c.loop_norm else h  # (n, d)
+        return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), logits
+
+
+def next_token_labels(input_ids: Tensor) -> Tensor:
+    """Labels (B, T) for teacher forcing: the token after each position, -100 (ignored) after the last."""
+    labels = input_ids.new_full(input_ids.shape, -100)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels
