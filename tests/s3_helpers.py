@@ -82,11 +82,12 @@ def _wait_listening(port: int, server: subprocess.Popen, log: Path) -> None:
     raise RuntimeError(f"moto server did not listen on {HOST}:{port} within {START_TIMEOUT_S:.0f}s")
 
 
-def create_bucket(name: str) -> str:
-    """Create a bucket on the session's server; returns ``s3://<name>``.
+def create_bucket(name: str | None = None) -> str:
+    """Create a bucket (``speed-<random>`` unless named) on the session's server; returns ``s3://<name>``.
 
     ``S3FileSystem()`` does not read ``AWS_ENDPOINT_URL`` (``FileSystem.from_uri`` does): the endpoint is explicit.
     """
+    name = name or f"speed-{uuid.uuid4().hex[:12]}"
     pafs.S3FileSystem(endpoint_override=endpoint(), allow_bucket_creation=True).create_dir(name)
     return f"s3://{name}"
 
@@ -111,4 +112,4 @@ def s3_server(tmp_path_factory) -> Iterator[str]:
 @pytest.fixture
 def s3_bucket(s3_server) -> str:
     """A new, empty bucket for this test: ``s3://speed-<random>``."""
-    return create_bucket(f"speed-{uuid.uuid4().hex[:12]}")
+    return create_bucket()
