@@ -29,7 +29,7 @@ DEFAULT_LEVERS = "b6_rb8=branches:6,row_budget:8;lanes_rb8=branches:6,branch_dep
 
 def main(argv: list[str] | None = None) -> int:
     p = JobParser(prog="bench_levers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint directory (model.pt, spm.model)")
+    p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint or run (a local path or a URI)")
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=30, help="sentences decoded")
     p.add_argument("--levers", default=DEFAULT_LEVERS, help="NAME=key:value,...;... (branches, branch_depth, "

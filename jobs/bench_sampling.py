@@ -26,7 +26,7 @@ from speed.cli import JobParser, report_rows, user_errors
 
 def main(argv: list[str] | None = None) -> int:
     p = JobParser(prog="bench_sampling.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint directory (model.pt, spm.model)")
+    p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint or run (a local path or a URI)")
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=100, help="sentences decoded")
     p.add_argument("--temperatures", default="0,0.7,1.0", help="comma-separated; 0 is greedy")

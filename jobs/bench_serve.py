@@ -30,12 +30,13 @@ from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_b
 from speed.cli import config_from_args
 from speed.cluster import code_runtime_env, loopback_options
 from speed.paths import repo_root
+from speed.storage import absolute
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = ServeBenchConfig(checkpoint="")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory (the demo's finetuned 2x6)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint or run, a path or URI (the demo's finetuned 2x6)")
     p.add_argument("--concurrency", type=int, nargs="+", default=list(d.concurrency))
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--requests-per-client", type=int, default=d.requests_per_client)
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark the flags describe; print the table; write the rows."""
     args = parse_args(argv)
-    checkpoint = str(Path(args.checkpoint).resolve()) if "://" not in args.checkpoint else args.checkpoint
+    checkpoint = absolute(args.checkpoint)  # the replicas' working folder is not this one
     config = config_from_args(ServeBenchConfig, args, checkpoint=checkpoint, concurrency=tuple(args.concurrency))
     # Ray starts workers at niceness 15; the replicas here run at the client's priority, so that other work on
     # the machine slows server and client alike.

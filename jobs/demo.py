@@ -14,7 +14,6 @@ names, so a second `make demo` continues them where they stopped; --fresh starts
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 from speed.cli import JobParser, user_errors
 from speed.evaluate import format_summary
 from speed.paths import repo_root
+from speed.storage import locate
 from speed.train.config import job_from_layers
 from speed.train.launch import check_inputs, run_job
 
@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage-path", default=str(repo_root() / "runs" / "demo"), help="where the runs go")
     parser.add_argument("--fresh", action="store_true", help="delete earlier demo runs first")
     args = parser.parse_args(argv)
-    if args.fresh and Path(args.storage_path).is_dir():
-        shutil.rmtree(args.storage_path)
+    if args.fresh:
+        locate(args.storage_path).delete()  # a local folder or a prefix on object storage
     started = time.time()
     where = {"run.storage_path": args.storage_path}
 

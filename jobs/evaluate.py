@@ -1,6 +1,7 @@
 """Evaluate a checkpoint: decode a task split with SPEED, score it, write predictions, trace and summary.
 
     .venv/bin/python jobs/evaluate.py --checkpoint runs/finetune/checkpoint --split test --limit 200
+    .venv/bin/python jobs/evaluate.py --checkpoint s3://bucket/speed/<run> --task translate_en_de --limit 50
 
 The settings are speed.evaluate.EvalConfig's, with its defaults: the task, source
 and input length the checkpoint was trained with unless given; SPEED output is
@@ -8,6 +9,8 @@ checked against sequential decoding unless --no-check-sequential, greedy or,
 with --temperature (and --top-k, --top-p, --seed), seeded sampling. Writes
 predictions.parquet, trace.parquet and summary.json to --out (default
 <checkpoint>/eval/<task>-<split>) and prints the metrics with their signatures.
+--checkpoint names a checkpoint or a run (its newest complete checkpoint), a
+local path or a URI (s3://, gs://: docs/training.md, "Storage").
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = JobParser(prog="evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (model.pt, config.json, spm.model)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory, a local path or a URI")
     settings = p.add_argument_group("evaluation (speed.evaluate.EvalConfig)")
     for name, help_ in SETTINGS.items():
         flag = f"--{name.replace('_', '-')}"
@@ -69,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else:
             settings.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_)
     p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's spm.model)")
-    p.add_argument("--out", default=None, help="output folder (default: <checkpoint>/eval/<task>-<split>)")
+    p.add_argument("--out", default=None, help="output folder or URI (default: <checkpoint>/eval/<task>-<split>)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p.parse_args(argv)
@@ -86,15 +89,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         config = config.following(data.get("task"), data.get("source"), data.get("max_source_len"))
         config = config.following(None, None, UNTRAINED_MAX_SOURCE_LEN)
         if config.task is None:
-            raise ValueError(f"checkpoint {args.checkpoint} records no training task; pass --task")
+            raise ValueError(f"checkpoint {loaded.checkpoint} records no training task; pass --task")
         resolve_source(get_task(config.task), config.split, config.source)  # the split exists
         tokenizer_path = args.tokenizer or loaded.tokenizer_path
         if tokenizer_path is None:
-            raise FileNotFoundError(f"checkpoint {args.checkpoint} holds no spm.model; pass --tokenizer")
+            raise FileNotFoundError(f"checkpoint {loaded.checkpoint} holds no spm.model; pass --tokenizer")
         tokenizer = Tokenizer.load(tokenizer_path)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    out = Path(args.out) if args.out else Path(args.checkpoint) / "eval" / f"{config.task}-{config.split}"
+    out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}"
     model = loaded.model.to(args.device)  # load_model fills a CPU-built model: move it where it should decode
     summary = run_evaluation(model, tokenizer, config, out)
     print(format_summary(summary))

@@ -117,3 +117,8 @@ def memory_store():
     yield "memory://bucket/store"
     MemoryFileSystem.store.clear()
     MemoryFileSystem.pseudo_dirs[:] = [""]
+
+
+# A real S3 API on loopback (tests/s3_helpers.py): its address is in the environment from the start, so that
+# every Ray process and job the session starts inherits it; the ``s3_bucket`` fixture starts the server.
+pytest_plugins = ["s3_helpers"]

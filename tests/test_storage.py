@@ -1,4 +1,4 @@
-"""speed.storage: a local path, a file:// URI and an fsspec memory:// URI behave alike."""
+"""speed.storage: a local path, a file:// URI, an fsspec memory:// URI and s3:// on a real S3 API behave alike."""
 
 import pyarrow.fs as pafs
 import pytest
@@ -6,15 +6,19 @@ import pytest
 from speed.storage import absolute, locate
 
 
-def _where(kind, tmp_path, memory_store):
-    return {"path": str(tmp_path / "store"), "file": f"file://{tmp_path}/store", "memory": memory_store}[kind]
+def _where(kind, tmp_path, request):
+    if kind == "memory":
+        return request.getfixturevalue("memory_store")
+    if kind == "s3":  # the session's S3 server (tests/s3_helpers.py), reached through AWS_ENDPOINT_URL
+        return f"{request.getfixturevalue('s3_bucket')}/store"
+    return {"path": str(tmp_path / "store"), "file": f"file://{tmp_path}/store"}[kind]
 
 
-@pytest.mark.parametrize("kind", ["path", "file", "memory"])
-def test_every_operation_works_on_local_paths_and_uris(kind, tmp_path, memory_store):
-    where = _where(kind, tmp_path, memory_store)
+@pytest.mark.parametrize("kind", ["path", "file", "memory", "s3"])
+def test_every_operation_works_on_local_paths_and_uris(kind, tmp_path, request):
+    where = _where(kind, tmp_path, request)
     root = locate(where)
-    assert root.local == (kind != "memory") and root.uri == where
+    assert root.local == (kind in ("path", "file")) and root.uri == where
     assert not root.exists() and root.entries() == []
     (root / "sub").makedirs()
     (root / "sub" / "a.txt").write_text("hello")
@@ -42,9 +46,9 @@ def test_every_operation_works_on_local_paths_and_uris(kind, tmp_path, memory_st
     assert [i.base_name for i in root.entries()] == ["up"]
 
 
-@pytest.mark.parametrize("kind", ["path", "memory"])
-def test_atomic_writes_appear_whole_or_not_at_all(kind, tmp_path, memory_store):
-    root = locate(_where(kind, tmp_path, memory_store))
+@pytest.mark.parametrize("kind", ["path", "memory", "s3"])
+def test_atomic_writes_appear_whole_or_not_at_all(kind, tmp_path, request):
+    root = locate(_where(kind, tmp_path, request))
     root.makedirs()
     target = root / "data.txt"
     with target.atomic() as partial:

@@ -51,7 +51,7 @@ def test_ray_job_submit_pretrains_and_checkpoints(ray_cluster, tiny_tokenizer, t
     assert load_training_state(final).step == 4
     loaded = load_model(final)
     assert loaded.model.config.pattern == "2x3" and loaded.config["job"]["train"]["max_steps"] == 4
-    assert loaded.tokenizer_path is not None and loaded.tokenizer_path.read_bytes() == tiny_tokenizer.read_bytes()
+    assert loaded.tokenizer_path is not None and Path(loaded.tokenizer_path).read_bytes() == tiny_tokenizer.read_bytes()
 
 
 # ----- a run stopped by Ctrl-C or killed resumes from its newest complete checkpoint, leaving no process --------

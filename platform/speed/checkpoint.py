@@ -12,6 +12,7 @@ local path or a URI alike (``speed.storage``).
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ import torch
 
 from speed.config import ModelConfig, from_dict, to_dict
 from speed.model import SpeedT5
-from speed.storage import locate
+from speed.storage import absolute, locate
 
 MODEL_FILE = "model.pt"
 CONFIG_FILE = "config.json"
@@ -36,11 +37,12 @@ COMPLETE_FILE = "complete"  # written after every other file of a checkpoint is 
 
 @dataclass
 class LoadedModel:
-    """A model restored from a checkpoint directory, with its tokenizer path and full config."""
+    """A model restored from a checkpoint, with its tokenizer's location and full config."""
 
     model: SpeedT5
-    tokenizer_path: Path | None
+    tokenizer_path: str | None  # the checkpoint's spm.model (a local path or a URI: ``Tokenizer.load`` reads both)
     config: dict[str, Any]
+    checkpoint: str  # the checkpoint read (a local path made absolute, or a URI): the one named, or a run's newest
 
 
 def save_model(
@@ -60,20 +62,25 @@ def save_model(
     return directory
 
 
-def load_model(directory: str | Path, map_location: str | torch.device = "cpu") -> LoadedModel:
-    """Rebuild the model of a checkpoint directory; missing files are named in the error."""
-    directory = Path(directory)
+def load_model(where: str | Path, map_location: str | torch.device = "cpu") -> LoadedModel:
+    """Rebuild the model of a checkpoint, or of a run's newest complete one, at a local path or a URI.
+
+    Reads ``config.json``, ``model.pt`` and (when there) ``spm.model`` where they are, downloading
+    nothing else; a missing file is named in the error.
+    """
+    directory = locate(latest_checkpoint(absolute(where)))
     for name in (CONFIG_FILE, MODEL_FILE):
         if not (directory / name).is_file():
-            raise FileNotFoundError(f"checkpoint {directory} has no {name}")
+            raise FileNotFoundError(f"checkpoint {directory.uri} has no {name}")
     config = json.loads((directory / CONFIG_FILE).read_text())
     if "model" not in config:
-        raise ValueError(f"checkpoint config {directory / CONFIG_FILE} has no 'model' section")
+        raise ValueError(f"checkpoint config {(directory / CONFIG_FILE).uri} has no 'model' section")
     model = SpeedT5(from_dict(ModelConfig, config["model"]))
-    model.load_state_dict(torch.load(directory / MODEL_FILE, map_location=map_location, weights_only=True))
+    weights = io.BytesIO((directory / MODEL_FILE).read_bytes())
+    model.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
     model.eval()
     tok = directory / TOKENIZER_FILE
-    return LoadedModel(model, tok if tok.is_file() else None, config)
+    return LoadedModel(model, tok.uri if tok.is_file() else None, config, directory.uri)
 
 
 def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Two evaluations of the same examples side by side: accuracy differences with paired-bootstrap intervals.
 
-``compare_evaluations(baseline, system)`` reads two folders ``jobs/evaluate.py``
+``compare_evaluations(baseline, system)`` reads two folders (local paths or URIs) ``jobs/evaluate.py``
 wrote (``predictions.parquet``, ``summary.json``) over the same examples and
 references, and returns, for BLEU and ROUGE-L, the system's score minus the
 baseline's with a 95% paired-bootstrap interval (``speed.metrics.paired_bootstrap``:
@@ -14,11 +14,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speed.evaluate import PREDICTIONS_FILE, SUMMARY_FILE
 from speed.losses import flip_cost
 from speed.metrics import paired_bootstrap
+from speed.storage import Location, locate
 
 
 def decode_cost(summary: dict[str, Any]) -> dict[str, float]:
@@ -38,11 +40,12 @@ def compare_evaluations(
     baseline: str | Path, system: str | Path, samples: int = 1000, seed: int = 12345
 ) -> dict[str, Any]:
     """``system`` against ``baseline`` (two evaluation folders of the same examples); see the module docstring."""
-    tables = [pq.read_table(Path(d) / PREDICTIONS_FILE).sort_by("example").to_pydict() for d in (baseline, system)]
+    folders = [locate(d) for d in (baseline, system)]
+    tables = [_read_table(f / PREDICTIONS_FILE).sort_by("example").to_pydict() for f in folders]
     for column in ("source", "reference"):
         if tables[0][column] != tables[1][column]:
             raise ValueError(f"{baseline} and {system} did not evaluate the same examples (their {column}s differ)")
-    summaries = [json.loads((Path(d) / SUMMARY_FILE).read_text()) for d in (baseline, system)]
+    summaries = [json.loads((f / SUMMARY_FILE).read_text()) for f in folders]
     refs = tables[0]["reference"]
     return {
         "baseline": str(baseline),
@@ -51,6 +54,10 @@ def compare_evaluations(
         "accuracy": paired_bootstrap(tables[0]["hypothesis"], tables[1]["hypothesis"], refs, samples, seed),
         "cost": {"baseline": decode_cost(summaries[0]), "system": decode_cost(summaries[1])},
     }
+
+
+def _read_table(file: Location) -> pa.Table:
+    return pq.read_table(file.path, filesystem=file.fs)
 
 
 def format_comparison(c: dict[str, Any]) -> str:

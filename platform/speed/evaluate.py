@@ -1,6 +1,6 @@
 """Evaluate a model on a task split with the SPEED decoder.
 
-Writes three files into ``out_dir``: ``predictions.parquet``
+Writes three files into ``out_dir`` (a local path or a URI): ``predictions.parquet``
 (``PREDICTIONS_SCHEMA``), ``trace.parquet`` (``EVAL_TRACE_SCHEMA``: the
 per-token flip trace plus the example index, joinable with the predictions)
 and ``summary.json`` (metrics, flip rate per loop, decode speed, SPEED's steps
@@ -36,6 +36,7 @@ from speed.exactness import LogitRecorder, top2_gap
 from speed.model import SpeedT5
 from speed.progress import ProgressBar
 from speed.sampling import Sampling
+from speed.storage import locate
 from speed.tokenizer import EOS_ID, Tokenizer
 from speed.trace import TRACE_SCHEMA, flip_costs, flip_rates
 
@@ -196,8 +197,8 @@ def run_evaluation(
     decoded, sequential, oracle, mismatches = _decode(model, inputs, config, progress)
     hypotheses = tok.decode_batch(decoded.tokens)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = locate(out_dir)
+    out.makedirs()
     predictions = {
         "example": list(range(len(sources))),
         "source": sources,
@@ -206,8 +207,9 @@ def run_evaluation(
         "output_tokens": [len(t) for t in decoded.tokens],
         "finished": [bool(t) and t[-1] == EOS_ID for t in decoded.tokens],
     }
-    pq.write_table(pa.Table.from_pydict(predictions, schema=PREDICTIONS_SCHEMA), out / PREDICTIONS_FILE)
-    pq.write_table(decoded.trace, out / TRACE_FILE)
+    table = pa.Table.from_pydict(predictions, schema=PREDICTIONS_SCHEMA)
+    pq.write_table(table, (out / PREDICTIONS_FILE).path, filesystem=out.fs)
+    pq.write_table(decoded.trace, (out / TRACE_FILE).path, filesystem=out.fs)
     summary = {
         "task": config.task,
         "split": config.split,
@@ -220,10 +222,10 @@ def run_evaluation(
         "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},
         "flip_rates": flip_rates(decoded.trace).to_pylist(),
         "decode": _speed_summary(decoded, sequential, oracle, mismatches, config.bitwise, config.near_tie),
-        "files": {name: str(out / f) for name, f in _FILES.items()},
+        "files": {name: (out / f).uri for name, f in _FILES.items()},
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-    _fail_on_mismatch(mismatches, config.bitwise, config.near_tie, out)
+    _fail_on_mismatch(mismatches, config.bitwise, config.near_tie, (out / SUMMARY_FILE).uri)
     return summary
 
 
@@ -357,7 +359,7 @@ def _is_near_tie(m: Mismatch, near_tie: float) -> bool:
     return m.top2_gap is not None and m.top2_gap < near_tie
 
 
-def _fail_on_mismatch(mismatches: list[Mismatch], bitwise: bool, near_tie: float, out: Path) -> None:
+def _fail_on_mismatch(mismatches: list[Mismatch], bitwise: bool, near_tie: float, summary: str) -> None:
     """Raise ``DecodingMismatch`` if a recorded mismatch is not allowed (any, in bitwise mode)."""
     bad = mismatches if bitwise else [m for m in mismatches if not _is_near_tie(m, near_tie)]
     if not bad:
@@ -368,7 +370,7 @@ def _fail_on_mismatch(mismatches: list[Mismatch], bitwise: bool, near_tie: float
     raise DecodingMismatch(
         f"SPEED and sequential decoding differ on {len(bad)} example(s) ({rule}); first: example {m.example}, "
         f"position {m.position}: SPEED {m.speed_token} vs sequential {m.sequential_token}, top-2 gap {gap}. "
-        f"Predictions, trace and {out / SUMMARY_FILE} (all mismatches) were written."
+        f"Predictions, trace and {summary} (all mismatches) were written."
     )
 
 

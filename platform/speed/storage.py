@@ -6,7 +6,10 @@ a ``Location``: the ``pyarrow.fs`` file system, the path on it, and the location
 as given, with the few operations training, data preparation and serving need.
 A scheme ``pyarrow.fs`` lacks but an installed ``fsspec`` implementation serves
 (``memory://``, which tests use as object storage) goes through
-``pyarrow.fs.FSSpecHandler``.
+``pyarrow.fs.FSSpecHandler``. Object stores are configured by the environment,
+as the AWS and Google tools are: ``AWS_ENDPOINT_URL`` names an S3-compatible
+server such as MinIO, the credentials come from ``AWS_ACCESS_KEY_ID`` and
+``AWS_SECRET_ACCESS_KEY`` (docs/training.md, "Storage").
 """
 
 from __future__ import annotations

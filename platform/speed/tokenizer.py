@@ -21,6 +21,8 @@ from pathlib import Path
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_pb
 
+from speed.storage import locate
+
 log = logging.getLogger(__name__)
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -40,7 +42,7 @@ class Tokenizer:
     eos_id = EOS_ID
     unk_id = UNK_ID
 
-    def __init__(self, model_proto: bytes, path: Path) -> None:
+    def __init__(self, model_proto: bytes, path: str) -> None:
         self._proto = model_proto
         self.path = path
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
@@ -50,12 +52,14 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path, num_extra: int | None = None) -> Tokenizer:
-        """Load a ``.model`` file; a file without sentinels gets ``num_extra`` (default T5's 100)."""
-        path = Path(path).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"no SentencePiece model at {path}")
+        """Load a ``.model`` file (a local path or a URI); a file without sentinels gets ``num_extra`` (default
+        T5's 100). ``path`` becomes the file's location: a local path made absolute, or the URI."""
+        where = locate(path)
+        if not where.is_file():
+            raise FileNotFoundError(f"no SentencePiece model at {where.uri}")
+        path = where.uri
         proto = spm_pb.ModelProto()
-        proto.ParseFromString(path.read_bytes())
+        proto.ParseFromString(where.read_bytes())
         plain = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
         _check_t5_conventions(plain, path)
         present = _count_sentinels(plain)
@@ -228,7 +232,7 @@ def _count_sentinels(sp: spm.SentencePieceProcessor) -> int:
     return n
 
 
-def _check_t5_conventions(sp: spm.SentencePieceProcessor, path: Path) -> None:
+def _check_t5_conventions(sp: spm.SentencePieceProcessor, path: str) -> None:
     found = {"pad": sp.pad_id(), "eos": sp.eos_id(), "unk": sp.unk_id()}
     if found != {"pad": PAD_ID, "eos": EOS_ID, "unk": UNK_ID}:
         raise ValueError(f"{path} does not follow T5's conventions pad=0, eos=1, unk=2: it has {found}")

@@ -5,7 +5,8 @@ A results folder may hold evaluation folders (``summary.json`` beside
 (``speed.benchmarks.decode.BENCH_SCHEMA``), load-generator Parquet
 (``speed.serve.stats.LOADGEN_SCHEMA``), the Serve application's statistics
 (``REQUEST_SCHEMA`` rows) and sweep folders (``results.parquet``,
-``speed.sweep.results.RESULTS_SCHEMA``), in any layout.
+``speed.sweep.results.RESULTS_SCHEMA``), in any layout. A folder on object storage is copied here first
+(``local_results``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from speed.benchmarks.decode import BENCH_SCHEMA
 from speed.config import SharingPattern
 from speed.evaluate import PREDICTIONS_FILE, SUMMARY_FILE, TRACE_FILE
 from speed.serve.stats import LOADGEN_SCHEMA, REQUEST_SCHEMA
+from speed.storage import locate
 from speed.sweep.results import RESULTS_FILE, RESULTS_SCHEMA
 
 # A file is of a kind when it holds every column of that kind's schema (the writers' own schemas).
@@ -65,6 +67,20 @@ def load_evaluation(path: str | Path) -> Evaluation:
     path = Path(path)
     summary = json.loads((path / SUMMARY_FILE).read_text())
     return Evaluation(path, summary, pq.read_table(path / PREDICTIONS_FILE), pq.read_table(path / TRACE_FILE))
+
+
+def local_results(where: str | Path, copy_to: str | Path) -> Path:
+    """A results folder on this machine: ``where`` itself when local, else its files (a URI: Serve statistics on
+    ``s3://``, a sweep's folder, ...) copied into ``copy_to``, which the notebooks then read and draw beside."""
+    source = locate(where)
+    if source.local:
+        return Path(source.path)
+    if not source.is_dir():
+        raise FileNotFoundError(f"results folder {source.uri} does not exist")
+    local = Path(copy_to)
+    local.mkdir(parents=True, exist_ok=True)
+    source.download(local)
+    return local
 
 
 def discover(root: str | Path) -> Results:

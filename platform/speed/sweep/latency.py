@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from speed.benchmarks.decode import interleave
-from speed.checkpoint import load_model, local_checkpoint
+from speed.checkpoint import load_model
 from speed.data import pad_inputs, read_records, truncate
 from speed.decoding import DecodeStats, generate
 from speed.model import SpeedT5
@@ -45,10 +45,9 @@ def time_frontier(
     models: dict[str, SpeedT5] = {}
     tokenizer = None
     for trial in timed:
-        with local_checkpoint(finished[trial]["checkpoint"]) as directory:
-            loaded = load_model(directory, map_location=device)
-            tokenizer = tokenizer or Tokenizer.load(loaded.tokenizer_path)
-            models[trial] = loaded.model.to(device).eval()
+        loaded = load_model(finished[trial]["checkpoint"], map_location=device)
+        tokenizer = tokenizer or Tokenizer.load(loaded.tokenizer_path)
+        models[trial] = loaded.model.to(device).eval()
     records = read_records(task, "validation", source, limit).dataset.to_dict()
     inputs = [truncate(ids, max_source_len) for ids in tokenizer.encode_batch(records["source"])]
 

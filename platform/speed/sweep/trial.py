@@ -119,7 +119,7 @@ def _measure(
     """The measurement and the validation losses of a checkpoint (``val_loss_loop*``, ``val_loss_last``)."""
     import torch
 
-    from speed.checkpoint import load_model, local_checkpoint
+    from speed.checkpoint import load_model
     from speed.data.corpus import open_corpus
     from speed.sweep.measure import PLAIN, lever_settings, measure
     from speed.tokenizer import Tokenizer
@@ -128,8 +128,8 @@ def _measure(
     job = job_from_dict(job_dict)
     device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
-    with local_checkpoint(checkpoint) as directory, tempfile.TemporaryDirectory() as out:
-        loaded = load_model(directory, map_location=device)
+    loaded = load_model(checkpoint, map_location=device)
+    with tempfile.TemporaryDirectory() as out:
         values = [setup.levers.get(name, (default,)) for name, default in PLAIN.items()]
         result = measure(
             loaded.model.to(device).eval(),

@@ -369,10 +369,8 @@ def evaluation_stage(job: JobConfig, trained: Trained) -> dict[str, Any] | None:
 
 
 def evaluate_checkpoint(job: JobConfig, checkpoint: str, out_uri: str) -> dict[str, Any]:
-    """Run ``speed.evaluate.run_evaluation`` on a checkpoint in a Ray task sized like one worker.
-
-    The Parquet files and summary are written locally, then copied to ``out_uri``.
-    """
+    """Run ``speed.evaluate.run_evaluation`` on a checkpoint in a Ray task sized like one worker; its Parquet
+    files and summary go to ``out_uri`` (a local path or a URI)."""
     ensure_ray()
     gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
     task = ray.remote(_evaluate).options(num_cpus=job.scale.cpus_per_worker, num_gpus=gpus)
@@ -389,12 +387,8 @@ def _evaluate(job_dict: dict[str, Any], checkpoint: str, out_uri: str) -> dict[s
     job = job_from_dict(job_dict)
     device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
-    with local_checkpoint(checkpoint) as directory, tempfile.TemporaryDirectory() as out:
-        loaded = load_model(directory, map_location=device)
-        tokenizer = Tokenizer.load(loaded.tokenizer_path)
-        summary = run_evaluation(loaded.model.to(device), tokenizer, job.final_eval, out)
-        locate(out_uri).upload(out)
-    return summary
+    loaded = load_model(checkpoint, map_location=device)
+    return run_evaluation(loaded.model.to(device), Tokenizer.load(loaded.tokenizer_path), job.final_eval, out_uri)
 
 
 # ----- the run directory ---------------------------------------------------------------------------------
