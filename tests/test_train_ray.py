@@ -146,6 +146,7 @@ def on_s3(ray_session, tiny_tokenizer, s3_server):
     return stopped, run_job(_job(storage, tiny_tokenizer))
 
 
+@pytest.mark.xdist_group("train_ray_s3")  # the runs on S3, beside the other group
 def test_a_run_stopped_on_s3_resumes_there_bit_identically(on_s3, straight):
     stopped, resumed = on_s3
     storage = resumed.job.run.storage_path
@@ -161,6 +162,7 @@ def test_a_run_stopped_on_s3_resumes_there_bit_identically(on_s3, straight):
     assert log["loss"] == _log(straight.checkpoint)["loss"]
 
 
+@pytest.mark.xdist_group("train_ray_s3")  # the runs on S3, beside the other group
 def test_evaluate_and_compare_take_the_run_on_s3(on_s3):
     from test_cli import _job as job_module
 
@@ -175,6 +177,7 @@ def test_evaluate_and_compare_take_the_run_on_s3(on_s3):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("train_ray_s3")  # the runs on S3, beside the other group
 def test_finetuning_starts_from_the_run_on_s3(on_s3):
     resumed = on_s3[1]
     flags = ["--init-from", resumed.run_dir, "--task", "translate_en_de", "--limit", "16", "--batch-size", "4"]
