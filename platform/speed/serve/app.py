@@ -108,6 +108,7 @@ def _openapi(model: type[BaseModel]) -> dict[str, Any]:
             },
             "400": {"description": "a request that cannot be decoded as asked", "content": error},
             "404": {"description": "a model that is not served here", "content": error},
+            "413": {"description": "a body over the deployment's max_body_bytes", "content": error},
             "503": {"description": "the replica's queue is full: try again"},
         },
     }
