@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 # Tests use tiny models: one intra-op thread each avoids oversubscribing the cores. Two pytest-xdist workers
 # (TEST_WORKERS; 0 runs in one process, in file order): each a session of its own (tests/conftest.py).
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadgroup
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu" $(XDIST) $(PYTEST_ARGS)

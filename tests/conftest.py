@@ -1,9 +1,9 @@
 """Shared fixtures: one local Ray instance for the whole test session, a tiny tokenizer for training tests.
 
-``make test`` runs the suite on two pytest-xdist workers (``--dist loadgroup``): each worker is a test session
-of its own (its own Ray, when one of its tests needs one); the tests of one ``xdist_group`` (a module whose
-tests share an expensive fixture: a Serve deployment, a sweep, a trained model) run on one worker, and the
-groups and slow tests are handed out first so that the two workers finish together.
+``make test`` runs the suite on two pytest-xdist workers (``--dist loadfile``): each worker is a test session
+of its own (its own Ray, when one of its tests needs one) and runs whole modules, so a module's fixtures (a Serve
+deployment, a sweep, a trained model, a reference run) are built once; the modules with slow tests are handed
+out first, so that the two workers finish together.
 
 Ray 2.60 uses token authentication for every local cluster and, on a machine
 without one, writes a new token into ``~/.ray/auth_token``. The test session
@@ -27,9 +27,12 @@ SESSION_ENV = "SPEED_TEST_SESSION"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, the groups and slow tests first (a stable sort: file order, or pytest-randomly's, within)."""
-    if getattr(config.option, "numprocesses", None):
-        items.sort(key=lambda item: (not item.get_closest_marker("xdist_group"), not item.get_closest_marker("slow")))
+    """In an xdist worker, the modules with slow tests first, each module's tests kept together in their order
+    (file order, or pytest-randomly's): xdist hands modules out in the order its workers collected them."""
+    if not hasattr(config, "workerinput"):
+        return
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -90,7 +93,7 @@ def ray_cluster():
     """A real ``ray start --head`` cluster on 127.0.0.1 (tests/cluster_helpers.py), shared by the tests whose
     subject is a cluster as users start one (``ray job submit``, its listeners): (dashboard address, env for the
     ``ray`` CLI). 2 CPUs; no ``$PYTHONPATH``, so its workers import only what is installed and what a job ships.
-    Its tests are one xdist group: one such cluster per test run."""
+    Its tests are in tests/test_cluster.py: one such cluster per test run."""
     import cluster_helpers
 
     with cluster_helpers.local_cluster(num_cpus=2, keep_pythonpath=False) as cluster:

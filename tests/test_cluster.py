@@ -12,14 +12,17 @@ import shutil
 import subprocess
 import time
 import uuid
+from pathlib import Path
 from typing import NamedTuple
 
 import cluster_helpers
 import pytest
 
+from speed.checkpoint import load_model
 from speed.cluster import JOB_CONFIG_ENV, code_runtime_env, package_dir
-from speed.paths import DATA_DIR_ENV, repo_root
+from speed.paths import DATA_DIR_ENV, data_dir, repo_root
 from speed.train.local_ray import OWNER_ENV, marked_processes
+from speed.train.state import load_training_state
 
 # A job whose task runs for a while, so that its driver, the job supervisor and a worker are listening too.
 LONG_JOB = "import ray, time; ray.init(); ray.get(ray.remote(lambda: time.sleep(10)).remote())"
@@ -86,7 +89,6 @@ def test_serving_jobs_ship_their_speed_to_the_replicas(monkeypatch, name):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray_cluster")  # the shared `ray start` cluster
 def test_submitted_job_imports_speed_from_its_working_dir(ray_cluster, tmp_path):
     """The cluster has no $PYTHONPATH: without the shipping, driver and workers would import the venv's install."""
     work = tmp_path / "submitted"
@@ -143,7 +145,6 @@ def _is_loopback(address: str) -> bool:
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray_cluster")  # the shared `ray start` cluster
 def test_local_cluster_listens_on_loopback_only(ray_cluster):
     """`ray start --head` as clusters/README.md runs it, and a job on it: no process of that cluster listens on an
     address other machines can reach; none is exempt (without LOOPBACK_ENV the GCS, the raylet, the agents, the
@@ -231,3 +232,31 @@ def test_the_documented_local_cluster_sets_the_loopback_switch():
     text = (repo_root() / "clusters" / "README.md").read_text()
     (line,) = [ln for ln in text.splitlines() if "ray start --head --node-ip-address 127.0.0.1" in ln]
     assert all(f"{name}={value} ray start" in line for name, value in cluster_helpers.LOOPBACK_ENV.items())
+
+
+# ----- a training job submitted to the cluster --------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_job_submit_pretrains_and_checkpoints(ray_cluster, tiny_tokenizer, tmp_path):
+    address, env = ray_cluster
+    storage = tmp_path / "runs"
+    flags = ["--preset", "tiny", "--pattern", "2x3", "--limit", "40", "--tokenizer", str(tiny_tokenizer)]
+    flags += ["--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--cpus-per-worker", "1"]
+    submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--working-dir", str(repo_root())]
+    submit += ["--runtime-env-json", json.dumps({"env_vars": {"SPEED_DATA_DIR": str(data_dir())}})]
+    submit += ["--", "python", "jobs/pretrain.py", *flags, "--storage-path", str(storage)]
+    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "succeeded" in output, output[-4000:]
+
+    (run,) = [p for p in storage.iterdir() if p.name.startswith("pretrain-pretrain-2x3-")]
+    checkpoints = sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir())
+    assert checkpoints == ["checkpoint_00000002", "checkpoint_00000004"]
+    final = run / checkpoints[-1]
+    assert f"pretrained checkpoint: {final}" in output
+    assert load_training_state(final).step == 4
+    loaded = load_model(final)
+    assert loaded.model.config.pattern == "2x3" and loaded.config["job"]["train"]["max_steps"] == 4
+    assert loaded.tokenizer_path is not None and Path(loaded.tokenizer_path).read_bytes() == tiny_tokenizer.read_bytes()

@@ -69,7 +69,6 @@ def long_output_model(model: SpeedT5, stop_id: int) -> SpeedT5:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("trained")  # one trained model
 def test_trained_checkpoint_long_outputs_bitwise(trained):
     threads = 2  # two threads split oneDNN's matmuls; the kernel tests also cover one
     model, tok = trained
@@ -142,7 +141,6 @@ class RequestRecorder(LogitRecorder):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("trained")  # one trained model
 def test_trained_checkpoint_engine_churn_bitwise(trained):
     """The serving engine on the trained checkpoint: requests arrive, leave and are cancelled at random, with
     row budgets and capacities that change who shares each step; every request's per-loop logits equal

@@ -330,7 +330,6 @@ def sweep(ray_session, tiny_tokenizer, tmp_path_factory):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_an_interrupted_sweep_resumes_without_losing_finished_trials(sweep):
     first, first_results, second = sweep
     assert first.name == second.name and first.directory == second.directory  # deterministic, no timestamp
@@ -347,7 +346,6 @@ def test_an_interrupted_sweep_resumes_without_losing_finished_trials(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(sweep):
     rows = {r["trial"]: r for r in sweep[2].results.to_pylist()}
     failed = rows["00002-2x2-linear"]
@@ -358,7 +356,6 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_every_trial_is_one_mlflow_run_with_its_config_and_reports(sweep):
     from speed.train.tracking import SWEEP_TAG, import_mlflow
 
@@ -385,7 +382,6 @@ def test_every_trial_is_one_mlflow_run_with_its_config_and_reports(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_results_table_frontier_and_latency(sweep):
     outcome = sweep[2]
     results = pq.read_table(Path(outcome.directory, RESULTS_FILE))
@@ -443,7 +439,6 @@ def test_results_table_frontier_and_latency(sweep):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.xdist_group("sweep")  # one real sweep
 def test_sweep_analysis_and_notebook_on_the_real_sweep(sweep, tmp_path):
     """speed.analysis reads the sweep's folder as the notebook does, and the notebook draws its figures there."""
     import shutil

@@ -1,15 +1,9 @@
-"""The real cluster client: `ray start --head` on loopback, `ray job submit jobs/pretrain.py`, check, stop.
-
-The cluster (tests/cluster_helpers.py) gets its own --temp-dir and explicit free
-ports, and is stopped by ending exactly the processes it started, found by the
-owner mark in their environment (never `ray stop`, which would end every Ray on
-the machine).
-Jobs run as real processes: stopped with Ctrl-C or SIGKILL, rerun, resumed.
-"""
+"""Training jobs as real processes (``jobs/pretrain.py`` with its private local Ray): stopped with Ctrl-C or
+SIGKILL, rerun, resumed from the newest complete checkpoint, leaving no process (`ray job submit` of the same
+job to a real cluster: tests/test_cluster.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -19,39 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-import cluster_helpers
 import pytest
 
-from speed.checkpoint import load_model, newest_complete_checkpoint
-from speed.paths import data_dir, repo_root
+from speed.checkpoint import newest_complete_checkpoint
+from speed.paths import repo_root
 from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
 from speed.train.state import load_training_state
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-@pytest.mark.xdist_group("ray_cluster")  # the shared `ray start` cluster (conftest)
-def test_ray_job_submit_pretrains_and_checkpoints(ray_cluster, tiny_tokenizer, tmp_path):
-    address, env = ray_cluster
-    storage = tmp_path / "runs"
-    flags = ["--preset", "tiny", "--pattern", "2x3", "--limit", "40", "--tokenizer", str(tiny_tokenizer)]
-    flags += ["--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--cpus-per-worker", "1"]
-    submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--working-dir", str(repo_root())]
-    submit += ["--runtime-env-json", json.dumps({"env_vars": {"SPEED_DATA_DIR": str(data_dir())}})]
-    submit += ["--", "python", "jobs/pretrain.py", *flags, "--storage-path", str(storage)]
-    done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0 and "succeeded" in output, output[-4000:]
-
-    (run,) = [p for p in storage.iterdir() if p.name.startswith("pretrain-pretrain-2x3-")]
-    checkpoints = sorted(p.name for p in run.glob("checkpoint_*") if p.is_dir())
-    assert checkpoints == ["checkpoint_00000002", "checkpoint_00000004"]
-    final = run / checkpoints[-1]
-    assert f"pretrained checkpoint: {final}" in output
-    assert load_training_state(final).step == 4
-    loaded = load_model(final)
-    assert loaded.model.config.pattern == "2x3" and loaded.config["job"]["train"]["max_steps"] == 4
-    assert loaded.tokenizer_path is not None and Path(loaded.tokenizer_path).read_bytes() == tiny_tokenizer.read_bytes()
 
 
 # ----- a run stopped by Ctrl-C or killed resumes from its newest complete checkpoint, leaving no process --------

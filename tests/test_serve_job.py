@@ -1,0 +1,89 @@
+"""The real job: ``jobs/serve.py`` started as a user starts it (its own Ray), answering, stopped by SIGTERM to its
+process or its process group; every answered row is on disk as Parquet when it exits. Apart from
+tests/test_serve_app.py (the shared deployment) so that the two run side by side."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import requests
+from test_serve_app import _free_port, _parquet_rows, _tiny_checkpoint
+
+from speed.paths import repo_root
+from speed.serve.loadgen import LoadConfig, run_load
+from speed.serve.stats import read_requests, read_traces
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_stops_jobs_serve_with_every_answered_row_on_disk(tiny_tokenizer, tmp_path, to):
+    """``kill`` (the job's process: Serve drains, the replica writes Parquet) or a SIGTERM to the whole process
+    group (systemd's default, a terminal: Ray's own processes die at once; the job writes the replicas' logs as
+    Parquet before it exits).
+    The job requires an API key from ``$SPEED_API_KEY``; it never shows in its output or its files."""
+    _tiny_checkpoint(tiny_tokenizer, tmp_path / "ckpt")
+    stats, port, key = tmp_path / "stats", _free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"SPEED_API_KEY": key, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo_root() / "platform")}
+    command = [sys.executable, "jobs/serve.py", "--checkpoint", str(tmp_path / "ckpt"), "--port", str(port)]
+    command += ["--stats-path", str(stats), "--model-name", "tiny", "--num-cpus", "0.5"]
+    command += ["--set", "flush_s=600", "--set", "max_source_len=48", "--set", "max_tokens=6"]
+    output = tmp_path / "serve.log"
+    with open(output, "wb") as log:
+        job = subprocess.Popen(
+            command, cwd=repo_root(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 600  # a Ray start and a model load on a loaded machine
+        while time.monotonic() < deadline and job.poll() is None:
+            try:
+                if requests.get(url + "/healthz", timeout=10).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        assert job.poll() is None, output.read_text()
+        bearer = {"Authorization": f"Bearer {key}"}
+        refused = [
+            requests.get(url + "/v1/models", timeout=30),
+            requests.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30),
+            requests.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}),
+        ]
+        assert [r.status_code for r in refused] == [401, 401, 401]
+        assert refused[0].json()["error"]["code"] == "invalid_api_key"
+        assert requests.get(url + "/v1/models", headers=bearer, timeout=30).json()["data"][0]["id"] == "tiny"
+        prompts = ["A dog runs.", "Two cats sleep.", "Rain falls.", "A man sings.", "Kids play ball.", "Sun."]
+        load = run_load(LoadConfig(url=url, concurrency=2, requests=6, max_tokens=6, api_key=key), prompts)
+        assert load.summary()["errors"] == 0 and key not in repr(load) + repr(LoadConfig(api_key=key))
+        answered = load.table["request_id"].to_pylist()
+        started = time.monotonic()
+        if to == "process":
+            job.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(job.pid, signal.SIGTERM)
+        code = job.wait(timeout=180)
+        took = time.monotonic() - started
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    text = output.read_text()
+    assert code == 0 and "stopping: draining replicas" in text and "stopped in" in text, text
+    assert took < 60, f"the job took {took:.1f} s to stop"  # bounded at 25 s (--stop-timeout-s) plus Ray's exit
+    rows = read_requests(str(stats))
+    assert sorted(rows["request_id"].to_pylist()) == sorted(answered)  # one row per answered prompt, no more
+    assert read_traces(str(stats)).num_rows == 3 * sum(rows["completion_tokens"].to_pylist())
+    # Drained or not, the job wrote the replicas' logs as Parquet before it exited: no log left, any reader sees all.
+    assert _parquet_rows(str(stats)) == len(answered) and not list((stats / "wal").iterdir())
+    assert sorted(pd.read_parquet(stats / "requests")["request_id"]) == sorted(answered)
+    files = [p.read_bytes() for p in stats.rglob("*") if p.is_file()]
+    assert key not in text and all(key.encode() not in data for data in files)
