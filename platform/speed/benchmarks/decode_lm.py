@@ -10,7 +10,6 @@ and medians reported; ratios are computed from them, never typed in.
 from __future__ import annotations
 
 import json
-import platform as _platform
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from speed.benchmarks.decode import interleave
+from speed.benchmarks.decode import interleave, machine_name
 from speed.config import LMConfig, to_dict
 from speed.decoding import GenerateResult, generate
 from speed.lm import LoopedLM
@@ -135,9 +134,7 @@ def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
     decoded = cfg.batch * (n - 1)  # the tokens after each sequence's first
     ttft = {name: med[f"{name}/first"] for name in [*kinds, *(["hf_generate"] if hf else [])]}
     per_token = {name: (med[name] - ttft[name]) / decoded for name in ttft}
-    machine = f"{_platform.machine()} {_platform.processor() or ''}".strip()
-    if torch.device(cfg.device).type == "cuda":
-        machine = torch.cuda.get_device_name(cfg.device)
+    machine = machine_name(cfg.device)
     rows = []
     for name in ttft:
         stats = results[name].stats if name in results else None
