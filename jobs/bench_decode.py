@@ -3,10 +3,13 @@
     python jobs/bench_decode.py                       # base dims, 16k vocabulary, 2x6
     python jobs/bench_decode.py --pattern 3x4 --json  # one JSON object on stdout
     python jobs/bench_decode.py --device cuda         # on a GPU (jobs/gpu_check.py times batch 1 and 8 there)
+    python jobs/bench_decode.py --family lm --batch 8 # the looped LM: 64-token prompts, TTFT apart
 
 Speed-up is the baseline's ms/token divided by the variant's (baseline:
 sequential NxM; for ours_deep, transformers' generate of the same random
-(N*M)x1 T5); "vs shallow" is the variant's ms/token over the shallow Nx1's.
+(N*M)x1 T5, or Llama with --family lm); "vs shallow" is the variant's ms/token
+over the shallow Nx1's. The LM's rows time the prefill and first token (TTFT)
+apart from the decode time per later token.
 """
 
 from __future__ import annotations
@@ -20,32 +23,44 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.benchmarks.decode import BenchConfig, format_table, run_benchmark
+from speed.benchmarks.decode_lm import LMBenchConfig, format_lm_table, run_lm_benchmark
 from speed.cli import JobParser, config_from_args, report_rows, user_errors
-from speed.config import preset
+from speed.config import lm_preset, preset
 
 
 def main(argv: list[str] | None = None) -> int:
     p = JobParser(prog="bench_decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=["t5", "lm"], default="t5", help="SpeedT5, or the decoder-only LoopedLM")
     p.add_argument("--preset", default="base")
     p.add_argument("--pattern", default="2x6")
     p.add_argument("--vocab-size", type=int, default=16384)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--source-len", type=int, default=32)
+    p.add_argument("--source-len", type=int, default=32, help="T5's encoder tokens")
+    p.add_argument("--prompt-len", type=int, default=64, help="the LM's prompt tokens")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="torch device every variant runs on, e.g. cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
-    p.add_argument("--out", type=Path, default=Path("results/bench_decode.parquet"))
+    p.add_argument("--out", type=Path, default=None, help="default: results/bench_decode[_lm].parquet")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = Path("results/bench_decode_lm.parquet" if args.family == "lm" else "results/bench_decode.parquet")
     if args.threads:
         torch.set_num_threads(args.threads)
     with user_errors():  # an unknown preset, a bad pattern or size: one line, status 2
-        model = preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
-        cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf)
-    report_rows(run_benchmark(cfg), args, format_table)
+        if args.family == "lm":
+            lm = lm_preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
+            lm_cfg = config_from_args(LMBenchConfig, args, model=lm, compare_hf=not args.no_hf)
+        else:
+            model = preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
+            cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf)
+    if args.family == "lm":
+        report_rows(run_lm_benchmark(lm_cfg), args, format_lm_table)
+    else:
+        report_rows(run_benchmark(cfg), args, format_table)
     return 0
 
 

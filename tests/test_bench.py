@@ -75,3 +75,20 @@ def test_lever_settings_are_refused_when_misspelled():
     for text in ("b=branch:6", "b=branches", "speed=branches:1", "b=branches:1;b=branches:2", "branches:6"):
         with pytest.raises(ValueError):
             parse_levers(text)
+
+
+def test_lm_decode_benchmark_rows():
+    """The looped LM's side-by-side run: every variant timed, TTFT apart, our Dx1 against transformers' Llama."""
+    from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, LMBenchConfig, format_lm_table, run_lm_benchmark
+    from speed.config import lm_preset
+
+    cfg = LMBenchConfig(lm_preset("tiny", pattern="2x3"), batch=2, prompt_len=5, new_tokens=4, reps=1)
+    table = run_lm_benchmark(cfg)
+    assert table.schema.equals(LM_BENCH_SCHEMA)
+    rows = {r["variant"]: r for r in table.to_pylist()}
+    assert set(rows) == {"sequential", "speed", "speed_oracle", "shallow", "ours_deep", "hf_generate"}
+    assert [rows[v]["pattern"] for v in ("sequential", "shallow", "ours_deep")] == ["2x3", "2x1", "6x1"]
+    assert rows["speed_oracle"]["flushes"] == 0 and rows["sequential"]["tokens"] == 2 * 4
+    assert all(r["ttft_ms"] > 0 and r["prompt_len"] == 5 for r in rows.values())
+    assert rows["sequential"]["speedup"] == 1.0 and rows["hf_generate"]["speedup"] == 1.0
+    assert "TTFT" in format_lm_table(table)

@@ -20,6 +20,7 @@ import speed.kernels as kernels
 from speed.cache import Rows
 from speed.config import preset
 from speed.decoding import generate
+from speed.engine import T5Stepper
 from speed.kernels import TILE_ROWS, tile_linear
 from speed.model import SpeedT5
 
@@ -100,14 +101,14 @@ def random_step_case(seed: int):
     )
     if seed % 3 == 2:  # big enough that sums and elementwise ops split across threads
         config = config.replace(d_model=64, n_heads=4, d_kv=16, d_ff=128)
-    model = SpeedT5(config).eval()
+    model = T5Stepper(SpeedT5(config).eval())  # the engine's view: the model's step
     batch, max_len = 5, rng.choice([12, 80])
     lengths = [rng.randint(1, 9) for _ in range(batch)]
     ids = torch.randint(3, config.vocab_size, (batch, max(lengths)))
     memory = model.memory(batch, max(lengths), max_len)
+    cache = model.cache(batch, max(lengths), max_len)
     for b, n in enumerate(lengths):
-        model.admit(memory, b, ids[b : b + 1, :n])
-    cache = model.cache(batch, max_len)
+        model.admit(memory, cache, b, ids[b : b + 1, :n])
     for keys, values in zip(cache.keys, cache.values):
         keys.normal_()  # stale positions hold garbage: masking must make it irrelevant
         values.normal_()
@@ -133,7 +134,7 @@ def test_step_rows_do_not_depend_on_company_or_position(threads, backend):
     for seed in range(cases):
         model, memory, cache, rng = random_step_case(seed)
         slot_loops = [(s, lo) for s in range(5) for lo in range(model.n_loops)]
-        d = model.config.d_model
+        d = model.model.config.d_model
         for _ in range(6):
             target = rng.choice(slot_loops)
             h = torch.randn(d)

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from speed import SpeedT5, generate, preset
-from speed.engine import EngineConfig, Request
+from speed.engine import EngineConfig, Request, stepper_for
 from speed.paths import repo_root
 from speed.serve import auth
 from speed.serve.limits import BadRequest, parse_body, read_body
@@ -518,7 +518,7 @@ class FaultyModel:
     cache): a fault that leaves the engine unusable. An engine built afterwards steps normally."""
 
     def __init__(self, model: SpeedT5, fail_at: int) -> None:
-        self.model, self.fail_at, self.steps, self.broken = model, fail_at, 0, None
+        self.model, self.fail_at, self.steps, self.broken = stepper_for(model), fail_at, 0, None
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)

@@ -115,7 +115,8 @@ class KVCache:
     written and always masked). ``lengths[loop, layer, slot]`` is the valid
     prefix length at that virtual layer for that slot. Branch rows keep their
     key/value in ``side_keys[j]``/``side_values[j]`` (n_loops, n_slots *
-    n_side, n_heads, d_kv): side entry b of slot s is index ``s * n_side + b``.
+    n_side, n_heads, d_kv): side entry b of slot s is index ``s * n_side + b``
+    (``n_side``: n_loops**2 by default).
     """
 
     def __init__(
@@ -128,13 +129,16 @@ class KVCache:
         d_kv: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        n_side: int | None = None,
     ) -> None:
         self.n_positions = chunk_span(max_len)
         shape = (n_loops, n_slots, n_heads, self.n_positions, d_kv)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lengths = np.zeros((n_loops, n_layers, n_slots), dtype=np.int64)
-        self.n_side = n_loops * n_loops  # side entries per slot: a lane of < n_loops tokens per in-flight token
+        # side entries per slot: a lane of < M tokens per in-flight token, M = n_loops unless the layers run
+        # in fewer loops than the model has (a looped LM's prelude: one loop, the model's M lanes)
+        self.n_side = n_loops * n_loops if n_side is None else n_side
         side_shape = (n_loops, n_slots * self.n_side, n_heads, d_kv)
         self.side_keys = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.side_values = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_layers)]

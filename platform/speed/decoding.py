@@ -9,6 +9,7 @@ ends, so the engine's exactness tests and generate's are the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -40,7 +41,7 @@ class GenerateResult:
 
 
 def generate(
-    model: Stepper,
+    model: Stepper | Any,
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
     *,
@@ -57,7 +58,8 @@ def generate(
     min_confidence: float = 0.0,
     row_budget: int | None = None,
 ) -> GenerateResult:
-    """Decode a batch of encoder inputs (B, S) with a looped decoder.
+    """Decode a batch of prompts (B, S) with a looped decoder: a model (``SpeedT5``'s encoder inputs,
+    ``LoopedLM``'s contexts) or any ``speed.engine.Stepper``.
 
     ``method="sequential"`` runs all M loops of a token before the next (the
     reference; with ``trace`` it also evaluates every loop's early exit).
@@ -68,7 +70,7 @@ def generate(
     are SPEED's runner-up branches and confidence gate (``speed.engine.Request``);
     ``row_budget`` caps the rows of a step (``speed.engine.EngineConfig``).
     Both return identical tokens. Sequence b decodes
-    the tokens where ``attention_mask[b]`` is 1, encoded on their own.
+    the tokens where ``attention_mask[b]`` is 1, encoded (or prefilled) on their own.
     ``sampling`` (default greedy) applies to every sequence with its one seed:
     the noise depends on (seed, output position) only, so two sequences of the
     batch with the same input draw the same tokens.
@@ -107,7 +109,7 @@ def generate(
         for b, ids in enumerate(sources)
     ]
     config = EngineConfig(
-        max_active=batch, max_source_len=length, max_target_len=max_new_tokens, row_budget=row_budget, trace=trace
+        max_active=batch, max_prompt_len=length, max_target_len=max_new_tokens, row_budget=row_budget, trace=trace
     )
     was_training = getattr(model, "training", False)
     if was_training:

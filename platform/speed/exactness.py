@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from speed.cache import KVCache, Rows
+from speed.engine import Admitted, stepper_for
 
 
 class LogitRecorder:
@@ -33,20 +34,20 @@ class LogitRecorder:
     """
 
     def __init__(self, model: Any) -> None:
-        self.model = model
+        self.model = stepper_for(model)  # a model's adapter, or a Stepper as it is
         self.logits: dict[Any, Tensor] = {}
         self._branches: dict[tuple[int, int, int, int], Tensor] = {}  # (slot, side entry, loop, pos) -> (V,)
 
-    def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, start_id, memory, admit, embed, eval, ...
+    def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, memory, embed, training, ...
         return getattr(self.model, name)
 
     def key(self, slot: int, loop: int, pos: int) -> Any:
         """The record's key (subclasses may name slots otherwise, e.g. by the request holding it)."""
         return (slot, loop, pos)
 
-    def cache(self, n_slots: int, max_len: int) -> KVCache:
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> KVCache:
         """The model's cache, whose branch promotions also move the branch's records into the chain's."""
-        cache = self.model.cache(n_slots, max_len)
+        cache = self.model.cache(n_slots, max_prompt_len, max_len)
         promote = cache.promote
 
         def promote_and_record(slot: int, side: int, pos: int, loops_done: int) -> None:
@@ -56,6 +57,14 @@ class LogitRecorder:
 
         cache.promote = promote_and_record  # type: ignore[method-assign]
         return cache
+
+    def admit(self, memory: Any, cache: KVCache, slot: int, prompt: Tensor) -> Admitted:
+        """The model's admission; the exits it computed (a decoder-only prefill's) are output position 0's."""
+        admitted = self.model.admit(memory, cache, slot, prompt)
+        if admitted.exits is not None:
+            for loop, logits in enumerate(admitted.exits):
+                self.logits[self.key(slot, loop, 0)] = logits
+        return admitted
 
     def step(
         self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True

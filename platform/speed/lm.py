@@ -168,9 +168,9 @@ class LMCache:
     ``loops``: one entry per (loop, layer) of the looped layers, layer j < N
     the core's layer j and layer N + c the coda's layer c (the coda runs in
     every loop's exit). ``prelude``: the prelude's P layers, which run once per
-    token (its only loop is 0); None without a prelude. Runner-up branches
-    (side entries) are not supported with a prelude: its cache has the side
-    entries of one loop.
+    token (its only loop is 0), with as many side entries per slot as
+    ``loops`` (a runner-up branch runs the prelude at its loop 0); None
+    without a prelude.
     """
 
     loops: KVCache
@@ -192,6 +192,12 @@ class LMCache:
         """Empty ``slot``, e.g. for a new sequence."""
         for part in self._parts():
             part.reset(slot)
+
+    def promote(self, slot: int, side: int, pos: int, loops_done: int) -> None:
+        """Make the branch in side entry ``side`` of ``slot`` the token at ``pos`` (``KVCache.promote``); the
+        prelude's entry is its loop 0's."""
+        for part in self._parts():
+            part.promote(slot, side, pos, loops_done)
 
 
 @dataclass
@@ -305,7 +311,8 @@ class LoopedLM(nn.Module):
         c, s, p = self.config, self.sharing, self.lm_head.weight
 
         def kv(n_loops: int, n_layers: int) -> KVCache:
-            return KVCache(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+            side = s.n_loops**2  # the looped layers' side entries, in the prelude too
+            return KVCache(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device, side)
 
         return LMCache(kv(s.n_loops, s.n_unique + s.coda), kv(1, s.prelude) if s.prelude else None)
 

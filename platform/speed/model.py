@@ -11,17 +11,15 @@ H heads, D d_kv, V vocabulary, M loops, N unique decoder layers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.cache import KVCache, Rows
 from speed.config import ModelConfig
-from speed.kernels import attend, chunk_span, in_tiles, tile_linear
+from speed.kernels import attend, tile_linear
 from speed.losses import weighted_loss
 
 
@@ -210,28 +208,6 @@ class DecoderLayer(nn.Module):
 
 
 @dataclass
-class Memory:
-    """Slot-addressed decoding inputs: one slot per request decoded at once, shared by every loop.
-
-    ``keys[j]``/``values[j]``: cross-attention keys/values (C, H, S, D) of
-    physical layer j for C slots of up to S encoder tokens (S: the longest
-    source rounded up to whole attention chunks), written once when a
-    request is admitted to its slot. ``cross_bias``: (C, 1, 1, S) mask of
-    each slot's real tokens (0) and unused tail (a large negative);
-    ``source_lens`` (C,): each slot's number of real tokens. ``self_bias``:
-    (max_len, H, L) decoder position bias plus causal mask for L key positions
-    (``max_len`` rounded up to whole chunks), indexed by query position; it
-    does not depend on the request.
-    """
-
-    keys: list[Tensor]
-    values: list[Tensor]
-    cross_bias: Tensor
-    self_bias: Tensor
-    source_lens: np.ndarray
-
-
-@dataclass
 class SpeedT5Output:
     """Training forward result: per-loop losses (M,), the weighted loss, optional per-loop logits."""
 
@@ -346,7 +322,7 @@ class SpeedT5(nn.Module):
         loop_losses = torch.stack(losses)  # (M,)
         return SpeedT5Output(loop_losses, weighted_loss(loop_losses, weights), all_logits if return_logits else None)
 
-    # ----- decoding primitives (used by speed.engine) ----------------------------------
+    # ----- what decoding reads (the decode kernels are the layers' ``decode``; see speed.engine.adapters) -----
 
     @property
     def eos_id(self) -> int:
@@ -357,12 +333,6 @@ class SpeedT5(nn.Module):
         """T5 starts decoding from the pad token."""
         return self.config.pad_id
 
-    def cache(self, n_slots: int, max_len: int) -> KVCache:
-        """An empty KV cache for ``n_slots`` requests of up to ``max_len`` decoder positions each."""
-        c = self.config
-        p = self.lm_head.weight
-        return KVCache(self.n_loops, len(self.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
-
     @property
     def device(self) -> torch.device:
         """Where the weights live; the decode path creates every tensor here."""
@@ -371,77 +341,6 @@ class SpeedT5(nn.Module):
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
-
-    def memory(self, capacity: int, max_source_len: int, max_len: int) -> Memory:
-        """Empty decoding memory: ``capacity`` slots of up to ``max_source_len`` encoder tokens.
-
-        The decoder position bias for ``max_len`` positions is built here, once.
-        """
-        c, p = self.config, self.lm_head.weight
-        S, L = chunk_span(max_source_len), chunk_span(max_len)
-        shape = (capacity, c.n_heads, S, c.d_kv)
-        keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.decoder_layers]
-        values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.decoder_layers]
-        cross_bias = torch.full((capacity, 1, 1, S), _mask_value(p.dtype), dtype=p.dtype, device=p.device)
-        causal = torch.full((max_len, L), _mask_value(p.dtype), dtype=p.dtype, device=p.device).triu(1)
-        self_bias = (self.decoder_bias(max_len, L) + causal).transpose(0, 1).contiguous()  # (q, H, k)
-        return Memory(keys, values, cross_bias, self_bias, np.zeros(capacity, dtype=np.int64))
-
-    @torch.no_grad()
-    def admit(self, memory: Memory, slot: int, input_ids: Tensor) -> None:
-        """Encode one request's ids (1, S) into ``slot``: its cross-attention keys/values and mask.
-
-        Each request is encoded alone, so its keys do not depend on which
-        requests arrive with it; the slot's stale tail past S is masked.
-        """
-        S = input_ids.shape[1]
-        encoded = self.encode(input_ids)  # (1, S, d)
-        for j, layer in enumerate(self.decoder_layers):
-            k, v = layer.cross_attn.memory(encoded)  # 2 x (1, H, S, D)
-            memory.keys[j][slot, :, :S] = k[0]
-            memory.values[j][slot, :, :S] = v[0]
-        memory.cross_bias[slot, ..., :S] = 0.0
-        memory.cross_bias[slot, ..., S:] = _mask_value(memory.cross_bias.dtype)
-        memory.source_lens[slot] = S
-
-    def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
-        """Decoder input embeddings (R, d) of token ids (R,)."""
-        return self.shared(torch.as_tensor(tokens, dtype=torch.long, device=self.device))
-
-    def step(
-        self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
-    ) -> tuple[Tensor, Tensor | None]:
-        """One pass of the shared N-layer group over R rows, each at its own loop.
-
-        ``hidden`` (R, d) is each row's input to this loop; returns its output
-        (R, d) and, if asked, the early-exit logits (R, V). Each row's results
-        are bit-identical whatever other rows share the step: the rows run in
-        tiles of up to ``TILE_ROWS`` on row-invariant kernels (see ``speed.kernels``).
-        """
-        return in_tiles(lambda part, x: self._step_tile(memory, cache, part, x, with_logits), rows, hidden)
-
-    def _step_tile(
-        self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor, with_logits: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
-        # Attention runs over the fewest whole chunks that cover the tile's rows: the kernels' results do not
-        # depend on how many masked chunks follow (see ``attend``), so the span changes no row's logits.
-        n, slot_t, _, pos_t = len(rows), *rows.tensors(x.device)
-        L, S = chunk_span(int(rows.pos.max()) + 1), chunk_span(int(memory.source_lens[rows.slot].max()))
-        self_bias = memory.self_bias[..., :L].index_select(0, pos_t).unsqueeze(2)  # (n, H, 1, L)
-        first = int(rows.slot[0])
-        one_slot = bool((rows.slot == first).all())  # e.g. one request's pipeline: share its keys, copy none
-
-        def source(t: Tensor) -> Tensor:  # each row's slot of a per-slot tensor (C, ...) -> (n, ...)
-            return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, slot_t)
-
-        cross_bias = source(memory.cross_bias[..., :S])  # (n, 1, 1, S)
-        # CYCLE order: loop l's pass runs virtual layers l*N .. l*N+N-1, whose physical layers are 0..N-1
-        for j in range(self.sharing.n_unique):
-            layer = self.decoder_layers[self.sharing.physical_layer(j)]
-            keys, values = source(memory.keys[j][:, :, :S]), source(memory.values[j][:, :, :S])  # (n, H, S, D)
-            x = layer.decode(x, rows, cache, j, self_bias, keys, values, cross_bias)  # (n, d)
-        return x, (tile_linear(self.lm_head, self.decoder_norm(x)) if with_logits else None)
 
 
 def shift_right(labels: Tensor, start_id: int = 0, pad_id: int = 0) -> Tensor:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from speed.cache import KVCache, Rows
-from speed.engine import Engine, EngineConfig, Invalidation, Request
+from speed.engine import Admitted, Engine, EngineConfig, Invalidation, Request
 
 Table = Callable[[int, int, int], int]  # (slot, position, 1-based loop) -> predicted token
 
@@ -42,7 +42,7 @@ class TableModel:
         self.snapshots: list[np.ndarray] = []
         self.calls: list[list[tuple[int, int, int, int, int]]] = []
 
-    def cache(self, n_slots: int, max_len: int) -> KVCache:
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> KVCache:
         self.kv = KVCache(self.n_loops, 1, n_slots, 1, max_len, 1)  # kept to read its lengths after the last step
         return self.kv
 
@@ -50,11 +50,11 @@ class TableModel:
     def vocab_size(self) -> int:
         return self.vocab
 
-    def memory(self, capacity: int, max_source_len: int, max_len: int) -> None:
+    def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> None:
         return None
 
-    def admit(self, memory: None, slot: int, input_ids: Tensor) -> None:
-        pass
+    def admit(self, memory: None, cache: KVCache, slot: int, prompt: Tensor) -> Admitted:
+        return Admitted(self.start_id, None)  # as T5: the start token's row predicts output position 0
 
     def embed(self, tokens: Tensor) -> Tensor:
         return tokens.float()[:, None]  # (R, 1): the token itself
@@ -102,7 +102,7 @@ def schedule(
 ) -> list[ScheduleStep]:
     """Decode one request with SPEED on ``TableModel(n_loops, table)`` and describe every step."""
     model = TableModel(n_loops, table)
-    engine = Engine(model, EngineConfig(max_active=1, max_source_len=1, max_target_len=max_new_tokens))
+    engine = Engine(model, EngineConfig(max_active=1, max_prompt_len=1, max_target_len=max_new_tokens))
     engine.add(Request([2], max_new_tokens, "speed", launch_loop, invalidation))
     committed = []
     while engine.has_work:

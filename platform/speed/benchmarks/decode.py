@@ -96,6 +96,13 @@ def interleave(variants: dict[str, Callable[[], int]], reps: int, device: str = 
     return times
 
 
+def machine_name(device: str) -> str:
+    """The CPU architecture, or on CUDA the GPU's name: the rows' ``machine``."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_platform.machine()} {_platform.processor() or ''}".strip()
+
+
 def run_benchmark(cfg: BenchConfig) -> pa.Table:
     """Measure all variants side by side and return one row per variant (``BENCH_SCHEMA``)."""
     sharing = cfg.model.sharing
@@ -139,9 +146,7 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
         if results[name].tokens != reference.tokens:
             raise AssertionError(f"{name} output differs from sequential greedy decoding")
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    machine = f"{_platform.machine()} {_platform.processor() or ''}".strip()
-    if torch.device(cfg.device).type == "cuda":
-        machine = torch.cuda.get_device_name(cfg.device)
+    machine = machine_name(cfg.device)
     rows = []
     for name, ts in times.items():
         stats = results[name].stats if name in results else None

@@ -1,9 +1,18 @@
 """A continuous-batching decoding engine: requests join and leave a running SPEED pipeline.
 
-The engine never imports the model. It drives any ``Stepper``: an object that
-encodes a request into a memory slot (``admit``), embeds tokens, and runs ONE
-pass of its shared N-layer group over a set of rows, each row a token at its
-own loop, reading and writing an engine-owned ``KVCache``.
+The scheduling never touches a model. It drives any ``Stepper``: an object that
+admits a request's prompt into its slot (``admit``: T5 encodes it into the
+slot's memory; a decoder-only LM prefills it into the slot's KV entries of
+every virtual layer), embeds tokens, and runs ONE pass of its shared N-layer
+group over a set of rows, each row a token at its own loop, reading and
+writing an engine-owned ``KVCache``. ``speed.engine.adapters`` makes one of
+each model family (``T5Stepper``, ``LMStepper``); ``Engine(model)`` picks it.
+
+Admission runs output position 0's row: T5's is the start token, run
+through the M loops like any other row; an LM's is the prompt's last token,
+whose exits the prefill already computed, so its token is committed at once
+and its successor launches in the same step. Each request is admitted alone,
+so nothing it decodes depends on the requests admitted with it.
 
 SPEED (speculative pipelined execution): a token is launched from its
 predecessor's early-exit prediction after ``launch_loop`` loops, so one step
@@ -31,7 +40,9 @@ gates launching: a successor waits until its predecessor's exit is at least that
 confident.
 
 Capacity is fixed at construction: ``max_active`` slots, each a place in the
-KV cache and in the encoder memory, handed out from a free list. A request waits in a
+KV cache and in the memory (T5's encoder keys), handed out from a free list,
+for prompts of up to ``max_prompt_len`` tokens (a longer one is refused at
+``add``). A request waits in a
 queue until a slot is free; joining or leaving writes only its own slot. Each
 step computes every active request's in-flight rows, or at most
 ``row_budget`` of them: the rows on the committed path (each request's oldest
@@ -42,8 +53,9 @@ Threads: ``add`` may be called from any thread at any time (it only queues);
 ``step`` and ``cancel`` hold the engine's lock, so one step runs at a time and
 a cancel waits for a running step to end.
 
-Modules: ``types`` (the ``Stepper`` protocol, ``EngineConfig``, ``Request``
-and what comes back), ``policies`` (pure functions: launch, branch, flush,
+Modules: ``types`` (the ``Stepper`` protocol, ``Admitted``, ``EngineConfig``,
+``Request`` and what comes back), ``adapters`` (a ``Stepper`` per model
+family), ``policies`` (pure functions: launch, branch, flush,
 row budget), ``state`` (a request's ``Sequence`` and its ``InFlight``
 tokens), ``engine`` (``Engine``: admission, stepping, scheduling, locking).
 
@@ -52,11 +64,16 @@ Names, one per concept (M loops of N shared layers):
 - request (``Request``): what a caller asks for. ``Sequence``: its decoding
   state in the engine, from ``add`` until it leaves (in traces the
   ``sequence`` column is its id).
+- prompt: a request's input ids (``Request.input_ids``): T5's encoder
+  input, an LM's context; at most ``EngineConfig.max_prompt_len`` tokens
+  (``max_source_len``, its T5 name, is still accepted).
 - slot: a request's place while it is active, one of
-  ``EngineConfig.max_active``: its index in the KV cache and in the encoder
-  memory (``Sequence.slot``, ``Rows.slot``, ``Stepper.admit``).
-- position (``pos``): a decoder output index, 0-based; a slot keeps keys at
-  positions 0..max_len-1 of every virtual layer.
+  ``EngineConfig.max_active``: its index in the KV cache and in the memory
+  (``Sequence.slot``, ``Rows.slot``, ``Stepper.admit``).
+- position (``pos``): an output index, 0-based: the row at position p
+  predicts output token p. T5's slot keeps keys at positions 0..max_len-1 of
+  every virtual layer; an LM's keeps its prompt's P first, and output
+  position p at cache position P - 1 + p (the adapter translates).
 - loop: one run of the shared N-layer group (0-based in code, 1-based in
   traces); its early exit is that loop's prediction.
 - virtual layer: one of a token's N*M layer runs, written (loop, layer) with
@@ -75,12 +92,14 @@ Names, one per concept (M loops of N shared layers):
 - draft token, draft position: vLLM's speculation terms (``RequestStats``).
 """
 
+from speed.engine.adapters import LMStepper, T5Stepper, stepper_for
 from speed.engine.engine import Engine
 from speed.engine.policies import budget_rows, should_branch, should_flush, should_launch
 from speed.engine.types import (
     INVALIDATIONS,
     METHODS,
     NO_EXIT,
+    Admitted,
     Commit,
     DecodeStats,
     EngineConfig,
@@ -97,19 +116,23 @@ __all__ = [
     "INVALIDATIONS",
     "METHODS",
     "NO_EXIT",
+    "Admitted",
     "Commit",
     "DecodeStats",
     "Engine",
     "EngineConfig",
     "Finished",
     "Invalidation",
+    "LMStepper",
     "Method",
     "Request",
     "RequestStats",
     "StepResult",
     "Stepper",
+    "T5Stepper",
     "budget_rows",
     "should_branch",
     "should_flush",
     "should_launch",
+    "stepper_for",
 ]

@@ -6,10 +6,13 @@ import heapq
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from speed.cache import Rows
+from speed.engine.adapters import stepper_for
 from speed.engine.policies import budget_rows, should_branch, should_flush, should_launch
 from speed.engine.state import InFlight, Sequence
 from speed.engine.types import (
@@ -30,15 +33,17 @@ from speed.trace import TraceBuilder
 
 
 class Engine:
-    """Continuous-batching decoder, greedy or seeded sampling, over a ``Stepper`` (see the module doc)."""
+    """Continuous-batching decoder, greedy or seeded sampling, over a ``Stepper`` or a model its family's adapter
+    makes one of (``speed.engine.adapters``; see the module doc)."""
 
-    def __init__(self, model: Stepper, config: EngineConfig = EngineConfig()) -> None:  # noqa: B008 (frozen)
+    def __init__(self, model: Stepper | Any, config: EngineConfig = EngineConfig()) -> None:  # noqa: B008 (frozen)
         if getattr(model, "training", False):
             raise ValueError("the engine decodes with the model in eval mode: call model.eval() first")
-        self.model, self.config = model, config
+        self.model: Stepper = stepper_for(model)
+        self.config = config
         with torch.inference_mode():
-            self._cache = model.cache(config.max_active, config.max_target_len)
-            self._memory = model.memory(config.max_active, config.max_source_len, config.max_target_len)
+            self._cache = self.model.cache(config.max_active, config.max_prompt_len, config.max_target_len)
+            self._memory = self.model.memory(config.max_active, config.max_prompt_len, config.max_target_len)
         self._device = self._cache.device
         self._free = list(range(config.max_active))  # a heap: the lowest free slot is taken first
         self._waiting: deque[Sequence] = deque()
@@ -115,9 +120,14 @@ class Engine:
                 return self._step()
 
     def _step(self) -> StepResult:
-        self._admit()
+        committed: list[Commit] = []
+        finished: list[Finished] = []
+        prefilled = self._admit()
+        now = time.perf_counter()
+        for seq in prefilled:  # output position 0 was decided by admission: commit it, launch its successor
+            self._after(seq, now, committed, finished)
         if not self._active:
-            return StepResult([], [], 0)
+            return StepResult(committed, finished, 0)
         work = self._select()
         self._step_no += 1
         fresh = [t for _, t in work if t.hidden is None]
@@ -136,6 +146,25 @@ class Engine:
         with_logits = any(s.all_exits or len(t.preds) == M - 1 for s, t in work)
         inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
         hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
+        ran: dict[int, Sequence] = {}
+        for (seq, t), h in zip(work, hidden.unbind(0)):
+            t.hidden = h
+            seq.rows += 1
+            ran[seq.id] = seq
+        self._record_exits(work, logits)
+        st = self.stats
+        st.steps += 1
+        st.group_passes += 1
+        st.rows += len(work)
+        now = time.perf_counter()
+        for seq in ran.values():
+            seq.steps += 1
+            self._after(seq, now, committed, finished)
+        return StepResult(committed, finished, len(work))
+
+    def _record_exits(self, work: list[tuple[Sequence, InFlight]], logits: Tensor | None) -> None:
+        """Append each row's exit (its draw, runner-up, confidence, mode; its logprob after the last loop) to its
+        token, from the rows' logits (R, V); None: no exit was evaluated."""
         if logits is not None:
             exits = exit_choices(*exit_scores(logits, [s.draw(t) for s, t in work]))
             preds, runners, p_top = exits.token, exits.runner_up, exits.p_top
@@ -143,37 +172,27 @@ class Engine:
         else:
             preds = runners = modes = [NO_EXIT] * len(work)
             p_top = [float("nan")] * len(work)
-        ran: dict[int, Sequence] = {}
-        for r, ((seq, t), h) in enumerate(zip(work, hidden.unbind(0))):
-            t.hidden = h
+        M = self.model.n_loops
+        for r, (seq, t) in enumerate(work):
             t.preds.append(preds[r])
             t.runners.append(runners[r])
             t.p_top.append(p_top[r])
             t.modes.append(modes[r])
             if len(t.preds) == M and seq.request.logprobs is not None:
                 t.logprob = token_logprob(logits[r], preds[r], seq.request.logprobs)
-            seq.rows += 1
-            ran[seq.id] = seq
-        st = self.stats
-        st.steps += 1
-        st.group_passes += 1
-        st.rows += len(work)
-        committed: list[Commit] = []
-        finished: list[Finished] = []
-        now = time.perf_counter()
-        for seq in ran.values():
-            seq.steps += 1
-            n = len(seq.out)
-            self._schedule(seq)
-            if len(seq.out) > n:
-                if n == 0:
-                    seq.first_token = now
-                lps = seq.logprobs[n:] if seq.logprobs is not None else [None] * (len(seq.out) - n)
-                committed.extend(Commit(seq.id, t, lp) for t, lp in zip(seq.out[n:], lps))
-            if seq.done:
-                self._release(seq)
-                finished.append(self._finished(seq, now, cancelled=False))
-        return StepResult(committed, finished, len(work))
+
+    def _after(self, seq: Sequence, now: float, committed: list[Commit], finished: list[Finished]) -> None:
+        """Schedule ``seq`` after its rows ran; collect what it committed, and the request if it finished."""
+        n = len(seq.out)
+        self._schedule(seq)
+        if len(seq.out) > n:
+            if n == 0:
+                seq.first_token = now
+            lps = seq.logprobs[n:] if seq.logprobs is not None else [None] * (len(seq.out) - n)
+            committed.extend(Commit(seq.id, t, lp) for t, lp in zip(seq.out[n:], lps))
+        if seq.done:
+            self._release(seq)
+            finished.append(self._finished(seq, now, cancelled=False))
 
     # ----- internals -------------------------------------------------------------------------
 
@@ -195,9 +214,10 @@ class Engine:
         ids = request.input_ids
         if not isinstance(ids, (list, tuple)) or not ids:
             raise ValueError("input_ids must be a non-empty list of token ids")
-        if len(ids) > c.max_source_len:
+        if len(ids) > c.max_prompt_len:
             raise ValueError(
-                f"input_ids has {len(ids)} tokens, more than {c.max_source_len} (the engine's max_source_len)"
+                f"input_ids has {len(ids)} tokens, more than {c.max_prompt_len} "
+                "(the engine's max_source_len, or max_prompt_len: the longest prompt)"
             )
         V = self.model.vocab_size
         bad = next((t for t in ids if type(t) is not int or not 0 <= t < V), None)
@@ -219,18 +239,27 @@ class Engine:
         if not 0.0 <= request.min_confidence <= 1.0:
             raise ValueError(f"min_confidence must be in [0, 1], got {request.min_confidence!r}")
 
-    def _admit(self) -> None:
-        """Move waiting requests into free slots, encoding each alone into its slot."""
+    def _admit(self) -> list[Sequence]:
+        """Move waiting requests into free slots, admitting each alone into its slot (T5: encoding its prompt;
+        a decoder-only LM: prefilling it); return those whose output position 0 the admission decided."""
+        prefilled = []
         while self._free and self._waiting:
             with self._queue_lock:
                 seq = self._waiting.popleft()
             seq.slot = heapq.heappop(self._free)
             self._cache.reset(seq.slot)
-            ids = torch.tensor([list(seq.request.input_ids)], device=self._device)  # (1, S)
-            self.model.admit(self._memory, seq.slot, ids)
-            seq.chain.append(InFlight(0, self.model.start_id))
+            ids = torch.tensor([list(seq.request.input_ids)], device=self._device)  # (1, P)
+            admitted = self.model.admit(self._memory, self._cache, seq.slot, ids)
+            first = InFlight(0, admitted.token)
+            seq.chain.append(first)
             seq.admitted = time.perf_counter()
             self._active[seq.id] = seq
+            if admitted.exits is not None:  # (M, V): the prefill ran the first row through every loop
+                M = self.model.n_loops
+                for loop in range(M):
+                    self._record_exits([(seq, first)], admitted.exits[loop : loop + 1])
+                prefilled.append(seq)
+        return prefilled
 
     def _select(self) -> list[tuple[Sequence, InFlight]]:
         """This step's rows, in admission order: all in-flight rows, or the row budget's choice.

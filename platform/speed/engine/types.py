@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, get_args
 
 import pyarrow as pa
@@ -19,19 +19,30 @@ INVALIDATIONS: tuple[Invalidation, ...] = get_args(Invalidation)
 NO_EXIT = -1  # prediction of a loop whose early exit was not evaluated (sequential decoding without a trace)
 
 
+class Admitted(NamedTuple):
+    """What admitting a request's prompt into its slot gives the engine: output position 0's row."""
+
+    token: int  # the input of the row that predicts output position 0: T5's start token, an LM's last prompt token
+    exits: Tensor | None  # (M, V) that row's logits of every loop, when admission computed them (a decoder-only
+    # prefill); None: the engine runs the row through its M loops as any other
+
+
 class Stepper(Protocol):
-    """What the engine needs from a looped decoder model."""
+    """What the engine needs from a looped decoder (``speed.engine.adapters`` makes one of each model family).
+
+    Positions in ``Rows`` are output positions (the row at position p predicts output token p); where a
+    prompt occupies the cache too (a decoder-only LM), the stepper places them after it.
+    """
 
     n_loops: int
     eos_id: int
-    start_id: int
     vocab_size: int
 
-    def cache(self, n_slots: int, max_len: int) -> KVCache: ...
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> KVCache: ...
 
-    def memory(self, capacity: int, max_source_len: int, max_len: int) -> Any: ...
+    def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> Any: ...
 
-    def admit(self, memory: Any, slot: int, input_ids: Tensor) -> None: ...
+    def admit(self, memory: Any, cache: KVCache, slot: int, prompt: Tensor) -> Admitted: ...
 
     def embed(self, tokens: Tensor) -> Tensor: ...
 
@@ -44,14 +55,17 @@ class Stepper(Protocol):
 class EngineConfig:
     """Fixed capacity, chosen at construction."""
 
-    max_active: int = 16  # requests decoded at once: engine slots, each a place in the KV cache and encoder memory
-    max_source_len: int = 128  # encoder tokens per request
-    max_target_len: int = 128  # decoder positions per request (max_new_tokens <= this)
+    max_active: int = 16  # requests decoded at once: engine slots, each a place in the KV cache and the memory
+    max_prompt_len: int = 128  # prompt tokens per request (T5: encoder tokens; an LM: its context); longer: an error
+    max_target_len: int = 128  # output positions per request (max_new_tokens <= this)
     row_budget: int | None = None  # rows per step; None: every in-flight row. Committed-path rows go first
     trace: bool = True  # per-request flip traces (sequential requests then evaluate every loop's exit)
+    max_source_len: InitVar[int | None] = None  # max_prompt_len's T5 name, still accepted (it wins when given)
 
-    def __post_init__(self) -> None:
-        for name in ("max_active", "max_source_len", "max_target_len"):
+    def __post_init__(self, max_source_len: int | None) -> None:
+        if max_source_len is not None:
+            object.__setattr__(self, "max_prompt_len", max_source_len)
+        for name in ("max_active", "max_prompt_len", "max_target_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.row_budget is not None and self.row_budget < 1:
@@ -62,7 +76,7 @@ class EngineConfig:
 class Request:
     """One decoding request."""
 
-    input_ids: list[int]  # encoder ids (EOS-terminated as the tokenizer makes them)
+    input_ids: list[int]  # the prompt: T5's encoder ids (EOS-terminated as the tokenizer makes them), an LM's context
     max_new_tokens: int
     method: Method = "speed"
     launch_loop: int = 1  # loops a token runs before its successor launches from its prediction (1..M)
