@@ -55,7 +55,7 @@ def no_process_left():
     from speed.train.local_ray import end_processes, marked_processes
 
     yield
-    token, deadline = os.environ[SESSION_ENV], time.monotonic() + 20  # Ray's own shutdown may take a moment
+    token, deadline = os.environ[SESSION_ENV], time.monotonic() + 60  # Ray's agents may take a while to go
     while (left := marked_processes(token, name=SESSION_ENV)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left:

@@ -81,6 +81,16 @@ class _Adapter:
     def training(self) -> bool:
         return self.model.training
 
+    def eval(self) -> _Adapter:
+        """The model's inference mode (what ``generate`` sets around a decode of a model in training mode)."""
+        self.model.eval()
+        return self
+
+    def train(self, mode: bool = True) -> _Adapter:
+        """The model's training mode back."""
+        self.model.train(mode)
+        return self
+
     @property
     def eos_id(self) -> int:
         return self.model.eos_id
