@@ -109,44 +109,50 @@ def _resumed_at(log: Path) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _stopped_then_resumed(storage: Path, start, stop) -> None:
-    """A run with a few checkpoints on storage is stopped by ``stop(process)``; its Ray processes all end; the
-    same command then says it resumes from the newest complete checkpoint, does, and finishes six steps later."""
-    first, log, token = start()
-    _wait(lambda: _newest_step(storage) >= 10, "checkpoint 10", process=first, log=log)
+def _run_until_stopped(storage: Path, start, stop, at_least: int) -> tuple[int, Path, subprocess.Popen]:
+    """Starts the job, lets it write checkpoints up to ``at_least``, stops it with ``stop(process)`` and waits for
+    every Ray process of it to end; returns the newest complete checkpoint it left (at most the checkpoint being
+    written when stopped is lost), its log and its process."""
+    process, log, token = start()
+    _wait(lambda: _newest_step(storage) >= at_least, f"checkpoint {at_least}", process=process, log=log)
     assert marked_processes(token), "the run's Ray processes carry the owner mark"
-    stop(first)
+    stop(process)
     _wait(lambda: not marked_processes(token), "the stopped run's Ray processes to end", timeout_s=60, log=log)
-
     newest, folder = _steps_on_storage(storage)
-    assert newest >= 10 and folder - newest <= 5  # at most the checkpoint being written when stopped is lost
-    again, log, token = start("--stop-at-step", str(newest + 6))
-    resumed = _wait(lambda: _resumed_at(log), "the relaunch to say it resumes", timeout_s=120, process=again, log=log)
+    assert newest >= at_least and folder - newest <= 5
+    return newest, log, process
+
+
+def _says_it_resumes(log: Path, process: subprocess.Popen, newest: int) -> None:
+    resumed = _wait(lambda: _resumed_at(log), "the relaunch to say it resumes", timeout_s=120, process=process, log=log)
     assert resumed == newest, f"resumed at {resumed}, newest complete checkpoint {newest}:\n{_tail(log)}"
-    assert again.wait(timeout=300) == 0, _tail(log, 80)
-    text = log.read_text()
-    assert f"from {storage}" in text and f"(step {newest + 6})" in text, _tail(log)
-    assert load_training_state(newest_complete_checkpoint(str(next(storage.glob("pretrain-*"))))).step == newest + 6
-    _wait(lambda: not marked_processes(token), "the finished run's Ray processes to end", timeout_s=60, log=log)
 
 
-def test_a_run_stopped_by_ctrl_c_resumes_from_its_newest_checkpoint_and_leaves_no_process(launch):
-    """SIGINT to the job's process group, as Ctrl-C in a terminal sends it."""
+def test_a_run_stopped_by_ctrl_c_and_then_killed_resumes_each_time_from_its_newest_checkpoint_leaving_no_process(
+    launch,
+):
+    """One run stopped twice, as a user would: first Ctrl-C (SIGINT to the job's process group, as a terminal
+    sends it), then SIGKILL to the relaunched driver alone (Ray's processes would outlive it but for the private
+    Ray's watchdog). Each relaunch of the same command says it resumes from the newest complete checkpoint and
+    does; the last finishes six steps later. Three launches of the job prove both stops (each costs a Ray start)."""
     storage, start = launch
 
     def ctrl_c(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGINT)
         process.wait(timeout=120)
 
-    _stopped_then_resumed(storage, start, ctrl_c)
-
-
-def test_a_run_whose_driver_is_killed_resumes_from_its_newest_checkpoint_and_leaves_no_process(launch):
-    """SIGKILL to the driver alone: Ray's processes would outlive it but for the private Ray's watchdog."""
-    storage, start = launch
-
     def kill(process: subprocess.Popen) -> None:
         process.kill()
         process.wait(timeout=30)
 
-    _stopped_then_resumed(storage, start, kill)
+    after_ctrl_c, _, _ = _run_until_stopped(storage, start, ctrl_c, 10)
+    after_kill, log, killed = _run_until_stopped(storage, start, kill, after_ctrl_c + 10)
+    _says_it_resumes(log, killed, after_ctrl_c)  # what the second launch said before it was killed
+
+    again, log, token = start("--stop-at-step", str(after_kill + 6))
+    _says_it_resumes(log, again, after_kill)
+    assert again.wait(timeout=300) == 0, _tail(log, 80)
+    text = log.read_text()
+    assert f"from {storage}" in text and f"(step {after_kill + 6})" in text, _tail(log)
+    assert load_training_state(newest_complete_checkpoint(str(next(storage.glob("pretrain-*"))))).step == after_kill + 6
+    _wait(lambda: not marked_processes(token), "the finished run's Ray processes to end", timeout_s=60, log=log)
