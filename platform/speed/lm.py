@@ -85,6 +85,11 @@ class Attention(nn.Module):
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         return qkv.view(*qkv.shape[:-1], H + 2 * K, D).split([H, K, K], dim=-2)
 
+    def _share(self, kv: Tensor) -> Tensor:
+        """Keys or values (..., K, T, D) repeated for the H/K query heads of each (as they are when K == H)."""
+        group = self.n_heads // self.n_kv_heads
+        return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, store: Store | None = None) -> Tensor:
         """Causal attention over whole sequences (B, T, d), angles cos/sin (T, D); ``store`` gets the keys/values."""
         B, T, _ = x.shape
@@ -93,8 +98,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), 2 x (B, K, T, D)
         if store is not None:
             store(k, v)
-        group = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # 2 x (B, H, T, D)
+        k, v = self._share(k), self._share(v)  # 2 x (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D), scaled by D**-0.5
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -112,8 +116,7 @@ class Attention(nn.Module):
         q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
         cache.write(layer, rows, k, v)
         keys, values = cache.read(layer, rows, bias.shape[-1])  # 2 x (n, K, L, D)
-        group = self.n_heads // self.n_kv_heads
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)  # (n, H, L, D)
+        keys, values = self._share(keys), self._share(values)  # (n, H, L, D)
         y = attend(q * self.head_dim**-0.5, keys, values, bias)  # (n, H, D)
         return tile_linear(self.o, y.reshape(n, -1))
 
