@@ -49,8 +49,11 @@ def test_tile_linear_rows_do_not_depend_on_company_or_position(threads, backend)
     # The plain GEMM of the fallback rounds rows alike for the shapes of real layers, but not for
     # tiny odd ones (measured: 7 -> 5 differs by row position), so it is not given those.
     tiny = [7] if backend == "onednn" else []
-    for _ in range(12):
-        inn, out = rng.choice([*tiny, 32, 48, 100, 768]), rng.choice([*[5] * bool(tiny), 64, 80, 130, 2304])
+    # Inputs wider than 1024 (the MLP's output projection at base dims, d_ff 2048): oneDNN's one-row call rounds
+    # differently from its calls on 2..8 rows there (measured, 1 and 2 threads); 1025 is the first such width.
+    for _ in range(16):
+        inn = rng.choice([*tiny, 32, 48, 100, 768, 1025, 2048])
+        out = rng.choice([*[5] * bool(tiny), 64, 80, 130, 2304])
         layer = torch.nn.Linear(inn, out, bias=False)
         x = torch.randn(inn)
         alone = tile_linear(layer, x.expand(TILE_ROWS, inn))[0]  # a tile of copies of the row (made contiguous)
@@ -101,6 +104,8 @@ def random_step_case(seed: int):
     )
     if seed % 3 == 2:  # big enough that sums and elementwise ops split across threads
         config = config.replace(d_model=64, n_heads=4, d_kv=16, d_ff=128)
+    if seed % 3 == 1:  # an MLP as wide as base size's: its output projection reads inputs over 1024 wide
+        config = config.replace(d_ff=2048)
     model = T5Stepper(SpeedT5(config).eval())  # the engine's view: the model's step
     batch, max_len = 5, rng.choice([12, 80])
     lengths = [rng.randint(1, 9) for _ in range(batch)]
@@ -244,3 +249,28 @@ def test_attend_does_not_depend_on_the_number_of_masked_positions(threads):
                 bias[..., length:] = torch.finfo(torch.float32).min
                 small = attend(q, keys[:, :, :length], values[:, :, :length], bias[..., :length])
                 assert torch.equal(attend(q, keys, values, bias), small), (heads, d, length, capacity)
+
+
+@pytest.mark.parametrize("family", ["t5", "lm"])
+def test_speed_equals_sequential_with_a_base_width_mlp(family, threads):
+    """d_ff 2048, as at base size: the MLP's output projection reads inputs over 1024 wide, where oneDNN's
+    one-row kernel would round unlike its calls on more rows, and sequential decoding at batch 1 runs
+    one-row steps while SPEED runs several rows a step (caught end to end here before ``tile_linear``
+    ran single rows as two)."""
+    from test_lm import _randomize
+
+    from speed.config import lm_preset
+    from speed.exactness import LogitRecorder, compare_logits
+    from speed.lm import LoopedLM
+
+    torch.manual_seed(5)
+    if family == "t5":
+        model = SpeedT5(preset("tiny", pattern="2x3", d_ff=2048)).eval()
+    else:
+        model = _randomize(LoopedLM(lm_preset("tiny", pattern="2x3", d_ff=2048)), 5)
+    ids = torch.randint(3, model.config.vocab_size, (1, 7))
+    reference, candidate = LogitRecorder(model), LogitRecorder(model)
+    ref = generate(reference, ids, method="sequential", max_new_tokens=16)
+    got = generate(candidate, ids, method="speed", max_new_tokens=16)
+    assert got.stats.rows > got.stats.steps  # several rows a step: the company the one-row steps lacked
+    assert got.tokens == ref.tokens and compare_logits(reference, candidate, ref.tokens, model.n_loops) == []

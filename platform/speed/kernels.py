@@ -10,9 +10,12 @@ across threads; attention's softmax is blocked by its key length). So:
 - Matmuls run on tiles of at most ``tile_rows`` rows, each one call of
   oneDNN's linear with the weight packed once for ``tile_rows`` rows. Its
   blocking is fixed by the packed weight: a row's result does not depend on
-  how many rows (1..tile_rows) the call holds, nor on where the row sits, and
+  how many rows (2..tile_rows) the call holds, nor on where the row sits, and
   a call on n rows costs about what n rows need (one row about half a full
-  tile, measured). Where oneDNN's private ops are missing (or not CPU
+  tile, measured). One row alone is the exception: for inputs over 1024 wide
+  (a base-size MLP's output projection) oneDNN takes another kernel for a
+  one-row call, which rounds differently (measured on this CPU, 1 and 2
+  threads), so a single row runs as two copies of itself. Where oneDNN's private ops are missing (or not CPU
   float32), a plain ``F.linear`` runs instead, always on a full tile (the
   rows padded by repeating the last), since the plain GEMM's kernel changes
   with the row count; that is also the GPU path.
@@ -124,6 +127,8 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
     x = x.contiguous()  # strides select kernels too (a stride-0 input takes another GEMM path)
     packed = _packed_weight(layer, tile_rows)
     if packed is not None:
+        if n == 1:  # one row runs as two: oneDNN's one-row kernel rounds otherwise when the input is over 1024 wide
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, None, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if n < tile_rows:
         return F.linear(x[tile_index(n, tile_rows, x.device)], layer.weight)[:n]
