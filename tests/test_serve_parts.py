@@ -418,7 +418,8 @@ def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(stats_storage):
 
 def test_a_failed_write_keeps_its_rows_until_a_write_succeeds(stats_storage, monkeypatch):
     """A flush whose Parquet file cannot be written (the object store out of reach) raises and loses no row:
-    its logs stay, unlocked, still read; the sink's next write that succeeds writes them as well."""
+    its logs stay, unlocked, still read; the sink's next write that succeeds writes them as well, and so does
+    its next flush with nothing buffered (a replica's last, on shutdown)."""
     storage = stats_storage
     sink = StatsSink(storage, "r#1", max_rows=100, max_seconds=600)
     for i in range(3):
@@ -427,16 +428,24 @@ def test_a_failed_write_keeps_its_rows_until_a_write_succeeds(stats_storage, mon
     def unreachable(final, table):
         raise OSError(f"{final.uri}: the store is out of reach")
 
-    with monkeypatch.context() as m:
-        m.setattr("speed.serve.stats._write_parquet", unreachable)
-        with pytest.raises(OSError, match="out of reach"):
-            sink.flush()
-    assert sink.pending == 0 and len(write_ahead_logs(storage)) == 2
+    def fail_a_flush():
+        with monkeypatch.context() as m:
+            m.setattr("speed.serve.stats._write_parquet", unreachable)
+            with pytest.raises(OSError, match="out of reach"):
+                sink.flush()
+        assert sink.pending == 0 and write_ahead_logs(storage)
+
+    fail_a_flush()
+    assert len(write_ahead_logs(storage)) == 2
     assert read_requests(storage).num_rows == 3 and read_traces(storage).num_rows == 6
     sink.add(_row(3), None)
     assert sink.flush() == 1 and write_ahead_logs(storage) == []  # the store is back: the failed file too
     assert sorted(_parquet_only(storage)["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(4)]
     assert _parquet_only(storage, "traces").num_rows == 6
+    sink.add(_row(4), None)
+    fail_a_flush()
+    assert sink.flush() == 0 and write_ahead_logs(storage) == []  # nothing buffered: the failed file still
+    assert sorted(_parquet_only(storage)["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(5)]
 
 
 def test_sink_on_a_uri(tmp_path):

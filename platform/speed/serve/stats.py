@@ -395,7 +395,7 @@ class StatsSink:
         self._since = time.monotonic()
         self._files = 1  # the number of the file the buffered rows will be written as
         self._logs: dict[str, _Log] = {}
-        self._abandoned = False  # a write failed and left its logs: the next one that succeeds compacts them
+        self._abandoned = False  # a write failed and left its logs: the next write or flush compacts them
         for folder in (REQUESTS_DIR, TRACES_DIR):
             (self.storage / folder).makedirs()
         self.log_folder = _make_log_folder(self.storage)
@@ -449,7 +449,8 @@ class StatsSink:
     def write(self, taken: Taken) -> None:
         """Write taken rows as one new Parquet file each (a single row group), then delete their logs. A write
         that fails (an object store out of reach) raises and leaves its logs, unlocked: the sink's next write
-        that succeeds, or any ``compact_orphans`` on this node, writes them."""
+        or flush that succeeds (the last one on shutdown included), or any ``compact_orphans`` on this node,
+        writes them."""
         name = f"{self.tag}-{taken.number:06d}"
         try:
             for folder, table in ((TRACES_DIR, taken.traces), (REQUESTS_DIR, taken.requests)):
@@ -462,17 +463,22 @@ class StatsSink:
             raise
         for log in taken.logs:
             log.release()
-        if self._abandoned:
-            self._abandoned = False
-            _compact(self.storage)
+        self._write_abandoned()
 
     def flush(self) -> int:
-        """Write whatever is buffered now; returns the request rows written."""
+        """Write whatever is buffered now (and the logs of failed writes); returns the request rows written."""
         taken = self.take()
         if taken is None:
+            self._write_abandoned()
             return 0
         self.write(taken)
         return taken.requests.num_rows
+
+    def _write_abandoned(self) -> None:
+        """After a failed write: write its logs (and any other orphans on this node) now."""
+        if self._abandoned:
+            _compact(self.storage)
+            self._abandoned = False
 
     def _set_aside(self, request: Any, trace: Any, err: Exception) -> None:
         """Log a row that does not fit its schema and write it, with its trace rows and the error, to
