@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def stop(timeout_s: float) -> None:
     """Serve's graceful stop, bounded by ``timeout_s``: delete the application (each replica finishes its
     requests for up to the deployment's graceful_shutdown_timeout_s, then writes its statistics), then shut
-    Serve down. Past the bound, or when Ray's own processes died too, it gives up: on local storage every
-    answered row is on disk anyway (the replicas log each row before answering)."""
+    Serve down. Past the bound, or when Ray's own processes died too, it gives up: every answered row is on
+    this node's disk anyway, whatever the storage (the replicas log each row before answering)."""
 
     def graceful() -> None:
         try:
@@ -89,8 +89,9 @@ def stop(timeout_s: float) -> None:
 
 
 def compact_statistics(stats_path: str, wait_s: float) -> None:
-    """Once the replicas are gone: their write-ahead logs (rows of replicas stopped before they could write
-    them, on local storage) into Parquet, waiting up to ``wait_s`` for replicas still ending to let go."""
+    """Once the replicas are gone: their write-ahead logs on this node (rows of replicas stopped before they
+    could write them) into Parquet, uploaded on an object store, waiting up to ``wait_s`` for replicas still
+    ending to let go."""
     compacted = compact_orphans(stats_path, wait_s=wait_s)
     left = write_ahead_logs(stats_path)
     if compacted or left:

@@ -9,7 +9,9 @@ Ray 2.60 uses token authentication for every local cluster and, on a machine
 without one, writes a new token into ``~/.ray/auth_token``. The test session
 brings a token of its own (``RAY_AUTH_TOKEN_PATH``, inherited by every Ray
 process and job it starts), so tests pass with an empty ``HOME`` and never read
-or write the user's ``~/.ray``.
+or write the user's ``~/.ray``. Likewise the node's spool of statistics bound for
+an object store (``SPEED_SPOOL_DIR``, else ``~/.cache/speed/spool``) is a folder
+of the session's, inherited by every Ray worker, replica and job it starts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from speed.paths import SPOOL_DIR_ENV
+
     # Every process a test starts inherits the session's mark (pytest_sessionfinish looks for those left).
     os.environ[SESSION_ENV] = secrets.token_hex(8)
     folder = Path(tempfile.mkdtemp(prefix="speed-test-ray-"))
@@ -44,6 +48,7 @@ def pytest_configure(config: pytest.Config) -> None:
     token.chmod(0o600)
     os.environ.pop("RAY_AUTH_TOKEN", None)  # takes precedence over the path
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    os.environ[SPOOL_DIR_ENV] = str(folder / "spool")  # before any Ray starts: its workers inherit it
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 

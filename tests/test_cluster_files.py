@@ -169,6 +169,23 @@ def test_the_rayservice_pods_read_the_api_key_from_a_secret():
     assert "kubectl create secret generic speed-api-key" in (CLUSTERS / "kuberay" / "rayservice.yaml").read_text()
 
 
+def test_the_rayservice_replicas_spool_statistics_on_a_pod_volume():
+    """Where the replicas run (the workers: the head has no CPUs) ``$SPEED_SPOOL_DIR`` is an ``emptyDir`` volume,
+    which a container's restart keeps (the rows of a replica killed hard wait there for their upload)."""
+    from speed.paths import SPOOL_DIR_ENV
+
+    (doc,) = _docs(CLUSTERS / "kuberay" / "rayservice.yaml")
+    spec = _cluster_spec(doc)
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    for group in spec["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in pod["containers"]:
+            (env,) = [e for e in container["env"] if e["name"] == SPOOL_DIR_ENV]
+            (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == env["value"]]
+            assert volumes[mount["name"]] == {"name": mount["name"], "emptyDir": {}}, container["name"]
+
+
 def test_the_serve_import_path_exists():
     module, attr = SERVE_IMPORT_PATH.split(":")
     assert callable(getattr(importlib.import_module(module), attr))

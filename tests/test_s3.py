@@ -3,8 +3,11 @@
 
 Every loader of a checkpoint or a run takes its URI (the served model, the benchmarks' held-out inputs, the
 sweep's latency stage, evaluation); Serve statistics go to S3 and read back (also as the notebooks find
-them); a sweep keeps its trials on S3 and restores from there. Training on S3 (a stopped run resumed
-bit-identically, then evaluated and finetuned from its URIs): tests/test_train_ray.py.
+them), and a real replica killed hard loses none of its answered rows (the node's spool keeps them, the
+replica that replaces it uploads them); a sweep keeps its trials on S3 and restores from there. The
+statistics sink on S3 in plain processes (SIGKILL, a node lost with its disk, a failed upload):
+tests/test_serve_parts.py. Training on S3 (a stopped run resumed bit-identically, then evaluated and
+finetuned from its URIs): tests/test_train_ray.py.
 """
 
 from __future__ import annotations
@@ -12,18 +15,22 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import time
 
 import pytest
+import requests
 import torch
 from ray import tune
 from s3_helpers import create_bucket
+from test_serve_app import _free_port, _kill_replica, _tiny_checkpoint, _wait_for_a_new_replica
+from test_serve_parts import _parquet_only
 
 from speed import SpeedT5, preset
 from speed.analysis.results import discover, local_results, read_tables
 from speed.benchmarks.decode import held_out
 from speed.checkpoint import load_model, save_model
 from speed.serve.loading import load_served_model
-from speed.serve.stats import REQUEST_SCHEMA, StatsSink, read_requests, read_traces
+from speed.serve.stats import REQUEST_SCHEMA, StatsSink, read_requests, read_traces, write_ahead_logs
 from speed.storage import locate
 from speed.sweep import SweepConfig, run_sweep
 from speed.tokenizer import Tokenizer
@@ -75,10 +82,48 @@ def test_serve_statistics_go_to_s3_and_read_back(s3_bucket, tmp_path):
     requests, traces = read_requests(storage), read_traces(storage)
     assert requests.schema == REQUEST_SCHEMA and traces.num_rows == 6
     assert sorted(requests["request_id"].to_pylist()) == ["cmpl-0", "cmpl-1", "cmpl-2"]
-    assert len(_names(f"{storage}/requests")) == 2 and not locate(f"{storage}/wal").exists()  # logs: local only
+    assert len(_names(f"{storage}/requests")) == 2 and write_ahead_logs(storage) == []  # uploaded: logs deleted
+    assert not locate(f"{storage}/wal").exists()  # the logs are on this node's disk (its spool), never on S3
     local = local_results(storage, tmp_path / "stats")  # jobs/analysis.py --results s3://...: what notebooks read
     found = discover(local)
     assert local == tmp_path / "stats" and len(found.requests) == 2 and read_tables(found.requests).num_rows == 3
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_replica_killed_hard_on_s3_loses_no_answered_row(ray_session, tiny_tokenizer, s3_bucket, tmp_path):
+    """A real Serve replica whose statistics go to S3, SIGKILLed while every answered row is still buffered
+    (no flush yet): read on this node they are all there at once (its spool), and once Serve has replaced the
+    replica, the Parquet objects on S3 alone hold them (the new replica uploaded the dead one's logs)."""
+    from ray import serve
+
+    from speed.serve.app import start_app
+
+    _tiny_checkpoint(tiny_tokenizer, tmp_path / "ckpt")
+    stats, app = f"{s3_bucket}/stats", "speed-s3-kill"
+    settings = {"max_source_len": 48, "max_tokens": 4, "flush_rows": 100, "flush_s": 600}  # nothing flushed
+    url = start_app(
+        str(tmp_path / "ckpt"), port=_free_port(), settings=settings, stats_path=stats, model_name="tiny",
+        device="cpu", num_cpus=1, name=app,
+    )  # fmt: skip
+    try:
+        answered = []
+        for prompt in ("A dog runs.", "Rain falls.", "Two cats sleep."):
+            r = requests.post(url + "/v1/completions", json={"prompt": prompt}, timeout=120)
+            assert r.status_code == 200, r.text
+            answered.append(r.json()["id"])
+        assert _parquet_only(stats).num_rows == 0 and len(write_ahead_logs(stats)) == 2  # all in the spool
+        before = _kill_replica(url)
+        assert sorted(read_requests(stats)["request_id"].to_pylist()) == sorted(answered)  # none lost
+        started = time.monotonic()
+        _wait_for_a_new_replica(url, before)
+        print(f"replaced in {time.monotonic() - started:.1f} s")
+        assert sorted(_parquet_only(stats)["request_id"].to_pylist()) == sorted(answered)  # on S3, uploaded
+        assert write_ahead_logs(stats) == [] and read_requests(stats).num_rows == len(answered)  # once each
+        assert read_traces(stats).num_rows == 3 * 4 * len(answered)  # 3 loops, 4 tokens (EOS never wins)
+    finally:
+        serve.delete(app)
+        serve.shutdown()  # its replica's CPU back for the sweep below
 
 
 # ----- a one-trial sweep on S3, interrupted and restored ------------------------------------------------------

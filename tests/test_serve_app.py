@@ -574,10 +574,33 @@ def _parquet_rows(stats: str) -> int:
     return sum(pq.read_metadata(f).num_rows for f in files)
 
 
-def test_a_replica_killed_hard_is_replaced_and_loses_no_answered_row(server):
-    """SIGKILL (no drain, no ``__del__``) while the replica still buffers answered rows: its logs keep them."""
+def _kill_replica(url: str) -> str:
+    """SIGKILL the process of the (one) replica behind ``url`` (no drain, no ``__del__``); returns its id."""
     import ray
 
+    replica = requests.get(url + "/v1/stats", timeout=30).json()["replica"]
+    actor = ray.get_actor(f"SERVE_REPLICA::{replica}", namespace="serve")
+    os.kill(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+    return replica
+
+
+def _wait_for_a_new_replica(url: str, before: str) -> None:
+    """Until ``url`` answers from a replica other than ``before``: Serve noticed the death and started another
+    (a model load), whose statistics sink compacted the dead one's logs first."""
+    deadline, health = time.monotonic() + 300, None
+    while time.monotonic() < deadline:
+        try:
+            health = requests.get(url + "/healthz", timeout=10)
+            if health.status_code == 200 and health.json()["replica"] != before:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"no replica replaced {before} within 300 s (last answer: {health and health.text})")
+
+
+def test_a_replica_killed_hard_is_replaced_and_loses_no_answered_row(server):
+    """SIGKILL (no drain, no ``__del__``) while the replica still buffers answered rows: its logs keep them."""
     for _ in range(10):  # flush_rows=3: within three answers some row is only in the replica's log (10: margin)
         assert _complete(server, {"prompt": "Kill me softly.", "max_tokens": 5}).status_code == 200
         # all rows (cancelled ones are in Parquet too), counted before Parquet's: a flush landing between is no hit
@@ -586,23 +609,11 @@ def test_a_replica_killed_hard_is_replaced_and_loses_no_answered_row(server):
             break
     else:
         pytest.fail("every row was in Parquet after each of 10 answers")
-    before = requests.get(server["url"] + "/v1/stats", timeout=30).json()["replica"]
-    actor = ray.get_actor(f"SERVE_REPLICA::{before}", namespace="serve")
-    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
-    os.kill(pid, signal.SIGKILL)
+    before = _kill_replica(server["url"])
     rows = read_requests(server["stats"])
     finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
     assert finished.num_rows == sum(n for _, n in server["answered"])  # nothing lost: answered means logged
-    deadline = time.monotonic() + 300  # Serve notices the death and starts a new replica (a model load)
-    while time.monotonic() < deadline:
-        try:
-            health = requests.get(server["url"] + "/healthz", timeout=10)
-            if health.status_code == 200 and health.json()["replica"] != before:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    assert health.json()["replica"] != before
+    _wait_for_a_new_replica(server["url"], before)
     a = _complete(server, {"prompt": "Back again.", "max_tokens": 6}).json()
     assert a["choices"][0]["text"] == _offline(server, "Back again.", 6)[0]
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.dataset as pads
 import pytest
 import torch
 import yaml
@@ -26,6 +28,7 @@ from speed.serve.loadgen import LoadConfig, arrival_times, summarize
 from speed.serve.protocol import CompletionRequest, validation_message
 from speed.serve.runner import EngineRunner
 from speed.serve.stats import (
+    DESTINATION_FILE,
     LOADGEN_SCHEMA,
     REQUEST_SCHEMA,
     SERVE_TRACE_SCHEMA,
@@ -33,6 +36,7 @@ from speed.serve.stats import (
     ServeCounters,
     StatsSink,
     compact_orphans,
+    log_folder,
     read_requests,
     read_traces,
     write_ahead_logs,
@@ -269,6 +273,23 @@ def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
     assert all(" " not in p.name and "#" not in p.name for p in (tmp_path / "requests").iterdir())
 
 
+@pytest.fixture(params=["local", "s3"])
+def stats_storage(request, tmp_path) -> str:
+    """A stats path on local disk, or on the session's S3 server (tests/s3_helpers.py), whose logs are in the
+    node's spool (the session's ``$SPEED_SPOOL_DIR``)."""
+    return str(tmp_path / "stats") if request.param == "local" else f"{request.getfixturevalue('s3_bucket')}/stats"
+
+
+def _parquet_only(storage: str, folder: str = "requests") -> pa.Table:
+    """The rows in the Parquet files alone (what the notebooks, pandas or another node read), logs left out."""
+    where = locate(storage) / folder
+    return pads.dataset(where.path, filesystem=where.fs, format="parquet").to_table()
+
+
+def _log_names(storage: str) -> list[str]:
+    return [Path(p).name for p in write_ahead_logs(storage)]
+
+
 _KILLED_WRITER = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
@@ -283,29 +304,54 @@ os.kill(os.getpid(), signal.SIGKILL)  # as a replica killed hard: no flush, no _
 """
 
 
-def test_sink_logs_every_row_so_a_replica_killed_hard_loses_none(tmp_path):
-    storage = str(tmp_path / "stats")
+def _kill_a_writer(storage: str) -> None:
+    """A replica's sink (``max_rows=2``) in a child process: five rows answered, two flushes, then SIGKILL."""
     code = _KILLED_WRITER.format(tests=str(repo_root() / "tests"), storage=storage)
-    env = {**os.environ, "PYTHONPATH": str(repo_root() / "platform")}
+    env = {**os.environ, "PYTHONPATH": str(repo_root() / "platform")}  # the S3 endpoint and the spool too
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+
+
+def test_sink_logs_every_row_so_a_replica_killed_hard_loses_none(stats_storage):
+    """On any storage: the rows the killed replica had not flushed are in its logs on this node's disk, read at
+    once, and the next sink to start here writes them as Parquet (uploads them, on S3)."""
+    storage = stats_storage
+    _kill_a_writer(storage)
     requests, traces = read_requests(storage), read_traces(storage)
     assert sorted(requests["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(5)]  # 4 in Parquet, 1 logged
     assert traces.num_rows == 15 and requests.schema == REQUEST_SCHEMA and traces.schema == SERVE_TRACE_SCHEMA
-    (log,) = (tmp_path / "stats" / WAL_DIR).glob("*.requests.arrows")
+    assert _parquet_only(storage).num_rows == 4
+    (log,) = (p for p in write_ahead_logs(storage) if p.endswith(".requests.arrows"))
     with open(log, "ab") as f:
         f.write(b"\xff\xff\xff\xff\x10\x00")  # a record cut short by the kill
     assert read_requests(storage).num_rows == 5
     live = StatsSink(storage, "app#SpeedServer#alive")  # a new replica compacts the dead one's logs ...
     live.add(_row(9), _trace("cmpl-9", 1))
     assert compact_orphans(storage) == 0  # ... never a live one's (it holds their lock)
-    assert sorted(p.name for p in (tmp_path / "stats" / WAL_DIR).iterdir()) == [
+    assert _log_names(storage) == [
         "app_SpeedServer_alive-000001.requests.arrows",
         "app_SpeedServer_alive-000001.traces.arrows",
     ]
-    parquet = pa.concat_tables(pq.read_table(f) for f in sorted((tmp_path / "stats" / "requests").glob("*.parquet")))
-    assert sorted(parquet["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(5)]  # what notebooks read
+    parquet = _parquet_only(storage)  # what notebooks read
+    assert sorted(parquet["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(5)]
+    assert _parquet_only(storage, "traces").num_rows == 15
     assert read_requests(storage).num_rows == 6 and read_traces(storage).num_rows == 16
+
+
+def test_a_node_gone_with_its_disk_takes_only_the_rows_not_uploaded_yet(s3_bucket):
+    """On an object store a row waits in the node's spool only until its flush uploads it: a node that
+    disappears with its disk (here: its spool deleted after the kill) takes the replica's unflushed buffer,
+    under ``max_rows`` rows, and nothing already uploaded."""
+    storage = f"{s3_bucket}/stats"
+    _kill_a_writer(storage)  # max_rows=2: rows 0-3 uploaded by two flushes, row 4 only in the spool
+    spool = log_folder(storage)
+    assert (spool / DESTINATION_FILE).read_text() == f"{storage}\n"  # whoever finds the folder: where it goes
+    assert len(write_ahead_logs(storage)) == 2 and not locate(f"{storage}/{WAL_DIR}").exists()  # never on S3
+    shutil.rmtree(spool)  # the node is gone with its disk
+    kept = read_requests(storage)["request_id"].to_pylist()
+    assert sorted(kept) == [f"cmpl-{i}" for i in range(4)]
+    assert 5 - len(kept) < 2  # lost: only the buffer, under max_rows
+    assert read_traces(storage).num_rows == 12
 
 
 _STOPPING_WRITER = """
@@ -323,13 +369,11 @@ os.kill(os.getpid(), signal.SIGKILL)  # as a signal to the process group stops i
 """
 
 
-def test_a_stopping_job_turns_its_replicas_logs_into_parquet_any_reader_sees(tmp_path):
+def test_a_stopping_job_turns_its_replicas_logs_into_parquet_any_reader_sees(stats_storage):
     """What ``jobs/serve.py`` does once its replicas are gone (``compact_orphans`` with ``wait_s``): it waits for a
-    writer still holding its logs to end, then writes them as Parquet, which plain pandas and pyarrow read; a
-    writer that stays keeps its logs, and the wait is bounded."""
-    import pandas as pd
-
-    storage = str(tmp_path / "stats")
+    writer still holding its logs to end, then writes them as Parquet (uploads them, on S3), which any Parquet
+    reader reads; a writer that stays keeps its logs, and the wait is bounded."""
+    storage = stats_storage
     code = _STOPPING_WRITER.format(tests=str(repo_root() / "tests"), storage=storage)
     env = {**os.environ, "PYTHONPATH": str(repo_root() / "platform")}
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
@@ -344,8 +388,8 @@ def test_a_stopping_job_turns_its_replicas_logs_into_parquet_any_reader_sees(tmp
         writer.kill()
         writer.wait(timeout=60)
     assert write_ahead_logs(storage) == []
-    assert sorted(pd.read_parquet(tmp_path / "stats" / "requests")["request_id"]) == [f"cmpl-{i}" for i in range(4)]
-    assert pq.read_table(tmp_path / "stats" / "traces").num_rows == 8
+    assert sorted(_parquet_only(storage).to_pandas()["request_id"]) == [f"cmpl-{i}" for i in range(4)]
+    assert _parquet_only(storage, "traces").num_rows == 8
     live = StatsSink(storage, "app#SpeedServer#alive")
     live.add(_row(9), None)
     started = time.monotonic()
@@ -353,22 +397,55 @@ def test_a_stopping_job_turns_its_replicas_logs_into_parquet_any_reader_sees(tmp
     assert len(write_ahead_logs(storage)) == 1
 
 
-def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(tmp_path):
-    sink = StatsSink(str(tmp_path), "r#1", max_rows=100, max_seconds=600)
+def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(stats_storage):
+    storage = stats_storage
+    sink = StatsSink(storage, "r#1", max_rows=100, max_seconds=600)
     for i in range(3):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
-    wal = tmp_path / WAL_DIR
-    assert sorted(p.name for p in wal.iterdir()) == ["r_1-000001.requests.arrows", "r_1-000001.traces.arrows"]
-    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
-    logs = {p.name: p.read_bytes() for p in wal.iterdir()}
-    assert sink.flush() == 3 and not list(wal.iterdir())
-    for name, data in logs.items():  # killed between the Parquet file's rename and the log's deletion
-        (wal / name).write_bytes(data)
-    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
-    assert compact_orphans(str(tmp_path)) == 2 and not list(wal.iterdir())  # stale: their Parquet files stand
-    assert read_requests(str(tmp_path)).num_rows == 3 and read_traces(str(tmp_path)).num_rows == 6
+    assert _log_names(storage) == ["r_1-000001.requests.arrows", "r_1-000001.traces.arrows"]
+    assert read_requests(storage).num_rows == 3 and read_traces(storage).num_rows == 6
+    logs = {p: Path(p).read_bytes() for p in write_ahead_logs(storage)}
+    assert sink.flush() == 3 and write_ahead_logs(storage) == []
+    for path, data in logs.items():  # killed between the Parquet file's write (the upload) and the log's deletion
+        Path(path).write_bytes(data)
+    assert read_requests(storage).num_rows == 3 and read_traces(storage).num_rows == 6
+    assert compact_orphans(storage) == 2 and write_ahead_logs(storage) == []  # stale: their Parquet files stand
+    assert read_requests(storage).num_rows == 3 and read_traces(storage).num_rows == 6
+    assert _parquet_only(storage).num_rows == 3  # nothing written twice
     sink.add(_row(3), None)
-    assert read_requests(str(tmp_path)).num_rows == 4  # the next file's log
+    assert read_requests(storage).num_rows == 4  # the next file's log
+
+
+def test_a_failed_write_keeps_its_rows_until_a_write_succeeds(stats_storage, monkeypatch):
+    """A flush whose Parquet file cannot be written (the object store out of reach) raises and loses no row:
+    its logs stay, unlocked, still read; the sink's next write that succeeds writes them as well, and so does
+    its next flush with nothing buffered (a replica's last, on shutdown)."""
+    storage = stats_storage
+    sink = StatsSink(storage, "r#1", max_rows=100, max_seconds=600)
+    for i in range(3):
+        sink.add(_row(i), _trace(f"cmpl-{i}", 2))
+
+    def unreachable(final, table):
+        raise OSError(f"{final.uri}: the store is out of reach")
+
+    def fail_a_flush():
+        with monkeypatch.context() as m:
+            m.setattr("speed.serve.stats._write_parquet", unreachable)
+            with pytest.raises(OSError, match="out of reach"):
+                sink.flush()
+        assert sink.pending == 0 and write_ahead_logs(storage)
+
+    fail_a_flush()
+    assert len(write_ahead_logs(storage)) == 2
+    assert read_requests(storage).num_rows == 3 and read_traces(storage).num_rows == 6
+    sink.add(_row(3), None)
+    assert sink.flush() == 1 and write_ahead_logs(storage) == []  # the store is back: the failed file too
+    assert sorted(_parquet_only(storage)["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(4)]
+    assert _parquet_only(storage, "traces").num_rows == 6
+    sink.add(_row(4), None)
+    fail_a_flush()
+    assert sink.flush() == 0 and write_ahead_logs(storage) == []  # nothing buffered: the failed file still
+    assert sorted(_parquet_only(storage)["request_id"].to_pylist()) == [f"cmpl-{i}" for i in range(5)]
 
 
 def test_sink_on_a_uri(tmp_path):

@@ -1,4 +1,4 @@
-"""Where the project and its local corpora live."""
+"""Where the project, its local corpora and this node's spool live."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 DATA_DIR_ENV = "SPEED_DATA_DIR"
+SPOOL_DIR_ENV = "SPEED_SPOOL_DIR"
 
 
 def repo_root() -> Path:
@@ -17,6 +18,17 @@ def data_dir() -> Path:
     """The local corpora: ``$SPEED_DATA_DIR`` when set, else ``<repo>/../shared/data``."""
     override = os.environ.get(DATA_DIR_ENV)
     return Path(override).expanduser() if override else repo_root().parent / "shared" / "data"
+
+
+def spool_dir() -> Path:
+    """This node's spool, the local disk where rows bound for an object store wait for their upload
+    (``speed.serve.stats``): ``$SPEED_SPOOL_DIR`` when set, else ``$XDG_CACHE_HOME/speed/spool``, else
+    ``~/.cache/speed/spool``."""
+    override = os.environ.get(SPOOL_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME")
+    return (Path(cache).expanduser() if cache else Path.home() / ".cache") / "speed" / "spool"
 
 
 def checkout_env() -> dict[str, str]:

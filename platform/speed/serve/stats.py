@@ -7,23 +7,32 @@ storage path, local or a URI that ``pyarrow.fs`` understands::
 
     <storage>/requests/<replica>-<n>.parquet    REQUEST_SCHEMA, one file per flushed row group
     <storage>/traces/<replica>-<n>.parquet      SERVE_TRACE_SCHEMA
-    <storage>/wal/<replica>-<n>.requests.arrows the rows of file n while it is buffered (local storage only)
-    <storage>/wal/<replica>-<n>.traces.arrows
+    <logs>/<replica>-<n>.requests.arrows        the rows of file n until it is written (its write-ahead log)
+    <logs>/<replica>-<n>.traces.arrows
     <storage>/rejected/<replica>-<k>.json       a row that does not fit its schema, set aside with the error
 
 A flush writes each buffer as one new file (one row group), so files on object
 stores are never appended to and every file is readable while the replica
-runs. On local storage every row is also appended to a write-ahead log (an
-Arrow IPC stream, one record batch per request, written through to the OS
-before the answer leaves the replica), so a replica killed hard (SIGKILL, a
-signal to its process group, an out-of-memory kill) loses no row it answered;
-a flush writes Parquet file ``n`` and then deletes log ``n``; a new sink turns the
-logs of dead replicas into their Parquet files (``compact_orphans``), and so does
-``jobs/serve.py`` once its replicas are gone. A row that does not fit ``REQUEST_SCHEMA``
-(or trace rows that do not fit theirs) costs only itself: it is logged and set aside
-under ``rejected/`` with the error, and the other rows are written. ``read_requests``
-/ ``read_traces`` read a storage path back: the Parquet files and the logs no
-Parquet file replaces yet (a log's torn last record is dropped).
+runs. Every row is also appended to a write-ahead log on the local disk of the
+replica's node (an Arrow IPC stream, one record batch per request, written
+through to the OS before the answer leaves the replica), so a replica killed
+hard (SIGKILL, a signal to its process group, an out-of-memory kill) loses no
+row it answered, whatever the storage: ``<logs>`` (``log_folder``) is
+``<storage>/wal`` on local storage and, for a URI, a folder of the node's spool
+(``speed.paths.spool_dir``: ``$SPEED_SPOOL_DIR``, else ``~/.cache/speed/spool``)
+named by a digest of the URI, whose ``destination`` file names the URI. A flush
+writes Parquet file ``n`` (on an object store one upload, which appears whole)
+and then deletes log ``n``; a new sink turns the logs of dead replicas on its
+node into their Parquet files (``compact_orphans``), and so does ``jobs/serve.py``
+once its replicas are gone. What a node takes with it when it disappears with
+its disk is only what its logs held: on an object store, each replica's rows
+not uploaded yet (its buffer: under ``max_rows`` rows, none older than
+``max_seconds`` while uploads keep up, plus a flush still uploading).
+A row that does not fit ``REQUEST_SCHEMA`` (or trace rows that do not fit theirs)
+costs only itself: it is logged and set aside under ``rejected/`` with the error,
+and the other rows are written. ``read_requests`` / ``read_traces`` read a storage
+path back: the Parquet files and the logs on this node no Parquet file replaces
+yet (a log's torn last record is dropped).
 The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
 ``BENCH_SERVE_SCHEMA`` rows.
 """
@@ -31,6 +40,7 @@ The load generator writes ``LOADGEN_SCHEMA`` rows, the serving benchmark
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -44,6 +54,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from speed.paths import spool_dir
 from speed.storage import Location, locate
 from speed.trace import TRACE_SCHEMA
 
@@ -54,7 +65,8 @@ log = logging.getLogger(__name__)
 
 REQUESTS_DIR = "requests"
 TRACES_DIR = "traces"
-WAL_DIR = "wal"  # write-ahead logs of the rows not yet in Parquet (local storage)
+WAL_DIR = "wal"  # write-ahead logs of the rows not yet in Parquet (local storage; a URI's are in the spool)
+DESTINATION_FILE = "destination"  # in a spool folder: the URI its logs' rows are bound for
 REJECTED_DIR = "rejected"  # rows that did not fit their schema, one JSON file each with the error
 
 REQUEST_SCHEMA = pa.schema(
@@ -191,10 +203,10 @@ def _read_log(path: str) -> list[pa.RecordBatch]:
 
 def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
     where = locate(storage)
-    files, wal, suffix = where / folder, where / WAL_DIR, f".{folder}.arrows"
+    files, wal, suffix = where / folder, _log_folder(where), f".{folder}.arrows"
     for _ in range(3):
         # Logs listed first: a log compacted after this listing has its Parquet file in the one below.
-        logs = [i.path for i in wal.entries() if i.path.endswith(suffix)] if where.local else []
+        logs = sorted(str(p) for p in wal.glob(f"*{suffix}"))
         table, written = schema.empty_table(), set()
         if files.exists():
             dataset = pads.dataset(files.path, schema=schema, format="parquet", filesystem=where.fs)
@@ -213,12 +225,14 @@ def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
 
 
 def read_requests(storage: str) -> pa.Table:
-    """Every request row written under ``storage`` (``REQUEST_SCHEMA``), logged rows included; empty if none."""
+    """Every request row written under ``storage`` (``REQUEST_SCHEMA``), the rows logged on this node included;
+    empty if none."""
     return _read(storage, REQUESTS_DIR, REQUEST_SCHEMA)
 
 
 def read_traces(storage: str) -> pa.Table:
-    """Every trace row written under ``storage`` (``SERVE_TRACE_SCHEMA``), logged rows included; empty if none."""
+    """Every trace row written under ``storage`` (``SERVE_TRACE_SCHEMA``), the rows logged on this node included;
+    empty if none."""
     return _read(storage, TRACES_DIR, SERVE_TRACE_SCHEMA)
 
 
@@ -258,6 +272,10 @@ class _Log:
         Path(self.path).unlink(missing_ok=True)
         self._file.close()
 
+    def abandon(self) -> None:
+        """Drop the lock and keep the log (its Parquet file could not be written): ``compact_orphans`` writes it."""
+        self._file.close()
+
 
 def _checked(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
     """``data`` if no column its schema declares non-nullable holds a null (Arrow builds such columns
@@ -268,38 +286,65 @@ def _checked(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
     return data
 
 
-def _write_atomically(final: Location, table: pa.Table) -> None:
-    """One Parquet file (one row group) that appears whole: written under a dot name readers skip, renamed."""
+def _write_parquet(final: Location, table: pa.Table) -> None:
+    """One Parquet file (one row group) that appears whole: on local storage written under a dot name readers
+    skip, then renamed; on an object store one upload (an object appears once its upload completes)."""
+    if not final.local:
+        pq.write_table(table, final.path, filesystem=final.fs, row_group_size=None)
+        return
     with final.atomic() as partial:
         pq.write_table(table, partial, filesystem=final.fs, row_group_size=None)
 
 
+def log_folder(storage: str) -> Path:
+    """Where this node keeps the write-ahead logs of rows bound for ``storage``: ``<storage>/wal`` for local
+    storage; for a URI, ``<spool>/<digest of the URI>`` in this node's spool (``speed.paths.spool_dir``)."""
+    return _log_folder(locate(storage))
+
+
+def _log_folder(where: Location) -> Path:
+    if where.local:
+        return Path(where.path) / WAL_DIR
+    return spool_dir() / hashlib.sha256(where.uri.rstrip("/").encode()).hexdigest()[:16]
+
+
+def _make_log_folder(where: Location) -> Path:
+    """``_log_folder(where)``, created; a spool folder gets its ``destination`` file (the URI) first."""
+    folder = _log_folder(where)
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / DESTINATION_FILE
+    if not where.local and not marker.exists():  # for whoever finds the folder: where its rows go
+        partial = folder / f".{DESTINATION_FILE}.{os.getpid()}"
+        partial.write_text(where.uri.rstrip("/") + "\n")
+        partial.replace(marker)  # appears whole: replicas starting together on one node write the same text
+    return folder
+
+
 def write_ahead_logs(storage: str) -> list[str]:
-    """The write-ahead logs under a local ``storage`` (rows not in Parquet yet), sorted; empty on a URI."""
-    where = locate(storage)
-    wal = Path(where.path) / WAL_DIR
-    return sorted(str(p) for p in wal.glob("*.arrows")) if where.local and wal.is_dir() else []
+    """The write-ahead logs on this node of rows bound for ``storage`` (not in Parquet yet), sorted."""
+    return sorted(str(p) for p in log_folder(storage).glob("*.arrows"))
 
 
 def compact_orphans(storage: str, wait_s: float = 0.0) -> int:
-    """Turn the logs of dead replicas (a hard kill leaves them; no live writer holds their lock) into the
-    Parquet files they stand for, so that readers of the Parquet files alone (the notebooks, pandas, DuckDB)
-    see their rows too; returns the logs compacted. Local storage only; a new replica calls it when it
-    starts, ``jobs/serve.py`` when it stops, with ``wait_s``: how long to wait for the writers still holding
-    a log to end (replicas being stopped) before leaving their logs as they are."""
-    deadline = time.monotonic() + wait_s
-    compacted, held = _compact(storage)
+    """Turn the logs on this node of dead replicas (a hard kill, or a failed write, leaves them; no live writer
+    holds their lock) into the Parquet files they stand for, on local storage or uploaded to the object store,
+    so that readers of the Parquet files alone (the notebooks, pandas, DuckDB, other nodes) see their rows too;
+    returns the logs compacted. A new replica calls it when it starts, ``jobs/serve.py`` when it stops, with
+    ``wait_s``: how long to wait for the writers still holding a log to end (replicas being stopped) before
+    leaving their logs as they are."""
+    where, deadline = locate(storage), time.monotonic() + wait_s
+    compacted, held = _compact(where)
     while held and time.monotonic() < deadline:
         time.sleep(0.1)
-        more, held = _compact(storage)
+        more, held = _compact(where)
         compacted += more
     return compacted
 
 
-def _compact(storage: str) -> tuple[int, int]:
+def _compact(where: Location) -> tuple[int, int]:
     """One pass of ``compact_orphans``: (logs compacted, logs a live writer holds)."""
-    where, compacted, held = locate(storage), 0, 0
-    for log in map(Path, write_ahead_logs(storage)):
+    compacted, held = 0, 0
+    for log in sorted(_log_folder(where).glob("*.arrows")):
         stem, folder, _ = log.name.rsplit(".", 2)
         schema = {REQUESTS_DIR: REQUEST_SCHEMA, TRACES_DIR: SERVE_TRACE_SCHEMA}.get(folder)
         if schema is None:
@@ -317,10 +362,10 @@ def _compact(storage: str) -> tuple[int, int]:
             final = where / folder / f"{stem}.parquet"
             if not log.exists() or os.stat(log).st_ino != os.fstat(fd).st_ino:
                 continue  # replaced by its Parquet file between the listing and the lock
-            if not final.exists():  # else its writer died between the Parquet file's rename and the log's deletion
+            if not final.exists():  # else its writer died between the Parquet file's write and the log's deletion
                 batches = _read_log(str(log))
                 if batches:
-                    _write_atomically(final, pa.Table.from_batches(batches, schema))
+                    _write_parquet(final, pa.Table.from_batches(batches, schema))
             log.unlink()
             compacted += 1
         finally:
@@ -331,11 +376,11 @@ def _compact(storage: str) -> tuple[int, int]:
 class StatsSink:
     """Buffers request and trace rows of one replica; writes them as Parquet on a size or time bound.
 
-    ``add`` never writes Parquet (on local storage it appends the rows to the
-    write-ahead log of the current file); the owner calls ``flush`` when
-    ``due()`` (and on shutdown), or ``take`` and then ``write`` from another
-    thread: ``take`` swaps the buffers out first, so rows added during a
-    write go into the next file. ``durable`` says whether rows are logged.
+    ``add`` never writes Parquet (it appends the rows to the write-ahead log of
+    the current file, in ``log_folder``, on this node's disk); the owner calls
+    ``flush`` when ``due()`` (and on shutdown), or ``take`` and then ``write``
+    from another thread: ``take`` swaps the buffers out first, so rows added
+    during a write go into the next file.
     """
 
     def __init__(self, storage: str, replica: str, max_rows: int = 256, max_seconds: float = 30.0) -> None:
@@ -344,16 +389,17 @@ class StatsSink:
         self.storage = locate(storage)
         self.tag = file_tag(replica)
         self.max_rows, self.max_seconds = max_rows, max_seconds
-        self.durable = self.storage.local  # object stores cannot append
         self.set_aside = 0  # rows that did not fit their schema (written under rejected/)
         self._requests: list[pa.RecordBatch] = []  # one row each, checked against REQUEST_SCHEMA
         self._traces: list[pa.Table] = []
         self._since = time.monotonic()
         self._files = 1  # the number of the file the buffered rows will be written as
         self._logs: dict[str, _Log] = {}
-        for folder in (REQUESTS_DIR, TRACES_DIR) + ((WAL_DIR,) if self.durable else ()):
+        self._abandoned = False  # a write failed and left its logs: the next write or flush compacts them
+        for folder in (REQUESTS_DIR, TRACES_DIR):
             (self.storage / folder).makedirs()
-        compact_orphans(storage)
+        self.log_folder = _make_log_folder(self.storage)
+        _compact(self.storage)  # compact_orphans: the logs of replicas that died on this node
 
     @property
     def pending(self) -> int:
@@ -376,11 +422,9 @@ class StatsSink:
         if not self._requests:
             self._since = time.monotonic()
         if trace is not None and trace.num_rows:
-            if self.durable:  # logged before the request row, which closes the request
-                self._log(TRACES_DIR, SERVE_TRACE_SCHEMA).append(trace)
+            self._log(TRACES_DIR, SERVE_TRACE_SCHEMA).append(trace)  # before the request row, which closes it
             self._traces.append(trace)
-        if self.durable:
-            self._log(REQUESTS_DIR, REQUEST_SCHEMA).append(row)
+        self._log(REQUESTS_DIR, REQUEST_SCHEMA).append(row)
         self._requests.append(row)
 
     def due(self) -> bool:
@@ -403,26 +447,38 @@ class StatsSink:
         return taken
 
     def write(self, taken: Taken) -> None:
-        """Write taken rows as one new Parquet file each (a single row group), then delete their logs."""
+        """Write taken rows as one new Parquet file each (a single row group), then delete their logs. A write
+        that fails (an object store out of reach) raises and leaves its logs, unlocked: the sink's next write
+        or flush that succeeds (the last one on shutdown included), or any ``compact_orphans`` on this node,
+        writes them."""
         name = f"{self.tag}-{taken.number:06d}"
-        for folder, table in ((TRACES_DIR, taken.traces), (REQUESTS_DIR, taken.requests)):
-            if not table.num_rows:
-                continue
-            final = self.storage / folder / f"{name}.parquet"
-            if not self.durable:  # an object store's upload appears whole
-                pq.write_table(table, final.path, filesystem=final.fs, row_group_size=None)
-                continue
-            _write_atomically(final, table)
+        try:
+            for folder, table in ((TRACES_DIR, taken.traces), (REQUESTS_DIR, taken.requests)):
+                if table.num_rows:
+                    _write_parquet(self.storage / folder / f"{name}.parquet", table)
+        except BaseException:
+            for log in taken.logs:
+                log.abandon()
+            self._abandoned = True
+            raise
         for log in taken.logs:
             log.release()
+        self._write_abandoned()
 
     def flush(self) -> int:
-        """Write whatever is buffered now; returns the request rows written."""
+        """Write whatever is buffered now (and the logs of failed writes); returns the request rows written."""
         taken = self.take()
         if taken is None:
+            self._write_abandoned()
             return 0
         self.write(taken)
         return taken.requests.num_rows
+
+    def _write_abandoned(self) -> None:
+        """After a failed write: write its logs (and any other orphans on this node) now."""
+        if self._abandoned:
+            _compact(self.storage)
+            self._abandoned = False
 
     def _set_aside(self, request: Any, trace: Any, err: Exception) -> None:
         """Log a row that does not fit its schema and write it, with its trace rows and the error, to
@@ -439,12 +495,10 @@ class StatsSink:
         except Exception:  # the set-aside file is a courtesy: the answer and the other rows come first
             log.exception("could not write %s", where.uri)
 
-    def _log_path(self, name: str, folder: str) -> str:
-        return (self.storage / WAL_DIR / f"{name}.{folder}.arrows").path
-
     def _log(self, folder: str, schema: pa.Schema) -> _Log:
         if folder not in self._logs:
-            self._logs[folder] = _Log(self._log_path(f"{self.tag}-{self._files:06d}", folder), schema)
+            path = self.log_folder / f"{self.tag}-{self._files:06d}.{folder}.arrows"
+            self._logs[folder] = _Log(str(path), schema)
         return self._logs[folder]
 
 
