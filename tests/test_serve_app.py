@@ -568,6 +568,36 @@ def test_load_generator_closed_and_open_loop(server):
     assert all(r["scheduled_s"] <= r["start_s"] for r in opened.table.to_pylist())  # open loop: from the arrival
 
 
+def test_a_short_soak_answers_every_kind_without_failures_and_loses_no_row(server):
+    """``jobs/soak.py``'s run, for 12 s at 4 clients: every kind of request is sent and answered (the
+    abandoned ones cancelled on the replica or finished first), no failure, the replica reports its memory,
+    and the statistics hold one row per answered choice."""
+    from speed.serve.soak import SOAK_KINDS, SoakConfig, run_soak
+
+    config = SoakConfig(url=server["url"], minutes=0.2, concurrency=4, max_tokens=6, abandon_tokens=300)
+    result = run_soak(config)
+    table = result.table.to_pylist()
+    answered = [r for r in table if r["error"] is None]
+    for r in answered:  # the module's bookkeeping: finished rows as answered, abandoned ones by what they say
+        if r["kind"] != "abandoned":
+            server["answered"].append((r["request_id"], r["choices"]))
+    rows = read_requests(server["stats"])
+    check = result.check_rows(rows)
+    reasons = dict(zip(rows["request_id"].to_pylist(), rows["finish_reason"].to_pylist()))
+    for r in answered:
+        if r["kind"] == "abandoned":
+            if reasons.get(r["request_id"]) == "cancelled":
+                server["cancelled"] += 1
+            else:
+                server["answered"].append((r["request_id"], 1))
+    assert {r["kind"] for r in table} == set(SOAK_KINDS) and result.failures == 0, result.errors()
+    assert check.complete and check.answered == sum(r["choices"] for r in answered), check
+    assert check.abandoned and check.cancelled_rows >= 1  # 300 tokens: the replica noticed the disconnect
+    assert any(r["kind"] == "n2" and r["choices"] == 2 for r in answered)
+    assert result.rss_start and set(result.rss_start) == set(result.rss_end)
+    assert result.rss_growth is not None and result.per_minute()[0]["answered"] == len(answered)
+
+
 def _parquet_rows(stats: str) -> int:
     """Request rows already in Parquet files (not counting the write-ahead logs)."""
     files = sorted((Path(stats) / "requests").glob("*.parquet"))

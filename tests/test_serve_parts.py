@@ -793,3 +793,44 @@ def test_bench_variant_d_ratios_and_engine_counts_per_run():
     table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
     assert "| (d) continuous batching, SPEED with branches | 1 | 25.0 | 40 | 40 |  | 4 | 0 | 1.50 | 3.00 |" in table
     assert "- d_over_c_tokens_per_s_at_1 = 1.25\n" in table
+
+
+def test_soak_config_bodies_and_the_row_check():
+    from speed.serve.soak import SOAK_KINDS, SOAK_SCHEMA, SoakConfig, SoakResult, request_body
+
+    for bad in ({"url": "localhost:8000"}, {"minutes": 0}, {"concurrency": 0}, {"prompts": ()}):
+        with pytest.raises(ValueError):
+            SoakConfig(**bad)
+    config = SoakConfig(max_tokens=5, abandon_tokens=50, body={"task": "translate_en_de"}, seed=10)
+    bodies = {kind: request_body(kind, 3, config) for kind in SOAK_KINDS}
+    assert bodies["greedy"] == {"task": "translate_en_de", "prompt": config.prompts[0], "max_tokens": 5}
+    assert bodies["sampled"]["seed"] == 13 and bodies["n2"]["n"] == 2 and bodies["stop"]["stop"]
+    assert bodies["streamed"]["stream"] and bodies["abandoned"]["max_tokens"] == 50
+    with pytest.raises(ValueError, match="unknown soak kind"):
+        request_body("huge", 0, config)
+
+    def row(i, kind, status=200, error=None, rid=None, choices=1, minute=0):
+        return {"request": i, "kind": kind, "minute": minute, "status": status, "error": error,
+                "request_id": rid, "choices": choices, "latency_ms": 10.0 + i}  # fmt: skip
+
+    table = pa.Table.from_pylist(
+        [
+            row(0, "greedy", rid="a"),
+            row(1, "n2", rid="b", choices=2),
+            row(2, "abandoned", rid="c", minute=1),
+            row(3, "sampled", status=503, error="overloaded", choices=0, minute=1),
+            row(4, "streamed", status=0, error="ClientOSError: reset", choices=0, minute=1),
+        ],
+        SOAK_SCHEMA,
+    )
+    result = SoakResult(table, 90.0, {"r1": 100}, {"r1": 108})
+    assert result.failures == 1 and abs(result.rss_growth - 0.08) < 1e-12
+    assert result.errors() == {"sampled: HTTP 503 (intended)": 1, "streamed: ClientOSError": 1}
+    assert [(m["minute"], m["requests"], m["answered"], m["failures"]) for m in result.per_minute()] == [
+        (0, 2, 2, 0),
+        (1, 3, 1, 1),
+    ]
+    stats = pa.table({"request_id": ["a", "b", "c", "x"], "finish_reason": ["length", "stop", "cancelled", "stop"]})
+    check = result.check_rows(stats)  # b has one row of its two choices; x is other traffic
+    assert (check.answered, check.found, check.missing, check.abandoned, check.cancelled_rows) == (4, 3, ("b",), 1, 1)
+    assert not check.complete

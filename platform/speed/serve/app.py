@@ -49,7 +49,7 @@ from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import choice_events, choice_of
 from speed.serve.limits import BadRequest
 from speed.serve.loading import load_served_model
-from speed.serve.metrics import ServeMetrics
+from speed.serve.metrics import ServeMetrics, resident_bytes
 from speed.serve.planning import Plan, plan_request
 from speed.serve.protocol import ChatRequest, CompletionRequest
 from speed.serve.responses import Choice, Surface, TokenInfo
@@ -226,9 +226,10 @@ class SpeedServer:
 
     @api.get("/v1/stats")
     def stats(self) -> dict[str, Any]:
-        """This replica's totals since it started, with its settings."""
+        """This replica's totals since it started, its resident memory (bytes) and its settings."""
         counts = self.runner.counters.snapshot(self.runner.active, self.runner.queued)
-        return {"replica": self.replica, **counts, "settings": dataclasses.asdict(self.settings)}
+        memory = {"rss_bytes": resident_bytes()}
+        return {"replica": self.replica, **counts, **memory, "settings": dataclasses.asdict(self.settings)}
 
     @api.post("/v1/completions", openapi_extra=_openapi(CompletionRequest))
     async def completions(self, http: StarletteRequest) -> Any:

@@ -19,6 +19,7 @@ over ``speed_generation_tokens`` it is the flip rate per loop) and the histogram
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -105,3 +106,12 @@ class ServeMetrics:
             self.itl.observe(gap, tags=tags)
         self.e2e.observe(row["total_ms"] / 1e3, tags=tags)
         self.queue.observe(row["queued_ms"] / 1e3, tags=tags)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux: ``/proc/self/statm``), for ``/v1/stats``; None where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
