@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_bench
 from speed.cli import config_from_args
-from speed.cluster import code_runtime_env, loopback_options
+from speed.cluster import start_local_ray
 from speed.paths import repo_root
 from speed.storage import absolute
 
@@ -61,18 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     checkpoint = absolute(args.checkpoint)  # the replicas' working folder is not this one
     config = config_from_args(ServeBenchConfig, args, checkpoint=checkpoint, concurrency=tuple(args.concurrency))
-    # Ray starts workers at niceness 15; the replicas here run at the client's priority, so that other work on
-    # the machine slows server and client alike.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
-    ray.init(
-        address="local",
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env=code_runtime_env(),
-        **loopback_options(),
-    )
+    start_local_ray()  # the replicas import this process's speed, whatever the machine's $PYTHONPATH
     try:
         result = run_serve_bench(config)
     finally:

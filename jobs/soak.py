@@ -102,20 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start(checkpoint: str, stats: str, replicas: int, concurrency: int) -> str:
-    import ray
-
-    from speed.cluster import code_runtime_env, loopback_options
+    from speed.cluster import start_local_ray
     from speed.serve.app import start_app
 
-    os.environ.setdefault("RAY_worker_niceness", "0")  # the replicas at the client's priority (jobs/bench_serve.py)
-    ray.init(
-        address="local",
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env=code_runtime_env(),
-        **loopback_options(),
-    )
+    start_local_ray()
     return start_app(
         checkpoint,
         port=_free_port(),

@@ -71,3 +71,21 @@ def loopback_options() -> dict[str, Any]:
 
     ray_constants.ENABLE_RAY_CLUSTER = False
     return {"_node_ip_address": LOOPBACK}
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """A private local Ray for a benchmark's Serve app (``jobs/bench_serve.py``, ``jobs/soak.py``): this
+    machine's CPUs (or ``num_cpus``), no dashboard, on loopback, this ``speed`` shipped to its workers, and
+    the workers at the driver's priority (Ray starts them at niceness 15, so that other work on the machine
+    would slow the server and not the client)."""
+    import ray
+
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(
+        address="local",
+        num_cpus=num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=code_runtime_env(),
+        **loopback_options(),
+    )
