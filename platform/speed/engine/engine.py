@@ -311,7 +311,7 @@ class Engine:
                 if not seq.chain:
                     seq.chain.append(InFlight(t.pos + 1, token))
                 continue  # the successor is now the oldest, at index 0
-            guess = seq.speculation(t)
+            guess = seq.guess(t)
             if should_flush(request.invalidation, loops_done, M):
                 self._follow(seq, t, i + 1, guess)
             succ = seq.chain[i + 1] if i + 1 < len(seq.chain) else None
