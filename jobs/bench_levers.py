@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint or run (a local path or a URI)")
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=30, help="sentences decoded")
-    p.add_argument("--levers", default=DEFAULT_LEVERS, help="NAME=key:value,...;... (branches, branch_depth, "
-                   "branch_below, min_confidence, row_budget)")  # fmt: skip
+    p.add_argument("--levers", default=DEFAULT_LEVERS, help="NAME=key:value,...;... (keys: speed.engine.Speculation's "
+                   "fields, launch_loop .. min_confidence, and row_budget)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=Path("results/bench_levers.parquet"))

@@ -57,8 +57,9 @@ def drive(
 
 
 def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context, **settings):
-    """Decode ``ids`` with SPEED (``settings`` as ``generate`` takes them) under a ``LogitRecorder`` and assert
-    every loop's logits and the tokens equal the sequential ``reference``'s run ``ref``; return SPEED's result."""
+    """Decode ``ids`` with SPEED (``settings`` as ``generate`` takes them: ``speculation``, ``sampling``, ...) under
+    a ``LogitRecorder`` and assert every loop's logits and the tokens equal the sequential ``reference``'s run
+    ``ref``; return SPEED's result."""
     from speed.decoding import generate
     from speed.exactness import LogitRecorder, compare_logits
 

@@ -44,13 +44,23 @@ def test_sampling_benchmark_rows():
 
 
 def test_lever_benchmark_rows_count_every_variant_and_check_it_against_sequential():
-    from speed.benchmarks.decode import LEVER_BENCH_SCHEMA, format_lever_table, parse_levers, run_lever_benchmark
+    from speed.benchmarks.decode import (
+        LEVER_BENCH_SCHEMA,
+        LeverSetting,
+        format_lever_table,
+        parse_levers,
+        run_lever_benchmark,
+    )
+    from speed.engine import Speculation
 
     torch.manual_seed(0)
     model = SpeedT5(preset("tiny", pattern="2x3")).eval()
     inputs = [[5, 6, 7], [8, 9]]
     levers = parse_levers("b3=branches:3,row_budget:4;lanes=branches:3,branch_depth:3")
-    assert levers == {"b3": {"branches": 3, "row_budget": 4}, "lanes": {"branches": 3, "branch_depth": 3}}
+    assert levers == {
+        "b3": LeverSetting(Speculation(branches=3), row_budget=4),
+        "lanes": LeverSetting(Speculation(branches=3, branch_depth=3)),
+    }
     table = run_lever_benchmark(model, inputs, levers, 8)
     assert table.schema.equals(LEVER_BENCH_SCHEMA)
     rows = {r["variant"]: r for r in table.to_pylist()}
@@ -75,6 +85,12 @@ def test_lever_settings_are_refused_when_misspelled():
     for text in ("b=branch:6", "b=branches", "speed=branches:1", "b=branches:1;b=branches:2", "branches:6"):
         with pytest.raises(ValueError):
             parse_levers(text)
+    with pytest.raises(ValueError, match=r"'b=branches:-1': branches must be an integer >= 0"):
+        parse_levers("b=branches:-1")  # Speculation's own check
+    with pytest.raises(ValueError, match=r"b.invalidation: expected one of \['eager', 'final'\]"):
+        parse_levers("b=invalidation:lazy")
+    final = parse_levers("f=invalidation:final,launch_loop:2")["f"]
+    assert final.given() == {"invalidation": "final", "launch_loop": 2}
 
 
 def test_lm_decode_benchmark_rows():

@@ -20,7 +20,7 @@ from test_decoding_schedule import EOS, StubModel, target
 
 from speed.cache import Rows
 from speed.decoding import generate
-from speed.engine import Engine, EngineConfig, Request, should_branch, should_launch
+from speed.engine import Engine, EngineConfig, Request, Speculation, should_branch, should_launch
 from speed.exactness import LogitRecorder
 
 
@@ -50,8 +50,11 @@ def right(p: int) -> tuple[int, int, bool]:
     return target(p), EOS, True
 
 
-def run(model, **kw):
-    return generate(model, torch.ones(1, 3, dtype=torch.long), method="speed", **kw)
+def run(model, max_new_tokens, oracle=None, **speculation):
+    """SPEED on the stub, ``speculation`` as ``Speculation`` takes it."""
+    prompts = torch.ones(1, 3, dtype=torch.long)
+    speculation = Speculation(**speculation)
+    return generate(model, prompts, max_new_tokens=max_new_tokens, speculation=speculation, oracle=oracle)
 
 
 def test_policies():
@@ -164,7 +167,7 @@ def test_row_budget_runs_branches_last():
 
     model = BranchStub(3, table)
     engine = Engine(model, EngineConfig(max_active=1, max_source_len=3, max_target_len=8, row_budget=3))
-    engine.add(Request([5], 6, branches=3))
+    engine.add(Request([5], 6, speculation=Speculation(branches=3)))
     while engine.has_work:
         engine.step()
     for rows in model.steps:
@@ -177,23 +180,16 @@ def test_row_budget_runs_branches_last():
 @pytest.mark.parametrize(
     "kw, fragment",
     [
-        ({"branches": 4}, r"branches must be in 0\.\.3"),
-        ({"branches": -1}, r"branches must be in 0\.\.3"),
-        ({"branch_below": 0.0}, r"branch_below must be in \(0, 1\]"),
-        ({"min_confidence": 1.5}, r"min_confidence must be in \[0, 1\]"),
+        ({"branches": 4}, r"branches must be in 0\.\.3 \(the model's loops\), got 4"),
+        ({"branches": 1, "branch_depth": 4}, r"branch_depth must be in 1\.\.3 \(the model's loops\), got 4"),
     ],
 )
-def test_bad_branch_settings(kw, fragment):
+def test_branch_settings_beyond_the_models_loops_are_refused(kw, fragment):
+    """``Speculation`` checks what needs no model (``test_speculation``); the engine's ``add`` the loops."""
     engine = Engine(StubModel(3, lambda s, p, lo: 5), EngineConfig(max_active=1, max_source_len=6, max_target_len=8))
     with pytest.raises(ValueError, match=fragment):
-        engine.add(Request([3, 4], 4, **kw))
-
-
-def test_bad_branch_depth():
-    engine = Engine(StubModel(3, lambda s, p, lo: 5), EngineConfig(max_active=1, max_source_len=6, max_target_len=8))
-    for depth in (0, 4):
-        with pytest.raises(ValueError, match=r"branch_depth must be in 1\.\.3"):
-            engine.add(Request([3, 4], 4, branches=1, branch_depth=depth))
+        engine.add(Request([3, 4], 4, speculation=Speculation(**kw)))
+    assert not engine.has_work
 
 
 @pytest.mark.parametrize("block", BLOCKS[:3])
@@ -209,11 +205,10 @@ def test_branches_equal_sequential_bitwise(block):
             settings = [(m, 1, 1.0, 0.0), (m, m, 1.0, 0.0)]
             settings.append((rng.randint(0, m), rng.randint(1, m), rng.random(), rng.random() / 4))
             for branches, depth, below, gate in settings:
+                speculation = Speculation(rng.randint(1, m), invalidation, branches, depth, max(below, 1e-3), gate)
                 got = speed_as_sequential(
-                    model, reference, ref, ids, mask, max_new, (seed, invalidation, branches),
-                    launch_loop=rng.randint(1, m), invalidation=invalidation, branches=branches,
-                    branch_depth=depth, branch_below=max(below, 1e-3), min_confidence=gate,
-                )  # fmt: skip
+                    model, reference, ref, ids, mask, max_new, (seed, invalidation, branches), speculation=speculation
+                )
                 assert got.tokens == ref.tokens and got.trace.equals(ref.trace)
                 assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
                 promotions += got.stats.promotions
@@ -241,13 +236,15 @@ def test_churn_with_branches_equals_sequential_alone():
         engine = Engine(model, config)
 
         def make(r=rng, mo=model):
-            return dataclasses.replace(
-                random_request(r, mo, 10, 16),
+            request = random_request(r, mo, 10, 16)
+            speculation = dataclasses.replace(
+                request.speculation,
                 branches=r.randint(0, mo.n_loops),
                 branch_depth=r.randint(1, mo.n_loops),
                 branch_below=r.choice([1.0, 0.5]),
                 min_confidence=r.choice([0.0, 0.0, 0.1]),
             )
+            return dataclasses.replace(request, speculation=speculation)
 
         requests, finished = drive(engine, rng, [rng.randrange(0, 30) for _ in range(6)], make, 0.2, 10)
         for f in finished:

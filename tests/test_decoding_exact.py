@@ -19,6 +19,7 @@ from engine_helpers import BLOCKS, speed_as_sequential
 
 from speed.config import preset
 from speed.decoding import generate
+from speed.engine import Speculation
 from speed.exactness import LogitRecorder, compare_logits
 from speed.model import SpeedT5, shift_right
 from speed.sampling import Sampling
@@ -62,7 +63,7 @@ def test_speed_equals_sequential(block):
             for launch_loop in sorted({1, rng.randint(1, m), m}):
                 got = speed_as_sequential(
                     model, reference, ref, ids, mask, max_new, (seed, invalidation, launch_loop),
-                    launch_loop=launch_loop, invalidation=invalidation,
+                    speculation=Speculation(launch_loop, invalidation),
                 )  # fmt: skip
                 assert got.trace.equals(ref.trace)
                 assert got.stats.tokens == ref.stats.tokens == sum(map(len, ref.tokens))
@@ -98,7 +99,7 @@ def test_sampled_speed_equals_sequential_sampling(block):
                 launch_loop = rng.randint(1, m)
                 got = speed_as_sequential(
                     model, reference, ref, ids, mask, max_new, (seed, coupled, invalidation),
-                    launch_loop=launch_loop, invalidation=invalidation,
+                    speculation=Speculation(launch_loop, invalidation),
                     sampling=dataclasses.replace(sampling, coupled=coupled),
                 )  # fmt: skip
                 assert got.trace.equals(ref.trace)  # every loop's draw too

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from speed.decoding import generate
+from speed.engine import Speculation
 from speed.schedule import TableModel as StubModel
 
 EOS = StubModel.eos_id
@@ -19,8 +20,11 @@ def target(p: int) -> int:
     return 10 + p
 
 
-def run(model, batch=1, **kw):
-    return generate(model, torch.ones(batch, 3, dtype=torch.long), method="speed", **kw)
+def run(model, max_new_tokens, batch=1, oracle=None, **speculation):
+    """SPEED on the stub, ``speculation`` as ``Speculation`` takes it."""
+    prompts = torch.ones(batch, 3, dtype=torch.long)
+    speculation = Speculation(**speculation)
+    return generate(model, prompts, max_new_tokens=max_new_tokens, speculation=speculation, oracle=oracle)
 
 
 @pytest.mark.parametrize("m, t", [(3, 5), (6, 12), (1, 4)])
@@ -132,9 +136,8 @@ def test_trace_rows_and_flip_flags():
     "kwargs, fragment",
     [
         ({"method": "beam"}, "method must be"),
-        ({"invalidation": "lazy"}, "invalidation must be"),
-        ({"launch_loop": 0}, "launch_loop must be in 1..3"),
-        ({"launch_loop": 4}, "launch_loop must be in 1..3"),
+        ({"speculation": Speculation(launch_loop=4)}, r"launch_loop must be in 1\.\.3 \(the model's loops\)"),
+        ({"speculation": {"launch_loop": 2}}, "speculation must be a speed.engine.Speculation"),
         ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
     ],
 )

@@ -19,7 +19,7 @@ from test_decoding_schedule import EOS, StubModel, target
 
 from speed.config import preset
 from speed.decoding import generate
-from speed.engine import Engine, EngineConfig, Request, budget_rows
+from speed.engine import Engine, EngineConfig, Request, Speculation, budget_rows
 from speed.exactness import LogitRecorder
 from speed.model import SpeedT5
 from speed.sampling import Sampling
@@ -60,14 +60,10 @@ def random_sampling(rng: random.Random) -> Sampling:
 
 def random_request(rng: random.Random, model: SpeedT5, max_source: int, max_target: int) -> Request:
     m = model.n_loops
-    return Request(
-        [rng.randrange(3, model.vocab_size) for _ in range(rng.randint(1, max_source))],
-        rng.randint(1, max_target),
-        method=rng.choice(["speed", "speed", "speed", "sequential"]),
-        launch_loop=rng.choice(sorted({1, rng.randint(1, m), m})),
-        invalidation=rng.choice(["eager", "final"]),
-        sampling=random_sampling(rng),
-    )
+    ids = [rng.randrange(3, model.vocab_size) for _ in range(rng.randint(1, max_source))]
+    n, method = rng.randint(1, max_target), rng.choice(["speed", "speed", "speed", "sequential"])
+    speculation = Speculation(rng.choice(sorted({1, rng.randint(1, m), m})), rng.choice(["eager", "final"]))
+    return Request(ids, n, method, speculation, sampling=random_sampling(rng))
 
 
 @pytest.mark.parametrize("block", BLOCKS[:4])
@@ -243,9 +239,8 @@ def test_sequential_without_trace_skips_early_exits():
     "request_kw, fragment",
     [
         ({"method": "beam"}, "method must be"),
-        ({"invalidation": "lazy"}, "invalidation must be"),
-        ({"launch_loop": 0}, r"launch_loop must be in 1\.\.3"),
-        ({"launch_loop": 4}, r"launch_loop must be in 1\.\.3"),
+        ({"speculation": Speculation(launch_loop=4)}, r"launch_loop must be in 1\.\.3 \(the model's loops\), got 4"),
+        ({"speculation": {"launch_loop": 2}}, "speculation must be a speed.engine.Speculation, got dict"),
         ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
         ({"max_new_tokens": 9}, "max_new_tokens must be at most 8 .the engine's max_target_len"),
         ({"max_new_tokens": 2.5}, "max_new_tokens must be at least 1"),
@@ -310,7 +305,7 @@ def test_flip_rate_matches_trace():
     model = tiny_model(4, "2x3")
     engine = Engine(model, EngineConfig(max_active=2, max_source_len=8, max_target_len=12))
     engine.add(Request([5, 6, 7], 12))
-    engine.add(Request([8, 9], 12, launch_loop=2))
+    engine.add(Request([8, 9], 12, speculation=Speculation(launch_loop=2)))
     for f in (f for _ in range(60) for f in engine.step().finished):
         trace = f.trace
         assert pc.all(pc.equal(trace.column("sequence"), f.id)).as_py()

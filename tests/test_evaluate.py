@@ -15,6 +15,7 @@ from speed import SpeedT5, preset
 from speed.checkpoint import save_model
 from speed.config import ConfigError, from_dict
 from speed.data import load_records
+from speed.engine import Speculation
 from speed.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, DecodingMismatch, EvalConfig, run_evaluation
 from speed.exactness import LogitRecorder
 from speed.paths import repo_root
@@ -214,6 +215,8 @@ def test_bad_settings(checkpoint, tmp_path):
 def test_settings_are_coerced_by_type_and_follow_the_training_data():
     config = from_dict(EvalConfig, {"limit": "5", "check_sequential": "false", "invalidation": "final", "top_k": "3"})
     assert (config.limit, config.check_sequential, config.invalidation, config.top_k) == (5, False, "final", 3)
+    assert config.speculation == Speculation(invalidation="final")  # its flags make one Speculation
+    assert from_dict(EvalConfig, {"branches": "2"}).speculation == Speculation(branches=2)
     with pytest.raises(ConfigError, match=r"invalidation: expected one of \['eager', 'final'\], got 'lazy'"):
         from_dict(EvalConfig, {"invalidation": "lazy"})
     with pytest.raises(ConfigError, match="batch_size: expected an integer, got 'two'"):

@@ -21,7 +21,7 @@ from engine_helpers import drive
 from speed.config import preset
 from speed.data import load_records, pad_inputs, truncate
 from speed.decoding import generate
-from speed.engine import Engine, EngineConfig, Request
+from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.exactness import LogitRecorder, compare_logits, top2_gap
 from speed.model import SpeedT5, shift_right
 from speed.sampling import Sampling
@@ -79,13 +79,12 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
         test = load_records("translate_en_de", "test", limit=SENTENCES)
         inputs = [truncate(ids, 48) for ids in tok.encode_batch(test["source"])]
         rng = random.Random(threads)
-        # (launch loop, invalidation, runner-up branches, confidence gate)
         policies = [
-            (1, "eager", 0, 0.0),
-            (2, "final", 0, 0.0),
-            (3, "eager", 0, 0.0),
-            (1, "eager", 3, 0.0),
-            (1, "final", 1, 0.5),
+            Speculation(1, "eager"),
+            Speculation(2, "final"),
+            Speculation(3, "eager"),
+            Speculation(1, "eager", branches=3),
+            Speculation(1, "final", branches=1, min_confidence=0.5),
         ]
         start, batch_no, rows_checked, gaps, sampled, promotions = 0, 0, 0, [], 0, 0
         while start < len(inputs):
@@ -99,7 +98,6 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
                 reference, input_ids, mask, method="sequential", max_new_tokens=NEW_TOKENS, sampling=sampling
             )
             assert all(len(t) == NEW_TOKENS for t in ref.tokens)
-            launch_loop, invalidation, branches, gate = policies[batch_no % len(policies)]
             candidate = LogitRecorder(model)
             got = generate(
                 candidate,
@@ -107,11 +105,8 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
                 mask,
                 method="speed",
                 max_new_tokens=NEW_TOKENS,
-                launch_loop=launch_loop,
-                invalidation=invalidation,
+                speculation=policies[batch_no % len(policies)],
                 sampling=sampling,
-                branches=branches,
-                min_confidence=gate,
             )
             assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], (start, size)
             promotions += got.stats.promotions
@@ -163,25 +158,18 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
             )
             recorder = RequestRecorder(model)
             engine = recorder.engine = Engine(recorder, config)
-            requests, finished = drive(
-                engine,
-                rng,
-                [rng.randrange(0, 150) for _ in range(16)],
-                lambda rng=rng: Request(
-                    rng.choice(inputs),
-                    rng.choice([24, 40, NEW_TOKENS]),
-                    method=rng.choice(["speed", "speed", "sequential"]),
-                    launch_loop=rng.randint(1, model.n_loops),
-                    invalidation=rng.choice(["eager", "final"]),
-                    sampling=rng.choice(
-                        [Sampling(), Sampling(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(2**63))]
-                    ),
-                    branches=rng.choice([0, 1, model.n_loops]),
-                    min_confidence=rng.choice([0.0, 0.0, 0.4]),
-                ),
-                0.2,
-                40,
-            )
+
+            def make(rng=rng):
+                ids, n = rng.choice(inputs), rng.choice([24, 40, NEW_TOKENS])
+                method = rng.choice(["speed", "speed", "sequential"])
+                launch_loop, invalidation = rng.randint(1, model.n_loops), rng.choice(["eager", "final"])
+                sampling = rng.choice(
+                    [Sampling(), Sampling(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(2**63))]
+                )  # the draws in the order they were
+                levers = {"branches": rng.choice([0, 1, model.n_loops]), "min_confidence": rng.choice([0.0, 0.0, 0.4])}
+                return Request(ids, n, method, Speculation(launch_loop, invalidation, **levers), sampling=sampling)
+
+            requests, finished = drive(engine, rng, [rng.randrange(0, 150) for _ in range(16)], make, 0.2, 40)
             for f in finished:
                 request = requests[f.id]
                 reference = LogitRecorder(model)

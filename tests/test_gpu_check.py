@@ -35,7 +35,7 @@ import torch
 import speed, speed.model, speed.cache, speed.kernels, speed.sampling, speed.engine, speed.decoding
 import speed.checkpoint, speed.exactness, speed.train.optim, speed.train.state, speed.benchmarks.decode
 import speed.benchmarks.gpu
-from speed import SpeedT5, generate, preset
+from speed import SpeedT5, Speculation, generate, preset
 try:
     import ray
 except ImportError:
@@ -44,7 +44,7 @@ else:
     raise SystemExit("ray imported")
 model = SpeedT5(preset("tiny", pattern="2x3")).eval()
 ids = torch.randint(3, 128, (2, 5))
-fast = generate(model, ids, method="speed", max_new_tokens=6, branches=1)
+fast = generate(model, ids, method="speed", max_new_tokens=6, speculation=Speculation(branches=1))
 assert fast.tokens == generate(model, ids, method="sequential", max_new_tokens=6).tokens
 print("decoded", fast.stats.tokens)
 """

@@ -23,7 +23,7 @@ from test_engine import alone, random_request, tiny_model
 from speed import SpeedT5, preset
 from speed.checkpoint import save_model
 from speed.decoding import generate
-from speed.engine import Engine, EngineConfig
+from speed.engine import Engine, EngineConfig, Speculation
 from speed.exactness import LogitRecorder
 from speed.paths import repo_root
 from speed.sampling import Sampling
@@ -56,8 +56,8 @@ def test_speed_logits_equal_sequential_on_cuda(pattern, dtype, sampling):
         assert next(iter(reference.logits.values())).device.type == "cuda"
         for launch_loop, invalidation in [(1, "eager"), (2, "final")]:
             speed_as_sequential(
-                model, reference, ref, ids, mask, 24, (seed, batch, launch_loop), launch_loop=launch_loop,
-                invalidation=invalidation, sampling=sampling,
+                model, reference, ref, ids, mask, 24, (seed, batch, launch_loop),
+                speculation=Speculation(launch_loop, invalidation), sampling=sampling,
             )  # fmt: skip
 
 
@@ -70,13 +70,13 @@ def test_branches_and_lanes_equal_sequential_on_cuda(sampling):
         reference = LogitRecorder(model)
         ref = generate(reference, ids, mask, method="sequential", max_new_tokens=20, sampling=sampling)
         lanes = [
-            {"branches": m, "branch_depth": 1, "invalidation": "eager"},
-            {"branches": m, "branch_depth": m, "invalidation": "final"},
-            {"branches": 2, "branch_depth": m, "branch_below": 0.5, "min_confidence": 0.1, "invalidation": "eager"},
+            Speculation(invalidation="eager", branches=m, branch_depth=1),
+            Speculation(invalidation="final", branches=m, branch_depth=m),
+            Speculation(invalidation="eager", branches=2, branch_depth=m, branch_below=0.5, min_confidence=0.1),
         ]
-        for settings in lanes:
+        for speculation in lanes:
             got = speed_as_sequential(
-                model, reference, ref, ids, mask, 20, (seed, settings), sampling=sampling, **settings
+                model, reference, ref, ids, mask, 20, (seed, speculation), speculation=speculation, sampling=sampling
             )
             assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
             promotions += got.stats.promotions
@@ -98,9 +98,9 @@ def test_engine_churn_on_cuda():
         )
 
         def make(r=rng, mo=model):
-            return dataclasses.replace(
-                random_request(r, mo, 10, 16), branches=r.randint(0, mo.n_loops), branch_depth=r.randint(1, mo.n_loops)
-            )
+            request = random_request(r, mo, 10, 16)
+            levers = {"branches": r.randint(0, mo.n_loops), "branch_depth": r.randint(1, mo.n_loops)}
+            return dataclasses.replace(request, speculation=dataclasses.replace(request.speculation, **levers))
 
         arrivals = [rng.randrange(0, 30) for _ in range(6)]
         requests, finished = drive(Engine(model, config), rng, arrivals, make, 0.2, 10)

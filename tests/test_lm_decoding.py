@@ -20,7 +20,7 @@ from test_lm import _randomize
 
 from speed.config import lm_preset
 from speed.decoding import generate
-from speed.engine import Engine, EngineConfig, Request
+from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.exactness import LogitRecorder, compare_logits
 from speed.lm import LoopedLM
 from speed.sampling import Sampling
@@ -79,7 +79,7 @@ def test_lm_speed_equals_sequential(block):
             for launch_loop in sorted({1, rng.randint(1, m), m}):
                 got = speed_as_sequential(
                     model, reference, ref, ids, mask, max_new, (seed, invalidation, launch_loop),
-                    launch_loop=launch_loop, invalidation=invalidation,
+                    speculation=Speculation(launch_loop, invalidation),
                 )  # fmt: skip
                 assert got.trace.equals(ref.trace)
                 assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
@@ -109,7 +109,7 @@ def test_lm_sampled_speed_equals_sequential_sampling(block):
             invalidation = rng.choice(["eager", "final"])
             got = speed_as_sequential(
                 model, reference, ref, ids, mask, max_new, (seed, coupled),
-                launch_loop=rng.randint(1, model.n_loops), invalidation=invalidation,
+                speculation=Speculation(rng.randint(1, model.n_loops), invalidation),
                 sampling=dataclasses.replace(sampling, coupled=coupled),
             )  # fmt: skip
             assert got.trace.equals(ref.trace)
@@ -135,11 +135,10 @@ def test_lm_branches_and_gate_equal_sequential(block):
             (1, m, m, 1.0, 0.0),
             (rng.randint(1, m), rng.randint(1, m), rng.randint(1, m), 0.7, 0.1),
         ]:
+            speculation = Speculation(launch_loop, rng.choice(["eager", "final"]), branches, depth, below, gate)
             got = speed_as_sequential(
-                model, reference, ref, ids, mask, 14, (seed, branches, depth),
-                launch_loop=launch_loop, invalidation=rng.choice(["eager", "final"]), branches=branches,
-                branch_depth=depth, branch_below=below, min_confidence=gate,
-            )  # fmt: skip
+                model, reference, ref, ids, mask, 14, (seed, branches, depth), speculation=speculation
+            )
             assert got.trace.equals(ref.trace)
             promotions += got.stats.promotions
             cases += 1
@@ -191,17 +190,12 @@ def test_lm_churn_equals_sequential_alone(block):
         def make(r=rng, mo=model, m=m, counter=counter):
             sampling = Sampling() if r.random() < 0.5 else Sampling(temperature=1.0, top_k=8, seed=r.randrange(99))
             prompt = [next(counter)] + [r.randrange(2, mo.vocab_size) for _ in range(r.randint(0, MAX_PROMPT - 1))]
-            return Request(
-                prompt,
-                r.randint(1, 12),
-                method=r.choice(["speed", "speed", "sequential"]),
-                launch_loop=r.randint(1, m),
-                invalidation=r.choice(["eager", "final"]),
-                sampling=dataclasses.replace(sampling, coupled=r.random() < 0.7),
-                branches=r.choice([0, 0, r.randint(1, m)]),
-                branch_depth=r.randint(1, m),
-                min_confidence=r.choice([0.0, 0.1]),
-            )
+            n, method = r.randint(1, 12), r.choice(["speed", "speed", "sequential"])
+            launch_loop, invalidation = r.randint(1, m), r.choice(["eager", "final"])
+            sampling = dataclasses.replace(sampling, coupled=r.random() < 0.7)  # the draws in the order they were
+            levers = {"branches": r.choice([0, 0, r.randint(1, m)]), "branch_depth": r.randint(1, m)}
+            speculation = Speculation(launch_loop, invalidation, **levers, min_confidence=r.choice([0.0, 0.1]))
+            return Request(prompt, n, method, speculation, sampling=sampling)
 
         requests, finished = drive(engine, rng, [rng.randrange(0, 30) for _ in range(6)], make, 0.25, 10)
         for f in finished:

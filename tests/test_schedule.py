@@ -8,6 +8,7 @@ import re
 import pytest
 from test_decoding_schedule import StubModel, run, target
 
+from speed.engine import Speculation
 from speed.paths import repo_root
 from speed.schedule import (
     EXAMPLE_LOOPS,
@@ -48,7 +49,7 @@ def test_flushes_and_rows_agree_with_the_engines_counters(invalidation):
         def table(s, p, lo, wrong=wrong):
             return wrong.get((p, lo), target(p))
 
-        steps = schedule(table, m, t, launch, invalidation)
+        steps = schedule(table, m, t, Speculation(launch, invalidation))
         stats = run(StubModel(m, table), max_new_tokens=t, invalidation=invalidation).stats
         assert [c for s in steps for c in s.committed] == [target(p) for p in range(t)]
         assert len(steps) == stats.steps and sum(len(s.rows) for s in steps) == stats.rows

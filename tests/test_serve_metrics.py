@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from speed import SpeedT5, generate, preset
-from speed.engine import Engine, EngineConfig, Request
+from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.serve.metrics import ServeMetrics
 from speed.serve.stats import ServeCounters, spec_decode
 
@@ -40,7 +40,7 @@ IDS = [5, 17, 33, 9, 60, 2, 1]
 
 def test_oracle_speculation_accepts_every_draft_token(model):
     final = generate(model, torch.tensor([IDS]), method="sequential", max_new_tokens=20).tokens[0]
-    f = _first_finished(model, Request(IDS, 20, "speed", launch_loop=1, oracle=final))
+    f = _first_finished(model, Request(IDS, 20, "speed", Speculation(launch_loop=1), oracle=final))
     st = f.stats
     assert f.tokens == final and st.flushes == 0
     assert st.draft_tokens == st.accepted_tokens == len(final) - 1  # all but the first token were speculated
@@ -57,7 +57,7 @@ def test_sequential_decoding_never_drafts(model):
 
 @pytest.mark.parametrize("launch_loop", [1, 2, 3])
 def test_counters_add_up_under_real_speculation(model, launch_loop):
-    f = _first_finished(model, Request(IDS, 24, "speed", launch_loop=launch_loop))
+    f = _first_finished(model, Request(IDS, 24, "speed", Speculation(launch_loop)))
     st = f.stats
     assert st.accepted_tokens == sum(st.accepted_per_pos) <= st.draft_tokens == sum(st.draft_tokens_per_pos)
     assert all(a <= d for a, d in zip(st.accepted_per_pos, st.draft_tokens_per_pos))
@@ -77,7 +77,7 @@ def test_a_runner_up_lane_s_tokens_are_drafts_and_once_promoted_accepted():
     from test_decoding_branches import BranchStub, right
 
     stub = BranchStub(3, lambda s, p, lo: (20, 10, False) if (p == 0 and lo == 1) else right(p))
-    f = _first_finished(stub, Request([1, 1, 1], 3, "speed", branches=1))
+    f = _first_finished(stub, Request([1, 1, 1], 3, "speed", Speculation(branches=1)))
     st = f.stats
     assert f.tokens == [10, 11, 12] and (st.promotions, st.flushes) == (1, 0)
     assert (st.drafts, st.draft_tokens_per_pos, st.accepted_per_pos) == (2, [2, 1], [1, 1])
@@ -98,7 +98,7 @@ def test_counters_add_up_with_runner_up_lanes(model):
     promotions = 0
     for start in range(6):
         ids = [(start * 7 + 3 * i) % 50 + 3 for i in range(6)]
-        request = Request(ids, 20, "speed", invalidation="final", branches=4, branch_depth=3)
+        request = Request(ids, 20, "speed", Speculation(invalidation="final", branches=4, branch_depth=3))
         st = _first_finished(lanes, request).stats
         assert st.tokens == 20 and st.tokens == st.accepted_tokens + 1 + st.flushes
         assert st.accepted_tokens == sum(st.accepted_per_pos) and st.draft_tokens == sum(st.draft_tokens_per_pos)
@@ -119,7 +119,7 @@ def test_spec_decode_rates():
 def test_replica_counters_sum_speculation(model):
     c = ServeCounters()
     for launch_loop in (1, 2):
-        c.add_finished(_first_finished(model, Request(IDS, 16, "speed", launch_loop=launch_loop)).stats, 7, False)
+        c.add_finished(_first_finished(model, Request(IDS, 16, "speed", Speculation(launch_loop))).stats, 7, False)
     s = c.snapshot(0, 0)["spec_decode"]
     assert s["num_accepted_tokens"] == sum(s["num_accepted_tokens_per_pos"]) and s["num_drafts"] >= 2
     assert s["acceptance_rate"] == s["num_accepted_tokens"] / s["num_draft_tokens"]

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from speed import SpeedT5, generate, preset
-from speed.engine import EngineConfig, Request, stepper_for
+from speed.engine import EngineConfig, Request, Speculation, stepper_for
 from speed.paths import repo_root
 from speed.serve import auth
 from speed.serve.limits import BadRequest, parse_body, read_body
@@ -527,7 +527,7 @@ def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
         runner = EngineRunner(tiny_model, config, lambda f, s: left.append(s.meta["i"]))
         subs = []
         for i, (ids, method) in enumerate(zip(inputs, methods)):
-            subs.append(await runner.submit(Request(ids, 12 + i, method, launch_loop=1 + i % 3), {"i": i}))
+            subs.append(await runner.submit(Request(ids, 12 + i, method, Speculation(1 + i % 3)), {"i": i}))
             await asyncio.sleep(0.005)  # arrivals while others decode
 
         async def collect(s):
@@ -705,12 +705,14 @@ def test_serve_settings_reject_unknown_and_bad_values():
 @pytest.mark.parametrize(
     "field, value, says",
     [
-        ("branches", -1, "branches must be an integer >= 0"),
-        ("branches", 1.5, "branches must be an integer >= 0"),
-        ("branch_depth", 0, "branch_depth must be an integer >= 1"),
-        ("branch_below", 0.0, "branch_below must be a number in \\(0, 1\\]"),
-        ("min_confidence", 1.2, "min_confidence must be a number in \\[0, 1\\]"),
-        ("min_confidence", True, "min_confidence must be a number"),
+        ("launch_loop", 0, "ServeSettings: launch_loop must be an integer >= 1"),
+        ("invalidation", "lazy", "ServeSettings: invalidation must be one of"),
+        ("branches", -1, "ServeSettings: branches must be an integer >= 0"),
+        ("branches", 1.5, "ServeSettings: branches must be an integer >= 0"),
+        ("branch_depth", 0, "ServeSettings: branch_depth must be an integer >= 1"),
+        ("branch_below", 0.0, "ServeSettings: branch_below must be a number in \\(0, 1\\]"),
+        ("min_confidence", 1.2, "ServeSettings: min_confidence must be a number in \\[0, 1\\]"),
+        ("min_confidence", True, "ServeSettings: min_confidence must be a number"),
     ],
 )
 def test_serve_settings_check_the_levers(field, value, says):
@@ -725,11 +727,11 @@ def test_serve_settings_levers_are_set_and_checked_against_the_model():
     from speed.serve.settings import ServeSettings
 
     s = from_dict(ServeSettings, {"branches": 6, "branch_depth": 2, "min_confidence": 0.5})
-    assert (s.branches, s.branch_depth, s.branch_below, s.min_confidence) == (6, 2, 1.0, 0.5)
+    assert s.speculation == Speculation(branches=6, branch_depth=2, min_confidence=0.5)
     s.check_model(6)
-    with pytest.raises(ValueError, match="ServeSettings.branches 6 exceeds the model's 3 loops"):
+    with pytest.raises(ValueError, match=r"ServeSettings: branches must be in 0\.\.3 \(the model's loops\), got 6"):
         s.check_model(3)
-    with pytest.raises(ValueError, match="ServeSettings.launch_loop 4 exceeds the model's 3 loops"):
+    with pytest.raises(ValueError, match=r"ServeSettings: launch_loop must be in 1\.\.3 \(the model's loops\)"):
         ServeSettings(launch_loop=4).check_model(3)
 
 
@@ -767,9 +769,8 @@ def test_bench_variant_d_ratios_and_engine_counts_per_run():
     )
 
     assert ServeBenchConfig(checkpoint="x").levers() is None
-    assert ServeBenchConfig(checkpoint="x", branches=6).levers() == {
-        "branches": 6, "branch_depth": 1, "min_confidence": 0.0
-    }  # fmt: skip
+    assert ServeBenchConfig(checkpoint="x", branches=6).levers() == Speculation(branches=6)
+    assert ServeBenchConfig(checkpoint="x", launch_loop=2).plain() == Speculation(launch_loop=2)
     requests = pa.table({"run": ["c-c1-r0", "c-c1-r0", "d-c1-r0", "d-c1-r0"], "request_id": ["1", "2", "3", None]})
     served = pa.table(
         {"request_id": ["3", "1", "2", "9"], "steps": [30, 12, 8, 99], "rows": [90, 40, 20, 999]}

@@ -190,6 +190,7 @@ def test_settle_terms_are_swept_like_schemes():
 
 def test_levers_are_sweep_settings_of_the_cost_measurement():
     """--branches, --branch-depth, --min-confidence: validated, in the digest only when set, combined per model."""
+    from speed.engine import Speculation
     from speed.sweep.measure import PLAIN, lever_settings
 
     sweep, _ = _sweep_job_module().parse(["--patterns", "2x3", "--branches", "0", "6", "--min-confidence", "0", "0.5"])
@@ -198,19 +199,19 @@ def test_levers_are_sweep_settings_of_the_cost_measurement():
     assert sweep_digest(SweepConfig(branches=[0]), {"a": 1}) == "ae40f167"  # the default keeps the sweep's name
     assert sweep_digest(replace(SweepConfig(), branches=(0, 6)), {"a": 1}) != "ae40f167"
     for bad, match in [
-        ({"branches": (-1,)}, "branches must be integers >= 0"),
-        ({"branch_depth": (0,)}, "branch_depth must be integers >= 1"),
-        ({"min_confidence": (1.5,)}, r"min_confidence must be numbers in \[0, 1\]"),
-        ({"branches": ()}, "branches must be integers"),
+        ({"branches": (-1,)}, "SweepConfig.branches: branches must be an integer >= 0, got -1"),
+        ({"branch_depth": (0,)}, "SweepConfig.branch_depth: branch_depth must be an integer >= 1"),
+        ({"min_confidence": (1.5,)}, r"SweepConfig.min_confidence: min_confidence must be a number in \[0, 1\]"),
+        ({"branches": ()}, "SweepConfig.branches is empty"),
     ]:
         with pytest.raises(ValueError, match=match):
             SweepConfig(**bad)
-    assert lever_settings((0,), (1,), (0.0,), 6) == [PLAIN]
-    # capped at the model's loops, the depth moot without branches, no repeats, in order
-    assert lever_settings((0, 6, 3), (1, 4), (0.0,), 3) == [
+    assert PLAIN == Speculation() and lever_settings(SweepConfig().levers, 6) == [PLAIN]
+    # capped at the model's loops, the depth moot without branches, no repeats, in order; a lever left out: plain
+    assert lever_settings({"branches": (0, 6, 3), "branch_depth": (1, 4)}, 3) == [
         PLAIN,
-        {"branches": 3, "branch_depth": 1, "min_confidence": 0.0},
-        {"branches": 3, "branch_depth": 3, "min_confidence": 0.0},
+        Speculation(branches=3, branch_depth=1),
+        Speculation(branches=3, branch_depth=3),
     ]
 
 
@@ -224,7 +225,7 @@ def test_speed_costs_per_lever_setting_and_the_best_of_them(tiny_tokenizer):
 
     torch.manual_seed(0)
     model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=400)).eval()
-    levers = lever_settings((0, 3), (2,), (0.0, 0.5), model.n_loops)
+    levers = lever_settings({"branches": (0, 3), "branch_depth": (2,), "min_confidence": (0.0, 0.5)}, model.n_loops)
     inputs = [[5, 17, 33, 1], [8, 9, 1]]
     costs = speed_costs(model, inputs, 6, levers)
     assert len(costs) == 3 * 2 * 4

@@ -1,7 +1,7 @@
 """speed: SPEED (speculative pipelined decoding) for parameter-shared T5 decoders and looped decoder-only LMs."""
 
 from speed.config import PRESETS, LMConfig, ModelConfig, SharingPattern, lm_preset, preset
-from speed.decoding import DecodeStats, GenerateResult, generate
+from speed.decoding import DecodeStats, GenerateResult, Speculation, generate
 from speed.lm import LoopedLM
 from speed.losses import loss_weights
 from speed.model import SpeedT5
@@ -14,6 +14,7 @@ __all__ = [
     "LoopedLM",
     "ModelConfig",
     "SharingPattern",
+    "Speculation",
     "SpeedT5",
     "generate",
     "lm_preset",

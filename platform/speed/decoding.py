@@ -21,14 +21,14 @@ from speed.engine import (
     Engine,
     EngineConfig,
     Finished,
-    Invalidation,
     Method,
     Request,
+    Speculation,
     Stepper,
 )
 from speed.sampling import Sampling
 
-__all__ = ["DecodeStats", "GenerateResult", "Invalidation", "Method", "Stepper", "generate"]
+__all__ = ["DecodeStats", "GenerateResult", "Method", "Speculation", "Stepper", "generate"]
 
 
 @dataclass
@@ -47,15 +47,10 @@ def generate(
     *,
     method: Method = "speed",
     max_new_tokens: int = 64,
-    launch_loop: int = 1,
-    invalidation: Invalidation = "eager",
-    trace: bool = True,
-    oracle: list[list[int]] | None = None,
+    speculation: Speculation | None = None,
     sampling: Sampling | None = None,
-    branches: int = 0,
-    branch_depth: int = 1,
-    branch_below: float = 1.0,
-    min_confidence: float = 0.0,
+    oracle: list[list[int]] | None = None,
+    trace: bool = True,
     row_budget: int | None = None,
 ) -> GenerateResult:
     """Decode a batch of prompts (B, S) with a looped decoder: a model (``SpeedT5``'s encoder inputs,
@@ -63,13 +58,12 @@ def generate(
 
     ``method="sequential"`` runs all M loops of a token before the next (the
     reference; with ``trace`` it also evaluates every loop's early exit).
-    ``method="speed"`` pipelines: successors launch after ``launch_loop``
-    loops (1..M) and are invalidated per ``invalidation``. ``oracle`` (SPEED
-    only) forces speculation to the given final tokens, isolating the
-    engine's own overhead. ``branches``, ``branch_depth``, ``branch_below`` and ``min_confidence``
-    are SPEED's runner-up branches and confidence gate (``speed.engine.Request``);
-    ``row_budget`` caps the rows of a step (``speed.engine.EngineConfig``).
-    Both return identical tokens. Sequence b decodes
+    ``method="speed"`` pipelines as ``speculation`` says (``speed.engine.Speculation``,
+    default ``Speculation()``: launch after loop 1, eager invalidation, no
+    branches, no confidence gate); sequential decoding ignores it. ``oracle``
+    (SPEED only) forces speculation to the given final tokens, isolating the
+    engine's own overhead. ``row_budget`` caps the rows of a step
+    (``speed.engine.EngineConfig``). Both return identical tokens. Sequence b decodes
     the tokens where ``attention_mask[b]`` is 1, encoded (or prefilled) on their own.
     ``sampling`` (default greedy) applies to every sequence with its one seed:
     the noise depends on (seed, output position) only, so two sequences of the
@@ -92,20 +86,10 @@ def generate(
     sources = input_ids.tolist()
     if attention_mask is not None:
         sources = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(sources, attention_mask.tolist())]
+    speculation = Speculation() if speculation is None else speculation
+    sampling = Sampling() if sampling is None else sampling
     requests = [
-        Request(
-            ids,
-            max_new_tokens,
-            method,
-            launch_loop,
-            invalidation,
-            None if oracle is None else list(oracle[b]),
-            Sampling() if sampling is None else sampling,
-            branches=branches,
-            branch_depth=branch_depth,
-            branch_below=branch_below,
-            min_confidence=min_confidence,
-        )
+        Request(ids, max_new_tokens, method, speculation, None if oracle is None else list(oracle[b]), sampling)
         for b, ids in enumerate(sources)
     ]
     config = EngineConfig(
@@ -116,7 +100,7 @@ def generate(
         model.eval()  # type: ignore[attr-defined]
     try:
         engine = Engine(model, config)
-        ids = [engine.add(r) for r in requests]  # validates launch_loop, invalidation, ids
+        ids = [engine.add(r) for r in requests]  # validates the speculation against the model, the ids
         done: dict[int, Finished] = {}
         with torch.inference_mode():
             while engine.has_work:

@@ -31,7 +31,7 @@ from speed import metrics
 from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
 from speed.decoding import DecodeStats, GenerateResult, generate
-from speed.engine import INVALIDATIONS, Invalidation
+from speed.engine import Speculation, SpeculationFields
 from speed.exactness import LogitRecorder, top2_gap
 from speed.model import SpeedT5
 from speed.progress import ProgressBar
@@ -60,14 +60,15 @@ METRICS = {"bleu": metrics.bleu, "chrf": metrics.chrf, "rouge": metrics.rouge}  
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(SpeculationFields):
     """What to evaluate and how to decode it: the one evaluation config.
 
     ``jobs/evaluate.py``'s flags and a finetuning job's ``eval`` section both
     fill it (``speed.config.from_dict`` coerces and checks the values). ``task``,
     ``source`` and ``max_source_len`` left at None follow the training data (the
     finetuning job's ``data`` section, or the evaluated checkpoint's): see
-    ``following``.
+    ``following``. SPEED's settings are its ``SpeculationFields`` (``launch_loop``
+    .. ``min_confidence``, keyword-only; ``speculation`` makes them one).
     """
 
     task: str | None = None  # a source/target task; None: the training task
@@ -77,12 +78,6 @@ class EvalConfig:
     batch_size: int = 16
     max_new_tokens: int = 64
     max_source_len: int | None = None  # encoder inputs are truncated to this many tokens; None: the training data's
-    launch_loop: int = 1  # SPEED launches a successor after this many loops
-    invalidation: Invalidation = "eager"
-    branches: int = 0  # SPEED's runner-up branches in flight per sequence (0..M; speed.engine.Request)
-    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
-    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
-    min_confidence: float = 0.0  # a successor launches only from an exit at least this confident
     row_budget: int | None = None  # SPEED's rows per step at most (speed.engine.EngineConfig); None: all in flight
     oracle: bool = True  # also decode (untimed) with oracle speculation: the steps SPEED needs if every exit agreed
     check_sequential: bool = True  # also decode sequentially, require identical output, report the speed-up
@@ -94,27 +89,18 @@ class EvalConfig:
     seed: int = 0  # every sequence samples with this seed: its draws depend on (seed, output position) only
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # SPEED's settings
         if self.task is not None and get_task(self.task).is_pretrain:
             raise ValueError(f"task {self.task!r} has no references to score; evaluate a source/target task")
-        for name in ("batch_size", "max_new_tokens", "launch_loop"):
+        for name in ("batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EvalConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.branches < 0 or self.branch_depth < 1:
-            raise ValueError(
-                f"EvalConfig.branches must be >= 0 and branch_depth >= 1, got {self.branches}, {self.branch_depth}"
-            )
         if self.row_budget is not None and self.row_budget < 1:
             raise ValueError(f"EvalConfig.row_budget must be at least 1 or None, got {self.row_budget}")
-        if not 0.0 < self.branch_below <= 1.0:
-            raise ValueError(f"EvalConfig.branch_below must be in (0, 1], got {self.branch_below}")
-        if not 0.0 <= self.min_confidence <= 1.0:
-            raise ValueError(f"EvalConfig.min_confidence must be in [0, 1], got {self.min_confidence}")
         if self.max_source_len is not None and self.max_source_len < 2:
             raise ValueError(f"EvalConfig.max_source_len must be at least 2, got {self.max_source_len}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"EvalConfig.limit must be positive or None, got {self.limit}")
-        if self.invalidation not in INVALIDATIONS:
-            raise ValueError(f"EvalConfig.invalidation must be one of {INVALIDATIONS}, got {self.invalidation!r}")
         try:
             _ = self.sampling  # Sampling checks its settings
         except ValueError as err:
@@ -268,11 +254,10 @@ def _decode(
                 attention_mask,
                 method=method,
                 max_new_tokens=config.max_new_tokens,
-                launch_loop=config.launch_loop,
-                invalidation=config.invalidation,
-                trace=method == "speed",
+                speculation=config.speculation,
                 sampling=config.sampling,
-                **(_speed_settings(config) if method == "speed" else {}),
+                trace=method == "speed",
+                row_budget=config.row_budget if method == "speed" else None,
             )
             runs[method].seconds += time.perf_counter() - begin
         if config.oracle:
@@ -282,11 +267,10 @@ def _decode(
                 attention_mask,
                 method="speed",
                 max_new_tokens=config.max_new_tokens,
-                launch_loop=config.launch_loop,
-                invalidation=config.invalidation,
-                trace=False,
-                oracle=results["speed"].tokens,
+                speculation=Speculation(config.launch_loop, config.invalidation),
                 sampling=config.sampling,
+                oracle=results["speed"].tokens,
+                trace=False,
             )
         for method, result in results.items():
             run = runs.setdefault(method, _Decoded([], DecodeStats(), 0.0, None))
@@ -305,12 +289,6 @@ def _decode(
             bar.update(len(results["speed"].tokens), f"tokens/s {rates}")  # the oracle run is untimed
     runs["speed"].trace = pa.concat_tables(traces) if traces else None
     return runs["speed"], runs.get("sequential"), runs.get("oracle"), mismatches
-
-
-def _speed_settings(config: EvalConfig) -> dict[str, Any]:
-    """SPEED's runner-up branch and confidence-gate settings, as ``generate`` takes them."""
-    names = ("branches", "branch_depth", "branch_below", "min_confidence", "row_budget")
-    return {name: getattr(config, name) for name in names}
 
 
 def _mismatches(

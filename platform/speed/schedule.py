@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from speed.cache import KVCache, Rows
-from speed.engine import Admitted, Engine, EngineConfig, Invalidation, Request
+from speed.engine import INVALIDATIONS, Admitted, Engine, EngineConfig, Request, Speculation
 
 Table = Callable[[int, int, int], int]  # (slot, position, 1-based loop) -> predicted token
 
@@ -97,13 +97,13 @@ def schedule(
     table: Table,
     n_loops: int,
     max_new_tokens: int,
-    launch_loop: int = 1,
-    invalidation: Invalidation = "eager",
+    speculation: Speculation = Speculation(),  # noqa: B008 (frozen)
 ) -> list[ScheduleStep]:
-    """Decode one request with SPEED on ``TableModel(n_loops, table)`` and describe every step."""
+    """Decode one request with SPEED (as ``speculation`` says) on ``TableModel(n_loops, table)`` and describe
+    every step."""
     model = TableModel(n_loops, table)
     engine = Engine(model, EngineConfig(max_active=1, max_prompt_len=1, max_target_len=max_new_tokens))
-    engine.add(Request([2], max_new_tokens, "speed", launch_loop, invalidation))
+    engine.add(Request([2], max_new_tokens, "speed", speculation))
     committed = []
     while engine.has_work:
         committed.append([c.token for c in engine.step().committed])
@@ -163,18 +163,18 @@ def example(s: int, p: int, loop: int) -> int:
     return 99 if (p == 2 and loop < EXAMPLE_LOOPS) else 10 + p
 
 
-def example_table(invalidation: Invalidation = "eager", launch_loop: int = 1) -> str:
-    """The worked example's schedule as a markdown table."""
-    steps = schedule(example, EXAMPLE_LOOPS, EXAMPLE_TOKENS, launch_loop, invalidation)
+def example_table(speculation: Speculation = Speculation()) -> str:  # noqa: B008 (frozen)
+    """The worked example's schedule under ``speculation`` as a markdown table."""
+    steps = schedule(example, EXAMPLE_LOOPS, EXAMPLE_TOKENS, speculation)
     return schedule_table(steps, EXAMPLE_WORDS)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print the worked SPEED schedule of docs/decoding.md.")
-    parser.add_argument("--invalidation", choices=["eager", "final"], default="eager")
+    parser.add_argument("--invalidation", choices=INVALIDATIONS, default="eager")
     parser.add_argument("--launch-loop", type=int, choices=range(1, EXAMPLE_LOOPS + 1), default=1)
     args = parser.parse_args(argv)
-    print(example_table(args.invalidation, args.launch_loop), end="")
+    print(example_table(Speculation(args.launch_loop, args.invalidation)), end="")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, get_type_hints
 
 import pyarrow as pa
 import torch
 
-from speed.config import ModelConfig, to_dict
+from speed.config import ModelConfig, coerce, to_dict
 from speed.decoding import GenerateResult, generate
+from speed.engine import LEVERS, Method, Speculation
 from speed.model import SpeedT5
 from speed.sampling import Sampling
 
@@ -317,7 +319,7 @@ def format_sampling_table(table: pa.Table) -> str:
 LEVER_BENCH_SCHEMA = pa.schema(
     [
         pa.field("variant", pa.string()),  # sequential | shallow | speed | a lever setting's name
-        pa.field("settings", pa.string()),  # JSON of the generate keywords (branches, branch_depth, row_budget, ...)
+        pa.field("settings", pa.string()),  # JSON of LeverSetting.given (branches, branch_depth, row_budget, ...)
         pa.field("sentences", pa.int64()),
         pa.field("tokens", pa.int64()),
         pa.field("passes_per_token", pa.float64()),  # group passes (weight reads) per token; SPEED at batch 1: steps
@@ -330,10 +332,25 @@ LEVER_BENCH_SCHEMA = pa.schema(
 )
 
 
-def parse_levers(text: str) -> dict[str, dict]:
-    """``"b6=branches:6,row_budget:8;lanes=branches:6,branch_depth:6"`` -> ``{"b6": {...}, "lanes": {...}}``."""
-    known = {"branches": int, "branch_depth": int, "branch_below": float, "min_confidence": float, "row_budget": int}
-    out: dict[str, dict] = {}
+@dataclass(frozen=True)
+class LeverSetting:
+    """One variant of the lever benchmark: SPEED's settings and the engine's row budget, as ``generate`` takes them."""
+
+    speculation: Speculation = Speculation()
+    row_budget: int | None = None  # rows per step; None: every in-flight row
+
+    def given(self) -> dict[str, Any]:
+        """What differs from plain SPEED, by name (the rows' ``settings``)."""
+        plain = Speculation()
+        out = {n: getattr(self.speculation, n) for n in LEVERS if getattr(self.speculation, n) != getattr(plain, n)}
+        return out if self.row_budget is None else out | {"row_budget": self.row_budget}
+
+
+def parse_levers(text: str) -> dict[str, LeverSetting]:
+    """``"b6=branches:6,row_budget:8;lanes=branches:6,branch_depth:6"`` -> ``{"b6": ..., "lanes": ...}``: each key
+    a ``Speculation`` field (``speed.engine.LEVERS``) or ``row_budget``, its value coerced by the field's type."""
+    known = {name: get_type_hints(Speculation)[name] for name in LEVERS} | {"row_budget": int}
+    out: dict[str, LeverSetting] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, sep, body = part.partition("=")
         if not sep or not name or name in ("sequential", "shallow", "speed") or name in out:
@@ -343,24 +360,29 @@ def parse_levers(text: str) -> dict[str, dict]:
             key, sep, value = item.partition(":")
             if key not in known or not sep:
                 raise ValueError(f"{part!r}: {item!r} is not one of {sorted(known)} as key:value")
-            setting[key] = known[key](value)
-        out[name] = setting
+            setting[key] = coerce(value, known[key], f"{name}.{key}")
+        budget = setting.pop("row_budget", None)
+        try:
+            out[name] = LeverSetting(Speculation(**setting), budget)
+        except ValueError as err:
+            raise ValueError(f"{part!r}: {err}") from None
     return out
 
 
 def run_lever_benchmark(
-    model: SpeedT5, inputs: list[list[int]], levers: dict[str, dict], max_new_tokens: int
+    model: SpeedT5, inputs: list[list[int]], levers: dict[str, LeverSetting], max_new_tokens: int
 ) -> pa.Table:
     """Batch 1, greedy: each input decoded sequentially, by the shallow Nx1 (the same weights, one loop), by plain
-    SPEED and by SPEED with each lever setting (``generate`` keywords); the variants alternate per sentence in a
-    rotating order, so that a loaded machine slows them alike. One row per variant (``LEVER_BENCH_SCHEMA``)."""
+    SPEED and by SPEED with each lever setting; the variants alternate per sentence in a rotating order, so that
+    a loaded machine slows them alike. One row per variant (``LEVER_BENCH_SCHEMA``)."""
     shallow = SpeedT5(model.config.replace(pattern=f"{model.sharing.n_unique}x1")).eval()
     shallow.load_state_dict(model.state_dict())  # the same parameters: a shared decoder's first loop alone
-    variants: dict[str, tuple[SpeedT5, dict]] = {
-        "sequential": (model, {"method": "sequential"}),
-        "shallow": (shallow, {"method": "sequential"}),
-        "speed": (model, {"method": "speed"}),
-    } | {name: (model, {"method": "speed", **kw}) for name, kw in levers.items()}
+    plain = LeverSetting()
+    variants: dict[str, tuple[SpeedT5, Method, LeverSetting]] = {
+        "sequential": (model, "sequential", plain),
+        "shallow": (shallow, "sequential", plain),
+        "speed": (model, "speed", plain),
+    } | {name: (model, "speed", setting) for name, setting in levers.items()}
     names = list(variants)
     seconds, tokens, passes, rows = ({n: 0.0 for n in names} for _ in range(4))
     identical = {n: True for n in names}
@@ -369,9 +391,17 @@ def run_lever_benchmark(
         out = {}
         for k in range(len(names)):
             name = names[(i + k) % len(names)]
-            m, kw = variants[name]
+            m, method, setting = variants[name]
             t0 = time.perf_counter()
-            result = generate(m, x, max_new_tokens=max_new_tokens, trace=False, **kw)
+            result = generate(
+                m,
+                x,
+                method=method,
+                max_new_tokens=max_new_tokens,
+                speculation=setting.speculation,
+                trace=False,
+                row_budget=setting.row_budget,
+            )
             seconds[name] += time.perf_counter() - t0
             out[name] = result.tokens
             tokens[name] += result.stats.tokens
@@ -387,7 +417,7 @@ def run_lever_benchmark(
         [
             {
                 "variant": n,
-                "settings": json.dumps({k: v for k, v in variants[n][1].items() if k != "method"}, sort_keys=True),
+                "settings": json.dumps(variants[n][2].given(), sort_keys=True),
                 "sentences": len(inputs),
                 "tokens": int(tokens[n]),
                 "passes_per_token": passes[n] / tokens[n],

@@ -34,9 +34,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from speed.engine import LEVERS, Speculation
 from speed.serve.loadgen import LoadConfig, run_load, summarize, task_prompts
 from speed.serve.stats import BENCH_SERVE_SCHEMA, read_requests
 
+_ROW_LEVERS = tuple(name for name in LEVERS if name in BENCH_SERVE_SCHEMA.names)  # a row's (null: sequential)
 VARIANTS = {
     "a": "one request at a time, sequential",
     "b": "continuous batching, sequential",
@@ -59,10 +61,10 @@ class ServeBenchConfig:
     max_tokens: int = 48
     max_active: int = 16
     row_budget: int | None = None  # variant c's rows per step
-    launch_loop: int = 1
-    branches: int = 0  # variant d's runner-up branches (d runs when this or min_confidence is set)
-    branch_depth: int = 1  # variant d's branch lanes
-    min_confidence: float = 0.0  # variant d's confidence gate
+    launch_loop: int = Speculation.launch_loop  # variants c and d (speed.engine.Speculation, its defaults)
+    branches: int = Speculation.branches  # variant d's runner-up branches (d runs when this or min_confidence is set)
+    branch_depth: int = Speculation.branch_depth  # variant d's branch lanes
+    min_confidence: float = Speculation.min_confidence  # variant d's confidence gate
     temperature: float = 0.0  # > 0: every request samples at this temperature with ``seed``
     seed: int = 0
     threads: int = 1  # torch threads of each replica (one: spinning OpenMP threads stall on a busy machine)
@@ -72,11 +74,16 @@ class ServeBenchConfig:
     def requests_at(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_client * concurrency)
 
-    def levers(self) -> dict[str, Any] | None:
-        """Variant d's request fields; None when no lever is set (no variant d)."""
-        if self.branches == 0 and self.min_confidence == 0.0:
+    def plain(self) -> Speculation:
+        """Variant c's SPEED settings: the launch loop alone."""
+        return Speculation(launch_loop=self.launch_loop)
+
+    def levers(self) -> Speculation | None:
+        """Variant d's SPEED settings: c's with the levers; None when no lever is set (no variant d)."""
+        if (self.branches, self.min_confidence) == (Speculation.branches, Speculation.min_confidence):
             return None
-        return {"branches": self.branches, "branch_depth": self.branch_depth, "min_confidence": self.min_confidence}
+        levers = {"branches": self.branches, "branch_depth": self.branch_depth, "min_confidence": self.min_confidence}
+        return Speculation(self.launch_loop, **levers)
 
 
 @dataclass
@@ -126,20 +133,18 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
             **deploy,
         ),
     }  # fmt: skip
-    lever_fields = {"branches": None, "branch_depth": None, "min_confidence": None}  # not SPEED's levers: null
-    plain = {"branches": 0, "branch_depth": 1, "min_confidence": 0.0}
-    variants = {
-        "a": (urls["one"], "sequential", 1, None, lever_fields),
-        "b": (urls["batch"], "sequential", config.max_active, config.row_budget, lever_fields),
-        "c": (urls["batch"], "speed", config.max_active, config.row_budget, plain),
+    variants: dict[str, tuple[str, str, int, int | None, Speculation | None]] = {  # None: sequential
+        "a": (urls["one"], "sequential", 1, None, None),
+        "b": (urls["batch"], "sequential", config.max_active, config.row_budget, None),
+        "c": (urls["batch"], "speed", config.max_active, config.row_budget, config.plain()),
     }
     if config.levers() is not None:
         variants["d"] = (urls["batch"], "speed", config.max_active, config.row_budget, config.levers())
     prompts = task_prompts(config.task, config.split)
-    sampling = {"temperature": config.temperature, "seed": config.seed, "launch_loop": config.launch_loop}
-    bodies = {
-        name: {"method": method, **sampling, **{k: v for k, v in levers.items() if v is not None}}
-        for name, (_, method, _, _, levers) in variants.items()
+    sampling = {"temperature": config.temperature, "seed": config.seed}
+    bodies = {  # SPEED's settings as request fields (speed.serve.protocol), every one of them
+        name: {"method": method, **sampling, **({} if spec is None else {n: getattr(spec, n) for n in LEVERS})}
+        for name, (_, method, _, _, spec) in variants.items()
     }
     try:
         for name, (url, *_) in variants.items():
@@ -153,7 +158,7 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
                 n = config.requests_at(c)
                 batch = prompts[offset : offset + n]
                 offset = (offset + n) % max(1, len(prompts) - n)
-                for name, (url, method, max_active, budget, levers) in variants.items():
+                for name, (url, method, max_active, budget, spec) in variants.items():
                     label = _label({"variant": name, "concurrency": c, "round": rnd})
                     load = LoadConfig(url=url, concurrency=c, requests=n, max_tokens=config.max_tokens,
                                       body=bodies[name], label=label)  # fmt: skip
@@ -166,7 +171,7 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
                             "method": method,
                             "max_active": max_active,
                             "row_budget": budget,
-                            **levers,
+                            **{n: None if spec is None else getattr(spec, n) for n in _ROW_LEVERS},
                             "concurrency": c,
                             "round": rnd,
                             "requests": s["requests"],

@@ -14,7 +14,8 @@ whose exits the prefill already computed, so its token is committed at once
 and its successor launches in the same step. Each request is admitted alone,
 so nothing it decodes depends on the requests admitted with it.
 
-SPEED (speculative pipelined execution): a token is launched from its
+SPEED (speculative pipelined execution; its settings are one ``Speculation``,
+each request's ``Request.speculation``): a token is launched from its
 predecessor's early-exit prediction after ``launch_loop`` loops, so one step
 advances up to M in-flight tokens of a request by one loop each, reading the
 shared weights once. When a later loop's prediction differs from the token a
@@ -27,15 +28,15 @@ request's seed and the output position, never on the step or the batch.
 Sequential decoding is the same pipeline that never launches a successor
 before its predecessor's last loop.
 
-Runner-up branches (tree speculation, ``Request.branches``): an in-flight
+Runner-up branches (tree speculation, ``Speculation.branches``): an in-flight
 token whose exit is unsure may also carry a second successor launched from its
 runner-up prediction. It runs beside the chain (its key/value in a side entry of
 the cache, see ``speed.cache``) and may grow a lane of its own successors, up
-to ``Request.branch_depth`` tokens (1: it launches nothing); when a later loop
+to ``Speculation.branch_depth`` tokens (1: it launches nothing); when a later loop
 switches to the runner-up, the lane becomes the chain and the old chain is
 flushed, instead of a restart from the first loop. When the runner-up changes,
 the branch restarts from the new one. Only last-loop predictions are committed,
-so branches change the schedule, never the output. ``Request.min_confidence``
+so branches change the schedule, never the output. ``Speculation.min_confidence``
 gates launching: a successor waits until its predecessor's exit is at least that
 confident.
 
@@ -54,7 +55,8 @@ Threads: ``add`` may be called from any thread at any time (it only queues);
 a cancel waits for a running step to end.
 
 Modules: ``types`` (the ``Stepper`` protocol, ``Admitted``, ``EngineConfig``,
-``Request`` and what comes back), ``adapters`` (a ``Stepper`` per model
+``Speculation`` and its flat ``SpeculationFields``, ``Request`` and what comes
+back), ``adapters`` (a ``Stepper`` per model
 family), ``policies`` (pure functions: launch, branch, flush,
 row budget), ``state`` (a request's ``Sequence`` and its ``InFlight``
 tokens), ``engine`` (``Engine``: admission, stepping, scheduling, locking).
@@ -85,7 +87,7 @@ Names, one per concept (M loops of N shared layers):
   each launched from its predecessor's exit; the oldest is on the committed
   path. branch: a second successor launched from a runner-up prediction;
   lane: the branch and its own successors, whose keys live in the slot's
-  side entries (``Request.branch_depth`` is a lane's length in tokens).
+  side entries (``Speculation.branch_depth`` is a lane's length in tokens).
 - row: one in-flight token through one loop in one step (``Rows``, R of
   them; ``row_budget``, ``DecodeStats.rows``). step: one engine iteration,
   one group pass over the step's rows.
@@ -97,6 +99,7 @@ from speed.engine.engine import Engine
 from speed.engine.policies import budget_rows, should_branch, should_flush, should_launch
 from speed.engine.types import (
     INVALIDATIONS,
+    LEVERS,
     METHODS,
     NO_EXIT,
     Admitted,
@@ -108,12 +111,15 @@ from speed.engine.types import (
     Method,
     Request,
     RequestStats,
+    Speculation,
+    SpeculationFields,
     Stepper,
     StepResult,
 )
 
 __all__ = [
     "INVALIDATIONS",
+    "LEVERS",
     "METHODS",
     "NO_EXIT",
     "Admitted",
@@ -127,6 +133,8 @@ __all__ = [
     "Method",
     "Request",
     "RequestStats",
+    "Speculation",
+    "SpeculationFields",
     "StepResult",
     "Stepper",
     "T5Stepper",

@@ -16,7 +16,6 @@ from speed.engine.adapters import stepper_for
 from speed.engine.policies import budget_rows, should_branch, should_flush, should_launch
 from speed.engine.state import InFlight, Sequence
 from speed.engine.types import (
-    INVALIDATIONS,
     METHODS,
     NO_EXIT,
     Commit,
@@ -25,6 +24,7 @@ from speed.engine.types import (
     Finished,
     Request,
     RequestStats,
+    Speculation,
     Stepper,
     StepResult,
 )
@@ -77,7 +77,7 @@ class Engine:
         M = self.model.n_loops
         seq_fields = {
             "request": request,
-            "launch_loop": M if request.method == "sequential" else request.launch_loop,
+            "launch_loop": M if request.method == "sequential" else request.speculation.launch_loop,
             "all_exits": request.method == "speed" or self.config.trace,
             "added": time.perf_counter(),
             "flips": [0] * M,
@@ -200,10 +200,10 @@ class Engine:
         c, M = self.config, self.model.n_loops
         if request.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {request.method!r}")
-        if request.invalidation not in INVALIDATIONS:
-            raise ValueError(f"invalidation must be one of {INVALIDATIONS}, got {request.invalidation!r}")
-        if type(request.launch_loop) is not int or not 1 <= request.launch_loop <= M:
-            raise ValueError(f"launch_loop must be in 1..{M} (the model's loops), got {request.launch_loop!r}")
+        spec = request.speculation
+        if not isinstance(spec, Speculation):
+            raise ValueError(f"speculation must be a speed.engine.Speculation, got {type(spec).__name__}")
+        spec.check_loops(M)
         n = request.max_new_tokens
         if type(n) is not int or n < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {n!r}")
@@ -230,14 +230,6 @@ class Engine:
         k = request.logprobs
         if k is not None and (type(k) is not int or not 0 <= k <= min(MAX_LOGPROBS, V)):
             raise ValueError(f"logprobs must be None or an integer in 0..{min(MAX_LOGPROBS, V)}, got {k!r}")
-        if type(request.branches) is not int or not 0 <= request.branches <= M:
-            raise ValueError(f"branches must be in 0..{M} (the model's loops), got {request.branches!r}")
-        if type(request.branch_depth) is not int or not 1 <= request.branch_depth <= M:
-            raise ValueError(f"branch_depth must be in 1..{M} (the model's loops), got {request.branch_depth!r}")
-        if not 0.0 < request.branch_below <= 1.0:
-            raise ValueError(f"branch_below must be in (0, 1], got {request.branch_below!r}")
-        if not 0.0 <= request.min_confidence <= 1.0:
-            raise ValueError(f"min_confidence must be in [0, 1], got {request.min_confidence!r}")
 
     def _admit(self) -> list[Sequence]:
         """Move waiting requests into free slots, admitting each alone into its slot (T5: encoding its prompt;
@@ -290,7 +282,7 @@ class Engine:
     def _schedule(self, seq: Sequence) -> None:
         """After a step: commit a finished token, flush or promote past mispredictions, launch new tokens."""
         M, eos = self.model.n_loops, self.model.eos_id
-        request = seq.request
+        request, spec = seq.request, seq.request.speculation
         i = 0
         while i < len(seq.chain):
             t = seq.chain[i]
@@ -311,13 +303,13 @@ class Engine:
                 if not seq.chain:
                     seq.chain.append(InFlight(t.pos + 1, token))
                 continue  # the successor is now the oldest, at index 0
-            guess = seq.speculation(t)
-            if should_flush(request.invalidation, loops_done, M):
+            guess = seq.guess(t)
+            if should_flush(spec.invalidation, loops_done, M):
                 self._follow(seq, t, i + 1, guess)
             succ = seq.chain[i + 1] if i + 1 < len(seq.chain) else None
             if (
                 succ is None
-                and should_launch(loops_done, seq.launch_loop, t.p_top[-1], request.min_confidence)
+                and should_launch(loops_done, seq.launch_loop, t.p_top[-1], spec.min_confidence)
                 and guess != eos
                 and t.pos + 1 < request.max_new_tokens
             ):
@@ -349,7 +341,8 @@ class Engine:
     def _keep_lane(self, seq: Sequence, parent: InFlight, succ: InFlight | None, guess: int) -> None:
         """Keep ``parent``'s branch on its runner-up (restart it when the runner-up changes; launch one if allowed),
         then grow or trim its lane as the chain grows: from each lane token's own latest prediction."""
-        request, runner, eos = seq.request, parent.runners[-1], self.model.eos_id
+        request, spec = seq.request, seq.request.speculation
+        runner, eos = parent.runners[-1], self.model.eos_id
         lane = parent.lane
         if lane and (lane[0].token not in (runner, guess) or succ is None or lane[0].token == succ.token):
             self._drop_lane(seq, lane, 0)
@@ -358,8 +351,8 @@ class Engine:
             and succ is not None
             and runner not in (succ.token, eos, NO_EXIT)
             and request.oracle is None
-            and sum(bool(c.lane) for c in seq.chain) < request.branches
-            and should_branch(parent.p_top[-1], request.branch_below)
+            and sum(bool(c.lane) for c in seq.chain) < spec.branches
+            and should_branch(parent.p_top[-1], spec.branch_below)
         ):
             lane.append(self._draft(seq, parent.pos + 1, runner, side=heapq.heappop(seq.side_free)))
         M = self.model.n_loops
@@ -369,13 +362,13 @@ class Engine:
                 return
             nxt = lane[j + 1] if j + 1 < len(lane) else None
             pred = t.preds[-1]
-            if nxt is not None and nxt.token != pred and should_flush(request.invalidation, loops_done, M):
+            if nxt is not None and nxt.token != pred and should_flush(spec.invalidation, loops_done, M):
                 self._drop_lane(seq, lane, j + 1)
                 nxt = None
             if (
                 nxt is None
-                and len(lane) < request.branch_depth
-                and should_launch(loops_done, seq.launch_loop, t.p_top[-1], request.min_confidence)
+                and len(lane) < spec.branch_depth
+                and should_launch(loops_done, seq.launch_loop, t.p_top[-1], spec.min_confidence)
                 and pred != eos
                 and t.pos + 1 < request.max_new_tokens
             ):

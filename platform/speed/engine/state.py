@@ -59,9 +59,9 @@ class Sequence:
     trace: TraceBuilder | None = None
     logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
 
-    def speculation(self, t: InFlight) -> int:
-        """The prediction to speculate from: the oracle's token if forced, else the latest exit's draw
-        (coupled) or its argmax."""
+    def guess(self, t: InFlight) -> int:
+        """The prediction to speculate from (its successor's token): the oracle's token if forced, else the latest
+        exit's draw (coupled) or its argmax."""
         oracle = self.request.oracle
         if oracle is not None and t.pos < len(oracle):
             return oracle[t.pos]

@@ -1,8 +1,9 @@
-"""What crosses the engine's boundary: the ``Stepper`` it drives, its config, a request and what comes back."""
+"""What crosses the engine's boundary: the ``Stepper`` it drives, its config, a request (with SPEED's settings) and
+what comes back."""
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal, NamedTuple, Protocol, get_args
 
 import pyarrow as pa
@@ -73,21 +74,87 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """SPEED's settings: when a token launches its successor, when a misprediction flushes, runner-up branches.
+
+    The one definition every layer uses (``generate``, ``EvalConfig``, Serve's settings and request fields, the
+    sweep, the benchmarks); flags, YAML and HTTP fields of the same names map onto it. Only what needs no model is
+    checked here; the bounds that are the model's loops (M) are checked by the engine's ``add``. Sequential
+    decoding ignores it (nothing launches before a token's last loop).
+    """
+
+    launch_loop: int = 1  # loops a token runs before its successor launches from its prediction (1..M)
+    invalidation: Invalidation = "eager"  # a disagreeing prediction flushes at once, or only at the last loop
+    branches: int = 0  # runner-up branches in flight at once (0..M; 0: none): see the module doc
+    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
+    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
+    min_confidence: float = 0.0  # a successor launches only from an exit whose top-1 probability is at least this
+
+    def __post_init__(self) -> None:
+        for name, low in _COUNTS:
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.invalidation not in INVALIDATIONS:
+            raise ValueError(f"invalidation must be one of {INVALIDATIONS}, got {self.invalidation!r}")
+        if not _number(self.branch_below) or not 0.0 < self.branch_below <= 1.0:
+            raise ValueError(f"branch_below must be a number in (0, 1], got {self.branch_below!r}")
+        if not _number(self.min_confidence) or not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be a number in [0, 1], got {self.min_confidence!r}")
+
+    def check_loops(self, n_loops: int) -> None:
+        """``ValueError`` unless a model of ``n_loops`` loops (M) can honour these settings."""
+        for name, low in _COUNTS:
+            if getattr(self, name) > n_loops:
+                raise ValueError(f"{name} must be in {low}..{n_loops} (the model's loops), got {getattr(self, name)!r}")
+
+
+_COUNTS = (("launch_loop", 1), ("branches", 0), ("branch_depth", 1))  # Speculation's counts: least value; most: M
+
+# SPEED's settings by name, in order: what configs, flags, request bodies and result rows spell out field by field
+LEVERS: tuple[str, ...] = tuple(f.name for f in fields(Speculation))
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculationFields:
+    """``Speculation``'s fields one by one, with its defaults, for a config whose flags or keys name them
+    (``EvalConfig``, ``ServeSettings``): ``speculation`` is the ``Speculation`` they make, checked when the config
+    is made. Keyword-only, so they follow the config's own fields."""
+
+    launch_loop: int = Speculation.launch_loop
+    invalidation: Invalidation = Speculation.invalidation
+    branches: int = Speculation.branches
+    branch_depth: int = Speculation.branch_depth
+    branch_below: float = Speculation.branch_below
+    min_confidence: float = Speculation.min_confidence
+
+    def __post_init__(self) -> None:
+        try:
+            _ = self.speculation
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+
+    @property
+    def speculation(self) -> Speculation:
+        """SPEED's settings these fields make."""
+        return Speculation(**{name: getattr(self, name) for name in LEVERS})
+
+
+@dataclass(frozen=True)
 class Request:
     """One decoding request."""
 
     input_ids: list[int]  # the prompt: T5's encoder ids (EOS-terminated as the tokenizer makes them), an LM's context
     max_new_tokens: int
     method: Method = "speed"
-    launch_loop: int = 1  # loops a token runs before its successor launches from its prediction (1..M)
-    invalidation: Invalidation = "eager"
+    speculation: Speculation = Speculation()  # SPEED's settings (sequential decoding ignores them)
     oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
     sampling: Sampling = Sampling()  # greedy by default
     logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and its k best alternatives
-    branches: int = 0  # runner-up branches in flight at once (0..M; 0: none): see the module doc
-    branch_depth: int = 1  # tokens a branch's lane may hold (1..M; 1: the branch launches no successor)
-    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
-    min_confidence: float = 0.0  # a successor launches only from an exit whose top-1 probability is at least this
 
 
 @dataclass

@@ -44,7 +44,7 @@ from ray import serve
 from starlette.requests import Request as StarletteRequest
 
 from speed.config import from_dict
-from speed.engine import Finished
+from speed.engine import LEVERS, Finished
 from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import choice_events, choice_of
 from speed.serve.limits import BadRequest
@@ -80,8 +80,7 @@ async def _bad(_request: Any, error: BadRequest) -> JSONResponse:
 
 
 # what an engine error can be about
-_PARAMS = ("max_tokens", "launch_loop", "method", "invalidation", "branches", "branch_depth", "branch_below")
-_PARAMS += ("min_confidence", "prompt")
+_PARAMS = ("max_tokens", "method", *LEVERS, "prompt")
 
 
 # one server-sent event: ``data:`` a JSON chunk (``speed.serve.responses.Surface.chunk``) or ``[DONE]``

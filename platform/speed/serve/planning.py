@@ -5,22 +5,21 @@ depends on the model and capacity (prompt length, vocabulary, ``max_tokens``,
 ``launch_loop``, ``branches``, ``branch_depth``) and the sampling settings are checked once, by the engine's
 ``add`` and ``speed.sampling.Sampling``: their ``ValueError`` is the 400's
 message. Only what neither can know is checked here: the model's name and the
-task.
+task. SPEED's fields of the body (``speed.engine.LEVERS``) become one
+``speed.engine.Speculation``, the deployment's where the body leaves one out.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from speed.data import get_task
-from speed.engine import Request
+from speed.engine import LEVERS, Request
 from speed.sampling import Sampling, choice_seed
 from speed.serve.limits import BadRequest
 from speed.serve.protocol import ChatRequest, CompletionRequest
-
-LEVERS = ("branches", "branch_depth", "branch_below", "min_confidence")  # request fields beside launch_loop
 
 
 @dataclass(frozen=True)
@@ -43,8 +42,6 @@ class Plan:
         s = r.sampling
         return {
             "method": r.method,
-            "launch_loop": r.launch_loop,
-            "invalidation": r.invalidation,
             **levers(r),
             "seed": self.seed,
             "temperature": s.temperature,
@@ -54,14 +51,10 @@ class Plan:
 
 
 def levers(request: Request) -> dict[str, Any]:
-    """SPEED's branch and confidence settings of a request; null for a sequential one (they do not apply)."""
-    speed = request.method == "speed"
-    return {name: getattr(request, name) if speed else None for name in LEVERS}
-
-
-def _default(body: CompletionRequest | ChatRequest, settings: Any, name: str) -> Any:
-    value = getattr(body, name)
-    return getattr(settings, name) if value is None else value
+    """SPEED's settings of a request by name (``speed.engine.LEVERS``), as answers and statistics rows give them:
+    for a sequential request its launch loop and invalidation only, the rest null (they do not apply)."""
+    s, speed = request.speculation, request.method == "speed"
+    return {name: getattr(s, name) if speed or name in ("launch_loop", "invalidation") else None for name in LEVERS}
 
 
 def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer: Any, model_name: str) -> Plan:
@@ -89,6 +82,9 @@ def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer
     max_tokens = (body.requested_tokens if chat else body.max_tokens) or s.max_tokens
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0  # vLLM: -1 (or 0) is off
     logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
+    given = {name: getattr(body, name) for name in LEVERS if getattr(body, name) is not None}
+    speculation = replace(s.speculation, **given)  # the protocol checked the body's values as Speculation does
+    method = body.method or s.method
     requests, prompt_of, seeds = [], [], []
     for p, ids in enumerate(inputs):
         for k in range(body.n):
@@ -104,17 +100,7 @@ def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer
                 )
             except ValueError as err:
                 raise BadRequest(str(err)) from None
-            request = Request(
-                ids,
-                max_tokens,
-                body.method or s.method,
-                _default(body, s, "launch_loop"),
-                body.invalidation or s.invalidation,
-                sampling=sampling,
-                logprobs=logprobs,
-                **{name: _default(body, s, name) for name in LEVERS},
-            )
-            requests.append(request)
+            requests.append(Request(ids, max_tokens, method, speculation, sampling=sampling, logprobs=logprobs))
             prompt_of.append(p)
             seeds.append(sampling.seed)
     return Plan(requests, prompt_of, seeds, echoes, task, seed, body.stops(), logprobs, body.include_usage)

@@ -146,9 +146,9 @@ class _Decoding(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None  # accepted for OpenAI clients, not used
     method: Literal["speed", "sequential"] | None = None  # this order: the 400 names speed first
+    # SPEED's settings (speed.engine.Speculation, its bounds; the upper ones are the model's loops): None, the server's
     launch_loop: int | None = Field(default=None, ge=1)
     invalidation: Invalidation | None = None
-    # SPEED's runner-up branches and confidence gate (speed.engine.Request); the upper bounds are the model's loops
     branches: int | None = Field(default=None, ge=0)
     branch_depth: int | None = Field(default=None, ge=1)
     branch_below: float | None = Field(default=None, gt=0, le=1)

@@ -88,8 +88,6 @@ def request_row(
         "model": model,
         "task": meta.task,
         "method": request.method,
-        "launch_loop": request.launch_loop,
-        "invalidation": request.invalidation,
         **levers(request),
         "route": meta.route,
         "prompt": meta.prompt,

@@ -6,27 +6,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speed.data import get_task
-from speed.engine import INVALIDATIONS, METHODS, EngineConfig, Invalidation, Method
+from speed.engine import METHODS, EngineConfig, Method, SpeculationFields
 from speed.paths import repo_root
 
 DEFAULT_STATS_PATH = str(repo_root() / "runs" / "serve")
 
 
 @dataclass(frozen=True)
-class ServeSettings:
-    """A replica's live settings: Serve's ``user_config``, applied by ``reconfigure``; unknown keys are errors."""
+class ServeSettings(SpeculationFields):
+    """A replica's live settings: Serve's ``user_config``, applied by ``reconfigure``; unknown keys are errors.
+
+    Its ``SpeculationFields`` (``launch_loop`` .. ``min_confidence``; ``speculation`` makes them one) are SPEED's
+    settings of the requests that leave them out."""
 
     max_active: int = 16  # engine capacity: requests decoded at once
     max_source_len: int = 128  # longest prompt in tokens (task prefix and EOS included)
     max_target_len: int = 128  # largest max_tokens
     row_budget: int | None = None  # rows per engine step; None: every in-flight row
-    method: Method = "speed"  # defaults for requests that leave them out
-    launch_loop: int = 1
-    invalidation: Invalidation = "eager"
-    branches: int = 0  # SPEED's runner-up branches in flight (0..M, checked against the model; 0: none)
-    branch_depth: int = 1  # tokens a branch's lane may hold (1..M)
-    branch_below: float = 1.0  # a token carries a branch only while its exit's top-1 probability is below this
-    min_confidence: float = 0.0  # a successor launches only from an exit this confident (top-1 probability)
+    method: Method = "speed"  # defaults for requests that leave them out (SPEED's settings: SpeculationFields)
     task: str | None = None  # task prefix put before text prompts that name no task
     max_tokens: int = 64
     trace: bool = True  # per-request flip traces to Parquet
@@ -37,27 +34,18 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20  # request body size (a larger body is a 413, refused before it is read)
 
     def __post_init__(self) -> None:
-        positive = ("max_active", "max_source_len", "max_target_len", "launch_loop", "max_tokens", "flush_rows")
+        super().__post_init__()  # SPEED's settings
+        positive = ("max_active", "max_source_len", "max_target_len", "max_tokens", "flush_rows")
         for name in (*positive, "max_prompts", "max_body_bytes"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"ServeSettings.{name} must be an integer >= 1, got {value!r}")
-        if type(self.branches) is not int or self.branches < 0:
-            raise ValueError(f"ServeSettings.branches must be an integer >= 0, got {self.branches!r}")
-        if type(self.branch_depth) is not int or self.branch_depth < 1:
-            raise ValueError(f"ServeSettings.branch_depth must be an integer >= 1, got {self.branch_depth!r}")
-        if not _number(self.branch_below) or not 0.0 < self.branch_below <= 1.0:
-            raise ValueError(f"ServeSettings.branch_below must be a number in (0, 1], got {self.branch_below!r}")
-        if not _number(self.min_confidence) or not 0.0 <= self.min_confidence <= 1.0:
-            raise ValueError(f"ServeSettings.min_confidence must be a number in [0, 1], got {self.min_confidence!r}")
         for name in ("row_budget", "threads"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"ServeSettings.{name} must be an integer >= 1 or null, got {value!r}")
         if self.method not in METHODS:
             raise ValueError(f"ServeSettings.method must be one of {METHODS}, got {self.method!r}")
-        if self.invalidation not in INVALIDATIONS:
-            raise ValueError(f"ServeSettings.invalidation must be one of {INVALIDATIONS}, got {self.invalidation!r}")
         if self.task is not None:
             get_task(self.task)
         if self.max_tokens > self.max_target_len:
@@ -79,9 +67,10 @@ class ServeSettings:
 
     def check_model(self, n_loops: int) -> None:
         """``ValueError`` when a request default needs more loops than the served model's ``n_loops``."""
-        for name in ("launch_loop", "branches", "branch_depth"):
-            if getattr(self, name) > n_loops:
-                raise ValueError(f"ServeSettings.{name} {getattr(self, name)} exceeds the model's {n_loops} loops")
+        try:
+            self.speculation.check_loops(n_loops)
+        except ValueError as err:
+            raise ValueError(f"ServeSettings: {err}") from None
 
 
 def _number(value: object) -> bool:

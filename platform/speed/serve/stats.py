@@ -81,7 +81,7 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
         pa.field("launch_loop", pa.int16(), nullable=False),
         pa.field("invalidation", pa.string(), nullable=False),  # "eager" or "final"
-        # SPEED's runner-up branches and confidence gate (speed.engine.Request); null for sequential decoding
+        # SPEED's runner-up branches and confidence gate (speed.engine.Speculation); null for sequential decoding
         pa.field("branches", pa.int16()),
         pa.field("branch_depth", pa.int16()),
         pa.field("branch_below", pa.float64()),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -21,9 +22,11 @@ from speed.benchmarks.decode import interleave
 from speed.checkpoint import load_model
 from speed.data import pad_inputs, read_records, truncate
 from speed.decoding import DecodeStats, generate
+from speed.engine import Speculation
 from speed.model import SpeedT5
 from speed.sweep.measure import PLAIN
 from speed.sweep.results import LATENCY_SCHEMA
+from speed.sweep.space import SWEPT_LEVERS
 from speed.tokenizer import Tokenizer
 
 
@@ -58,10 +61,8 @@ def time_frontier(
         name = f"{trial}/sequential"
         variants[name] = _decoder(models[trial], inputs, max_new_tokens, stats, name)
         if trial in frontier.column("trial").to_pylist() and row["n_loops"] > 1:
-            setting = {"launch_loop": row["best_launch_loop"], "invalidation": row["best_invalidation"]}
-            setting |= _levers(row)
             name = f"{trial}/speed"
-            variants[name] = _decoder(models[trial], inputs, max_new_tokens, stats, name, setting)
+            variants[name] = _decoder(models[trial], inputs, max_new_tokens, stats, name, _best(row))
     print(f"latency: {len(variants)} variants x {len(inputs)} inputs at batch 1, {reps} interleaved rounds", flush=True)
     times = interleave(variants, reps)
     median = {name: statistics.median(ts) for name, ts in times.items()}
@@ -72,15 +73,13 @@ def time_frontier(
         row = finished[trial]
         speed = variant == "speed"
         base = shallow.get(row["n_unique"])
-        levers = _levers(row) if speed else dict.fromkeys(PLAIN)
+        best = _best(row) if speed else None
         rows.append(
             {
                 "trial": trial,
                 "pattern": row["pattern"],
                 "variant": variant,
-                "launch_loop": row["best_launch_loop"] if speed else None,
-                "invalidation": row["best_invalidation"] if speed else None,
-                **levers,
+                **{name: None if best is None else getattr(best, name) for name in _COLUMNS},
                 "ms_per_token": median[name],
                 "ms_per_token_min": min(ts),
                 "speedup_vs_sequential": median[f"{trial}/sequential"] / median[name],
@@ -95,9 +94,13 @@ def time_frontier(
     return pa.Table.from_pylist(rows, schema=LATENCY_SCHEMA)
 
 
-def _levers(row: dict[str, Any]) -> dict[str, Any]:
-    """A results row's best lever setting (plain where the row predates the levers)."""
-    return {k: v if row.get(f"best_{k}") is None else row[f"best_{k}"] for k, v in PLAIN.items()}
+_COLUMNS = ("launch_loop", "invalidation", *SWEPT_LEVERS)  # a LATENCY_SCHEMA row's SPEED settings (null: sequential)
+
+
+def _best(row: dict[str, Any]) -> Speculation:
+    """A results row's best SPEED setting (its levers plain where the row predates them)."""
+    best = {name: row.get(f"best_{name}") for name in _COLUMNS}
+    return replace(PLAIN, **{name: value for name, value in best.items() if value is not None})
 
 
 def _decoder(
@@ -106,10 +109,11 @@ def _decoder(
     max_new_tokens: int,
     stats: dict[str, DecodeStats],
     name: str,
-    setting: dict[str, Any] | None = None,
+    speculation: Speculation | None = None,
 ) -> Callable[[], int]:
-    """A variant for ``interleave``: decode every input alone; records its counters; returns the tokens."""
-    method = "speed" if setting else "sequential"
+    """A variant for ``interleave``: decode every input alone (SPEED as ``speculation`` says, or without one
+    sequentially); records its counters; returns the tokens."""
+    method = "sequential" if speculation is None else "speed"
 
     def run() -> int:
         total = DecodeStats()
@@ -122,8 +126,8 @@ def _decoder(
                 mask.to(device),
                 method=method,
                 max_new_tokens=max_new_tokens,
+                speculation=speculation,
                 trace=False,
-                **(setting or {}),
             )
             total.tokens += result.stats.tokens
             total.steps += result.stats.steps

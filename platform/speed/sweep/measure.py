@@ -13,7 +13,7 @@ or of the batch a sequence shared.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,13 @@ import pyarrow.parquet as pq
 
 from speed.data import pad_inputs, truncate
 from speed.decoding import DecodeStats, generate
-from speed.engine import INVALIDATIONS
+from speed.engine import INVALIDATIONS, Speculation
 from speed.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
 from speed.model import SpeedT5
+from speed.sweep.space import SWEPT_LEVERS
 from speed.tokenizer import Tokenizer
 
-PLAIN = {"branches": 0, "branch_depth": 1, "min_confidence": 0.0}  # SPEED without branches or confidence gate
+PLAIN = Speculation()  # SPEED without branches or confidence gate
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Measurement:
         plain settings."""
 
         def key(c: dict[str, Any]) -> tuple:
-            levers = [c.get(k, v) for k, v in PLAIN.items()]
+            levers = [c.get(name, getattr(PLAIN, name)) for name in SWEPT_LEVERS]
             return (c["layer_steps_per_token"], c.get("rows_per_token", 0.0), c["launch_loop"], c["invalidation"],
                     *levers)  # fmt: skip
 
@@ -68,7 +69,7 @@ def measure(
     max_source_len: int,
     max_new_tokens: int,
     out_dir: str | Path,
-    levers: Sequence[dict[str, Any]] = (PLAIN,),
+    levers: Sequence[Speculation] = (PLAIN,),
 ) -> Measurement:
     """Evaluate ``model`` on the first ``limit`` validation examples; the evaluation files go to ``out_dir``.
 
@@ -101,32 +102,33 @@ def measure(
     )
 
 
-def lever_settings(
-    branches: Sequence[int], branch_depth: Sequence[int], min_confidence: Sequence[float], n_loops: int
-) -> list[dict[str, Any]]:
-    """Every combination of the levers, for a model of ``n_loops`` loops: branches and branch depth capped at
-    ``n_loops`` (without branches the depth is moot), in the order given, without repeats."""
+def lever_settings(levers: dict[str, Sequence], n_loops: int) -> list[Speculation]:
+    """Every combination of the lever values (``SweepConfig.levers``; a lever left out: plain), for a model of
+    ``n_loops`` loops: branches and branch depth capped at ``n_loops`` (without branches the depth is moot), in
+    the order given, without repeats."""
+    values = {name: levers.get(name, (getattr(PLAIN, name),)) for name in SWEPT_LEVERS}
     settings = []
-    for b in branches:
-        for d in branch_depth:
-            for c in min_confidence:
+    for b in values["branches"]:
+        for d in values["branch_depth"]:
+            for c in values["min_confidence"]:
                 b_, d_ = min(b, n_loops), min(d, n_loops)
-                setting = {"branches": b_, "branch_depth": d_ if b_ else 1, "min_confidence": float(c)}
+                setting = Speculation(branches=b_, branch_depth=d_ if b_ else 1, min_confidence=float(c))
                 if setting not in settings:
                     settings.append(setting)
     return settings
 
 
 def speed_costs(
-    model: SpeedT5, inputs: list[list[int]], max_new_tokens: int, levers: Sequence[dict[str, Any]] = (PLAIN,)
+    model: SpeedT5, inputs: list[list[int]], max_new_tokens: int, levers: Sequence[Speculation] = (PLAIN,)
 ) -> list[dict[str, Any]]:
     """SPEED's steps and rows per token for launch loops 1..M, both policies and every lever setting
-    (``branches``, ``branch_depth``, ``min_confidence``), decoding each input alone."""
+    (``SWEPT_LEVERS`` of each), decoding each input alone."""
     n_unique = model.config.sharing.n_unique
     costs = []
     for setting in levers:
         for launch_loop in range(1, model.n_loops + 1):
             for policy in INVALIDATIONS:
+                speculation = replace(setting, launch_loop=launch_loop, invalidation=policy)
                 total = DecodeStats()
                 for ids in inputs:
                     input_ids, mask = pad_inputs([ids])  # (1, S), (1, S)
@@ -136,10 +138,8 @@ def speed_costs(
                         mask,
                         method="speed",
                         max_new_tokens=max_new_tokens,
-                        launch_loop=launch_loop,
-                        invalidation=policy,
+                        speculation=speculation,
                         trace=False,
-                        **setting,
                     )
                     for name in ("tokens", "steps", "rows", "flushes", "wasted_rows"):
                         setattr(total, name, getattr(total, name) + getattr(result.stats, name))
@@ -147,7 +147,7 @@ def speed_costs(
                     {
                         "launch_loop": launch_loop,
                         "invalidation": policy,
-                        **setting,
+                        **{name: getattr(setting, name) for name in SWEPT_LEVERS},
                         "steps_per_token": total.steps / total.tokens,
                         "layer_steps_per_token": total.steps * n_unique / total.tokens,
                         "rows_per_token": total.rows / total.tokens,

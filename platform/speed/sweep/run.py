@@ -40,6 +40,7 @@ from speed.sweep.results import (
 )
 from speed.sweep.space import (
     METRIC,
+    SWEPT_LEVERS,
     SchedulerPlan,
     SweepConfig,
     check_job,
@@ -237,7 +238,7 @@ def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
             "speed_steps_per_token": best["steps_per_token"],
             "best_launch_loop": best["launch_loop"],
             "best_invalidation": best["invalidation"],
-            **{f"best_{k}": best.get(k, v) for k, v in PLAIN.items()},
+            **{f"best_{name}": best.get(name, getattr(PLAIN, name)) for name in SWEPT_LEVERS},
             "speed_rows_per_token": best.get("rows_per_token"),
             "examples": m.examples,
         }

@@ -4,9 +4,10 @@ A ``SweepConfig`` is frozen and validated; patterns may be named families
 (``expand_patterns``), the loss weights may be a continuous parameter of a
 ``speed.losses`` family (``power`` or ``ratio``) sampled over a range, and the
 settle terms are ``speed.losses.SettleConfig`` labels (``none``, ``to_last:1``,
-``consecutive:3:fc``, ...). SPEED's levers (runner-up ``branches``, their
-``branch_depth``, the ``min_confidence`` gate) are settings of every trial's
-cost measurement, each combination measured beside the launch loops and policies.
+``consecutive:3:fc``, ...). SPEED's levers (``SWEPT_LEVERS``: runner-up
+``branches``, their ``branch_depth``, the ``min_confidence`` gate; fields of
+``speed.engine.Speculation``) are settings of every trial's cost measurement,
+each combination measured beside the launch loops and policies.
 ``check_job`` checks it against the base job before any work: a derived setting
 the job cannot honour is adjusted with a note, an explicit one is refused.
 """
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from speed.config import SharingPattern
+from speed.engine import LEVERS, Speculation
 from speed.losses import PARAMETRIC, SettleConfig, check_scheme, parametric
 
 if TYPE_CHECKING:
@@ -29,7 +31,9 @@ SCHEDULERS = ("asha", "fifo")  # ASHA stops trials whose last-loop validation lo
 METRIC = "val_loss_last"  # what ASHA ranks: the last loop's loss is comparable across loss-weight schemes
 # ...or the teacher-forced flip cost (speed.train.validation): SPEED's steps per token lost to flips, no decoding
 METRICS = (METRIC, "val_flip_cost")
-LEVERS = ("branches", "branch_depth", "min_confidence")  # SPEED's settings the cost measurement sweeps
+# SPEED's settings (speed.engine.LEVERS) a sweep lists values of: every trial's costs are measured for each combination
+# beside every launch loop and both invalidation policies; branch_below stays at its default
+SWEPT_LEVERS = tuple(name for name in LEVERS if name not in ("launch_loop", "invalidation", "branch_below"))
 
 
 @dataclass(frozen=True)
@@ -54,22 +58,22 @@ class SweepConfig:
     max_new_tokens: int = 64
     latency_limit: int = 16  # validation examples the latency stage decodes (batch 1) per variant
     latency_reps: int = 3
-    branches: tuple[int, ...] = (0,)  # runner-up branches each trial's costs are measured with (above M: M)
-    branch_depth: tuple[int, ...] = (1,)  # their lanes' lengths (above M: M)
-    min_confidence: tuple[float, ...] = (0.0,)  # confidence gates of a launch
+    branches: tuple[int, ...] = (Speculation.branches,)  # runner-up branches the costs are measured with (above M: M)
+    branch_depth: tuple[int, ...] = (Speculation.branch_depth,)  # their lanes' lengths (above M: M)
+    min_confidence: tuple[float, ...] = (Speculation.min_confidence,)  # confidence gates of a launch
     fail_pattern: str | None = None  # fault drill: trials of this pattern fail in training (train.fail_at_step)
 
     def __post_init__(self) -> None:
-        for name in ("patterns", "loss_weights", "loss_range", "settle", *LEVERS):
+        for name in ("patterns", "loss_weights", "loss_range", "settle", *SWEPT_LEVERS):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name, low in (("branches", 0), ("branch_depth", 1)):
-            values = getattr(self, name)
-            if not values or any(type(v) is not int or v < low for v in values):
-                raise ValueError(f"SweepConfig.{name} must be integers >= {low}, got {list(values)}")
-        if not self.min_confidence or any(
-            not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 <= c <= 1 for c in self.min_confidence
-        ):
-            raise ValueError(f"SweepConfig.min_confidence must be numbers in [0, 1], got {list(self.min_confidence)}")
+        for name in SWEPT_LEVERS:
+            if not getattr(self, name):
+                raise ValueError(f"SweepConfig.{name} is empty: give at least one value")
+            for value in getattr(self, name):
+                try:
+                    Speculation(**{name: value})  # checks the value
+                except ValueError as err:
+                    raise ValueError(f"SweepConfig.{name}: {err}") from None
         if self.search not in SEARCHES:
             raise ValueError(f"unknown search {self.search!r}; choose one of {list(SEARCHES)}")
         if self.scheduler not in SCHEDULERS:
@@ -116,7 +120,7 @@ class SweepConfig:
     @property
     def levers(self) -> dict[str, tuple]:
         """The lever values every trial's costs are measured with (``speed.sweep.measure.lever_settings``)."""
-        return {name: getattr(self, name) for name in LEVERS}
+        return {name: getattr(self, name) for name in SWEPT_LEVERS}
 
     @property
     def trials(self) -> int:
@@ -294,7 +298,7 @@ def sweep_digest(config: SweepConfig, job: dict[str, Any]) -> str:
     d = asdict(config)
     for key in ("latency_limit", "latency_reps"):
         d.pop(key)
-    plain = (("branches", (0,)), ("branch_depth", (1,)), ("min_confidence", (0.0,)))
+    plain = ((name, (getattr(Speculation, name),)) for name in SWEPT_LEVERS)
     for key, default in (("settle", ("none",)), ("metric", METRIC), *plain):
         if d[key] == default:
             d.pop(key)  # sweeps named before these settings existed keep their names (and resume)

@@ -121,7 +121,7 @@ def _measure(
 
     from speed.checkpoint import load_model
     from speed.data.corpus import open_corpus
-    from speed.sweep.measure import PLAIN, lever_settings, measure
+    from speed.sweep.measure import lever_settings, measure
     from speed.tokenizer import Tokenizer
     from speed.train.validation import validation_metrics
 
@@ -130,7 +130,6 @@ def _measure(
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
     loaded = load_model(checkpoint, map_location=device)
     with tempfile.TemporaryDirectory() as out:
-        values = [setup.levers.get(name, (default,)) for name, default in PLAIN.items()]
         result = measure(
             loaded.model.to(device).eval(),
             Tokenizer.load(loaded.tokenizer_path),
@@ -141,7 +140,7 @@ def _measure(
             job.data.max_source_len,
             setup.max_new_tokens,
             out,
-            lever_settings(*values, loaded.model.n_loops),
+            lever_settings(setup.levers, loaded.model.n_loops),
         )
         locate(out_uri).upload(out)
         validation = validation_metrics(loaded.model, open_corpus(setup.data.validation), job.micro_batch)
