@@ -113,7 +113,7 @@ def random_step_case(seed: int):
     memory = model.memory(batch, max(lengths), max_len)
     cache = model.cache(batch, max(lengths), max_len)
     for b, n in enumerate(lengths):
-        model.admit(memory, cache, b, ids[b : b + 1, :n])
+        model.admit(memory, cache, [b], [ids[b, :n]])
     for keys, values in zip(cache.keys, cache.values):
         keys.normal_()  # stale positions hold garbage: masking must make it irrelevant
         values.normal_()
@@ -274,3 +274,24 @@ def test_speed_equals_sequential_with_a_base_width_mlp(family, threads):
     got = generate(candidate, ids, method="speed", max_new_tokens=16)
     assert got.stats.rows > got.stats.steps  # several rows a step: the company the one-row steps lacked
     assert got.tokens == ref.tokens and compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
+
+
+def test_rows_linear_rows_do_not_depend_on_company_position_or_count(threads):
+    """A prefill's matmuls (``rows_linear``: tiles of ``PREFILL_ROWS``): a row's result is the same alone, among
+    up to 150 rows at any place (so in any tile, with any tile size up to 64 rows), at the widths of real
+    layers (2048: base size's MLP output projection, whose one-row call oneDNN would round otherwise)."""
+    from speed.kernels import PREFILL_ROWS, rows_linear
+
+    rng = random.Random(threads)
+    torch.manual_seed(threads)
+    for inn, out in ((32, 80), (768, 2304), (2048, 768), (100, 130)):
+        layer = torch.nn.Linear(inn, out, bias=False)
+        x = torch.randn(inn)
+        alone = rows_linear(layer, x[None])[0]
+        assert torch.allclose(alone, layer(x), atol=1e-4)
+        for n in (2, 3, PREFILL_ROWS - 1, PREFILL_ROWS, PREFILL_ROWS + 1, 150):
+            rows = torch.randn(n, inn)
+            at = rng.randrange(n)
+            rows[at] = x
+            got = rows_linear(layer, rows)
+            assert got.shape == (n, out) and torch.equal(got[at], alone), (inn, out, n, at)

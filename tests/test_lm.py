@@ -207,6 +207,45 @@ def test_a_row_decodes_bit_identically_alone_or_in_company() -> None:
     assert alone and all(torch.equal(logits, together[key]) for key, logits in alone.items())
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_prompt_prefills_bit_identically_alone_or_in_a_batch(variant: str) -> None:
+    """``prefill_batch`` runs several prompts' tokens as rows of one pass (tiles of 64 rows, so prompts of up to
+    90 tokens straddle tiles with varying company): each prompt's logits and every key/value it leaves equal
+    its prefill alone, whatever the others, their order and its slot."""
+    model = _model(8, **VARIANTS[variant])
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (1, 90, 37, 64, 2)]
+    with torch.inference_mode():
+        alone = []
+        for p in prompts:
+            cache = model.cache(1, 96)
+            alone.append((model.prefill(cache, 0, p), cache))
+        cache = model.cache(5, 96)
+        order = [3, 0, 4, 1, 2]  # prompt order[i] goes to slot i
+        together = model.prefill_batch(cache, list(range(5)), [prompts[b] for b in order])
+    for slot, b in enumerate(order):
+        logits, own = alone[b]
+        assert torch.equal(together[slot], logits), (variant, b)
+        T = prompts[b].numel()
+        for part in ("loops", "prelude"):
+            mine, theirs = getattr(own, part), getattr(cache, part)
+            if mine is None:
+                continue
+            assert (theirs.lengths[:, :, slot] == T).all()
+            for j in range(len(mine.keys)):
+                for a, c in ((mine.keys[j], theirs.keys[j]), (mine.values[j], theirs.values[j])):
+                    assert torch.equal(a[:, 0, :, :T], c[:, slot, :, :T]), (variant, part, j)
+
+
+def test_prefill_batch_checks_its_input() -> None:
+    model = _model(1)
+    cache = model.cache(2, 8)
+    with pytest.raises(ValueError, match="one slot per prompt"):
+        model.prefill_batch(cache, [0, 1], [torch.tensor([3])])
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        model.prefill_batch(cache, [0, 1], [torch.tensor([3]), torch.tensor([], dtype=torch.long)])
+
+
 def test_invalidated_positions_decode_again_to_the_same_logits() -> None:
     """Lowering valid lengths drops positions at every virtual layer; with the head skipped (``with_logits``
     False) the coda still writes its keys, so later exits see them."""

@@ -156,9 +156,10 @@ class PromptKeyed(LogitRecorder):
     def key(self, slot, loop, pos):
         return (self.owner[slot], loop, pos)
 
-    def admit(self, memory, cache, slot, prompt):
-        self.owner[slot] = tuple(prompt[0].tolist())
-        return super().admit(memory, cache, slot, prompt)
+    def admit(self, memory, cache, slots, prompts):
+        for slot, prompt in zip(slots, prompts):
+            self.owner[slot] = tuple(prompt.tolist())
+        return super().admit(memory, cache, slots, prompts)
 
 
 def assert_same_logits(a: LogitRecorder, b: LogitRecorder, prompt: tuple[int, ...], n_tokens: int, m: int) -> None:

@@ -15,6 +15,7 @@ evaluation uses them to report the top-2 gap where two decodings differ.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +59,13 @@ class LogitRecorder:
         cache.promote = promote_and_record  # type: ignore[method-assign]
         return cache
 
-    def admit(self, memory: Any, cache: KVCache, slot: int, prompt: Tensor) -> Admitted:
+    def admit(self, memory: Any, cache: KVCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Admitted]:
         """The model's admission; the exits it computed (a decoder-only prefill's) are output position 0's."""
-        admitted = self.model.admit(memory, cache, slot, prompt)
-        if admitted.exits is not None:
-            for loop, logits in enumerate(admitted.exits):
-                self.logits[self.key(slot, loop, 0)] = logits
+        admitted = self.model.admit(memory, cache, slots, prompts)
+        for slot, each in zip(slots, admitted):
+            if each.exits is not None:
+                for loop, logits in enumerate(each.exits):
+                    self.logits[self.key(slot, loop, 0)] = logits
         return admitted
 
     def step(

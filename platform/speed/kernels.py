@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from speed.cache import Rows  # speed.cache imports this module
 
 TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence
+PREFILL_ROWS = 64  # rows per kernel call of a decoder-only prefill, whose prompts' tokens are its rows
 ATTN_CHUNK = 32  # attention sums its key positions in chunks of this many (see ``attend``)
 
 
@@ -67,7 +68,7 @@ class _Packed:
 
 
 _LOCK = threading.Lock()
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, _Packed] = weakref.WeakKeyDictionary()
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, dict[int, _Packed]] = weakref.WeakKeyDictionary()  # by tile rows
 _ONEDNN: bool | None = None  # whether oneDNN's packed linear works here; probed once, on first use
 
 
@@ -98,17 +99,11 @@ def _packed_weight(layer: nn.Linear, tile_rows: int) -> Tensor | None:
         return None
     version, ptr = _version(weight), weight.data_ptr()
     with _LOCK:  # decoding threads may share a model: pack each weight once, never read a half-built entry
-        hit = _PACKED.get(layer)
-        if (
-            hit is not None
-            and hit.weight() is weight
-            and hit.version == version
-            and hit.data_ptr == ptr
-            and hit.tile_rows == tile_rows
-        ):
+        hit = _PACKED.setdefault(layer, {}).get(tile_rows)
+        if hit is not None and hit.weight() is weight and hit.version == version and hit.data_ptr == ptr:
             return hit.packed
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tile_rows)
-        _PACKED[layer] = _Packed(weakref.ref(weight), version, ptr, tile_rows, packed)
+        _PACKED[layer][tile_rows] = _Packed(weakref.ref(weight), version, ptr, tile_rows, packed)
         return packed
 
 
@@ -133,6 +128,14 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
     if n < tile_rows:
         return F.linear(x[tile_index(n, tile_rows, x.device)], layer.weight)[:n]
     return F.linear(x, layer.weight)
+
+
+def rows_linear(layer: nn.Linear, x: Tensor, tile_rows: int = PREFILL_ROWS) -> Tensor:
+    """``layer(x)`` for any number of rows (R, in) -> (R, out), in tiles of ``tile_rows`` (``tile_linear``): a row's
+    result depends neither on the other rows nor on where it sits among them."""
+    if x.shape[0] <= tile_rows:
+        return tile_linear(layer, x, tile_rows)
+    return torch.cat([tile_linear(layer, part, tile_rows) for part in x.split(tile_rows)])
 
 
 def chunk_span(length: int, chunk: int = ATTN_CHUNK) -> int:

@@ -40,10 +40,11 @@ from torch import Tensor, nn
 
 from speed.cache import KVCache, Rows
 from speed.config import LMConfig
-from speed.kernels import attend, chunk_span, in_tiles, tile_linear
+from speed.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
 from speed.losses import weighted_loss
 
-Store = Callable[[Tensor, Tensor], None]  # receives one virtual layer's keys and values (B, K, T, D)
+Store = Callable[[Tensor, Tensor], None]  # receives one prompt's keys and values at a virtual layer (1, K, T, D)
+Segment = tuple[int, int]  # a prompt's rows in a prefill: (first row, length)
 
 
 def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -90,17 +91,31 @@ class Attention(nn.Module):
         group = self.n_heads // self.n_kv_heads
         return kv if group == 1 else kv.repeat_interleave(group, dim=1)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, store: Store | None = None) -> Tensor:
-        """Causal attention over whole sequences (B, T, d), angles cos/sin (T, D); ``store`` gets the keys/values."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Causal attention over whole sequences (B, T, d), angles cos/sin (T, D)."""
         B, T, _ = x.shape
         q, k, v = self._split(self.qkv(x))  # (B, T, H, D), 2 x (B, T, K, D)
         q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), 2 x (B, K, T, D)
-        if store is not None:
-            store(k, v)
         k, v = self._share(k), self._share(v)  # 2 x (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D), scaled by D**-0.5
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+    def prefill(
+        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], stores: Sequence[Store | None]
+    ) -> Tensor:
+        """Causal attention over several prompts given as rows (R, d) (angles cos/sin (R, D)): the projections
+        on row tiles (``rows_linear``), the attention of each prompt alone; ``stores[b]`` gets prompt b's."""
+        q, k, v = self._split(rows_linear(self.qkv, x))  # (R, H, D), 2 x (R, K, D)
+        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+        out = []
+        for (start, T), store in zip(segments, stores):
+            qb, kb, vb = (t[start : start + T].transpose(0, 1)[None] for t in (q, k, v))  # (1, H or K, T, D)
+            if store is not None:
+                store(kb, vb)
+            y = F.scaled_dot_product_attention(qb, self._share(kb), self._share(vb), is_causal=True)  # (1, H, T, D)
+            out.append(y[0].transpose(0, 1).reshape(T, -1))
+        return rows_linear(self.o, torch.cat(out))
 
     def decode(
         self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor
@@ -138,6 +153,11 @@ class SwiGLU(nn.Module):
         gate, up = tile_linear(self.wi, x).chunk(2, dim=-1)  # 2 x (n, F)
         return tile_linear(self.wo, F.silu(gate) * up)
 
+    def prefill(self, x: Tensor) -> Tensor:
+        """The same for a prefill's rows (R, d), on row tiles."""
+        gate, up = rows_linear(self.wi, x).chunk(2, dim=-1)  # 2 x (R, F)
+        return rows_linear(self.wo, F.silu(gate) * up)
+
 
 class Block(nn.Module):
     """``pre``: h += attn(norm(h)); h += mlp(norm(h)). ``sandwich`` (Ouro): each sublayer's output is normed too."""
@@ -152,9 +172,16 @@ class Block(nn.Module):
         self.attn_norm, self.attn, self.attn_out_norm = nn.RMSNorm(d, eps=eps), Attention(config), out_norm()
         self.mlp_norm, self.mlp, self.mlp_out_norm = nn.RMSNorm(d, eps=eps), SwiGLU(config), out_norm()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, store: Store | None = None) -> Tensor:
-        x = x + self.attn_out_norm(self.attn(self.attn_norm(x), cos, sin, store))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn_out_norm(self.attn(self.attn_norm(x), cos, sin))
         return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
+
+    def prefill(
+        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], stores: Sequence[Store | None]
+    ) -> Tensor:
+        """A prefill's rows (R, d) through this block (see ``Attention.prefill``)."""
+        x = x + self.attn_out_norm(self.attn.prefill(self.attn_norm(x), cos, sin, segments, stores))
+        return x + self.mlp_out_norm(self.mlp.prefill(self.mlp_norm(x)))
 
     def decode(
         self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor
@@ -240,30 +267,22 @@ class LoopedLM(nn.Module):
 
     # ----- whole sequences ---------------------------------------------------------------------------------
 
-    def _exit_states(self, input_ids: Tensor, cache: LMCache | None = None, slot: int = 0) -> list[Tensor]:
-        """Each loop's exit state M x (B, T, d), the LM head's input; with ``cache`` (B = 1) every virtual
-        layer's keys/values go to positions 0..T-1 of ``slot``."""
-        T, N = input_ids.shape[1], self.sharing.n_unique
+    def _exit_states(self, input_ids: Tensor) -> list[Tensor]:
+        """Each loop's exit state M x (B, T, d), the LM head's input."""
+        T = input_ids.shape[1]
         cos, sin = rotary(torch.arange(T, device=input_ids.device), self.config.head_dim, self.config.rope_theta)
-
-        def store(part: str, loop: int, layer: int) -> Store | None:
-            if cache is None:
-                return None
-            kv = getattr(cache, part)
-            return lambda k, v: kv.write_span(layer, loop, slot, 0, k[0], v[0])
-
         e = self.embed_tokens(input_ids)  # (B, T, d)
-        for p, block in enumerate(self.prelude):
-            e = block(e, cos, sin, store("prelude", 0, p))
+        for block in self.prelude:
+            e = block(e, cos, sin)
         state = torch.zeros_like(e) if self.adapter is not None else e
         exits = []
-        for i in range(self.n_loops):
+        for _ in range(self.n_loops):
             h = self.adapter(torch.cat([state, e], dim=-1)) if self.adapter is not None else state  # (B, T, d)
-            for j, block in enumerate(self.core):
-                h = block(h, cos, sin, store("loops", i, j))
+            for block in self.core:
+                h = block(h, cos, sin)
             y = h
-            for c, block in enumerate(self.coda):
-                y = block(y, cos, sin, store("loops", i, N + c))
+            for block in self.coda:
+                y = block(y, cos, sin)
             exits.append(self.norm(y))
             state = self.norm(h) if self.config.loop_norm else h
         return exits
@@ -319,14 +338,53 @@ class LoopedLM(nn.Module):
 
         return LMCache(kv(s.n_loops, s.n_unique + s.coda), kv(1, s.prelude) if s.prelude else None)
 
-    @torch.no_grad()
     def prefill(self, cache: LMCache, slot: int, input_ids: Tensor) -> Tensor:
-        """Run a prompt (T,) through every loop into the empty ``slot``: its keys/values at positions 0..T-1 of
-        every virtual layer; returns each loop's logits (M, V) at its last position (the first new token's)."""
-        if input_ids.numel() == 0:
+        """``prefill_batch`` of one prompt (T,) into ``slot``: each loop's logits (M, V) at its last position."""
+        return self.prefill_batch(cache, [slot], [input_ids])[0]
+
+    @torch.no_grad()
+    def prefill_batch(self, cache: LMCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Tensor]:
+        """Run prompts (each (T_b,)) through every loop into their empty slots, together: their keys/values at
+        positions 0..T_b-1 of every virtual layer; returns each prompt's loops' logits (M, V) at its last
+        position (its first new token's).
+
+        The prompts' tokens are the rows of one pass: every matmul runs on tiles of ``PREFILL_ROWS`` rows of
+        them on the row-invariant kernels (``speed.kernels.rows_linear``), attention runs on each prompt
+        alone, and the exits' head on tiles of its last rows, so what a prompt leaves in the cache and its
+        logits do not depend on the prompts prefilled with it, nor on their order.
+        """
+        if len(slots) != len(prompts) or not prompts:
+            raise ValueError(f"prefill_batch needs one slot per prompt, got {len(slots)} slots, {len(prompts)} prompts")
+        if any(p.numel() == 0 for p in prompts):
             raise ValueError("prefill needs at least one prompt token")
-        exits = self._exit_states(input_ids.view(1, -1).to(self.device), cache, slot)
-        return torch.stack([self.lm_head(state[0, -1]) for state in exits])
+        c, N = self.config, self.sharing.n_unique
+        ids = torch.cat([p.reshape(-1) for p in prompts]).to(self.device)  # (R,)
+        lengths = [p.numel() for p in prompts]
+        starts = np.cumsum([0, *lengths[:-1]]).tolist()
+        segments = list(zip(starts, lengths))
+        positions = torch.cat([torch.arange(T, device=self.device) for T in lengths])
+        cos, sin = rotary(positions, c.head_dim, c.rope_theta)  # 2 x (R, D)
+
+        def stores(part: str, loop: int, layer: int) -> list[Store]:
+            kv = getattr(cache, part)
+            return [lambda k, v, s=slot: kv.write_span(layer, loop, s, 0, k[0], v[0]) for slot in slots]
+
+        e = self.embed_tokens(ids)  # (R, d)
+        for p, block in enumerate(self.prelude):
+            e = block.prefill(e, cos, sin, segments, stores("prelude", 0, p))
+        state = torch.zeros_like(e) if self.adapter is not None else e
+        last = torch.tensor([s + T - 1 for s, T in segments], device=self.device)
+        logits = []
+        for i in range(self.n_loops):
+            h = rows_linear(self.adapter, torch.cat([state, e], dim=-1)) if self.adapter is not None else state
+            for j, block in enumerate(self.core):
+                h = block.prefill(h, cos, sin, segments, stores("loops", i, j))
+            y = h
+            for k, block in enumerate(self.coda):
+                y = block.prefill(y, cos, sin, segments, stores("loops", i, N + k))
+            logits.append(rows_linear(self.lm_head, self.norm(y.index_select(0, last)), TILE_ROWS))  # (B, V)
+            state = self.norm(h) if c.loop_norm else h
+        return list(torch.stack(logits, dim=1))  # B x (M, V)
 
     def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
         """Each token's carry into its first loop (R, W): its embedding, after a zero state with injection."""

@@ -53,8 +53,8 @@ class TableModel:
     def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> None:
         return None
 
-    def admit(self, memory: None, cache: KVCache, slot: int, prompt: Tensor) -> Admitted:
-        return Admitted(self.start_id, None)  # as T5: the start token's row predicts output position 0
+    def admit(self, memory: None, cache: KVCache, slots: list[int], prompts: list[Tensor]) -> list[Admitted]:
+        return [Admitted(self.start_id, None) for _ in slots]  # as T5: the start token's row predicts position 0
 
     def embed(self, tokens: Tensor) -> Tensor:
         return tokens.float()[:, None]  # (R, 1): the token itself

@@ -11,8 +11,10 @@ each model family (``T5Stepper``, ``LMStepper``); ``Engine(model)`` picks it.
 Admission runs output position 0's row: T5's is the start token, run
 through the M loops like any other row; an LM's is the prompt's last token,
 whose exits the prefill already computed, so its token is committed at once
-and its successor launches in the same step. Each request is admitted alone,
-so nothing it decodes depends on the requests admitted with it.
+and its successor launches in the same step. The requests admitted in a step
+are admitted together (an LM's prompts prefilled in one pass), each one's
+result its own alone, so nothing it decodes depends on the requests admitted
+with it.
 
 SPEED (speculative pipelined execution; its settings are one ``Speculation``,
 each request's ``Request.speculation``): a token is launched from its

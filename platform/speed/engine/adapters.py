@@ -10,18 +10,18 @@ be a ``Stepper`` already.
 
 - ``T5Stepper``: admission encodes the prompt alone into the slot's
   cross-attention memory; output position 0's row is the start token's.
-- ``LMStepper``: admission prefills the prompt alone (every loop, every
-  position, causal) into the slot's entries of every virtual layer, and its
-  last position's exits are output position 0's. The slot's output positions
+- ``LMStepper``: admission prefills the step's prompts together (every loop,
+  every position, causal) into their slots' entries of every virtual layer, each
+  last position's exits output position 0's (``LoopedLM.prefill_batch``). The slot's output positions
   sit after its prompt: output position p is cache position P - 1 + p (P the
   prompt's length), a translation that ``PromptCache`` and ``step`` make, so
   the engine sees output positions only.
 
-Each request is admitted on its own, so what its prompt leaves in the cache
-and the first token's logits depend on its prompt alone, never on the
-requests admitted with it: a batched prefill would run a (B, T) GEMM whose
-rounding changes with B and the padding, the row invariance the decode kernels
-(``speed.kernels``) give steps, but that the full-sequence path does not.
+What a request's admission leaves in the cache and the first token's logits
+depend on its prompt alone, never on the requests admitted with it: T5 encodes
+each prompt alone; the LM's batched prefill runs its prompts' tokens as rows of
+the row-invariant kernels (``speed.kernels.rows_linear``) and attends within
+each prompt, where a plain (B, T) GEMM would round with B and the padding.
 """
 
 from __future__ import annotations
@@ -132,16 +132,19 @@ class T5Stepper(_Adapter):
         self_bias = (m.decoder_bias(max_len, L) + causal).transpose(0, 1).contiguous()  # (q, H, k)
         return Memory(keys, values, cross_bias, self_bias, np.zeros(capacity, dtype=np.int64))
 
-    @torch.no_grad()
-    def admit(self, memory: Memory, cache: KVCache, slot: int, prompt: Tensor) -> Admitted:
-        """Encode one request's ids (1, S) into ``slot``: its cross-attention keys/values and mask.
+    def admit(self, memory: Memory, cache: KVCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Admitted]:
+        """Encode each request's ids (S,) into its slot: its cross-attention keys/values and mask.
 
         Each request is encoded alone, so its keys do not depend on which
         requests arrive with it; the slot's stale tail past S is masked. The
         decoder starts from the start token (T5's pad).
         """
-        S = prompt.shape[1]
-        encoded = self.model.encode(prompt)  # (1, S, d)
+        return [self._encode(memory, slot, prompt) for slot, prompt in zip(slots, prompts)]
+
+    @torch.no_grad()
+    def _encode(self, memory: Memory, slot: int, prompt: Tensor) -> Admitted:
+        S = prompt.shape[0]
+        encoded = self.model.encode(prompt[None])  # (1, S, d)
         for j, layer in enumerate(self.model.decoder_layers):
             k, v = layer.cross_attn.memory(encoded)  # 2 x (1, H, S, D)
             memory.keys[j][slot, :, :S] = k[0]
@@ -240,12 +243,16 @@ class LMStepper(_Adapter):
         """None: everything a request keeps is in the cache."""
         return None
 
-    def admit(self, memory: None, cache: PromptCache, slot: int, prompt: Tensor) -> Admitted:
-        """Prefill one request's prompt (1, P) alone into the empty ``slot``; its last position's exits (M, V)
-        are output position 0's."""
-        exits = self.model.prefill(cache.inner, slot, prompt[0])
-        cache.offset[slot] = prompt.shape[1] - 1
-        return Admitted(int(prompt[0, -1]), exits)
+    def admit(
+        self, memory: None, cache: PromptCache, slots: Sequence[int], prompts: Sequence[Tensor]
+    ) -> list[Admitted]:
+        """Prefill the requests' prompts (each (P,)) together into their empty slots (``LoopedLM.prefill_batch``:
+        row-invariant, so each prompt's result is its own alone); each last position's exits (M, V) are its
+        output position 0's."""
+        exits = self.model.prefill_batch(cache.inner, slots, prompts)
+        for slot, prompt in zip(slots, prompts):
+            cache.offset[slot] = prompt.shape[0] - 1
+        return [Admitted(int(prompt[-1]), x) for prompt, x in zip(prompts, exits)]
 
     def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
         """Each token's carry into its first loop (R, W) (``LoopedLM.embed``)."""

@@ -232,16 +232,22 @@ class Engine:
             raise ValueError(f"logprobs must be None or an integer in 0..{min(MAX_LOGPROBS, V)}, got {k!r}")
 
     def _admit(self) -> list[Sequence]:
-        """Move waiting requests into free slots, admitting each alone into its slot (T5: encoding its prompt;
-        a decoder-only LM: prefilling it); return those whose output position 0 the admission decided."""
-        prefilled = []
+        """Move waiting requests into free slots and admit them there together (T5: encoding each prompt; a
+        decoder-only LM: prefilling them in one pass), each one's result its own alone; return those whose
+        output position 0 the admission decided."""
+        coming = []
         while self._free and self._waiting:
             with self._queue_lock:
                 seq = self._waiting.popleft()
             seq.slot = heapq.heappop(self._free)
             self._cache.reset(seq.slot)
-            ids = torch.tensor([list(seq.request.input_ids)], device=self._device)  # (1, P)
-            admitted = self.model.admit(self._memory, self._cache, seq.slot, ids)
+            coming.append(seq)
+        if not coming:
+            return []
+        prompts = [torch.tensor(list(seq.request.input_ids), device=self._device) for seq in coming]  # (P,) each
+        admitted_all = self.model.admit(self._memory, self._cache, [seq.slot for seq in coming], prompts)
+        prefilled = []
+        for seq, admitted in zip(coming, admitted_all):
             first = InFlight(0, admitted.token)
             seq.chain.append(first)
             seq.admitted = time.perf_counter()

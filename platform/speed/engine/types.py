@@ -3,6 +3,7 @@ what comes back."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal, NamedTuple, Protocol, get_args
 
@@ -43,7 +44,10 @@ class Stepper(Protocol):
 
     def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> Any: ...
 
-    def admit(self, memory: Any, cache: KVCache, slot: int, prompt: Tensor) -> Admitted: ...
+    def admit(self, memory: Any, cache: KVCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Admitted]:
+        """Admit the prompts (each (P,)) admitted in one step into their empty slots; one ``Admitted`` each.
+        What a request's admission leaves and gives must not depend on the others admitted with it."""
+        ...
 
     def embed(self, tokens: Tensor) -> Tensor: ...
 
