@@ -184,13 +184,13 @@ def _node_name(resources: dict[str, float]) -> str:
 
 
 @contextlib.contextmanager
-def nodes(head_cpus: int, **others: int) -> Iterator[Cluster]:
+def nodes(head_cpus: int, env: dict[str, str] | None = None, **others: int) -> Iterator[Cluster]:
     """A head with ``head_cpus`` CPUs (and a resource ``{"head": 1}``) and a node per keyword (name=CPUs) on
     127.0.0.1 with token auth, each its own raylet and spool; every process of every node (and of any node
     added later) is ended afterwards, passed or failed. Workers inherit the test session's environment: the
-    S3 server's address and credentials (tests/s3_helpers.py)."""
+    S3 server's address and credentials (tests/s3_helpers.py), and ``env``."""
     root = Path(tempfile.mkdtemp(prefix="raynodes", dir="/tmp"))  # short: Ray's unix socket paths are limited
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env["RAY_AUTH_MODE"] = "token"
     env |= LOOPBACK_ENV

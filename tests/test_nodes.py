@@ -6,6 +6,8 @@ at once (``Cluster.kill``). Slow (a cluster and a job each): the ``cluster`` mar
 
 from __future__ import annotations
 
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 import cluster_helpers
 import pyarrow.parquet as pq
 import pytest
+import requests
 
 from speed.checkpoint import newest_complete_checkpoint, read_checkpoint_config
 from speed.paths import repo_root
@@ -59,6 +62,20 @@ def _finish(job: subprocess.Popen, log: Path, timeout_s: float = JOB_TIMEOUT_S) 
     return output
 
 
+def _serves_again(url: str, deadline: float) -> float:
+    """Seconds from now until ``url`` answers a completion with 200; fails past ``deadline`` (monotonic)."""
+    started, answer = time.monotonic(), None
+    while time.monotonic() < deadline:
+        try:
+            answer = requests.post(url + "/v1/completions", json={"prompt": "A dog runs."}, timeout=10)
+            if answer.status_code == 200:
+                return time.monotonic() - started
+        except requests.RequestException as error:
+            answer = error
+        time.sleep(0.2)
+    pytest.fail(f"no answer within {SERVES_AGAIN_S} s of the loss (last: {answer})")
+
+
 def test_train_loses_a_worker_node_and_resumes_on_a_replacement(tiny_tokenizer, s3_bucket, tmp_path):
     """Two Train workers, one per node; the second node lost after the first checkpoint. Ray Train 2.60 with a
     fixed worker count restarts the whole group and waits (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for
@@ -94,3 +111,62 @@ def test_train_loses_a_worker_node_and_resumes_on_a_replacement(tiny_tokenizer, 
     history = client.get_metric_history(run.info.run_id, "loss")
     assert run.info.status == "FINISHED" and [m.step for m in history] == steps  # the same run, once per step
     assert [m.value for m in history] == pytest.approx(train_log["loss"], rel=1e-6)
+
+
+FLUSH_ROWS = 2  # the replicas' size bound: a row group written (on S3, uploaded) at every second answer
+SERVES_AGAIN_S = 30.0  # from the node's loss to the next answer
+
+
+def test_serve_loses_a_replicas_node_under_load(tiny_tokenizer, s3_bucket, tmp_path):
+    """Two replicas, one per node, statistics on S3, each node its own spool; the second node lost (its spool
+    deleted with it) under jobs/loadtest.py. Every answer the surviving replica gave has its row on S3; of the
+    lost replica's, at most what docs/serving.md says a node lost with its disk takes: its buffer (under
+    FLUSH_ROWS rows) plus one flush still uploading (FLUSH_ROWS rows). Every other request got an error at once,
+    and the app answers again within SERVES_AGAIN_S."""
+    from test_serve_app import _free_port, _tiny_checkpoint
+
+    from speed.serve.stats import read_requests
+
+    _tiny_checkpoint(tiny_tokenizer, tmp_path / "ckpt")
+    stats, port = f"{s3_bucket}/stats", _free_port()
+    url, log, load_log = f"http://127.0.0.1:{port}", tmp_path / "serve.log", tmp_path / "load.log"
+    flags = ["--checkpoint", str(tmp_path / "ckpt"), "--port", str(port), "--replicas", "2", "--num-cpus", "1"]
+    flags += ["--max-replicas-per-node", "1", "--proxy-location", "HeadOnly", "--stats-path", stats]
+    flags += ["--model-name", "tiny", "--stop-timeout-s", "30"]
+    for setting in (f"flush_rows={FLUSH_ROWS}", "flush_s=600", "max_tokens=8"):
+        flags += ["--set", setting]
+    load = ["--url", url, "--concurrency", "2", "--requests", "120", "--max-tokens", "8", "--no-stream"]
+    load += ["--time-limit", "180", "--out", str(tmp_path / "load.parquet"), "--json"]
+    # Serve's proxy (on the head only: the nodes share the machine's ports) otherwise sends every request it can to
+    # the replica on its own node.
+    with cluster_helpers.nodes(1, {"RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}, node_b=1) as cluster:
+        server = _start_job("serve.py", flags, cluster.env, log)
+        try:
+            _wait("serving", lambda: "serving " in log.read_text(), server, log)
+            assert cluster.placement("ServeReplica:speed:SpeedServer") == ["head", "node_b"]
+            loadtest = _start_job("loadtest.py", load, cluster.env, load_log)
+            _wait("rows on S3", lambda: read_requests(stats).num_rows >= 8, loadtest, load_log, timeout_s=120)
+            cluster.kill("node_b")
+            lost_at = time.monotonic()
+            shutil.rmtree(cluster.nodes["node_b"].spool)  # the node's disk, gone with it
+            again = _serves_again(url, lost_at + SERVES_AGAIN_S)
+            print(f"node_b lost; answered again after {again:.1f} s")
+            _finish(loadtest, load_log, timeout_s=300)
+            survivor = requests.get(url + "/healthz", timeout=10).json()["replica"]
+            server.send_signal(signal.SIGTERM)  # jobs/serve.py's stop: the survivor drains, writing its rows
+            _finish(server, log, timeout_s=120)
+        finally:
+            server.kill()
+    sent = pq.read_table(tmp_path / "load.parquet").to_pylist()
+    answered = [r for r in sent if r["status"] == 200]
+    failed = [r for r in sent if r["status"] != 200]
+    print(f"{len(answered)} answered, {len(failed)} failed: {sorted({r['error'] for r in failed})}")
+    assert len(sent) == 120 and len(answered) >= 60 and len({r["replica"] for r in answered}) == 2
+    for row in failed:  # a clear error, at once: never a hang until the client's time limit
+        assert row["status"] >= 500 and row["error"] and row["latency_ms"] < 60_000, row
+    on_s3 = set(read_requests(stats)["request_id"].to_pylist())  # Parquet alone: this process's spool holds none
+    kept = [r["request_id"] for r in answered if r["replica"] == survivor]
+    assert kept and set(kept) <= on_s3
+    lost = [r["request_id"] for r in answered if r["replica"] != survivor and r["request_id"] not in on_s3]
+    print(f"{len(answered) - len(kept)} answered by the lost replica, {len(lost)} of their rows lost")
+    assert len(lost) <= 2 * FLUSH_ROWS - 1, lost  # its buffer (< FLUSH_ROWS) and one flush uploading
