@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy binds (default: loopback only)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--num-cpus", type=float, default=1, help="CPUs reserved per replica")
+    p.add_argument("--max-replicas-per-node", type=int, default=None, help="1: each replica on a node of its own")
+    p.add_argument(
+        "--proxy-location",
+        default="EveryNode",
+        help="Serve's HTTP proxies: EveryNode, HeadOnly (nodes sharing a machine)",
+    )
     p.add_argument("--num-gpus", type=float, default=0, help="GPUs per replica (the model then decodes on CUDA)")
     p.add_argument("--stats-path", default=DEFAULT_STATS_PATH, help="where replicas write request statistics")
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint's folder name)")
@@ -134,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             num_gpus=args.num_gpus,
             name=APP,
             api_key=api_key,
+            max_replicas_per_node=args.max_replicas_per_node,
+            proxy_location=args.proxy_location,
         )
         key = "; an API key is required" if api_key else ""
         print(f"serving {args.checkpoint} at {url} (Ctrl-C stops){key}; statistics in {stats_path}", flush=True)

@@ -12,16 +12,20 @@ clusters/README.md flow).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from speed.paths import SPOOL_DIR_ENV
 from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -30,6 +34,9 @@ RAY = str(Path(sys.executable).parent / "ray")
 # `--node-ip-address 127.0.0.1` with the machine's address and most of them bind every interface.
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # in-process: speed.cluster.loopback_options
 LOOPBACK_ENV = {LOOPBACK_SWITCH: "0"}
+# Each node of ``nodes``: a small object store (Ray's default takes 30% of the machine's memory per node).
+NODE_FLAGS = ("--object-store-memory", str(200 * 2**20))
+JOIN = Path(__file__).with_name("ray_join.py")  # `ray start` for a further node, on loopback too
 
 
 def free_ports(n: int) -> list[int]:
@@ -62,30 +69,144 @@ def local_cluster(num_cpus: int = 2, keep_pythonpath: bool = True) -> Iterator[t
     token = env[OWNER_ENV] = secrets.token_hex(8)  # every process of this cluster inherits the mark
     try:
         # A second try on fresh ports: another Ray on the machine may take a port between our probe and its bind.
-        for attempt in (1, 2):
-            dashboard, started = _start_head(num_cpus, temp, env)
-            if started.returncode == 0:
-                break
-            output = started.stdout[-3000:] + started.stderr[-3000:]
-            print(f"ray start failed ({started.returncode}, attempt {attempt}):\n{output}", file=sys.stderr)
-            end_processes(marked_processes(token))
-        else:
-            raise RuntimeError("ray start failed twice (its output is above)")
-        yield f"http://127.0.0.1:{dashboard}", env
+        ports = _retried(lambda: _start_head(num_cpus, temp, env), token)
+        yield f"http://127.0.0.1:{ports['dashboard']}", env
     finally:
         end_processes(marked_processes(token))
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _start_head(num_cpus: int, temp: str, env: dict[str, str]) -> tuple[int, subprocess.CompletedProcess]:
-    """`ray start --head` on loopback with every port explicit and free; (dashboard port, the finished command)."""
-    gcs, dashboard, node, objects, client, agent, agent_grpc, env_agent, metrics = free_ports(9)
+def _retried(start, token: str) -> dict[str, int]:
+    """``start()`` -> (ports, finished `ray start`), a second time on fresh ports when the first fails (another Ray
+    on the machine may take a port between our probe and its bind); its ports."""
+    for attempt in (1, 2):
+        ports, started = start()
+        if started.returncode == 0:
+            return ports
+        output = started.stdout[-3000:] + started.stderr[-3000:]
+        print(f"ray start failed ({started.returncode}, attempt {attempt}):\n{output}", file=sys.stderr)
+        end_processes(marked_processes(token))
+    raise RuntimeError("ray start failed twice (its output is above)")
+
+
+def _node_ports() -> tuple[dict[str, int], list[str]]:
+    """Free ports for what every node runs (raylet, object manager, agents, metrics); (ports, `ray start` flags)."""
+    names = ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent")
+    ports = dict(zip(names + ("metrics-export",), free_ports(len(names) + 1)))
+    flags = [f for name, port in ports.items() for f in (f"--{name}-port", str(port))]
+    return ports, flags
+
+
+def _start_head(
+    num_cpus: int, temp: str, env: dict[str, str], extra: tuple[str, ...] = ()
+) -> tuple[dict[str, int], subprocess.CompletedProcess]:
+    """`ray start --head` on loopback with every port explicit and free; (its ports, the finished command)."""
+    gcs, dashboard, client = free_ports(3)
+    ports, flags = _node_ports()
     command = [
         RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", str(num_cpus),
         "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-        "--node-manager-port", str(node), "--object-manager-port", str(objects),
-        "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
-        "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(env_agent),
-        "--metrics-export-port", str(metrics), "--temp-dir", temp, "--disable-usage-stats",
+        "--ray-client-server-port", str(client), *flags, "--temp-dir", temp, "--disable-usage-stats",
+        *extra,
     ]  # fmt: skip
-    return dashboard, subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    ports |= {"gcs": gcs, "dashboard": dashboard}
+    return ports, subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+
+
+# ----- several nodes on this machine ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of a ``nodes`` cluster: a raylet of its own, with its own CPUs, resources and spool."""
+
+    name: str  # also a custom resource of 1 it holds, by which a test places work on it
+    token: str  # the owner mark its raylet, agents and workers inherit (``marked_processes``)
+    spool: Path  # its SPEED_SPOOL_DIR: the node's own disk, lost with it
+
+
+@dataclass
+class Cluster:
+    """A head and further nodes started with `ray start` on 127.0.0.1, each a raylet of its own."""
+
+    address: str  # the GCS, 127.0.0.1:<port>: what a driver's $RAY_ADDRESS names
+    env: dict[str, str]  # for a driver (RAY_ADDRESS set), marked as the head's, so that teardown ends it too
+    root: Path
+    nodes: dict[str, Node] = field(default_factory=dict)
+    dashboard: str = ""  # http://127.0.0.1:<port>, for the state API
+
+    def placement(self, class_name: str) -> list[str]:
+        """The nodes (names, sorted) of the live actors of ``class_name`` (Ray's state API, through its CLI)."""
+        ask = [RAY, "list", "nodes", "--address", self.dashboard, "--format", "json", "--limit", "100"]
+        names = {n["node_id"]: _node_name(n["resources_total"]) for n in self._state(ask)}
+        ask = [RAY, "list", "actors", "--address", self.dashboard, "--format", "json", "--limit", "1000"]
+        ask += ["--filter", f"class_name={class_name}", "--filter", "state=ALIVE"]
+        return sorted(names.get(a["node_id"], a["node_id"]) for a in self._state(ask))
+
+    def _state(self, command: list[str]) -> list[dict]:
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[:3])} failed: {done.stderr[-2000:]}")
+        return json.loads(done.stdout) if done.stdout.lstrip().startswith("[") else []  # none: a sentence
+
+    def add_node(self, name: str, num_cpus: int) -> Node:
+        """Start a node ``name`` joining the head: ``num_cpus`` CPUs and a resource ``{name: 1}``."""
+        node = Node(name, secrets.token_hex(8), self.root / name / "spool")
+        env = self.env | {OWNER_ENV: node.token, SPOOL_DIR_ENV: str(node.spool)}
+        env.pop("RAY_ADDRESS")
+
+        def start() -> tuple[dict[str, int], subprocess.CompletedProcess]:
+            ports, flags = _node_ports()
+            command = [
+                sys.executable, str(JOIN), "start", "--address", self.address, "--node-ip-address", "127.0.0.1",
+                "--num-cpus", str(num_cpus), "--resources", json.dumps({name: 1}), *flags, *NODE_FLAGS,
+                "--disable-usage-stats",
+            ]  # fmt: skip
+            return ports, subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+
+        _retried(start, node.token)
+        self.nodes[name] = node
+        return node
+
+    def kill(self, name: str) -> list[int]:
+        """The node lost: SIGKILL its raylet, its agents and every worker on it at once; their pids."""
+        pids = marked_processes(self.nodes[name].token)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
+
+
+def _node_name(resources: dict[str, float]) -> str:
+    """A node's name: its one custom resource of ``nodes`` (the others are Ray's own)."""
+    (name,) = [r for r in resources if r not in ("CPU", "GPU", "memory", "object_store_memory") and ":" not in r]
+    return name
+
+
+@contextlib.contextmanager
+def nodes(head_cpus: int, env: dict[str, str] | None = None, **others: int) -> Iterator[Cluster]:
+    """A head with ``head_cpus`` CPUs (and a resource ``{"head": 1}``) and a node per keyword (name=CPUs) on
+    127.0.0.1 with token auth, each its own raylet and spool; every process of every node (and of any node
+    added later) is ended afterwards, passed or failed. Workers inherit the test session's environment: the
+    S3 server's address and credentials (tests/s3_helpers.py), and ``env``."""
+    root = Path(tempfile.mkdtemp(prefix="raynodes", dir="/tmp"))  # short: Ray's unix socket paths are limited
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env["RAY_AUTH_MODE"] = "token"
+    env |= LOOPBACK_ENV
+    head = Node("head", secrets.token_hex(8), root / "head" / "spool")
+    env |= {OWNER_ENV: head.token, SPOOL_DIR_ENV: str(head.spool)}
+    cluster = Cluster("", env, root, {"head": head})
+    try:
+        extra = ("--resources", json.dumps({"head": 1}), *NODE_FLAGS)
+        ports = _retried(lambda: _start_head(head_cpus, str(root / "ray"), env, extra), head.token)
+        cluster.address = f"127.0.0.1:{ports['gcs']}"
+        cluster.dashboard = f"http://127.0.0.1:{ports['dashboard']}"
+        env["RAY_ADDRESS"] = cluster.address
+        for name, cpus in others.items():
+            cluster.add_node(name, cpus)
+        yield cluster
+    finally:
+        for node in list(cluster.nodes.values())[::-1]:
+            end_processes(marked_processes(node.token))
+        shutil.rmtree(root, ignore_errors=True)

@@ -412,19 +412,27 @@ def start_app(
     name: str = "speed",
     route_prefix: str = "/",
     api_key: str | None = None,
+    max_replicas_per_node: int | None = None,
+    proxy_location: str = "EveryNode",
 ) -> str:
     """Start Serve's HTTP proxy on ``host:port`` (loopback by default) and deploy the application under
     ``route_prefix`` on the connected Ray; returns its URL. ``settings`` is the ``user_config``
     (``ServeSettings`` keys); ``api_key`` (else the replicas' ``$SPEED_API_KEY``) is required on every
-    route but ``/healthz``."""
+    route but ``/healthz``. ``max_replicas_per_node=1`` spreads the replicas over the nodes;
+    ``proxy_location="HeadOnly"``: one proxy (several nodes on one machine cannot all bind ``host:port``)."""
     from_dict(ServeSettings, dict(settings or {}))  # fail here, not in a replica
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     options: dict[str, Any] = {
         "num_replicas": replicas,
         "user_config": dict(settings or {}),
         "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
     }
-    for key, value in (("max_ongoing_requests", max_ongoing_requests), ("max_queued_requests", max_queued_requests)):
+    given = {
+        "max_ongoing_requests": max_ongoing_requests,
+        "max_queued_requests": max_queued_requests,
+        "max_replicas_per_node": max_replicas_per_node,
+    }
+    for key, value in given.items():
         if value is not None:
             options[key] = value
     deployment = SpeedServer.options(**options)
