@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-cluster test-quick lint bench gpu-check analysis clean
+.PHONY: demo demo-lm test test-cluster test-quick lint bench gpu-check analysis clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
+
+# The same story with a decoder-only looped LM: next-token pretraining, finetuning on chat prompts, SPEED vs sequential.
+demo-lm: $(VENV)/.installed
+	$(PY) jobs/demo.py --model lm
 
 # Tests use tiny models: one intra-op thread each avoids oversubscribing the cores, and a thread waiting for work
 # sleeps instead of spinning (OMP_WAIT_POLICY: a test that asks for two threads beside a busy worker otherwise

@@ -1,5 +1,8 @@
 """Finetune a parameter-shared T5 on translate_en_de or summarize with Ray Train, then evaluate it with SPEED.
 
+A looped LM checkpoint (or --model lm) is finetuned on the same tasks as chat prompts (speed.chat), the loss
+on the answer only.
+
     python jobs/finetune.py --init-from runs/pretrain-pretrain-2x6-<hash>      # a pretraining run or checkpoint
     python jobs/finetune.py --init-from hf:google/t5-v1_1-small --pattern 2x4 --task summarize --use-gpu
     python jobs/finetune.py --task translate_en_de                             # from scratch

@@ -1,6 +1,8 @@
-"""Pretrain a parameter-shared T5 (NxM looped decoder, early exits) with span corruption, on Ray Train.
+"""Pretrain a parameter-shared T5 (NxM looped decoder, early exits) with span corruption, on Ray Train; with
+--model lm a decoder-only looped LM (P+NxM+C) on next tokens, documents packed into fixed-length rows.
 
     python jobs/pretrain.py                      # few-minute local run: mini preset, 2x6, ../shared/data/pretrain_text
+    python jobs/pretrain.py --model lm --pattern 1+2x4+1
     python jobs/pretrain.py --config jobs/configs/pretrain_small_gpu.yaml --use-gpu --num-workers 8 \\
         --source allenai/c4 --limit 2000000 --storage-path s3://bucket/speed
     ray job submit --working-dir . -- python jobs/pretrain.py --storage-path s3://bucket/speed

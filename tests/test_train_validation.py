@@ -52,7 +52,8 @@ def test_validation_losses_are_per_token_means_over_the_whole_split():
     metrics = validation_metrics(model, corpus, 3)
     losses = ["val_loss_last", "val_loss_loop1", "val_loss_loop2", "val_loss_loop3"]
     flips = [f"val_flip_{kind}_loop{i}" for kind in ("final", "prev") for i in (1, 2, 3)]
-    assert sorted(metrics) == sorted([*losses, *flips, "val_flip_cost"])
+    perplexities = ["val_ppl_loop1", "val_ppl_loop2", "val_ppl_loop3"]
+    assert sorted(metrics) == sorted([*losses, *perplexities, *flips, "val_flip_cost"])
     assert metrics["val_loss_last"] == metrics["val_loss_loop3"]
 
 

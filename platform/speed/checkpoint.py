@@ -2,7 +2,8 @@
 
 Layout (shared by training, evaluation and serving):
     model.pt     the model's state dict
-    config.json  {"model": ModelConfig fields, ...any other resolved configs}
+    config.json  {"model": the model config's fields, "family": "t5" or "lm" (``speed.family``; absent: t5),
+                  "chat_template": an LM's (``speed.chat``), ...any other resolved configs}
     spm.model    the SentencePiece tokenizer, when one was given
 Training jobs add their own files (optimizer, scheduler, RNG; ``speed.train.state``) beside these.
 A training run's directory holds ``checkpoint_<step>`` folders; one is complete once it holds
@@ -24,7 +25,9 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
-from speed.config import ModelConfig, from_dict, to_dict
+from speed.config import to_dict
+from speed.family import DEFAULT_FAMILY, build_model, config_from_dict, family_of
+from speed.lm import LoopedLM
 from speed.model import SpeedT5
 from speed.storage import absolute, locate
 
@@ -39,7 +42,7 @@ COMPLETE_FILE = "complete"  # written after every other file of a checkpoint is 
 class LoadedModel:
     """A model restored from a checkpoint, with its tokenizer's location and full config."""
 
-    model: SpeedT5
+    model: SpeedT5 | LoopedLM
     tokenizer_path: str | None  # the checkpoint's spm.model (a local path or a URI: ``Tokenizer.load`` reads both)
     config: dict[str, Any]
     checkpoint: str  # the checkpoint read (a local path made absolute, or a URI): the one named, or a run's newest
@@ -47,14 +50,22 @@ class LoadedModel:
 
 def save_model(
     directory: str | Path,
-    model: SpeedT5,
+    model: SpeedT5 | LoopedLM,
     tokenizer_path: str | Path | None = None,
     extra_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write weights, config (plus ``extra_config`` sections) and tokenizer into ``directory``."""
+    """Write weights, config (the family, plus ``extra_config`` sections) and tokenizer into ``directory``.
+
+    An LM's config.json also holds the chat template its prompts were written in (``speed.chat``).
+    """
+    from speed.chat import CHAT_TEMPLATE
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = {"model": to_dict(model.config), **(extra_config or {})}
+    family = family_of(model).name
+    config = {"model": to_dict(model.config), "family": family, **(extra_config or {})}
+    if family == "lm":
+        config["chat_template"] = to_dict(CHAT_TEMPLATE)
     torch.save(model.state_dict(), directory / MODEL_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer_path is not None and Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():
@@ -75,12 +86,17 @@ def load_model(where: str | Path, map_location: str | torch.device = "cpu") -> L
     config = json.loads((directory / CONFIG_FILE).read_text())
     if "model" not in config:
         raise ValueError(f"checkpoint config {(directory / CONFIG_FILE).uri} has no 'model' section")
-    model = SpeedT5(from_dict(ModelConfig, config["model"]))
+    model = build_model(config_from_dict(config["model"], checkpoint_family(config)))
     weights = io.BytesIO((directory / MODEL_FILE).read_bytes())
     model.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
     model.eval()
     tok = directory / TOKENIZER_FILE
     return LoadedModel(model, tok.uri if tok.is_file() else None, config, directory.uri)
+
+
+def checkpoint_family(config: dict[str, Any]) -> str:
+    """The model family a checkpoint's config.json names (``t5`` when it names none: older checkpoints)."""
+    return config.get("family", DEFAULT_FAMILY)
 
 
 def read_checkpoint_config(directory: str | Path) -> dict[str, Any]:

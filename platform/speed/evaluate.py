@@ -30,9 +30,12 @@ from torch import Tensor
 from speed import metrics
 from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
+from speed.data.batching import encode_prompts
+from speed.data.tasks import lm_task
 from speed.decoding import DecodeStats, GenerateResult, generate
 from speed.engine import Speculation, SpeculationFields
 from speed.exactness import LogitRecorder, top2_gap
+from speed.lm import LoopedLM
 from speed.model import SpeedT5
 from speed.progress import ProgressBar
 from speed.sampling import Sampling
@@ -153,7 +156,7 @@ class Mismatch:
 
 
 def run_evaluation(
-    model: SpeedT5,
+    model: SpeedT5 | LoopedLM,
     tokenizer: Tokenizer | str | Path,
     config: EvalConfig,
     out_dir: str | Path,
@@ -161,6 +164,8 @@ def run_evaluation(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Decode a task split with SPEED, score it, write the three files; returns the summary.
+
+    A ``LoopedLM`` decodes each source as its finetuning prompt (``speed.data.batching.encode_prompts``).
 
     ``config`` must name its task and input length (``EvalConfig.following``).
     ``progress`` shows one progress bar on stderr. With ``config.check_sequential``
@@ -173,10 +178,15 @@ def run_evaluation(
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     if tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
-    records = read_records(config.task, config.split, config.source, config.limit)
+    lm = isinstance(model, LoopedLM)  # a decoder-only LM reads its prompts in the chat template (speed.chat)
+    task = lm_task(get_task(config.task)) if lm else get_task(config.task)
+    records = read_records(task, config.split, config.source, config.limit)
     columns = records.dataset.to_dict()
     sources, references = columns["source"], columns["target"]
-    inputs = [truncate(ids, config.max_source_len) for ids in tok.encode_batch(sources)]
+    if lm:
+        inputs = encode_prompts(sources, tok, config.max_source_len)
+    else:
+        inputs = [truncate(ids, config.max_source_len) for ids in tok.encode_batch(sources)]
 
     methods = ("speed", "sequential") if config.check_sequential else ("speed",)
     _warm_up(model, inputs[0], methods)

@@ -1,4 +1,5 @@
-"""Tokenisation (parallel ``datasets.map``), span corruption with optional packing, and padding.
+"""Tokenisation (parallel ``datasets.map``), span corruption with optional packing, and padding; for the looped
+LM (``speed.family``), packed next-token rows and prompted examples with the loss on the answer only.
 
 Every example is EOS-terminated and truncated to explicit limits. Span
 corruption draws from ``noise_rng(seed, 0, index)`` per example (the noise of
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from speed.chat import CHAT_TEMPLATE, task_prompt
 from speed.data.spans import corruption_lengths, noise_rng, span_corruption, span_counts
 from speed.data.tasks import Task, get_task
 from speed.model import shift_right
@@ -162,6 +164,69 @@ def corrupt_run(
     """One pretraining example of a token run: span-corrupted ``input_ids`` and ``labels``, both EOS-terminated."""
     corrupted = span_corruption(tokens, noise_density, mean_span_length, rng=rng, sentinel_id=sentinel_id)
     return {"input_ids": corrupted.inputs + [EOS_ID], "labels": corrupted.targets + [EOS_ID]}
+
+
+# ----- the looped LM: packed rows, prompted examples ---------------------------------------------------
+
+
+def pack_rows(
+    pending: list[int], documents: Sequence[Sequence[int]], row_len: int
+) -> tuple[list[list[int]], list[int]]:
+    """``documents`` (each EOS-terminated) joined after ``pending`` and cut into full rows of ``row_len``.
+
+    Returns (the full rows, the tokens left over): nothing is dropped or repeated, and the rows do not
+    depend on how the documents were split into calls (the leftover starts the next call's ``pending``).
+    """
+    joined = pending + list(itertools.chain.from_iterable(documents))
+    full = len(joined) // row_len * row_len
+    return [joined[i : i + row_len] for i in range(0, full, row_len)], joined[full:]
+
+
+def cut_rows(documents: Sequence[Sequence[int]], row_len: int) -> list[list[int]]:
+    """Each document (EOS-terminated) cut on its own into rows of at most ``row_len`` (unpacked)."""
+    return [list(ids[i : i + row_len]) for ids in documents for i in range(0, len(ids), row_len)]
+
+
+def encode_prompts(sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
+    """Each source text (instruction included) as a chat prompt (``speed.chat.task_prompt``), no EOS, at most
+    ``max_len`` tokens: an overlong prompt loses the end of its source, never the template's cue."""
+    prompts = tokenizer.encode_batch([task_prompt("", text) for text in sources], add_eos=False)
+    tail = len(tokenizer.encode("\n" + CHAT_TEMPLATE.cue, add_eos=False))
+    if max_len <= tail:
+        raise ValueError(f"a prompt of at most {max_len} tokens cannot hold the chat template's cue ({tail})")
+    return [ids if len(ids) <= max_len else ids[: max_len - tail] + ids[-tail:] for ids in prompts]
+
+
+def encode_prompted(
+    batch: dict[str, list], tokenizer: Tokenizer, max_source_len: int, max_target_len: int
+) -> dict[str, list]:
+    """Columns ``source``/``target`` -> ``input_ids`` (the prompt, ``encode_prompts``) and ``labels`` (the
+    answer, EOS last): ``collate_lm`` joins them and puts the loss on the answer only."""
+    targets = tokenizer.encode_batch(batch["target"])
+    return {
+        "input_ids": encode_prompts(batch["source"], tokenizer, max_source_len),
+        "labels": [truncate(ids, max_target_len) for ids in targets],
+    }
+
+
+def collate_lm(columns: Mapping[str, Sequence[Sequence[int]]], pad_id: int = 0) -> dict[str, Tensor]:
+    """A looped-LM batch: input_ids (B, T) right-padded, labels (B, T) the next token at each position.
+
+    ``input_ids`` alone (packed rows): every position but the last predicts the next. With ``labels`` (the
+    answers of prompted examples): each sequence is prompt + answer, and only the positions that predict an
+    answer token carry a label (from the prompt's last token to the answer's second to last). -100 elsewhere.
+    """
+    prompts = columns["input_ids"]
+    if len(prompts) == 0:
+        raise ValueError("collate got an empty batch")
+    answers = columns.get("labels")
+    sequences = [list(p) + list(a) for p, a in zip(prompts, answers)] if answers is not None else prompts
+    starts = [max(len(p) - 1, 0) for p in prompts] if answers is not None else [0] * len(prompts)
+    input_ids = _pad(sequences, pad_id)  # (B, T)
+    labels = torch.full_like(input_ids, LABEL_PAD)  # (B, T)
+    for b, (seq, start) in enumerate(zip(sequences, starts)):
+        labels[b, start : len(seq) - 1] = torch.as_tensor(seq[start + 1 :], dtype=torch.long)
+    return {"input_ids": input_ids, "labels": labels}
 
 
 # ----- batching --------------------------------------------------------------------------

@@ -6,7 +6,9 @@ One prepared split (``speed.data.shards``) is one folder::
     manifest.json                 what the folder holds (``Manifest``)
     _COMPLETE                     written last: a folder without it is never read
 
-Source/target tasks store ``input_ids`` and ``labels``. Pretraining stores the
+Source/target tasks store ``input_ids`` and ``labels`` (for the looped LM, kind ``prompted``: the chat prompt
+and the answer). The LM's pretraining stores next-token rows (kind ``rows``: ``input_ids``, documents packed
+end to end with EOS between them). T5's pretraining stores the
 token runs (``tokens``) and span-corrupts them as a batch is read, with noise
 drawn from ``(seed, epoch, example index)``: new each epoch, replayed exactly on
 resume. Every row has ``length``, the tokens the example costs (inputs plus
@@ -43,6 +45,8 @@ COMPLETE_MARKER = "_COMPLETE"
 TOKEN_LIST = pa.list_(pa.int32())
 PAIRS_SCHEMA = pa.schema([("input_ids", TOKEN_LIST), ("labels", TOKEN_LIST), ("length", pa.int32())])
 RUNS_SCHEMA = pa.schema([("tokens", TOKEN_LIST), ("length", pa.int32())])
+ROWS_SCHEMA = pa.schema([("input_ids", TOKEN_LIST), ("length", pa.int32())])
+SCHEMAS = {"pairs": PAIRS_SCHEMA, "prompted": PAIRS_SCHEMA, "runs": RUNS_SCHEMA, "rows": ROWS_SCHEMA}  # by kind
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Manifest:
     format: int
     key: str  # the cache key: corpus files, tokenizer bytes and settings
     spec: dict[str, Any]  # the CorpusSpec it was prepared with
-    kind: str  # "pairs" (input_ids, labels) or "runs" (pretraining token runs)
+    kind: str  # "pairs"/"prompted" (input_ids, labels), "runs" (T5 pretraining runs) or "rows" (LM input_ids)
     vocab_size: int  # the tokenizer's, sentinels included: sentinel i is vocab_size - 1 - i
     noise_density: float
     mean_span_length: float
@@ -88,7 +92,7 @@ class Manifest:
 
 def write_shard(path: Path, columns: dict[str, list], kind: str) -> None:
     """Write one shard (a single record batch) as an uncompressed Arrow IPC file."""
-    schema = RUNS_SCHEMA if kind == "runs" else PAIRS_SCHEMA
+    schema = SCHEMAS[kind]
     table = pa.table({name: pa.array(columns[name], type=schema.field(name).type) for name in schema.names})
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_table(table.combine_chunks(), max_chunksize=max(1, table.num_rows))
@@ -137,9 +141,12 @@ class TokenizedCorpus:
         return MappedLengths(self)
 
     def examples(self, indices: Sequence[int], epoch: int, seed: int) -> dict[str, list[list[int]]]:
-        """Columns ``input_ids`` and ``labels`` of the examples at ``indices``; runs are corrupted for ``epoch``."""
+        """Columns ``input_ids`` and ``labels`` of the examples at ``indices``; runs are corrupted for ``epoch``.
+
+        Next-token rows (kind ``rows``) have ``input_ids`` only: their labels are their own next tokens.
+        """
         m = self.manifest
-        out: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+        out: dict[str, list[list[int]]] = {"input_ids": []} if m.kind == "rows" else {"input_ids": [], "labels": []}
         indices = np.asarray(indices, dtype=np.int64)
         for index, segment_index, row in zip(indices.tolist(), *self._locate(indices)):
             segment = self._segments[segment_index]
@@ -152,9 +159,9 @@ class TokenizedCorpus:
                     m.mean_span_length,
                 )
             else:
-                example = {"input_ids": _row(segment, "input_ids", row), "labels": _row(segment, "labels", row)}
-            out["input_ids"].append(example["input_ids"])
-            out["labels"].append(example["labels"])
+                example = {name: _row(segment, name, row) for name in out}
+            for name in out:
+                out[name].append(example[name])
         self._unmap(indices)
         return out
 

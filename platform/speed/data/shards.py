@@ -32,12 +32,22 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from speed.data.batching import MAP_BATCH, check_encoding, encode_pairs, encode_runs, pack_runs, pretrain_run_length
+from speed.data.batching import (
+    MAP_BATCH,
+    check_encoding,
+    cut_rows,
+    encode_pairs,
+    encode_prompted,
+    encode_runs,
+    pack_rows,
+    pack_runs,
+    pretrain_run_length,
+)
 from speed.data.corpus import COMPLETE_MARKER, FORMAT_VERSION, MANIFEST_FILE, Manifest, Shard, write_shard
 from speed.data.records import RecordCount, iter_records
 from speed.data.sources import PARQUET_SUFFIX, Source, resolve_source
 from speed.data.spans import corrupted_sizes
-from speed.data.tasks import get_task
+from speed.data.tasks import Task, get_task, lm_task
 from speed.storage import Location, locate
 from speed.tokenizer import Tokenizer
 
@@ -58,11 +68,24 @@ class CorpusSpec:
     pack: bool = False  # pretraining: join texts into full-length runs
     noise_density: float = 0.15  # pretraining: span corruption, applied when batches are read
     mean_span_length: float = 3.0
+    family: str = "t5"  # speed.family: "lm" prepares next-token rows (of max_source_len) or prompted pairs
 
     def __post_init__(self) -> None:
         check_encoding(get_task(self.task), self.max_source_len, self.max_target_len, self.pack)
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be positive or None, got {self.limit}")
+        if self.family not in _ENCODERS:
+            raise ValueError(f"unknown model family {self.family!r}; choose one of {sorted(_ENCODERS)}")
+
+    @property
+    def kind(self) -> str:
+        """What the prepared split stores (``speed.data.corpus.Manifest.kind``)."""
+        return _ENCODERS[self.family][get_task(self.task).is_pretrain].kind
+
+    @property
+    def reading(self) -> Task:
+        """The task as this family reads its records (the LM's instruction instead of T5's prefix)."""
+        return lm_task(get_task(self.task)) if self.family == "lm" else get_task(self.task)
 
 
 @dataclass(frozen=True)
@@ -86,7 +109,10 @@ def corpus_key(spec: CorpusSpec, tokenizer_bytes: bytes) -> str:
         corpus: object = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in src.files]
     else:
         corpus = str(src)
-    identity = {"format": FORMAT_VERSION, "spec": asdict(spec), "corpus": corpus}
+    spec_fields = asdict(spec)
+    if spec.family == "t5":
+        spec_fields.pop("family")  # T5 splits prepared before the LM existed keep their keys
+    identity = {"format": FORMAT_VERSION, "spec": spec_fields, "corpus": corpus}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     digest.update(hashlib.sha256(tokenizer_bytes).digest())
     return digest.hexdigest()[:16]
@@ -229,7 +255,7 @@ def _build(
         format=FORMAT_VERSION,
         key=key,
         spec=asdict(spec),
-        kind="runs" if task.is_pretrain else "pairs",
+        kind=spec.kind,
         vocab_size=tokenizer.vocab_size,
         noise_density=spec.noise_density,
         mean_span_length=spec.mean_span_length,
@@ -285,10 +311,9 @@ def _prepare_piece(
     on_shard: Callable[[Shard], None] | None,
 ) -> _PieceResult:
     """Tokenize one piece's records chunk by chunk, writing a shard every ``docs_per_shard`` records."""
-    task = get_task(spec.task)
     count = RecordCount()
-    encoder = _RunsEncoder(spec, tokenizer) if task.is_pretrain else _PairsEncoder(spec, tokenizer)
-    kind = "runs" if task.is_pretrain else "pairs"
+    encoder = _ENCODERS[spec.family][get_task(spec.task).is_pretrain](spec, tokenizer)
+    kind = spec.kind
     shards: list[Shard] = []
     columns: dict[str, list] = {}
     records = 0
@@ -306,7 +331,7 @@ def _prepare_piece(
             on_shard(shards[-1])
         columns, records = {}, 0
 
-    chunks: Iterator[pa.Table] = iter_records(spec.task, spec.split, piece.source, piece.limit, MAP_BATCH, count)
+    chunks: Iterator[pa.Table] = iter_records(spec.reading, spec.split, piece.source, piece.limit, MAP_BATCH, count)
     for chunk in chunks:
         add(encoder.encode(chunk))
         records += chunk.num_rows
@@ -321,24 +346,65 @@ def _prepare_piece(
 class _PairsEncoder:
     """Source/target records -> ``input_ids``, ``labels`` and ``length``."""
 
+    kind = "pairs"
+    encode_pairs = staticmethod(encode_pairs)
+
     def __init__(self, spec: CorpusSpec, tokenizer: Tokenizer) -> None:
         self.spec, self.tokenizer = spec, tokenizer
 
     def encode(self, chunk: pa.Table) -> dict[str, list]:
         batch = {"source": chunk.column("source").to_pylist(), "target": chunk.column("target").to_pylist()}
-        pairs = encode_pairs(batch, self.tokenizer, self.spec.max_source_len, self.spec.max_target_len)
+        pairs = self.encode_pairs(batch, self.tokenizer, self.spec.max_source_len, self.spec.max_target_len)
         return {**pairs, "length": [len(i) + len(t) for i, t in zip(pairs["input_ids"], pairs["labels"])]}
 
     def finish(self) -> dict[str, list]:
         return {}
 
 
+class _PromptedEncoder(_PairsEncoder):
+    """The LM's source/target records -> chat prompts (``input_ids``), answers (``labels``) and ``length``."""
+
+    kind = "prompted"
+    encode_pairs = staticmethod(encode_prompted)
+
+
+class _RowsEncoder:
+    """The LM's texts -> next-token rows (``input_ids``) of ``max_source_len`` tokens, and ``length``.
+
+    Every document ends in EOS. Packed, the documents run on from row to row across chunks, so every row
+    but a piece's last is full; unpacked, each document is cut into rows on its own.
+    """
+
+    kind = "rows"
+
+    def __init__(self, spec: CorpusSpec, tokenizer: Tokenizer) -> None:
+        self.spec, self.tokenizer = spec, tokenizer
+        self.pending: list[int] = []
+
+    def encode(self, chunk: pa.Table) -> dict[str, list]:
+        documents = self.tokenizer.encode_batch(chunk.column("text").to_pylist())  # each EOS-terminated
+        if not self.spec.pack:
+            return self._columns(cut_rows(documents, self.spec.max_source_len))
+        rows, self.pending = pack_rows(self.pending, documents, self.spec.max_source_len)
+        return self._columns(rows)
+
+    def finish(self) -> dict[str, list]:
+        rows, self.pending = [self.pending] if self.pending else [], []
+        return self._columns(rows)
+
+    @staticmethod
+    def _columns(rows: list[list[int]]) -> dict[str, list]:
+        return {"input_ids": rows, "length": [len(r) for r in rows]}
+
+
 class _RunsEncoder:
-    """Texts -> token runs (``tokens``) and ``length`` after corruption.
+    """T5's texts -> token runs (``tokens``) and ``length`` after corruption.
 
     Packing joins groups of ``MAP_BATCH`` consecutive runs, exactly as
     ``speed.data.tokenize_records`` does, so runs wait here until a group is full.
     """
+
+    kind = "runs"
 
     def __init__(self, spec: CorpusSpec, tokenizer: Tokenizer) -> None:
         self.spec, self.tokenizer = spec, tokenizer
@@ -367,6 +433,13 @@ class _RunsEncoder:
         lengths = [len(r) for r in runs]
         cost = {n: sum(corrupted_sizes(n, self.spec.noise_density, self.spec.mean_span_length)) for n in set(lengths)}
         return {"tokens": runs, "length": [cost[n] for n in lengths]}
+
+
+# family -> {is a pretraining task: its encoder}
+_ENCODERS: dict[str, dict[bool, type]] = {
+    "t5": {True: _RunsEncoder, False: _PairsEncoder},
+    "lm": {True: _RowsEncoder, False: _PromptedEncoder},
+}
 
 
 class _Progress:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -23,6 +24,7 @@ class Task:
     source_field: str
     target_field: str | None = None
     prefix: str = ""  # T5's task prefix, put before every source text
+    instruction: str = ""  # the looped LM's: the start of its prompt's user turn (``speed.chat.task_prompt``)
     metrics: tuple[str, ...] = ()  # what evaluation reports: "bleu", "chrf", "rouge"
 
     @property
@@ -49,6 +51,7 @@ TASKS: dict[str, Task] = {
         source_field="translation.en",
         target_field="translation.de",
         prefix="translate English to German: ",
+        instruction="Translate to German: ",
         metrics=("bleu", "chrf"),
     ),
     "summarize": Task(
@@ -60,6 +63,7 @@ TASKS: dict[str, Task] = {
         source_field="document",
         target_field="summary",
         prefix="summarize: ",
+        instruction="Write a headline for this article: ",
         metrics=("rouge",),
     ),
     "summarize_cnn_dailymail": Task(
@@ -71,9 +75,15 @@ TASKS: dict[str, Task] = {
         source_field="article",
         target_field="highlights",
         prefix="summarize: ",
+        instruction="Summarize: ",
         metrics=("rouge",),
     ),
 }
+
+
+def lm_task(task: Task) -> Task:
+    """The task as the looped LM reads it: its instruction, not T5's prefix, before every source text."""
+    return dataclasses.replace(task, prefix=task.instruction)
 
 
 def get_task(name: str) -> Task:

@@ -7,8 +7,10 @@ files and flags are only input: they are merged over the job kind's defaults
 (``defaults < YAML < flags``) and turned into dataclasses by
 ``speed.config.from_dict``, so a misspelled key is an error naming it.
 
-The ``model`` section may name a ``preset`` plus field overrides; it resolves
-to a full ``ModelConfig`` (the form stored in checkpoints, which parses back).
+The ``model`` section may name a ``family`` (``t5``, the default, or ``lm``:
+``speed.family``; the flag ``--model``) and a ``preset`` of it plus field
+overrides; it resolves to a full ``ModelConfig`` or ``LMConfig`` (the form
+stored in checkpoints, which parses back).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speed.checkpoint import local_checkpoint, read_checkpoint_config
+from speed.checkpoint import checkpoint_family, local_checkpoint, read_checkpoint_config
 from speed.cli import JobParser, parse_set, parse_yaml
-from speed.config import ConfigError, ModelConfig, from_dict, preset, to_dict
+from speed.config import ConfigError, LMConfig, ModelConfig, from_dict, to_dict
 from speed.data.tasks import TASKS
 from speed.evaluate import EvalConfig
+from speed.family import DEFAULT_FAMILY, Family, family_of, get_family
 from speed.losses import SCHEMES, SettleConfig, check_scheme
 from speed.train.optim import SCHEDULES, OptimConfig
 from speed.train.state import IncompatibleCheckpointError
@@ -158,7 +161,7 @@ class JobConfig:
     """Everything a pretraining or finetuning job needs; travels inside every checkpoint."""
 
     kind: str = "pretrain"  # pretrain | finetune
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig | LMConfig = field(default_factory=ModelConfig)  # its class is the family (speed.family)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -180,6 +183,13 @@ class JobConfig:
             )
         if self.kind == "finetune" and self.eval is not None:
             self.final_eval.check_complete()  # checked now, not after training: e.g. a task without references
+        if self.family.name != "t5" and self.init_from is not None and self.init_from.startswith("hf:"):
+            raise ValueError(f"--init-from {self.init_from}: Hugging Face T5 weights need --model t5")
+
+    @property
+    def family(self) -> Family:
+        """The model family (``speed.family``) that ``model`` belongs to."""
+        return family_of(self.model)
 
     @property
     def final_eval(self) -> EvalConfig:
@@ -215,12 +225,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def resolve_model(section: dict[str, Any]) -> ModelConfig:
-    """``{"preset": name, **overrides}`` or a full field dict -> ``ModelConfig`` (unknown keys are errors)."""
+def resolve_model(section: dict[str, Any]) -> ModelConfig | LMConfig:
+    """``{"family": t5|lm, "preset": name, **overrides}`` or a full field dict -> the family's model config
+    (unknown keys are errors; no family: t5)."""
     section = dict(section)
+    family = get_family(section.pop("family", DEFAULT_FAMILY))
     name = section.pop("preset", None)
-    base = preset(name) if name is not None else ModelConfig()
-    return from_dict(ModelConfig, {**to_dict(base), **section}, "model") if section else base
+    base = family.preset(name) if name is not None else family.config()
+    return from_dict(family.config, {**to_dict(base), **section}, "model") if section else base
 
 
 def job_from_dict(data: dict[str, Any]) -> JobConfig:
@@ -236,8 +248,10 @@ def job_from_dict(data: dict[str, Any]) -> JobConfig:
 
 
 def job_to_dict(job: JobConfig) -> dict[str, Any]:
-    """The fully resolved job as plain data (parses back with ``job_from_dict``)."""
-    return to_dict(job)
+    """The fully resolved job as plain data (parses back with ``job_from_dict``); ``model`` names its family."""
+    d = to_dict(job)
+    d["model"]["family"] = job.family.name
+    return d
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -274,6 +288,8 @@ def run_name(job: JobConfig) -> str:
         d["train"].pop(key)
     if not job.train.settle.active:
         d["train"].pop("settle")  # runs named before the settle term existed keep their names
+    if job.family.name == DEFAULT_FAMILY:
+        d["model"].pop("family")  # T5 runs named before the LM existed too
     for key in ("run", "eval", "resume", "scale", "tracking"):
         d.pop(key)
     digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
@@ -292,7 +308,7 @@ def resumable_job(path: str) -> dict[str, Any]:
         saved = read_checkpoint_config(directory)
     if "job" not in saved:
         raise IncompatibleCheckpointError(f"{path} is a model checkpoint without a training job; use --init-from")
-    job = {**saved["job"], "model": saved["model"], "resume": path}
+    job = {**saved["job"], "model": {**saved["model"], "family": checkpoint_family(saved)}, "resume": path}
     for section, keys in LAUNCH_ONLY.items():
         for key in keys:
             job[section][key] = None
@@ -307,13 +323,14 @@ def _shallow(obj: Any) -> dict[str, Any]:
 
 # flag -> (dotted key, type, help). Everything else: --set section.key=value (value parsed as YAML).
 FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--model": ("model.family", str, "model family: t5 (encoder-decoder, default) or lm (decoder-only looped LM)"),
     "--preset": ("model.preset", str, "model preset: base, small, mini, tiny"),
-    "--pattern": ("model.pattern", str, "decoder sharing pattern NxM, e.g. 2x6"),
+    "--pattern": ("model.pattern", str, "decoder sharing pattern NxM, e.g. 2x6 (lm: P+NxM+C, e.g. 1+2x6+1)"),
     "--task": ("data.task", str, f"one of {', '.join(sorted(TASKS))}"),
     "--source": ("data.source", str, "corpus folder or hub name (e.g. allenai/c4); default: the local corpus"),
     "--limit": ("data.limit", int, "use only the first N training records"),
-    "--max-source-len": ("data.max_source_len", int, "encoder tokens per example"),
-    "--max-target-len": ("data.max_target_len", int, "decoder tokens per example"),
+    "--max-source-len": ("data.max_source_len", int, "encoder tokens per example (lm: prompt or packed row)"),
+    "--max-target-len": ("data.max_target_len", int, "decoder tokens per example (lm: answer)"),
     "--tokenizer": ("data.tokenizer", str, "an existing SentencePiece .model (default: train one)"),
     "--vocab-size": ("data.vocab_size", int, "pieces of a newly trained tokenizer"),
     "--optimizer": ("optim.name", str, "adamw or adafactor"),

@@ -32,14 +32,16 @@ from ray.train.torch import TorchTrainer
 
 from speed.checkpoint import (
     TOKENIZER_FILE,
+    checkpoint_family,
     latest_checkpoint,
     local_checkpoint,
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
 from speed.cluster import code_runtime_env
-from speed.config import ModelConfig, from_dict, to_dict
+from speed.config import LMConfig, ModelConfig, to_dict
 from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
+from speed.family import config_from_dict
 from speed.paths import data_dir
 from speed.storage import absolute, locate
 from speed.tokenizer import Tokenizer, train_tokenizer
@@ -164,7 +166,7 @@ def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
                 raise FileNotFoundError(f"checkpoint {origin} has no {TOKENIZER_FILE}; cannot tokenize for it")
             tokenizer_path = scratch / TOKENIZER_FILE
             tokenizer_path.write_bytes((directory / TOKENIZER_FILE).read_bytes())
-        model = from_dict(ModelConfig, saved["model"])
+        model = config_from_dict(saved["model"], checkpoint_family(saved))
         _note_replaced(job.model, model, origin)
         return ResolvedJob.of(replace(job, model=model), tokenizer_path)
     if origin:
@@ -178,7 +180,11 @@ def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
     return ResolvedJob.of(replace(job, model=job.model.replace(vocab_size=vocab)), tokenizer_path)
 
 
-def _note_replaced(asked: ModelConfig, used: ModelConfig, origin: str) -> None:
+def _note_replaced(asked: ModelConfig | LMConfig, used: ModelConfig | LMConfig, origin: str) -> None:
+    if type(asked) is not type(used):
+        raise ValueError(
+            f"{origin} holds a {type(used).__name__}, but the job asks for a {type(asked).__name__} (--model)"
+        )
     changed = {k: v for k, v in to_dict(used).items() if to_dict(asked)[k] != v}
     if changed:
         print(f"model config taken from {origin}: {changed}", flush=True)
@@ -255,11 +261,14 @@ def data_stage(job: JobConfig, tokenizer_path: Path, validation_limit: int | Non
     """The job's training split (and, with ``validation_limit``, that many validation records) tokenized once
     into shards under ``<storage_path>/data``, or found there."""
     d, root = job.data, cache_root(absolute(job.run.storage_path))
-    spec = CorpusSpec(d.task, "train", d.source, d.limit, d.max_source_len, d.max_target_len, d.pack)
+    family = job.family.name
+    spec = CorpusSpec(d.task, "train", d.source, d.limit, d.max_source_len, d.max_target_len, d.pack, family=family)
     train = prepare_corpus(spec, tokenizer_path, root).uri
     if validation_limit is None:
         return PreparedData(train)
-    spec = CorpusSpec(d.task, "validation", d.source, validation_limit, d.max_source_len, d.max_target_len)
+    spec = CorpusSpec(
+        d.task, "validation", d.source, validation_limit, d.max_source_len, d.max_target_len, family=family
+    )
     return PreparedData(train, prepare_corpus(spec, tokenizer_path, root).uri)
 
 

@@ -41,6 +41,8 @@ from speed.checkpoint import (
     read_checkpoint_config,
 )
 from speed.data.corpus import TokenizedCorpus, open_corpus
+from speed.family import build_model
+from speed.lm import LoopedLM
 from speed.losses import loss_weights, settled_loss
 from speed.model import SpeedT5
 from speed.train import tracking
@@ -75,11 +77,12 @@ class InjectedFailure(RuntimeError):
     """The failure ``train.fail_at_step`` asks for (fault-tolerance tests and drills)."""
 
 
-def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5:
-    """A fresh model (seeded), or the weights of ``init_from`` (a speed checkpoint or ``hf:`` T5 v1.1)."""
+def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
+    """A fresh model of the job's family (seeded), or the weights of ``init_from`` (a speed checkpoint or
+    ``hf:`` T5 v1.1)."""
     torch.manual_seed(job.train.seed)
     if job.init_from is None or not load_init:
-        return SpeedT5(job.model)
+        return build_model(job.model)
     if job.init_from.startswith("hf:"):
         from speed.convert import from_pretrained
 
@@ -92,7 +95,7 @@ def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5:
     return model.train()
 
 
-def _unwrap(model: nn.Module) -> SpeedT5:
+def _unwrap(model: nn.Module) -> SpeedT5 | LoopedLM:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
@@ -232,11 +235,9 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
     ``history``: the log of the steps before ``step``; ``resumed_own``: this run's checkpoint of ``step``
     (not another run's) was restored, so it is on storage already.
     """
-    from speed.data import collate
-
     job, model, optimizer, scheduler = ctx.job, ctx.model, ctx.optimizer, ctx.scheduler
     plan, corpus, rank, world, device, deadline = ctx.plan, ctx.corpus, ctx.rank, ctx.world, ctx.device, ctx.deadline
-    t = job.train
+    t, family = job.train, job.family
     n_loops = _unwrap(model).n_loops
     weights = loss_weights(t.loss_weights, n_loops).to(device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and t.bf16 else nullcontext()
@@ -258,17 +259,17 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
         settle_sum = torch.zeros((), device=device)
         tokens = 0
         for i, indices in enumerate(micro):
-            batch = {k: v.to(device) for k, v in collate(corpus.examples(indices, epoch, t.seed)).items()}
+            batch = {k: v.to(device) for k, v in family.collate(corpus.examples(indices, epoch, t.seed)).items()}
             sync = world == 1 or i == len(micro) - 1  # all-reduce gradients once per optimizer step
             with nullcontext() if sync else model.no_sync():
                 with autocast:  # the forward only; backward runs in the dtypes autocast chose
-                    # collate's keys are the forward's: input_ids, attention_mask, labels, decoder_input_ids
+                    # the family's collate gives the forward's keyword arguments, labels among them
                     out = model(**batch, weights=weights, return_logits=t.settle.active)
                     loss, settle = settled_loss(out.loss, out.loop_logits, batch["labels"], t.settle, step + 1)
                 (loss / len(micro)).backward()
             loop_sum += out.loop_losses.detach().float()
             settle_sum += settle.detach().float() if settle is not None else 0.0
-            tokens += int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
+            tokens += family.tokens(batch)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 from speed.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, TOKENIZER_FILE, save_model
+from speed.lm import LoopedLM
 from speed.model import SpeedT5
 from speed.storage import locate
 from speed.train.train_log import TRAIN_LOG_SCHEMA
@@ -68,7 +69,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_training_checkpoint(
     directory: str | Path,
-    model: SpeedT5,
+    model: SpeedT5 | LoopedLM,
     tokenizer_path: str | Path | None,
     job: dict[str, Any],
     state: TrainingState,
@@ -110,7 +111,10 @@ def check_compatible(saved: dict[str, Any], job: dict[str, Any], tokenizer_bytes
     ``job`` is the resolved job of this run (``speed.train.config.job_to_dict``).
     """
     problems = []
-    ours = job["model"]
+    ours = {key: value for key, value in job["model"].items() if key != "family"}
+    theirs_family, our_family = saved.get("family", "t5"), job["model"].get("family", "t5")
+    if theirs_family != our_family:
+        problems.append(f"the model family is {theirs_family!r} there, {our_family!r} here")
     for key in sorted(set(ours) | set(saved.get("model", {}))):
         if saved.get("model", {}).get(key) != ours.get(key):
             problems.append(f"model.{key} is {saved.get('model', {}).get(key)!r} there, {ours.get(key)!r} here")

@@ -4,17 +4,21 @@ A sweep's scheduler ranks trials by the last loop's validation loss
 (``val_loss_last``): unlike the weighted training loss it does not depend on
 the loss-weight scheme. The flip rates come from the same teacher-forced pass
 (every loop's argmax at every target position, no decoding): ``val_flip_cost``
-(``speed.losses.flip_cost``) estimates the steps per token SPEED loses to flips.
+(``speed.losses.flip_cost``) estimates the steps per token SPEED loses to flips. Both model families
+(``speed.family``): the LM's targets are its next tokens, so its per-loop perplexities
+(``Validation.perplexities``) are the language-model's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from speed.data import collate
 from speed.data.corpus import TokenizedCorpus
+from speed.family import family_of
+from speed.lm import LoopedLM
 from speed.losses import flip_cost, teacher_forced_flips
 from speed.model import SpeedT5
 
@@ -32,10 +36,16 @@ class Validation:
     def flip_cost(self) -> float:
         return flip_cost(self.flip_rate_prev)
 
+    @property
+    def perplexities(self) -> list[float]:
+        """exp of every loop's mean token cross-entropy."""
+        return [math.exp(x) for x in self.losses]
 
-def validate(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> Validation:
+
+def validate(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int) -> Validation:
     """Every loop's loss and flip rates over the whole corpus (eval mode, no dropout, teacher forcing)."""
     device = next(model.parameters()).device
+    collate = family_of(model).collate
     was_training = model.training
     model.eval()
     total = torch.zeros(model.n_loops, dtype=torch.float64)
@@ -47,7 +57,7 @@ def validate(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> Valida
             for start in range(0, len(corpus), batch_size):
                 indices = range(start, min(start + batch_size, len(corpus)))
                 batch = {k: v.to(device) for k, v in collate(corpus.examples(indices, 0, 0)).items()}
-                out = model(**batch, return_logits=True)  # collate's keys are the forward's
+                out = model(**batch, return_logits=True)  # the family's collate gives the forward's arguments
                 flips_prev, flips_final, n = teacher_forced_flips(out.loop_logits, batch["labels"])
                 total += out.loop_losses.double().cpu() * n  # (M,): per-token means back to sums
                 prev += flips_prev.cpu()
@@ -60,18 +70,19 @@ def validate(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> Valida
     return Validation((total / tokens).tolist(), (prev / tokens).tolist(), (final / tokens).tolist(), tokens)
 
 
-def validation_losses(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> list[float]:
+def validation_losses(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int) -> list[float]:
     """(M,) mean token cross-entropy of every loop's exit over the whole corpus (eval mode, no dropout)."""
     return validate(model, corpus, batch_size).losses
 
 
-def validation_metrics(model: SpeedT5, corpus: TokenizedCorpus, batch_size: int) -> dict[str, float]:
+def validation_metrics(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int) -> dict[str, float]:
     """For a report: ``val_loss_loop1`` .. ``val_loss_loopM``, ``val_loss_last`` (= loop M),
-    ``val_flip_prev_loop{i}``, ``val_flip_final_loop{i}`` and ``val_flip_cost``."""
+    ``val_ppl_loop{i}`` (perplexity), ``val_flip_prev_loop{i}``, ``val_flip_final_loop{i}`` and ``val_flip_cost``."""
     v = validate(model, corpus, batch_size)
     return {
         **{f"val_loss_loop{i + 1}": x for i, x in enumerate(v.losses)},
         "val_loss_last": v.losses[-1],
+        **{f"val_ppl_loop{i + 1}": x for i, x in enumerate(v.perplexities)},
         **{f"val_flip_prev_loop{i + 1}": x for i, x in enumerate(v.flip_rate_prev)},
         **{f"val_flip_final_loop{i + 1}": x for i, x in enumerate(v.flip_rate_final)},
         "val_flip_cost": v.flip_cost,

@@ -1,0 +1,110 @@
+"""The two model families, behind one seam: the T5 encoder-decoder (``t5``) and the decoder-only looped LM (``lm``).
+
+A family names its config class, its model class, its presets, and what training needs of it: how a batch
+of examples becomes the forward's keyword arguments (``collate``) and how many tokens a batch holds. Jobs
+choose a family with ``--model t5|lm`` (the ``model`` section's ``family`` key); checkpoints record it
+(config.json's ``family``, absent in T5 checkpoints written before the LM existed), so that
+``speed.checkpoint.load_model`` rebuilds the right model.
+
+Imports of ``speed.data`` stay inside the methods: loading a checkpoint (serving) does not pay for
+``datasets``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+from speed.config import LMConfig, ModelConfig, from_dict, lm_preset, preset
+from speed.lm import LoopedLM
+from speed.model import SpeedT5
+
+DEFAULT_FAMILY = "t5"
+
+
+class Family(Protocol):
+    """What the library needs to know of a model family."""
+
+    name: str
+    config: type  # the frozen config dataclass
+    model: type  # the nn.Module built from it
+
+    def preset(self, name: str) -> Any:
+        """The named preset config (``mini``, ``tiny``, ...)."""
+
+    def collate(self, columns: Mapping[str, Sequence]) -> dict[str, Tensor]:
+        """A batch of examples (columns of a prepared corpus) as the forward's keyword arguments, ``labels``
+        among them (-100 = no loss)."""
+
+    def tokens(self, batch: Mapping[str, Tensor]) -> int:
+        """Tokens a collated batch costs (the tokens/s of the training log)."""
+
+
+class T5Family:
+    """``SpeedT5`` trained on (input_ids, labels) pairs: span-corrupted text or source/target tasks."""
+
+    name = "t5"
+    config = ModelConfig
+    model = SpeedT5
+
+    def preset(self, name: str) -> ModelConfig:
+        return preset(name)
+
+    def collate(self, columns: Mapping[str, Sequence]) -> dict[str, Tensor]:
+        from speed.data import collate
+
+        return collate(columns)  # input_ids, attention_mask, labels, decoder_input_ids
+
+    def tokens(self, batch: Mapping[str, Tensor]) -> int:
+        return int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
+
+
+class LMFamily:
+    """``LoopedLM`` trained on next tokens: packed text rows, or prompted examples with the loss on the answer."""
+
+    name = "lm"
+    config = LMConfig
+    model = LoopedLM
+
+    def preset(self, name: str) -> LMConfig:
+        return lm_preset(name)
+
+    def collate(self, columns: Mapping[str, Sequence]) -> dict[str, Tensor]:
+        from speed.data.batching import collate_lm
+
+        return collate_lm(columns)  # input_ids, labels
+
+    def tokens(self, batch: Mapping[str, Tensor]) -> int:
+        from speed.tokenizer import PAD_ID
+
+        return int((batch["input_ids"] != PAD_ID).sum())
+
+
+FAMILIES: dict[str, Family] = {"t5": T5Family(), "lm": LMFamily()}
+
+
+def get_family(name: str) -> Family:
+    """The family ``name`` (``t5`` or ``lm``); an unknown name is an error listing both."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; choose one of {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of(obj: nn.Module | Any) -> Family:
+    """The family of a model or of a model config."""
+    for family in FAMILIES.values():
+        if isinstance(obj, (family.model, family.config)):
+            return family
+    raise TypeError(f"{type(obj).__name__} belongs to no model family")
+
+
+def config_from_dict(data: dict[str, Any], family: str = DEFAULT_FAMILY) -> ModelConfig | LMConfig:
+    """A model config of ``family`` from its fields (unknown keys are errors)."""
+    return from_dict(get_family(family).config, data, "model")
+
+
+def build_model(config: ModelConfig | LMConfig) -> SpeedT5 | LoopedLM:
+    """A freshly initialised model of the config's family."""
+    return family_of(config).model(config)
