@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(result.table, out)
     print(format_report(result, rows))
-    growth = result.rss_growth
+    growth, warm = result.rss_growth, result.rss_growth_after_warmup
     print(
-        f"goals: failures {result.failures} (0), RSS growth "
-        f"{'-' if growth is None else f'{growth * 100:.1f} %'} (< 10 %), rows "
+        f"goals: failures {result.failures} (0), RSS growth {'-' if growth is None else f'{growth * 100:.1f} %'}"
+        f" ({'-' if warm is None else f'{warm * 100:.1f} %'} after the first minute) (< 10 %), rows "
         f"{'not checked' if rows is None else f'{rows.found}/{rows.answered}'} (all)"
     )
     print(f"requests in {out}; statistics under {stats}")

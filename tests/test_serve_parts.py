@@ -824,12 +824,14 @@ def test_soak_config_bodies_and_the_row_check():
         ],
         SOAK_SCHEMA,
     )
-    result = SoakResult(table, 90.0, {"r1": 100}, {"r1": 108})
+    result = SoakResult(table, 90.0, {"r1": 100}, {"r1": 108}, {0: {"r1": 104}, 1: {"r1": 2**20}})
     assert result.failures == 1 and abs(result.rss_growth - 0.08) < 1e-12
+    assert abs(result.rss_growth_after_warmup - (108 / 104 - 1)) < 1e-12  # from the first minute's last read
+    assert SoakResult(table, 50.0, {"r1": 100}, {"r1": 108}, {0: {"r1": 104}}).rss_growth_after_warmup is None
     assert result.errors() == {"sampled: HTTP 503 (intended)": 1, "streamed: ClientOSError": 1}
-    assert [(m["minute"], m["requests"], m["answered"], m["failures"]) for m in result.per_minute()] == [
-        (0, 2, 2, 0),
-        (1, 3, 1, 1),
+    assert [(m["minute"], m["requests"], m["answered"], m["failures"], m["rss_mib"]) for m in result.per_minute()] == [
+        (0, 2, 2, 0, 104 / 2**20),
+        (1, 3, 1, 1, 1.0),
     ]
     stats = pa.table({"request_id": ["a", "b", "c", "x"], "finish_reason": ["length", "stop", "cancelled", "stop"]})
     check = result.check_rows(stats)  # b has one row of its two choices; x is other traffic

@@ -100,6 +100,7 @@ class SoakResult:
     seconds: float
     rss_start: dict[str, int]  # replica id -> resident bytes, read before the load
     rss_end: dict[str, int]  # and after it
+    rss_minutes: dict[int, dict[str, int]] = field(default_factory=dict)  # minute -> the last reads in it
 
     def per_minute(self) -> list[dict[str, Any]]:
         """Per minute of the run: requests sent, answered, failures, latency p50/p99 (ms) of the answered."""
@@ -115,6 +116,7 @@ class SoakResult:
                     "failures": sum(1 for r in rows if _failure(r)),
                     "p50_ms": float(np.percentile(ok, 50)) if ok else None,
                     "p99_ms": float(np.percentile(ok, 99)) if ok else None,
+                    "rss_mib": max(self.rss_minutes[minute].values()) / 2**20 if self.rss_minutes.get(minute) else None,
                 }
             )
         return out
@@ -137,8 +139,14 @@ class SoakResult:
     @property
     def rss_growth(self) -> float | None:
         """The largest relative growth of a replica's resident memory seen at both ends; None if none was."""
-        both = [rid for rid in self.rss_start if rid in self.rss_end]
-        return max((self.rss_end[r] / self.rss_start[r] - 1 for r in both), default=None)
+        return _growth(self.rss_start, self.rss_end)
+
+    @property
+    def rss_growth_after_warmup(self) -> float | None:
+        """The same from the end of the first minute (the model's first steps allocate what later ones reuse:
+        packed weights, caches, the allocators' arenas) to the end; None for a run of a minute or less."""
+        later = sorted(m for m in self.rss_minutes if m > 0)
+        return _growth(self.rss_minutes[0], self.rss_end) if 0 in self.rss_minutes and later else None
 
     def check_rows(self, requests: pa.Table) -> RowCheck:
         """Match ``read_requests(stats_path)`` with the answers: one row per answered choice and abandoned
@@ -160,6 +168,11 @@ class SoakResult:
         reasons = zip(ids.to_pylist(), requests.column("finish_reason").to_pylist())
         cancelled = sum(1 for rid, why in reasons if rid in gone and why == "cancelled")
         return RowCheck(answered, found, tuple(missing), abandoned, cancelled)
+
+
+def _growth(start: dict[str, int], end: dict[str, int]) -> float | None:
+    both = [rid for rid in start if rid in end]
+    return max((end[r] / start[r] - 1 for r in both), default=None)
 
 
 def _failure(row: dict[str, Any]) -> bool:
@@ -207,12 +220,20 @@ async def _run(config: SoakConfig) -> SoakResult:
                 row = await _send(session, root + "/v1/completions", request_body(kind, i, config), kind, config)
                 rows.append({"request": i, "kind": kind, "minute": int((row.pop("sent") - start) // 60), **row})
 
-        await asyncio.gather(*(client() for _ in range(config.concurrency)))
+        rss_minutes: dict[int, dict[str, int]] = {}
+
+        async def monitor() -> None:  # the replicas' memory every 15 s, the last reads of each minute kept
+            while time.perf_counter() < stop_at:
+                await asyncio.sleep(min(15.0, max(0.0, stop_at - time.perf_counter())))
+                minute = int(min(time.perf_counter() - start, config.minutes * 60 - 1e-6) // 60)
+                rss_minutes.setdefault(minute, {}).update(await _rss(session, root, reads=2))
+
+        await asyncio.gather(monitor(), *(client() for _ in range(config.concurrency)))
         seconds = time.perf_counter() - start
         await asyncio.sleep(1.0)  # abandoned requests: let the replicas notice and finish them
         rss_end = await _rss(session, root)
     rows.sort(key=lambda r: r["request"])
-    return SoakResult(pa.Table.from_pylist(rows, schema=SOAK_SCHEMA), seconds, rss_start, rss_end)
+    return SoakResult(pa.Table.from_pylist(rows, schema=SOAK_SCHEMA), seconds, rss_start, rss_end, rss_minutes)
 
 
 async def _rss(session: aiohttp.ClientSession, root: str, reads: int = 6) -> dict[str, int]:
@@ -274,10 +295,10 @@ async def _events(response: aiohttp.ClientResponse):
 
 def format_report(result: SoakResult, rows: RowCheck | None, kinds: Sequence[str] = SOAK_KINDS) -> str:
     """The soak's tables as Markdown: per minute, errors by kind, memory and the row check."""
-    lines = ["| minute | requests | answered | failures | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
+    lines = ["| minute | requests | answered | failures | p50 ms | p99 ms | RSS MiB |", "|---|---|---|---|---|---|---|"]
     for m in result.per_minute():
-        p50, p99 = (f"{v:.0f}" if v is not None else "-" for v in (m["p50_ms"], m["p99_ms"]))
-        lines.append(f"| {m['minute']} | {m['requests']} | {m['answered']} | {m['failures']} | {p50} | {p99} |")
+        p50, p99, rss = (f"{v:.0f}" if v is not None else "-" for v in (m["p50_ms"], m["p99_ms"], m["rss_mib"]))
+        lines.append(f"| {m['minute']} | {m['requests']} | {m['answered']} | {m['failures']} | {p50} | {p99} | {rss} |")
     sent = Counter(result.table.column("kind").to_pylist())
     lines += ["", f"sent by kind: {', '.join(f'{k} {sent[k]}' for k in kinds)}"]
     lines.append(f"errors: {result.errors() or 'none'}; failures (not intended refusals): {result.failures}")
@@ -285,6 +306,9 @@ def format_report(result: SoakResult, rows: RowCheck | None, kinds: Sequence[str
         a, b = result.rss_start.get(rid), result.rss_end.get(rid)
         growth = f"{(b / a - 1) * 100:+.1f} %" if a and b else "-"
         lines.append(f"replica {rid}: RSS {_mib(a)} -> {_mib(b)} MiB ({growth})")
+    warm = result.rss_growth_after_warmup
+    if warm is not None:
+        lines.append(f"RSS growth after the first minute: {warm * 100:+.1f} %")
     if rows is not None:
         lines.append(
             f"rows: {rows.found} found for {rows.answered} answered choices ({rows.abandoned} abandoned requests, "
