@@ -6,7 +6,8 @@ runner-up branches or confidence gate; closed-loop HTTP load at concurrency 1, 4
     python jobs/bench_serve.py --checkpoint runs/demo/<finetune run> --temperature 0.8 --seed 7   # sampled
     python jobs/bench_serve.py --checkpoint runs/demo/<finetune run> --branches 6 --row-budget 8  # (d) beside (c)
 
-Prompts are Multi30k test sources (task translate_en_de). Starts a private local
+Prompts are Multi30k test sources (task translate_en_de; a looped LM's checkpoint reads them as its
+finetuning prompts, docs/serving.md). Starts a private local
 Ray (all of this machine's CPUs), deploys the checkpoint twice behind Ray Serve on
 a free loopback port, prints a Markdown table and the ratios against the issue's
 bars, and writes rows to --out (speed.serve.stats.BENCH_SERVE_SCHEMA) and every

@@ -1,5 +1,6 @@
 """The serving benchmark (``speed.benchmarks.serving.run_serve_bench``) run once at its smallest size: a tiny
-checkpoint behind both applications on the session's Ray, one round at concurrency 1, two requests a variant."""
+checkpoint (a T5, then a looped LM) behind both applications on the session's Ray, one round at concurrency 1,
+two requests a variant."""
 
 from __future__ import annotations
 
@@ -10,19 +11,25 @@ import torch
 from speed import SpeedT5, preset
 from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_bench
 from speed.checkpoint import save_model
+from speed.config import lm_preset
+from speed.lm import LoopedLM
 from speed.serve.stats import BENCH_SERVE_SCHEMA, read_requests
 from speed.tokenizer import EOS_ID, Tokenizer
 
 pytestmark = pytest.mark.ray
 
 
-def test_one_round_rows_count_every_variant(ray_session, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("family", ["t5", "lm"])
+def test_one_round_rows_count_every_variant(ray_session, tiny_tokenizer, tmp_path, family):
     """Every variant answers the same prompts alike, to max_tokens; the engine's counts per token are M for
-    sequential decoding and fewer steps for SPEED; the replicas' statistics rows hold each timed request."""
+    sequential decoding and fewer steps for SPEED; the replicas' statistics rows hold each timed request.
+    A looped LM's checkpoint runs the same benchmark (its prompts the task's finetuning prompts)."""
     from ray import serve
 
     torch.manual_seed(0)
-    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=Tokenizer.load(tiny_tokenizer).vocab_size)).eval()
+    vocab = Tokenizer.load(tiny_tokenizer).vocab_size
+    build = (SpeedT5, preset) if family == "t5" else (LoopedLM, lm_preset)
+    model = build[0](build[1]("tiny", pattern="2x3", vocab_size=vocab)).eval()
     with torch.no_grad():
         model.lm_head.weight[EOS_ID] = 0  # EOS never the argmax: every answer runs to max_tokens
     save_model(tmp_path / "ckpt", model, tiny_tokenizer)
@@ -42,13 +49,15 @@ def test_one_round_rows_count_every_variant(ray_session, tiny_tokenizer, tmp_pat
     for r in runs.values():
         assert (r["concurrency"], r["round"], r["requests"], r["errors"], r["tokens"]) == (1, 0, 2, 0, 12)
         assert r["tokens_per_s"] == pytest.approx(12 / r["seconds"]) and 0 < r["p50_ms"] <= r["p99_ms"]
+    sequential = 3.0 if family == "t5" else 3.0 * 5 / 6  # an LM's first token comes out of its prompt's prefill
     for v in "ab":  # one row per loop and token, one loop per step
-        assert runs[v]["steps_per_token"] == runs[v]["rows_per_token"] == 3.0
-    assert 1.0 <= runs["c"]["steps_per_token"] < 3.0 <= runs["c"]["rows_per_token"]
+        assert runs[v]["steps_per_token"] == runs[v]["rows_per_token"] == pytest.approx(sequential)
+    assert 0.5 <= runs["c"]["steps_per_token"] < sequential <= runs["c"]["rows_per_token"]
 
     assert sorted(pc.unique(result.requests["run"]).to_pylist()) == ["a-c1-r0", "b-c1-r0", "c-c1-r0"]
     served = read_requests(stats)  # warm-up requests too
     timed = set(result.requests["request_id"].to_pylist())
+    assert set(served["family"].to_pylist()) == {family}
     assert len(timed) == 6 and timed <= set(served["request_id"].to_pylist())
     assert {(v, c) for v, c in result.summary} == {("a", 1), ("b", 1), ("c", 1)}
     assert set(result.ratios) == {"c_over_a_tokens_per_s_at_1", "c_over_b_tokens_per_s_at_1", "c_over_b_p50_at_1"}

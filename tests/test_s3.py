@@ -62,8 +62,10 @@ def test_every_checkpoint_loader_takes_a_run_or_checkpoint_uri(run_on_s3, tiny_t
         loaded = load_model(where)
         assert loaded.checkpoint == checkpoint and loaded.tokenizer_path == f"{checkpoint}/spm.model"
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.model.state_dict().values()))
-    served, tokenizer = load_served_model(run, "cpu")  # jobs/serve.py, jobs/bench_serve.py
-    assert served.config == model.config and tokenizer.path == f"{checkpoint}/spm.model"
+    served = load_served_model(run, "cpu")  # jobs/serve.py, jobs/bench_serve.py
+    tokenizer = served.tokenizer
+    assert served.model.config == model.config and tokenizer.path == f"{checkpoint}/spm.model"
+    assert served.family == "t5" and served.template is None
     assert tokenizer.encode("a house") == Tokenizer.load(tiny_tokenizer).encode("a house")
     work = held_out(run, "test", 2)  # jobs/bench_levers.py, jobs/bench_sampling.py
     assert work.task == "translate_en_de" and len(work.inputs) == 2 and max(map(len, work.inputs)) <= 24

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -271,6 +272,24 @@ def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
     assert traces.num_rows == 5
     assert len(list((tmp_path / "requests").iterdir())) == 2  # one file (row group) per flush
     assert all(" " not in p.name and "#" not in p.name for p in (tmp_path / "requests").iterdir())
+
+
+def test_statistics_written_before_the_family_column_read_back_with_it_null(tmp_path):
+    """Rows of a Parquet file and of a write-ahead log written without ``family`` (older replicas) read as
+    REQUEST_SCHEMA's, their family null; compacting the log keeps them."""
+    old = pa.schema([f for f in REQUEST_SCHEMA if f.name != "family"])
+    (tmp_path / "requests").mkdir()
+    pq.write_table(pa.Table.from_pylist([_row(0)], schema=old), tmp_path / "requests" / "old-1.parquet")
+    folder = log_folder(str(tmp_path))
+    folder.mkdir(parents=True)
+    with pa.OSFile(str(folder / "old-2.requests.arrows"), "wb") as f, pa.ipc.new_stream(f, old) as log:
+        log.write_table(pa.Table.from_pylist([_row(1)], schema=old))
+    for _ in range(2):  # from the log, then from its compacted Parquet file
+        rows = read_requests(str(tmp_path))
+        assert rows.schema == REQUEST_SCHEMA and rows.num_rows == 2
+        assert sorted(rows["request_id"].to_pylist()) == ["cmpl-0", "cmpl-1"] and rows["family"].null_count == 2
+        assert compact_orphans(str(tmp_path)) in (0, 1)
+    assert not write_ahead_logs(str(tmp_path))
 
 
 @pytest.fixture(params=["local", "s3"])

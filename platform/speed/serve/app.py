@@ -7,8 +7,8 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (OpenAI's; se
 ``speed.serve.protocol``), ``GET /v1/models``, ``GET /healthz``, ``GET /v1/stats``
 (this replica's totals). Each replica loads the checkpoint and its tokenizer (a
 local path or a URI: ``speed.serve.loading``), plans each request into engine requests
-(``speed.serve.planning``), decodes them with an ``EngineRunner``, merges their
-tokens into answers (``speed.serve.answers``) and writes one ``REQUEST_SCHEMA``
+(``speed.serve.planning``; the family, T5 or looped LM, is the checkpoint's), decodes them with
+an ``EngineRunner``, merges their tokens into answers (``speed.serve.answers``) and writes one ``REQUEST_SCHEMA``
 row per decoded choice, and its flip trace, under ``stats_path``
 (``speed.serve.rows``, ``speed.serve.stats``); counters and histograms also go
 to Ray's Prometheus export (``speed.serve.metrics``). On local storage each row
@@ -63,7 +63,7 @@ from speed.tokenizer import EOS_ID
 log = logging.getLogger(__name__)
 
 CHECKPOINT_ENV = "SPEED_CHECKPOINT"  # build_app's checkpoint when its args name none
-api = FastAPI(title="speed", description="SPEED decoding of a parameter-shared T5 behind OpenAI's completions API")
+api = FastAPI(title="speed", description="SPEED decoding of a looped T5 or LM behind OpenAI's completions API")
 auth.require_key(api)  # a no-op until a replica sets api.state.api_key
 
 
@@ -142,7 +142,7 @@ def _log_write_error(done: Future) -> None:
 )
 @serve.ingress(api)
 class SpeedServer:
-    """One replica: model, tokenizer, engine runner, statistics sink and metrics."""
+    """One replica: model (its family from the checkpoint), tokenizer, engine runner, statistics sink and metrics."""
 
     def __init__(
         self,
@@ -154,7 +154,8 @@ class SpeedServer:
     ) -> None:
         api.state.api_key = auth.resolve(api_key)  # None: open (no key given, none in $SPEED_API_KEY)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        self.model, self.tokenizer = load_served_model(checkpoint, device)
+        self.served = load_served_model(checkpoint, device)
+        self.model, self.tokenizer = self.served.model, self.served.tokenizer
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ValueError(f"{checkpoint}: tokenizer has more ids than the model's vocabulary")
         self.model_name = model_name or Path(checkpoint.rstrip("/")).name
@@ -216,6 +217,7 @@ class SpeedServer:
             "object": "model",
             "created": 0,
             "owned_by": "speed",
+            "family": self.served.family,
             "pattern": str(c.pattern),
             "n_loops": self.model.n_loops,
             "max_source_len": self.settings.max_source_len,
@@ -237,8 +239,8 @@ class SpeedServer:
 
     @api.post("/v1/chat/completions", openapi_extra=_openapi(ChatRequest))
     async def chat_completions(self, http: StarletteRequest) -> Any:
-        """Chat completions: the last user message is the text to decode (under the request's or the
-        deployment's task)."""
+        """Chat completions: a T5 decodes the last user message (under the request's or the deployment's task),
+        a looped LM the messages in its checkpoint's chat template."""
         return await self._answer(http, ChatRequest, responses.CHAT)
 
     # ----- helpers --------------------------------------------------------------------------------
@@ -248,7 +250,8 @@ class SpeedServer:
         self._start_flusher()
         try:
             body = await _parse(http, self.settings, model)
-            plan = plan_request(body, self.settings, self.tokenizer, self.model_name)
+            served = self.served
+            plan = plan_request(body, self.settings, self.tokenizer, self.model_name, served.family, served.template)
         except BadRequest:
             self.runner.counters.rejected += 1
             raise
@@ -347,6 +350,7 @@ class SpeedServer:
             finished,
             replica=self.replica,
             model=self.model_name,
+            family=self.served.family,
             eos_id=EOS_ID,
             stopped_at=submission.meta.get("stopped_at"),
             gaps=submission.gaps,

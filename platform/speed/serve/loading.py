@@ -1,17 +1,37 @@
-"""A served model: the checkpoint (a path or URI, or a run's newest) and its tokenizer, on a device."""
+"""A served model: the checkpoint (a path or URI, or a run's newest), its tokenizer and family, on a device."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from speed.checkpoint import load_model
+from speed.chat import CHAT_TEMPLATE, ChatTemplate
+from speed.checkpoint import checkpoint_family, load_model
+from speed.config import from_dict
 from speed.tokenizer import Tokenizer
 
 
-def load_served_model(checkpoint: str, device: str) -> tuple[torch.nn.Module, Tokenizer]:
-    """The model (eval mode, on ``device``) and tokenizer of a checkpoint path or URI (or a run's newest)."""
+@dataclass(frozen=True)
+class ServedModel:
+    """What a replica serves: the model (eval mode, on its device), its tokenizer, its family (``t5`` or ``lm``,
+    from the checkpoint's config.json) and, for an LM, the chat template its prompts were written in."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    family: str
+    template: ChatTemplate | None  # an LM's (config.json's ``chat_template``; ``speed.chat``'s when absent)
+
+
+def load_served_model(checkpoint: str, device: str) -> ServedModel:
+    """The served model of a checkpoint path or URI (or a run's newest); a checkpoint without spm.model is an error."""
     loaded = load_model(checkpoint, map_location=device)
     if loaded.tokenizer_path is None:
         raise FileNotFoundError(f"checkpoint {loaded.checkpoint} holds no spm.model: serving needs its tokenizer")
     tokenizer = Tokenizer.load(loaded.tokenizer_path)  # reads the file into memory
-    return loaded.model.to(device).eval(), tokenizer
+    family = checkpoint_family(loaded.config)
+    template = None
+    if family == "lm":
+        stored = loaded.config.get("chat_template")
+        template = from_dict(ChatTemplate, stored, "chat_template") if stored is not None else CHAT_TEMPLATE
+    return ServedModel(loaded.model.to(device).eval(), tokenizer, family, template)

@@ -4,9 +4,16 @@ The body's shape is checked by ``speed.serve.protocol`` (pydantic); what
 depends on the model and capacity (prompt length, vocabulary, ``max_tokens``,
 ``launch_loop``, ``branches``, ``branch_depth``) and the sampling settings are checked once, by the engine's
 ``add`` and ``speed.sampling.Sampling``: their ``ValueError`` is the 400's
-message. Only what neither can know is checked here: the model's name and the
-task. SPEED's fields of the body (``speed.engine.LEVERS``) become one
-``speed.engine.Speculation``, the deployment's where the body leaves one out.
+message. Only what neither can know is checked here: the model's name, the
+task and, for a looped LM, its context's length (said in the deployment's words). SPEED's fields of the
+body (``speed.engine.LEVERS``) become one ``speed.engine.Speculation``, the deployment's where the body leaves one out.
+
+Text becomes tokens as the served family reads it (``contexts``). A T5 encodes ``task prefix + text`` and
+EOS; a chat request's text is its last user message. A looped LM's prompt is its whole context, without
+EOS: under a task, the task's instruction and the text as one user turn of the checkpoint's chat template
+(``speed.chat.task_prompt``: exactly a finetuning prompt), without one the raw text; a chat request is
+its messages rendered by the template (``speed.chat.render_chat``; under a task, the instruction opens the
+last user message). Token-id prompts pass through as they are, for both.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
+from speed.chat import CHAT_TEMPLATE, ChatTemplate, render_chat, task_prompt
 from speed.data import get_task
 from speed.engine import LEVERS, Request
 from speed.sampling import Sampling, choice_seed
@@ -57,8 +65,43 @@ def levers(request: Request) -> dict[str, Any]:
     return {name: getattr(s, name) if speed or name in ("launch_loop", "invalidation") else None for name in LEVERS}
 
 
-def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer: Any, model_name: str) -> Plan:
-    """Resolve ``body`` against the deployment's ``settings`` (``ServeSettings``) into engine requests."""
+def contexts(
+    body: CompletionRequest | ChatRequest, task: str | None, tokenizer: Any, family: str, template: ChatTemplate
+) -> list[list[int]]:
+    """The token ids of a request's text prompts (or its chat), as the ``family`` (``t5``, ``lm``) reads them."""
+    try:
+        found = get_task(task) if task else None
+    except ValueError as err:
+        raise BadRequest(str(err), "task") from None
+    chat = isinstance(body, ChatRequest)
+    if family != "lm":  # T5: the task's prefix before the text (a chat's last user message), EOS after it
+        prefix = found.prefix if found else ""
+        return tokenizer.encode_batch([prefix + p for p in ([body.source()] if chat else body.prompts())])
+    instruction = found.instruction if found else ""
+    if not chat:
+        texts = [task_prompt(instruction, p, template) if found else p for p in body.prompts()]
+        return tokenizer.encode_batch(texts, add_eos=False)
+    last = body.last_user()
+    messages = [
+        {
+            "role": "system" if m.role == "developer" else m.role,  # OpenAI's newer name for the system role
+            "content": instruction + m.text() if i == last else m.text(),
+        }
+        for i, m in enumerate(body.messages)
+    ]
+    return [tokenizer.encode(render_chat(messages, template), add_eos=False)]
+
+
+def plan_request(
+    body: CompletionRequest | ChatRequest,
+    settings: Any,
+    tokenizer: Any,
+    model_name: str,
+    family: str = "t5",
+    template: ChatTemplate = CHAT_TEMPLATE,
+) -> Plan:
+    """Resolve ``body`` against the deployment's ``settings`` (``ServeSettings``) into engine requests, its text
+    read as the served ``family`` reads it (an LM's with its chat ``template``)."""
     s = settings
     if body.model is not None and body.model != model_name:
         raise BadRequest(f"model {body.model!r} is not served here; this server serves {model_name!r}", "model", 404)
@@ -68,11 +111,16 @@ def plan_request(body: CompletionRequest | ChatRequest, settings: Any, tokenizer
     if body.task is not None and not texts:
         raise BadRequest("task applies to text prompts only; token-id prompts are sent as they are", "task")
     task = (body.task or s.task) if texts else None
-    try:
-        prefix = get_task(task).prefix if task else ""
-    except ValueError as err:
-        raise BadRequest(str(err), "task") from None
-    inputs = tokenizer.encode_batch([prefix + p for p in prompts]) if texts else [list(p) for p in prompts]
+    inputs = contexts(body, task, tokenizer, family, template) if texts else [list(p) for p in prompts]
+    longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
+    if family == "lm" and len(inputs[longest]) > s.max_source_len:
+        what = "the chat" if chat else f"prompt {longest}"
+        raise BadRequest(
+            f"{what} is {len(inputs[longest])} tokens as the model reads it (an LM's whole context: chat template "
+            f"and task instruction included), more than the deployment's max_source_len {s.max_source_len}: "
+            "shorten it, or raise max_source_len",
+            "messages" if chat else "prompt",
+        )
     echo = not chat and body.echo
     try:
         echoes = [(p if texts else tokenizer.decode(p)) if echo else "" for p in prompts]

@@ -7,8 +7,9 @@
 ``top_k``; and SPEED's own (``method``, ``launch_loop``, ``invalidation``,
 ``branches``, ``branch_depth``, ``branch_below``, ``min_confidence``,
 ``task``). ``POST /v1/chat/completions`` takes the same decoding fields with
-``messages``: the last user message is the source text, under the request's
-``task`` or the deployment's. A field OpenAI defines that this server does not
+``messages``: for a T5 the last user message is the source text, under the request's
+``task`` or the deployment's; a looped LM reads every message in its chat template
+(``speed.serve.planning``). A field OpenAI defines that this server does not
 implement (``best_of``, ``suffix``, ``logit_bias``, tools, ...) is a 400 saying
 it is not supported; any other unknown field is a 400 too. Every answer carries
 a ``speed`` object with the decoder's statistics. Errors follow OpenAI's shape:
@@ -216,7 +217,7 @@ class CompletionRequest(_Decoding):
     @model_validator(mode="after")
     def _echo_without_logprobs(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported: an encoder's prompt has no log-probabilities")
+            raise ValueError("echo with logprobs is not supported: the prompt's tokens get no log-probabilities")
         return self
 
     def prompts(self) -> list[str] | list[list[int]]:
@@ -283,8 +284,12 @@ class ChatRequest(_Decoding):
         return self
 
     def source(self) -> str:
-        """The text to decode: the last user message's."""
-        return next(m.text() for m in reversed(self.messages) if m.role == "user" and _has_text(m.text()))
+        """The text to decode (a T5's): the last user message's."""
+        return self.messages[self.last_user()].text()
+
+    def last_user(self) -> int:
+        """The index of the last user message with text."""
+        return max(i for i, m in enumerate(self.messages) if m.role == "user" and _has_text(m.text()))
 
     @property
     def requested_tokens(self) -> int | None:

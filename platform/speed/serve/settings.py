@@ -20,11 +20,13 @@ class ServeSettings(SpeculationFields):
     settings of the requests that leave them out."""
 
     max_active: int = 16  # engine capacity: requests decoded at once
-    max_source_len: int = 128  # longest prompt in tokens (task prefix and EOS included)
+    # longest prompt in tokens (the engine's max_prompt_len): a T5's encoder input (task prefix and EOS included),
+    # a looped LM's whole context (chat template, task instruction and every chat message included)
+    max_source_len: int = 128
     max_target_len: int = 128  # largest max_tokens
     row_budget: int | None = None  # rows per engine step; None: every in-flight row
     method: Method = "speed"  # defaults for requests that leave them out (SPEED's settings: SpeculationFields)
-    task: str | None = None  # task prefix put before text prompts that name no task
+    task: str | None = None  # the task of text prompts that name none (T5: its prefix; an LM: its instruction)
     max_tokens: int = 64
     trace: bool = True  # per-request flip traces to Parquet
     threads: int | None = None  # torch CPU threads of the replica; None: torch's choice

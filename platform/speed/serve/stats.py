@@ -77,7 +77,8 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("engine_id", pa.int64(), nullable=False),  # the engine's request id (trace ``sequence``)
         pa.field("arrived", pa.timestamp("us", tz="UTC"), nullable=False),  # when the replica received it
         pa.field("model", pa.string(), nullable=False),  # served model name
-        pa.field("task", pa.string()),  # task whose prefix was put before the prompt; null: none
+        pa.field("family", pa.string()),  # its family, "t5" or "lm"; null: a row written before the column
+        pa.field("task", pa.string()),  # task whose prefix (an LM: instruction) the prompt was read under; null: none
         pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
         pa.field("launch_loop", pa.int16(), nullable=False),
         pa.field("invalidation", pa.string(), nullable=False),  # "eager" or "final"
@@ -96,7 +97,7 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("frequency_penalty", pa.float64(), nullable=False),
         pa.field("stream", pa.bool_(), nullable=False),  # answered as server-sent events
         pa.field("max_tokens", pa.int32(), nullable=False),
-        pa.field("prompt_tokens", pa.int32(), nullable=False),  # encoder tokens, task prefix and EOS included
+        pa.field("prompt_tokens", pa.int32(), nullable=False),  # T5: encoder tokens (prefix, EOS); LM: its context
         pa.field("completion_tokens", pa.int32(), nullable=False),  # decoded tokens, EOS included when produced
         pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS, stop string), "length", "cancelled"
         pa.field("steps", pa.int32(), nullable=False),  # engine steps that computed one of its rows
@@ -186,19 +187,29 @@ def file_tag(replica: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", replica) or "replica"
 
 
-def _read_log(path: str) -> list[pa.RecordBatch]:
-    """The complete record batches of a write-ahead log; a torn tail (a writer killed mid-record) is dropped."""
+def _read_log(path: str, schema: pa.Schema) -> list[pa.RecordBatch]:
+    """The complete record batches of a write-ahead log as ``schema``'s (a column it lacks, added since it was
+    written, is null); a torn tail (a writer killed mid-record) is dropped."""
     batches: list[pa.RecordBatch] = []
     with pa.OSFile(path) as f:  # FileNotFoundError: compacted since it was listed
         try:
             reader = pa.ipc.open_stream(f)
             while True:
-                batches.append(reader.read_next_batch())
+                batches.append(_conform(reader.read_next_batch(), schema))
         except StopIteration:
             pass
         except (pa.ArrowInvalid, OSError):  # the last record (or the schema) was cut short
             pass
     return batches
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` with ``schema``'s columns, in order; one it lacks (a nullable column added later) is null."""
+    if batch.schema.equals(schema):
+        return batch
+    have = set(batch.schema.names)
+    columns = [batch.column(f.name) if f.name in have else pa.nulls(batch.num_rows, f.type) for f in schema]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
 def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
@@ -216,7 +227,7 @@ def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
                 batch
                 for log in logs
                 if Path(log).name.removesuffix(suffix) + ".parquet" not in written
-                for batch in _read_log(log)
+                for batch in _read_log(log, schema)
             ]
         except FileNotFoundError:  # compacted between the two listings: list again
             continue
@@ -363,7 +374,7 @@ def _compact(where: Location) -> tuple[int, int]:
             if not log.exists() or os.stat(log).st_ino != os.fstat(fd).st_ino:
                 continue  # replaced by its Parquet file between the listing and the lock
             if not final.exists():  # else its writer died between the Parquet file's write and the log's deletion
-                batches = _read_log(str(log))
+                batches = _read_log(str(log), schema)
                 if batches:
                     _write_parquet(final, pa.Table.from_batches(batches, schema))
             log.unlink()
