@@ -12,6 +12,7 @@ clusters/README.md flow).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -24,6 +25,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from speed.paths import SPOOL_DIR_ENV
 from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
@@ -37,6 +39,46 @@ LOOPBACK_ENV = {LOOPBACK_SWITCH: "0"}
 # Each node of ``nodes``: a small object store (Ray's default takes 30% of the machine's memory per node).
 NODE_FLAGS = ("--object-store-memory", str(200 * 2**20))
 JOIN = Path(__file__).with_name("ray_join.py")  # `ray start` for a further node, on loopback too
+
+
+# ----- who listens where -----
+
+
+class Listener(NamedTuple):
+    """A listening TCP socket of a process."""
+
+    name: str  # the process's
+    ip: str
+    pid: int
+    port: int
+
+
+def listeners(pids: list[int]) -> set[Listener]:
+    """Every TCP listener of these processes."""
+    import psutil
+
+    found = set()
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            name = process.name()
+            listening = [c.laddr for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+            found |= {Listener(name, address.ip, pid, address.port) for address in listening}
+        except psutil.Error:  # ended meanwhile
+            continue
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+# torch.distributed's rendezvous store (TCPStore), which the rank-0 Train worker hosts for its process group, binds
+# every interface whatever address it is given: torch 2.13's libuv daemon binds "::" (its legacy one the wildcard
+# too), and only a socket bound beforehand (TCPStore's master_listen_fd) avoids that, which Ray Train 2.60's
+# TorchConfig (init_method "env" or "tcp") cannot pass. The one listener beyond loopback (docs/training.md).
+TRAIN_WORKER = "ray::RayTrainW"  # a Train worker's process title begins so (whatever task it runs, cut or not)
 
 
 def free_ports(n: int) -> list[int]:

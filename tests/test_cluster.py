@@ -4,16 +4,13 @@ the local cluster of clusters/README.md listens on loopback only."""
 from __future__ import annotations
 
 import importlib.util
-import ipaddress
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import NamedTuple
 
 import cluster_helpers
 import pytest
@@ -113,36 +110,6 @@ def test_submitted_job_imports_speed_from_its_working_dir(ray_cluster, tmp_path)
     assert str(repo_root()) not in result["driver"] + worker_dir and "site-packages" not in worker_dir
 
 
-class Listener(NamedTuple):
-    """A listening TCP socket of a process."""
-
-    name: str  # the process's
-    ip: str
-    pid: int
-    port: int
-
-
-def _listeners(pids: list[int]) -> set[Listener]:
-    """Every TCP listener of these processes."""
-    import psutil
-
-    found = set()
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            name = process.name()
-            listening = [c.laddr for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
-            found |= {Listener(name, address.ip, pid, address.port) for address in listening}
-        except psutil.Error:  # ended meanwhile
-            continue
-    return found
-
-
-def _is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_local_cluster_listens_on_loopback_only(ray_cluster):
@@ -152,55 +119,16 @@ def test_local_cluster_listens_on_loopback_only(ray_cluster):
     address, env = ray_cluster
     submit = [cluster_helpers.RAY, "job", "submit", "--address", address, "--", "python", "-c", LONG_JOB]
     job = subprocess.Popen(submit, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: set[Listener] = set()
+    seen: set[cluster_helpers.Listener] = set()
     while job.poll() is None:  # every listener of the cluster's processes while the job runs
-        seen |= _listeners(marked_processes(env[OWNER_ENV]))
+        seen |= cluster_helpers.listeners(marked_processes(env[OWNER_ENV]))
         time.sleep(0.5)
     output = job.stdout.read()
     assert job.returncode == 0 and "succeeded" in output, output[-4000:]
     names = {s.name for s in seen}
     assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::") for n in names), seen  # not vacuous
-    beyond = {(s.name, s.ip) for s in seen if not _is_loopback(s.ip)}
+    beyond = {(s.name, s.ip) for s in seen if not cluster_helpers.is_loopback(s.ip)}
     assert not beyond, f"listening beyond loopback: {sorted(beyond)}"
-
-
-# torch.distributed's rendezvous store (TCPStore), which the rank-0 Train worker hosts for its process group, binds
-# every interface whatever address it is given: torch 2.13's libuv daemon binds "::" (its legacy one the wildcard
-# too), and only a socket bound beforehand (TCPStore's master_listen_fd) avoids that, which Ray Train 2.60's
-# TorchConfig (init_method "env" or "tcp") cannot pass. The one listener beyond loopback (docs/training.md).
-TRAIN_WORKER = "ray::RayTrainW"  # a Train worker's process title begins so (whatever task it runs, cut or not)
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_a_jobs_in_process_ray_listens_on_loopback_only(tiny_tokenizer, tmp_path, monkeypatch):
-    """``jobs/pretrain.py`` without $RAY_ADDRESS starts its own Ray (``speed.train.local_ray``): the driver, the
-    GCS, the raylet, the agents and the Train workers listen on loopback only (before
-    ``speed.cluster.loopback_options``, 20 of 23 listeners were on every interface); the one exception is
-    torch's TCPStore, one port of the rank-0 Train worker. The job gets no loopback switch from this test."""
-    from test_train_jobs import _launch, _wait
-
-    monkeypatch.delenv(cluster_helpers.LOOPBACK_SWITCH, raising=False)
-    token = secrets.token_hex(8)
-    job = _launch(tmp_path / "runs", tiny_tokenizer, token, tmp_path / "job.log")
-    seen: set[Listener] = set()
-    polls_in_training = 0
-    try:
-        deadline = time.monotonic() + 300
-        while job.poll() is None and polls_in_training < 5 and time.monotonic() < deadline:
-            seen |= _listeners(marked_processes(token))  # the driver carries the mark too
-            polls_in_training += any(s.name.endswith("run_train_fn") for s in seen)  # every process is up
-            time.sleep(0.3)
-    finally:
-        job.kill()  # the driver: its watchdog ends the rest
-        job.wait(timeout=30)
-        _wait(lambda: not marked_processes(token), "the job's Ray processes to end", timeout_s=60)
-    names = {s.name for s in seen}
-    assert {"gcs_server", "raylet"} <= names and polls_in_training, (names, (tmp_path / "job.log").read_text())
-    beyond = {s for s in seen if not _is_loopback(s.ip)}
-    train_workers = {s.pid for s in seen if s.name.startswith(TRAIN_WORKER)}
-    store = {(s.pid, s.port) for s in beyond}
-    assert len(store) <= 1 and {pid for pid, _ in store} <= train_workers, f"beyond loopback: {sorted(beyond)}"
 
 
 @pytest.mark.ray
@@ -220,10 +148,10 @@ def test_the_suites_shared_ray_listens_on_loopback_only(ray_session):
     worker = ray.get(probe.pid.remote())
     started = [p.pid for _, p in ray._private.worker._global_node.live_processes()]  # Ray's private node API
     tree = {c.pid for pid in started for c in psutil.Process(pid).children(recursive=True)}
-    seen = _listeners(sorted({os.getpid(), worker, *started, *tree}))
+    seen = cluster_helpers.listeners(sorted({os.getpid(), worker, *started, *tree}))
     ray.kill(probe)
     assert {"gcs_server", "raylet"} <= {s.name for s in seen} and any(s.pid == worker for s in seen), seen
-    beyond = {(s.name, s.ip, s.port) for s in seen if not _is_loopback(s.ip)}
+    beyond = {(s.name, s.ip, s.port) for s in seen if not cluster_helpers.is_loopback(s.ip)}
     assert not beyond, f"listening beyond loopback: {sorted(beyond)}"
 
 

@@ -1,6 +1,6 @@
 """Training jobs as real processes (``jobs/pretrain.py`` with its private local Ray): stopped with Ctrl-C or
-SIGKILL, rerun, resumed from the newest complete checkpoint, leaving no process (`ray job submit` of the same
-job to a real cluster: tests/test_cluster.py)."""
+SIGKILL, rerun, resumed from the newest complete checkpoint, leaving no process; that private Ray listens on
+loopback only (`ray job submit` of the same job to a real cluster: tests/test_cluster.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import cluster_helpers
 import pytest
 
 from speed.checkpoint import newest_complete_checkpoint
@@ -54,7 +55,9 @@ def _launch(storage: Path, tokenizer: Path, token: str, log: Path, *extra: str) 
     flags = ["--preset", "tiny", "--pattern", "2x2", "--limit", "40", "--tokenizer", str(tokenizer)]
     flags += ["--batch-size", "4", "--max-steps", "5000", "--checkpoint-every", "5", "--log-every", "500"]
     flags += ["--cpus-per-worker", "1", "--storage-path", str(storage), *extra]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {OWNER_ENV: token}
+    # No $RAY_ADDRESS: the job starts its own Ray; and no loopback switch from the test: the job sets its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", cluster_helpers.LOOPBACK_SWITCH)}
+    env[OWNER_ENV] = token
     command = [sys.executable, str(repo_root() / "jobs" / "pretrain.py"), *flags]
     with log.open("w") as out:  # its own session: Ctrl-C reaches its whole process group, as in a terminal
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -109,12 +112,19 @@ def _resumed_at(log: Path) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _run_until_stopped(storage: Path, start, stop, at_least: int) -> tuple[int, Path, subprocess.Popen]:
-    """Starts the job, lets it write checkpoints up to ``at_least``, stops it with ``stop(process)`` and waits for
-    every Ray process of it to end; returns the newest complete checkpoint it left (at most the checkpoint being
-    written when stopped is lost), its log and its process."""
+def _run_until_stopped(storage: Path, start, stop, at_least: int, watch=None) -> tuple[int, Path, subprocess.Popen]:
+    """Starts the job, lets it write checkpoints up to ``at_least`` (calling ``watch(token)`` at every poll
+    meanwhile), stops it with ``stop(process)`` and waits for every Ray process of it to end; returns the newest
+    complete checkpoint it left (at most the checkpoint being written when stopped is lost), its log and its
+    process."""
     process, log, token = start()
-    _wait(lambda: _newest_step(storage) >= at_least, f"checkpoint {at_least}", process=process, log=log)
+
+    def reached() -> bool:
+        if watch is not None:
+            watch(token)
+        return _newest_step(storage) >= at_least
+
+    _wait(reached, f"checkpoint {at_least}", process=process, log=log)
     assert marked_processes(token), "the run's Ray processes carry the owner mark"
     stop(process)
     _wait(lambda: not marked_processes(token), "the stopped run's Ray processes to end", timeout_s=60, log=log)
@@ -134,8 +144,17 @@ def test_a_run_stopped_by_ctrl_c_and_then_killed_resumes_each_time_from_its_newe
     """One run stopped twice, as a user would: first Ctrl-C (SIGINT to the job's process group, as a terminal
     sends it), then SIGKILL to the relaunched driver alone (Ray's processes would outlive it but for the private
     Ray's watchdog). Each relaunch of the same command says it resumes from the newest complete checkpoint and
-    does; the last finishes six steps later. Three launches of the job prove both stops (each costs a Ray start)."""
+    does; the last finishes six steps later. Three launches of the job prove both stops (each costs a Ray start).
+
+    While the first launch trains, every listener of its private Ray is recorded (``speed.train.local_ray``,
+    started without $RAY_ADDRESS): the driver, the GCS, the raylet, the agents and the Train workers listen on
+    loopback only (before ``speed.cluster.loopback_options``, 20 of 23 listeners were on every interface); the one
+    exception is torch's TCPStore, one port of the rank-0 Train worker (cluster_helpers.TRAIN_WORKER)."""
     storage, start = launch
+    seen: set[cluster_helpers.Listener] = set()
+
+    def record_listeners(token: str) -> None:
+        seen.update(cluster_helpers.listeners(marked_processes(token)))  # the driver carries the mark too
 
     def ctrl_c(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGINT)
@@ -145,7 +164,13 @@ def test_a_run_stopped_by_ctrl_c_and_then_killed_resumes_each_time_from_its_newe
         process.kill()
         process.wait(timeout=30)
 
-    after_ctrl_c, _, _ = _run_until_stopped(storage, start, ctrl_c, 10)
+    after_ctrl_c, first_log, _ = _run_until_stopped(storage, start, ctrl_c, 10, watch=record_listeners)
+    names = {s.name for s in seen}  # by checkpoint 10 every process is up, the Train worker in its training loop
+    assert {"gcs_server", "raylet"} <= names and any(n.endswith("run_train_fn") for n in names), names
+    beyond = {s for s in seen if not cluster_helpers.is_loopback(s.ip)}
+    train_workers = {s.pid for s in seen if s.name.startswith(cluster_helpers.TRAIN_WORKER)}
+    store = {(s.pid, s.port) for s in beyond}
+    assert len(store) <= 1 and {pid for pid, _ in store} <= train_workers, f"beyond loopback: {sorted(beyond)}"
     after_kill, log, killed = _run_until_stopped(storage, start, kill, after_ctrl_c + 10)
     _says_it_resumes(log, killed, after_ctrl_c)  # what the second launch said before it was killed
 
