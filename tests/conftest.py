@@ -39,6 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_configure(config: pytest.Config) -> None:
     from speed.paths import SPOOL_DIR_ENV
+    from speed.train.local_ray import PREEMPTION_WATCHER_ENV
 
     # Every process a test starts inherits the session's mark (pytest_sessionfinish looks for those left).
     os.environ[SESSION_ENV] = secrets.token_hex(8)
@@ -49,6 +50,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.pop("RAY_AUTH_TOKEN", None)  # takes precedence over the path
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
     os.environ[SPOOL_DIR_ENV] = str(folder / "spool")  # before any Ray starts: its workers inherit it
+    # The suite's Rays are single nodes, or nodes lost by SIGKILL, never preempted: without Ray Train's preemption
+    # watcher each of the suite's ~30 Train runs starts one actor process fewer (as a job's private Ray does).
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from speed.checkpoint import newest_complete_checkpoint
 from speed.paths import repo_root
-from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
+from speed.train.local_ray import OWNER_ENV, PREEMPTION_WATCHER_ENV, end_processes, marked_processes
 from speed.train.state import load_training_state
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -56,7 +56,9 @@ def _launch(storage: Path, tokenizer: Path, token: str, log: Path, *extra: str) 
     flags += ["--batch-size", "4", "--max-steps", "5000", "--checkpoint-every", "5", "--log-every", "500"]
     flags += ["--cpus-per-worker", "1", "--storage-path", str(storage), *extra]
     # No $RAY_ADDRESS: the job starts its own Ray; and no loopback switch from the test: the job sets its own.
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", cluster_helpers.LOOPBACK_SWITCH)}
+    # Nor the suite's Ray Train settings: the job's private Ray makes its own (speed.train.local_ray).
+    own = ("RAY_ADDRESS", cluster_helpers.LOOPBACK_SWITCH, PREEMPTION_WATCHER_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in own}
     env[OWNER_ENV] = token
     command = [sys.executable, str(repo_root() / "jobs" / "pretrain.py"), *flags]
     with log.open("w") as out:  # its own session: Ctrl-C reaches its whole process group, as in a terminal
@@ -167,6 +169,7 @@ def test_a_run_stopped_by_ctrl_c_and_then_killed_resumes_each_time_from_its_newe
     after_ctrl_c, first_log, _ = _run_until_stopped(storage, start, ctrl_c, 10, watch=record_listeners)
     names = {s.name for s in seen}  # by checkpoint 10 every process is up, the Train worker in its training loop
     assert {"gcs_server", "raylet"} <= names and any(n.endswith("run_train_fn") for n in names), names
+    assert not any(n.startswith("ray::Preemption") for n in names), names  # one node: no preemption watcher
     beyond = {s for s in seen if not cluster_helpers.is_loopback(s.ip)}
     train_workers = {s.pid for s in seen if s.name.startswith(cluster_helpers.TRAIN_WORKER)}
     store = {(s.pid, s.port) for s in beyond}

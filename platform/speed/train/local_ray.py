@@ -30,6 +30,7 @@ from pathlib import Path
 
 OWNER_ENV = "SPEED_RAY_OWNER"  # set by the driver (or by whoever starts it, e.g. a test) before ray.init
 GRACE_S = 5.0  # between SIGTERM and SIGKILL
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # Ray Train 2.60's switch, default on
 
 _watchdog: subprocess.Popen | None = None  # held for the driver's lifetime: its stdin pipe must stay open
 
@@ -45,6 +46,9 @@ def start(num_cpus: int | None = None, runtime_env: dict | None = None) -> str:
     from speed.cluster import loopback_options
 
     token = os.environ.setdefault(OWNER_ENV, secrets.token_hex(8))
+    # One node has no other node to be preempted: Ray Train's preemption watcher would only cost every run one more
+    # actor process (~4 CPU-seconds of imports each). Read by Ray Train in this driver, so set before any run.
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
     # Short and under /tmp: Ray's unix socket paths inside it are length-limited.
     temp_dir = tempfile.mkdtemp(prefix="speed-ray-", dir="/tmp" if Path("/tmp").is_dir() else None)
     # Marked before Ray starts (the driver, and the shell or test that set the token): not Ray's, never ended.
