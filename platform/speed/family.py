@@ -1,7 +1,9 @@
 """The two model families, behind one seam: the T5 encoder-decoder (``t5``) and the decoder-only looped LM (``lm``).
 
 A family names its config class, its model class, its presets, and what training needs of it: how a batch
-of examples becomes the forward's keyword arguments (``collate``) and how many tokens a batch holds. Jobs
+of examples becomes the forward's keyword arguments (``collate``) and how many tokens a batch holds; and what
+decoding a task needs of it: how the task reads (``read_task``) and how its source texts become the decoder's
+inputs (``encode_sources``), the same for evaluation, sweeps and benchmarks. Jobs
 choose a family with ``--model t5|lm`` (the ``model`` section's ``family`` key); checkpoints record it
 (config.json's ``family``, absent in T5 checkpoints written before the LM existed), so that
 ``speed.checkpoint.load_model`` rebuilds the right model.
@@ -13,13 +15,17 @@ Imports of ``speed.data`` stay inside the methods: loading a checkpoint (serving
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor, nn
 
 from speed.config import LMConfig, ModelConfig, from_dict, lm_preset, preset
 from speed.lm import LoopedLM
 from speed.model import SpeedT5
+
+if TYPE_CHECKING:
+    from speed.data.tasks import Task
+    from speed.tokenizer import Tokenizer
 
 DEFAULT_FAMILY = "t5"
 
@@ -41,6 +47,12 @@ class Family(Protocol):
     def tokens(self, batch: Mapping[str, Tensor]) -> int:
         """Tokens a collated batch costs (the tokens/s of the training log)."""
 
+    def read_task(self, task: Task) -> Task:
+        """The source/target task as this family reads it (its source texts' prefix)."""
+
+    def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
+        """The decoder's inputs for source texts (of ``read_task``'s task), at most ``max_len`` tokens each."""
+
 
 class T5Family:
     """``SpeedT5`` trained on (input_ids, labels) pairs: span-corrupted text or source/target tasks."""
@@ -59,6 +71,14 @@ class T5Family:
 
     def tokens(self, batch: Mapping[str, Tensor]) -> int:
         return int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
+
+    def read_task(self, task: Task) -> Task:
+        return task  # T5's task prefix ("translate English to German: ")
+
+    def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
+        from speed.data import truncate
+
+        return [truncate(ids, max_len) for ids in tokenizer.encode_batch(sources)]  # EOS-terminated encoder inputs
 
 
 class LMFamily:
@@ -80,6 +100,16 @@ class LMFamily:
         from speed.tokenizer import PAD_ID
 
         return int((batch["input_ids"] != PAD_ID).sum())
+
+    def read_task(self, task: Task) -> Task:
+        from speed.data.tasks import lm_task
+
+        return lm_task(task)  # the task's instruction before every source text
+
+    def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
+        from speed.data.batching import encode_prompts
+
+        return encode_prompts(sources, tokenizer, max_len)  # chat prompts, ending in the answer's cue
 
 
 FAMILIES: dict[str, Family] = {"t5": T5Family(), "lm": LMFamily()}
@@ -108,3 +138,4 @@ def config_from_dict(data: dict[str, Any], family: str = DEFAULT_FAMILY) -> Mode
 def build_model(config: ModelConfig | LMConfig) -> SpeedT5 | LoopedLM:
     """A freshly initialised model of the config's family."""
     return family_of(config).model(config)
+
