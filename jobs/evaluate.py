@@ -57,7 +57,7 @@ SETTINGS = {
     "top_k": "sample among the k most likely tokens (0: off)",
     "top_p": "sample among the most likely tokens holding this probability (1: off)",
     "seed": "sampling seed: every sequence's draws depend on (seed, output position) only",
-    "bootstrap_samples": "resamples of BLEU's and ROUGE-L's 95% bootstrap intervals (0: none)",
+    "bootstrap_samples": "resamples of BLEU's and ROUGE-L's 95%% bootstrap intervals (0: none)",
     "perplexity": "also score every loop's teacher-forced perplexity of the references",
 }
 UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted weights): T5's input length
