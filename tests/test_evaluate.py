@@ -107,7 +107,7 @@ def test_job_end_to_end(checkpoint, tmp_path, capsys):
     assert decode["speed"]["tokens_per_s"] > 0
     config = summary["config"]  # EvalConfig's defaults; no training job in this checkpoint: 512 input tokens
     assert [config[k] for k in ("limit", "split", "max_source_len", "check_sequential")] == [6, "test", 512, True]
-    assert summary["model"]["pattern"] == "2x3"
+    assert summary["model"]["pattern"] == "2x3" and summary["family"] == "t5"
     intervals = summary["intervals"]  # BLEU and ROUGE-L, each inside its own 95% bootstrap interval
     assert intervals["bleu"]["score"] == pytest.approx(summary["metrics"]["bleu"]["score"])
     assert all(r["low"] <= r["score"] <= r["high"] and r["samples"] == 1000 for r in intervals.values())
@@ -137,6 +137,7 @@ def test_a_looped_lm_is_evaluated_as_a_t5_is(lm_checkpoint, tmp_path, capsys):
     summary = _job().main([*flags, "--bootstrap-samples", "200", "--out", str(out)])
     assert "rougeL" in capsys.readouterr().out
     assert set(summary["metrics"]) == {"rouge"} and summary["model"]["pattern"] == "1+2x2+1"
+    assert summary["family"] == "lm"
     assert summary["intervals"]["rougeL"]["score"] == pytest.approx(summary["metrics"]["rouge"]["rougeL"])
     assert summary["intervals"]["rougeL"]["samples"] == 200
     assert [r["loop"] for r in summary["flip_rates"]] == [1, 2]

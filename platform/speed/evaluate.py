@@ -216,6 +216,7 @@ def run_evaluation(
         "examples": len(sources),
         "skipped_records": records.skipped,
         "config": dataclasses.asdict(config),
+        "family": family.name,
         "model": to_dict(model.config),
         "tokenizer": str(tok.path),
         "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},

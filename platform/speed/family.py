@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from speed.config import LMConfig, ModelConfig, from_dict, lm_preset, preset
@@ -135,7 +136,34 @@ def config_from_dict(data: dict[str, Any], family: str = DEFAULT_FAMILY) -> Mode
     return from_dict(get_family(family).config, data, "model")
 
 
+def config_of_any_family(data: dict[str, Any]) -> ModelConfig | LMConfig:
+    """A model config from its fields, of the family they fit (a T5's first): for files that do not name it."""
+    try:
+        return config_from_dict(data, "t5")
+    except ValueError as t5_error:
+        try:
+            return config_from_dict(data, "lm")
+        except ValueError:
+            raise t5_error from None
+
+
 def build_model(config: ModelConfig | LMConfig) -> SpeedT5 | LoopedLM:
     """A freshly initialised model of the config's family."""
     return family_of(config).model(config)
 
+
+def parameter_count(config: ModelConfig | LMConfig) -> int:
+    """Parameters of a model of ``config`` (built on the meta device: no memory, no initialisation)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(config).parameters())
+
+
+def match_parameters(config: ModelConfig | LMConfig, target: int) -> ModelConfig | LMConfig:
+    """``config`` with the FFN width ``d_ff`` that brings its parameter count closest to ``target`` (the count is
+    linear in ``d_ff``), so that two families compare at equal size; ``ValueError`` when no width reaches it."""
+    base, wider = parameter_count(config.replace(d_ff=1)), parameter_count(config.replace(d_ff=2))
+    per_unit = wider - base  # parameters one more FFN unit adds, over every layer
+    d_ff = 1 + round((target - base) / per_unit)
+    if d_ff < 1:
+        raise ValueError(f"no d_ff brings {config.pattern} to {target} parameters: d_ff=1 already has {base}")
+    return config.replace(d_ff=d_ff)
