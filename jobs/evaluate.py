@@ -57,6 +57,8 @@ SETTINGS = {
     "top_k": "sample among the k most likely tokens (0: off)",
     "top_p": "sample among the most likely tokens holding this probability (1: off)",
     "seed": "sampling seed: every sequence's draws depend on (seed, output position) only",
+    "bootstrap_samples": "resamples of BLEU's and ROUGE-L's 95%% bootstrap intervals (0: none)",
+    "perplexity": "also score every loop's teacher-forced perplexity of the references",
 }
 UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted weights): T5's input length
 
@@ -67,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     settings = p.add_argument_group("evaluation (speed.evaluate.EvalConfig)")
     for name, help_ in SETTINGS.items():
         flag = f"--{name.replace('_', '-')}"
-        if name in ("check_sequential", "bitwise", "oracle"):
+        if name in ("check_sequential", "bitwise", "oracle", "perplexity"):
             settings.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
         else:
             settings.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_)

@@ -5,6 +5,7 @@
     python jobs/sweep.py --patterns 2x6 --loss-family power --loss-range 0 2 --search random --samples 8
     python jobs/sweep.py --patterns 2x6 --settle none to_last:1 consecutive:3:fc   # agreement terms (speed.losses)
     python jobs/sweep.py --patterns 2x6 --branches 0 6 --min-confidence 0 0.5      # SPEED's levers in the costs
+    python jobs/sweep.py --model lm --patterns 1+depth=4+1 2x2                      # looped LMs (sweep_lm_local.yaml)
 
 Every trial finetunes the base job (``--config`` YAML, job flags, ``--set``)
 with one pattern, one loss-weight scheme and one settle term, reports every loop's
@@ -30,7 +31,9 @@ from speed.sweep.space import check_job
 from speed.train.config import JobConfig, build_parser, job_from_layers
 from speed.train.launch import check_inputs
 
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sweep_local.yaml"
+# the base job without --config, per model family (--model)
+DEFAULT_CONFIGS = {"t5": Path(__file__).parent / "configs" / "sweep_local.yaml"}
+DEFAULT_CONFIGS["lm"] = DEFAULT_CONFIGS["t5"].with_name("sweep_lm_local.yaml")
 
 # flag -> (SweepConfig field, type, nargs, help)
 SWEEP_FLAGS = {
@@ -74,7 +77,8 @@ def parse(argv: list[str] | None = None) -> tuple[SweepConfig, JobConfig]:
         parser.error("--settle sets train.settle per trial: drop --set train.settle...")
     sweep = SweepConfig(**{k.removeprefix("sweep."): v for k, v in args.items() if k.startswith("sweep.")})
     flags = {k: v for k, v in args.items() if not k.startswith("sweep.") and k not in ("config", "set")}
-    return sweep, job_from_layers("finetune", args.get("config", DEFAULT_CONFIG), args.get("set") or [], flags)
+    config = args.get("config") or DEFAULT_CONFIGS.get(args.get("model.family", "t5"), DEFAULT_CONFIGS["t5"])
+    return sweep, job_from_layers("finetune", config, args.get("set") or [], flags)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,17 +21,26 @@ from speed.analysis import (
     benchmark_latency,
     discover,
     flip_rates_by_position,
+    latency_plane,
     load_evaluation,
+    load_families,
     load_summary,
+    loop_table,
     model_identity,
+    quality_difference,
     rows_per_step,
     tradeoff,
 )
+from speed.analysis.families import FAMILIES_FILE, FAMILIES_SCHEMA, family_row, format_families
 from speed.analysis.notebooks import notebook_paths
 from speed.analysis.serving import in_flight_at, max_in_flight
+from speed.analysis.tradeoff import model_label
 from speed.benchmarks.decode import BenchConfig, run_benchmark
-from speed.config import to_dict
+from speed.config import lm_preset, to_dict
 from speed.evaluate import EvalConfig, run_evaluation
+from speed.family import match_parameters, parameter_count
+from speed.lm import LoopedLM
+from speed.metrics import bleu
 from speed.paths import repo_root
 from speed.serve.stats import LOADGEN_SCHEMA, REQUEST_SCHEMA
 from speed.tokenizer import Tokenizer
@@ -44,6 +53,7 @@ FIGURES = {
     "tradeoff.ipynb": ["accuracy_vs_latency.png", "benchmark_latency.png"],
     "serving.ipynb": ["load/serving_load.png", "stats/requests/serving_rows_per_step.png"],
     "sweep.ipynb": [],  # no sweep here: tests/test_sweep.py runs it on a real sweep's folder
+    "families.ipynb": [f"families/families_{name}.png" for name in ("flips", "costs", "plane")],
 }
 
 
@@ -69,9 +79,29 @@ def results(tmp_path_factory, tiny_tokenizer):
             bench = run_benchmark(BenchConfig(model=model_config, new_tokens=6, reps=1, compare_hf=False))
             pq.write_table(bench, root / f"{name}.parquet")
         _load_runs(model_2x3(tok.vocab_size), root)
+        _families(tok, root / "families")
     finally:
         torch.set_num_threads(threads)
     return root
+
+
+def _families(tok: Tokenizer, folder: Path) -> None:
+    """A family comparison's folder as jobs/compare_families.py writes it, of untrained tiny models: a T5 2x3 and
+    a looped LM 1+2x3+1 evaluated on the same examples, and families.parquet."""
+    rows = []
+    for family, model in (("t5", model_2x3(tok.vocab_size)), ("lm", _lm(tok.vocab_size))):
+        config = EvalConfig("translate_en_de", "validation", limit=4, batch_size=1, max_new_tokens=8,
+                            max_source_len=64, bootstrap_samples=100)  # fmt: skip
+        name = f"{family}-{model.config.pattern}"
+        summary = run_evaluation(model, tok, config, folder / name, progress=False)
+        train = {"train_steps": 0, "train_examples": 0, "train_tokens": 0, "train_seconds": 0.0}
+        rows.append(family_row(family, summary, name, parameter_count(model.config), train))
+    pq.write_table(pa.Table.from_pylist(rows, schema=FAMILIES_SCHEMA), folder / FAMILIES_FILE)
+
+
+def _lm(vocab_size: int) -> LoopedLM:
+    torch.manual_seed(0)
+    return LoopedLM(lm_preset("tiny", vocab_size=vocab_size, pattern="1+2x3+1")).eval()
 
 
 def model_2x3(vocab_size: int) -> SpeedT5:
@@ -127,11 +157,12 @@ def _load_runs(model: SpeedT5, root: Path) -> None:
 
 def test_discover_finds_every_kind_of_result(results):
     found = discover(results)
-    assert [p.name for p in found.evaluations] == ["eval-2x1", "eval-2x3"]
+    assert [p.name for p in found.evaluations] == ["eval-2x1", "eval-2x3", "lm-1+2x3+1", "t5-2x3"]
     assert [p.name for p in found.bench] == ["bench_decode.parquet", "bench_wider.parquet"]
     assert [p.name for p in found.load] == ["runs.parquet"]
     assert [p.name for p in found.requests] == ["r-1.parquet"]
     assert found.sweeps == []  # sweeps: tests/test_sweep.py
+    assert found.families == [results / "families"]
     ev = load_evaluation(found.evaluations[1])
     assert ev.pattern == "2x3" and ev.loops == 3 and ev.predictions.num_rows == 6
     assert set(ev.trace.column("loop").to_pylist()) == {1, 2, 3}
@@ -164,11 +195,15 @@ def test_model_identity_is_the_resolved_config():
     assert model_identity({k: v for k, v in config.items() if k != "eos_id"}) == model_identity(config)  # default
     assert model_identity(to_dict(tiny.replace(d_model=48))) != model_identity(config)  # same pattern name
     assert model_identity(to_dict(tiny.replace(vocab_size=300))) != model_identity(config)
+    lm = to_dict(lm_preset("tiny", pattern="2x3"))  # an LM's config: its family's fields, its own identity
+    assert model_identity(lm) != model_identity(config) and model_identity(lm) == model_identity(dict(lm))
+    assert model_label(lm).startswith("2x3 d32")
 
 
 def test_tradeoff_joins_evaluations_and_benchmark_of_the_same_model(results):
     found = discover(results)
-    summaries = [(str(p), load_evaluation(p).summary) for p in found.evaluations]
+    evaluated = [p for p in found.evaluations if p.parent == results]  # not the family comparison's (test below)
+    summaries = [(str(p), load_evaluation(p).summary) for p in evaluated]
     own, wider = (pq.read_table(path) for path in found.bench)
     rows = tradeoff(summaries, pa.concat_tables([own, wider])).to_pylist()
     by_key = {(r["pattern"], r["method"], r["timing"]): r for r in rows}
@@ -237,6 +272,53 @@ def test_load_summary_and_rows_per_step(results):
     assert max(r["rows_per_step"] for r in per_request) > 1  # a 2x3 pipelines more than one row per step
 
 
+def test_the_families_side_by_side(results):
+    """families.parquet's rows hold what each evaluation measured; the long tables and the paired difference
+    are computed from them and from the predictions."""
+    families = load_families(results / "families")
+    rows = {r["family"]: r for r in families.table.to_pylist()}
+    assert set(rows) == {"t5", "lm"} and families.table.schema.equals(FAMILIES_SCHEMA)
+    for family, r in rows.items():
+        summary = families.evaluations[family].summary
+        speed, sequential = summary["decode"]["speed"], summary["decode"]["sequential"]
+        assert r["speed_ms_per_token"] == pytest.approx(1000 * speed["seconds"] / speed["tokens"])
+        assert r["sequential_ms_per_token"] == pytest.approx(1000 * sequential["seconds"] / sequential["tokens"])
+        assert r["accuracy"] == summary["metrics"]["bleu"]["score"] and r["accuracy_metric"] == "bleu"
+        assert r["accuracy_low"] <= r["accuracy"] <= r["accuracy_high"] and r["identical"]
+        assert r["perplexity"] == summary["perplexity"]["perplexity"] and len(r["perplexity"]) == 3
+        assert r["oracle_steps_per_token"] <= r["steps_per_token"]
+    loops = loop_table(families.table).to_pylist()
+    assert [(r["family"], r["loop"]) for r in loops] == [(f, i) for f in ("t5", "lm") for i in (1, 2, 3)]
+    assert [r["flip_rate_final"] for r in loops if r["family"] == "lm"] == rows["lm"]["flip_rate_final"]
+    assert loops[2]["fraction"] == 1.0 and loops[2]["flip_rate_final"] == 0.0  # the last loop is the token
+    plane = latency_plane(families.table).to_pylist()
+    assert len(plane) == 4 and {(r["family"], r["decoder"]) for r in plane} == {
+        (f, d) for f in ("t5", "lm") for d in ("speed", "sequential")
+    }
+    for r in plane:
+        assert r["accuracy"] == rows[r["family"]]["accuracy"]
+        assert r["ms_per_token"] == rows[r["family"]][f"{r['decoder']}_ms_per_token"]
+    difference = quality_difference(families, samples=50)
+    refs = families.evaluations["t5"].predictions["reference"].to_pylist()
+    hyps = {f: families.evaluations[f].predictions["hypothesis"].to_pylist() for f in ("t5", "lm")}
+    scores = {f: bleu(hyps[f], refs)["score"] for f in hyps}
+    assert difference["bleu"]["delta"] == pytest.approx(scores["lm"] - scores["t5"])
+    assert "lm" in format_families(families.table) and "1+2x3+1" in format_families(families.table)
+
+
+def test_the_lm_is_sized_to_the_t5s_parameter_count():
+    t5 = preset("mini", pattern="2x3", d_model=128, n_heads=4, d_kv=32, d_ff=512, n_encoder_layers=2, vocab_size=4000)
+    lm = lm_preset("mini", pattern="1+2x3+1", d_model=128, n_heads=4, n_kv_heads=4, head_dim=32, vocab_size=4000)
+    target = parameter_count(t5)
+    assert target == sum(p.numel() for p in SpeedT5(t5).parameters())  # counted on the meta device alike
+    matched = match_parameters(lm, target)
+    per_unit = parameter_count(matched.replace(d_ff=matched.d_ff + 1)) - parameter_count(matched)
+    assert abs(parameter_count(matched) - target) <= per_unit / 2  # the closest width
+    assert matched.replace(d_ff=lm.d_ff) == lm  # only the FFN width changed
+    with pytest.raises(ValueError, match="no d_ff brings"):
+        match_parameters(lm, 1000)
+
+
 def test_notebooks_are_stored_without_outputs():
     assert [p.name for p in NOTEBOOKS] == sorted(FIGURES)
     for path in NOTEBOOKS:
@@ -253,7 +335,8 @@ def test_every_notebook_runs_headless_and_writes_its_figures(results, capsys):
             assert (results / figure).stat().st_size > 0, (notebook, figure)
         assert nbformat.read(results / "notebooks" / notebook, as_version=4).cells[1].outputs  # executed
     printed = capsys.readouterr().out
-    assert "2 evaluation(s), 2 benchmark file(s), 1 load file(s), 1 request-statistics file(s), 0 sweep(s)" in printed
+    assert "4 evaluation(s), 2 benchmark file(s), 1 load file(s), 1 request-statistics file(s), 0 sweep(s)" in printed
+    assert "1 family comparison(s)" in printed
     assert f"figure: {results / 'accuracy_vs_latency.png'}" in printed
     assert f"figure: {results / 'benchmark_latency.png'}" in printed
 
@@ -263,3 +346,19 @@ def _analysis_job():
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
     return job
+
+
+def test_the_family_comparison_job_refuses_a_task_without_references(capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("compare_families_job", repo_root() / "jobs" / "compare_families.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    monkeypatch.setattr(job, "run_job", lambda *a: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exit_:
+        job.main(["--task", "pretrain"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("error: task 'pretrain' has no references to compare on")
+    # The LM's base job follows the T5's comparison settings (its width and tokenizer come after the T5 trains).
+    args = job.parse_args(["--max-steps", "7", "--batch-size", "3", "--lm-pattern", "1+1x2+1"])
+    lm = job.family_job(args, "lm", args.lm_pattern, {})
+    assert (lm.family.name, lm.model.pattern, lm.train.max_steps, lm.train.batch_size) == ("lm", "1+1x2+1", 7, 3)
+    assert lm.eval is None and lm.run.name == "lm-1+1x2+1-translate_en_de-7"

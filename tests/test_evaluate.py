@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -13,11 +14,13 @@ import torch
 import speed.evaluate
 from speed import SpeedT5, preset
 from speed.checkpoint import save_model
-from speed.config import ConfigError, from_dict
-from speed.data import load_records
+from speed.config import ConfigError, from_dict, lm_preset
+from speed.data import load_records, truncate
+from speed.data.batching import encode_prompts
 from speed.engine import Speculation
 from speed.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, DecodingMismatch, EvalConfig, run_evaluation
 from speed.exactness import LogitRecorder
+from speed.lm import LoopedLM
 from speed.paths import repo_root
 from speed.tokenizer import train_tokenizer
 
@@ -40,6 +43,15 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = SpeedT5(preset("tiny", vocab_size=tok.vocab_size, pattern="2x3"))
     return save_model(root / "model", model, tok.path), model, tok
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(checkpoint, tmp_path_factory):
+    """A tiny 1+2x2+1 looped LM (two loops) with the T5's tokenizer, saved as a checkpoint."""
+    _, _, tok = checkpoint
+    torch.manual_seed(0)
+    model = LoopedLM(lm_preset("tiny", vocab_size=tok.vocab_size, pattern="1+2x2+1"))
+    return save_model(tmp_path_factory.mktemp("lm") / "model", model, tok.path), model, tok
 
 
 def _job():
@@ -95,7 +107,15 @@ def test_job_end_to_end(checkpoint, tmp_path, capsys):
     assert decode["speed"]["tokens_per_s"] > 0
     config = summary["config"]  # EvalConfig's defaults; no training job in this checkpoint: 512 input tokens
     assert [config[k] for k in ("limit", "split", "max_source_len", "check_sequential")] == [6, "test", 512, True]
-    assert summary["model"]["pattern"] == "2x3"
+    assert summary["model"]["pattern"] == "2x3" and summary["family"] == "t5"
+    intervals = summary["intervals"]  # BLEU and ROUGE-L, each inside its own 95% bootstrap interval
+    assert intervals["bleu"]["score"] == pytest.approx(summary["metrics"]["bleu"]["score"])
+    assert all(r["low"] <= r["score"] <= r["high"] and r["samples"] == 1000 for r in intervals.values())
+    perplexity = summary["perplexity"]  # teacher-forced on the references, each cut to 8 tokens
+    refs = [min(len(ids), 8) for ids in tok.encode_batch(predictions["reference"].to_pylist())]
+    assert perplexity["tokens"] == sum(refs) and len(perplexity["perplexity"]) == 3
+    assert perplexity["perplexity"] == pytest.approx([math.exp(x) for x in perplexity["loss"]])
+    assert "bootstrap interval" in printed.out and "perplexity of the references, per loop" in printed.out
 
 
 def test_summarization_reports_rouge(checkpoint, tmp_path):
@@ -104,6 +124,43 @@ def test_summarization_reports_rouge(checkpoint, tmp_path):
     summary = run_evaluation(model, tok.path, config, tmp_path, progress=False)
     assert set(summary["metrics"]) == {"rouge"} and set(summary["metrics"]["rouge"]) >= {"rouge1", "rouge2", "rougeL"}
     assert "sequential" not in summary["decode"] and summary["examples"] == 3
+
+
+def test_a_looped_lm_is_evaluated_as_a_t5_is(lm_checkpoint, tmp_path, capsys):
+    """The job on an LM checkpoint and a summarization task: ROUGE with intervals, flip rates per loop, steps
+    per token beside the oracle's, SPEED checked identical to sequential, and every loop's perplexity of the
+    references after the prompts, checked against the model's own logits."""
+    directory, model, tok = lm_checkpoint
+    out = tmp_path / "eval"
+    flags = ["--checkpoint", str(directory), "--task", "summarize", "--split", "validation", "--limit", "4"]
+    flags += ["--batch-size", "2", "--max-new-tokens", "6", "--max-source-len", "48", "--threads", "1"]
+    summary = _job().main([*flags, "--bootstrap-samples", "200", "--out", str(out)])
+    assert "rougeL" in capsys.readouterr().out
+    assert set(summary["metrics"]) == {"rouge"} and summary["model"]["pattern"] == "1+2x2+1"
+    assert summary["family"] == "lm"
+    assert summary["intervals"]["rougeL"]["score"] == pytest.approx(summary["metrics"]["rouge"]["rougeL"])
+    assert summary["intervals"]["rougeL"]["samples"] == 200
+    assert [r["loop"] for r in summary["flip_rates"]] == [1, 2]
+    decode = summary["decode"]
+    assert decode["identical"] and decode["speedup"] > 0
+    assert decode["oracle_steps_per_token"] <= decode["steps_per_token"]
+    predictions = pq.read_table(out / "predictions.parquet").to_pydict()
+    assert decode["speed"]["tokens"] == sum(predictions["output_tokens"])
+
+    prompts = encode_prompts(predictions["source"], tok, 48)
+    answers = [truncate(ids, 6) for ids in tok.encode_batch(predictions["reference"])]  # EOS last, as in training
+    losses, tokens = torch.zeros(2, dtype=torch.float64), 0
+    with torch.no_grad():
+        for prompt, answer in zip(prompts, answers):  # one example at a time: no padding, no collate
+            logits = model(torch.tensor([prompt + answer]), return_logits=True).loop_logits  # M x (1, T, V)
+            for loop, lg in enumerate(logits):
+                predicting = lg[0, len(prompt) - 1 : len(prompt) + len(answer) - 1]  # (A, V): the answer's logits
+                losses[loop] += torch.nn.functional.cross_entropy(predicting, torch.tensor(answer), reduction="sum")
+            tokens += len(answer)
+    perplexity = summary["perplexity"]
+    assert perplexity["tokens"] == tokens
+    assert perplexity["loss"] == pytest.approx((losses / tokens).tolist(), rel=1e-5)
+    assert perplexity["perplexity"] == pytest.approx([math.exp(x) for x in perplexity["loss"]])
 
 
 def _break_sequential(monkeypatch):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from speed.metrics import bleu, chrf, paired_bootstrap, rouge
+from speed.metrics import bleu, bootstrap, chrf, paired_bootstrap, rouge
 
 
 def test_bleu_identical_is_100_and_signature():
@@ -88,3 +88,22 @@ def test_paired_bootstrap_sees_a_clearly_better_system():
     assert paired_bootstrap(worse, better, _REFS, samples=300, seed=1) == result
     with pytest.raises(ValueError, match="8 hypotheses but 7 references"):
         paired_bootstrap(worse, better, _REFS[:-1])
+
+
+def test_bootstrap_interval_holds_the_score_and_matches_the_paired_resamples():
+    better = [r.replace(" a ", " the ", 1) for r in _REFS]
+    worse = ["a man", "dogs", "a woman reads a book", "kids", "fruit", "a girl", "people", "a cat"]
+    one = bootstrap(better, _REFS, samples=300, seed=1)
+    assert sorted(one) == ["bleu", "rougeL"]
+    assert one["bleu"]["score"] == pytest.approx(bleu(better, _REFS)["score"])
+    assert one["rougeL"]["score"] == pytest.approx(rouge(better, _REFS)["rougeL"])
+    for r in one.values():
+        assert r["low"] <= r["score"] <= r["high"] and r["low"] < r["high"] and r["samples"] == 300
+    paired = paired_bootstrap(worse, better, _REFS, samples=300, seed=1)
+    assert paired["rougeL"]["system"] == one["rougeL"]["score"]
+    # An exact system has no spread: every resample of identical texts scores 100.
+    exact = bootstrap(_REFS, _REFS, samples=50)
+    assert all(r["low"] == r["high"] == pytest.approx(100.0) for r in exact.values())
+    assert bootstrap(better, _REFS, samples=300, seed=1) == one  # seeded: reproducible
+    with pytest.raises(ValueError, match="samples >= 1"):
+        bootstrap(better, _REFS, samples=0)

@@ -41,13 +41,42 @@ def test_pattern_families():
     assert expand_patterns(("depth=12",)) == ("1x12", "2x6", "3x4", "4x3", "6x2", "12x1")
     assert expand_patterns(("unique=3",), max_depth=12) == ("3x1", "3x2", "3x3", "3x4")
     assert expand_patterns(("2x6", "depth=4", "2x2")) == ("2x6", "1x4", "2x2", "4x1")  # in order, no repeats
+    # a looped LM's prelude and coda around a family, or written out
+    assert expand_patterns(("1+depth=4+1",)) == ("1+1x4+1", "1+2x2+1", "1+4x1+1")
+    assert expand_patterns(("2+unique=3",), max_depth=6) == ("2+3x1", "2+3x2")
+    assert expand_patterns(("depth=2+1", "1+2x3+1")) == ("1x2+1", "2x1+1", "1+2x3+1")
     for bad, match in [
         (("depth=0",), "positive integer"),
         (("width=3",), "unknown pattern family"),
         (("2y6",), "has no 'x'"),
+        (("0+depth=4",), "P \\(prelude layers\\) must be at least 1"),
+        (("1+depth=x+1",), "positive integer after '='"),
+        (("1+width=4",), "unknown pattern family"),
     ]:
         with pytest.raises(ValueError, match=match):
             expand_patterns(bad)
+
+
+def test_an_lm_sweep_takes_the_lm_base_job_and_its_layouts():
+    """--model lm: the LM's base job (jobs/configs/sweep_lm_local.yaml) unless --config; prelude/coda patterns
+    fit an LM and are refused, before any work, for a T5."""
+    job_module = _sweep_job_module()
+    sweep, job = job_module.parse(["--model", "lm", "--patterns", "1+depth=2+1", "2x2", "--schemes", "linear"])
+    assert job.family.name == "lm" and job.model.d_model == 128 and job.data.task == "translate_en_de"
+    assert sweep.expanded_patterns == ("1+1x2+1", "1+2x1+1", "2x2") and sweep.trials == 3
+    assert check_job(sweep, job).scheduler == "asha"
+    _, t5 = job_module.parse(["--patterns", "2x2"])
+    assert t5.family.name == "t5"
+    with pytest.raises(ValueError, match="pattern '1\\+1x2\\+1' does not fit the job's t5 model"):
+        check_job(sweep, t5)
+
+
+def test_layer_steps_count_the_prelude_once_and_the_coda_in_every_exit():
+    from speed.sweep.results import layer_steps, sequential_layers
+
+    assert layer_steps("2x6", 1.5) == 3.0 and sequential_layers("2x6") == 12  # T5: steps * N, N*M
+    assert layer_steps("1+2x3+1", 1.0) == 1 + 3 and sequential_layers("1+2x3+1") == 1 + 3 * 3
+    assert layer_steps("2+4x2", 2.0) == 2 + 8 and sequential_layers("4x2+2") == 12
 
 
 def test_sweep_config_is_validated():
@@ -221,6 +250,8 @@ def test_speed_costs_per_lever_setting_and_the_best_of_them(tiny_tokenizer):
     import torch
 
     from speed import SpeedT5, preset
+    from speed.config import lm_preset
+    from speed.lm import LoopedLM
     from speed.sweep.measure import Measurement, lever_settings, speed_costs
 
     torch.manual_seed(0)
@@ -241,6 +272,11 @@ def test_speed_costs_per_lever_setting_and_the_best_of_them(tiny_tokenizer):
     fewest = min(c["layer_steps_per_token"] for c in costs)
     assert best["layer_steps_per_token"] == fewest
     assert best["rows_per_token"] == min(c["rows_per_token"] for c in costs if c["layer_steps_per_token"] == fewest)
+    lm = LoopedLM(lm_preset("tiny", pattern="1+1x3+1", vocab_size=400)).eval()  # the LM's costs: P + steps(N + C)
+    lm_costs = speed_costs(lm, inputs, 6)
+    assert len(lm_costs) == 3 * 2
+    for c in lm_costs:
+        assert c["layer_steps_per_token"] == pytest.approx(1 + 2 * c["steps_per_token"])
     old = [{k: v for k, v in c.items() if k not in ("branches", "branch_depth", "min_confidence", "rows_per_token")}
            for c in costs if c["branches"] == 0 and c["min_confidence"] == 0]  # fmt: skip
     assert Measurement("bleu", 0.0, {}, [], [], old, 2).best_cost()["launch_loop"] in (1, 2, 3)
@@ -476,3 +512,43 @@ def test_sweep_analysis_and_notebook_on_the_real_sweep(sweep, tmp_path):
         "sweep_latency.png",
     ):
         assert (folder / figure).stat().st_size > 0, figure
+
+
+# ----- a looped LM's sweep ------------------------------------------------------------------------------------
+
+# 1+1x2+1 and 1+2x1+1 (a prelude and a coda around each core), no settle term, no branches, no failing pattern
+LM_SWEEP = replace(
+    SWEEP, patterns=("1+depth=2+1",), settle=("none",), branches=(0,), fail_pattern=None, measure_limit=3, cost_limit=2
+)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_looped_lm_sweep_measures_and_times_its_layouts(ray_session, tiny_tokenizer, tmp_path):
+    """Two LM trials of two steps: every finished trial measured on its prompts, its costs in the LM's layer
+    steps (the prelude once, the coda in every exit), the frontier, and the latency stage against the one-loop
+    layout of the same prelude and coda."""
+    flags = ["--model", "lm", "--preset", "tiny", "--task", "translate_en_de", "--limit", "32"]
+    flags += ["--tokenizer", str(tiny_tokenizer), "--batch-size", "4", "--max-steps", "2", "--checkpoint-every", "2"]
+    flags += ["--warmup-steps", "1", "--max-source-len", "48", "--max-target-len", "16", "--cpus-per-worker", "2"]
+    job = job_from_args("finetune", [*flags, "--storage-path", str(tmp_path), "--no-tracking"])
+    outcome = run_sweep(LM_SWEEP, job)
+    rows = {r["pattern"]: r for r in outcome.results.to_pylist()}
+    assert set(rows) == {"1+1x2+1", "1+2x1+1"} and {r["status"] for r in rows.values()} == {"finished"}
+    for pattern, r in rows.items():
+        assert r["family"] == "lm" and json.loads(r["job"])["model"]["family"] == "lm"
+        assert r["depth"] == {"1+1x2+1": 1 + 2 * 2, "1+2x1+1": 1 + 3}[pattern]  # P + M(N + C)
+        n, c = r["n_unique"], 1
+        for cost in r["costs"]:
+            assert cost["layer_steps_per_token"] == pytest.approx(1 + cost["steps_per_token"] * (n + c))
+        assert r["accuracy_metric"] == "bleu" and r["examples"] == 3 and len(r["flip_rate_final"]) == r["n_loops"]
+    # The LM's prefill gives each output its first token, so a one-loop decoder takes one step per later token.
+    one_loop = rows["1+2x1+1"]
+    assert one_loop["speed_cost"] == pytest.approx(1 + one_loop["speed_steps_per_token"] * 3) and one_loop["depth"] == 4
+    assert set(outcome.frontier.column("trial").to_pylist()) <= {r["trial"] for r in rows.values()}
+    latency = {(r["pattern"], r["variant"]): r for r in outcome.latency.to_pylist()}
+    shallow = latency[("1+2x1+1", "sequential")]  # the trained one-loop layout, timed as every pattern's baseline
+    assert shallow["ratio_vs_shallow"] == 1.0 and shallow["steps"] == shallow["tokens"] - 2  # 2 inputs, prefilled
+    for (pattern, _), r in latency.items():
+        if pattern == "1+1x2+1":  # its shallow decoder would be 1+1x1+1, not trained here: no ratio
+            assert r["ratio_vs_shallow"] is None

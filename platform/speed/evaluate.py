@@ -4,9 +4,11 @@ Writes three files into ``out_dir`` (a local path or a URI): ``predictions.parqu
 (``PREDICTIONS_SCHEMA``), ``trace.parquet`` (``EVAL_TRACE_SCHEMA``: the
 per-token flip trace plus the example index, joinable with the predictions)
 and ``summary.json`` (metrics, flip rate per loop, decode speed, SPEED's steps
-and rows per token beside the oracle's, the flip cost and, with
+and rows per token beside the oracle's, the flip cost, the metrics' bootstrap
+intervals, every loop's teacher-forced perplexity of the references and, with
 ``check_sequential``, the speed-up over sequential decoding, whose output
-must be identical). With ``check_sequential`` both decoders run on every
+must be identical). Both model families: a ``LoopedLM`` reads each source as
+its finetuning prompt. With ``check_sequential`` both decoders run on every
 batch, timed interleaved (alternating which goes first), so that a busy
 machine slows both alike; a mismatch is recorded in the summary (example,
 position, both tokens, top-2 logit gap), the files are still written, and
@@ -30,18 +32,19 @@ from torch import Tensor
 from speed import metrics
 from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
-from speed.data.batching import encode_prompts
-from speed.data.tasks import lm_task
 from speed.decoding import DecodeStats, GenerateResult, generate
 from speed.engine import Speculation, SpeculationFields
 from speed.exactness import LogitRecorder, top2_gap
+from speed.family import family_of
 from speed.lm import LoopedLM
+from speed.metrics import bootstrap
 from speed.model import SpeedT5
 from speed.progress import ProgressBar
 from speed.sampling import Sampling
 from speed.storage import locate
 from speed.tokenizer import EOS_ID, Tokenizer
 from speed.trace import TRACE_SCHEMA, flip_costs, flip_rates
+from speed.train.validation import validate_batches
 
 PREDICTIONS_FILE = "predictions.parquet"
 TRACE_FILE = "trace.parquet"
@@ -90,6 +93,8 @@ class EvalConfig(SpeculationFields):
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: int = 0  # every sequence samples with this seed: its draws depend on (seed, output position) only
+    bootstrap_samples: int = 1000  # resamples of the metrics' intervals (speed.metrics.bootstrap); 0: none
+    perplexity: bool = True  # every loop's teacher-forced perplexity of the references (cut to max_new_tokens)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # SPEED's settings
@@ -98,6 +103,8 @@ class EvalConfig(SpeculationFields):
         for name in ("batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EvalConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.bootstrap_samples < 0:
+            raise ValueError(f"EvalConfig.bootstrap_samples must be 0 (none) or more, got {self.bootstrap_samples}")
         if self.row_budget is not None and self.row_budget < 1:
             raise ValueError(f"EvalConfig.row_budget must be at least 1 or None, got {self.row_budget}")
         if self.max_source_len is not None and self.max_source_len < 2:
@@ -178,15 +185,11 @@ def run_evaluation(
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     if tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
-    lm = isinstance(model, LoopedLM)  # a decoder-only LM reads its prompts in the chat template (speed.chat)
-    task = lm_task(get_task(config.task)) if lm else get_task(config.task)
-    records = read_records(task, config.split, config.source, config.limit)
+    family = family_of(model)  # a decoder-only LM reads its prompts in the chat template (speed.chat)
+    records = read_records(family.read_task(get_task(config.task)), config.split, config.source, config.limit)
     columns = records.dataset.to_dict()
     sources, references = columns["source"], columns["target"]
-    if lm:
-        inputs = encode_prompts(sources, tok, config.max_source_len)
-    else:
-        inputs = [truncate(ids, config.max_source_len) for ids in tok.encode_batch(sources)]
+    inputs = family.encode_sources(sources, tok, config.max_source_len)
 
     methods = ("speed", "sequential") if config.check_sequential else ("speed",)
     _warm_up(model, inputs[0], methods)
@@ -213,9 +216,12 @@ def run_evaluation(
         "examples": len(sources),
         "skipped_records": records.skipped,
         "config": dataclasses.asdict(config),
+        "family": family.name,
         "model": to_dict(model.config),
         "tokenizer": str(tok.path),
         "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},
+        "intervals": bootstrap(hypotheses, references, config.bootstrap_samples) if config.bootstrap_samples else {},
+        "perplexity": _perplexity(model, inputs, tok.encode_batch(references), config) if config.perplexity else None,
         "flip_rates": flip_rates(decoded.trace).to_pylist(),
         "decode": _speed_summary(decoded, sequential, oracle, mismatches, config.bitwise, config.near_tie),
         "files": {name: (out / f).uri for name, f in _FILES.items()},
@@ -226,6 +232,26 @@ def run_evaluation(
 
 
 _FILES = {"predictions": PREDICTIONS_FILE, "trace": TRACE_FILE, "summary": SUMMARY_FILE}
+
+
+def _perplexity(
+    model: SpeedT5 | LoopedLM, inputs: list[list[int]], references: list[list[int]], config: EvalConfig
+) -> dict[str, Any]:
+    """Every loop's mean token cross-entropy and perplexity of the references given the inputs (teacher
+    forcing, the family's training batches: a ``LoopedLM`` scores the answer after its prompt), each reference
+    cut to ``max_new_tokens`` with EOS last (as training cuts targets); with the same pass's teacher-forced flip
+    rates."""
+    labels = [truncate(ids, config.max_new_tokens) for ids in references]
+    size = config.batch_size
+    batches = ({"input_ids": inputs[s : s + size], "labels": labels[s : s + size]} for s in range(0, len(inputs), size))
+    v = validate_batches(model, batches)
+    return {
+        "loss": v.losses,
+        "perplexity": v.perplexities,
+        "flip_rate_prev": v.flip_rate_prev,
+        "flip_cost": v.flip_cost,
+        "tokens": v.tokens,
+    }
 
 
 def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...]) -> None:
@@ -411,6 +437,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         scores = {k: v for k, v in result.items() if k in ("score", *metrics.ROUGE_TYPES)}
         shown = ", ".join(f"{k} {v:.2f}" for k, v in scores.items())
         lines.append(f"  {name}: {shown}   [{result['signature']}]")
+    for name, r in summary.get("intervals", {}).items():
+        lines.append(f"  {name} {r['score']:.2f}, 95% bootstrap interval [{r['low']:.2f}, {r['high']:.2f}]")
+    if summary.get("perplexity"):
+        ppl = ", ".join(f"{i + 1}: {x:.2f}" for i, x in enumerate(summary["perplexity"]["perplexity"]))
+        lines.append(f"  perplexity of the references, per loop: {ppl}")
     flips = ", ".join(f"{r['loop']}: {r['flip_rate_final']:.3f}" for r in summary["flip_rates"])
     lines.append(f"  flip rate vs final token, per loop: {flips}")
     decode = summary["decode"]

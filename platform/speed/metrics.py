@@ -2,7 +2,8 @@
 
 Scores are on a 0-100 scale. Each hypothesis has one reference. ``paired_bootstrap``
 compares two systems on the same references with one set of resampled indices
-for every metric (sacrebleu's paired bootstrap resampling for BLEU).
+for every metric (sacrebleu's paired bootstrap resampling for BLEU); ``bootstrap``
+gives one system's scores an interval from the same resamples.
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ def rouge(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
 PAIRED_METRICS = ("bleu", "rougeL")
 
 
+def bootstrap(
+    hyps: Sequence[str], refs: Sequence[str], samples: int = 1000, seed: int = 12345, confidence: float = 0.95
+) -> dict[str, dict[str, float]]:
+    """One system's BLEU and ROUGE-L with a bootstrap interval: the central ``confidence`` share of the scores
+    of ``samples`` resamples of the examples (drawn as ``paired_bootstrap`` draws them). Per metric: ``score``
+    (on the full set), ``low``, ``high``, ``samples``."""
+    hyps, refs = _check(hyps, refs)
+    idx = _indices(len(refs), samples, seed, confidence)  # (S, n)
+    out = {}
+    for name, (full, resampled) in _resampled(hyps, refs, idx).items():
+        low, high = _interval(resampled, confidence)
+        out[name] = {"score": full, "low": low, "high": high, "samples": samples}
+    return out
+
+
 def paired_bootstrap(
     baseline: Sequence[str],
     system: Sequence[str],
@@ -77,38 +93,46 @@ def paired_bootstrap(
     """
     baseline, refs = _check(baseline, refs)
     system, _ = _check(system, refs)
-    if samples < 1 or not 0 < confidence < 1:
-        raise ValueError(f"need samples >= 1 and 0 < confidence < 1, got {samples} and {confidence}")
-    idx = np.random.default_rng(seed).choice(len(refs), size=(samples, len(refs)), replace=True)  # (S, n)
-    metric = BLEU()
+    idx = _indices(len(refs), samples, seed, confidence)  # (S, n)
+    scored = [_resampled(hyps, refs, idx) for hyps in (baseline, system)]
     out = {}
     for name in PAIRED_METRICS:
-        if name == "bleu":
-            stats = [
-                np.array(metric._extract_corpus_statistics(h, [refs]), dtype=np.float64) for h in (baseline, system)
-            ]
-            full = [metric._compute_score_from_stats(s.sum(0)).score for s in stats]
-            resampled = [np.array([metric._compute_score_from_stats(s[i].sum(0)).score for i in idx]) for s in stats]
-        else:
-            scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-            per = [
-                100.0 * np.array([scorer.score(target=r, prediction=h)["rougeL"].fmeasure for h, r in zip(hyps, refs)])
-                for hyps in (baseline, system)
-            ]  # 2 x (n,)
-            full = [float(p.mean()) for p in per]
-            resampled = [p[idx].mean(1) for p in per]  # 2 x (S,)
-        diffs = resampled[1] - resampled[0]
-        tail = (1 - confidence) / 2
-        low, high = np.quantile(diffs, [tail, 1 - tail])
+        (full0, resampled0), (full1, resampled1) = scored[0][name], scored[1][name]
+        low, high = _interval(resampled1 - resampled0, confidence)
         out[name] = {
-            "baseline": float(full[0]),
-            "system": float(full[1]),
-            "delta": float(full[1] - full[0]),
-            "low": float(low),
-            "high": float(high),
+            "baseline": full0,
+            "system": full1,
+            "delta": full1 - full0,
+            "low": low,
+            "high": high,
             "samples": samples,
         }
     return out
+
+
+def _indices(n: int, samples: int, seed: int, confidence: float) -> np.ndarray:
+    """(samples, n) example indices drawn with replacement, seeded."""
+    if samples < 1 or not 0 < confidence < 1:
+        raise ValueError(f"need samples >= 1 and 0 < confidence < 1, got {samples} and {confidence}")
+    return np.random.default_rng(seed).choice(n, size=(samples, n), replace=True)
+
+
+def _resampled(hyps: list[str], refs: list[str], idx: np.ndarray) -> dict[str, tuple[float, np.ndarray]]:
+    """Per metric of ``PAIRED_METRICS``: the score on the full set and on each resample of ``idx`` (S,)."""
+    metric = BLEU()
+    stats = np.array(metric._extract_corpus_statistics(hyps, [refs]), dtype=np.float64)  # (n, statistics)
+    bleu_full = metric._compute_score_from_stats(stats.sum(0)).score
+    bleu_resampled = np.array([metric._compute_score_from_stats(stats[i].sum(0)).score for i in idx])
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    per = 100.0 * np.array([scorer.score(target=r, prediction=h)["rougeL"].fmeasure for h, r in zip(hyps, refs)])
+    return {"bleu": (float(bleu_full), bleu_resampled), "rougeL": (float(per.mean()), per[idx].mean(1))}
+
+
+def _interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
+    """The central ``confidence`` share of ``values``."""
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(values, [tail, 1 - tail])
+    return float(low), float(high)
 
 
 def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:

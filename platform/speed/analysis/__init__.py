@@ -2,10 +2,11 @@
 
 The notebooks in ``analysis/`` call these functions and draw; every number they
 show is computed here from Parquet/JSON written by ``jobs/evaluate.py``,
-``jobs/bench_decode.py``, ``jobs/sweep.py`` and the Serve application and its load
+``jobs/bench_decode.py``, ``jobs/sweep.py``, ``jobs/compare_families.py`` and the Serve application and its load
 generator.
 """
 
+from speed.analysis.families import Families, latency_plane, load_families, loop_table, quality_difference
 from speed.analysis.flips import flip_rates, flip_rates_by_position
 from speed.analysis.results import Evaluation, Results, discover, load_evaluation
 from speed.analysis.serving import acceptance, acceptance_by_position, load_summary, rows_per_step
@@ -16,18 +17,23 @@ __all__ = [
     "acceptance",
     "acceptance_by_position",
     "Evaluation",
+    "Families",
     "Results",
     "Sweep",
     "benchmark_latency",
     "discover",
     "flip_rates",
     "flip_rates_by_position",
+    "latency_plane",
     "launch_costs",
     "load_evaluation",
+    "load_families",
     "load_summary",
     "load_sweep",
     "loop_flips",
+    "loop_table",
     "model_identity",
+    "quality_difference",
     "rows_per_step",
     "tradeoff",
     "trials",

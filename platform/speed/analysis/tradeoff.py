@@ -21,7 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from speed.config import ModelConfig, SharingPattern, from_dict, to_dict
+from speed.config import SharingPattern, to_dict
+from speed.family import DEFAULT_FAMILY, config_of_any_family, family_of
 from speed.metrics import ROUGE_TYPES
 
 TRADEOFF_SCHEMA = pa.schema(
@@ -63,20 +64,24 @@ _TRAINING_ONLY = ("dropout",)
 
 
 def model_identity(config: dict[str, Any]) -> str:
-    """A short hash of a resolved ``ModelConfig`` (a summary's ``model``, a benchmark row's ``model`` JSON).
+    """A short hash of a resolved model config of either family (a summary's ``model``, a benchmark row's
+    ``model`` JSON).
 
-    Equal identities: the same architecture, sizes and vocabulary, what a decode's time per token depends
-    on (not the weights). A pattern name alone is shared by models of any dimensions and vocabulary.
+    Equal identities: the same family, architecture, sizes and vocabulary, what a decode's time per token
+    depends on (not the weights). A pattern name alone is shared by models of any dimensions and vocabulary.
     """
-    resolved = to_dict(from_dict(ModelConfig, config))  # defaults filled in, types coerced
+    parsed = config_of_any_family(config)
+    resolved = to_dict(parsed)  # defaults filled in, types coerced
     for name in _TRAINING_ONLY:
-        resolved.pop(name)
+        resolved.pop(name, None)
+    if family_of(parsed).name != DEFAULT_FAMILY:
+        resolved["family"] = family_of(parsed).name  # T5 identities stay as they were before the LM
     return hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def model_label(config: dict[str, Any]) -> str:
     """``<pattern> d<d_model> v<vocab> #<identity>``: readable, and distinct for distinct models."""
-    c = from_dict(ModelConfig, config)
+    c = config_of_any_family(config)
     return f"{c.pattern} d{c.d_model} v{c.vocab_size} #{model_identity(config)[:6]}"
 
 

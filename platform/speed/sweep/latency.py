@@ -5,7 +5,8 @@ stage runs after them, alone, and times every variant on the same validation
 inputs (each decoded at batch 1) in interleaved rounds (``speed.benchmarks.decode.interleave``):
 SPEED at each frontier trial's best setting (levers included), the same checkpoint decoded
 sequentially (its full depth), and every trained ``Nx1`` of the sweep (the
-shallow decoders, and the unshared full-depth ``Dx1`` when one was trained).
+shallow decoders, and the unshared full-depth ``Dx1`` when one was trained; a looped LM's
+``P+Nx1+C``, the shallow decoder of every ``P+NxM+C``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import torch
 
 from speed.benchmarks.decode import interleave
 from speed.checkpoint import load_model
-from speed.data import pad_inputs, read_records, truncate
+from speed.config import SharingPattern
+from speed.data import get_task, pad_inputs, read_records
 from speed.decoding import DecodeStats, generate
 from speed.engine import Speculation
+from speed.family import family_of
+from speed.lm import LoopedLM
 from speed.model import SpeedT5
 from speed.sweep.measure import PLAIN
 from speed.sweep.results import LATENCY_SCHEMA
@@ -45,14 +49,15 @@ def time_frontier(
     finished = {r["trial"]: r for r in results.to_pylist() if r["status"] == "finished"}
     timed = [r["trial"] for r in frontier.to_pylist()]
     timed += [t for t, r in sorted(finished.items()) if r["n_loops"] == 1 and t not in timed]
-    models: dict[str, SpeedT5] = {}
+    models: dict[str, SpeedT5 | LoopedLM] = {}
     tokenizer = None
     for trial in timed:
         loaded = load_model(finished[trial]["checkpoint"], map_location=device)
         tokenizer = tokenizer or Tokenizer.load(loaded.tokenizer_path)
         models[trial] = loaded.model.to(device).eval()
-    records = read_records(task, "validation", source, limit).dataset.to_dict()
-    inputs = [truncate(ids, max_source_len) for ids in tokenizer.encode_batch(records["source"])]
+    family = family_of(next(iter(models.values())))  # a sweep trains one family
+    records = read_records(family.read_task(get_task(task)), "validation", source, limit).dataset.to_dict()
+    inputs = family.encode_sources(records["source"], tokenizer, max_source_len)
 
     stats: dict[str, DecodeStats] = {}
     variants: dict[str, Callable[[], int]] = {}
@@ -66,13 +71,14 @@ def time_frontier(
     print(f"latency: {len(variants)} variants x {len(inputs)} inputs at batch 1, {reps} interleaved rounds", flush=True)
     times = interleave(variants, reps)
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    shallow = {finished[t]["n_unique"]: median[f"{t}/sequential"] for t in timed if finished[t]["n_loops"] == 1}
+    one_loop = [t for t in timed if finished[t]["n_loops"] == 1]
+    shallow = {_shallow(finished[t]["pattern"]): median[f"{t}/sequential"] for t in one_loop}
     rows = []
     for name, ts in times.items():
         trial, variant = name.rsplit("/", 1)
         row = finished[trial]
         speed = variant == "speed"
-        base = shallow.get(row["n_unique"])
+        base = shallow.get(_shallow(row["pattern"]))
         best = _best(row) if speed else None
         rows.append(
             {
@@ -97,6 +103,11 @@ def time_frontier(
 _COLUMNS = ("launch_loop", "invalidation", *SWEPT_LEVERS)  # a LATENCY_SCHEMA row's SPEED settings (null: sequential)
 
 
+def _shallow(pattern: str) -> str:
+    """The one-loop pattern of the same layers: ``2x6`` -> ``2x1``, ``1+2x6+1`` -> ``1+2x1+1``."""
+    return str(replace(SharingPattern.parse(pattern), n_loops=1))
+
+
 def _best(row: dict[str, Any]) -> Speculation:
     """A results row's best SPEED setting (its levers plain where the row predates them)."""
     best = {name: row.get(f"best_{name}") for name in _COLUMNS}
@@ -104,7 +115,7 @@ def _best(row: dict[str, Any]) -> Speculation:
 
 
 def _decoder(
-    model: SpeedT5,
+    model: SpeedT5 | LoopedLM,
     inputs: list[list[int]],
     max_new_tokens: int,
     stats: dict[str, DecodeStats],

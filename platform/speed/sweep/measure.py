@@ -19,11 +19,14 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from speed.data import pad_inputs, truncate
+from speed.data import pad_inputs
 from speed.decoding import DecodeStats, generate
 from speed.engine import INVALIDATIONS, Speculation
 from speed.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
+from speed.family import family_of
+from speed.lm import LoopedLM
 from speed.model import SpeedT5
+from speed.sweep.results import layer_steps
 from speed.sweep.space import SWEPT_LEVERS
 from speed.tokenizer import Tokenizer
 
@@ -60,7 +63,7 @@ class Measurement:
 
 
 def measure(
-    model: SpeedT5,
+    model: SpeedT5 | LoopedLM,
     tokenizer: Tokenizer,
     task: str,
     source: str | None,
@@ -90,7 +93,7 @@ def measure(
     scores = _scores(summary["metrics"])
     primary = "bleu" if "bleu" in scores else "rougeL"
     flips = sorted(summary["flip_rates"], key=lambda r: r["loop"])
-    inputs = _inputs(out_dir, tokenizer, max_source_len)
+    inputs = _inputs(model, out_dir, tokenizer, max_source_len)
     return Measurement(
         accuracy_metric=primary,
         accuracy=scores[primary],
@@ -119,11 +122,11 @@ def lever_settings(levers: dict[str, Sequence], n_loops: int) -> list[Speculatio
 
 
 def speed_costs(
-    model: SpeedT5, inputs: list[list[int]], max_new_tokens: int, levers: Sequence[Speculation] = (PLAIN,)
+    model: SpeedT5 | LoopedLM, inputs: list[list[int]], max_new_tokens: int, levers: Sequence[Speculation] = (PLAIN,)
 ) -> list[dict[str, Any]]:
     """SPEED's steps and rows per token for launch loops 1..M, both policies and every lever setting
     (``SWEPT_LEVERS`` of each), decoding each input alone."""
-    n_unique = model.config.sharing.n_unique
+    pattern = model.config.sharing
     costs = []
     for setting in levers:
         for launch_loop in range(1, model.n_loops + 1):
@@ -149,7 +152,7 @@ def speed_costs(
                         "invalidation": policy,
                         **{name: getattr(setting, name) for name in SWEPT_LEVERS},
                         "steps_per_token": total.steps / total.tokens,
-                        "layer_steps_per_token": total.steps * n_unique / total.tokens,
+                        "layer_steps_per_token": layer_steps(pattern, total.steps / total.tokens),
                         "rows_per_token": total.rows / total.tokens,
                         "flushes_per_token": total.flushes / total.tokens,
                         "wasted_rows_per_token": total.wasted_rows / total.tokens,
@@ -168,7 +171,9 @@ def _scores(metrics: dict[str, Any]) -> dict[str, float]:
     return scores
 
 
-def _inputs(out_dir: str | Path, tokenizer: Tokenizer, max_source_len: int) -> list[list[int]]:
-    """The encoder inputs of the evaluated examples, as the evaluation built them (its predictions file)."""
+def _inputs(
+    model: SpeedT5 | LoopedLM, out_dir: str | Path, tokenizer: Tokenizer, max_source_len: int
+) -> list[list[int]]:
+    """The decoder's inputs of the evaluated examples, as the evaluation built them (its predictions file)."""
     sources = pq.read_table(Path(out_dir) / PREDICTIONS_FILE, columns=["source"]).column("source").to_pylist()
-    return [truncate(ids, max_source_len) for ids in tokenizer.encode_batch(sources)]
+    return family_of(model).encode_sources(sources, tokenizer, max_source_len)

@@ -9,7 +9,9 @@ finished trial beats on both accuracy and SPEED cost. ``LATENCY_SCHEMA``
 SPEED cost is hardware independent: *layer steps per token*, the pipeline steps
 a sequence needs per committed token times the N unique layers each step runs
 (one step reads the group's weights once, for every token in flight). A
-sequential NxM decoder costs N*M; a perfectly speculating one N. The best
+sequential NxM decoder costs N*M; a perfectly speculating one N. A looped LM's
+``P+NxM+C`` (``layer_steps``) runs its coda in every loop's exit and its prelude
+once per token: P + steps * (N + C), sequentially P + M(N + C). The best
 launch loop, invalidation policy and lever setting (runner-up branches, confidence
 gate) of each trial set its cost; the rows it computes per token are recorded
 beside it (branches trade rows for steps).
@@ -21,6 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+
+from speed.config import SharingPattern
 
 RESULTS_FILE = "results.parquet"
 FRONTIER_FILE = "frontier.parquet"
@@ -39,7 +43,7 @@ COST_TYPE = pa.struct(
         pa.field("branch_depth", pa.int32()),
         pa.field("min_confidence", pa.float64()),  # confidence gate of a launch (0: none)
         pa.field("steps_per_token", pa.float64()),  # pipeline steps per committed token
-        pa.field("layer_steps_per_token", pa.float64()),  # steps_per_token * N
+        pa.field("layer_steps_per_token", pa.float64()),  # layer_steps(pattern, steps_per_token): T5 steps * N
         pa.field("rows_per_token", pa.float64()),  # token-loops computed per committed token (branches add rows)
         pa.field("flushes_per_token", pa.float64()),
         pa.field("wasted_rows_per_token", pa.float64()),  # token-loops computed for flushed tokens
@@ -53,10 +57,12 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("status", pa.string(), nullable=False),  # one of STATUSES
         pa.field("error", pa.string()),  # the failure's last line (failed trials)
         pa.field("task", pa.string(), nullable=False),
+        pa.field("family", pa.string()),  # t5 | lm (speed.family); null in sweeps written before the LM's
         pa.field("pattern", pa.string(), nullable=False),
-        pa.field("n_unique", pa.int32(), nullable=False),  # N: unique decoder layers (the parameter count)
+        pa.field("n_unique", pa.int32(), nullable=False),  # N: unique layers of the looped core (the parameter count)
         pa.field("n_loops", pa.int32(), nullable=False),  # M
-        pa.field("depth", pa.int32(), nullable=False),  # N*M: the sequential cost in layer steps per token
+        # the sequential cost in layer steps per token: N*M (an LM's P+NxM+C: P + M(N + C), layer_steps)
+        pa.field("depth", pa.int32(), nullable=False),
         pa.field("loss_weights", pa.string(), nullable=False),  # speed.losses scheme
         pa.field("settle", pa.string()),  # speed.losses.SettleConfig label: none, to_last:1, consecutive:3:fc, ...
         pa.field("job", pa.string(), nullable=False),  # the trial's resolved JobConfig as JSON
@@ -135,6 +141,20 @@ LATENCY_SCHEMA = pa.schema(
         pa.field("threads", pa.int32(), nullable=False),
     ]
 )
+
+
+def layer_steps(pattern: SharingPattern | str, steps_per_token: float) -> float:
+    """Layer steps per token of ``steps_per_token`` pipeline steps: each step runs the N core layers and the C coda
+    layers of an exit (a looped LM's coda is part of every exit), the P prelude layers run once per token. T5's
+    ``NxM``: steps * N; sequential decoding (M steps per token): the pattern's sequential cost."""
+    p = SharingPattern.parse(pattern) if isinstance(pattern, str) else pattern
+    return p.prelude + steps_per_token * (p.n_unique + p.coda)
+
+
+def sequential_layers(pattern: SharingPattern | str) -> int:
+    """The sequential cost of a pattern in layer steps per token: N*M, or P + M(N + C)."""
+    p = SharingPattern.parse(pattern) if isinstance(pattern, str) else pattern
+    return int(layer_steps(p, p.n_loops))
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:

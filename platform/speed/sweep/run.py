@@ -37,6 +37,7 @@ from speed.sweep.results import (
     format_latency,
     format_results,
     frontier,
+    sequential_layers,
 )
 from speed.sweep.space import (
     METRIC,
@@ -205,10 +206,11 @@ def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
         "status": _status(result, measured is not None),
         "error": _last_line(result.error) if result.error is not None else None,
         "task": job.data.task,
+        "family": job.family.name,
         "pattern": str(sharing),
         "n_unique": sharing.n_unique,
         "n_loops": sharing.n_loops,
-        "depth": sharing.depth,
+        "depth": sequential_layers(sharing),
         "loss_weights": trial_scheme(config),
         "settle": job.train.settle.label,
         "job": json.dumps(job_to_dict(job), sort_keys=True),

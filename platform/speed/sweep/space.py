@@ -40,7 +40,8 @@ SWEPT_LEVERS = tuple(name for name in LEVERS if name not in ("launch_loop", "inv
 class SweepConfig:
     """One sweep: the search space, how it is searched, and the per-trial measurements."""
 
-    patterns: tuple[str, ...] = ("depth=4",)  # NxM, or a family: depth=D (N*M = D), unique=N (Nx1 .. Nx(max_depth/N))
+    # NxM (an LM's P+NxM+C), or a family: depth=D (N*M = D), unique=N (Nx1 .. Nx(max_depth/N)), each with P+ / +C
+    patterns: tuple[str, ...] = ("depth=4",)
     loss_weights: tuple[str, ...] = ("linear", "uniform")  # speed.losses schemes (grid: all; random: a choice)
     loss_family: str | None = None  # a PARAMETRIC family sampled over loss_range instead of loss_weights
     loss_range: tuple[float, float] = (0.0, 2.0)  # the family parameter's range (random: uniform; grid: 3 points)
@@ -201,6 +202,11 @@ def check_job(sweep: SweepConfig, job: JobConfig) -> SchedulerPlan:
             "train.time_budget_min does not apply to a sweep: every trial trains train.max_steps; "
             "drop --time-budget-min and bound the trials with --max-steps"
         )
+    for pattern in sweep.expanded_patterns:
+        try:
+            job.model.replace(pattern=pattern)
+        except ValueError as err:
+            raise ValueError(f"pattern {pattern!r} does not fit the job's {job.family.name} model: {err}") from None
     t = job.train
     if sweep.fail_pattern is not None and t.checkpoint_every >= t.max_steps:
         raise ValueError(
@@ -211,24 +217,31 @@ def check_job(sweep: SweepConfig, job: JobConfig) -> SchedulerPlan:
 
 
 def expand_patterns(specs: tuple[str, ...], max_depth: int = 12) -> tuple[str, ...]:
-    """``NxM`` as is; ``depth=D``: every NxM with N*M = D (N ascending); ``unique=N``: Nx1 .. Nx(max_depth // N)."""
+    """``NxM`` (or a looped LM's ``P+NxM+C``) as is; ``depth=D``: every NxM with N*M = D (N ascending);
+    ``unique=N``: Nx1 .. Nx(max_depth // N). A family may carry a prelude and a coda: ``1+depth=4+1`` is
+    ``1+1x4+1``, ``1+2x2+1``, ``1+4x1+1``."""
     out: list[str] = []
     for spec in specs:
-        kind, sep, value = spec.partition("=")
-        if not sep:
+        parts = spec.split("+")
+        family = [i for i, part in enumerate(parts) if "=" in part]
+        if not family:
             out.append(str(SharingPattern.parse(spec)))
             continue
-        if not value.isdigit() or int(value) < 1:
+        at = family[0]
+        kind, _, value = parts[at].strip().partition("=")
+        prefix, suffix = "".join(f"{p}+" for p in parts[:at]), "".join(f"+{p}" for p in parts[at + 1 :])
+        if not value.strip().isdigit() or int(value) < 1:
             raise ValueError(f"pattern family {spec!r}: expected a positive integer after '='")
         n = int(value)
         if kind == "depth":
-            out.extend(f"{u}x{n // u}" for u in range(1, n + 1) if n % u == 0)
+            cores = [f"{u}x{n // u}" for u in range(1, n + 1) if n % u == 0]
         elif kind == "unique":
             if n > max_depth:
                 raise ValueError(f"pattern family {spec!r}: N={n} exceeds max_depth={max_depth}")
-            out.extend(f"{n}x{m}" for m in range(1, max_depth // n + 1))
+            cores = [f"{n}x{m}" for m in range(1, max_depth // n + 1)]
         else:
-            raise ValueError(f"unknown pattern family {spec!r}; use NxM, depth=D or unique=N")
+            raise ValueError(f"unknown pattern family {spec!r}; use NxM, depth=D or unique=N (P+ and +C allowed)")
+        out.extend(str(SharingPattern.parse(f"{prefix}{core}{suffix}")) for core in cores)
     if not out:
         raise ValueError("no patterns to sweep")
     return tuple(dict.fromkeys(out))

@@ -12,6 +12,7 @@ the loss-weight scheme. The flip rates come from the same teacher-forced pass
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,13 @@ class Validation:
 
 def validate(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int) -> Validation:
     """Every loop's loss and flip rates over the whole corpus (eval mode, no dropout, teacher forcing)."""
+    starts = range(0, len(corpus), batch_size)
+    return validate_batches(model, (corpus.examples(range(s, min(s + batch_size, len(corpus))), 0, 0) for s in starts))
+
+
+def validate_batches(model: SpeedT5 | LoopedLM, batches: Iterable[Mapping[str, Sequence]]) -> Validation:
+    """Every loop's loss and flip rates over batches of examples (columns ``input_ids`` and ``labels``, as the
+    family's ``collate`` takes them; eval mode, no dropout, teacher forcing)."""
     device = next(model.parameters()).device
     collate = family_of(model).collate
     was_training = model.training
@@ -54,9 +62,8 @@ def validate(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int
     tokens = 0
     try:
         with torch.no_grad():
-            for start in range(0, len(corpus), batch_size):
-                indices = range(start, min(start + batch_size, len(corpus)))
-                batch = {k: v.to(device) for k, v in collate(corpus.examples(indices, 0, 0)).items()}
+            for columns in batches:
+                batch = {k: v.to(device) for k, v in collate(columns).items()}
                 out = model(**batch, return_logits=True)  # the family's collate gives the forward's arguments
                 flips_prev, flips_final, n = teacher_forced_flips(out.loop_logits, batch["labels"])
                 total += out.loop_losses.double().cpu() * n  # (M,): per-token means back to sums
@@ -66,7 +73,7 @@ def validate(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int
     finally:
         model.train(was_training)
     if tokens == 0:
-        raise ValueError("the validation corpus has no target tokens")
+        raise ValueError("the validation examples have no target tokens")
     return Validation((total / tokens).tolist(), (prev / tokens).tolist(), (final / tokens).tolist(), tokens)
 
 

@@ -1,0 +1,210 @@
+"""The two model families side by side: a T5 and a looped LM of equal size, trained on the same examples.
+
+``jobs/compare_families.py`` trains both, evaluates both on the same held-out examples (``jobs/evaluate.py``'s
+folders) and writes ``families.parquet`` (``FAMILIES_SCHEMA``, one row per model: ``family_row``). These
+functions turn it into what the families notebook draws: every loop's flip rates and perplexity
+(``loop_table``), SPEED's own and oracle steps per token and its speed-up (the rows themselves), quality with
+bootstrap intervals and the LM's paired difference from the T5 (``quality_difference``), and the
+accuracy-latency plane (``latency_plane``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from speed.analysis.results import Evaluation, load_evaluation
+from speed.metrics import paired_bootstrap
+
+FAMILIES_FILE = "families.parquet"
+
+FAMILIES_SCHEMA = pa.schema(
+    [
+        pa.field("family", pa.string(), nullable=False),  # t5 | lm (speed.family)
+        pa.field("pattern", pa.string(), nullable=False),
+        pa.field("parameters", pa.int64(), nullable=False),  # the whole model's, embeddings included
+        pa.field("d_ff", pa.int32(), nullable=False),  # the width speed.family.match_parameters chose
+        pa.field("train_steps", pa.int64(), nullable=False),
+        pa.field("train_examples", pa.int64(), nullable=False),  # steps x batch size
+        pa.field("train_tokens", pa.int64(), nullable=False),  # tokens the model read (the train log's)
+        pa.field("train_seconds", pa.float64(), nullable=False),  # wall clock of the training steps
+        pa.field("task", pa.string(), nullable=False),
+        pa.field("examples", pa.int32(), nullable=False),  # held-out examples evaluated
+        pa.field("accuracy_metric", pa.string(), nullable=False),  # bleu (translation) | rougeL (summarization)
+        pa.field("accuracy", pa.float64(), nullable=False),
+        pa.field("accuracy_low", pa.float64()),  # its 95% bootstrap interval (speed.metrics.bootstrap)
+        pa.field("accuracy_high", pa.float64()),
+        pa.field("flip_rate_prev", pa.list_(pa.float64()), nullable=False),  # per loop, of the decoded tokens
+        pa.field("flip_rate_final", pa.list_(pa.float64()), nullable=False),
+        pa.field("perplexity", pa.list_(pa.float64())),  # per loop, teacher-forced on the references
+        pa.field("steps_per_token", pa.float64(), nullable=False),  # SPEED's own pipeline steps per token
+        pa.field("oracle_steps_per_token", pa.float64()),  # ... were every early exit right
+        pa.field("speed_ms_per_token", pa.float64(), nullable=False),  # decode wall clock, interleaved batches
+        pa.field("sequential_ms_per_token", pa.float64(), nullable=False),
+        pa.field("speedup", pa.float64(), nullable=False),  # sequential time / SPEED time, identical output
+        pa.field("identical", pa.bool_(), nullable=False),
+        pa.field("evaluation", pa.string(), nullable=False),  # the evaluation folder, relative to the file
+    ]
+)
+
+
+def family_row(
+    family: str, summary: dict[str, Any], evaluation: str, parameters: int, train: dict[str, Any]
+) -> dict[str, Any]:
+    """One ``FAMILIES_SCHEMA`` row from an evaluation summary (``speed.evaluate``, checked against sequential
+    decoding) and the training's ``train_steps``, ``train_examples``, ``train_tokens``, ``train_seconds``."""
+    decode = summary["decode"]
+    if "sequential" not in decode:
+        raise ValueError("the evaluation was not checked against sequential decoding: no speed-up to compare")
+    metric = "bleu" if "bleu" in summary["metrics"] else "rougeL"
+    score = summary["metrics"]["bleu"]["score"] if metric == "bleu" else summary["metrics"]["rouge"]["rougeL"]
+    interval = summary.get("intervals", {}).get(metric, {})
+    flips = sorted(summary["flip_rates"], key=lambda r: r["loop"])
+    return {
+        "family": family,
+        "pattern": summary["model"]["pattern"],
+        "parameters": parameters,
+        "d_ff": summary["model"]["d_ff"],
+        **{k: train[k] for k in ("train_steps", "train_examples", "train_tokens", "train_seconds")},
+        "task": summary["task"],
+        "examples": summary["examples"],
+        "accuracy_metric": metric,
+        "accuracy": score,
+        "accuracy_low": interval.get("low"),
+        "accuracy_high": interval.get("high"),
+        "flip_rate_prev": [r["flip_rate_prev"] for r in flips],
+        "flip_rate_final": [r["flip_rate_final"] for r in flips],
+        "perplexity": (summary.get("perplexity") or {}).get("perplexity"),
+        "steps_per_token": decode["steps_per_token"],
+        "oracle_steps_per_token": decode.get("oracle_steps_per_token"),
+        "speed_ms_per_token": _ms_per_token(decode["speed"]),
+        "sequential_ms_per_token": _ms_per_token(decode["sequential"]),
+        "speedup": decode["speedup"],
+        "identical": decode["identical"],
+        "evaluation": evaluation,
+    }
+
+
+def _ms_per_token(run: dict[str, Any]) -> float:
+    return 1000.0 * run["seconds"] / run["tokens"] if run["tokens"] else float("nan")
+
+
+@dataclass(frozen=True)
+class Families:
+    """A comparison's folder: its rows and every row's evaluation."""
+
+    path: Path
+    table: pa.Table  # FAMILIES_SCHEMA
+    evaluations: dict[str, Evaluation]  # by family
+
+    def label(self, family: str) -> str:
+        """``lm 1+2x3+1`` etc.: a row's family and pattern, for legends."""
+        row = next(r for r in self.table.to_pylist() if r["family"] == family)
+        return f"{family} {row['pattern']}"
+
+
+def load_families(path: str | Path) -> Families:
+    """Read ``families.parquet`` in ``path`` and the evaluation folders its rows name."""
+    path = Path(path)
+    if not (path / FAMILIES_FILE).is_file():
+        raise FileNotFoundError(f"{path} holds no {FAMILIES_FILE}: not a family comparison")
+    table = pq.read_table(path / FAMILIES_FILE)
+    evaluations = {r["family"]: load_evaluation(path / r["evaluation"]) for r in table.to_pylist()}
+    return Families(path, table, evaluations)
+
+
+LOOPS_SCHEMA = pa.schema(
+    [
+        pa.field("family", pa.string()),
+        pa.field("pattern", pa.string()),
+        pa.field("loop", pa.int32()),  # 1..M
+        pa.field("fraction", pa.float64()),  # loop / M: where the loop lies in its model's depth
+        pa.field("flip_rate_prev", pa.float64()),
+        pa.field("flip_rate_final", pa.float64()),
+        pa.field("perplexity", pa.float64()),
+    ]
+)
+
+
+def loop_table(table: pa.Table) -> pa.Table:
+    """One row per (family, loop): the decoded tokens' flip rates and the references' perplexity."""
+    rows = []
+    for r in table.to_pylist():
+        loops = len(r["flip_rate_final"])
+        for i in range(loops):
+            rows.append(
+                {
+                    "family": r["family"],
+                    "pattern": r["pattern"],
+                    "loop": i + 1,
+                    "fraction": (i + 1) / loops,
+                    "flip_rate_prev": r["flip_rate_prev"][i],
+                    "flip_rate_final": r["flip_rate_final"][i],
+                    "perplexity": r["perplexity"][i] if r["perplexity"] else None,
+                }
+            )
+    return pa.Table.from_pylist(rows, schema=LOOPS_SCHEMA)
+
+
+PLANE_SCHEMA = pa.schema(
+    [
+        pa.field("family", pa.string()),
+        pa.field("pattern", pa.string()),
+        pa.field("decoder", pa.string()),  # speed | sequential
+        pa.field("ms_per_token", pa.float64()),
+        pa.field("accuracy", pa.float64()),  # the same for both decoders of a model: their outputs are identical
+        pa.field("accuracy_low", pa.float64()),
+        pa.field("accuracy_high", pa.float64()),
+    ]
+)
+
+
+def latency_plane(table: pa.Table) -> pa.Table:
+    """The accuracy-latency plane (the paper's Figure 3): every model decoded with SPEED and sequentially."""
+    rows = []
+    for r in table.to_pylist():
+        for decoder in ("speed", "sequential"):
+            rows.append(
+                {
+                    "family": r["family"],
+                    "pattern": r["pattern"],
+                    "decoder": decoder,
+                    "ms_per_token": r[f"{decoder}_ms_per_token"],
+                    **{k: r[k] for k in ("accuracy", "accuracy_low", "accuracy_high")},
+                }
+            )
+    return pa.Table.from_pylist(rows, schema=PLANE_SCHEMA)
+
+
+def quality_difference(
+    families: Families, baseline: str = "t5", system: str = "lm", samples: int = 1000, seed: int = 12345
+) -> dict[str, dict[str, float]]:
+    """``system``'s BLEU and ROUGE-L minus ``baseline``'s on the same held-out examples, with paired-bootstrap
+    intervals (``speed.metrics.paired_bootstrap``); the two read the sources in their own prompt formats, so
+    the examples are matched by their references."""
+    sides = [families.evaluations[name].predictions.sort_by("example").to_pydict() for name in (baseline, system)]
+    if sides[0]["reference"] != sides[1]["reference"]:
+        raise ValueError(f"{baseline} and {system} were not evaluated on the same examples (their references differ)")
+    return paired_bootstrap(sides[0]["hypothesis"], sides[1]["hypothesis"], sides[0]["reference"], samples, seed)
+
+
+def format_families(table: pa.Table) -> str:
+    """The rows side by side as a fixed-width text table."""
+    head = (
+        f"{'family':<8}{'pattern':>10}{'params':>10}{'tokens':>10}{'metric':>8}{'score':>7}{'95% interval':>16}"
+        f"{'flip@1':>8}{'steps/tok':>10}{'oracle':>8}{'ms/tok':>8}{'seq ms':>8}{'speed-up':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in table.to_pylist():
+        interval = f"[{r['accuracy_low']:.2f}, {r['accuracy_high']:.2f}]" if r["accuracy_low"] is not None else "-"
+        oracle = "-" if r["oracle_steps_per_token"] is None else f"{r['oracle_steps_per_token']:.2f}"
+        lines.append(
+            f"{r['family']:<8}{r['pattern']:>10}{r['parameters']:>10}{r['train_tokens']:>10}{r['accuracy_metric']:>8}"
+            f"{r['accuracy']:>7.2f}{interval:>16}{r['flip_rate_final'][0]:>8.3f}{r['steps_per_token']:>10.2f}"
+            f"{oracle:>8}{r['speed_ms_per_token']:>8.2f}{r['sequential_ms_per_token']:>8.2f}{r['speedup']:>8.2f}x"
+        )
+    return "\n".join(lines)
