@@ -24,7 +24,7 @@ FAILURE_FILE = "trial_failure.json"  # in the trial's Train run directory: its o
 # A process or node of the trial died, or an object lost with one. ObjectLostError's subclasses for objects
 # freed by the program (ObjectFreedError, ReferenceCountingAssertionError) are the program's own errors.
 _LOST = (
-    rex.ActorDiedError,  # an actor's process or node died (Train workers, the controller, a measurement's actor)
+    rex.ActorDiedError,  # an actor's process or node died (a Train worker, the Train controller)
     rex.ActorUnavailableError,  # its node unreachable
     rex.NodeDiedError,
     rex.WorkerCrashedError,  # a task's process died
