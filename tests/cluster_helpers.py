@@ -73,8 +73,17 @@ def local_cluster(num_cpus: int = 2, keep_pythonpath: bool = True) -> Iterator[t
         ports = _retried(lambda: _start_head(num_cpus, temp, env), token)
         yield f"http://127.0.0.1:{ports['dashboard']}", env
     finally:
-        end_processes(marked_processes(token))
+        _end_all(token)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _end_all(token: str, looks: int = 5) -> None:
+    """End every process marked ``token``, looking again until none is left: a raylet that is ending may start
+    a process (an agent) after the first look, which would outlive the cluster."""
+    for _ in range(looks):
+        if not (pids := marked_processes(token)):
+            return
+        end_processes(pids)
 
 
 def _retried(start, token: str) -> dict[str, int]:
@@ -86,7 +95,7 @@ def _retried(start, token: str) -> dict[str, int]:
             return ports
         output = started.stdout[-3000:] + started.stderr[-3000:]
         print(f"ray start failed ({started.returncode}, attempt {attempt}):\n{output}", file=sys.stderr)
-        end_processes(marked_processes(token))
+        _end_all(token)
     raise RuntimeError("ray start failed twice (its output is above)")
 
 
@@ -179,12 +188,17 @@ class Cluster:
         return node
 
     def kill(self, name: str) -> list[int]:
-        """The node lost: SIGKILL its raylet, its agents and every worker on it at once; their pids."""
-        pids = marked_processes(self.nodes[name].token)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return pids
+        """The node lost: SIGKILL its raylet, its agents and every worker on it at once (and any it started
+        meanwhile, looking again until none is left); their pids."""
+        killed: set[int] = set()
+        for _ in range(5):
+            if not (pids := marked_processes(self.nodes[name].token)):
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed.update(pids)
+        return sorted(killed)
 
 
 def _node_name(resources: dict[str, float]) -> str:
@@ -220,5 +234,5 @@ def nodes(
         yield cluster
     finally:
         for node in list(cluster.nodes.values())[::-1]:
-            end_processes(marked_processes(node.token))
+            _end_all(node.token)
         shutil.rmtree(root, ignore_errors=True)
