@@ -38,6 +38,7 @@ LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # in-process: speed.clust
 LOOPBACK_ENV = {LOOPBACK_SWITCH: "0"}
 # Each node of ``nodes``: a small object store (Ray's default takes 30% of the machine's memory per node).
 NODE_FLAGS = ("--object-store-memory", str(200 * 2**20))
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # the dashboard: the address Ray's state and job clients use first
 JOIN = Path(__file__).with_name("ray_join.py")  # `ray start` for a further node, on loopback too
 
 
@@ -114,8 +115,17 @@ def local_cluster(num_cpus: int = 2, keep_pythonpath: bool = True) -> Iterator[t
         ports = _retried(lambda: _start_head(num_cpus, temp, env), token)
         yield f"http://127.0.0.1:{ports['dashboard']}", env
     finally:
-        end_processes(marked_processes(token))
+        _end_all(token)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _end_all(token: str, looks: int = 5) -> None:
+    """End every process marked ``token``, looking again until none is left: a raylet that is ending may start
+    a process (an agent) after the first look, which would outlive the cluster."""
+    for _ in range(looks):
+        if not (pids := marked_processes(token)):
+            return
+        end_processes(pids)
 
 
 def _retried(start, token: str) -> dict[str, int]:
@@ -127,7 +137,7 @@ def _retried(start, token: str) -> dict[str, int]:
             return ports
         output = started.stdout[-3000:] + started.stderr[-3000:]
         print(f"ray start failed ({started.returncode}, attempt {attempt}):\n{output}", file=sys.stderr)
-        end_processes(marked_processes(token))
+        _end_all(token)
     raise RuntimeError("ray start failed twice (its output is above)")
 
 
@@ -142,8 +152,16 @@ def _node_ports() -> tuple[dict[str, int], list[str]]:
 def _start_head(
     num_cpus: int, temp: str, env: dict[str, str], extra: tuple[str, ...] = ()
 ) -> tuple[dict[str, int], subprocess.CompletedProcess]:
-    """`ray start --head` on loopback with every port explicit and free; (its ports, the finished command)."""
+    """`ray start --head` on loopback with every port explicit and free; (its ports, the finished command).
+
+    ``env`` gets the dashboard's address as ``RAY_API_SERVER_ADDRESS``, for every process of the cluster.
+    """
     gcs, dashboard, client = free_ports(3)
+    # Where Ray's state API, called inside the cluster's own workers, finds it. Untold, it looks for the
+    # machine's running GCS processes, and with other Rays on the machine raises "Found multiple active Ray
+    # instances": Ray Train's PlacementGroupCleaner (on the head) then stops, and a Train controller lost with
+    # its node leaves its workers' placement group behind, rescheduled onto the next node that joins.
+    env[API_SERVER_ENV] = f"http://127.0.0.1:{dashboard}"
     ports, flags = _node_ports()
     command = [
         RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", str(num_cpus),
@@ -177,12 +195,13 @@ class Cluster:
     nodes: dict[str, Node] = field(default_factory=dict)
     dashboard: str = ""  # http://127.0.0.1:<port>, for the state API
 
-    def placement(self, class_name: str) -> list[str]:
-        """The nodes (names, sorted) of the live actors of ``class_name`` (Ray's state API, through its CLI)."""
+    def placement(self, class_name: str, alive: bool = True) -> list[str]:
+        """The nodes (names, sorted) of the live actors of ``class_name`` (Ray's state API, through its CLI); with
+        ``alive=False``, of every actor of that class the cluster has seen, dead ones included."""
         ask = [RAY, "list", "nodes", "--address", self.dashboard, "--format", "json", "--limit", "100"]
         names = {n["node_id"]: _node_name(n["resources_total"]) for n in self._state(ask)}
         ask = [RAY, "list", "actors", "--address", self.dashboard, "--format", "json", "--limit", "1000"]
-        ask += ["--filter", f"class_name={class_name}", "--filter", "state=ALIVE"]
+        ask += ["--filter", f"class_name={class_name}", *(["--filter", "state=ALIVE"] if alive else [])]
         return sorted(names.get(a["node_id"], a["node_id"]) for a in self._state(ask))
 
     def _state(self, command: list[str]) -> list[dict]:
@@ -211,12 +230,17 @@ class Cluster:
         return node
 
     def kill(self, name: str) -> list[int]:
-        """The node lost: SIGKILL its raylet, its agents and every worker on it at once; their pids."""
-        pids = marked_processes(self.nodes[name].token)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return pids
+        """The node lost: SIGKILL its raylet, its agents and every worker on it at once (and any it started
+        meanwhile, looking again until none is left); their pids."""
+        killed: set[int] = set()
+        for _ in range(5):
+            if not (pids := marked_processes(self.nodes[name].token)):
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed.update(pids)
+        return sorted(killed)
 
 
 def _node_name(resources: dict[str, float]) -> str:
@@ -226,11 +250,13 @@ def _node_name(resources: dict[str, float]) -> str:
 
 
 @contextlib.contextmanager
-def nodes(head_cpus: int, env: dict[str, str] | None = None, **others: int) -> Iterator[Cluster]:
-    """A head with ``head_cpus`` CPUs (and a resource ``{"head": 1}``) and a node per keyword (name=CPUs) on
-    127.0.0.1 with token auth, each its own raylet and spool; every process of every node (and of any node
-    added later) is ended afterwards, passed or failed. Workers inherit the test session's environment: the
-    S3 server's address and credentials (tests/s3_helpers.py), and ``env``."""
+def nodes(
+    head_cpus: int, env: dict[str, str] | None = None, head_flags: tuple[str, ...] = (), **others: int
+) -> Iterator[Cluster]:
+    """A head with ``head_cpus`` CPUs (and a resource ``{"head": 1}``, and `ray start` ``head_flags``) and a node
+    per keyword (name=CPUs) on 127.0.0.1 with token auth, each its own raylet and spool; every process of every
+    node (and of any node added later) is ended afterwards, passed or failed. Workers inherit the test session's
+    environment: the S3 server's address and credentials (tests/s3_helpers.py), and ``env``."""
     root = Path(tempfile.mkdtemp(prefix="raynodes", dir="/tmp"))  # short: Ray's unix socket paths are limited
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | (env or {})
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
@@ -240,7 +266,7 @@ def nodes(head_cpus: int, env: dict[str, str] | None = None, **others: int) -> I
     env |= {OWNER_ENV: head.token, SPOOL_DIR_ENV: str(head.spool)}
     cluster = Cluster("", env, root, {"head": head})
     try:
-        extra = ("--resources", json.dumps({"head": 1}), *NODE_FLAGS)
+        extra = ("--resources", json.dumps({"head": 1}), *NODE_FLAGS, *head_flags)
         ports = _retried(lambda: _start_head(head_cpus, str(root / "ray"), env, extra), head.token)
         cluster.address = f"127.0.0.1:{ports['gcs']}"
         cluster.dashboard = f"http://127.0.0.1:{ports['dashboard']}"
@@ -250,5 +276,5 @@ def nodes(head_cpus: int, env: dict[str, str] | None = None, **others: int) -> I
         yield cluster
     finally:
         for node in list(cluster.nodes.values())[::-1]:
-            end_processes(marked_processes(node.token))
+            _end_all(node.token)
         shutil.rmtree(root, ignore_errors=True)

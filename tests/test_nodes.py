@@ -62,6 +62,30 @@ def _finish(job: subprocess.Popen, log: Path, timeout_s: float = JOB_TIMEOUT_S) 
     return output
 
 
+def _lose_node_b_after_a_checkpoint(
+    cluster: cluster_helpers.Cluster, run_dir: str, cpus: int, job: subprocess.Popen, log: Path
+) -> int:
+    """Once ``run_dir`` has a complete checkpoint on S3, lose node_b and start node_c (``cpus`` CPUs) in its
+    place; the step of the newest complete checkpoint at the loss."""
+    _wait("a checkpoint on S3", lambda: newest_complete_checkpoint(run_dir), job, log)
+    killed = cluster.kill("node_b")
+    lost_at = read_checkpoint_config(newest_complete_checkpoint(run_dir))["step"]
+    print(f"node_b lost ({len(killed)} processes) with the step-{lost_at} checkpoint on S3")
+    cluster.add_node("node_c", cpus)
+    return lost_at
+
+
+def _resumed_once(final: str, steps: int, lost_at: int) -> dict[str, list]:
+    """The train log of the run's ``final`` checkpoint, checked: steps 1..``steps`` once each, one restart, from a
+    complete checkpoint at or after the step-``lost_at`` one seen at the loss."""
+    train_log = pq.read_table(locate(f"{final}/{TRAIN_LOG_FILE}").path, filesystem=locate(final).fs).to_pydict()
+    assert train_log["step"] == list(range(1, steps + 1))  # no step missing, none twice
+    resumed = train_log["restarts"].index(1)  # the steps trained before the loss, then those after
+    assert train_log["restarts"] == [0] * resumed + [1] * (steps - resumed), train_log["restarts"]
+    assert lost_at <= resumed < steps and resumed % 2 == 0  # every checkpoint_every=2 steps
+    return train_log
+
+
 def _serves_again(url: str, deadline: float) -> float:
     """Seconds from now until ``url`` answers a completion with 200; fails past ``deadline`` (monotonic)."""
     started, answer = time.monotonic(), None
@@ -91,21 +115,12 @@ def test_train_loses_a_worker_node_and_resumes_on_a_replacement(tiny_tokenizer, 
         try:
             placed = _wait("two workers", lambda: len(cluster.placement("RayTrainWorker")) == 2, job, log)
             assert placed and cluster.placement("RayTrainWorker") == ["head", "node_b"]
-            _wait("a checkpoint on S3", lambda: newest_complete_checkpoint(run_dir), job, log)
-            killed = cluster.kill("node_b")
-            lost_at = read_checkpoint_config(newest_complete_checkpoint(run_dir))["step"]
-            print(f"node_b lost ({len(killed)} processes) with the step-{lost_at} checkpoint on S3")
-            cluster.add_node("node_c", 1)
+            lost_at = _lose_node_b_after_a_checkpoint(cluster, run_dir, 1, job, log)
             _finish(job, log)
         finally:
             job.kill()
-    final = newest_complete_checkpoint(run_dir)
-    train_log = pq.read_table(locate(f"{final}/{TRAIN_LOG_FILE}").path, filesystem=locate(final).fs).to_pydict()
-    steps = list(range(1, 17))
-    assert train_log["step"] == steps  # no step missing, none twice
-    resumed = train_log["restarts"].index(1)  # the steps trained before the loss, then those after
-    assert train_log["restarts"] == [0] * resumed + [1] * (16 - resumed), train_log["restarts"]
-    assert lost_at <= resumed < 16 and resumed % 2 == 0  # from a complete checkpoint at or after the one seen
+    train_log = _resumed_once(newest_complete_checkpoint(run_dir), 16, lost_at)
+    steps = train_log["step"]
     client = import_mlflow().MlflowClient(tracking)
     (run,) = client.search_runs([client.get_experiment_by_name("pretrain").experiment_id])
     history = client.get_metric_history(run.info.run_id, "loss")
@@ -170,3 +185,42 @@ def test_serve_loses_a_replicas_node_under_load(tiny_tokenizer, s3_bucket, tmp_p
     lost = [r["request_id"] for r in answered if r["replica"] != survivor and r["request_id"] not in on_s3]
     print(f"{len(answered) - len(kept)} answered by the lost replica, {len(lost)} of their rows lost")
     assert len(lost) <= 2 * FLUSH_ROWS - 1, lost  # its buffer (< FLUSH_ROWS) and one flush uploading
+
+
+SWEEP_STEPS = 30  # a checkpoint every 2: the node is lost while the trial trains
+TRIAL_ACTOR = "ImplicitFunc"  # the class of a Tune function trainable's actor: a sweep trial's own process
+
+
+def test_sweep_retries_a_trial_whose_node_is_lost(tiny_tokenizer, s3_bucket, tmp_path):
+    """One trial of jobs/sweep.py, all of it on the second node: its Tune actor (the head's memory resource is too
+    small for one), its Train controller (on the trial's node) and its Train worker (the head has no CPU). That node
+    lost after the first checkpoint, a replacement joins; the sweep's Tune starts the trial again there
+    (speed.sweep.failures: a lost node is retried, within --max-failures), its Train run resumes from the
+    checkpoint on S3, trains to the end and is measured: its results row says finished after one restart."""
+    from speed.sweep.results import RESULTS_FILE
+    from speed.sweep.run import TRIAL_DRIVER_RESOURCES
+
+    storage, name, trial = f"{s3_bucket}/sweeps", "lost-node", "00000-2x2-linear"
+    flags = ["--preset", "tiny", "--patterns", "2x2", "--schemes", "linear", "--scheduler", "fifo"]
+    flags += ["--task", "translate_en_de", "--limit", "40", "--tokenizer", str(tiny_tokenizer), "--batch-size", "4"]
+    flags += ["--max-steps", str(SWEEP_STEPS), "--checkpoint-every", "2", "--log-every", "1", "--warmup-steps", "1"]
+    flags += ["--max-source-len", "24", "--max-target-len", "24", "--num-workers", "1", "--cpus-per-worker", "1"]
+    flags += ["--max-failures", "1", "--measure-limit", "2", "--cost-limit", "1", "--val-limit", "4"]
+    flags += ["--max-new-tokens", "4", "--latency-limit", "0", "--storage-path", storage, "--name", name]
+    run_dir, log = f"{storage}/{name}/train/{trial}", tmp_path / "sweep.log"
+    head = ("--memory", str(TRIAL_DRIVER_RESOURCES["memory"] // 2))  # no trial's driver fits on the head
+    with cluster_helpers.nodes(0, head_flags=head, node_b=2) as cluster:
+        job = _start_job("sweep.py", flags, cluster.env, log)
+        try:
+            _wait("the trial's worker", lambda: cluster.placement("RayTrainWorker") == ["node_b"], job, log)
+            assert cluster.placement(TRIAL_ACTOR) == cluster.placement("TrainController") == ["node_b"]
+            lost_at = _lose_node_b_after_a_checkpoint(cluster, run_dir, 2, job, log)
+            _finish(job, log)
+            assert cluster.placement(TRIAL_ACTOR, alive=False) == ["node_b", "node_c"]  # started again, elsewhere
+        finally:
+            job.kill()
+    results = locate(f"{storage}/{name}/{RESULTS_FILE}")
+    (row,) = pq.read_table(results.path, filesystem=results.fs).to_pylist()
+    assert (row["trial"], row["status"], row["error"], row["steps"]) == (trial, "finished", None, SWEEP_STEPS)
+    assert row["restarts"] == 1 and row["accuracy"] is not None and row["speed_cost"] > 0
+    _resumed_once(row["checkpoint"], SWEEP_STEPS, lost_at)

@@ -96,6 +96,9 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("speed_rows_per_token", pa.float64()),  # rows_per_token at that setting
         pa.field("examples", pa.int32()),  # validation examples decoded for the metrics
         pa.field("checkpoint", pa.string()),  # the trial's final training checkpoint
+        # times its training resumed from a checkpoint (a retry after a lost node, a resumed sweep), from that
+        # checkpoint's train log; null without one
+        pa.field("restarts", pa.int32()),
     ]
 )
 

@@ -27,6 +27,7 @@ from ray import tune
 
 from speed.losses import flip_cost
 from speed.storage import absolute, locate
+from speed.sweep.failures import last_line
 from speed.sweep.measure import PLAIN
 from speed.sweep.results import (
     FRONTIER_FILE,
@@ -53,6 +54,7 @@ from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job
 from speed.train import tracking
 from speed.train.config import JobConfig, job_to_dict
 from speed.train.launch import data_stage, ensure_ray, tokenizer_stage
+from speed.train.state import TRAIN_LOG_FILE
 
 # A trial's own process only waits on its Train run and its measurement task, which reserve the CPUs and
 # GPUs; Tune needs a non-empty bundle, so it asks for a little memory instead of a CPU a worker would miss.
@@ -119,7 +121,9 @@ def run_sweep(sweep: SweepConfig, job: JobConfig, callbacks: list[tune.Callback]
             run_config=tune.RunConfig(
                 name=name,
                 storage_path=storage,
-                failure_config=tune.FailureConfig(max_failures=0),  # a failing trial is recorded, not retried
+                # A trial whose node was lost is retried; one that failed on its own raises its error again at
+                # once on each retry (speed.sweep.failures), so it ends failed with it.
+                failure_config=tune.FailureConfig(max_failures=job.run.max_failures),
                 callbacks=[*(callbacks or []), *filter(None, [tracking.sweep_callback(job, name)])],
                 verbose=1,
             ),
@@ -204,7 +208,7 @@ def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
         "sweep": setup.sweep,
         "trial": name,
         "status": _status(result, measured is not None),
-        "error": _last_line(result.error) if result.error is not None else None,
+        "error": last_line(result.error) if result.error is not None else None,
         "task": job.data.task,
         "family": job.family.name,
         "pattern": str(sharing),
@@ -220,6 +224,7 @@ def _row(result: tune.Result, setup: SweepSetup) -> dict[str, Any]:
         "val_flip_cost": metrics.get("val_flip_cost"),
         "checkpoint": metrics.get("checkpoint") or metrics.get("checkpoint_path"),
     }
+    row["restarts"] = _restarts(row["checkpoint"])
     losses = [metrics.get(f"val_loss_loop{i + 1}") for i in range(sharing.n_loops)]
     row["val_loss_loops"] = losses if None not in losses else None
     flips = [metrics.get(f"val_flip_prev_loop{i + 1}") for i in range(sharing.n_loops)]
@@ -255,9 +260,16 @@ def _status(result: tune.Result, measured: bool) -> str:
     return "stopped" if (result.metrics or {}).get("done") else "unfinished"  # Tune marks a stopped trial done
 
 
-def _last_line(error: BaseException) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(error).__name__
+def _restarts(checkpoint: str | None) -> int | None:
+    """Times the trial's training resumed from a checkpoint before its last one (its train log's ``restarts``):
+    a retry after a lost node, or a resumed sweep. None without a checkpoint."""
+    if checkpoint is None:
+        return None
+    log = locate(checkpoint) / TRAIN_LOG_FILE
+    if not log.is_file():
+        return None
+    restarts = pq.read_table(log.path, filesystem=log.fs, columns=["restarts"]).column("restarts")
+    return restarts[-1].as_py() if len(restarts) else 0
 
 
 def _time_frontier(front: pa.Table, results: pa.Table, job: JobConfig, sweep: SweepConfig) -> pa.Table:

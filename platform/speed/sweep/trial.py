@@ -9,6 +9,12 @@ trial, so a restored sweep resumes an unfinished trial from its last training
 checkpoint. A trained trial is measured (``speed.sweep.measure``) in a Ray task
 sized like one worker, and reports once more with a Tune checkpoint holding the
 measurement: a trial restarted after that re-reports it instead of measuring again.
+
+Failures (``speed.sweep.failures``): a trial's Train run retries nothing itself
+(``max_failures=0``); the sweep's Tune retries a trial whose node was lost, up to
+the job's ``run.max_failures``, and the restart resumes the Train run from its
+newest checkpoint. A trial's own error is recorded and raised again by any
+restart, without training.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ from ray import tune
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from speed.storage import locate
+from speed.sweep.failures import lost_node, record_failure, recorded_failure
 from speed.sweep.measure import Measurement
 from speed.sweep.space import trial_pattern, trial_scheme, trial_settle
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
-from speed.train.launch import PreparedData, train_stage
+from speed.train.launch import PreparedData, run_directory, train_stage
 
 MEASUREMENT_FILE = "measurement.json"
 EVAL_DIR = "eval_validation"  # in the trial's Train run directory: predictions, trace, summary
@@ -62,30 +69,45 @@ def trial_name(trial: Any) -> str:
 
 
 def trial_job(setup: SweepSetup, trial_config: dict[str, Any], name: str) -> JobConfig:
-    """The trial's job: the base job with its pattern, loss weights, settle term, run name and storage."""
+    """The trial's job: the base job with its pattern, loss weights, settle term, run name and storage; its Train
+    run retries nothing (the sweep's Tune retries a trial whose node was lost, ``speed.sweep.failures``)."""
     base = job_from_dict(setup.job)
     train = replace(base.train, loss_weights=trial_scheme(trial_config))
     if "settle" in trial_config.get("grid", trial_config):  # a sweep over settle terms sets it; else the base job's
         train = replace(train, settle=trial_settle(trial_config))
-    run = replace(base.run, name=name, storage_path=setup.train_storage)
+    run = replace(base.run, name=name, storage_path=setup.train_storage, max_failures=0)
     pattern = trial_pattern(trial_config)
     if pattern == setup.fail_pattern:
-        # The last worker raises on reaching the step after the first checkpoint; no retries, so the trial fails.
+        # The last worker raises on reaching the step after the first checkpoint: the trial's own error.
         train = replace(train, fail_at_step=train.checkpoint_every + 1)
-        run = replace(run, max_failures=0)
     return replace(base, model=base.model.replace(pattern=pattern), train=train, run=run)
 
 
 def run_trial(trial_config: dict[str, Any], setup: SweepSetup) -> None:
-    """Train the trial's job on Ray Train (reports forwarded to Tune), measure it, report the measurement."""
-    from ray.tune.integration.ray_train import TuneReportCallback
+    """Train the trial's job on Ray Train (reports forwarded to Tune), measure it, report the measurement.
 
+    Raises what failed it: a lost node as it is (Tune retries it), the trial's own error once recorded (a restart
+    raises it again at once)."""
     previous = tune.get_checkpoint()
-    if previous is not None:  # measured before the sweep was interrupted: report it again
+    if previous is not None:  # measured before an interruption or a lost node: report it again
         with previous.as_directory() as directory:
             tune.report(json.loads((Path(directory) / MEASUREMENT_FILE).read_text())["report"])
         return
     job = trial_job(setup, trial_config, tune.get_context().get_trial_name())
+    run_dir = run_directory(job)
+    if (failure := recorded_failure(run_dir)) is not None:
+        raise failure
+    try:
+        _train_and_measure(job, setup)
+    except Exception as error:
+        if not lost_node(error):
+            record_failure(run_dir, error)
+        raise
+
+
+def _train_and_measure(job: JobConfig, setup: SweepSetup) -> None:
+    from ray.tune.integration.ray_train import TuneReportCallback
+
     trained = train_stage(job, setup.tokenizer, setup.data, callbacks=[TuneReportCallback()])  # rank 0 -> Tune
     checkpoint, run_dir = trained.checkpoint, trained.run_dir
     gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
