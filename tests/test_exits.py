@@ -141,3 +141,18 @@ def test_checkpoint_keeps_adapters_beside_the_model(tmp_path, make):
     assert load_model(tmp_path / "ckpt", exits=False).model.exit_adapters is None
     (tmp_path / "ckpt" / EXITS_CONFIG_FILE).unlink()  # exits.pt alone is no adapter: exits.json marks them complete
     assert (tmp_path / "ckpt" / EXITS_FILE).is_file() and load_model(tmp_path / "ckpt").model.exit_adapters is None
+
+
+def test_serve_loads_the_adapters_unless_told_not_to(tmp_path, tiny_tokenizer):
+    from speed.serve.app import build_app
+    from speed.serve.loading import load_served_model
+    from speed.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=Tokenizer.load(tiny_tokenizer).vocab_size)).eval()
+    save_model(tmp_path / "ckpt", random_exits(model, seed=2), tiny_tokenizer)
+    served = load_served_model(str(tmp_path / "ckpt"), "cpu")
+    assert served.model.exit_adapters is not None and served.model.exit_adapters.config.loops == (1, 2)
+    assert load_served_model(str(tmp_path / "ckpt"), "cpu", exits=False).model.exit_adapters is None
+    with pytest.raises(ValueError, match="exit_adapters"):  # `serve run ... exit_adapters=maybe`
+        build_app({"checkpoint": str(tmp_path / "ckpt"), "exit_adapters": "maybe"})

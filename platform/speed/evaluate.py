@@ -214,6 +214,7 @@ def run_evaluation(
         "skipped_records": records.skipped,
         "config": dataclasses.asdict(config),
         "model": to_dict(model.config),
+        "exit_adapters": _exits_summary(model),
         "tokenizer": str(tok.path),
         "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},
         "flip_rates": flip_rates(decoded.trace).to_pylist(),
@@ -226,6 +227,14 @@ def run_evaluation(
 
 
 _FILES = {"predictions": PREDICTIONS_FILE, "trace": TRACE_FILE, "summary": SUMMARY_FILE}
+
+
+def _exits_summary(model: SpeedT5 | LoopedLM) -> dict[str, Any] | None:
+    """The exit adapters the early exits were decoded with (``speed.exits.ExitConfig``, as JSON has it); None."""
+    if model.exit_adapters is None:
+        return None
+    config = to_dict(model.exit_adapters.config)
+    return config | {"loops": list(config["loops"])}
 
 
 def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...]) -> None:
