@@ -248,9 +248,7 @@ def exits_loop_per_worker(loop_config: dict[str, Any]) -> None:
             batch = {k: v.to(device) for k, v in job.family.collate(columns).items()}
             for group in optimizer.param_groups:
                 group["lr"] = config.lr * min(1.0, (step + 1) / max(1, config.warmup_steps))
-            inputs = {k: v for k, v in batch.items() if k != "labels"}  # no cross-entropy: the KL is the loss
-            logits = model(**inputs, return_logits=True).loop_logits
-            kl, agree = exit_kl(logits, batch["labels"] != -100, adapters.config.loops)
+            kl, agree = exits_loss(model, batch)
             optimizer.zero_grad(set_to_none=True)
             kl.sum().backward()
             if world > 1:  # the adapters are small: one all-reduce of each gradient, no DDP wrapper around them
@@ -269,6 +267,15 @@ def exits_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 tracking.log_metrics(step, {k: v for k, v in metrics.items() if k != "step"})
             if step % config.checkpoint_every == 0 or step == last:  # the report says where this launch began
                 _checkpoint(adapters, optimizer, config, step, metrics | {"resumed_from": start}, rank)
+
+
+def exits_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a training step minimises: per adapted loop, KL(loop M || loop k) over a collated batch's labelled
+    positions, and the share of them where loop k's argmax is loop M's (``speed.exits.exit_kl``), for the model's
+    attached adapters."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}  # no cross-entropy: the KL is the loss
+    logits = model(**inputs, return_logits=True).loop_logits
+    return exit_kl(logits, batch["labels"] != -100, model.exit_adapters.config.loops)
 
 
 def _decoded(model: torch.nn.Module, columns: dict[str, list[list[int]]], max_new: int) -> dict[str, list[list[int]]]:
