@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -172,6 +173,7 @@ def run_exits(config: ExitTrainConfig) -> ExitOutcome:
     own = newest_complete_checkpoint(run_dir)
     if own is not None:
         print(f"resuming at step {_saved_step(own)} from {own}", flush=True)
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # as the training jobs: each worker line printed once
     resources = {"CPU": config.cpus_per_worker} | ({"GPU": 1} if config.use_gpu else {})
     loop_config = {"exits": to_dict(config), "job": job_to_dict(job), "corpus": data.train, "run_dir": run_dir}
     result = ray.train.torch.TorchTrainer(
