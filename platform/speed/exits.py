@@ -86,10 +86,6 @@ class ExitAdapter(nn.Module):
         """(..., d) -> (..., d) with plain matmuls (training, whole sequences)."""
         return h + self.up(F.relu(self.down(_rms(h))))
 
-    def rows(self, h: Tensor) -> Tensor:
-        """The same for decode rows (R, d) on the row-invariant kernels: a row's result is its own alone."""
-        return h + rows_linear(self.up, F.relu(rows_linear(self.down, _rms(h), TILE_ROWS)), TILE_ROWS)
-
 
 def _rms(h: Tensor) -> Tensor:
     return F.rms_norm(h, (h.shape[-1],), eps=RMS_EPS)
@@ -111,14 +107,36 @@ class ExitAdapters(nn.Module):
     def adapt_rows(self, h: Tensor, loops: np.ndarray | Sequence[int]) -> Tensor:
         """Decode rows' exit inputs (R, d), row r at loop ``loops[r]`` (0-based), each adapted when its loop is,
         on the row-invariant kernels; rows at unadapted loops (the last loop's among them) are returned as
-        they came, bit for bit."""
-        loops = np.asarray(loops)
-        for key, head in self.heads.items():
-            at = np.flatnonzero(loops == int(key) - 1)
-            if len(at):
-                index = torch.as_tensor(at, device=h.device)
-                h = h.index_copy(0, index, head.rows(h.index_select(0, index)))
-        return h
+        they came, bit for bit.
+
+        Every head at once, in two kernel calls whatever the rows' loops: ``down`` of all K heads stacked
+        (d -> K r), each row's other heads' r outputs zeroed, then ``up`` stacked (K r -> d), where those
+        zeros add exact nothing. A row's result depends on its own loop and values only (``tile_linear`` is
+        row-invariant; the rest is elementwise), and a step pays two small matmuls, not two per loop present.
+        """
+        index = {int(key) - 1: i for i, key in enumerate(self.heads)}  # loop (0-based) -> head
+        which = torch.as_tensor([index.get(int(loop), -1) for loop in np.asarray(loops)], device=h.device)  # (R,)
+        adapted = which >= 0
+        if not bool(adapted.any()):
+            return h
+        down, up = self._stacked()
+        r = self.config.rank
+        z = F.relu(rows_linear(down, _rms(h), TILE_ROWS))  # (R, K r)
+        own = torch.arange(z.shape[1], device=h.device)[None, :] // r == which[:, None]  # (R, K r): its head's
+        delta = rows_linear(up, z * own, TILE_ROWS)  # (R, d)
+        return torch.where(adapted[:, None], h + delta, h)
+
+    def _stacked(self) -> tuple[nn.Linear, nn.Linear]:
+        """The heads as two linear layers, ``down`` (K r, d) and ``up`` (d, K r), built from their weights
+        again only when one of those changed (so the decode kernels pack them once)."""
+        weights = [w for head in self.heads.values() for w in (head.down.weight, head.up.weight)]
+        key = tuple((id(w), w.data_ptr(), None if w.is_inference() else w._version) for w in weights)
+        if getattr(self, "_stack_key", None) != key:
+            down, up = nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False)
+            down.weight = nn.Parameter(torch.cat(weights[0::2]).detach(), requires_grad=False)  # (K r, d)
+            up.weight = nn.Parameter(torch.cat(weights[1::2], dim=1).detach(), requires_grad=False)  # (d, K r)
+            self._stack, self._stack_key = (down, up), key  # a tuple: no submodules, nothing in the state dict
+        return self._stack
 
 
 def exits_for(model: nn.Module, rank: int = 64, loops: Sequence[int] = ()) -> ExitAdapters:
