@@ -9,7 +9,9 @@ Speed-up is the baseline's ms/token divided by the variant's (baseline:
 sequential NxM; for ours_deep, transformers' generate of the same random
 (N*M)x1 T5, or Llama with --family lm); "vs shallow" is the variant's ms/token
 over the shallow Nx1's. The LM's rows time the prefill and first token (TTFT)
-apart from the decode time per later token.
+apart from the decode time per later token. T5's speed_exits row is SPEED with
+fresh exit adapters of --exit-rank (speed.exits): the same schedule as plain
+SPEED's, so the difference is the adapters' cost.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="torch device every variant runs on, e.g. cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
+    p.add_argument("--exit-rank", type=int, default=64, help="T5: also time SPEED with exit adapters (0: not)")
     p.add_argument("--out", type=Path, default=None, help="default: results/bench_decode[_lm].parquet")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             lm_cfg = config_from_args(LMBenchConfig, args, model=lm, compare_hf=not args.no_hf)
         else:
             model = preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
-            cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf)
+            exit_rank = args.exit_rank or None
+            cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf, exit_rank=exit_rank)
     if args.family == "lm":
         report_rows(run_lm_benchmark(lm_cfg), args, format_lm_table)
     else:

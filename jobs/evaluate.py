@@ -8,7 +8,9 @@ and input length the checkpoint was trained with unless given; SPEED output is
 checked against sequential decoding unless --no-check-sequential, greedy or,
 with --temperature (and --top-k, --top-p, --seed), seeded sampling. Writes
 predictions.parquet, trace.parquet and summary.json to --out (default
-<checkpoint>/eval/<task>-<split>) and prints the metrics with their signatures.
+<checkpoint>/eval/<task>-<split>, -no-exit-adapters appended when so) and prints the metrics with their signatures.
+A checkpoint with exit adapters (jobs/train_exits.py) drafts with them unless
+--no-exit-adapters; the output is the same either way, the steps per token not.
 --checkpoint names a checkpoint or a run (its newest complete checkpoint), a
 local path or a URI (s3://, gs://: docs/training.md, "Storage").
 """
@@ -73,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             settings.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
         else:
             settings.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_)
+    p.add_argument(
+        "--exit-adapters",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draft with the checkpoint's exit adapters when it has them (speed.exits; the output never changes)",
+    )
     p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's spm.model)")
     p.add_argument("--out", default=None, help="output folder or URI (default: <checkpoint>/eval/<task>-<split>)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -86,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args = parse_args(argv)
         given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
         config = from_dict(EvalConfig, given)  # flag strings coerced by the field types, checked
-        loaded = load_model(args.checkpoint, map_location=args.device)
+        loaded = load_model(args.checkpoint, map_location=args.device, exits=args.exit_adapters)
         data = loaded.config.get("job", {}).get("data", {})
         config = config.following(data.get("task"), data.get("source"), data.get("max_source_len"))
         config = config.following(None, None, UNTRAINED_MAX_SOURCE_LEN)
@@ -99,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tokenizer = Tokenizer.load(tokenizer_path)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}"
+    plain = "" if args.exit_adapters else "-no-exit-adapters"  # beside the evaluation with them, not over it
+    out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}{plain}"
     model = loaded.model.to(args.device)  # load_model fills a CPU-built model: move it where it should decode
     summary = run_evaluation(model, tokenizer, config, out)
     print(format_summary(summary))

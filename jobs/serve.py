@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="name in /v1/models (default: the checkpoint's folder name)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a ServeSettings field")
     p.add_argument(
+        "--exit-adapters",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draft with the checkpoint's exit adapters when it has them (speed.exits; the answers never change)",
+    )
+    p.add_argument(
         "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: open)"
     )
     p.add_argument(
@@ -135,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             settings=settings,
             stats_path=stats_path,
             model_name=args.model_name,
+            exit_adapters=args.exit_adapters,
             device="cuda" if args.num_gpus > 0 else "cpu",
             num_cpus=args.num_cpus,
             num_gpus=args.num_gpus,

@@ -68,3 +68,50 @@ def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context,
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], context
     assert got.tokens == ref.tokens
     return got
+
+
+def random_exits(model, seed: int, scale: float = 1.0):
+    """Attach exit adapters (``speed.exits``) with random, non-zero weights to ``model``: its early exits change,
+    its last loop's must not. Returns the model."""
+    import torch
+
+    from speed.exits import attach, exits_for
+
+    adapters = exits_for(model, rank=8)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapters.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale * p.shape[1] ** -0.5)
+    return attach(model, adapters.eval())
+
+
+def exits_change_drafts_only(model, ids, mask, max_new: int, context, **settings):
+    """Decode ``ids`` sequentially with ``model``'s exit adapters and without, and with SPEED with them
+    (``settings`` as ``generate`` takes them): the tokens and the last loop's logits are the same bit for bit
+    all three ways, SPEED's every loop equals sequential's with adapters. Returns (with, without, changed):
+    SPEED's results with and without the adapters, and how many early-exit logits the adapters changed."""
+    import torch
+
+    from speed.decoding import generate
+    from speed.exactness import LogitRecorder
+    from speed.exits import attach
+
+    adapters, last = model.exit_adapters, model.n_loops - 1
+    sampling = settings.get("sampling")
+    attach(model, None)
+    plain = LogitRecorder(model)
+    plain_ref = generate(plain, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+    without = generate(model, ids, mask, method="speed", max_new_tokens=max_new, **settings)
+    attach(model, adapters)
+    adapted = LogitRecorder(model)
+    ref = generate(adapted, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+    assert ref.tokens == plain_ref.tokens == without.tokens, context
+    changed = 0
+    for b, out in enumerate(ref.tokens):
+        for pos in range(len(out)):
+            assert torch.equal(adapted.logits[(b, last, pos)], plain.logits[(b, last, pos)]), (context, b, pos)
+            changed += sum(
+                not torch.equal(adapted.logits[(b, loop, pos)], plain.logits[(b, loop, pos)]) for loop in range(last)
+            )
+    got = speed_as_sequential(model, adapted, ref, ids, mask, max_new, context, **settings)
+    return got, without, changed

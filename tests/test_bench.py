@@ -108,3 +108,27 @@ def test_lm_decode_benchmark_rows():
     assert all(r["ttft_ms"] > 0 and r["prompt_len"] == 5 for r in rows.values())
     assert rows["sequential"]["speedup"] == 1.0 and rows["hf_generate"]["speedup"] == 1.0
     assert "TTFT" in format_lm_table(table)
+
+
+def test_exit_adapters_in_the_decode_and_lever_benchmarks():
+    """The decode benchmark's ``speed_exits`` row (fresh adapters: plain SPEED's schedule, their cost alone), and
+    the lever benchmark of a model with adapters: its ``speed_no_exits`` row decodes the same tokens without them."""
+    from engine_helpers import random_exits
+
+    from speed.benchmarks.decode import BenchConfig, run_benchmark, run_lever_benchmark
+
+    table = run_benchmark(BenchConfig(preset("tiny", pattern="2x3"), new_tokens=6, reps=1, compare_hf=False))
+    rows = {r["variant"]: r for r in table.to_pylist()}
+    assert {k: rows["speed_exits"][k] for k in ("steps", "rows", "flushes", "tokens")} == {
+        k: rows["speed"][k] for k in ("steps", "rows", "flushes", "tokens")
+    }
+    none = run_benchmark(
+        BenchConfig(preset("tiny", pattern="2x3"), new_tokens=4, reps=1, compare_hf=False, exit_rank=None)
+    )
+    assert "speed_exits" not in none.column("variant").to_pylist()
+    torch.manual_seed(0)
+    model = random_exits(SpeedT5(preset("tiny", pattern="2x3")).eval(), seed=1)
+    levers = {r["variant"]: r for r in run_lever_benchmark(model, [[5, 6, 7], [8, 9], [10, 11, 12]], {}, 8).to_pylist()}
+    assert list(levers) == ["sequential", "shallow", "speed", "speed_no_exits"]
+    assert levers["speed"]["identical"] and levers["speed_no_exits"]["identical"]
+    assert levers["speed"]["rows_per_token"] != levers["speed_no_exits"]["rows_per_token"]  # other drafts

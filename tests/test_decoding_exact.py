@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import BLOCKS, speed_as_sequential
+from engine_helpers import BLOCKS, exits_change_drafts_only, random_exits, speed_as_sequential
 
 from speed.config import preset
 from speed.decoding import generate
@@ -162,3 +162,26 @@ def test_generate_restores_training_mode():
     model.train()
     generate(model, ids, mask, max_new_tokens=3)
     assert model.training
+
+
+@pytest.mark.parametrize("block", BLOCKS[:2])
+def test_exit_adapters_change_drafts_never_the_output(block):
+    """Exit adapters (``speed.exits``) on random models, batch 1 and 8, greedy and seeded sampling, both policies:
+    the tokens and the last loop's logits are bitwise those without them, SPEED's every loop equals sequential
+    decoding's with them, and the adapters do change the early exits and SPEED's schedule."""
+    changed_logits = changed_runs = cases = 0
+    for seed in range(block * 6, block * 6 + 6):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        pattern = rng.choice(["1x4", "2x3", "3x4", "2x6"])  # M >= 2: early exits to adapt
+        model = random_exits(SpeedT5(preset("tiny", pattern=pattern)).eval(), seed)
+        ids, mask = padded_batch(rng, [1, 8][seed % 2], model.config.vocab_size)
+        sampling = Sampling(temperature=1.0, top_p=0.9, seed=seed) if seed % 4 >= 2 else None
+        speculation = Speculation(rng.randint(1, model.n_loops - 1), rng.choice(["eager", "final"]))
+        got, without, changed = exits_change_drafts_only(
+            model, ids, mask, 10, seed, speculation=speculation, sampling=sampling
+        )
+        changed_logits += changed
+        changed_runs += (got.stats.rows, got.stats.flushes) != (without.stats.rows, without.stats.flushes)
+        cases += 1
+    assert cases == 6 and changed_logits > 0 and changed_runs > 0

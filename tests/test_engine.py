@@ -14,13 +14,14 @@ import threading
 import pyarrow.compute as pc
 import pytest
 import torch
-from engine_helpers import BLOCKS, drive
+from engine_helpers import BLOCKS, drive, random_exits
 from test_decoding_schedule import EOS, StubModel, target
 
 from speed.config import preset
 from speed.decoding import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation, budget_rows
 from speed.exactness import LogitRecorder
+from speed.exits import attach
 from speed.model import SpeedT5
 from speed.sampling import Sampling
 from speed.trace import flip_rates
@@ -341,3 +342,36 @@ def test_logprobs_are_the_last_loops_log_softmax():
         assert lp.logprob == ref[tokens[p]].item()
         assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
         assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+@pytest.mark.slow
+def test_churn_with_exit_adapters_equals_plain_sequential_alone():
+    """Exit adapters (``speed.exits``) under random arrivals, cancellations, capacities and budgets, greedy and
+    sampled: every finished request's tokens, and its last loop's predictions, are those of the request decoded
+    alone, sequentially, without adapters; its early exits are those of the adapted model alone."""
+    finished_n = changed = 0
+    for seed in range(4):
+        rng = random.Random(500 + seed)
+        model = random_exits(tiny_model(seed, ["2x3", "1x4", "3x4", "2x6"][seed]), seed)
+        adapters, m = model.exit_adapters, model.n_loops
+        config = EngineConfig(max_active=rng.randint(2, 4), max_source_len=10, max_target_len=16,
+                              row_budget=rng.choice([None, 5]))  # fmt: skip
+        engine = Engine(model, config)
+        arrivals = [rng.randrange(0, 30) for _ in range(6)]
+        requests, finished = drive(
+            engine, rng, arrivals, lambda r=rng, mo=model: random_request(r, mo, 10, 16), 0.2, 10
+        )
+        for f in (f for f in finished if not f.cancelled):
+            request = requests[f.id]
+            adapted = alone(model, request)
+            attach(model, None)
+            plain = alone(model, request)
+            attach(model, adapters)
+            assert f.tokens == plain.tokens[0] == adapted.tokens[0], (seed, request)
+            exits = f.trace.drop_columns(["sequence"])
+            assert exits.equals(adapted.trace.drop_columns(["sequence"]))
+            last = pc.equal(plain.trace.column("loop"), m)
+            assert plain.trace.filter(last).column("prediction").equals(f.trace.filter(last).column("prediction"))
+            changed += not plain.trace.drop_columns(["sequence"]).equals(exits)
+            finished_n += 1
+    assert finished_n > 5 and changed > 0

@@ -280,3 +280,32 @@ def test_settings_are_coerced_by_type_and_follow_the_training_data():
         from_dict(EvalConfig, {"batch_size": "two"})
     followed = EvalConfig(max_source_len=32).following("summarize", "some/folder", 128)
     assert (followed.task, followed.source, followed.max_source_len) == ("summarize", "some/folder", 32)
+
+
+def test_exit_adapters_are_used_when_present_and_change_only_the_drafts(checkpoint, tmp_path):
+    """A checkpoint with exit adapters (``speed.exits``) is evaluated with them (its summary names them), or
+    without them with --no-exit-adapters (beside, not over, the other evaluation): the same hypotheses, other
+    early exits and steps."""
+    import shutil
+    from pathlib import Path
+
+    from engine_helpers import random_exits
+
+    from speed.checkpoint import load_model, save_exits
+
+    directory, model, _ = checkpoint
+    adapted = tmp_path / "adapted"
+    shutil.copytree(directory, adapted)
+    save_exits(str(adapted), random_exits(load_model(adapted).model, seed=0).exit_adapters)
+    flags = ["--checkpoint", str(adapted), "--task", "translate_en_de", "--limit", "4", "--batch-size", "4"]
+    flags += ["--max-new-tokens", "8", "--threads", "1"]
+    with_exits = _job().main(flags)
+    without = _job().main([*flags, "--no-exit-adapters"])
+    assert with_exits["exit_adapters"]["loops"] == [1, 2] and without["exit_adapters"] is None
+    assert json.loads(Path(with_exits["files"]["summary"]).read_text()) == with_exits
+    assert with_exits["files"]["summary"].endswith("eval/translate_en_de-test/summary.json")
+    assert without["files"]["summary"].endswith("eval/translate_en_de-test-no-exit-adapters/summary.json")
+    hypotheses = [pq.read_table(s["files"]["predictions"])["hypothesis"] for s in (with_exits, without)]
+    assert hypotheses[0].equals(hypotheses[1])
+    assert with_exits["decode"]["identical"] and without["decode"]["identical"]  # each checked against sequential
+    assert with_exits["flip_rates"] != without["flip_rates"]

@@ -11,17 +11,19 @@ depend on the requests admitted with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
 import torch
-from engine_helpers import BLOCKS, drive, speed_as_sequential
+from engine_helpers import BLOCKS, drive, exits_change_drafts_only, random_exits, speed_as_sequential
 from test_lm import _randomize
 
 from speed.config import lm_preset
 from speed.decoding import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.exactness import LogitRecorder, compare_logits
+from speed.exits import attach
 from speed.lm import LoopedLM
 from speed.sampling import Sampling
 
@@ -169,6 +171,20 @@ def assert_same_logits(a: LogitRecorder, b: LogitRecorder, prompt: tuple[int, ..
             assert key in a.logits and key in b.logits and torch.equal(a.logits[key], b.logits[key]), key
 
 
+def churn_request(r: random.Random, model: LoopedLM, counter) -> Request:
+    """A random request of the churn tests: a distinct prompt (its first token from ``counter``), SPEED or
+    sequential, random policies and levers, greedy or sampled."""
+    m = model.n_loops
+    sampling = Sampling() if r.random() < 0.5 else Sampling(temperature=1.0, top_k=8, seed=r.randrange(99))
+    prompt = [next(counter)] + [r.randrange(2, model.vocab_size) for _ in range(r.randint(0, MAX_PROMPT - 1))]
+    n, method = r.randint(1, 12), r.choice(["speed", "speed", "sequential"])
+    launch_loop, invalidation = r.randint(1, m), r.choice(["eager", "final"])
+    sampling = dataclasses.replace(sampling, coupled=r.random() < 0.7)  # the draws in the order they were
+    levers = {"branches": r.choice([0, 0, r.randint(1, m)]), "branch_depth": r.randint(1, m)}
+    speculation = Speculation(launch_loop, invalidation, **levers, min_confidence=r.choice([0.0, 0.1]))
+    return Request(prompt, n, method, speculation, sampling=sampling)
+
+
 @pytest.mark.parametrize("block", BLOCKS[:2])
 def test_lm_churn_equals_sequential_alone(block):
     """Random arrivals and cancellations, capacities, row budgets, policies, branches, greedy and sampled:
@@ -187,17 +203,7 @@ def test_lm_churn_equals_sequential_alone(block):
         recorder = PromptKeyed(model)
         engine = Engine(recorder, config)
         counter = iter(range(2, model.vocab_size))
-
-        def make(r=rng, mo=model, m=m, counter=counter):
-            sampling = Sampling() if r.random() < 0.5 else Sampling(temperature=1.0, top_k=8, seed=r.randrange(99))
-            prompt = [next(counter)] + [r.randrange(2, mo.vocab_size) for _ in range(r.randint(0, MAX_PROMPT - 1))]
-            n, method = r.randint(1, 12), r.choice(["speed", "speed", "sequential"])
-            launch_loop, invalidation = r.randint(1, m), r.choice(["eager", "final"])
-            sampling = dataclasses.replace(sampling, coupled=r.random() < 0.7)  # the draws in the order they were
-            levers = {"branches": r.choice([0, 0, r.randint(1, m)]), "branch_depth": r.randint(1, m)}
-            speculation = Speculation(launch_loop, invalidation, **levers, min_confidence=r.choice([0.0, 0.1]))
-            return Request(prompt, n, method, speculation, sampling=sampling)
-
+        make = functools.partial(churn_request, rng, model, counter)
         requests, finished = drive(engine, rng, [rng.randrange(0, 30) for _ in range(6)], make, 0.25, 10)
         for f in finished:
             request = requests[f.id]
@@ -290,3 +296,58 @@ def test_compare_logits_covers_the_prefilled_position():
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
     del candidate.logits[(0, 0, 0)]
     assert len(compare_logits(reference, candidate, ref.tokens, model.n_loops)) == 1
+
+
+@pytest.mark.parametrize("block", BLOCKS[:2])
+def test_lm_exit_adapters_change_drafts_never_the_output(block):
+    """Exit adapters (``speed.exits``, applied in the prefill's exits too): batch 1 and 8, greedy and sampled,
+    the tokens and the last loop's logits are bitwise those without them; SPEED's every loop equals sequential's
+    with them; the early exits and SPEED's schedule change."""
+    changed_logits = changed_runs = 0
+    for seed in range(block * 6, block * 6 + 6):
+        model, ids, mask, max_new, rng = random_case(3000 + seed)
+        random_exits(model, seed)
+        sampling = Sampling(temperature=1.0, top_k=8, seed=seed) if seed % 4 >= 2 else None
+        speculation = Speculation(rng.randint(1, model.n_loops - 1), rng.choice(["eager", "final"]), branches=seed % 2)
+        got, without, changed = exits_change_drafts_only(
+            model, ids, mask, max_new + 4, seed, speculation=speculation, sampling=sampling
+        )
+        changed_logits += changed
+        changed_runs += (got.stats.rows, got.stats.flushes) != (without.stats.rows, without.stats.flushes)
+    assert changed_logits > 0 and changed_runs > 0
+
+
+@pytest.mark.slow
+def test_lm_churn_with_exit_adapters_equals_plain_sequential():
+    """Random arrivals, cancellations and row budgets with exit adapters: each finished request's tokens and
+    last-loop logits equal its sequential decoding alone without them."""
+    finished_n = 0
+    for seed in range(3):
+        rng = random.Random(4000 + seed)
+        model = random_model(seed)
+        m = model.n_loops
+        adapters = random_exits(model, seed).exit_adapters
+        config = EngineConfig(max_active=rng.randint(2, 4), max_prompt_len=MAX_PROMPT, max_target_len=12,
+                              row_budget=rng.choice([None, 5]))  # fmt: skip
+        recorder = PromptKeyed(model)
+        engine = Engine(recorder, config)
+        counter = iter(range(2, model.vocab_size))
+        make = functools.partial(churn_request, rng, model, counter)
+        requests, finished = drive(engine, rng, [rng.randrange(0, 20) for _ in range(6)], make, 0.2, 8)
+        attach(model, None)
+        for f in finished:
+            if f.cancelled:
+                continue
+            request, reference = requests[f.id], PromptKeyed(model)
+            ref = generate(
+                reference, torch.tensor([request.input_ids]), method="sequential",
+                max_new_tokens=request.max_new_tokens, sampling=request.sampling,
+            )  # fmt: skip
+            assert f.tokens == ref.tokens[0], (seed, request)
+            prompt = tuple(request.input_ids)
+            for pos in range(len(f.tokens)):
+                key = (prompt, m - 1, pos)
+                assert torch.equal(recorder.logits[key], reference.logits[key]), key
+            finished_n += 1
+        attach(model, adapters)
+    assert finished_n > 5

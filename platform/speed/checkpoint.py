@@ -5,6 +5,9 @@ Layout (shared by training, evaluation and serving):
     config.json  {"model": the model config's fields, "family": "t5" or "lm" (``speed.family``; absent: t5),
                   "chat_template": an LM's (``speed.chat``), ...any other resolved configs}
     spm.model    the SentencePiece tokenizer, when one was given
+    exits.pt     the early exits' adapters (``speed.exits``), when trained (``jobs/train_exits.py``)
+    exits.json   {"exits": which loops are adapted and the rank (``ExitConfig``), "job": ..., "step": ...};
+                 written after exits.pt: a checkpoint has exit adapters when it holds exits.json
 Training jobs add their own files (optimizer, scheduler, RNG; ``speed.train.state``) beside these.
 A training run's directory holds ``checkpoint_<step>`` folders; one is complete once it holds
 ``complete``, written after its other files are on storage. Checkpoints and runs are named by a
@@ -25,7 +28,8 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
-from speed.config import to_dict
+from speed.config import from_dict, to_dict
+from speed.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach
 from speed.family import DEFAULT_FAMILY, build_model, config_from_dict, family_of
 from speed.lm import LoopedLM
 from speed.model import SpeedT5
@@ -56,7 +60,8 @@ def save_model(
 ) -> Path:
     """Write weights, config (the family, plus ``extra_config`` sections) and tokenizer into ``directory``.
 
-    An LM's config.json also holds the chat template its prompts were written in (``speed.chat``).
+    An LM's config.json also holds the chat template its prompts were written in (``speed.chat``). The model's
+    exit adapters, if it has any, are written beside it (``save_exits``), never into model.pt.
     """
     from speed.chat import CHAT_TEMPLATE
 
@@ -66,18 +71,49 @@ def save_model(
     config = {"model": to_dict(model.config), "family": family, **(extra_config or {})}
     if family == "lm":
         config["chat_template"] = to_dict(CHAT_TEMPLATE)
-    torch.save(model.state_dict(), directory / MODEL_FILE)
+    torch.save(backbone_state(model), directory / MODEL_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer_path is not None and Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():
         shutil.copyfile(tokenizer_path, directory / TOKENIZER_FILE)
+    if model.exit_adapters is not None:
+        save_exits(directory, model.exit_adapters)
     return directory
 
 
-def load_model(where: str | Path, map_location: str | torch.device = "cpu") -> LoadedModel:
+def backbone_state(model: SpeedT5 | LoopedLM) -> dict[str, torch.Tensor]:
+    """The model's state dict without its exit adapters: what model.pt holds."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("exit_adapters.")}
+
+
+def save_exits(directory: str, adapters: ExitAdapters, extra_config: dict[str, Any] | None = None) -> None:
+    """Write exit adapters beside the checkpoint at ``directory`` (a local path or a URI): exits.pt, then
+    exits.json (``ExitConfig`` plus ``extra_config`` sections), which marks them complete."""
+    where = locate(str(directory))
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in adapters.state_dict().items()}, buffer)
+    (where / EXITS_FILE).write_bytes(buffer.getvalue())
+    config = {"exits": to_dict(adapters.config), **(extra_config or {})}
+    (where / EXITS_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def load_exits(directory: str, map_location: str | torch.device = "cpu") -> ExitAdapters | None:
+    """The exit adapters saved beside the checkpoint at ``directory``; None when it has none."""
+    where = locate(str(directory))
+    if not (where / EXITS_CONFIG_FILE).is_file():
+        return None
+    stored = json.loads((where / EXITS_CONFIG_FILE).read_text())
+    adapters = ExitAdapters(from_dict(ExitConfig, stored.get("exits"), "exits"))
+    weights = io.BytesIO((where / EXITS_FILE).read_bytes())
+    adapters.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
+    return adapters.eval()
+
+
+def load_model(where: str | Path, map_location: str | torch.device = "cpu", exits: bool = True) -> LoadedModel:
     """Rebuild the model of a checkpoint, or of a run's newest complete one, at a local path or a URI.
 
     Reads ``config.json``, ``model.pt`` and (when there) ``spm.model`` where they are, downloading
-    nothing else; a missing file is named in the error.
+    nothing else; a missing file is named in the error. With ``exits`` the checkpoint's exit adapters
+    (exits.pt, when it has them) are attached to the model (``speed.exits``); they never change its output.
     """
     directory = locate(latest_checkpoint(absolute(where)))
     for name in (CONFIG_FILE, MODEL_FILE):
@@ -89,6 +125,8 @@ def load_model(where: str | Path, map_location: str | torch.device = "cpu") -> L
     model = build_model(config_from_dict(config["model"], checkpoint_family(config)))
     weights = io.BytesIO((directory / MODEL_FILE).read_bytes())
     model.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
+    if exits:
+        attach(model, load_exits(directory.uri, map_location))
     model.eval()
     tok = directory / TOKENIZER_FILE
     return LoadedModel(model, tok.uri if tok.is_file() else None, config, directory.uri)

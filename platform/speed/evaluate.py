@@ -218,6 +218,7 @@ def run_evaluation(
         "config": dataclasses.asdict(config),
         "family": family.name,
         "model": to_dict(model.config),
+        "exit_adapters": _exits_summary(model),
         "tokenizer": str(tok.path),
         "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},
         "intervals": bootstrap(hypotheses, references, config.bootstrap_samples) if config.bootstrap_samples else {},
@@ -252,6 +253,14 @@ def _perplexity(
         "flip_cost": v.flip_cost,
         "tokens": v.tokens,
     }
+
+
+def _exits_summary(model: SpeedT5 | LoopedLM) -> dict[str, Any] | None:
+    """The exit adapters the early exits were decoded with (``speed.exits.ExitConfig``, as JSON has it); None."""
+    if model.exit_adapters is None:
+        return None
+    config = to_dict(model.exit_adapters.config)
+    return config | {"loops": list(config["loops"])}
 
 
 def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...]) -> None:

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from speed.cache import KVCache, Rows
 from speed.config import LMConfig
+from speed.exits import ExitAdapters
 from speed.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
 from speed.losses import weighted_loss
 
@@ -258,6 +259,7 @@ class LoopedLM(nn.Module):
         self.apply(self._init_weights)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.exit_adapters: ExitAdapters | None = None  # the early exits' adapters (speed.exits), never in model.pt
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -268,7 +270,7 @@ class LoopedLM(nn.Module):
     # ----- whole sequences ---------------------------------------------------------------------------------
 
     def _exit_states(self, input_ids: Tensor) -> list[Tensor]:
-        """Each loop's exit state M x (B, T, d), the LM head's input."""
+        """Each loop's exit state M x (B, T, d), the LM head's input (after the loop's exit adapter, if any)."""
         T = input_ids.shape[1]
         cos, sin = rotary(torch.arange(T, device=input_ids.device), self.config.head_dim, self.config.rope_theta)
         e = self.embed_tokens(input_ids)  # (B, T, d)
@@ -276,14 +278,14 @@ class LoopedLM(nn.Module):
             e = block(e, cos, sin)
         state = torch.zeros_like(e) if self.adapter is not None else e
         exits = []
-        for _ in range(self.n_loops):
+        for i in range(self.n_loops):
             h = self.adapter(torch.cat([state, e], dim=-1)) if self.adapter is not None else state  # (B, T, d)
             for block in self.core:
                 h = block(h, cos, sin)
             y = h
             for block in self.coda:
                 y = block(y, cos, sin)
-            exits.append(self.norm(y))
+            exits.append(self.norm(y if self.exit_adapters is None else self.exit_adapters.adapt(y, i)))
             state = self.norm(h) if self.config.loop_norm else h
         return exits
 
@@ -382,7 +384,10 @@ class LoopedLM(nn.Module):
             y = h
             for k, block in enumerate(self.coda):
                 y = block.prefill(y, cos, sin, segments, stores("loops", i, N + k))
-            logits.append(rows_linear(self.lm_head, self.norm(y.index_select(0, last)), TILE_ROWS))  # (B, V)
+            y = y.index_select(0, last)  # (B, d)
+            if self.exit_adapters is not None:
+                y = self.exit_adapters.adapt_rows(y, [i] * len(prompts))
+            logits.append(rows_linear(self.lm_head, self.norm(y), TILE_ROWS))  # (B, V)
             state = self.norm(h) if c.loop_norm else h
         return list(torch.stack(logits, dim=1))  # B x (M, V)
 
@@ -432,7 +437,10 @@ class LoopedLM(nn.Module):
         y = h
         for k, block in enumerate(self.coda):
             y = block.decode(y, cos, sin, rows, cache.loops, N + k, bias)
-        logits = tile_linear(self.lm_head, self.norm(y)) if with_logits else None  # (n, V)
+        logits = None
+        if with_logits:  # the exit adapters (speed.exits) change the exits' inputs only, never the carry
+            y = y if self.exit_adapters is None else self.exit_adapters.adapt_rows(y, rows.loop)
+            logits = tile_linear(self.lm_head, self.norm(y))  # (n, V)
         state = self.norm(h) if c.loop_norm else h  # (n, d)
         return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), logits
 

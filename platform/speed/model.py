@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from speed.cache import KVCache, Rows
 from speed.config import ModelConfig
+from speed.exits import ExitAdapters
 from speed.kernels import attend, tile_linear
 from speed.losses import weighted_loss
 
@@ -234,6 +235,7 @@ class SpeedT5(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.dropout = nn.Dropout(config.dropout)
         self.apply(self._init_weights)
+        self.exit_adapters: ExitAdapters | None = None  # the early exits' adapters (speed.exits), never in model.pt
 
     def _init_weights(self, module: nn.Module) -> None:
         """T5's initialisation (Mesh TensorFlow scales), LM head at d_model**-0.5."""
@@ -276,8 +278,11 @@ class SpeedT5(nn.Module):
 
     # ----- training forward ------------------------------------------------------------
 
-    def exit_logits(self, hidden: Tensor) -> Tensor:
-        """The shared classifier: final norm + LM head, (..., d) -> (..., V)."""
+    def exit_logits(self, hidden: Tensor, loop: int | None = None) -> Tensor:
+        """The shared classifier: final norm + LM head, (..., d) -> (..., V); with ``loop`` (0-based), that
+        loop's exit adapter first, when the model has one for it (``speed.exits``; never the last loop)."""
+        if loop is not None and self.exit_adapters is not None:
+            hidden = self.exit_adapters.adapt(hidden, loop)
         return self.lm_head(self.dropout(self.decoder_norm(hidden)))
 
     def forward(
@@ -312,7 +317,7 @@ class SpeedT5(nn.Module):
             x = self.decoder_layers[j](x, self_bias, *memories[j], cross_bias)
             if v + 1 < sharing.depth and sharing.loop_of(v + 1) == sharing.loop_of(v):
                 continue  # the early exit comes after the loop's last layer
-            logits = self.exit_logits(x)  # (B, T, V)
+            logits = self.exit_logits(x, sharing.loop_of(v))  # (B, T, V)
             if labels is not None:
                 losses.append(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100))
             if return_logits:

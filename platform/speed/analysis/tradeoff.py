@@ -54,6 +54,7 @@ BENCH_METHODS = {
     "sequential": "sequential",
     "speed": "speed",
     "speed_oracle": "speed_oracle",
+    "speed_exits": "speed",  # SPEED with fresh exit adapters (speed.exits): plain SPEED's schedule, their cost
     "shallow": "sequential",
     "ours_deep": "sequential",
 }

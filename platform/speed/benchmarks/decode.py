@@ -22,12 +22,15 @@ import torch
 from speed.config import ModelConfig, coerce, to_dict
 from speed.decoding import GenerateResult, generate
 from speed.engine import LEVERS, Method, Speculation
+from speed.exits import attach, exits_for
 from speed.model import SpeedT5
 from speed.sampling import Sampling
 
 BENCH_SCHEMA = pa.schema(
     [
-        pa.field("variant", pa.string()),  # sequential | speed | speed_oracle | shallow | ours_deep | hf_generate
+        pa.field(
+            "variant", pa.string()
+        ),  # sequential | speed | speed_oracle | speed_exits | shallow | ours_deep | hf_generate
         pa.field("pattern", pa.string()),
         pa.field("model", pa.string()),  # the timed model's resolved ModelConfig as JSON (its weights are random)
         pa.field("ms_per_token", pa.float64()),  # median over repetitions
@@ -63,6 +66,7 @@ class BenchConfig:
     seed: int = 0
     compare_hf: bool = True  # also time our sequential Dx1 (D = N*M) against transformers' generate
     device: str = "cpu"  # where every variant runs (its inputs start on the CPU, as a request's do)
+    exit_rank: int | None = 64  # also time SPEED with exit adapters of this rank (speed.exits); None: not
 
 
 def random_model(config: ModelConfig, seed: int) -> SpeedT5:
@@ -132,6 +136,11 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
         "speed_oracle": run("speed_oracle", model, method="speed", oracle=reference.tokens),
         "shallow": run("shallow", shallow, method="sequential"),
     }
+    if cfg.exit_rank is not None:  # fresh adapters: SPEED's schedule is plain SPEED's, so the difference is their cost
+        adapted = random_model(cfg.model, cfg.seed)  # the same weights as ``model``
+        attach(adapted, exits_for(adapted, cfg.exit_rank)).to(cfg.device)
+        variants["speed_exits"] = run("speed_exits", adapted, method="speed")
+        configs["speed_exits"] = adapted.config
     hf_pair = _hf_pair(cfg, ids) if cfg.compare_hf else None
     if hf_pair is not None:
         ours, hf_go = hf_pair
@@ -144,8 +153,8 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
         flush=True,
     )
     times = interleave(variants, cfg.reps, cfg.device)
-    for name in ("speed", "speed_oracle"):
-        if results[name].tokens != reference.tokens:
+    for name in ("speed", "speed_oracle", "speed_exits"):
+        if name in results and results[name].tokens != reference.tokens:
             raise AssertionError(f"{name} output differs from sequential greedy decoding")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     machine = machine_name(cfg.device)
@@ -318,7 +327,7 @@ def format_sampling_table(table: pa.Table) -> str:
 
 LEVER_BENCH_SCHEMA = pa.schema(
     [
-        pa.field("variant", pa.string()),  # sequential | shallow | speed | a lever setting's name
+        pa.field("variant", pa.string()),  # sequential | shallow | speed | speed_no_exits | a lever setting's name
         pa.field("settings", pa.string()),  # JSON of LeverSetting.given (branches, branch_depth, row_budget, ...)
         pa.field("sentences", pa.int64()),
         pa.field("tokens", pa.int64()),
@@ -374,15 +383,22 @@ def run_lever_benchmark(
 ) -> pa.Table:
     """Batch 1, greedy: each input decoded sequentially, by the shallow Nx1 (the same weights, one loop), by plain
     SPEED and by SPEED with each lever setting; the variants alternate per sentence in a rotating order, so that
-    a loaded machine slows them alike. One row per variant (``LEVER_BENCH_SCHEMA``)."""
+    a loaded machine slows them alike. A model with exit adapters (``speed.exits``) decodes with them, and the
+    variant ``speed_no_exits`` without them. One row per variant (``LEVER_BENCH_SCHEMA``)."""
+    from speed.checkpoint import backbone_state
+
     shallow = SpeedT5(model.config.replace(pattern=f"{model.sharing.n_unique}x1")).eval()
-    shallow.load_state_dict(model.state_dict())  # the same parameters: a shared decoder's first loop alone
+    shallow.load_state_dict(backbone_state(model))  # the same parameters: a shared decoder's first loop alone
     plain = LeverSetting()
     variants: dict[str, tuple[SpeedT5, Method, LeverSetting]] = {
         "sequential": (model, "sequential", plain),
         "shallow": (shallow, "sequential", plain),
         "speed": (model, "speed", plain),
     } | {name: (model, "speed", setting) for name, setting in levers.items()}
+    if model.exit_adapters is not None:  # the checkpoint's exit adapters are a lever too: SPEED without them
+        without = SpeedT5(model.config).eval()
+        without.load_state_dict(backbone_state(model))
+        variants["speed_no_exits"] = (without.to(model.device), "speed", plain)
     names = list(variants)
     seconds, tokens, passes, rows = ({n: 0.0 for n in names} for _ in range(4))
     identical = {n: True for n in names}

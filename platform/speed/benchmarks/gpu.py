@@ -346,7 +346,7 @@ def timing_stage(size: CheckSize, device: str) -> TimingRun:
         t0 = time.perf_counter()
         cfg = BenchConfig(
             size.model(), batch=batch, source_len=size.source_len, new_tokens=size.new_tokens, reps=size.reps,
-            device=device,
+            device=device, exit_rank=None,  # sized for its budget without the exit adapters' variant
         )  # fmt: skip
         try:
             try:

@@ -192,7 +192,11 @@ class T5Stepper(_Adapter):
             layer = m.decoder_layers[m.sharing.physical_layer(j)]
             keys, values = source(memory.keys[j][:, :, :S]), source(memory.values[j][:, :, :S])  # (n, H, S, D)
             x = layer.decode(x, rows, cache, j, self_bias, keys, values, cross_bias)  # (n, d)
-        return x, (tile_linear(m.lm_head, m.decoder_norm(x)) if with_logits else None)
+        if not with_logits:
+            return x, None
+        # The exit adapters (speed.exits) change the early exits' inputs only: x, the carry, stays as it is
+        y = x if m.exit_adapters is None else m.exit_adapters.adapt_rows(x, rows.loop)
+        return x, tile_linear(m.lm_head, m.decoder_norm(y))
 
 
 # ----- the decoder-only looped LM --------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.requests import Request as StarletteRequest
 
-from speed.config import from_dict
+from speed.config import coerce, from_dict
 from speed.engine import LEVERS, Finished
 from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import choice_events, choice_of
@@ -151,10 +151,11 @@ class SpeedServer:
         model_name: str | None = None,
         device: str = "auto",
         api_key: str | None = None,
+        exit_adapters: bool = True,
     ) -> None:
         api.state.api_key = auth.resolve(api_key)  # None: open (no key given, none in $SPEED_API_KEY)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        self.served = load_served_model(checkpoint, device)
+        self.served = load_served_model(checkpoint, device, exits=exit_adapters)
         self.model, self.tokenizer = self.served.model, self.served.tokenizer
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ValueError(f"{checkpoint}: tokenizer has more ids than the model's vocabulary")
@@ -385,15 +386,18 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """Application builder for ``serve run speed.serve.app:build_app checkpoint=...`` and Serve config files.
 
     ``args``: ``checkpoint`` (a checkpoint or run directory, local or URI; default ``$SPEED_CHECKPOINT``),
-    ``stats_path``, ``model_name``, ``device`` (``auto``, ``cpu``, ``cuda``). An API key comes from
+    ``stats_path``, ``model_name``, ``device`` (``auto``, ``cpu``, ``cuda``), ``exit_adapters`` (``true``, the
+    default: the checkpoint's exit adapters when it has them; ``false``: plain exits). An API key comes from
     ``$SPEED_API_KEY`` in the replicas' environment, never from ``args`` (config files are not secret).
     """
-    known = {"checkpoint", "stats_path", "model_name", "device"}
+    known = {"checkpoint", "stats_path", "model_name", "device", "exit_adapters"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown application argument(s) {unknown}; valid ones are {sorted(known)}")
     args = dict(args)
     args.setdefault("checkpoint", os.environ.get(CHECKPOINT_ENV))
+    if "exit_adapters" in args:  # `serve run ... exit_adapters=false` passes a string
+        args["exit_adapters"] = coerce(args["exit_adapters"], bool, "exit_adapters")
     if not args["checkpoint"]:
         raise ValueError(f"the application needs checkpoint=<checkpoint directory or URI> (or ${CHECKPOINT_ENV})")
     return SpeedServer.bind(**args)
@@ -418,12 +422,14 @@ def start_app(
     api_key: str | None = None,
     max_replicas_per_node: int | None = None,
     proxy_location: str = "EveryNode",
+    exit_adapters: bool = True,
 ) -> str:
     """Start Serve's HTTP proxy on ``host:port`` (loopback by default) and deploy the application under
     ``route_prefix`` on the connected Ray; returns its URL. ``settings`` is the ``user_config``
     (``ServeSettings`` keys); ``api_key`` (else the replicas' ``$SPEED_API_KEY``) is required on every
     route but ``/healthz``. ``max_replicas_per_node=1`` spreads the replicas over the nodes;
-    ``proxy_location="HeadOnly"``: one proxy (several nodes on one machine cannot all bind ``host:port``)."""
+    ``proxy_location="HeadOnly"``: one proxy (several nodes on one machine cannot all bind ``host:port``);
+    ``exit_adapters=False`` serves the checkpoint's plain exits even where it has exit adapters."""
     from_dict(ServeSettings, dict(settings or {}))  # fail here, not in a replica
     serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     options: dict[str, Any] = {
@@ -440,6 +446,6 @@ def start_app(
         if value is not None:
             options[key] = value
     deployment = SpeedServer.options(**options)
-    app = deployment.bind(checkpoint, stats_path, model_name, device, api_key=api_key)
+    app = deployment.bind(checkpoint, stats_path, model_name, device, api_key=api_key, exit_adapters=exit_adapters)
     serve.run(app, name=name, route_prefix=route_prefix)
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"

@@ -23,9 +23,12 @@ class ServedModel:
     template: ChatTemplate | None  # an LM's (config.json's ``chat_template``; ``speed.chat``'s when absent)
 
 
-def load_served_model(checkpoint: str, device: str) -> ServedModel:
-    """The served model of a checkpoint path or URI (or a run's newest); a checkpoint without spm.model is an error."""
-    loaded = load_model(checkpoint, map_location=device)
+def load_served_model(checkpoint: str, device: str, exits: bool = True) -> ServedModel:
+    """The served model of a checkpoint path or URI (or a run's newest); a checkpoint without spm.model is an error.
+
+    With ``exits`` the checkpoint's exit adapters (``speed.exits``), when it has them, adapt the drafts; the
+    answers are the same either way."""
+    loaded = load_model(checkpoint, map_location=device, exits=exits)
     if loaded.tokenizer_path is None:
         raise FileNotFoundError(f"checkpoint {loaded.checkpoint} holds no spm.model: serving needs its tokenizer")
     tokenizer = Tokenizer.load(loaded.tokenizer_path)  # reads the file into memory

@@ -89,7 +89,7 @@ def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
         model = from_pretrained(job.init_from[3:], pattern=job.model.pattern)
     else:
         with local_checkpoint(job.init_from) as directory:
-            model = load_model(directory).model
+            model = load_model(directory, exits=False).model  # its backbone: exit adapters are trained apart
     if model.config != job.model:
         raise ValueError(f"--init-from {job.init_from} holds model {model.config}, but the job resolved {job.model}")
     return model.train()
@@ -199,7 +199,7 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
 def _own_checkpoint(run_dir: str, world: int) -> str | None:
     """This run's newest complete checkpoint on storage (path or URI), as rank 0 sees it; None when it has none yet.
 
-    Not Ray's registered checkpoint, which lags the markers (``_upload``).
+    Not Ray's registered checkpoint, which lags the markers (``upload_with_marker``).
     """
     chosen = [None]
     if ray.train.get_context().get_world_rank() == 0:
@@ -359,10 +359,11 @@ def _checkpoint(
             save_training_checkpoint(tmp, _unwrap(ctx.model), ctx.tokenizer_path, job_to_dict(job), state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         name = checkpoint_name(step)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=_upload(step))
+        upload = upload_with_marker(step)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=upload)
 
 
-def _upload(step: int) -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint]:
+def upload_with_marker(step: int) -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint]:
     """Ray's upload of a checkpoint, then its completion marker.
 
     The marker is written as soon as every file is on storage, before the report

@@ -125,11 +125,14 @@ _session: _Session | None = None
 
 
 @contextmanager
-def session(job_dict: dict[str, Any]) -> Iterator[None]:
+def session(
+    job_dict: dict[str, Any], params: dict[str, Any] | None = None, step_metric: str = "loss"
+) -> Iterator[None]:
     """Around a Train worker's loop: on rank 0 of a tracked job, its MLflow run (ended FINISHED or FAILED).
 
     ``job_dict``: the resolved job (``job_to_dict``), its run named. An MLflow run of the same experiment tagged
-    with this Train run's name is continued; otherwise ``setup_mlflow`` starts one and logs the job as params.
+    with this Train run's name is continued (from the last step of its ``step_metric``); otherwise
+    ``setup_mlflow`` starts one and logs ``params`` (default: the job) as params.
     """
     global _session
     import ray.train
@@ -148,14 +151,14 @@ def session(job_dict: dict[str, Any]) -> Iterator[None]:
 
     name = job.run.name
     experiment = experiment_name(job)
-    params = flatten(job_dict)
+    params = flatten(job_dict if params is None else params)
     after_step = 0
     existing = _tagged_run(mlflow.MlflowClient(uri), experiment, RUN_TAG, name)
     if existing is not None:
         mlflow.set_tracking_uri(uri)
         mlflow.start_run(run_id=existing.info.run_id)  # setup_mlflow keeps an active run
         params = {k: v for k, v in params.items() if k not in existing.data.params}  # MLflow params never change
-        history = mlflow.MlflowClient(uri).get_metric_history(existing.info.run_id, "loss")
+        history = mlflow.MlflowClient(uri).get_metric_history(existing.info.run_id, step_metric)
         after_step = max((m.step for m in history), default=0)
     tracked = setup_mlflow(
         params,
@@ -203,6 +206,12 @@ def step_metrics(record: StepRecord) -> dict[str, float]:
     """What ``log_step`` logs: the weighted loss, ``loss_loop<i>`` per loop, lr, gradient norm, tokens/s, s/step."""
     loops = {f"loss_loop{i + 1}": x for i, x in enumerate(record.loop_losses)}
     return {key: float(getattr(record, key)) for key in _STEP_FIELDS} | loops
+
+
+def log_metrics(step: int, metrics: dict[str, float]) -> None:
+    """Log ``metrics`` at ``step`` to the open MLflow run, if any (a job's own numbers: ``jobs/train_exits.py``)."""
+    if _session is not None:
+        _session.log(step, metrics)
 
 
 def log_report(step: int, metrics: dict[str, Any]) -> None:

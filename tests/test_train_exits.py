@@ -1,0 +1,130 @@
+"""``jobs/train_exits.py``: exit adapters trained on a frozen tiny T5 checkpoint with Ray Train, saved beside it,
+tracked in MLflow; a run stopped at a step and relaunched ends with the adapters of an uninterrupted one."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from speed.checkpoint import backbone_state, load_model, newest_complete_checkpoint, save_model
+from speed.config import preset
+from speed.decoding import generate
+from speed.exits import EXITS_CONFIG_FILE, exit_kl
+from speed.model import SpeedT5
+from speed.paths import repo_root
+from speed.tokenizer import Tokenizer
+from speed.train.config import job_from_args, job_to_dict
+from speed.train.exits import ExitTrainConfig, _decoded, exits_run_name, run_exits
+from speed.train.tracking import import_mlflow
+
+STEPS = 4
+
+
+def _tiny_checkpoint(directory, tokenizer) -> str:
+    """A tiny 2x3 T5 saved as a finetuning job's checkpoint on 16 Multi30k records (its training split)."""
+    flags = ["--preset", "tiny", "--pattern", "2x3", "--tokenizer", str(tokenizer), "--limit", "16"]
+    job = job_from_args("finetune", [*flags, "--max-source-len", "24", "--max-target-len", "24"])
+    torch.manual_seed(0)
+    model = SpeedT5(job.model.replace(vocab_size=Tokenizer.load(tokenizer).vocab_size))
+    job_dict = {k: v for k, v in job_to_dict(job).items() if k != "model"}
+    save_model(directory, model, tokenizer, {"job": job_dict, "step": 1})
+    return str(directory)
+
+
+def _config(checkpoint, storage, **settings) -> ExitTrainConfig:
+    base = {"rank": 8, "steps": STEPS, "batch_size": 4, "lr": 1e-2, "warmup_steps": 1, "log_every": 1}
+    return ExitTrainConfig(checkpoint, **(base | {"checkpoint_every": 2, "cpus_per_worker": 1, **settings}),
+                           storage_path=str(storage))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(ray_session, tiny_tokenizer, tmp_path_factory):
+    """(outcome, the model checkpoint's weights before): STEPS steps in one go, the reference run."""
+    checkpoint = _tiny_checkpoint(tmp_path_factory.mktemp("model") / "ckpt", tiny_tokenizer)
+    before = {k: v.clone() for k, v in load_model(checkpoint).model.state_dict().items()}
+    return run_exits(_config(checkpoint, tmp_path_factory.mktemp("runs"))), before
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_adapters_are_trained_beside_the_frozen_checkpoint_and_tracked(trained):
+    outcome, before = trained
+    loaded = load_model(outcome.checkpoint)
+    model, adapters = loaded.model, loaded.model.exit_adapters
+    assert adapters is not None and adapters.config.loops == (1, 2) and adapters.config.rank == 8
+    assert all(head.up.weight.abs().sum() > 0 for head in adapters.heads.values())  # trained: no longer identity
+    for name, value in backbone_state(model).items():  # the backbone was frozen
+        assert torch.equal(value, before[name]), name
+    stored = json.loads(Path(outcome.checkpoint, EXITS_CONFIG_FILE).read_text())
+    assert stored["step"] == STEPS and stored["run"] == outcome.run_dir and stored["job"]["rank"] == 8
+    assert newest_complete_checkpoint(outcome.run_dir).endswith(f"checkpoint_{STEPS:08d}")
+    assert outcome.metrics["step"] == STEPS and outcome.metrics["resumed_from"] == 0
+    ids = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(0))
+    with_exits = generate(model, ids, max_new_tokens=8)
+    plain = generate(load_model(outcome.checkpoint, exits=False).model, ids, max_new_tokens=8)
+    assert with_exits.tokens == plain.tokens  # the output cannot change
+    client = import_mlflow().MlflowClient(Path(outcome.config.storage_path, "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("exits").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "kl_loop1")] == list(range(1, STEPS + 1))
+    assert run.data.params["rank"] == "8" and run.data.tags["speed.run"] == outcome.config.name
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_stopped_run_relaunched_ends_with_the_adapters_of_an_uninterrupted_one(trained, tiny_tokenizer, tmp_path):
+    reference, _ = trained
+    checkpoint = _tiny_checkpoint(tmp_path / "ckpt", tiny_tokenizer)  # the same weights, another folder
+    first = run_exits(_config(checkpoint, tmp_path / "runs", stop_at_step=2))
+    assert first.step == 2
+    resumed = run_exits(_config(checkpoint, tmp_path / "runs"))  # the same command: the same run, resumed
+    assert resumed.run_dir == first.run_dir and resumed.step == STEPS
+    assert first.metrics["resumed_from"] == 0 and resumed.metrics["resumed_from"] == 2  # steps 3-4 alone this time
+    a = load_model(reference.checkpoint).model.exit_adapters.state_dict()
+    b = load_model(resumed.checkpoint).model.exit_adapters.state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_run_names_ignore_launch_settings(tmp_path):
+    a = _config(str(tmp_path / "ckpt"), tmp_path)
+    assert exits_run_name(a) == exits_run_name(_config(str(tmp_path / "ckpt"), tmp_path / "x", stop_at_step=2))
+    assert exits_run_name(a) != exits_run_name(_config(str(tmp_path / "ckpt"), tmp_path, rank=4))
+    assert exits_run_name(a).startswith("exits-ckpt-r8-")
+
+
+def test_decoded_targets_are_the_models_greedy_outputs():
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3")).eval()
+    columns = {"input_ids": [[5, 6, 7, 1], [8, 9, 1]], "labels": [[4, 4, 1], [3, 1]]}
+    decoded = _decoded(model, columns, 5)
+    ids = torch.tensor([[5, 6, 7, 1], [8, 9, 1, 0]])
+    expected = generate(model, ids, (ids != 0).long(), method="sequential", max_new_tokens=5, trace=False).tokens
+    assert decoded == {"input_ids": columns["input_ids"], "labels": expected}
+
+
+def test_exit_kl_is_zero_on_agreement_and_counts_agreement():
+    """KL(last || k) is 0 where loop k's logits are the last's; agreement is the share of argmax matches, over the
+    masked positions only."""
+    last = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 3.0, 0.0]]])  # (1, 2, 3)
+    other = torch.tensor([[[0.0, 2.0, 0.0], [0.0, 3.0, 0.0]]])
+    mask = torch.tensor([[True, True]])
+    kl, agree = exit_kl([last, last, last], mask, (1, 2))
+    assert torch.equal(kl, torch.zeros(2)) and torch.equal(agree, torch.ones(2))
+    kl, agree = exit_kl([other, last, last], mask, (1,))
+    assert kl[0] > 0 and agree.tolist() == [0.5]
+    kl, agree = exit_kl([other, last, last], torch.tensor([[False, True]]), (1,))
+    assert kl.abs().max() < 1e-6 and agree.tolist() == [1.0]
+
+
+def test_the_job_refuses_the_last_loop(tiny_tokenizer, tmp_path, capsys):
+    checkpoint = _tiny_checkpoint(tmp_path / "ckpt", tiny_tokenizer)
+    spec = importlib.util.spec_from_file_location("train_exits_job", repo_root() / "jobs" / "train_exits.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    with pytest.raises(SystemExit) as exit_:
+        job.main(["--checkpoint", checkpoint, "--loops", "3", "--storage-path", str(tmp_path)])
+    assert exit_.value.code == 2 and "never adapted" in capsys.readouterr().err
