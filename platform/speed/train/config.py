@@ -356,7 +356,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--gpus-per-worker": ("scale.gpus_per_worker", float, "GPUs reserved per worker (with --use-gpu)"),
     "--storage-path": ("run.storage_path", str, "local folder or URI (s3://...) for checkpoints and results"),
     "--name": ("run.name", str, "run name (default: deterministic from the config)"),
-    "--max-failures": ("run.max_failures", int, "worker-group restarts from the last checkpoint"),
+    "--max-failures": ("run.max_failures", int, "retries from the newest checkpoint (sweeps: of lost nodes)"),
     "--init-from": ("init_from", str, "finetune from a speed checkpoint, or hf:<T5 v1.1 name or path>"),
     "--resume": ("resume", str, "continue from a checkpoint or run directory"),
     "--eval-split": ("eval.split", str, "split evaluated after finetuning"),
