@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.results}: {len(found.evaluations)} evaluation(s), {len(found.bench)} benchmark file(s), "
         f"{len(found.load)} load file(s), {len(found.requests)} request-statistics file(s), "
-        f"{len(found.sweeps)} sweep(s), {len(found.families)} family comparison(s)"
+        f"{len(found.sweeps)} sweep(s), {len(found.families)} family comparison(s), "
+        f"{len(found.budgets)} budget curve(s)"
     )
     started = time.time()
     executed = run_notebooks(args.results)

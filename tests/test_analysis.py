@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -15,6 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
+from budget_helpers import make_run
 
 from speed import SpeedT5, generate, preset
 from speed.analysis import (
@@ -36,6 +38,7 @@ from speed.analysis.notebooks import notebook_paths
 from speed.analysis.serving import in_flight_at, max_in_flight
 from speed.analysis.tradeoff import model_label
 from speed.benchmarks.decode import BenchConfig, run_benchmark
+from speed.budget import BUDGET_FILE, budget_curve
 from speed.config import lm_preset, to_dict
 from speed.evaluate import EvalConfig, run_evaluation
 from speed.family import match_parameters, parameter_count
@@ -54,6 +57,7 @@ FIGURES = {
     "serving.ipynb": ["load/serving_load.png", "stats/requests/serving_rows_per_step.png"],
     "sweep.ipynb": [],  # no sweep here: tests/test_sweep.py runs it on a real sweep's folder
     "families.ipynb": [f"families/families_{name}.png" for name in ("flips", "costs", "plane")],
+    "budget.ipynb": ["budget_costs.png", "budget_flips.png"],
 }
 
 
@@ -80,6 +84,7 @@ def results(tmp_path_factory, tiny_tokenizer):
             pq.write_table(bench, root / f"{name}.parquet")
         _load_runs(model_2x3(tok.vocab_size), root)
         _families(tok, root / "families")
+        _budget(tiny_tokenizer, tmp_path_factory.mktemp("budget_run"), root / "budget")
     finally:
         torch.set_num_threads(threads)
     return root
@@ -97,6 +102,23 @@ def _families(tok: Tokenizer, folder: Path) -> None:
         train = {"train_steps": 0, "train_examples": 0, "train_tokens": 0, "train_seconds": 0.0}
         rows.append(family_row(family, summary, name, parameter_count(model.config), train))
     pq.write_table(pa.Table.from_pylist(rows, schema=FAMILIES_SCHEMA), folder / FAMILIES_FILE)
+
+
+def _budget(tokenizer: Path, scratch: Path, folder: Path) -> None:
+    """A budget curve's budget.parquet (what the budget notebook loads) of a tiny T5 run's three checkpoints; the
+    evaluations stay in ``scratch`` (tests/test_budget.py checks them)."""
+    vocab = Tokenizer.load(tokenizer).vocab_size
+    run = make_run(scratch / "run", lambda step: _seeded_2x3(vocab, step), tokenizer, "translate_en_de")
+    config = EvalConfig(split="validation", limit=3, batch_size=1, max_new_tokens=6, bootstrap_samples=20,
+                        check_sequential=False)  # fmt: skip
+    budget_curve(str(run), config, str(scratch / "curve"), samples=20, log=lambda line: None)
+    folder.mkdir()
+    shutil.copyfile(scratch / "curve" / BUDGET_FILE, folder / BUDGET_FILE)
+
+
+def _seeded_2x3(vocab_size: int, seed: int) -> SpeedT5:
+    torch.manual_seed(seed)
+    return SpeedT5(preset("tiny", vocab_size=vocab_size, pattern="2x3")).eval()
 
 
 def _lm(vocab_size: int) -> LoopedLM:
@@ -163,6 +185,7 @@ def test_discover_finds_every_kind_of_result(results):
     assert [p.name for p in found.requests] == ["r-1.parquet"]
     assert found.sweeps == []  # sweeps: tests/test_sweep.py
     assert found.families == [results / "families"]
+    assert found.budgets == [results / "budget"]
     ev = load_evaluation(found.evaluations[1])
     assert ev.pattern == "2x3" and ev.loops == 3 and ev.predictions.num_rows == 6
     assert set(ev.trace.column("loop").to_pylist()) == {1, 2, 3}
@@ -336,7 +359,7 @@ def test_every_notebook_runs_headless_and_writes_its_figures(results, capsys):
         assert nbformat.read(results / "notebooks" / notebook, as_version=4).cells[1].outputs  # executed
     printed = capsys.readouterr().out
     assert "4 evaluation(s), 2 benchmark file(s), 1 load file(s), 1 request-statistics file(s), 0 sweep(s)" in printed
-    assert "1 family comparison(s)" in printed
+    assert "1 family comparison(s), 1 budget curve(s)" in printed
     assert f"figure: {results / 'accuracy_vs_latency.png'}" in printed
     assert f"figure: {results / 'benchmark_latency.png'}" in printed
 

@@ -2,10 +2,11 @@
 
 The notebooks in ``analysis/`` call these functions and draw; every number they
 show is computed here from Parquet/JSON written by ``jobs/evaluate.py``,
-``jobs/bench_decode.py``, ``jobs/sweep.py``, ``jobs/compare_families.py`` and the Serve application and its load
-generator.
+``jobs/bench_decode.py``, ``jobs/sweep.py``, ``jobs/compare_families.py``, ``jobs/budget_curve.py`` and the Serve
+application and its load generator.
 """
 
+from speed.analysis.budget import budget_loops, format_budget, load_budget
 from speed.analysis.families import Families, latency_plane, load_families, loop_table, quality_difference
 from speed.analysis.flips import flip_rates, flip_rates_by_position
 from speed.analysis.results import Evaluation, Results, discover, load_evaluation
@@ -21,11 +22,14 @@ __all__ = [
     "Results",
     "Sweep",
     "benchmark_latency",
+    "budget_loops",
     "discover",
     "flip_rates",
+    "format_budget",
     "flip_rates_by_position",
     "latency_plane",
     "launch_costs",
+    "load_budget",
     "load_evaluation",
     "load_families",
     "load_summary",

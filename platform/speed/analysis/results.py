@@ -6,7 +6,8 @@ A results folder may hold evaluation folders (``summary.json`` beside
 (``speed.serve.stats.LOADGEN_SCHEMA``), the Serve application's statistics
 (``REQUEST_SCHEMA`` rows), sweep folders (``results.parquet``,
 ``speed.sweep.results.RESULTS_SCHEMA``) and family comparisons (``families.parquet``,
-``speed.analysis.families.FAMILIES_SCHEMA``), in any layout. A folder on object storage is copied here first
+``speed.analysis.families.FAMILIES_SCHEMA``) and budget curves (``budget.parquet``,
+``speed.budget.BUDGET_SCHEMA``), in any layout. A folder on object storage is copied here first
 (``local_results``).
 """
 
@@ -62,6 +63,7 @@ class Results:
     requests: list[Path] = field(default_factory=list)  # Serve request-statistics files
     sweeps: list[Path] = field(default_factory=list)  # sweep folders (results.parquet and its companions)
     families: list[Path] = field(default_factory=list)  # family comparisons (families.parquet and its evaluations)
+    budgets: list[Path] = field(default_factory=list)  # budget curves (budget.parquet and its evaluations)
 
 
 def load_evaluation(path: str | Path) -> Evaluation:
@@ -86,21 +88,24 @@ def local_results(where: str | Path, copy_to: str | Path) -> Path:
 
 
 def discover(root: str | Path) -> Results:
-    """Every evaluation folder, benchmark, load and request Parquet file, sweep folder and family comparison
-    under ``root``."""
+    """Every evaluation folder, benchmark, load and request Parquet file, sweep folder, family comparison
+    and budget curve under ``root``."""
     from speed.analysis.families import FAMILIES_FILE, FAMILIES_SCHEMA  # it reads evaluations with this module
+    from speed.budget import BUDGET_FILE, BUDGET_SCHEMA
 
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"results folder {root} does not exist")
     evaluations = sorted(p.parent for p in root.rglob(SUMMARY_FILE) if (p.parent / TRACE_FILE).is_file())
-    kinds: dict[str, list[Path]] = {"bench": [], "load": [], "requests": [], "sweeps": [], "families": []}
+    kinds: dict[str, list[Path]] = {name: [] for name in ("bench", "load", "requests", "sweeps", "families", "budgets")}
     for path in sorted(root.rglob("*.parquet")):
         names = set(pq.read_schema(path).names)
         if path.name == RESULTS_FILE and SWEEP_COLUMNS <= names:
             kinds["sweeps"].append(path.parent)
         elif path.name == FAMILIES_FILE and set(FAMILIES_SCHEMA.names) <= names:
             kinds["families"].append(path.parent)
+        elif path.name == BUDGET_FILE and set(BUDGET_SCHEMA.names) <= names:
+            kinds["budgets"].append(path.parent)
         elif set(BENCH_SCHEMA.names) <= names:
             kinds["bench"].append(path)
         elif LOAD_COLUMNS <= names:
