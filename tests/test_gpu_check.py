@@ -42,17 +42,21 @@ except ImportError:
     pass
 else:
     raise SystemExit("ray imported")
+torch.manual_seed(0)
 model = SpeedT5(preset("tiny", pattern="2x3")).eval()
 ids = torch.randint(3, 128, (2, 5))
 fast = generate(model, ids, method="speed", max_new_tokens=6, speculation=Speculation(branches=1))
-assert fast.tokens == generate(model, ids, method="sequential", max_new_tokens=6).tokens
-print("decoded", fast.stats.tokens)
+slow = generate(model, ids, method="sequential", max_new_tokens=6)
+assert fast.tokens == slow.tokens
+print("decoded", fast.stats.tokens, "of", sum(map(len, slow.tokens)))
 """
     out = subprocess.run(
         [sys.executable, "-c", script], env=without_absent(tmp_path), capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "decoded 12"
+    # A random model may stop early (EOS): SPEED's count of decoded tokens is sequential decoding's, not a constant.
+    counted, _, expected = out.stdout.split()[1:]
+    assert counted == expected and int(counted) > 0, out.stdout
 
 
 @pytest.mark.slow  # the whole check, its inner pytest included, in a subprocess: ~15 s
