@@ -30,8 +30,8 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -m "not gpu and not cluster" $(XDIST) $(PYTEST_ARGS)
 
-# Several Ray nodes on this machine, one of them lost mid-run (the `cluster` mark, tests/test_nodes.py): ~3.5 and
-# ~1.5 min on 2 cores, so outside `make test`. One process: each test's cluster takes the machine's CPUs.
+# Several Ray nodes on this machine, one of them lost mid-run (the `cluster` mark, tests/test_nodes.py: Train, Serve
+# and a sweep's trial): ~5 min on 2 cores (measured: 100, 60 and 125 s), so outside `make test`. One process: each test's cluster takes the machine's CPUs.
 test-cluster: $(VENV)/.installed
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -m cluster -n 0 $(PYTEST_ARGS)
 
