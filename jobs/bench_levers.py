@@ -1,14 +1,18 @@
-"""SPEED's levers on a trained checkpoint: batch 1, greedy, side by side with plain SPEED, sequential and shallow.
+"""SPEED's levers on trained checkpoints: batch 1, greedy, side by side with plain SPEED, sequential and shallow.
 
     python jobs/bench_levers.py --checkpoint runs/demo/<finetune run>/checkpoint_<step> --limit 30 \\
         --levers "b6_rb8=branches:6,row_budget:8;lanes_rb8=branches:6,branch_depth:6,row_budget:8"
+    python jobs/bench_levers.py --checkpoint plain=<checkpoint> --checkpoint settle=<checkpoint> ...
 
-Decodes the checkpoint task's held-out test sentences one at a time with every variant (sequential; the
-shallow Nx1, the same weights run one loop; plain SPEED; SPEED with each --levers setting), the variants
-alternating per sentence in a rotating order; reports group passes (SPEED at batch 1: its steps) and rows
-per token (exact), ms per token and the ratio to plain SPEED's (measured side by side), and whether every
-output equals sequential decoding. Writes
-the rows (speed.benchmarks.decode.LEVER_BENCH_SCHEMA) to --out; exits 1 if a SPEED variant's output differs.
+Decodes the checkpoint task's held-out test sentences one at a time with every variant of every checkpoint
+(sequential; the shallow Nx1, the same weights run one loop; plain SPEED; SPEED with each --levers setting;
+where the checkpoint has exit adapters, every SPEED variant also without them, ``<name>_no_exits``), the
+variants alternating per sentence in a rotating order. Reports group passes (SPEED at batch 1: its steps)
+and rows per token (exact), wall and CPU ms per token and the ratio to the same checkpoint's plain SPEED
+(measured side by side), whether every output equals sequential decoding, and each checkpoint's quality on
+the references (BLEU or ROUGE-L, with a 95 % bootstrap interval). Several checkpoints must share a task and a
+tokenizer. Writes the rows (speed.benchmarks.decode.LEVER_BENCH_SCHEMA) to --out; exits 1 if a SPEED variant's
+output differs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.benchmarks.decode import format_lever_table, held_out, parse_levers, run_lever_benchmark
+from speed.benchmarks.decode import (
+    HeldOut,
+    format_lever_table,
+    held_out,
+    parse_levers,
+    run_lever_benchmark,
+    score_outputs,
+)
 from speed.cli import JobParser, report_rows, user_errors
 
 DEFAULT_LEVERS = "b6_rb8=branches:6,row_budget:8;lanes_rb8=branches:6,branch_depth:6,row_budget:8"
@@ -29,7 +40,8 @@ DEFAULT_LEVERS = "b6_rb8=branches:6,row_budget:8;lanes_rb8=branches:6,branch_dep
 
 def main(argv: list[str] | None = None) -> int:
     p = JobParser(prog="bench_levers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint or run (a local path or a URI)")
+    p.add_argument("--checkpoint", required=True, action="append", metavar="[NAME=]PATH",
+                   help="a finetuned checkpoint or run (a local path or a URI); repeat, named, to compare")  # fmt: skip
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=30, help="sentences decoded")
     p.add_argument("--levers", default=DEFAULT_LEVERS, help="NAME=key:value,...;... (keys: speed.engine.Speculation's "
@@ -41,19 +53,44 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with user_errors():  # a missing checkpoint, task or split, a misspelled lever: one line, status 2
         levers = parse_levers(args.levers)
-        work = held_out(args.checkpoint, args.split, args.limit)
+        works = {name: held_out(path, args.split, args.limit) for name, path in named(args.checkpoint).items()}
+        work = same_workload(works)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"lever benchmark: {work.model.config.pattern}, {len(work.inputs)} {work.task} {args.split} sentences, "
+        f"lever benchmark: {', '.join(f'{n} {w.model.config.pattern}' for n, w in works.items())}, "
+        f"{len(work.inputs)} {work.task} {args.split} sentences, "
         f"batch 1, threads {torch.get_num_threads()}",
         flush=True,
     )
     with torch.inference_mode():
-        table = run_lever_benchmark(work.model, work.inputs, levers, args.max_new_tokens)
+        models = {name: w.model for name, w in works.items()}
+        table = run_lever_benchmark(models, work.inputs, levers, args.max_new_tokens, score_outputs(work)).table
     report_rows(table, args, format_lever_table)
     speed_rows = [r for r in table.to_pylist() if r["variant"] not in ("sequential", "shallow")]
     return 0 if all(r["identical"] for r in speed_rows) else 1
+
+
+def named(checkpoints: list[str]) -> dict[str, str]:
+    """``["a=PATH", ...]`` -> ``{"a": PATH}``; one unnamed checkpoint is ``model``; names must differ."""
+    if len(checkpoints) == 1 and "=" not in checkpoints[0]:
+        return {"model": checkpoints[0]}
+    out = {}
+    for item in checkpoints:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path or name in out:
+            raise ValueError(f"several checkpoints are NAME=PATH with different names, got {item!r}")
+        out[name] = path
+    return out
+
+
+def same_workload(works: dict[str, HeldOut]) -> HeldOut:
+    """The one workload several checkpoints are compared on: the same task and the same encoded inputs."""
+    first = next(iter(works.values()))
+    for name, w in works.items():
+        if w.task != first.task or w.inputs != first.inputs:
+            raise ValueError(f"checkpoint {name!r} reads other inputs ({w.task}) than the first ({first.task})")
+    return first
 
 
 if __name__ == "__main__":

@@ -61,12 +61,16 @@ def test_lever_benchmark_rows_count_every_variant_and_check_it_against_sequentia
         "b3": LeverSetting(Speculation(branches=3), row_budget=4),
         "lanes": LeverSetting(Speculation(branches=3, branch_depth=3)),
     }
-    table = run_lever_benchmark(model, inputs, levers, 8)
+    run = run_lever_benchmark(model, inputs, levers, 8)
+    table = run.table
     assert table.schema.equals(LEVER_BENCH_SCHEMA)
     rows = {r["variant"]: r for r in table.to_pylist()}
     assert list(rows) == ["sequential", "shallow", "speed", "b3", "lanes"]
+    assert {r["model"] for r in rows.values()} == {"model"} and not any(r["exit_adapters"] for r in rows.values())
     sequential = [generate(model, torch.tensor([x]), method="sequential", max_new_tokens=8).tokens for x in inputs]
+    assert run.outputs == {"model": [t[0] for t in sequential]}
     assert rows["sequential"]["tokens"] == sum(len(t[0]) for t in sequential)
+    assert all(r["quality"] is None and r["metric"] is None for r in rows.values())  # no references given
     for name in ("sequential", "speed", "b3", "lanes"):
         assert rows[name]["identical"] and rows[name]["tokens"] == rows["sequential"]["tokens"], name
     assert rows["sequential"]["passes_per_token"] == rows["sequential"]["rows_per_token"] == 3.0  # M per token
@@ -76,7 +80,51 @@ def test_lever_benchmark_rows_count_every_variant_and_check_it_against_sequentia
     for r in rows.values():  # seconds per token against plain SPEED's
         assert r["vs_speed"] == pytest.approx(r["seconds"] / r["tokens"] / speed)
     assert 1.0 <= rows["speed"]["passes_per_token"] <= 3.0
+    assert all(0 < r["cpu_ms_per_token"] for r in rows.values())
     assert format_lever_table(table).count("\n") == len(rows) + 1
+
+
+def test_lever_benchmark_compares_checkpoints_with_and_without_adapters_and_scores_their_output():
+    """Several models side by side: each its own variants, ratios against its own plain SPEED, and the exit
+    adapters' combinations with every lever (``<name>_no_exits``); ``quality`` scores each model's output once."""
+    from engine_helpers import random_exits
+
+    from speed.benchmarks.decode import Quality, format_lever_table, parse_levers, run_lever_benchmark
+
+    torch.manual_seed(0)
+    a = SpeedT5(preset("tiny", pattern="2x3")).eval()
+    b = random_exits(SpeedT5(preset("tiny", pattern="2x3")).eval(), seed=1)
+    scored: list[list[list[int]]] = []
+
+    def quality(outputs: list[list[int]]) -> Quality:
+        scored.append(outputs)
+        return Quality("bleu", float(sum(map(len, outputs))), 1.0, 99.0)  # any function of the outputs
+
+    inputs = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    run = run_lever_benchmark({"a": a, "b": b}, inputs, parse_levers("lanes=branches:3,branch_depth:3"), 8, quality)
+    rows = {(r["model"], r["variant"]): r for r in run.table.to_pylist()}
+    assert list(rows) == [
+        ("a", "sequential"), ("a", "shallow"), ("a", "speed"), ("a", "lanes"),
+        ("b", "sequential"), ("b", "shallow"), ("b", "speed"), ("b", "lanes"), ("b", "speed_no_exits"),
+        ("b", "lanes_no_exits"),
+    ]  # fmt: skip
+    assert [rows["b", v]["exit_adapters"] for v in ("speed", "lanes", "speed_no_exits", "lanes_no_exits")] == [
+        True, True, False, False
+    ]  # fmt: skip
+    lanes = '{"branch_depth": 3, "branches": 3}'
+    assert rows["b", "lanes_no_exits"]["settings"] == rows["b", "lanes"]["settings"] == lanes
+    for (model, variant), r in rows.items():
+        if variant != "shallow":
+            assert r["identical"], (model, variant)
+            assert r["quality"] == sum(map(len, run.outputs[model])) and r["metric"] == "bleu"
+        own = rows[model, "speed"]
+        assert r["vs_speed"] == pytest.approx((r["seconds"] / r["tokens"]) / (own["seconds"] / own["tokens"]))
+    assert rows["a", "shallow"]["quality"] is None
+    assert scored == [run.outputs["a"], run.outputs["b"]]
+    assert run.outputs["a"] != run.outputs["b"]  # two different models
+    assert rows["b", "speed"]["passes_per_token"] != rows["b", "speed_no_exits"]["passes_per_token"]  # other drafts
+    table = format_lever_table(run.table)
+    assert table.count("\n") == len(rows) + 1 and "[1.00, 99.00]" in table and "lanes_no_exits" in table
 
 
 def test_lever_settings_are_refused_when_misspelled():
@@ -128,7 +176,58 @@ def test_exit_adapters_in_the_decode_and_lever_benchmarks():
     assert "speed_exits" not in none.column("variant").to_pylist()
     torch.manual_seed(0)
     model = random_exits(SpeedT5(preset("tiny", pattern="2x3")).eval(), seed=1)
-    levers = {r["variant"]: r for r in run_lever_benchmark(model, [[5, 6, 7], [8, 9], [10, 11, 12]], {}, 8).to_pylist()}
+    run = run_lever_benchmark(model, [[5, 6, 7], [8, 9], [10, 11, 12]], {}, 8)
+    levers = {r["variant"]: r for r in run.table.to_pylist()}
     assert list(levers) == ["sequential", "shallow", "speed", "speed_no_exits"]
     assert levers["speed"]["identical"] and levers["speed_no_exits"]["identical"]
     assert levers["speed"]["rows_per_token"] != levers["speed_no_exits"]["rows_per_token"]  # other drafts
+
+
+def _checkpoint(directory, tokenizer, task: str, adapters_seed: int | None = None) -> str:
+    """A tiny 2x3 T5 saved as a finetuning job's checkpoint of ``task`` (not trained), with random exit adapters
+    saved beside it when ``adapters_seed`` is given."""
+    from engine_helpers import random_exits
+
+    from speed.checkpoint import save_exits, save_model
+    from speed.tokenizer import Tokenizer
+
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=Tokenizer.load(tokenizer).vocab_size)).eval()
+    save_model(directory, model, tokenizer, {"job": {"data": {"task": task, "max_source_len": 24}}, "step": 1})
+    if adapters_seed is not None:
+        save_exits(str(directory), random_exits(model, adapters_seed).exit_adapters)
+    return str(directory)
+
+
+def test_the_lever_job_compares_named_checkpoints_on_held_out_text(tiny_tokenizer, tmp_path, capsys):
+    """``jobs/bench_levers.py`` with two checkpoints of one task: every variant of each, adapters on and off, the
+    task's metric with its interval; checkpoints of different tasks are one error line."""
+    import pyarrow.parquet as pq
+    from test_cli import _error_line, _job
+
+    plain = _checkpoint(tmp_path / "plain", tiny_tokenizer, "translate_en_de")
+    adapted = _checkpoint(tmp_path / "adapted", tiny_tokenizer, "translate_en_de", adapters_seed=1)
+    out = tmp_path / "levers.parquet"
+    argv = ["--checkpoint", f"plain={plain}", "--checkpoint", f"adapted={adapted}", "--limit", "3"]
+    argv += ["--levers", "lanes=branches:2,branch_depth:2", "--max-new-tokens", "5", "--out", str(out)]
+    assert _job("bench_levers").main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "plain 2x3, adapted 2x3, 3 translate_en_de test sentences" in printed
+    rows = {(r["model"], r["variant"]): r for r in pq.read_table(out).to_pylist()}
+    assert [v for m, v in rows if m == "adapted"] == [
+        "sequential", "shallow", "speed", "lanes", "speed_no_exits", "lanes_no_exits"
+    ]  # fmt: skip
+    assert [v for m, v in rows if m == "plain"] == ["sequential", "shallow", "speed", "lanes"]
+    for key, r in rows.items():
+        assert (r["metric"] is None) == (key[1] == "shallow"), key
+        if key[1] != "shallow":
+            assert r["metric"] == "bleu" and r["quality_low"] <= r["quality"] <= r["quality_high"] and r["identical"]
+    assert rows["plain", "speed"]["quality"] == rows["adapted", "speed"]["quality"]  # the same weights and output
+    other = _checkpoint(tmp_path / "news", tiny_tokenizer, "summarize")
+    with pytest.raises(SystemExit) as exit_:  # the news records are read first (datasets may draw a progress bar)
+        _job("bench_levers").main(["--checkpoint", f"a={plain}", "--checkpoint", f"b={other}"])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "error: checkpoint 'b' reads other inputs (summarize) than the first (translate_en_de)"
+    message = _error_line(capsys, "bench_levers", ["--checkpoint", plain, "--checkpoint", plain])
+    assert message.startswith("error: several checkpoints are NAME=PATH with different names, got ")

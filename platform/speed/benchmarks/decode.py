@@ -8,6 +8,7 @@ variants alike. Ratios are computed from these medians, never typed in.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform as _platform
 import statistics
@@ -327,16 +328,23 @@ def format_sampling_table(table: pa.Table) -> str:
 
 LEVER_BENCH_SCHEMA = pa.schema(
     [
-        pa.field("variant", pa.string()),  # sequential | shallow | speed | speed_no_exits | a lever setting's name
+        pa.field("model", pa.string()),  # which checkpoint (the job's --checkpoint NAME=...; one checkpoint: "model")
+        pa.field("variant", pa.string()),  # sequential | shallow | speed | a lever setting; "..._no_exits": no adapters
         pa.field("settings", pa.string()),  # JSON of LeverSetting.given (branches, branch_depth, row_budget, ...)
+        pa.field("exit_adapters", pa.bool_()),  # SPEED drafted from the checkpoint's exit adapters (speed.exits)
         pa.field("sentences", pa.int64()),
         pa.field("tokens", pa.int64()),
         pa.field("passes_per_token", pa.float64()),  # group passes (weight reads) per token; SPEED at batch 1: steps
         pa.field("rows_per_token", pa.float64()),  # rows the steps ran per token (a row: one token through one loop)
         pa.field("seconds", pa.float64()),  # wall time decoding, summed over the sentences
         pa.field("ms_per_token", pa.float64()),
-        pa.field("vs_speed", pa.float64()),  # this variant's seconds per token / plain SPEED's
-        pa.field("identical", pa.bool_()),  # every sentence equals sequential decoding (shallow: a different model)
+        pa.field("cpu_ms_per_token", pa.float64()),  # the process's CPU time (all threads) per token
+        pa.field("vs_speed", pa.float64()),  # this variant's seconds per token / the same model's plain SPEED's
+        pa.field("identical", pa.bool_()),  # every sentence equals the model's sequential decoding (shallow: no need)
+        pa.field("metric", pa.string()),  # bleu | rougeL: the task's metric (null when the run had no references)
+        pa.field("quality", pa.float64()),  # the model's sequential output scored against the references, the same
+        pa.field("quality_low", pa.float64()),  # for every exact variant; its 95 % bootstrap interval (null for the
+        pa.field("quality_high", pa.float64()),  # shallow decoder, a different model)
     ]
 )
 
@@ -362,7 +370,7 @@ def parse_levers(text: str) -> dict[str, LeverSetting]:
     out: dict[str, LeverSetting] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, sep, body = part.partition("=")
-        if not sep or not name or name in ("sequential", "shallow", "speed") or name in out:
+        if not sep or not name or name in ("sequential", "shallow", "speed") or name in out or name.endswith(NO_EXITS):
             raise ValueError(f"a lever setting is NAME=key:value,... with a new name, got {part!r}")
         setting = {}
         for item in filter(None, body.split(",")):
@@ -378,85 +386,168 @@ def parse_levers(text: str) -> dict[str, LeverSetting]:
     return out
 
 
-def run_lever_benchmark(
-    model: SpeedT5, inputs: list[list[int]], levers: dict[str, LeverSetting], max_new_tokens: int
-) -> pa.Table:
-    """Batch 1, greedy: each input decoded sequentially, by the shallow Nx1 (the same weights, one loop), by plain
-    SPEED and by SPEED with each lever setting; the variants alternate per sentence in a rotating order, so that
-    a loaded machine slows them alike. A model with exit adapters (``speed.exits``) decodes with them, and the
-    variant ``speed_no_exits`` without them. One row per variant (``LEVER_BENCH_SCHEMA``)."""
+NO_EXITS = "_no_exits"  # a variant's name suffix: the same SPEED settings without the checkpoint's exit adapters
+
+
+@dataclass(frozen=True)
+class Quality:
+    """A model's output scored against the references, with a 95 % bootstrap interval."""
+
+    metric: str  # bleu | rougeL
+    score: float
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class LeverRun:
+    """The lever benchmark's rows (``LEVER_BENCH_SCHEMA``) and each model's sequential output per input."""
+
+    table: pa.Table
+    outputs: dict[str, list[list[int]]]
+
+
+@dataclass(frozen=True)
+class _Variant:
+    model: str
+    name: str
+    decoder: SpeedT5
+    method: Method
+    setting: LeverSetting
+    exit_adapters: bool
+
+
+def _lever_variants(name: str, model: SpeedT5, levers: dict[str, LeverSetting]) -> list[_Variant]:
+    """One model's variants: sequential, the shallow Nx1 (the same weights, one loop), plain SPEED and each lever
+    setting; a model with exit adapters also runs every SPEED variant without them (``<name>_no_exits``)."""
     from speed.checkpoint import backbone_state
 
-    shallow = SpeedT5(model.config.replace(pattern=f"{model.sharing.n_unique}x1")).eval()
+    shallow = type(model)(model.config.replace(pattern=str(dataclasses.replace(model.sharing, n_loops=1)))).eval()
     shallow.load_state_dict(backbone_state(model))  # the same parameters: a shared decoder's first loop alone
-    plain = LeverSetting()
-    variants: dict[str, tuple[SpeedT5, Method, LeverSetting]] = {
-        "sequential": (model, "sequential", plain),
-        "shallow": (shallow, "sequential", plain),
-        "speed": (model, "speed", plain),
-    } | {name: (model, "speed", setting) for name, setting in levers.items()}
-    if model.exit_adapters is not None:  # the checkpoint's exit adapters are a lever too: SPEED without them
-        without = SpeedT5(model.config).eval()
+    adapted = model.exit_adapters is not None
+    speeds = {"speed": LeverSetting()} | levers
+    out = [
+        _Variant(name, "sequential", model, "sequential", LeverSetting(), False),
+        _Variant(name, "shallow", shallow.to(model.device), "sequential", LeverSetting(), False),
+    ]
+    out += [_Variant(name, v, model, "speed", setting, adapted) for v, setting in speeds.items()]
+    if adapted:
+        without = type(model)(model.config).eval()
         without.load_state_dict(backbone_state(model))
-        variants["speed_no_exits"] = (without.to(model.device), "speed", plain)
-    names = list(variants)
-    seconds, tokens, passes, rows = ({n: 0.0 for n in names} for _ in range(4))
-    identical = {n: True for n in names}
+        without.to(model.device)
+        out += [_Variant(name, v + NO_EXITS, without, "speed", setting, False) for v, setting in speeds.items()]
+    return out
+
+
+def run_lever_benchmark(
+    models: SpeedT5 | dict[str, SpeedT5],
+    inputs: list[list[int]],
+    levers: dict[str, LeverSetting],
+    max_new_tokens: int,
+    quality: Callable[[list[list[int]]], Quality] | None = None,
+) -> LeverRun:
+    """Batch 1, greedy: each input decoded by every model's variants (``_lever_variants``), which alternate per
+    sentence in a rotating order, so that a loaded machine slows them alike. ``quality`` scores a model's
+    sequential outputs (every exact variant's too). One row per (model, variant) (``LEVER_BENCH_SCHEMA``)."""
+    models = {"model": models} if isinstance(models, torch.nn.Module) else dict(models)
+    variants = [v for name, model in models.items() for v in _lever_variants(name, model, levers)]
+    keys = [(v.model, v.name) for v in variants]
+    seconds, cpu, tokens, passes, rows = ({k: 0.0 for k in keys} for _ in range(5))
+    identical = {k: True for k in keys}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in models}
     for i, ids in enumerate(inputs):
         x = torch.tensor([ids])
         out = {}
-        for k in range(len(names)):
-            name = names[(i + k) % len(names)]
-            m, method, setting = variants[name]
-            t0 = time.perf_counter()
+        for k in range(len(variants)):
+            v = variants[(i + k) % len(variants)]
+            t0, c0 = time.perf_counter(), time.process_time()
             result = generate(
-                m,
+                v.decoder,
                 x,
-                method=method,
+                method=v.method,
                 max_new_tokens=max_new_tokens,
-                speculation=setting.speculation,
+                speculation=v.setting.speculation,
                 trace=False,
-                row_budget=setting.row_budget,
+                row_budget=v.setting.row_budget,
             )
-            seconds[name] += time.perf_counter() - t0
-            out[name] = result.tokens
-            tokens[name] += result.stats.tokens
-            passes[name] += result.stats.group_passes
-            rows[name] += result.stats.rows
-        for name in names:
-            identical[name] &= out[name] == out["sequential"]
+            seconds[v.model, v.name] += time.perf_counter() - t0
+            cpu[v.model, v.name] += time.process_time() - c0
+            out[v.model, v.name] = result.tokens
+            tokens[v.model, v.name] += result.stats.tokens
+            passes[v.model, v.name] += result.stats.group_passes
+            rows[v.model, v.name] += result.stats.rows
+        for model, name in keys:
+            identical[model, name] &= out[model, name] == out[model, "sequential"]
+        for name in models:
+            outputs[name].append(out[name, "sequential"][0])
         if (i + 1) % 10 == 0 or i + 1 == len(inputs):
-            shown = ", ".join(f"{n} {passes[n] / tokens[n]:.2f}" for n in names)
+            shown = ", ".join(f"{'/'.join(k) if len(models) > 1 else k[1]} {passes[k] / tokens[k]:.2f}" for k in keys)
             print(f"  {i + 1}/{len(inputs)} sentences; passes per token: {shown}", flush=True)
-    per_token = {n: seconds[n] / tokens[n] for n in names}
-    return pa.Table.from_pylist(
+    scores = {name: quality(outputs[name]) for name in models} if quality is not None else {}
+    table = pa.Table.from_pylist(
         [
             {
-                "variant": n,
-                "settings": json.dumps(variants[n][2].given(), sort_keys=True),
+                "model": v.model,
+                "variant": v.name,
+                "settings": json.dumps(v.setting.given(), sort_keys=True),
+                "exit_adapters": v.exit_adapters,
                 "sentences": len(inputs),
-                "tokens": int(tokens[n]),
-                "passes_per_token": passes[n] / tokens[n],
-                "rows_per_token": rows[n] / tokens[n],
-                "seconds": seconds[n],
-                "ms_per_token": per_token[n] * 1000,
-                "vs_speed": per_token[n] / per_token["speed"],
-                "identical": identical[n],
+                "tokens": int(tokens[k]),
+                "passes_per_token": passes[k] / tokens[k],
+                "rows_per_token": rows[k] / tokens[k],
+                "seconds": seconds[k],
+                "ms_per_token": seconds[k] / tokens[k] * 1000,
+                "cpu_ms_per_token": cpu[k] / tokens[k] * 1000,
+                "vs_speed": (seconds[k] / tokens[k]) / (seconds[v.model, "speed"] / tokens[v.model, "speed"]),
+                "identical": identical[k],
+                **_quality_columns(scores.get(v.model) if v.name != "shallow" else None),
             }
-            for n in names
+            for v, k in zip(variants, keys)
         ],
         schema=LEVER_BENCH_SCHEMA,
     )
+    return LeverRun(table, outputs)
+
+
+def _quality_columns(quality: Quality | None) -> dict[str, Any]:
+    names = ("metric", "quality", "quality_low", "quality_high")
+    values = (None,) * 4 if quality is None else (quality.metric, quality.score, quality.low, quality.high)
+    return dict(zip(names, values))
+
+
+def score_outputs(held: HeldOut, samples: int = 1000) -> Callable[[list[list[int]]], Quality]:
+    """A ``quality`` for ``run_lever_benchmark``: a model's outputs detokenized and scored against ``held``'s
+    references with the task's metric (BLEU for translation, else ROUGE-L) and its bootstrap interval."""
+    from speed import metrics
+    from speed.data import get_task
+    from speed.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(held.tokenizer_path)
+    metric = "bleu" if "bleu" in get_task(held.task).metrics else "rougeL"
+
+    def quality(outputs: list[list[int]]) -> Quality:
+        scored = metrics.bootstrap(tok.decode_batch(outputs), held.references[: len(outputs)], samples)[metric]
+        return Quality(metric, scored["score"], scored["low"], scored["high"])
+
+    return quality
 
 
 def format_lever_table(table: pa.Table) -> str:
-    """A fixed-width text table of the lever benchmark rows."""
-    head = f"{'variant':<14}{'tokens':>8}{'passes/token':>14}{'rows/token':>12}{'ms/token':>10}{'vs SPEED':>10}"
+    """A fixed-width text table of the lever benchmark rows (the model column only when there are several)."""
+    rows = table.to_pylist()
+    several = len({r["model"] for r in rows}) > 1
+    width = max([len(r["variant"]) for r in rows] + [7]) + 2
+    head = (f"{'model':<10}" if several else "") + f"{'variant':<{width}}{'tokens':>7}{'passes/token':>13}"
+    head += f"{'rows/token':>11}{'ms/token':>9}{'CPU ms/tok':>11}{'vs SPEED':>9}{'quality [95 %]':>22}"
     lines = [head + "  identical  settings", "-" * (len(head) + 21)]
-    for r in table.to_pylist():
+    for r in rows:
+        low, high = r["quality_low"], r["quality_high"]
+        scored = "-" if r["quality"] is None else f"{r['quality']:.2f} [{low:.2f}, {high:.2f}]"
         lines.append(
-            f"{r['variant']:<14}{r['tokens']:>8}{r['passes_per_token']:>14.3f}{r['rows_per_token']:>12.2f}"
-            f"{r['ms_per_token']:>10.2f}{r['vs_speed']:>9.2f}x  {str(r['identical']):<9}  {r['settings']}"
+            (f"{r['model']:<10}" if several else "")
+            + f"{r['variant']:<{width}}{r['tokens']:>7}{r['passes_per_token']:>13.3f}{r['rows_per_token']:>11.2f}"
+            f"{r['ms_per_token']:>9.2f}{r['cpu_ms_per_token']:>11.2f}{r['vs_speed']:>8.2f}x{scored:>22}"
+            f"  {str(r['identical']):<9}  {r['settings']}"
         )
     return "\n".join(lines)
 
@@ -468,13 +559,17 @@ class HeldOut:
     model: SpeedT5
     task: str
     inputs: list[list[int]]
+    references: list[str]  # the records' targets
+    tokenizer_path: str
 
 
 def held_out(checkpoint: str, split: str, limit: int | None) -> HeldOut:
-    """Load ``checkpoint`` and tokenize the first ``limit`` records of its training task's ``split``, truncated as
-    in training; a checkpoint without tokenizer or task is a clear error."""
+    """Load ``checkpoint`` and encode the first ``limit`` records of its training task's ``split`` as its family
+    reads them (T5's encoder inputs, an LM's chat prompts), truncated as in training; a checkpoint without
+    tokenizer or task is a clear error."""
     from speed.checkpoint import load_model
-    from speed.data import read_records, truncate
+    from speed.data import get_task, read_records
+    from speed.family import family_of
     from speed.tokenizer import Tokenizer
 
     loaded = load_model(checkpoint)
@@ -483,8 +578,9 @@ def held_out(checkpoint: str, split: str, limit: int | None) -> HeldOut:
     data = loaded.config.get("job", {}).get("data", {})
     if not data.get("task"):
         raise ValueError(f"checkpoint {checkpoint} records no training task")
-    records = read_records(data["task"], split, data.get("source"), limit)
+    family = family_of(loaded.model)
+    records = read_records(family.read_task(get_task(data["task"])), split, data.get("source"), limit)
+    columns = records.dataset.to_dict()
     tok = Tokenizer.load(loaded.tokenizer_path)
-    max_source_len = data.get("max_source_len") or 512
-    sources = tok.encode_batch(records.dataset.to_dict()["source"])
-    return HeldOut(loaded.model, data["task"], [truncate(ids, max_source_len) for ids in sources])
+    inputs = family.encode_sources(columns["source"], tok, data.get("max_source_len") or 512)
+    return HeldOut(loaded.model, data["task"], inputs, columns["target"], loaded.tokenizer_path)
