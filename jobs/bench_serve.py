@@ -10,7 +10,7 @@ Prompts are Multi30k test sources (task translate_en_de; a looped LM's checkpoin
 finetuning prompts, docs/serving.md). Starts a private local
 Ray (all of this machine's CPUs), deploys the checkpoint twice behind Ray Serve on
 a free loopback port, prints a Markdown table and the ratios against the issue's
-bars, and writes rows to --out (speed.serve.stats.BENCH_SERVE_SCHEMA) and every
+bars, and writes rows to --out (speed.serve.schemas.BENCH_SERVE_SCHEMA) and every
 request to <out stem>_requests.parquet (LOADGEN_SCHEMA).
 """
 

@@ -5,7 +5,7 @@
 
 Prompts default to the Multi30k EN-DE test sources, sent with task=translate_en_de
 (the server puts the task prefix before them); --prompts FILE sends one prompt per
-line instead. Per-request rows (speed.serve.stats.LOADGEN_SCHEMA) go to --out;
+line instead. Per-request rows (speed.serve.schemas.LOADGEN_SCHEMA) go to --out;
 --json prints one JSON object (requests, errors, tokens_per_s, p50_ms, p99_ms, ...).
 """
 

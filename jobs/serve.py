@@ -36,7 +36,7 @@ from speed.cli import parse_set, user_errors
 from speed.cluster import code_runtime_env, loopback_options
 from speed.serve.app import DEFAULT_STATS_PATH, start_app
 from speed.serve.auth import API_KEY_ENV
-from speed.serve.stats import compact_orphans, write_ahead_logs
+from speed.serve.sink import compact_orphans, write_ahead_logs
 from speed.storage import absolute
 
 APP = "speed"

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             _stop()
     rows = None
     if stats:
-        from speed.serve.stats import read_requests
+        from speed.serve.readers import read_requests
 
         rows = result.check_rows(read_requests(stats))
     out = Path(args.out)

@@ -45,7 +45,7 @@ from speed.family import match_parameters, parameter_count
 from speed.lm import LoopedLM
 from speed.metrics import bleu
 from speed.paths import repo_root
-from speed.serve.stats import LOADGEN_SCHEMA, REQUEST_SCHEMA
+from speed.serve.schemas import LOADGEN_SCHEMA, REQUEST_SCHEMA
 from speed.tokenizer import Tokenizer
 from speed.trace import TraceBuilder, flip_rates
 

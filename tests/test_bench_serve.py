@@ -13,7 +13,8 @@ from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_b
 from speed.checkpoint import save_model
 from speed.config import lm_preset
 from speed.lm import LoopedLM
-from speed.serve.stats import BENCH_SERVE_SCHEMA, read_requests
+from speed.serve.readers import read_requests
+from speed.serve.schemas import BENCH_SERVE_SCHEMA
 from speed.tokenizer import EOS_ID, Tokenizer
 
 pytestmark = pytest.mark.ray

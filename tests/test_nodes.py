@@ -140,7 +140,7 @@ def test_serve_loses_a_replicas_node_under_load(tiny_tokenizer, s3_bucket, tmp_p
     and the app answers again within SERVES_AGAIN_S."""
     from test_serve_app import _free_port, _tiny_checkpoint
 
-    from speed.serve.stats import read_requests
+    from speed.serve.readers import read_requests
 
     _tiny_checkpoint(tiny_tokenizer, tmp_path / "ckpt")
     stats, port = f"{s3_bucket}/stats", _free_port()

@@ -34,7 +34,7 @@ from speed.checkpoint import save_model
 from speed.data import get_task
 from speed.paths import repo_root
 from speed.serve.loadgen import LoadConfig, run_load
-from speed.serve.stats import read_requests, read_traces
+from speed.serve.readers import read_requests, read_traces
 from speed.tokenizer import EOS_ID, Tokenizer
 
 pytestmark = pytest.mark.ray

@@ -18,7 +18,7 @@ from test_serve_app import _free_port, _parquet_rows, _tiny_checkpoint
 
 from speed.paths import repo_root
 from speed.serve.loadgen import LoadConfig, run_load
-from speed.serve.stats import read_requests, read_traces
+from speed.serve.readers import read_requests, read_traces
 
 pytestmark = pytest.mark.ray
 

@@ -26,7 +26,7 @@ from speed.config import lm_preset, to_dict
 from speed.data import get_task
 from speed.lm import LoopedLM
 from speed.sampling import Sampling, choice_seed
-from speed.serve.stats import read_requests
+from speed.serve.readers import read_requests
 from speed.tokenizer import EOS_ID, Tokenizer
 
 pytestmark = pytest.mark.ray

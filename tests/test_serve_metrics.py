@@ -16,8 +16,7 @@ import torch
 
 from speed import SpeedT5, generate, preset
 from speed.engine import Engine, EngineConfig, Request, Speculation
-from speed.serve.metrics import ServeMetrics
-from speed.serve.stats import ServeCounters, spec_decode
+from speed.serve.metrics import ServeCounters, ServeMetrics, spec_decode
 
 
 @pytest.fixture(scope="module")

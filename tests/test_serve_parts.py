@@ -26,22 +26,12 @@ from speed.paths import repo_root
 from speed.serve import auth
 from speed.serve.limits import BadRequest, parse_body, read_body
 from speed.serve.loadgen import LoadConfig, arrival_times, summarize
+from speed.serve.metrics import ServeCounters
 from speed.serve.protocol import CompletionRequest, validation_message
+from speed.serve.readers import read_requests, read_traces
 from speed.serve.runner import EngineRunner
-from speed.serve.stats import (
-    DESTINATION_FILE,
-    LOADGEN_SCHEMA,
-    REQUEST_SCHEMA,
-    SERVE_TRACE_SCHEMA,
-    WAL_DIR,
-    ServeCounters,
-    StatsSink,
-    compact_orphans,
-    log_folder,
-    read_requests,
-    read_traces,
-    write_ahead_logs,
-)
+from speed.serve.schemas import DESTINATION_FILE, LOADGEN_SCHEMA, REQUEST_SCHEMA, SERVE_TRACE_SCHEMA, WAL_DIR
+from speed.serve.sink import StatsSink, compact_orphans, log_folder, write_ahead_logs
 from speed.serve.text import TextStream
 from speed.storage import locate
 from speed.trace import TRACE_SCHEMA
@@ -313,7 +303,7 @@ _KILLED_WRITER = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from test_serve_parts import _row, _trace
-from speed.serve.stats import StatsSink
+from speed.serve.sink import StatsSink
 sink = StatsSink({storage!r}, "app#SpeedServer#killed", max_rows=2, max_seconds=600)
 for i in range(5):
     sink.add(_row(i), _trace(f"cmpl-{{i}}", 3))
@@ -377,7 +367,7 @@ _STOPPING_WRITER = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from test_serve_parts import _row, _trace
-from speed.serve.stats import StatsSink
+from speed.serve.sink import StatsSink
 sink = StatsSink({storage!r}, "app#SpeedServer#stopping", max_rows=100, max_seconds=600)
 for i in range(4):
     sink.add(_row(i), _trace(f"cmpl-{{i}}", 2))
@@ -449,7 +439,7 @@ def test_a_failed_write_keeps_its_rows_until_a_write_succeeds(stats_storage, mon
 
     def fail_a_flush():
         with monkeypatch.context() as m:
-            m.setattr("speed.serve.stats._write_parquet", unreachable)
+            m.setattr("speed.serve.sink._write_parquet", unreachable)
             with pytest.raises(OSError, match="out of reach"):
                 sink.flush()
         assert sink.pending == 0 and write_ahead_logs(storage)
@@ -482,7 +472,7 @@ def test_a_malformed_row_costs_only_itself(tmp_path, memory_store, caplog, where
     storage = str(tmp_path / "stats") if where == "local" else memory_store
     sink = StatsSink(storage, "app#SpeedServer#r", max_rows=100, max_seconds=600)
     sink.add(_row(0), _trace("cmpl-0", 2))
-    with caplog.at_level("ERROR", logger="speed.serve.stats"):
+    with caplog.at_level("ERROR", logger="speed.serve.sink"):
         sink.add(_row(1, steps="five"), _trace("cmpl-1", 3))  # int32 column, a string
         sink.add(_row(2, request_id=None), None)  # not nullable
         sink.add(_row(3), _trace("cmpl-3", 1).drop_columns(["loop"]))  # its trace lacks a column

@@ -22,7 +22,7 @@ def data_dir() -> Path:
 
 def spool_dir() -> Path:
     """This node's spool, the local disk where rows bound for an object store wait for their upload
-    (``speed.serve.stats``): ``$SPEED_SPOOL_DIR`` when set, else ``$XDG_CACHE_HOME/speed/spool``, else
+    (``speed.serve.sink``): ``$SPEED_SPOOL_DIR`` when set, else ``$XDG_CACHE_HOME/speed/spool``, else
     ``~/.cache/speed/spool``."""
     override = os.environ.get(SPOOL_DIR_ENV)
     if override:

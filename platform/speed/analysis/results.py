@@ -3,7 +3,7 @@
 A results folder may hold evaluation folders (``summary.json`` beside
 ``trace.parquet`` and ``predictions.parquet``), decode benchmark Parquet
 (``speed.benchmarks.decode.BENCH_SCHEMA``), load-generator Parquet
-(``speed.serve.stats.LOADGEN_SCHEMA``), the Serve application's statistics
+(``speed.serve.schemas.LOADGEN_SCHEMA``), the Serve application's statistics
 (``REQUEST_SCHEMA`` rows), sweep folders (``results.parquet``,
 ``speed.sweep.results.RESULTS_SCHEMA``) and family comparisons (``families.parquet``,
 ``speed.analysis.families.FAMILIES_SCHEMA``) and budget curves (``budget.parquet``,
@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from speed.benchmarks.decode import BENCH_SCHEMA
 from speed.config import SharingPattern
 from speed.evaluate import PREDICTIONS_FILE, SUMMARY_FILE, TRACE_FILE
-from speed.serve.stats import LOADGEN_SCHEMA, REQUEST_SCHEMA
+from speed.serve.schemas import LOADGEN_SCHEMA, REQUEST_SCHEMA
 from speed.storage import locate
 from speed.sweep.results import RESULTS_FILE, RESULTS_SCHEMA
 

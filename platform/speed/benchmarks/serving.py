@@ -36,7 +36,8 @@ import pyarrow.compute as pc
 
 from speed.engine import LEVERS, Speculation
 from speed.serve.loadgen import LoadConfig, run_load, summarize, task_prompts
-from speed.serve.stats import BENCH_SERVE_SCHEMA, read_requests
+from speed.serve.readers import read_requests
+from speed.serve.schemas import BENCH_SERVE_SCHEMA
 
 _ROW_LEVERS = tuple(name for name in LEVERS if name in BENCH_SERVE_SCHEMA.names)  # a row's (null: sequential)
 VARIANTS = {

@@ -10,7 +10,7 @@ local path or a URI: ``speed.serve.loading``), plans each request into engine re
 (``speed.serve.planning``; the family, T5 or looped LM, is the checkpoint's), decodes them with
 an ``EngineRunner``, merges their tokens into answers (``speed.serve.answers``) and writes one ``REQUEST_SCHEMA``
 row per decoded choice, and its flip trace, under ``stats_path``
-(``speed.serve.rows``, ``speed.serve.stats``); counters and histograms also go
+(``speed.serve.rows``, ``speed.serve.sink``); counters and histograms also go
 to Ray's Prometheus export (``speed.serve.metrics``). On local storage each row
 is logged before its answer leaves, and Serve's graceful stop writes the rest
 through ``drain``. Live settings (``ServeSettings``) come from ``user_config``
@@ -56,7 +56,7 @@ from speed.serve.responses import Choice, Surface, TokenInfo
 from speed.serve.rows import ChoiceMeta, choice_stats, request_row, trace_rows
 from speed.serve.runner import EngineRunner, Submission
 from speed.serve.settings import DEFAULT_STATS_PATH, ServeSettings
-from speed.serve.stats import StatsSink
+from speed.serve.sink import StatsSink
 from speed.serve.text import ChoiceText
 from speed.tokenizer import EOS_ID
 
@@ -199,7 +199,7 @@ class SpeedServer:
 
     def __del__(self) -> None:
         """What Serve's graceful shutdown calls on a replica (``serve.delete``, ``serve.shutdown``, a redeploy,
-        scaling down): ``drain``. A replica killed hard skips it; its logged rows are kept (``speed.serve.stats``)."""
+        scaling down): ``drain``. A replica killed hard skips it; its logged rows are kept (``speed.serve.sink``)."""
         self.drain()
 
     # ----- routes ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import aiohttp
 import numpy as np
 import pyarrow as pa
 
-from speed.serve.stats import LOADGEN_SCHEMA
+from speed.serve.schemas import LOADGEN_SCHEMA
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -20,7 +20,11 @@ over ``speed_generation_tokens`` it is the flip rate per loop) and the histogram
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from speed.engine import RequestStats
 
 SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
@@ -115,3 +119,103 @@ def resident_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+@dataclass
+class ServeCounters:
+    """A replica's running totals, served by ``GET /v1/stats``."""
+
+    requests: int = 0  # completion requests accepted (each may hold several prompts)
+    rejected: int = 0  # requests answered with a 4xx before decoding
+    finished: int = 0  # prompts decoded to the end
+    cancelled: int = 0  # prompts cancelled (client gone)
+    tokens: int = 0  # committed tokens
+    flushes: int = 0
+    wasted_rows: int = 0
+    steps: int = 0  # engine steps that computed rows
+    rows: int = 0  # rows over those steps
+    max_rows_per_step: int = 0
+    flips: list[float] = field(default_factory=list)  # per loop: tokens whose early exit differed from the final
+    flip_tokens: int = 0  # committed tokens of requests with known flip rates (the flip-rate denominator)
+    prompt_tokens: int = 0  # encoder tokens of the prompts that left the engine
+    drafts: int = 0  # speculation, vLLM's counters (speed.engine.RequestStats)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def add_step(self, rows: int) -> None:
+        """Count one engine step of ``rows`` rows (steps without rows are not counted)."""
+        if rows:
+            self.steps += 1
+            self.rows += rows
+            self.max_rows_per_step = max(self.max_rows_per_step, rows)
+
+    def add_finished(self, stats: RequestStats, prompt_tokens: int, cancelled: bool) -> None:
+        """Count one prompt that left the engine."""
+        tokens, flip_rate = stats.tokens, stats.flip_rate
+        self.prompt_tokens += prompt_tokens
+        self.drafts += stats.drafts
+        self.draft_tokens += stats.draft_tokens
+        self.accepted_tokens += stats.accepted_tokens
+        _add(self.accepted_per_pos, stats.accepted_per_pos)
+        _add(self.draft_tokens_per_pos, stats.draft_tokens_per_pos)
+        self.cancelled += cancelled
+        self.finished += not cancelled
+        self.tokens += tokens
+        self.flushes += stats.flushes
+        self.wasted_rows += stats.wasted_rows
+        if flip_rate and tokens:
+            if len(self.flips) < len(flip_rate):
+                self.flips += [0.0] * (len(flip_rate) - len(self.flips))
+            for loop, rate in enumerate(flip_rate):
+                self.flips[loop] += rate * tokens
+            self.flip_tokens += tokens
+
+    def snapshot(self, active: int, queued: int) -> dict[str, Any]:
+        """The counters as JSON, with derived rates and the engine's current load."""
+        return {
+            "requests": self.requests,
+            "rejected": self.rejected,
+            "finished": self.finished,
+            "cancelled": self.cancelled,
+            "tokens": self.tokens,
+            "flushes": self.flushes,
+            "wasted_rows": self.wasted_rows,
+            "steps": self.steps,
+            "rows": self.rows,
+            "rows_per_step": self.rows / self.steps if self.steps else 0.0,
+            "max_rows_per_step": self.max_rows_per_step,
+            "flip_rate": [f / self.flip_tokens for f in self.flips] if self.flip_tokens else [],
+            "prompt_tokens": self.prompt_tokens,
+            "spec_decode": spec_decode(
+                self.drafts, self.draft_tokens, self.accepted_tokens, self.accepted_per_pos, self.draft_tokens_per_pos
+            ),
+            "active": active,
+            "queue_depth": queued,
+        }
+
+
+def spec_decode(
+    drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int], draft_tokens_per_pos: list[int]
+) -> dict[str, Any]:
+    """Speculation in vLLM's terms: its counters, acceptance rate (accepted / draft tokens), mean acceptance
+    length (1 + accepted / drafts: tokens per speculative chain, the committed-path token included) and the
+    acceptance rate per draft position (accepted / draft tokens there; None where none was launched)."""
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": list(accepted_per_pos),
+        "num_draft_tokens_per_pos": list(draft_tokens_per_pos),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "acceptance_rate_per_pos": [a / d if d else None for a, d in zip(accepted_per_pos, draft_tokens_per_pos)],
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def _add(total: list[int], counts: list[int]) -> None:
+    """Add ``counts`` into ``total`` element-wise, growing it as needed."""
+    total += [0] * (len(counts) - len(total))
+    for i, n in enumerate(counts):
+        total[i] += n

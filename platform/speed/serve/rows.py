@@ -14,8 +14,8 @@ from typing import Any
 import pyarrow as pa
 
 from speed.engine import Finished, Request
+from speed.serve.metrics import spec_decode
 from speed.serve.planning import levers
-from speed.serve.stats import spec_decode
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from speed.engine import Commit, Engine, EngineConfig, Finished, Request
-from speed.serve.stats import ServeCounters
+from speed.serve.metrics import ServeCounters
 
 log = logging.getLogger(__name__)
 

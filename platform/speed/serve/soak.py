@@ -4,7 +4,7 @@
 choices (``n=2``), a stop string, and a streamed request the client abandons after its first token
 (the replica must cancel it). Every request's outcome is one ``SOAK_SCHEMA`` row. Around the load, the
 replicas' resident memory is read from ``/v1/stats`` (``rss_bytes``); after it, the statistics the
-replicas wrote under their ``stats_path`` are read back (``speed.serve.stats.read_requests``) and matched
+replicas wrote under their ``stats_path`` are read back (``speed.serve.readers.read_requests``) and matched
 with what was answered: every 200 must have one row per choice, and every abandoned request one row.
 
 The result (``SoakResult``) gives latency percentiles per minute, errors by kind (an intended 4xx or 503
