@@ -9,8 +9,8 @@ runner-up branches or confidence gate; closed-loop HTTP load at concurrency 1, 4
 Prompts are Multi30k test sources (task translate_en_de; a looped LM's checkpoint reads them as its
 finetuning prompts, docs/serving.md). Starts a private local
 Ray (all of this machine's CPUs), deploys the checkpoint twice behind Ray Serve on
-a free loopback port, prints a Markdown table and the ratios against the issue's
-bars, and writes rows to --out (speed.serve.schemas.BENCH_SERVE_SCHEMA) and every
+a free loopback port, prints a Markdown table and the ratios against the serving
+targets (speed.benchmarks.serving.BARS), and writes rows to --out (speed.serve.schemas.BENCH_SERVE_SCHEMA) and every
 request to <out stem>_requests.parquet (LOADGEN_SCHEMA).
 """
 
