@@ -19,22 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.cli import user_errors
-from speed.evaluate import format_summary
-from speed.train.config import job_from_args
-from speed.train.launch import check_inputs, run_job
+from speed.train.launch import job_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags (and --config YAML) into a JobConfig, train, evaluate; prints checkpoint and summary."""
-    with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
-        job = job_from_args("finetune", argv, description=__doc__)
-        check_inputs(job)
-    outcome = run_job(job)
-    print(f"finetuned checkpoint: {outcome.checkpoint}")
-    if outcome.evaluation is not None:
-        print(format_summary(outcome.evaluation))
-    return 0
+    """Parse flags (and --config YAML) into a JobConfig and train, then evaluate (``speed.train.launch.job_main``)."""
+    return job_main("finetune", argv, __doc__)
 
 
 if __name__ == "__main__":

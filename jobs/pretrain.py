@@ -18,19 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.cli import user_errors
-from speed.train.config import job_from_args
-from speed.train.launch import check_inputs, run_job
+from speed.train.launch import job_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags (and --config YAML) into a JobConfig and train; prints the checkpoint's location."""
-    with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
-        job = job_from_args("pretrain", argv, description=__doc__)
-        check_inputs(job)
-    outcome = run_job(job)
-    print(f"pretrained checkpoint: {outcome.checkpoint}")
-    return 0
+    """Parse flags (and --config YAML) into a JobConfig and train (``speed.train.launch.job_main``)."""
+    return job_main("pretrain", argv, __doc__)
 
 
 if __name__ == "__main__":

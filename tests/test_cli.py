@@ -70,7 +70,7 @@ def test_a_real_fault_keeps_its_traceback(monkeypatch):
     def broken(_job):
         raise RuntimeError("a worker died")
 
-    monkeypatch.setattr(job, "run_job", broken)
+    monkeypatch.setattr("speed.train.launch.run_job", broken)
     with pytest.raises(RuntimeError, match="a worker died"):
         job.main(["--preset", "tiny"])
 

@@ -46,7 +46,7 @@ from speed.paths import data_dir
 from speed.storage import absolute, locate
 from speed.tokenizer import Tokenizer, train_tokenizer
 from speed.train import local_ray
-from speed.train.config import JobConfig, job_to_dict, run_name
+from speed.train.config import JobConfig, job_from_args, job_to_dict, run_name
 
 HF_PREFIX = "hf:"
 
@@ -117,6 +117,23 @@ def run_job(job: JobConfig) -> TrainOutcome:
     outcome = TrainOutcome(job, trained.run_dir, trained.checkpoint, trained.step, trained.metrics, evaluation)
     print(describe(outcome, time.time() - started), flush=True)
     return outcome
+
+
+def job_main(kind: str, argv: list[str] | None, description: str) -> int:
+    """The entry point of ``jobs/pretrain.py`` and ``jobs/finetune.py``: flags (and --config YAML) into a checked
+    ``JobConfig`` (a mistake is one ``error:`` line, status 2), then ``run_job``; prints the checkpoint and, for
+    a finetuned model, its evaluation's summary."""
+    from speed.cli import user_errors
+    from speed.evaluate import format_summary
+
+    with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
+        job = job_from_args(kind, argv, description=description)
+        check_inputs(job)
+    outcome = run_job(job)
+    print(f"{'pretrained' if kind == 'pretrain' else 'finetuned'} checkpoint: {outcome.checkpoint}")
+    if outcome.evaluation is not None:
+        print(format_summary(outcome.evaluation))
+    return 0
 
 
 # ----- checking inputs ----------------------------------------------------------------------------------
