@@ -31,6 +31,7 @@ from speed.cli import JobParser, user_errors
 from speed.config import from_dict
 from speed.data import TASKS, get_task, resolve_source
 from speed.engine import INVALIDATIONS
+from speed.engine.defaults import device_levers
 from speed.evaluate import EvalConfig, format_summary, run_evaluation
 from speed.tokenizer import Tokenizer
 
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
         config = from_dict(EvalConfig, given)  # flag strings coerced by the field types, checked
         loaded = load_model(args.checkpoint, map_location=args.device, exits=args.exit_adapters)
+        # SPEED's settings left unset take the device's defaults (speed.engine.defaults: branches with lanes on a GPU)
+        config = from_dict(EvalConfig, device_levers(args.device, loaded.model.n_loops) | given)
         data = loaded.config.get("job", {}).get("data", {})
         config = config.following(data.get("task"), data.get("source"), data.get("max_source_len"))
         config = config.following(None, None, UNTRAINED_MAX_SOURCE_LEN)

@@ -309,3 +309,24 @@ def test_exit_adapters_are_used_when_present_and_change_only_the_drafts(checkpoi
     assert hypotheses[0].equals(hypotheses[1])
     assert with_exits["decode"]["identical"] and without["decode"]["identical"]  # each checked against sequential
     assert with_exits["flip_rates"] != without["flip_rates"]
+
+
+def test_speeds_settings_left_unset_take_the_devices_defaults(checkpoint, tmp_path, monkeypatch):
+    """jobs/evaluate.py: a GPU's defaults (runner-up branches with lanes, speed.engine.defaults) fill the SPEED
+    settings no flag sets; a flag wins. The CPU's are plain SPEED. (Run here with the GPU's defaults on the CPU.)"""
+    from speed.engine import Speculation
+    from speed.engine.defaults import device_levers
+
+    assert device_levers("cpu", 6) == {} and device_levers("cuda:1", 6) == {"branches": 6, "branch_depth": 6}
+    Speculation(**device_levers("cuda", 3)).check_loops(3)  # within any model's loops
+    directory, _, _ = checkpoint
+    job = _job()
+    monkeypatch.setattr(job, "device_levers", lambda device, n_loops: device_levers("cuda", n_loops))
+    flags = ["--checkpoint", str(directory), "--task", "translate_en_de", "--limit", "2", "--max-new-tokens", "6"]
+    flags += ["--no-oracle", "--no-perplexity", "--bootstrap-samples", "0"]
+    config = job.main([*flags, "--out", str(tmp_path / "a")])["config"]
+    assert (config["branches"], config["branch_depth"]) == (3, 3)
+    config = job.main([*flags, "--branches", "1", "--out", str(tmp_path / "b")])["config"]
+    assert (config["branches"], config["branch_depth"]) == (1, 3)
+    config = _job().main([*flags, "--out", str(tmp_path / "c")])["config"]  # this machine's own: the CPU's
+    assert (config["branches"], config["branch_depth"]) == (0, 1)

@@ -846,3 +846,20 @@ def test_soak_config_bodies_and_the_row_check():
     check = result.check_rows(stats)  # b has one row of its two choices; x is other traffic
     assert (check.answered, check.found, check.missing, check.abandoned, check.cancelled_rows) == (4, 3, ("b",), 1, 1)
     assert not check.complete
+
+
+def test_a_replicas_settings_take_its_devices_defaults_where_user_config_sets_none():
+    """Serve: SPEED's settings the user_config leaves out follow the replica's device (speed.engine.defaults:
+    runner-up branches with lanes on a GPU, plain SPEED on a CPU); a key the user_config sets wins."""
+    from types import SimpleNamespace
+
+    from speed.serve.app import SpeedServer
+    from speed.serve.settings import ServeSettings
+
+    settings = SpeedServer.func_or_class._settings
+    gpu = SimpleNamespace(device="cuda", model=SimpleNamespace(n_loops=3))
+    cpu = SimpleNamespace(device="cpu", model=SimpleNamespace(n_loops=3))
+    assert (settings(gpu, {}).branches, settings(gpu, {}).branch_depth) == (3, 3)
+    assert (settings(gpu, {"branches": 1}).branches, settings(gpu, {"branches": 1}).branch_depth) == (1, 3)
+    assert settings(gpu, {"max_active": 4}).max_active == 4
+    assert settings(cpu, None).speculation == settings(cpu, {}).speculation == ServeSettings().speculation

@@ -45,6 +45,7 @@ from starlette.requests import Request as StarletteRequest
 
 from speed.config import coerce, from_dict
 from speed.engine import LEVERS, Finished
+from speed.engine.defaults import device_levers
 from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import choice_events, choice_of
 from speed.serve.limits import BadRequest
@@ -162,7 +163,8 @@ class SpeedServer:
         self.model_name = model_name or Path(checkpoint.rstrip("/")).name
         context = serve.get_replica_context()
         self.replica = f"{context.app_name}#{context.deployment}#{context.replica_tag}"
-        self.settings = ServeSettings()
+        self.device = device
+        self.settings = self._settings({})
         self.runner = EngineRunner(self.model, self.settings.engine_config(), self._record, self._step)
         self.sink = StatsSink(stats_path, self.replica, self.settings.flush_rows, self.settings.flush_s)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speed-stats")  # Parquet, in order
@@ -171,13 +173,18 @@ class SpeedServer:
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply ``user_config`` (``ServeSettings`` keys); the engine is rebuilt when its capacity changes."""
-        settings = from_dict(ServeSettings, dict(user_config or {}))
+        settings = self._settings(user_config)
         settings.check_model(self.model.n_loops)
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)
         self.sink.max_rows, self.sink.max_seconds = settings.flush_rows, float(settings.flush_s)
         await self.runner.reconfigure(settings.engine_config())
         self.settings = settings
+
+    def _settings(self, user_config: dict[str, Any] | None) -> ServeSettings:
+        """``user_config`` as settings; SPEED's settings it leaves out take the device's defaults
+        (``speed.engine.defaults``: runner-up branches with lanes on a GPU, plain SPEED on a CPU)."""
+        return from_dict(ServeSettings, device_levers(self.device, self.model.n_loops) | dict(user_config or {}))
 
     def check_health(self) -> None:
         """Serve's health probe: the stepping loop must not have died."""
