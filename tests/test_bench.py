@@ -65,13 +65,15 @@ def test_lever_benchmark_rows_count_every_variant_and_check_it_against_sequentia
     table = run.table
     assert table.schema.equals(LEVER_BENCH_SCHEMA)
     rows = {r["variant"]: r for r in table.to_pylist()}
-    assert list(rows) == ["sequential", "shallow", "speed", "b3", "lanes"]
+    assert list(rows) == ["sequential", "shallow", "speed", "b3", "lanes", "oracle"]
+    assert rows["oracle"]["passes_per_token"] <= rows["speed"]["passes_per_token"]  # no exit can do better
+    assert rows["oracle"]["rows_per_token"] == 3.0  # M rows a token: no flush wastes one
     assert {r["model"] for r in rows.values()} == {"model"} and not any(r["exit_adapters"] for r in rows.values())
     sequential = [generate(model, torch.tensor([x]), method="sequential", max_new_tokens=8).tokens for x in inputs]
     assert run.outputs == {"model": [t[0] for t in sequential]}
     assert rows["sequential"]["tokens"] == sum(len(t[0]) for t in sequential)
     assert all(r["quality"] is None and r["metric"] is None for r in rows.values())  # no references given
-    for name in ("sequential", "speed", "b3", "lanes"):
+    for name in ("sequential", "speed", "b3", "lanes", "oracle"):
         assert rows[name]["identical"] and rows[name]["tokens"] == rows["sequential"]["tokens"], name
     assert rows["sequential"]["passes_per_token"] == rows["sequential"]["rows_per_token"] == 3.0  # M per token
     assert rows["shallow"]["passes_per_token"] == 1.0  # one loop
@@ -104,9 +106,9 @@ def test_lever_benchmark_compares_checkpoints_with_and_without_adapters_and_scor
     run = run_lever_benchmark({"a": a, "b": b}, inputs, parse_levers("lanes=branches:3,branch_depth:3"), 8, quality)
     rows = {(r["model"], r["variant"]): r for r in run.table.to_pylist()}
     assert list(rows) == [
-        ("a", "sequential"), ("a", "shallow"), ("a", "speed"), ("a", "lanes"),
+        ("a", "sequential"), ("a", "shallow"), ("a", "speed"), ("a", "lanes"), ("a", "oracle"),
         ("b", "sequential"), ("b", "shallow"), ("b", "speed"), ("b", "lanes"), ("b", "speed_no_exits"),
-        ("b", "lanes_no_exits"),
+        ("b", "lanes_no_exits"), ("b", "oracle"),
     ]  # fmt: skip
     assert [rows["b", v]["exit_adapters"] for v in ("speed", "lanes", "speed_no_exits", "lanes_no_exits")] == [
         True, True, False, False
@@ -178,7 +180,7 @@ def test_exit_adapters_in_the_decode_and_lever_benchmarks():
     model = random_exits(SpeedT5(preset("tiny", pattern="2x3")).eval(), seed=1)
     run = run_lever_benchmark(model, [[5, 6, 7], [8, 9], [10, 11, 12]], {}, 8)
     levers = {r["variant"]: r for r in run.table.to_pylist()}
-    assert list(levers) == ["sequential", "shallow", "speed", "speed_no_exits"]
+    assert list(levers) == ["sequential", "shallow", "speed", "speed_no_exits", "oracle"]
     assert levers["speed"]["identical"] and levers["speed_no_exits"]["identical"]
     assert levers["speed"]["rows_per_token"] != levers["speed_no_exits"]["rows_per_token"]  # other drafts
 
@@ -215,9 +217,9 @@ def test_the_lever_job_compares_named_checkpoints_on_held_out_text(tiny_tokenize
     assert "plain 2x3, adapted 2x3, 3 translate_en_de test sentences" in printed
     rows = {(r["model"], r["variant"]): r for r in pq.read_table(out).to_pylist()}
     assert [v for m, v in rows if m == "adapted"] == [
-        "sequential", "shallow", "speed", "lanes", "speed_no_exits", "lanes_no_exits"
+        "sequential", "shallow", "speed", "lanes", "speed_no_exits", "lanes_no_exits", "oracle"
     ]  # fmt: skip
-    assert [v for m, v in rows if m == "plain"] == ["sequential", "shallow", "speed", "lanes"]
+    assert [v for m, v in rows if m == "plain"] == ["sequential", "shallow", "speed", "lanes", "oracle"]
     for key, r in rows.items():
         assert (r["metric"] is None) == (key[1] == "shallow"), key
         if key[1] != "shallow":

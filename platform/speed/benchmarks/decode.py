@@ -329,7 +329,8 @@ def format_sampling_table(table: pa.Table) -> str:
 LEVER_BENCH_SCHEMA = pa.schema(
     [
         pa.field("model", pa.string()),  # which checkpoint (the job's --checkpoint NAME=...; one checkpoint: "model")
-        pa.field("variant", pa.string()),  # sequential | shallow | speed | a lever setting; "..._no_exits": no adapters
+        pa.field("variant", pa.string()),  # sequential | shallow | speed | a lever setting; "..._no_exits": no
+        # adapters; oracle: SPEED speculating the sequential output (timed after the others, not in rotation)
         pa.field("settings", pa.string()),  # JSON of LeverSetting.given (branches, branch_depth, row_budget, ...)
         pa.field("exit_adapters", pa.bool_()),  # SPEED drafted from the checkpoint's exit adapters (speed.exits)
         pa.field("sentences", pa.int64()),
@@ -415,11 +416,13 @@ class _Variant:
     method: Method
     setting: LeverSetting
     exit_adapters: bool
+    oracle: bool = False  # speculate the sequential output (run after the others: it needs that output)
 
 
 def _lever_variants(name: str, model: SpeedT5, levers: dict[str, LeverSetting]) -> list[_Variant]:
     """One model's variants: sequential, the shallow Nx1 (the same weights, one loop), plain SPEED and each lever
-    setting; a model with exit adapters also runs every SPEED variant without them (``<name>_no_exits``)."""
+    setting; a model with exit adapters also runs every SPEED variant without them (``<name>_no_exits``); last,
+    ``oracle``: plain SPEED speculating the known sequential output (the steps it needs if every exit agreed)."""
     from speed.checkpoint import backbone_state
 
     shallow = type(model)(model.config.replace(pattern=str(dataclasses.replace(model.sharing, n_loops=1)))).eval()
@@ -436,7 +439,7 @@ def _lever_variants(name: str, model: SpeedT5, levers: dict[str, LeverSetting]) 
         without.load_state_dict(backbone_state(model))
         without.to(model.device)
         out += [_Variant(name, v + NO_EXITS, without, "speed", setting, False) for v, setting in speeds.items()]
-    return out
+    return [*out, _Variant(name, "oracle", model, "speed", LeverSetting(), adapted, oracle=True)]
 
 
 def run_lever_benchmark(
@@ -455,11 +458,14 @@ def run_lever_benchmark(
     seconds, cpu, tokens, passes, rows = ({k: 0.0 for k in keys} for _ in range(5))
     identical = {k: True for k in keys}
     outputs: dict[str, list[list[int]]] = {name: [] for name in models}
+    timed = [v for v in variants if not v.oracle]
     for i, ids in enumerate(inputs):
         x = torch.tensor([ids])
         out = {}
-        for k in range(len(variants)):
-            v = variants[(i + k) % len(variants)]
+        # the timed variants in a rotating order; each model's oracle after them, given its sequential output
+        order = [timed[(i + k) % len(timed)] for k in range(len(timed))] + [v for v in variants if v.oracle]
+        for v in order:
+            known = [out[v.model, "sequential"][0]] if v.oracle else None
             t0, c0 = time.perf_counter(), time.process_time()
             result = generate(
                 v.decoder,
@@ -468,6 +474,7 @@ def run_lever_benchmark(
                 max_new_tokens=max_new_tokens,
                 speculation=v.setting.speculation,
                 trace=False,
+                oracle=known,
                 row_budget=v.setting.row_budget,
             )
             seconds[v.model, v.name] += time.perf_counter() - t0
