@@ -233,3 +233,23 @@ def test_the_lever_job_compares_named_checkpoints_on_held_out_text(tiny_tokenize
     assert last == "error: checkpoint 'b' reads other inputs (summarize) than the first (translate_en_de)"
     message = _error_line(capsys, "bench_levers", ["--checkpoint", plain, "--checkpoint", plain])
     assert message.startswith("error: several checkpoints are NAME=PATH with different names, got ")
+
+
+def test_the_lever_benchmark_takes_a_looped_lm():
+    """A looped LM's variants: its shallow decoder keeps the prelude and coda (1+2x1+1), every SPEED variant equals
+    sequential decoding, and the oracle needs no more steps than plain SPEED."""
+    from speed.benchmarks.decode import _lever_variants, parse_levers, run_lever_benchmark
+    from speed.config import lm_preset
+    from speed.lm import LoopedLM
+
+    torch.manual_seed(0)
+    model = LoopedLM(lm_preset("tiny", pattern="1+2x3+1")).eval()
+    levers = parse_levers("lanes=branches:3,branch_depth:3")
+    shallow = next(v.decoder for v in _lever_variants("lm", model, levers) if v.name == "shallow")
+    assert str(shallow.sharing) == "1+2x1+1"
+    weights, same = shallow.state_dict(), model.state_dict()  # the same parameters, one loop of them
+    assert weights.keys() == same.keys() and all(torch.equal(weights[k], same[k]) for k in weights)
+    rows = {r["variant"]: r for r in run_lever_benchmark(model, [[5, 6, 7, 8], [9, 10]], levers, 6).table.to_pylist()}
+    assert list(rows) == ["sequential", "shallow", "speed", "lanes", "oracle"]
+    assert all(rows[v]["identical"] for v in ("speed", "lanes", "oracle"))
+    assert rows["oracle"]["passes_per_token"] <= rows["speed"]["passes_per_token"] < 3
