@@ -18,6 +18,7 @@ only then does the evaluation fail (``DecodingMismatch``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -290,33 +291,18 @@ def _decode(
     for b, start in enumerate(range(0, len(inputs), config.batch_size)):
         input_ids, attention_mask = pad_inputs(inputs[start : start + config.batch_size])  # (B, S), (B, S)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        decode = functools.partial(  # this batch, decoded as the config says; each call adds its method's settings
+            generate, model, input_ids, attention_mask, max_new_tokens=config.max_new_tokens, sampling=config.sampling
+        )
         results: dict[str, GenerateResult] = {}
         for method in methods if b % 2 == 0 else methods[::-1]:
             begin = time.perf_counter()
-            results[method] = generate(
-                model,
-                input_ids,
-                attention_mask,
-                method=method,
-                max_new_tokens=config.max_new_tokens,
-                speculation=config.speculation,
-                sampling=config.sampling,
-                trace=method == "speed",
-                row_budget=config.row_budget if method == "speed" else None,
-            )
+            timed = {"trace": True, "row_budget": config.row_budget} if method == "speed" else {"trace": False}
+            results[method] = decode(method=method, speculation=config.speculation, **timed)
             runs[method].seconds += time.perf_counter() - begin
-        if config.oracle:
-            results["oracle"] = generate(
-                model,
-                input_ids,
-                attention_mask,
-                method="speed",
-                max_new_tokens=config.max_new_tokens,
-                speculation=Speculation(config.launch_loop, config.invalidation),
-                sampling=config.sampling,
-                oracle=results["speed"].tokens,
-                trace=False,
-            )
+        if config.oracle:  # untimed: SPEED speculating its own final tokens (its launch loop, no branches)
+            plain = Speculation(config.launch_loop, config.invalidation)
+            results["oracle"] = decode(method="speed", speculation=plain, oracle=results["speed"].tokens, trace=False)
         for method, result in results.items():
             run = runs.setdefault(method, _Decoded([], DecodeStats(), 0.0, None))
             run.tokens.extend(result.tokens)
