@@ -229,6 +229,27 @@ def _restore(ctx: WorkerContext, directory: Path) -> tuple[int, pa.Table]:
     return state.step, state.log
 
 
+@dataclass(frozen=True)
+class StepSums:
+    """What the workers add up after each optimizer step, in one all-reduce: each loop's loss (summed over this
+    worker's micro-batches / their count), the tokens trained, rank 0's out-of-time flag, the settle term's sum."""
+
+    loop_losses: torch.Tensor  # (M,) on the training device
+    tokens: float
+    out_of_time: float  # 1.0 on rank 0 once its time budget is spent, else 0.0
+    settle: torch.Tensor  # () on the training device
+
+    def summed(self, world: int) -> StepSums:
+        """These sums over every worker (the same values when ``world`` is 1)."""
+        if world == 1:
+            return self
+        n = self.loop_losses.numel()
+        extra = torch.stack([torch.tensor(self.tokens), torch.tensor(self.out_of_time), self.settle.cpu()])
+        packed = torch.cat([self.loop_losses, extra.to(self.loop_losses.device)])
+        dist.all_reduce(packed)
+        return StepSums(packed[:n], float(packed[n]), float(packed[n + 1]), packed[n + 2])
+
+
 def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) -> None:
     """The step loop, from ``step`` to ``max_steps`` (or a clean early stop), checkpointing on the way.
 
@@ -277,14 +298,10 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
         optimizer.zero_grad(set_to_none=True)
         step += 1
 
-        # One all-reduce per step: loop losses, token count, rank 0's out-of-time flag, the settle term.
         out_of_time = rank == 0 and deadline is not None and _past_deadline(deadline, records, started)
-        extra = torch.stack([torch.tensor(float(tokens)), torch.tensor(float(out_of_time)), settle_sum.cpu()])
-        stats = torch.cat([loop_sum / len(micro), extra.to(device)])
-        if world > 1:
-            dist.all_reduce(stats)
-        loop_losses = (stats[:n_loops] / world).tolist()
-        settle_term = float(stats[n_loops + 2]) / (world * len(micro))
+        total = StepSums(loop_sum / len(micro), float(tokens), float(out_of_time), settle_sum).summed(world)
+        loop_losses = (total.loop_losses / world).tolist()
+        settle_term = float(total.settle) / (world * len(micro))
         elapsed = time.perf_counter() - started
         record = StepRecord(
             step=step,
@@ -292,14 +309,14 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
             loop_losses=loop_losses,
             lr=lr,
             grad_norm=grad_norm,
-            tokens=int(stats[n_loops]),
+            tokens=int(total.tokens),
             step_time_s=elapsed,
-            tokens_per_s=float(stats[n_loops]) / elapsed,
+            tokens_per_s=float(total.tokens) / elapsed,
             elapsed_s=time.perf_counter() - launched,
             restarts=restarts,
         )
         records.append(record)
-        stop = bool(stats[n_loops + 1] > 0) or step >= last_step
+        stop = total.out_of_time > 0 or step >= last_step
         if rank == 0 and (step % t.log_every == 0 or stop):
             pace = sum(r.step_time_s for r in records[-_PACE_WINDOW:]) / len(records[-_PACE_WINDOW:])
             budget_left = deadline - time.time() if deadline is not None else None
