@@ -108,91 +108,107 @@ def _load_1m() -> float:
     return os.getloadavg()[0]
 
 
+@dataclass(frozen=True)
+class ServeVariant:
+    """One of the benchmark's variants (``VARIANTS``): which application it is sent to and how it decodes."""
+
+    name: str  # a, b, c or d
+    url: str
+    method: str  # speed | sequential
+    max_active: int
+    row_budget: int | None
+    speculation: Speculation | None  # None: sequential
+
+    def body(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        """The request fields its load sends: the method, the sampling, and SPEED's settings, every one."""
+        levers = {} if self.speculation is None else {n: getattr(self.speculation, n) for n in LEVERS}
+        return {"method": self.method, **sampling, **levers}
+
+    def row(self, config: ServeBenchConfig, concurrency: int, rnd: int, summary: dict[str, Any]) -> dict[str, Any]:
+        """Its ``BENCH_SERVE_SCHEMA`` row for one load run (without the engine's counts, added afterwards)."""
+        spec = self.speculation
+        return {
+            "variant": self.name,
+            "description": VARIANTS[self.name],
+            "method": self.method,
+            "max_active": self.max_active,
+            "row_budget": self.row_budget,
+            **{n: None if spec is None else getattr(spec, n) for n in _ROW_LEVERS},
+            "concurrency": concurrency,
+            "round": rnd,
+            **{k: summary[k] for k in ("requests", "errors", "tokens", "seconds", "tokens_per_s", "ttft_p50_ms")},
+            "p50_ms": summary["p50_ms"] or 0.0,
+            "p99_ms": summary["p99_ms"] or 0.0,
+            "temperature": float(config.temperature),
+            "load_1m": _load_1m(),
+            "checkpoint": config.checkpoint,
+        }
+
+
+def _variants(config: ServeBenchConfig, urls: dict[str, str]) -> list[ServeVariant]:
+    """(a) on the one-at-a-time application; (b), (c) and, with levers set, (d) on the batching one."""
+    batch = (urls["batch"], config.max_active, config.row_budget)
+    out = [
+        ServeVariant("a", urls["one"], "sequential", 1, None, None),
+        ServeVariant("b", batch[0], "sequential", batch[1], batch[2], None),
+        ServeVariant("c", batch[0], "speed", batch[1], batch[2], config.plain()),
+    ]
+    if config.levers() is not None:
+        out.append(ServeVariant("d", batch[0], "speed", batch[1], batch[2], config.levers()))
+    return out
+
+
+def _deploy(config: ServeBenchConfig, stats_path: str) -> dict[str, str]:
+    """The two applications on the connected Ray: one answering one request at a time, one batching."""
+    from speed.serve.app import start_app
+
+    common = {"task": config.task, "max_tokens": config.max_tokens, "threads": config.threads, "trace": False}
+    common |= {"max_target_len": max(config.max_tokens, 64)}
+    deploy = {"port": _free_port(), "stats_path": stats_path, "device": "cpu", "num_cpus": 0}
+    biggest = max(config.concurrency)
+    deploy |= {"max_ongoing_requests": biggest + 4, "max_queued_requests": 4 * biggest}
+    batching = {**common, "max_active": config.max_active, "row_budget": config.row_budget}
+    return {
+        "one": start_app(config.checkpoint, settings={**common, "max_active": 1}, name="one", route_prefix="/one",
+                         **deploy),
+        "batch": start_app(config.checkpoint, settings=batching, name="batch", route_prefix="/batch", **deploy),
+    }  # fmt: skip
+
+
 def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
     """Deploy the two applications on the connected Ray, run every round, return the rows and ratios."""
     import tempfile
 
     from ray import serve
 
-    from speed.serve.app import start_app
-
     stats_path = config.stats_path or tempfile.mkdtemp(prefix="speed-bench-serve-")
-    port = _free_port()
-    common = {"task": config.task, "max_tokens": config.max_tokens, "threads": config.threads, "trace": False}
-    common |= {"max_target_len": max(config.max_tokens, 64)}
-    deploy = {"port": port, "stats_path": stats_path, "device": "cpu", "num_cpus": 0}
-    biggest = max(config.concurrency)
-    deploy |= {"max_ongoing_requests": biggest + 4, "max_queued_requests": 4 * biggest}
-    urls = {
-        "one": start_app(config.checkpoint, settings={**common, "max_active": 1}, name="one", route_prefix="/one",
-                         **deploy),
-        "batch": start_app(
-            config.checkpoint,
-            settings={**common, "max_active": config.max_active, "row_budget": config.row_budget},
-            name="batch",
-            route_prefix="/batch",
-            **deploy,
-        ),
-    }  # fmt: skip
-    variants: dict[str, tuple[str, str, int, int | None, Speculation | None]] = {  # None: sequential
-        "a": (urls["one"], "sequential", 1, None, None),
-        "b": (urls["batch"], "sequential", config.max_active, config.row_budget, None),
-        "c": (urls["batch"], "speed", config.max_active, config.row_budget, config.plain()),
-    }
-    if config.levers() is not None:
-        variants["d"] = (urls["batch"], "speed", config.max_active, config.row_budget, config.levers())
+    variants = _variants(config, _deploy(config, stats_path))
     prompts = task_prompts(config.task, config.split)
-    sampling = {"temperature": config.temperature, "seed": config.seed}
-    bodies = {  # SPEED's settings as request fields (speed.serve.protocol), every one of them
-        name: {"method": method, **sampling, **({} if spec is None else {n: getattr(spec, n) for n in LEVERS})}
-        for name, (_, method, _, _, spec) in variants.items()
-    }
+    bodies = {v.name: v.body({"temperature": config.temperature, "seed": config.seed}) for v in variants}
+    runs, tables, texts = [], [], {}
     try:
-        for name, (url, *_) in variants.items():
-            body = bodies[name]
-            warm = LoadConfig(url=url, requests=config.warmup, max_tokens=config.max_tokens, body=body, label="warmup")
+        for v in variants:
+            warm = LoadConfig(url=v.url, requests=config.warmup, max_tokens=config.max_tokens, body=bodies[v.name],
+                              label="warmup")  # fmt: skip
             run_load(warm, prompts)
-        runs, tables, texts = [], [], {}
         offset = 0
         for rnd in range(config.rounds):
             for c in config.concurrency:
                 n = config.requests_at(c)
                 batch = prompts[offset : offset + n]
                 offset = (offset + n) % max(1, len(prompts) - n)
-                for name, (url, method, max_active, budget, spec) in variants.items():
-                    label = _label({"variant": name, "concurrency": c, "round": rnd})
-                    load = LoadConfig(url=url, concurrency=c, requests=n, max_tokens=config.max_tokens,
-                                      body=bodies[name], label=label)  # fmt: skip
+                for v in variants:
+                    label = _label({"variant": v.name, "concurrency": c, "round": rnd})
+                    load = LoadConfig(url=v.url, concurrency=c, requests=n, max_tokens=config.max_tokens,
+                                      body=bodies[v.name], label=label)  # fmt: skip
                     result = run_load(load, batch)
                     s = result.summary()
-                    runs.append(
-                        {
-                            "variant": name,
-                            "description": VARIANTS[name],
-                            "method": method,
-                            "max_active": max_active,
-                            "row_budget": budget,
-                            **{n: None if spec is None else getattr(spec, n) for n in _ROW_LEVERS},
-                            "concurrency": c,
-                            "round": rnd,
-                            "requests": s["requests"],
-                            "errors": s["errors"],
-                            "tokens": s["tokens"],
-                            "seconds": s["seconds"],
-                            "tokens_per_s": s["tokens_per_s"],
-                            "p50_ms": s["p50_ms"] or 0.0,
-                            "p99_ms": s["p99_ms"] or 0.0,
-                            "ttft_p50_ms": s["ttft_p50_ms"],
-                            "temperature": float(config.temperature),
-                            "load_1m": _load_1m(),
-                            "checkpoint": config.checkpoint,
-                        }
-                    )
+                    runs.append(v.row(config, c, rnd, s))
                     tables.append(result.table)
                     for row in result.table.to_pylist():
-                        texts.setdefault((rnd, c, row["request"]), {})[name] = row["text"]
+                        texts.setdefault((rnd, c, row["request"]), {})[v.name] = row["text"]
                     print(
-                        f"[bench_serve] round {rnd} c={c:<2} {name}: {s['tokens_per_s']:7.1f} tokens/s, "
+                        f"[bench_serve] round {rnd} c={c:<2} {v.name}: {s['tokens_per_s']:7.1f} tokens/s, "
                         f"p50 {s['p50_ms'] or 0:7.0f} ms, errors {s['errors']}, load {_load_1m():.1f}",
                         flush=True,
                     )
@@ -203,7 +219,7 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
     counts = engine_counts(requests, read_requests(stats_path))
     for run in runs:
         run |= per_token([counts[_label(run)]])
-    mismatches = sum(len(set(v.values())) != 1 or len(v) != len(variants) for v in texts.values())
+    mismatches = sum(len(set(t.values())) != 1 or len(t) != len(variants) for t in texts.values())
     summary = _pooled(requests, runs, counts)
     return ServeBenchResult(pa.Table.from_pylist(runs, schema=BENCH_SERVE_SCHEMA), summary, requests, mismatches,
                             ratios(summary))  # fmt: skip
