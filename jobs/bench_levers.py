@@ -10,9 +10,10 @@ where the checkpoint has exit adapters, every SPEED variant also without them, `
 variants alternating per sentence in a rotating order. Reports group passes (SPEED at batch 1: its steps)
 and rows per token (exact), wall and CPU ms per token and the ratio to the same checkpoint's plain SPEED
 (measured side by side), whether every output equals sequential decoding, and each checkpoint's quality on
-the references (BLEU or ROUGE-L, with a 95 % bootstrap interval). Several checkpoints must share a task and a
-tokenizer. Writes the rows (speed.benchmarks.decode.LEVER_BENCH_SCHEMA) to --out; exits 1 if a SPEED variant's
-output differs.
+the references (BLEU or ROUGE-L, with a 95 % bootstrap interval; each later checkpoint's difference from the
+first's, with a 95 % paired-bootstrap interval); last, each checkpoint's ``oracle`` row: plain SPEED speculating
+the known output. Several checkpoints must share a task and a tokenizer. Writes the rows
+(speed.benchmarks.decode.LEVER_BENCH_SCHEMA) to --out; exits 1 if a SPEED variant's output differs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from speed.benchmarks.decode import (
     HeldOut,
     format_lever_table,
     held_out,
+    paired_quality,
     parse_levers,
     run_lever_benchmark,
     score_outputs,
@@ -65,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     with torch.inference_mode():
         models = {name: w.model for name, w in works.items()}
-        table = run_lever_benchmark(models, work.inputs, levers, args.max_new_tokens, score_outputs(work)).table
+        run = run_lever_benchmark(models, work.inputs, levers, args.max_new_tokens, score_outputs(work))
+    table = run.table
     report_rows(table, args, format_lever_table)
+    if not args.json:
+        for line in paired_quality(work, run.outputs):
+            print(line)
     speed_rows = [r for r in table.to_pylist() if r["variant"] not in ("sequential", "shallow")]
     return 0 if all(r["identical"] for r in speed_rows) else 1
 

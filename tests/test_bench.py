@@ -215,6 +215,7 @@ def test_the_lever_job_compares_named_checkpoints_on_held_out_text(tiny_tokenize
     assert _job("bench_levers").main(argv) == 0
     printed = capsys.readouterr().out
     assert "plain 2x3, adapted 2x3, 3 translate_en_de test sentences" in printed
+    assert "adapted vs plain: bleu " in printed and "difference +0.00 [+0.00, +0.00] (95 % paired bootstrap" in printed
     rows = {(r["model"], r["variant"]): r for r in pq.read_table(out).to_pylist()}
     assert [v for m, v in rows if m == "adapted"] == [
         "sequential", "shallow", "speed", "lanes", "speed_no_exits", "lanes_no_exits", "oracle"

@@ -539,6 +539,26 @@ def score_outputs(held: HeldOut, samples: int = 1000) -> Callable[[list[list[int
     return quality
 
 
+def paired_quality(held: HeldOut, outputs: dict[str, list[list[int]]], samples: int = 1000) -> list[str]:
+    """Each checkpoint's output against the first's on the same references: the task's metric's difference with
+    its 95 % paired-bootstrap interval (``speed.metrics.paired_bootstrap``), one line per checkpoint."""
+    from speed import metrics
+    from speed.data import get_task
+    from speed.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(held.tokenizer_path)
+    metric = "bleu" if "bleu" in get_task(held.task).metrics else "rougeL"
+    (first, baseline), *others = outputs.items()
+    refs, lines = held.references[: len(baseline)], []
+    for name, output in others:
+        d = metrics.paired_bootstrap(tok.decode_batch(baseline), tok.decode_batch(output), refs, samples)[metric]
+        lines.append(
+            f"{name} vs {first}: {metric} {d['system']:.2f} vs {d['baseline']:.2f}, difference {d['delta']:+.2f} "
+            f"[{d['low']:+.2f}, {d['high']:+.2f}] (95 % paired bootstrap, {samples} resamples)"
+        )
+    return lines
+
+
 def format_lever_table(table: pa.Table) -> str:
     """A fixed-width text table of the lever benchmark rows (the model column only when there are several)."""
     rows = table.to_pylist()
