@@ -117,8 +117,8 @@ class CrossAttention(nn.Module):
         self.o = nn.Linear(inner, config.d_model, bias=False)
         self.dropout = config.dropout
 
-    def memory(self, encoded: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values (B, H, S, D) of the encoder output (B, S, d)."""
+    def keys_values(self, encoded: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values (B, H, S, D) of the encoder output (B, S, d): what this layer's queries attend to."""
         B, S, _ = encoded.shape
         k, v = self.kv(encoded).view(B, S, 2, self.n_heads, self.d_kv).permute(2, 0, 3, 1, 4)
         return k, v
@@ -307,14 +307,14 @@ class SpeedT5(nn.Module):
         cross_bias = self._padding_bias(attention_mask, encoded.dtype)
         causal = torch.full((T, T), _mask_value(encoded.dtype), device=encoded.device).triu(1)
         self_bias = (self.decoder_bias(T, T) + causal).unsqueeze(0)  # (1, H, T, T)
-        memories = [layer.cross_attn.memory(encoded) for layer in self.decoder_layers]
+        encoder_kv = [layer.cross_attn.keys_values(encoded) for layer in self.decoder_layers]
 
         x = self.dropout(self.shared(decoder_input_ids))
         losses, all_logits = [], []
         sharing = self.sharing
         for v in range(sharing.depth):  # virtual layers
             j = sharing.physical_layer(v)
-            x = self.decoder_layers[j](x, self_bias, *memories[j], cross_bias)
+            x = self.decoder_layers[j](x, self_bias, *encoder_kv[j], cross_bias)
             if v + 1 < sharing.depth and sharing.loop_of(v + 1) == sharing.loop_of(v):
                 continue  # the early exit comes after the loop's last layer
             logits = self.exit_logits(x, sharing.loop_of(v))  # (B, T, V)

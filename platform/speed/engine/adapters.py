@@ -146,7 +146,7 @@ class T5Stepper(_Adapter):
         S = prompt.shape[0]
         encoded = self.model.encode(prompt[None])  # (1, S, d)
         for j, layer in enumerate(self.model.decoder_layers):
-            k, v = layer.cross_attn.memory(encoded)  # 2 x (1, H, S, D)
+            k, v = layer.cross_attn.keys_values(encoded)  # 2 x (1, H, S, D)
             memory.keys[j][slot, :, :S] = k[0]
             memory.values[j][slot, :, :S] = v[0]
         memory.cross_bias[slot, ..., :S] = 0.0
@@ -187,9 +187,8 @@ class T5Stepper(_Adapter):
             return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, slot_t)
 
         cross_bias = source(memory.cross_bias[..., :S])  # (n, 1, 1, S)
-        # CYCLE order: loop l's pass runs virtual layers l*N .. l*N+N-1, whose physical layers are 0..N-1
-        for j in range(m.sharing.n_unique):
-            layer = m.decoder_layers[m.sharing.physical_layer(j)]
+        # CYCLE order: loop l's pass runs virtual layers l*N .. l*N+N-1, which are the N unique layers in order
+        for j, layer in enumerate(m.decoder_layers):
             keys, values = source(memory.keys[j][:, :, :S]), source(memory.values[j][:, :, :S])  # (n, H, S, D)
             x = layer.decode(x, rows, cache, j, self_bias, keys, values, cross_bias)  # (n, d)
         if not with_logits:
