@@ -59,9 +59,14 @@ a cancel waits for a running step to end.
 Modules: ``types`` (the ``Stepper`` protocol, ``Admitted``, ``EngineConfig``,
 ``Speculation`` and its flat ``SpeculationFields``, ``Request`` and what comes
 back), ``adapters`` (a ``Stepper`` per model
-family), ``policies`` (pure functions: launch, branch, flush,
-row budget), ``state`` (a request's ``Sequence`` and its ``InFlight``
-tokens), ``engine`` (``Engine``: admission, stepping, scheduling, locking).
+family), ``policies`` (pure functions: the one launch rule ``may_launch``,
+what follows a token, branch, flush, row budget), ``state`` (a request's
+``Sequence``, its ``InFlight`` tokens and their ``Exit`` records),
+``scheduler`` (``Scheduler``: which rows a step runs, and after it what each
+chain and lane becomes: what a step decides), ``outputs`` (what a step
+records: exits, commits' counters and traces, ``Finished``), ``engine``
+(``Engine``: admission, validation, the model call, locking), as vLLM splits
+its scheduler, executor and output processor.
 
 Names, one per concept (M loops of N shared layers):
 
@@ -84,7 +89,8 @@ Names, one per concept (M loops of N shared layers):
   ``layer`` the physical layer 0..N-1; the cache keeps keys per virtual
   layer. depth: their number, N*M (``SharingPattern.depth``).
 - in-flight token (``InFlight``): launched, not yet committed; ``loops_done``
-  (``len(preds)``) of its M loops are finished.
+  of its M loops are finished, each leaving an exit record (``Exit``: its
+  prediction, runner-up, top-1 probability and mode).
 - chain (``Sequence.chain``): a request's in-flight tokens in position order,
   each launched from its predecessor's exit; the oldest is on the committed
   path. branch: a second successor launched from a runner-up prediction;

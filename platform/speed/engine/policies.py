@@ -1,17 +1,77 @@
-"""The engine's policies: where to launch a speculative token, when to flush, which rows a step computes.
+"""The engine's policies: where to launch a speculative token, when to flush, what follows a token, when a token
+carries a branch, which rows a step computes.
 
-Small pure functions of plain values, so each is tested on its own.
+Small pure functions of plain values, so each is tested on its own; the scheduler (``speed.engine.scheduler``)
+only applies them.
 """
 
 from __future__ import annotations
 
-from speed.engine.types import Invalidation
+import enum
+from dataclasses import dataclass
+
+from speed.engine.types import NO_EXIT, Invalidation, Speculation
 
 
 def should_launch(loops_done: int, launch_loop: int, p_top: float = 1.0, min_confidence: float = 0.0) -> bool:
     """A token with ``loops_done`` finished loops, whose latest exit has top-1 probability ``p_top``, may launch its
     successor from that exit's prediction."""
     return loops_done >= launch_loop and p_top >= min_confidence
+
+
+@dataclass(frozen=True)
+class LaunchRule:
+    """One request's bounds on launching: what ``may_launch`` reads besides the token's own state."""
+
+    launch_loop: int  # loops a token runs before it may launch (M for sequential decoding: never early)
+    min_confidence: float  # the least top-1 probability of the exit it launches from
+    eos_id: int  # nothing follows EOS
+    max_new_tokens: int  # nor the request's last position
+
+
+def may_launch(rule: LaunchRule, loops_done: int, p_top: float, token: int, pos: int) -> bool:
+    """A token with ``loops_done`` finished loops, whose latest exit has top-1 probability ``p_top``, may launch a
+    successor with input ``token`` at position ``pos``: the one launch rule of chains and lanes alike."""
+    return (
+        should_launch(loops_done, rule.launch_loop, p_top, rule.min_confidence)
+        and token != rule.eos_id
+        and pos < rule.max_new_tokens
+    )
+
+
+class Successor(enum.Enum):
+    """What follows a token once its successor's input is decided (``choose_successor``)."""
+
+    KEEP = "keep"  # the successor in flight has that input: it stays
+    PROMOTE = "promote"  # its branch has it: the branch's lane replaces the successors
+    FLUSH = "flush"  # neither: the successors are dropped (and relaunched when allowed)
+
+
+def choose_successor(succ: int | None, branch: int | None, token: int) -> Successor:
+    """What follows a token whose successor's input is now ``token``, its successor in flight having input
+    ``succ`` and its branch ``branch`` (None: none in flight)."""
+    if succ is not None and succ == token:
+        return Successor.KEEP
+    if branch is not None and branch == token:
+        return Successor.PROMOTE
+    return Successor.FLUSH
+
+
+def keeps_branch(branch: int, runner_up: int, guess: int, succ: int | None) -> bool:
+    """Whether a token's branch with input ``branch`` stays: it is still the latest exit's runner-up or its
+    guess (about to be promoted), and differs from the successor in flight (input ``succ``; None: none, so
+    nothing for the branch to stand beside)."""
+    return succ is not None and branch in (runner_up, guess) and branch != succ
+
+
+def may_branch(spec: Speculation, p_top: float, runner_up: int, succ: int, eos_id: int, branches: int) -> bool:
+    """Whether a token whose successor has input ``succ`` may launch a branch from its latest exit's runner-up
+    ``runner_up`` (top-1 probability ``p_top``), ``branches`` of its request's branches being in flight."""
+    return (
+        runner_up not in (succ, eos_id, NO_EXIT)
+        and branches < spec.branches
+        and should_branch(p_top, spec.branch_below)
+    )
 
 
 def should_branch(p_top: float, branch_below: float) -> bool:

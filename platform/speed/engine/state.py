@@ -1,14 +1,26 @@
-"""The engine's decoding state: a request's ``Sequence`` and its ``InFlight`` tokens."""
+"""The engine's decoding state: a request's ``Sequence``, its ``InFlight`` tokens and their ``Exit`` records."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from torch import Tensor
 
+from speed.engine.policies import LaunchRule
 from speed.engine.types import Request
 from speed.sampling import Draw, TokenLogprob
 from speed.trace import TraceBuilder
+
+
+class Exit(NamedTuple):
+    """What one finished loop's early exit decided for an in-flight token (``NO_EXIT`` tokens and a nan
+    probability when the exit was not evaluated)."""
+
+    pred: int  # the prediction: the exit's draw (greedy: its argmax)
+    runner_up: int  # the second-best token
+    p_top: float  # the prediction's probability: the exit's confidence
+    mode: int  # the noise-free argmax (= pred when greedy)
 
 
 @dataclass
@@ -18,16 +30,23 @@ class InFlight:
     pos: int
     token: int
     hidden: Tensor | None = None  # (d,) input to its next loop; None until embedded
-    preds: list[int] = field(default_factory=list)  # early-exit prediction after each finished loop
-    runners: list[int] = field(default_factory=list)  # each finished loop's runner-up (second-best token)
-    p_top: list[float] = field(default_factory=list)  # each finished loop's top-1 probability
+    exits: list[Exit] = field(default_factory=list)  # one per finished loop, in loop order
     ahead: int = 0  # uncommitted tokens ahead of it when launched: 0 on the committed path, else its draft position
-    modes: list[int] = field(default_factory=list)  # each finished loop's noise-free argmax (= preds if greedy)
     logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
     lane: list[InFlight] = field(default_factory=list)  # its branch at pos + 1 (from its runner-up) and the
     # branch's own successors at pos + 2, ...; empty: no branch
     side: int = -1  # a lane token's side entry in the cache (its own key/value); -1 on the chain
     up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side entry), oldest first
+
+    @property
+    def loops_done(self) -> int:
+        """Its finished loops (0..M)."""
+        return len(self.exits)
+
+    @property
+    def preds(self) -> list[int]:
+        """Each finished loop's prediction, in loop order."""
+        return [e.pred for e in self.exits]
 
 
 @dataclass
@@ -36,7 +55,7 @@ class Sequence:
 
     id: int
     request: Request
-    launch_loop: int  # M for sequential decoding: nothing is launched before the last loop
+    launch: LaunchRule  # when its tokens may launch successors (sequential: launch loop M, so never early)
     all_exits: bool  # every loop's exit is evaluated (SPEED, or a traced sequential request)
     added: float  # perf_counter at add
     slot: int = -1  # its engine slot (its place in the KV cache and the encoder memory); -1 while queued
@@ -65,7 +84,8 @@ class Sequence:
         oracle = self.request.oracle
         if oracle is not None and t.pos < len(oracle):
             return oracle[t.pos]
-        return t.preds[-1] if self.request.sampling.coupled else t.modes[-1]
+        latest = t.exits[-1]
+        return latest.pred if self.request.sampling.coupled else latest.mode
 
     def draw(self, t: InFlight) -> Draw | None:
         """What the token's exits need to decide: None for plain greedy (the raw logits' argmax)."""

@@ -1,0 +1,65 @@
+"""What the engine records of a step: each row's exit from the model's logits, each committed token's counters,
+trace and logprob, and what a request that leaves gives back."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from speed.engine.state import Exit, InFlight, Sequence
+from speed.engine.types import NO_EXIT, DecodeStats, Finished, RequestStats
+from speed.sampling import exit_choices, exit_scores, token_logprob
+
+
+def record_exits(work: list[tuple[Sequence, InFlight]], logits: Tensor | None, n_loops: int) -> None:
+    """Append each row's ``Exit`` (its draw, runner-up, confidence, mode; its logprob after the last of the
+    ``n_loops`` loops) to its token, from the rows' logits (R, V); None: no exit was evaluated."""
+    if logits is not None:
+        choices = exit_choices(*exit_scores(logits, [s.draw(t) for s, t in work]))
+        modes = choices.token if choices.mode is None else choices.mode
+        exits = map(Exit, choices.token, choices.runner_up, choices.p_top, modes)
+    else:
+        exits = [Exit(NO_EXIT, NO_EXIT, float("nan"), NO_EXIT)] * len(work)
+    for r, ((seq, t), e) in enumerate(zip(work, exits)):
+        t.exits.append(e)
+        if len(t.exits) == n_loops and seq.request.logprobs is not None:
+            t.logprob = token_logprob(logits[r], e.pred, seq.request.logprobs)
+
+
+def record_commit(seq: Sequence, t: InFlight, stats: DecodeStats) -> None:
+    """Count the token ``t`` the scheduler just committed (the last of ``seq.out``): acceptance, flips per loop,
+    its trace rows and logprob."""
+    token = seq.out[-1]
+    stats.tokens += 1
+    if t.ahead:
+        seq.accepted[t.ahead - 1] += 1
+    if seq.all_exits:
+        for loop, e in enumerate(t.exits):
+            seq.flips[loop] += e.pred != token
+    if seq.trace is not None:
+        seq.trace.add_token(seq.id, t.pos, t.preds)
+    if seq.logprobs is not None:
+        seq.logprobs.append(t.logprob)
+
+
+def finished(seq: Sequence, now: float, cancelled: bool) -> Finished:
+    """What ``seq`` gives back when it leaves at ``now`` (perf_counter): its tokens, counters, trace, logprobs."""
+    tokens = len(seq.out)
+    stats = RequestStats(
+        tokens=tokens,
+        steps=seq.steps,
+        rows=seq.rows,
+        flushes=seq.flushes,
+        wasted_rows=seq.wasted_rows,
+        flip_rate=[f / tokens for f in seq.flips] if seq.all_exits and tokens else [],
+        queued_s=seq.admitted - seq.added,
+        ttft_s=seq.first_token - seq.added,
+        latency_s=now - seq.added,
+        drafts=seq.drafts,
+        draft_tokens=sum(seq.draft_tokens),
+        accepted_tokens=sum(seq.accepted),
+        accepted_per_pos=list(seq.accepted),
+        draft_tokens_per_pos=list(seq.draft_tokens),
+        promotions=seq.promotions,
+    )
+    trace = seq.trace.table() if seq.trace is not None else None
+    return Finished(seq.id, seq.out, stats, trace, cancelled, seq.logprobs)

@@ -1,0 +1,208 @@
+"""The scheduler: which rows a step computes, and after it, what each request's in-flight tokens become.
+
+It decides with the pure rules of ``speed.engine.policies`` and keeps the decoding state (``Sequence``,
+``InFlight``) and the cache's bookkeeping (invalidating and promoting entries) in step with its decisions; it
+never runs the model (the engine does) and records only its own counters (flushes, wasted rows, promotions).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from speed.cache import KVCache
+from speed.engine.policies import (
+    Successor,
+    budget_rows,
+    choose_successor,
+    keeps_branch,
+    may_branch,
+    may_launch,
+    should_flush,
+)
+from speed.engine.state import InFlight, Sequence
+from speed.engine.types import DecodeStats
+
+
+class Scheduler:
+    """Row selection and the schedule between steps for the requests of one engine (its cache, its counters)."""
+
+    def __init__(self, cache: KVCache, n_loops: int, row_budget: int | None, stats: DecodeStats) -> None:
+        self.cache = cache
+        self.n_loops = n_loops
+        self.row_budget = row_budget
+        self.stats = stats  # the engine's totals: the scheduler adds flushes, wasted rows and promotions
+
+    def select(self, seqs: Iterable[Sequence], step_no: int) -> list[tuple[Sequence, InFlight]]:
+        """Step ``step_no``'s rows, in the order of ``seqs`` (admission order): all in-flight rows, or the row
+        budget's choice.
+
+        The budget serves each request's committed path, then chain speculation, then branches; a branch
+        runs only in a step that runs its parent, so it never catches up with the keys it reads.
+        """
+        seqs = list(seqs)
+        budget = self.row_budget
+        flying = {s.id: s.in_flight() for s in seqs}
+        if budget is None or sum(map(len, flying.values())) <= budget:
+            if budget is not None:
+                for s in seqs:
+                    s.last_served = step_no
+            return [(s, t) for s in seqs for t in flying[s.id]]
+        order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
+        take = budget_rows([len(s.chain) for s in order], budget)
+        branches = [[t for c in s.chain[:n] for t in c.lane] for s, n in zip(order, take)]  # a lane's own order
+        branch_take = budget_rows([len(b) for b in branches], budget - sum(take))
+        chosen = {s.id: [*s.chain[:n], *b[:m]] for s, n, b, m in zip(order, take, branches, branch_take)}
+        work = []
+        for s in seqs:
+            if chosen[s.id]:
+                s.last_served = step_no
+                work.extend((s, t) for t in chosen[s.id])
+        return work
+
+    def schedule(self, seq: Sequence) -> InFlight | None:
+        """After a step: commit the oldest token if it finished its last loop (returned; it ends ``seq`` at EOS or
+        its last position), then walk the chain oldest first, deciding each token's successor.
+
+        Loops done fall strictly along the chain (a token launches after its predecessor's first loop and runs only
+        in steps that run it), so only the oldest can be finished, and the walk stops at the first token with no
+        loop done (launched in this step, or left out by the row budget): it has no successor yet.
+        """
+        ahead, committed = seq.chain, None
+        if ahead and ahead[0].loops_done == self.n_loops:
+            committed, ahead = ahead[0], self._commit(seq, ahead[0], ahead[1:])
+        chain: list[InFlight] = []  # the walked tokens, oldest first
+        while ahead and ahead[0].loops_done:
+            t, ahead = ahead[0], ahead[1:]
+            chain.append(t)
+            ahead = self._advance(seq, t, ahead, chain)
+        seq.chain = chain + ahead
+        return committed
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop every in-flight token of a request that leaves before its end (their rows are wasted)."""
+        self._waste(seq, sum(t.loops_done for t in seq.in_flight()))
+        seq.chain = []
+
+    def _commit(self, seq: Sequence, t: InFlight, ahead: list[InFlight]) -> list[InFlight]:
+        """Commit ``t``'s last-loop prediction; return its successors ``ahead`` as the prediction leaves them
+        (kept, a promoted lane, or one relaunched on the committed path), or none when ``seq`` is done."""
+        token = t.exits[-1].pred
+        seq.out.append(token)
+        if token == seq.launch.eos_id or len(seq.out) >= seq.request.max_new_tokens:
+            t.lane = self._drop(seq, t.lane)
+            self._flush(seq, ahead, mispredicted=False)
+            seq.done = True
+            return []
+        ahead = self._follow(seq, t, ahead, token)
+        t.lane = self._drop(seq, t.lane)  # not taken over: the chain was right
+        return ahead or [InFlight(t.pos + 1, token)]
+
+    def _advance(self, seq: Sequence, t: InFlight, ahead: list[InFlight], chain: list[InFlight]) -> list[InFlight]:
+        """Decide what follows the chain token ``t`` (``ahead``: its successors; ``chain``: the walked tokens, ``t``
+        last) from its latest exit: flush or promote on a misprediction, launch a successor, keep its branch."""
+        latest, guess = t.exits[-1], seq.guess(t)
+        if should_flush(seq.request.speculation.invalidation, t.loops_done, self.n_loops):
+            ahead = self._follow(seq, t, ahead, guess)
+        if not ahead and may_launch(seq.launch, t.loops_done, latest.p_top, guess, t.pos + 1):
+            ahead = [self._draft(seq, t.pos + 1, guess)]
+        self._keep_branch(seq, t, ahead[0] if ahead else None, guess, chain, ahead)
+        t.lane = self._grow_lane(seq, t.lane)
+        return ahead
+
+    def _follow(self, seq: Sequence, parent: InFlight, ahead: list[InFlight], token: int) -> list[InFlight]:
+        """``parent``'s successors once ``token`` is the next one's input: ``ahead`` if it starts with it, else the
+        parent's lane if its branch does (promoted), else none (``ahead`` flushed; the caller relaunches)."""
+        choice = choose_successor(
+            ahead[0].token if ahead else None, parent.lane[0].token if parent.lane else None, token
+        )
+        if choice is Successor.KEEP:
+            return ahead
+        self._flush(seq, ahead, mispredicted=choice is Successor.FLUSH and bool(ahead))
+        if choice is Successor.FLUSH:
+            return []
+        lane, parent.lane = parent.lane, []
+        for t in lane:  # in position order: each lands at the end of the prefix its predecessor just extended
+            self.cache.promote(seq.slot, t.side, t.pos, t.loops_done)
+            heapq.heappush(seq.side_free, t.side)
+            t.side, t.up = -1, ()
+        seq.promotions += 1
+        self.stats.promotions += 1
+        return lane
+
+    def _keep_branch(
+        self,
+        seq: Sequence,
+        parent: InFlight,
+        succ: InFlight | None,
+        guess: int,
+        chain: list[InFlight],
+        ahead: list[InFlight],
+    ) -> None:
+        """Keep ``parent``'s branch on its runner-up beside its successor ``succ``: drop it when it no longer is
+        one, launch one when allowed (``chain``, ``ahead``: the request's chain tokens, to count its branches)."""
+        request, latest = seq.request, parent.exits[-1]
+        if parent.lane and not keeps_branch(
+            parent.lane[0].token, latest.runner_up, guess, succ.token if succ is not None else None
+        ):
+            parent.lane = self._drop(seq, parent.lane)
+        spec = request.speculation
+        if parent.lane or succ is None or request.oracle is not None or not spec.branches:
+            return  # (branches are counted only where one may launch)
+        branches = sum(bool(c.lane) for c in chain) + sum(bool(c.lane) for c in ahead)
+        if may_branch(spec, latest.p_top, latest.runner_up, succ.token, seq.launch.eos_id, branches):
+            side = heapq.heappop(seq.side_free)
+            parent.lane = [self._draft(seq, parent.pos + 1, latest.runner_up, side=side)]
+
+    def _grow_lane(self, seq: Sequence, lane: list[InFlight]) -> list[InFlight]:
+        """``lane`` after its tokens' latest exits: walked oldest first, each token's successor dropped when its
+        prediction flushes it, one launched when the lane has room and the launch rule allows."""
+        spec = seq.request.speculation
+        grown: list[InFlight] = []  # the walked tokens, oldest first
+        while lane and lane[0].loops_done:
+            t, lane = lane[0], lane[1:]
+            grown.append(t)
+            pred = t.exits[-1].pred
+            if lane and lane[0].token != pred and should_flush(spec.invalidation, t.loops_done, self.n_loops):
+                lane = self._drop(seq, lane)
+            if (
+                not lane
+                and len(grown) < spec.branch_depth
+                and may_launch(seq.launch, t.loops_done, t.exits[-1].p_top, pred, t.pos + 1)
+            ):
+                side, up = heapq.heappop(seq.side_free), (*t.up, (t.pos, t.side))
+                lane = [self._draft(seq, t.pos + 1, pred, side=side, up=up)]
+        return grown + lane
+
+    def _draft(
+        self, seq: Sequence, pos: int, token: int, side: int = -1, up: tuple[tuple[int, int], ...] = ()
+    ) -> InFlight:
+        """A token launched at ``pos`` from an early exit (on the chain, or in a lane: ``side``, ``up``), counted
+        as a draft token at its draft position: the uncommitted tokens ahead of it, chain and lane alike (a lane
+        token that is promoted and committed is then an accepted one, as a chain token is)."""
+        ahead = pos - len(seq.out)  # the committed path is at len(seq.out); every position up to pos is in flight
+        seq.draft_tokens[ahead - 1] += 1
+        seq.drafts += ahead == 1
+        return InFlight(pos, token, ahead=ahead, side=side, up=up)
+
+    def _drop(self, seq: Sequence, lane: list[InFlight]) -> list[InFlight]:
+        """Drop lane tokens (their rows are wasted), freeing their side entries; return the empty lane."""
+        for t in lane:
+            heapq.heappush(seq.side_free, t.side)
+            self._waste(seq, t.loops_done)
+        return []
+
+    def _flush(self, seq: Sequence, dropped: list[InFlight], mispredicted: bool) -> None:
+        """Drop chain tokens (their lanes too) and invalidate their cache entries."""
+        if not dropped:
+            return
+        self.cache.invalidate(seq.slot, dropped[0].pos)
+        for t in dropped:
+            t.lane = self._drop(seq, t.lane)
+        self._waste(seq, sum(t.loops_done for t in dropped))
+        seq.flushes += mispredicted
+        self.stats.flushes += mispredicted
+
+    def _waste(self, seq: Sequence, rows: int) -> None:
+        seq.wasted_rows += rows
+        self.stats.wasted_rows += rows
