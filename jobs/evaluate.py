@@ -8,9 +8,10 @@ and input length the checkpoint was trained with unless given; SPEED output is
 checked against sequential decoding unless --no-check-sequential, greedy or,
 with --temperature (and --top-k, --top-p, --seed), seeded sampling. Writes
 predictions.parquet, trace.parquet and summary.json to --out (default
-<checkpoint>/eval/<task>-<split>, -no-exit-adapters appended when so) and prints the metrics with their signatures.
-A checkpoint with exit adapters (jobs/train_exits.py) drafts with them unless
---no-exit-adapters; the output is the same either way, the steps per token not.
+<checkpoint>/eval/<task>-<split>, -no-exit-adapters appended when the checkpoint's exit adapters went unused)
+and prints the metrics with their signatures. A checkpoint with exit adapters (jobs/train_exits.py) drafts with
+them with --exit-adapters, by default on a GPU, not on a CPU (speed.engine.defaults); the output is the same
+either way, the steps per token and the time not.
 --checkpoint names a checkpoint or a run (its newest complete checkpoint), a
 local path or a URI (s3://, gs://: docs/training.md, "Storage").
 """
@@ -31,8 +32,10 @@ from speed.cli import JobParser, user_errors
 from speed.config import from_dict
 from speed.data import TASKS, get_task, resolve_source
 from speed.engine import INVALIDATIONS
-from speed.engine.defaults import device_levers
+from speed.engine.defaults import device_exit_adapters, device_levers
 from speed.evaluate import EvalConfig, format_summary, run_evaluation
+from speed.exits import EXITS_CONFIG_FILE
+from speed.storage import locate
 from speed.tokenizer import Tokenizer
 
 # EvalConfig field -> help; each is the flag --<field-name>, left out = EvalConfig's default.
@@ -79,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--exit-adapters",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="draft with the checkpoint's exit adapters when it has them (speed.exits; the output never changes)",
+        default=None,
+        help="draft with the checkpoint's exit adapters when it has them (speed.exits; the output never changes); "
+        "default: on a GPU yes, on a CPU no (speed.engine.defaults)",
     )
     p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's spm.model)")
     p.add_argument("--out", default=None, help="output folder or URI (default: <checkpoint>/eval/<task>-<split>)")
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args = parse_args(argv)
         given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
         config = from_dict(EvalConfig, given)  # flag strings coerced by the field types, checked
-        loaded = load_model(args.checkpoint, map_location=args.device, exits=args.exit_adapters)
+        exits = device_exit_adapters(args.device) if args.exit_adapters is None else args.exit_adapters
+        loaded = load_model(args.checkpoint, map_location=args.device, exits=exits)
         # SPEED's settings left unset take the device's defaults (speed.engine.defaults: branches with lanes on a GPU)
         config = from_dict(EvalConfig, device_levers(args.device, loaded.model.n_loops) | given)
         data = loaded.config.get("job", {}).get("data", {})
@@ -110,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tokenizer = Tokenizer.load(tokenizer_path)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    plain = "" if args.exit_adapters else "-no-exit-adapters"  # beside the evaluation with them, not over it
+    unused = not exits and (locate(loaded.checkpoint) / EXITS_CONFIG_FILE).is_file()
+    plain = "-no-exit-adapters" if unused else ""  # beside the evaluation with them, not over it
     out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}{plain}"
     model = loaded.model.to(args.device)  # load_model fills a CPU-built model: move it where it should decode
     summary = run_evaluation(model, tokenizer, config, out)

@@ -62,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--exit-adapters",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="draft with the checkpoint's exit adapters when it has them (speed.exits; the answers never change)",
+        default=None,
+        help="draft with the checkpoint's exit adapters when it has them (speed.exits; the answers never change); "
+        "default: on a GPU yes, on a CPU no (speed.engine.defaults)",
     )
     p.add_argument(
         "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: open)"

@@ -282,10 +282,10 @@ def test_settings_are_coerced_by_type_and_follow_the_training_data():
     assert (followed.task, followed.source, followed.max_source_len) == ("summarize", "some/folder", 32)
 
 
-def test_exit_adapters_are_used_when_present_and_change_only_the_drafts(checkpoint, tmp_path):
-    """A checkpoint with exit adapters (``speed.exits``) is evaluated with them (its summary names them), or
-    without them with --no-exit-adapters (beside, not over, the other evaluation): the same hypotheses, other
-    early exits and steps."""
+def test_exit_adapters_are_used_when_asked_and_change_only_the_drafts(checkpoint, tmp_path):
+    """A checkpoint with exit adapters (``speed.exits``) is evaluated with them with --exit-adapters (its summary
+    names them), or without them (beside, not over, the other evaluation): by default on a CPU, or with
+    --no-exit-adapters: the same hypotheses, other early exits and steps."""
     import shutil
     from pathlib import Path
 
@@ -299,9 +299,11 @@ def test_exit_adapters_are_used_when_present_and_change_only_the_drafts(checkpoi
     save_exits(str(adapted), random_exits(load_model(adapted).model, seed=0).exit_adapters)
     flags = ["--checkpoint", str(adapted), "--task", "translate_en_de", "--limit", "4", "--batch-size", "4"]
     flags += ["--max-new-tokens", "8", "--threads", "1"]
-    with_exits = _job().main(flags)
+    with_exits = _job().main([*flags, "--exit-adapters"])
     without = _job().main([*flags, "--no-exit-adapters"])
     assert with_exits["exit_adapters"]["loops"] == [1, 2] and without["exit_adapters"] is None
+    cpu = _job().main([*flags, "--device", "cpu"])  # the CPU's default: without them (speed.engine.defaults)
+    assert cpu["exit_adapters"] is None and cpu["files"] == without["files"]
     assert json.loads(Path(with_exits["files"]["summary"]).read_text()) == with_exits
     assert with_exits["files"]["summary"].endswith("eval/translate_en_de-test/summary.json")
     assert without["files"]["summary"].endswith("eval/translate_en_de-test-no-exit-adapters/summary.json")
@@ -315,8 +317,9 @@ def test_speeds_settings_left_unset_take_the_devices_defaults(checkpoint, tmp_pa
     """jobs/evaluate.py: a GPU's defaults (runner-up branches with lanes, speed.engine.defaults) fill the SPEED
     settings no flag sets; a flag wins. The CPU's are plain SPEED. (Run here with the GPU's defaults on the CPU.)"""
     from speed.engine import Speculation
-    from speed.engine.defaults import device_levers
+    from speed.engine.defaults import device_exit_adapters, device_levers
 
+    assert not device_exit_adapters("cpu") and device_exit_adapters("cuda:0")
     assert device_levers("cpu", 6) == {} and device_levers("cuda:1", 6) == {"branches": 6, "branch_depth": 6}
     Speculation(**device_levers("cuda", 3)).check_loops(3)  # within any model's loops
     directory, _, _ = checkpoint

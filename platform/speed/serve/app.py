@@ -45,7 +45,7 @@ from starlette.requests import Request as StarletteRequest
 
 from speed.config import coerce, from_dict
 from speed.engine import LEVERS, Finished
-from speed.engine.defaults import device_levers
+from speed.engine.defaults import device_exit_adapters, device_levers
 from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import choice_events, choice_of
 from speed.serve.limits import BadRequest
@@ -152,10 +152,12 @@ class SpeedServer:
         model_name: str | None = None,
         device: str = "auto",
         api_key: str | None = None,
-        exit_adapters: bool = True,
+        exit_adapters: bool | None = None,
     ) -> None:
         api.state.api_key = auth.resolve(api_key)  # None: open (no key given, none in $SPEED_API_KEY)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        if exit_adapters is None:  # the device's default (speed.engine.defaults): on a GPU yes, on a CPU no
+            exit_adapters = device_exit_adapters(device)
         self.served = load_served_model(checkpoint, device, exits=exit_adapters)
         self.model, self.tokenizer = self.served.model, self.served.tokenizer
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
@@ -393,8 +395,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     """Application builder for ``serve run speed.serve.app:build_app checkpoint=...`` and Serve config files.
 
     ``args``: ``checkpoint`` (a checkpoint or run directory, local or URI; default ``$SPEED_CHECKPOINT``),
-    ``stats_path``, ``model_name``, ``device`` (``auto``, ``cpu``, ``cuda``), ``exit_adapters`` (``true``, the
-    default: the checkpoint's exit adapters when it has them; ``false``: plain exits). An API key comes from
+    ``stats_path``, ``model_name``, ``device`` (``auto``, ``cpu``, ``cuda``), ``exit_adapters`` (``true``: the
+    checkpoint's exit adapters when it has them; ``false``: plain exits; unset: the device's default, on a GPU
+    yes, on a CPU no). An API key comes from
     ``$SPEED_API_KEY`` in the replicas' environment, never from ``args`` (config files are not secret).
     """
     known = {"checkpoint", "stats_path", "model_name", "device", "exit_adapters"}
@@ -429,14 +432,15 @@ def start_app(
     api_key: str | None = None,
     max_replicas_per_node: int | None = None,
     proxy_location: str = "EveryNode",
-    exit_adapters: bool = True,
+    exit_adapters: bool | None = None,
 ) -> str:
     """Start Serve's HTTP proxy on ``host:port`` (loopback by default) and deploy the application under
     ``route_prefix`` on the connected Ray; returns its URL. ``settings`` is the ``user_config``
     (``ServeSettings`` keys); ``api_key`` (else the replicas' ``$SPEED_API_KEY``) is required on every
     route but ``/healthz``. ``max_replicas_per_node=1`` spreads the replicas over the nodes;
     ``proxy_location="HeadOnly"``: one proxy (several nodes on one machine cannot all bind ``host:port``);
-    ``exit_adapters=False`` serves the checkpoint's plain exits even where it has exit adapters."""
+    ``exit_adapters`` (None: the device's default, on a GPU yes, on a CPU no) drafts with the checkpoint's exit
+    adapters where it has them."""
     from_dict(ServeSettings, dict(settings or {}))  # fail here, not in a replica
     serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     options: dict[str, Any] = {
