@@ -19,7 +19,7 @@ from speed.engine.policies import (
     may_launch,
 )
 from speed.engine.scheduler import Scheduler
-from speed.engine.state import Exit, InFlight, Sequence
+from speed.engine.state import Exit, InFlight, RequestState
 from speed.engine.types import NO_EXIT, DecodeStats, Request, Speculation
 from speed.sampling import Sampling
 
@@ -66,10 +66,10 @@ def test_may_branch():
     assert not may_branch(Speculation(), 0.5, 6, 5, EOS, 0)  # branches off
 
 
-def sequence(spec: Speculation = Speculation(), max_new: int = 8, sampling: Sampling = Sampling()) -> Sequence:  # noqa: B008
+def sequence(spec: Speculation = Speculation(), max_new: int = 8, sampling: Sampling = Sampling()) -> RequestState:  # noqa: B008
     request = Request([2], max_new, "speed", spec, sampling=sampling)
     rule = LaunchRule(spec.launch_loop, spec.min_confidence, EOS, max_new)
-    return Sequence(
+    return RequestState(
         0,
         request,
         rule,

@@ -61,7 +61,7 @@ Modules: ``types`` (the ``Stepper`` protocol, ``Admitted``, ``EngineConfig``,
 back), ``adapters`` (a ``Stepper`` per model
 family), ``policies`` (pure functions: the one launch rule ``may_launch``,
 what follows a token, branch, flush, row budget), ``state`` (a request's
-``Sequence``, its ``InFlight`` tokens and their ``Exit`` records),
+``RequestState``, its ``InFlight`` tokens and their ``Exit`` records),
 ``scheduler`` (``Scheduler``: which rows a step runs, and after it what each
 chain and lane becomes: what a step decides), ``outputs`` (what a step
 records: exits, commits' counters and traces, ``Finished``), ``engine``
@@ -70,7 +70,7 @@ its scheduler, executor and output processor.
 
 Names, one per concept (M loops of N shared layers):
 
-- request (``Request``): what a caller asks for. ``Sequence``: its decoding
+- request (``Request``): what a caller asks for. ``RequestState``: its decoding
   state in the engine, from ``add`` until it leaves (in traces the
   ``sequence`` column is its id).
 - prompt: a request's input ids (``Request.input_ids``): T5's encoder
@@ -78,7 +78,7 @@ Names, one per concept (M loops of N shared layers):
   (``max_source_len``, its T5 name, is still accepted).
 - slot: a request's place while it is active, one of
   ``EngineConfig.max_active``: its index in the KV cache and in the memory
-  (``Sequence.slot``, ``Rows.slot``, ``Stepper.admit``).
+  (``RequestState.slot``, ``Rows.slot``, ``Stepper.admit``).
 - position (``pos``): an output index, 0-based: the row at position p
   predicts output token p. T5's slot keeps keys at positions 0..max_len-1 of
   every virtual layer; an LM's keeps its prompt's P first, and output
@@ -91,7 +91,7 @@ Names, one per concept (M loops of N shared layers):
 - in-flight token (``InFlight``): launched, not yet committed; ``loops_done``
   of its M loops are finished, each leaving an exit record (``Exit``: its
   prediction, runner-up, top-1 probability and mode).
-- chain (``Sequence.chain``): a request's in-flight tokens in position order,
+- chain (``RequestState.chain``): a request's in-flight tokens in position order,
   each launched from its predecessor's exit; the oldest is on the committed
   path. branch: a second successor launched from a runner-up prediction;
   lane: the branch and its own successors, whose keys live in the slot's

@@ -21,7 +21,7 @@ from speed.engine.adapters import stepper_for
 from speed.engine.outputs import finished, record_commit, record_exits
 from speed.engine.policies import LaunchRule
 from speed.engine.scheduler import Scheduler
-from speed.engine.state import InFlight, Sequence
+from speed.engine.state import InFlight, RequestState
 from speed.engine.types import (
     METHODS,
     Commit,
@@ -51,8 +51,8 @@ class Engine:
             self._memory = self.model.memory(config.max_active, config.max_prompt_len, config.max_target_len)
         self._device = self._cache.device
         self._free = list(range(config.max_active))  # a heap: the lowest free slot is taken first
-        self._waiting: deque[Sequence] = deque()
-        self._active: dict[int, Sequence] = {}  # by id, in admission order
+        self._waiting: deque[RequestState] = deque()
+        self._active: dict[int, RequestState] = {}  # by id, in admission order
         self._next_id = 0
         self._step_no = 0
         self._lock = threading.Lock()  # the decoding state: step and cancel
@@ -95,7 +95,7 @@ class Engine:
             "logprobs": None if request.logprobs is None else [],
         }
         with self._queue_lock:
-            seq = Sequence(self._next_id, **seq_fields)
+            seq = RequestState(self._next_id, **seq_fields)
             self._next_id += 1
             self._waiting.append(seq)
         return seq.id
@@ -148,7 +148,7 @@ class Engine:
             self._after(seq, now, committed, done)
         return StepResult(committed, done, len(work))
 
-    def _execute(self, work: list[tuple[Sequence, InFlight]]) -> Tensor | None:
+    def _execute(self, work: list[tuple[RequestState, InFlight]]) -> Tensor | None:
         """Run the rows ``work`` through one pass of the model's group (embedding the tokens launched since),
         leave each token's hidden state for its next loop, and return the rows' exit logits (R, V) (None: no
         row needed them)."""
@@ -172,7 +172,7 @@ class Engine:
             t.hidden = h
         return logits
 
-    def _after(self, seq: Sequence, now: float, committed: list[Commit], done: list[Finished]) -> None:
+    def _after(self, seq: RequestState, now: float, committed: list[Commit], done: list[Finished]) -> None:
         """Schedule ``seq`` after its rows ran; record what it committed, and collect the request if it finished."""
         t = self._scheduler.schedule(seq)
         if t is not None:
@@ -222,7 +222,7 @@ class Engine:
         if k is not None and (type(k) is not int or not 0 <= k <= min(MAX_LOGPROBS, V)):
             raise ValueError(f"logprobs must be None or an integer in 0..{min(MAX_LOGPROBS, V)}, got {k!r}")
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self) -> list[RequestState]:
         """Move waiting requests into free slots and admit them there together (T5: encoding each prompt; a
         decoder-only LM: prefilling them in one pass), each one's result its own alone; return those whose
         output position 0 the admission decided."""
@@ -250,6 +250,6 @@ class Engine:
                 prefilled.append(seq)
         return prefilled
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: RequestState) -> None:
         del self._active[seq.id]
         heapq.heappush(self._free, seq.slot)

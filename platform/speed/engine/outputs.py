@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from speed.engine.state import Exit, InFlight, Sequence
+from speed.engine.state import Exit, InFlight, RequestState
 from speed.engine.types import NO_EXIT, DecodeStats, Finished, RequestStats
 from speed.sampling import exit_choices, exit_scores, token_logprob
 
 
-def record_exits(work: list[tuple[Sequence, InFlight]], logits: Tensor | None, n_loops: int) -> None:
+def record_exits(work: list[tuple[RequestState, InFlight]], logits: Tensor | None, n_loops: int) -> None:
     """Append each row's ``Exit`` (its draw, runner-up, confidence, mode; its logprob after the last of the
     ``n_loops`` loops) to its token, from the rows' logits (R, V); None: no exit was evaluated."""
     if logits is not None:
@@ -25,7 +25,7 @@ def record_exits(work: list[tuple[Sequence, InFlight]], logits: Tensor | None, n
             t.logprob = token_logprob(logits[r], e.pred, seq.request.logprobs)
 
 
-def record_commit(seq: Sequence, t: InFlight, stats: DecodeStats) -> None:
+def record_commit(seq: RequestState, t: InFlight, stats: DecodeStats) -> None:
     """Count the token ``t`` the scheduler just committed (the last of ``seq.out``): acceptance, flips per loop,
     its trace rows and logprob."""
     token = seq.out[-1]
@@ -41,7 +41,7 @@ def record_commit(seq: Sequence, t: InFlight, stats: DecodeStats) -> None:
         seq.logprobs.append(t.logprob)
 
 
-def finished(seq: Sequence, now: float, cancelled: bool) -> Finished:
+def finished(seq: RequestState, now: float, cancelled: bool) -> Finished:
     """What ``seq`` gives back when it leaves at ``now`` (perf_counter): its tokens, counters, trace, logprobs."""
     tokens = len(seq.out)
     stats = RequestStats(

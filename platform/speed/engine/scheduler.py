@@ -1,6 +1,6 @@
 """The scheduler: which rows a step computes, and after it, what each request's in-flight tokens become.
 
-It decides with the pure rules of ``speed.engine.policies`` and keeps the decoding state (``Sequence``,
+It decides with the pure rules of ``speed.engine.policies`` and keeps the decoding state (``RequestState``,
 ``InFlight``) and the cache's bookkeeping (invalidating and promoting entries) in step with its decisions; it
 never runs the model (the engine does) and records only its own counters (flushes, wasted rows, promotions).
 """
@@ -20,7 +20,7 @@ from speed.engine.policies import (
     may_launch,
     should_flush,
 )
-from speed.engine.state import InFlight, Sequence
+from speed.engine.state import InFlight, RequestState
 from speed.engine.types import DecodeStats
 
 
@@ -33,7 +33,7 @@ class Scheduler:
         self.row_budget = row_budget
         self.stats = stats  # the engine's totals: the scheduler adds flushes, wasted rows and promotions
 
-    def select(self, seqs: Iterable[Sequence], step_no: int) -> list[tuple[Sequence, InFlight]]:
+    def select(self, seqs: Iterable[RequestState], step_no: int) -> list[tuple[RequestState, InFlight]]:
         """Step ``step_no``'s rows, in the order of ``seqs`` (admission order): all in-flight rows, or the row
         budget's choice.
 
@@ -60,7 +60,7 @@ class Scheduler:
                 work.extend((s, t) for t in chosen[s.id])
         return work
 
-    def schedule(self, seq: Sequence) -> InFlight | None:
+    def schedule(self, seq: RequestState) -> InFlight | None:
         """After a step: commit the oldest token if it finished its last loop (returned; it ends ``seq`` at EOS or
         its last position), then walk the chain oldest first, deciding each token's successor.
 
@@ -79,12 +79,12 @@ class Scheduler:
         seq.chain = chain + ahead
         return committed
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: RequestState) -> None:
         """Drop every in-flight token of a request that leaves before its end (their rows are wasted)."""
         self._waste(seq, sum(t.loops_done for t in seq.in_flight()))
         seq.chain = []
 
-    def _commit(self, seq: Sequence, t: InFlight, ahead: list[InFlight]) -> list[InFlight]:
+    def _commit(self, seq: RequestState, t: InFlight, ahead: list[InFlight]) -> list[InFlight]:
         """Commit ``t``'s last-loop prediction; return its successors ``ahead`` as the prediction leaves them
         (kept, a promoted lane, or one relaunched on the committed path), or none when ``seq`` is done."""
         token = t.exits[-1].pred
@@ -98,7 +98,7 @@ class Scheduler:
         t.lane = self._drop(seq, t.lane)  # not taken over: the chain was right
         return ahead or [InFlight(t.pos + 1, token)]
 
-    def _advance(self, seq: Sequence, t: InFlight, ahead: list[InFlight], chain: list[InFlight]) -> list[InFlight]:
+    def _advance(self, seq: RequestState, t: InFlight, ahead: list[InFlight], chain: list[InFlight]) -> list[InFlight]:
         """Decide what follows the chain token ``t`` (``ahead``: its successors; ``chain``: the walked tokens, ``t``
         last) from its latest exit: flush or promote on a misprediction, launch a successor, keep its branch."""
         latest, guess = t.exits[-1], seq.guess(t)
@@ -110,7 +110,7 @@ class Scheduler:
         t.lane = self._grow_lane(seq, t.lane)
         return ahead
 
-    def _follow(self, seq: Sequence, parent: InFlight, ahead: list[InFlight], token: int) -> list[InFlight]:
+    def _follow(self, seq: RequestState, parent: InFlight, ahead: list[InFlight], token: int) -> list[InFlight]:
         """``parent``'s successors once ``token`` is the next one's input: ``ahead`` if it starts with it, else the
         parent's lane if its branch does (promoted), else none (``ahead`` flushed; the caller relaunches)."""
         choice = choose_successor(
@@ -132,7 +132,7 @@ class Scheduler:
 
     def _keep_branch(
         self,
-        seq: Sequence,
+        seq: RequestState,
         parent: InFlight,
         succ: InFlight | None,
         guess: int,
@@ -154,7 +154,7 @@ class Scheduler:
             side = heapq.heappop(seq.side_free)
             parent.lane = [self._draft(seq, parent.pos + 1, latest.runner_up, side=side)]
 
-    def _grow_lane(self, seq: Sequence, lane: list[InFlight]) -> list[InFlight]:
+    def _grow_lane(self, seq: RequestState, lane: list[InFlight]) -> list[InFlight]:
         """``lane`` after its tokens' latest exits: walked oldest first, each token's successor dropped when its
         prediction flushes it, one launched when the lane has room and the launch rule allows."""
         spec = seq.request.speculation
@@ -175,7 +175,7 @@ class Scheduler:
         return grown + lane
 
     def _draft(
-        self, seq: Sequence, pos: int, token: int, side: int = -1, up: tuple[tuple[int, int], ...] = ()
+        self, seq: RequestState, pos: int, token: int, side: int = -1, up: tuple[tuple[int, int], ...] = ()
     ) -> InFlight:
         """A token launched at ``pos`` from an early exit (on the chain, or in a lane: ``side``, ``up``), counted
         as a draft token at its draft position: the uncommitted tokens ahead of it, chain and lane alike (a lane
@@ -185,14 +185,14 @@ class Scheduler:
         seq.drafts += ahead == 1
         return InFlight(pos, token, ahead=ahead, side=side, up=up)
 
-    def _drop(self, seq: Sequence, lane: list[InFlight]) -> list[InFlight]:
+    def _drop(self, seq: RequestState, lane: list[InFlight]) -> list[InFlight]:
         """Drop lane tokens (their rows are wasted), freeing their side entries; return the empty lane."""
         for t in lane:
             heapq.heappush(seq.side_free, t.side)
             self._waste(seq, t.loops_done)
         return []
 
-    def _flush(self, seq: Sequence, dropped: list[InFlight], mispredicted: bool) -> None:
+    def _flush(self, seq: RequestState, dropped: list[InFlight], mispredicted: bool) -> None:
         """Drop chain tokens (their lanes too) and invalidate their cache entries."""
         if not dropped:
             return
@@ -203,6 +203,6 @@ class Scheduler:
         seq.flushes += mispredicted
         self.stats.flushes += mispredicted
 
-    def _waste(self, seq: Sequence, rows: int) -> None:
+    def _waste(self, seq: RequestState, rows: int) -> None:
         seq.wasted_rows += rows
         self.stats.wasted_rows += rows

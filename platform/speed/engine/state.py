@@ -1,4 +1,4 @@
-"""The engine's decoding state: a request's ``Sequence``, its ``InFlight`` tokens and their ``Exit`` records."""
+"""The engine's decoding state: a request's ``RequestState``, its ``InFlight`` tokens and their ``Exit`` records."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class InFlight:
 
 
 @dataclass
-class Sequence:
+class RequestState:
     """One request's state, from ``add`` until it leaves."""
 
     id: int
