@@ -522,15 +522,20 @@ def _quality_columns(quality: Quality | None) -> dict[str, Any]:
     return dict(zip(names, values))
 
 
+def _scoring(held: HeldOut) -> tuple[Any, str]:
+    """The tokenizer that detokenizes ``held``'s outputs, and its task's metric (BLEU for translation, else ROUGE-L)."""
+    from speed.data import get_task
+    from speed.tokenizer import Tokenizer
+
+    return Tokenizer.load(held.tokenizer_path), "bleu" if "bleu" in get_task(held.task).metrics else "rougeL"
+
+
 def score_outputs(held: HeldOut, samples: int = 1000) -> Callable[[list[list[int]]], Quality]:
     """A ``quality`` for ``run_lever_benchmark``: a model's outputs detokenized and scored against ``held``'s
     references with the task's metric (BLEU for translation, else ROUGE-L) and its bootstrap interval."""
     from speed import metrics
-    from speed.data import get_task
-    from speed.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(held.tokenizer_path)
-    metric = "bleu" if "bleu" in get_task(held.task).metrics else "rougeL"
+    tok, metric = _scoring(held)
 
     def quality(outputs: list[list[int]]) -> Quality:
         scored = metrics.bootstrap(tok.decode_batch(outputs), held.references[: len(outputs)], samples)[metric]
@@ -543,11 +548,8 @@ def paired_quality(held: HeldOut, outputs: dict[str, list[list[int]]], samples: 
     """Each checkpoint's output against the first's on the same references: the task's metric's difference with
     its 95 % paired-bootstrap interval (``speed.metrics.paired_bootstrap``), one line per checkpoint."""
     from speed import metrics
-    from speed.data import get_task
-    from speed.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(held.tokenizer_path)
-    metric = "bleu" if "bleu" in get_task(held.task).metrics else "rougeL"
+    tok, metric = _scoring(held)
     (first, baseline), *others = outputs.items()
     refs, lines = held.references[: len(baseline)], []
     for name, output in others:
