@@ -53,6 +53,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # The suite's Rays are single nodes, or nodes lost by SIGKILL, never preempted: without Ray Train's preemption
     # watcher each of the suite's ~30 Train runs starts one actor process fewer (as a job's private Ray does).
     os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
+    # Ray Train's controller polls its workers every 2 s: a run that ends waits up to that long to be noticed, and
+    # its start waits on the first poll too. The suite's runs are seconds long: polling at 0.2 s saves ~4 s per run
+    # (measured: an empty 1-worker TorchTrainer.fit 12.6 s -> 7.7 s on a warm Ray). Inherited by every Ray started.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 

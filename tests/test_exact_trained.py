@@ -2,8 +2,9 @@
 
 A random model's logits are far apart; a trained one's often are not (the
 issue's Multi30k checkpoint met a 4.8e-07 top-2 gap at position 54). So a
-small 2x3 model is trained for real on Multi30k EN-DE (in-process, a few
-hundred steps), and SPEED's per-loop logits must equal sequential decoding's
+small 2x3 model is trained for real on Multi30k EN-DE (in-process, 150 steps:
+loss 3.2, and its smallest last-loop top-2 gap on the test below is of the same order as after 300 steps,
+measured 3.2e-04 against 1.3e-04, at half the cost), and SPEED's per-loop logits must equal sequential decoding's
 bit for bit on 100+ test sentences decoded to 64 tokens each, in batches of
 varying composition, for several launch loops and both policies, with and
 without runner-up branches and the confidence gate, on 2 threads, greedy and
@@ -27,12 +28,12 @@ from speed.model import SpeedT5, shift_right
 from speed.sampling import Sampling
 from speed.tokenizer import train_tokenizer
 
-STEPS, BATCH, SENTENCES, NEW_TOKENS = 300, 32, 104, 64
+STEPS, BATCH, SENTENCES, NEW_TOKENS = 150, 32, 104, 64
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """(model, tokenizer): a 2x3 model trained STEPS steps on Multi30k EN-DE, on one thread (~30-60 s)."""
+    """(model, tokenizer): a 2x3 model trained STEPS steps on Multi30k EN-DE, on one thread (~25 s)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -119,6 +120,7 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
         torch.set_num_threads(before)
     assert rows_checked == SENTENCES * NEW_TOKENS * model.n_loops and sampled > 5
     assert promotions > 0  # runner-up branches took over
+    assert min(gaps) < 1e-3  # near-ties were met (measured 3.2e-04), the case this test exists for
     print(
         f"{rows_checked} logit rows bit-identical; smallest last-loop top-2 gap {min(gaps):.2e}; "
         f"{promotions} promotions"

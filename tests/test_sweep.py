@@ -335,6 +335,7 @@ def _job(storage: Path, tokenizer: Path):
     flags = ["--preset", "tiny", "--task", "translate_en_de", "--limit", "64", "--tokenizer", str(tokenizer)]
     flags += ["--batch-size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--warmup-steps", "1"]
     flags += ["--max-source-len", "24", "--max-target-len", "24", "--cpus-per-worker", "2", "--log-every", "2"]
+    flags += ["--max-failures", "1"]  # the failing pattern's trials: Tune restarts each once, which re-raises at once
     return job_from_args("finetune", flags + ["--storage-path", str(storage)])
 
 
