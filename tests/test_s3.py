@@ -77,7 +77,7 @@ def test_serve_statistics_go_to_s3_and_read_back(s3_bucket, tmp_path):
     from test_serve_parts import _row, _trace
 
     storage = f"{s3_bucket}/stats"
-    sink = StatsSink(storage, "app#SpeedServer#a", max_rows=2, max_seconds=600)
+    sink = StatsSink(storage, "app#SpeedServer#a", max_records=2, max_seconds=600)
     for i in range(3):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
         if sink.due():

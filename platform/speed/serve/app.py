@@ -9,9 +9,9 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (OpenAI's; se
 local path or a URI: ``speed.serve.loading``), plans each request into engine requests
 (``speed.serve.planning``; the family, T5 or looped LM, is the checkpoint's), decodes them with
 an ``EngineRunner``, merges their tokens into answers (``speed.serve.answers``) and writes one ``REQUEST_SCHEMA``
-row per decoded choice, and its flip trace, under ``stats_path``
-(``speed.serve.rows``, ``speed.serve.sink``); counters and histograms also go
-to Ray's Prometheus export (``speed.serve.metrics``). On local storage each row
+record per decoded choice, and its flip trace, under ``stats_path``
+(``speed.serve.records``, ``speed.serve.sink``); counters and histograms also go
+to Ray's Prometheus export (``speed.serve.metrics``). On local storage each record
 is logged before its answer leaves, and Serve's graceful stop writes the rest
 through ``drain``. Live settings (``ServeSettings``) come from ``user_config``
 via ``reconfigure`` (``speed.serve.settings``). Bodies are checked for size, JSON, text and prompt count
@@ -53,8 +53,8 @@ from speed.serve.loading import load_served_model
 from speed.serve.metrics import ServeMetrics, resident_bytes
 from speed.serve.planning import Plan, plan_request
 from speed.serve.protocol import ChatRequest, CompletionRequest
+from speed.serve.records import ChoiceMeta, choice_stats, request_record, trace_records
 from speed.serve.responses import Choice, Surface, TokenInfo
-from speed.serve.rows import ChoiceMeta, choice_stats, request_row, trace_rows
 from speed.serve.runner import EngineRunner, Submission
 from speed.serve.settings import DEFAULT_STATS_PATH, ServeSettings
 from speed.serve.sink import StatsSink
@@ -130,7 +130,7 @@ async def _parse(http: StarletteRequest, settings: ServeSettings, model: type[Ba
 # Defined before the deployment class: Serve serializes the class when it is decorated, with the module's
 # globals as they are at that moment, so a helper defined below it does not exist in the replicas.
 def _log_write_error(done: Future) -> None:
-    if done.exception() is not None:  # the rows stay in their write-ahead log on local storage
+    if done.exception() is not None:  # the records stay in their write-ahead log on local storage
         log.error("writing request statistics failed: %r", done.exception())
 
 
@@ -179,7 +179,7 @@ class SpeedServer:
         settings.check_model(self.model.n_loops)
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)
-        self.sink.max_rows, self.sink.max_seconds = settings.flush_rows, float(settings.flush_s)
+        self.sink.max_records, self.sink.max_seconds = settings.flush_rows, float(settings.flush_s)
         await self.runner.reconfigure(settings.engine_config())
         self.settings = settings
 
@@ -195,7 +195,7 @@ class SpeedServer:
             raise RuntimeError(f"the engine loop died: {task.exception()!r}")
 
     def drain(self) -> int:
-        """Stop the engine, wait for statistics being written and write the rest; returns the rows written now.
+        """Stop the engine, wait for statistics being written and write the rest; returns the records written now.
         Serve calls it (through ``__del__``) on every graceful stop, after the replica's requests drained."""
         runner, sink = getattr(self, "runner", None), getattr(self, "sink", None)
         if runner is not None:
@@ -208,7 +208,7 @@ class SpeedServer:
 
     def __del__(self) -> None:
         """What Serve's graceful shutdown calls on a replica (``serve.delete``, ``serve.shutdown``, a redeploy,
-        scaling down): ``drain``. A replica killed hard skips it; its logged rows are kept (``speed.serve.sink``)."""
+        scaling down): ``drain``. A replica killed hard skips it; its logged records are kept (``speed.serve.sink``)."""
         self.drain()
 
     # ----- routes ---------------------------------------------------------------------------------
@@ -352,9 +352,9 @@ class SpeedServer:
         self._metrics.step(rows, active, queued)
 
     def _record(self, finished: Finished, submission: Submission) -> None:
-        """A choice left the engine: one statistics row (and its trace) to the sink, metrics."""
+        """A choice left the engine: one statistics record (and its trace) to the sink, metrics."""
         meta: ChoiceMeta = submission.meta["choice"]
-        row = request_row(
+        record = request_record(
             meta,
             submission.request,
             finished,
@@ -368,8 +368,8 @@ class SpeedServer:
             max_active=self.runner.config.max_active,
             row_budget=self.runner.config.row_budget,
         )
-        self.sink.add(row, trace_rows(finished.trace, meta.request_id, meta.choice, self.replica))
-        self._metrics.finished(row, submission.gaps)
+        self.sink.add(record, trace_records(finished.trace, meta.request_id, meta.choice, self.replica))
+        self._metrics.finished(record, submission.gaps)
         if self.sink.due():
             self._write_soon()
 
@@ -384,7 +384,7 @@ class SpeedServer:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_periodically())
 
     async def _flush_periodically(self) -> None:
-        """The time bound: flush buffered rows once they are ``flush_s`` old, even when no request comes."""
+        """The time bound: flush buffered records once they are ``flush_s`` old, even when no request comes."""
         while True:
             await asyncio.sleep(min(1.0, self.sink.max_seconds / 4))
             if self.sink.due():

@@ -30,8 +30,8 @@ class ServeSettings(SpeculationFields):
     max_tokens: int = 64
     trace: bool = True  # per-request flip traces to Parquet
     threads: int | None = None  # torch CPU threads of the replica; None: torch's choice
-    flush_rows: int = 256  # statistics: write a row group at this many requests ...
-    flush_s: float = 30.0  # ... or when the oldest buffered row is this old
+    flush_rows: int = 256  # statistics: write the buffer as Parquet at this many records ...
+    flush_s: float = 30.0  # ... or when the oldest buffered record is this old
     max_prompts: int = 32  # prompts in one request (a longer prompt array is a 400)
     max_body_bytes: int = 1 << 20  # request body size (a larger body is a 413, refused before it is read)
 

@@ -1,8 +1,8 @@
-"""What a decoded choice leaves behind: the ``speed`` statistics of an answer and its Parquet rows (pure functions).
+"""What a decoded choice leaves behind: the ``speed`` statistics of an answer and its records (pure functions).
 
 ``choice_stats`` is the per-choice part of an answer's ``speed`` object;
-``request_row`` the ``REQUEST_SCHEMA`` row and ``trace_rows`` the
-``SERVE_TRACE_SCHEMA`` rows of one choice that left the engine. Nothing here
+``request_record`` the ``REQUEST_SCHEMA`` record and ``trace_records`` the
+``SERVE_TRACE_SCHEMA`` records of one choice that left the engine. Nothing here
 touches Ray, the engine or the clock.
 """
 
@@ -61,7 +61,7 @@ def finish_reason(finished: Finished, eos_id: int, stopped_at: int | None) -> st
     return "stop" if finished.tokens and finished.tokens[-1] == eos_id else "length"
 
 
-def request_row(
+def request_record(
     meta: ChoiceMeta,
     request: Request,
     finished: Finished,
@@ -76,7 +76,7 @@ def request_row(
     max_active: int,
     row_budget: int | None,
 ) -> dict[str, Any]:
-    """The ``REQUEST_SCHEMA`` row of one choice (``stopped_at``: tokens it kept when a stop string ended it)."""
+    """The ``REQUEST_SCHEMA`` record of one choice (``stopped_at``: tokens it kept when a stop string ended it)."""
     st, s = finished.stats, request.sampling
     tokens = len(finished.tokens) if stopped_at is None else stopped_at
     speed = {k: v for k, v in choice_stats(finished).items() if k not in ("tokens", "spec_decode")}
@@ -117,7 +117,7 @@ def request_row(
     }
 
 
-def trace_rows(trace: pa.Table | None, request_id: str, choice: int, replica: str) -> pa.Table | None:
+def trace_records(trace: pa.Table | None, request_id: str, choice: int, replica: str) -> pa.Table | None:
     """The engine's trace of one request with the columns that key it in the served statistics."""
     if trace is None or trace.num_rows == 0:
         return None
