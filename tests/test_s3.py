@@ -29,9 +29,9 @@ from speed import SpeedT5, preset
 from speed.analysis.results import discover, local_results, read_tables
 from speed.benchmarks.decode import held_out
 from speed.checkpoint import load_model, save_model
-from speed.serve.loading import load_served_model
 from speed.serve.readers import read_requests, read_traces
 from speed.serve.schemas import REQUEST_SCHEMA
+from speed.serve.settings import load_served_model
 from speed.serve.sink import StatsSink, write_ahead_logs
 from speed.storage import locate
 from speed.sweep import SweepConfig, run_sweep

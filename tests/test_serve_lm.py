@@ -210,7 +210,7 @@ def test_every_choice_leaves_a_statistics_row_naming_the_family(server, client):
 
 def test_the_checkpoint_family_and_template_reach_the_replica(server):
     """The served model is the checkpoint's LM (not a T5), with the template the checkpoint stores."""
-    from speed.serve.loading import load_served_model
+    from speed.serve.settings import load_served_model
 
     served = load_served_model(str(Path(server["stats"]).parent / "ckpt"), "cpu")
     assert served.family == "lm" and isinstance(served.model, LoopedLM) and served.template == TEMPLATE

@@ -24,15 +24,15 @@ from speed import SpeedT5, generate, preset
 from speed.engine import EngineConfig, Request, Speculation, stepper_for
 from speed.paths import repo_root
 from speed.serve import auth
-from speed.serve.limits import BadRequest, parse_body, read_body
+from speed.serve.answers import TextStream
+from speed.serve.limits import parse_body, read_body
 from speed.serve.loadgen import LoadConfig, arrival_times, summarize
 from speed.serve.metrics import ServeCounters
-from speed.serve.protocol import CompletionRequest, validation_message
+from speed.serve.protocol import BadRequest, CompletionRequest, validation_message
 from speed.serve.readers import read_requests, read_traces
 from speed.serve.runner import EngineRunner
 from speed.serve.schemas import DESTINATION_FILE, LOADGEN_SCHEMA, REQUEST_SCHEMA, SERVE_TRACE_SCHEMA, WAL_DIR
 from speed.serve.sink import StatsSink, compact_orphans, log_folder, write_ahead_logs
-from speed.serve.text import TextStream
 from speed.storage import locate
 from speed.trace import TRACE_SCHEMA
 

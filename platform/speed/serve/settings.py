@@ -1,13 +1,26 @@
-"""A replica's live settings (Serve's ``user_config``): capacity, row budget, request defaults, statistics and
-body limits; unknown keys are errors (``speed.config.from_dict``)."""
+"""What a replica serves and how: the served model (loaded once), its live settings and how a request's
+decoding is named.
+
+``load_served_model`` loads a checkpoint (a path or URI, or a run's newest) with its tokenizer and family.
+``ServeSettings`` is Serve's ``user_config``: capacity, row budget, request defaults, statistics and body limits;
+unknown keys are errors (``speed.config.from_dict``). ``decoding`` names how a request is decoded (method,
+SPEED's settings, seed, sampling) as answers and statistics records give it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from speed.chat import CHAT_TEMPLATE, ChatTemplate
+from speed.checkpoint import checkpoint_family, load_model
+from speed.config import from_dict
 from speed.data import get_task
-from speed.engine import METHODS, EngineConfig, Method, SpeculationFields
+from speed.engine import LEVERS, METHODS, EngineConfig, Method, Request, SpeculationFields
 from speed.paths import repo_root
+from speed.tokenizer import Tokenizer
 
 DEFAULT_STATS_PATH = str(repo_root() / "runs" / "serve")
 
@@ -73,6 +86,55 @@ class ServeSettings(SpeculationFields):
             self.speculation.check_loops(n_loops)
         except ValueError as err:
             raise ValueError(f"ServeSettings: {err}") from None
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a replica serves: the model (eval mode, on its device), its tokenizer, its family (``t5`` or ``lm``,
+    from the checkpoint's config.json) and, for an LM, the chat template its prompts were written in."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    family: str
+    template: ChatTemplate | None  # an LM's (config.json's ``chat_template``; ``speed.chat``'s when absent)
+
+
+def load_served_model(checkpoint: str, device: str, exits: bool = True) -> ServedModel:
+    """The served model of a checkpoint path or URI (or a run's newest); a checkpoint without spm.model is an error.
+
+    With ``exits`` the checkpoint's exit adapters (``speed.exits``), when it has them, adapt the drafts; the
+    answers are the same either way."""
+    loaded = load_model(checkpoint, map_location=device, exits=exits)
+    if loaded.tokenizer_path is None:
+        raise FileNotFoundError(f"checkpoint {loaded.checkpoint} holds no spm.model: serving needs its tokenizer")
+    tokenizer = Tokenizer.load(loaded.tokenizer_path)  # reads the file into memory
+    family = checkpoint_family(loaded.config)
+    template = None
+    if family == "lm":
+        stored = loaded.config.get("chat_template")
+        template = from_dict(ChatTemplate, stored, "chat_template") if stored is not None else CHAT_TEMPLATE
+    return ServedModel(loaded.model.to(device).eval(), tokenizer, family, template)
+
+
+def levers(request: Request) -> dict[str, Any]:
+    """SPEED's settings of a request by name (``speed.engine.LEVERS``), as answers and statistics records give
+    them: for a sequential request its launch loop and invalidation only, the rest null (they do not apply)."""
+    s, speed = request.speculation, request.method == "speed"
+    return {name: getattr(s, name) if speed or name in ("launch_loop", "invalidation") else None for name in LEVERS}
+
+
+def decoding(request: Request, seed: int) -> dict[str, Any]:
+    """How a request is decoded, by name, as an answer's ``speed`` object and a statistics record give it: its
+    method, SPEED's settings (``levers``), the ``seed`` it was given and its sampling."""
+    s = request.sampling
+    return {
+        "method": request.method,
+        **levers(request),
+        "seed": seed,
+        "temperature": float(s.temperature),
+        "top_p": float(s.top_p),
+        "top_k": s.top_k,
+    }
 
 
 def _number(value: object) -> bool:
