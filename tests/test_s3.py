@@ -102,14 +102,15 @@ def test_a_replica_killed_hard_on_s3_loses_no_answered_row(ray_session, tiny_tok
     from ray import serve
 
     from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
 
     _tiny_checkpoint(tiny_tokenizer, tmp_path / "ckpt")
     stats, app = f"{s3_bucket}/stats", "speed-s3-kill"
     settings = {"max_source_len": 48, "max_tokens": 4, "flush_rows": 100, "flush_s": 600}  # nothing flushed
-    url = start_app(
+    url = start_app(AppConfig(
         str(tmp_path / "ckpt"), port=_free_port(), settings=settings, stats_path=stats, model_name="tiny",
         device="cpu", num_cpus=1, name=app,
-    )  # fmt: skip
+    ))  # fmt: skip
     try:
         answered = []
         for prompt in ("A dog runs.", "Rain falls.", "Two cats sleep."):

@@ -42,6 +42,7 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
     from ray import serve
 
     from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
 
     root = tmp_path_factory.mktemp("serve-lm")
     tokenizer = Tokenizer.load(tiny_tokenizer)
@@ -55,7 +56,7 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
     (ckpt / "config.json").write_text(json.dumps(config | {"chat_template": to_dict(TEMPLATE)}))
     options = {"stats_path": str(root / "stats"), "model_name": NAME, "device": "cpu", "name": APP, "api_key": KEY}
     options |= {"port": _free_port(), "num_cpus": 1, "route_prefix": "/lm"}
-    url = start_app(str(ckpt), settings=SETTINGS, **options)
+    url = start_app(AppConfig(str(ckpt), settings=SETTINGS, **options))
     yield {"url": url, "model": model, "tokenizer": tokenizer, "stats": options["stats_path"], "answered": []}
     if APP in serve.status().applications:
         serve.delete(APP)

@@ -22,7 +22,7 @@ through its stages:
    graceful stop writes the rest through ``drain``.
 
 Live settings (``ServeSettings``) come from ``user_config`` via ``reconfigure`` (``speed.serve.settings``).
-With an API key (``start_app(api_key=...)`` or ``$SPEED_API_KEY``) every route but ``/healthz`` needs
+With an API key (``AppConfig.api_key`` or ``$SPEED_API_KEY``) every route but ``/healthz`` needs
 ``Authorization: Bearer <key>`` (``speed.serve.auth``).
 """
 
@@ -55,7 +55,7 @@ from speed.serve.protocol import BadRequest, ChatRequest, CompletionRequest
 from speed.serve.records import ChoiceMeta, Recorder
 from speed.serve.responses import Surface
 from speed.serve.runner import EngineRunner
-from speed.serve.settings import DEFAULT_STATS_PATH, ServeSettings, load_served_model
+from speed.serve.settings import DEFAULT_STATS_PATH, AppConfig, ServeSettings, load_served_model
 from speed.serve.sink import StatsSink
 
 CHECKPOINT_ENV = "SPEED_CHECKPOINT"  # build_app's checkpoint when its args name none
@@ -284,50 +284,22 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     return SpeedServer.bind(**args)
 
 
-def start_app(
-    checkpoint: str,
-    *,
-    port: int = 8000,
-    host: str = "127.0.0.1",
-    replicas: int = 1,
-    settings: dict[str, Any] | None = None,
-    stats_path: str = DEFAULT_STATS_PATH,
-    model_name: str | None = None,
-    device: str = "auto",
-    num_cpus: float = 1,
-    num_gpus: float = 0,
-    max_ongoing_requests: int | None = None,
-    max_queued_requests: int | None = None,
-    name: str = "speed",
-    route_prefix: str = "/",
-    api_key: str | None = None,
-    max_replicas_per_node: int | None = None,
-    proxy_location: str = "EveryNode",
-    exit_adapters: bool | None = None,
-) -> str:
-    """Start Serve's HTTP proxy on ``host:port`` (loopback by default) and deploy the application under
-    ``route_prefix`` on the connected Ray; returns its URL. ``settings`` is the ``user_config``
-    (``ServeSettings`` keys); ``api_key`` (else the replicas' ``$SPEED_API_KEY``) is required on every
-    route but ``/healthz``. ``max_replicas_per_node=1`` spreads the replicas over the nodes;
-    ``proxy_location="HeadOnly"``: one proxy (several nodes on one machine cannot all bind ``host:port``);
-    ``exit_adapters`` (None: the device's default, on a GPU yes, on a CPU no) drafts with the checkpoint's exit
-    adapters where it has them."""
-    from_dict(ServeSettings, dict(settings or {}))  # fail here, not in a replica
-    serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
+def start_app(config: AppConfig) -> str:
+    """Start Serve's HTTP proxy and deploy the application on the connected Ray as ``config`` says (loopback and
+    one replica by default); returns its URL."""
+    c = config
+    serve.start(proxy_location=c.proxy_location, http_options={"host": c.host, "port": c.port})
     options: dict[str, Any] = {
-        "num_replicas": replicas,
-        "user_config": dict(settings or {}),
-        "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+        "num_replicas": c.replicas,
+        "user_config": dict(c.settings),
+        "ray_actor_options": {"num_cpus": c.num_cpus, "num_gpus": c.num_gpus},
     }
-    given = {
-        "max_ongoing_requests": max_ongoing_requests,
-        "max_queued_requests": max_queued_requests,
-        "max_replicas_per_node": max_replicas_per_node,
-    }
-    for key, value in given.items():
-        if value is not None:
-            options[key] = value
+    for key in ("max_ongoing_requests", "max_queued_requests", "max_replicas_per_node"):
+        if getattr(c, key) is not None:  # else the deployment's own
+            options[key] = getattr(c, key)
     deployment = SpeedServer.options(**options)
-    app = deployment.bind(checkpoint, stats_path, model_name, device, api_key=api_key, exit_adapters=exit_adapters)
-    serve.run(app, name=name, route_prefix=route_prefix)
-    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+    app = deployment.bind(
+        c.checkpoint, c.stats_path, c.model_name, c.device, api_key=c.api_key, exit_adapters=c.exit_adapters
+    )
+    serve.run(app, name=c.name, route_prefix=c.route_prefix)
+    return f"http://{c.host}:{c.port}{c.route_prefix.rstrip('/')}"

@@ -1,15 +1,17 @@
-"""What a replica serves and how: the served model (loaded once), its live settings and how a request's
-decoding is named.
+"""What a replica serves and how: the served model (loaded once), its live settings, how the application is
+deployed, and how a request's decoding is named.
 
 ``load_served_model`` loads a checkpoint (a path or URI, or a run's newest) with its tokenizer and family.
 ``ServeSettings`` is Serve's ``user_config``: capacity, row budget, request defaults, statistics and body limits;
-unknown keys are errors (``speed.config.from_dict``). ``decoding`` names how a request is decoded (method,
-SPEED's settings, seed, sampling) as answers and statistics records give it.
+unknown keys are errors (``speed.config.from_dict``). ``AppConfig`` is how ``speed.serve.app.start_app`` deploys
+the application: the replicas' checkpoint and ``user_config``, the deployment's resources, the HTTP proxy.
+``decoding`` names how a request is decoded (method, SPEED's settings, seed, sampling) as answers and statistics
+records give it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,6 +88,38 @@ class ServeSettings(SpeculationFields):
             self.speculation.check_loops(n_loops)
         except ValueError as err:
             raise ValueError(f"ServeSettings: {err}") from None
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """How ``start_app`` deploys the application. ``settings`` is the replicas' ``user_config``
+    (``ServeSettings`` keys; SPEED's settings it leaves out follow each replica's device), checked here so that
+    a misspelled key fails before any replica starts."""
+
+    checkpoint: str  # a checkpoint or run directory, a local path or a URI
+    settings: dict[str, Any] = field(default_factory=dict)
+    # each replica's
+    stats_path: str = DEFAULT_STATS_PATH  # where its statistics go, local or a URI
+    model_name: str | None = None  # the id in /v1/models; None: the checkpoint's folder name
+    device: str = "auto"  # "auto", "cpu", "cuda"
+    exit_adapters: bool | None = None  # draft with the checkpoint's exit adapters; None: on a GPU yes, on a CPU no
+    api_key: str | None = field(default=None, repr=False)  # every route but /healthz needs it; None: $SPEED_API_KEY
+    # the deployment's
+    name: str = "speed"
+    route_prefix: str = "/"
+    replicas: int = 1
+    num_cpus: float = 1  # per replica
+    num_gpus: float = 0
+    max_ongoing_requests: int | None = None  # None: the deployment's own (speed.serve.app.SpeedServer)
+    max_queued_requests: int | None = None
+    max_replicas_per_node: int | None = None  # 1: each replica on a node of its own
+    # Serve's HTTP proxy
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    proxy_location: str = "EveryNode"  # "HeadOnly": one proxy (nodes sharing a machine cannot all bind host:port)
+
+    def __post_init__(self) -> None:
+        from_dict(ServeSettings, dict(self.settings))
 
 
 @dataclass(frozen=True)
