@@ -195,21 +195,6 @@ async def choice_events(
                 cancel(s.id)
 
 
-def choice_of(index: int, prompt: int, prompt_tokens: int, text: ChoiceText, finished: Finished) -> Choice:
-    """The answer's view of a finished choice: its text, why it ended, its token counts and statistics."""
-    tokens = finished.tokens
-    stopped = text.stopped or (bool(tokens) and tokens[-1] == EOS_ID)
-    return Choice(
-        index=index,
-        prompt=prompt,
-        text=text.text,
-        finish_reason="stop" if stopped else "length",
-        prompt_tokens=prompt_tokens,
-        completion_tokens=text.consumed if text.stopped else len(tokens),
-        speed=choice_stats(finished),
-    )
-
-
 @dataclass(frozen=True)
 class Answering:
     """One request being answered: how its route shapes it, its ids, its plan and its choices in the engine."""
@@ -231,8 +216,18 @@ class Answering:
         return [ChoiceText(tok.decode, tok.piece, plan.stops, logprobs, plan.echoes[p]) for p in plan.prompts]
 
     def choice(self, index: int, text: ChoiceText, finished: Finished) -> Choice:
-        prompt_tokens = len(self.submissions[index].request.input_ids)
-        return choice_of(index, self.plan.prompts[index], prompt_tokens, text, finished)
+        """The answer's view of a finished choice: its text, why it ended, its token counts and statistics."""
+        tokens = finished.tokens
+        stopped = text.stopped or (bool(tokens) and tokens[-1] == EOS_ID)
+        return Choice(
+            index=index,
+            prompt=self.plan.prompts[index],
+            text=text.text,
+            finish_reason="stop" if stopped else "length",
+            prompt_tokens=len(self.submissions[index].request.input_ids),
+            completion_tokens=text.consumed if text.stopped else len(tokens),
+            speed=choice_stats(finished),
+        )
 
 
 async def whole_answer(a: Answering) -> dict[str, Any]:
