@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import ray
@@ -34,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.cli import parse_set, user_errors
 from speed.cluster import code_runtime_env, loopback_options
-from speed.serve.app import DEFAULT_STATS_PATH, start_app
+from speed.serve.app import start_app
 from speed.serve.auth import API_KEY_ENV
+from speed.serve.settings import DEFAULT_STATS_PATH, AppConfig
 from speed.serve.sink import compact_orphans, write_ahead_logs
 from speed.storage import absolute
 
@@ -43,6 +45,7 @@ APP = "speed"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; each one that deploys is named as its ``speed.serve.settings.AppConfig`` field."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="checkpoint or run directory, a local path or a URI")
     p.add_argument("--port", type=int, default=8000)
@@ -134,23 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(**where, log_to_driver=True, runtime_env=code_runtime_env())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:
-        url = start_app(
-            args.checkpoint,
-            port=args.port,
-            host=args.host,
-            replicas=args.replicas,
-            settings=settings,
-            stats_path=stats_path,
-            model_name=args.model_name,
-            exit_adapters=args.exit_adapters,
-            device="cuda" if args.num_gpus > 0 else "cpu",
-            num_cpus=args.num_cpus,
-            num_gpus=args.num_gpus,
-            name=APP,
-            api_key=api_key,
-            max_replicas_per_node=args.max_replicas_per_node,
-            proxy_location=args.proxy_location,
-        )
+        flags = {f.name: getattr(args, f.name) for f in fields(AppConfig) if hasattr(args, f.name)}  # same names
+        device = "cuda" if args.num_gpus > 0 else "cpu"
+        given = {"settings": settings, "stats_path": stats_path, "api_key": api_key, "device": device, "name": APP}
+        url = start_app(AppConfig(**flags | given))
         key = "; an API key is required" if api_key else ""
         print(f"serving {args.checkpoint} at {url} (Ctrl-C stops){key}; statistics in {stats_path}", flush=True)
         while True:

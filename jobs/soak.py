@@ -104,17 +104,20 @@ def main(argv: list[str] | None = None) -> int:
 def _start(checkpoint: str, stats: str, replicas: int, concurrency: int) -> str:
     from speed.cluster import start_local_ray
     from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
 
     start_local_ray()
     return start_app(
-        checkpoint,
-        port=_free_port(),
-        replicas=replicas,
-        stats_path=stats,
-        device="cpu",
-        num_cpus=0,
-        max_ongoing_requests=concurrency + 4,
-        max_queued_requests=4 * concurrency,
+        AppConfig(
+            checkpoint,
+            port=_free_port(),
+            replicas=replicas,
+            stats_path=stats,
+            device="cpu",
+            num_cpus=0,
+            max_ongoing_requests=concurrency + 4,
+            max_queued_requests=4 * concurrency,
+        )
     )
 
 

@@ -145,7 +145,7 @@ def test_checkpoint_keeps_adapters_beside_the_model(tmp_path, make):
 
 def test_serve_loads_the_adapters_unless_told_not_to(tmp_path, tiny_tokenizer):
     from speed.serve.app import build_app
-    from speed.serve.loading import load_served_model
+    from speed.serve.settings import load_served_model
     from speed.tokenizer import Tokenizer
 
     torch.manual_seed(0)

@@ -29,9 +29,9 @@ from speed import SpeedT5, preset
 from speed.analysis.results import discover, local_results, read_tables
 from speed.benchmarks.decode import held_out
 from speed.checkpoint import load_model, save_model
-from speed.serve.loading import load_served_model
 from speed.serve.readers import read_requests, read_traces
 from speed.serve.schemas import REQUEST_SCHEMA
+from speed.serve.settings import load_served_model
 from speed.serve.sink import StatsSink, write_ahead_logs
 from speed.storage import locate
 from speed.sweep import SweepConfig, run_sweep
@@ -77,7 +77,7 @@ def test_serve_statistics_go_to_s3_and_read_back(s3_bucket, tmp_path):
     from test_serve_parts import _row, _trace
 
     storage = f"{s3_bucket}/stats"
-    sink = StatsSink(storage, "app#SpeedServer#a", max_rows=2, max_seconds=600)
+    sink = StatsSink(storage, "app#SpeedServer#a", max_records=2, max_seconds=600)
     for i in range(3):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
         if sink.due():
@@ -102,14 +102,15 @@ def test_a_replica_killed_hard_on_s3_loses_no_answered_row(ray_session, tiny_tok
     from ray import serve
 
     from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
 
     _tiny_checkpoint(tiny_tokenizer, tmp_path / "ckpt")
     stats, app = f"{s3_bucket}/stats", "speed-s3-kill"
     settings = {"max_source_len": 48, "max_tokens": 4, "flush_rows": 100, "flush_s": 600}  # nothing flushed
-    url = start_app(
+    url = start_app(AppConfig(
         str(tmp_path / "ckpt"), port=_free_port(), settings=settings, stats_path=stats, model_name="tiny",
         device="cpu", num_cpus=1, name=app,
-    )  # fmt: skip
+    ))  # fmt: skip
     try:
         answered = []
         for prompt in ("A dog runs.", "Rain falls.", "Two cats sleep."):

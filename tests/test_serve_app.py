@@ -68,15 +68,16 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
     from ray import serve
 
     from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
 
     root = tmp_path_factory.mktemp("serve")
     model, tokenizer = _tiny_checkpoint(tiny_tokenizer, root / "ckpt")
     options = {"stats_path": str(root / "stats"), "model_name": "tiny", "device": "cpu", "name": APP}
     options |= {"port": _free_port(), "num_cpus": 1, "max_ongoing_requests": 8, "max_queued_requests": 8}
-    url = start_app(str(root / "ckpt"), settings=SETTINGS, **options)
+    url = start_app(AppConfig(str(root / "ckpt"), settings=SETTINGS, **options))
     state = {"url": url, "model": model, "tokenizer": tokenizer, "stats": options["stats_path"], "answered": []}
     state["cancelled"] = 0  # disconnected streams: one cancelled row each
-    state["redeploy"] = lambda settings: start_app(str(root / "ckpt"), settings=settings, **options)
+    state["redeploy"] = lambda settings: start_app(AppConfig(str(root / "ckpt"), settings=settings, **options))
     yield state
     if APP in serve.status().applications:
         serve.delete(APP)

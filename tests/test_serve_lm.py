@@ -42,6 +42,7 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
     from ray import serve
 
     from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
 
     root = tmp_path_factory.mktemp("serve-lm")
     tokenizer = Tokenizer.load(tiny_tokenizer)
@@ -55,7 +56,7 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
     (ckpt / "config.json").write_text(json.dumps(config | {"chat_template": to_dict(TEMPLATE)}))
     options = {"stats_path": str(root / "stats"), "model_name": NAME, "device": "cpu", "name": APP, "api_key": KEY}
     options |= {"port": _free_port(), "num_cpus": 1, "route_prefix": "/lm"}
-    url = start_app(str(ckpt), settings=SETTINGS, **options)
+    url = start_app(AppConfig(str(ckpt), settings=SETTINGS, **options))
     yield {"url": url, "model": model, "tokenizer": tokenizer, "stats": options["stats_path"], "answered": []}
     if APP in serve.status().applications:
         serve.delete(APP)
@@ -210,7 +211,7 @@ def test_every_choice_leaves_a_statistics_row_naming_the_family(server, client):
 
 def test_the_checkpoint_family_and_template_reach_the_replica(server):
     """The served model is the checkpoint's LM (not a T5), with the template the checkpoint stores."""
-    from speed.serve.loading import load_served_model
+    from speed.serve.settings import load_served_model
 
     served = load_served_model(str(Path(server["stats"]).parent / "ckpt"), "cpu")
     assert served.family == "lm" and isinstance(served.model, LoopedLM) and served.template == TEMPLATE

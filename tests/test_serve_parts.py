@@ -24,15 +24,15 @@ from speed import SpeedT5, generate, preset
 from speed.engine import EngineConfig, Request, Speculation, stepper_for
 from speed.paths import repo_root
 from speed.serve import auth
-from speed.serve.limits import BadRequest, parse_body, read_body
+from speed.serve.answers import TextStream
+from speed.serve.limits import parse_body, read_body
 from speed.serve.loadgen import LoadConfig, arrival_times, summarize
 from speed.serve.metrics import ServeCounters
-from speed.serve.protocol import CompletionRequest, validation_message
+from speed.serve.protocol import BadRequest, CompletionRequest, validation_message
 from speed.serve.readers import read_requests, read_traces
 from speed.serve.runner import EngineRunner
 from speed.serve.schemas import DESTINATION_FILE, LOADGEN_SCHEMA, REQUEST_SCHEMA, SERVE_TRACE_SCHEMA, WAL_DIR
 from speed.serve.sink import StatsSink, compact_orphans, log_folder, write_ahead_logs
-from speed.serve.text import TextStream
 from speed.storage import locate
 from speed.trace import TRACE_SCHEMA
 
@@ -243,7 +243,7 @@ def _trace(request_id: str, n: int) -> pa.Table:
 
 
 def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
-    sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_rows=3, max_seconds=0.2)
+    sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_records=3, max_seconds=0.2)
     for i in range(2):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
     assert not sink.due() and not list((tmp_path / "requests").iterdir())  # no Parquet yet ...
@@ -304,7 +304,7 @@ import os, signal, sys
 sys.path.insert(0, {tests!r})
 from test_serve_parts import _row, _trace
 from speed.serve.sink import StatsSink
-sink = StatsSink({storage!r}, "app#SpeedServer#killed", max_rows=2, max_seconds=600)
+sink = StatsSink({storage!r}, "app#SpeedServer#killed", max_records=2, max_seconds=600)
 for i in range(5):
     sink.add(_row(i), _trace(f"cmpl-{{i}}", 3))
     if sink.due():
@@ -314,7 +314,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # as a replica killed hard: no flush, no _
 
 
 def _kill_a_writer(storage: str) -> None:
-    """A replica's sink (``max_rows=2``) in a child process: five rows answered, two flushes, then SIGKILL."""
+    """A replica's sink (``max_records=2``) in a child process: five rows answered, two flushes, then SIGKILL."""
     code = _KILLED_WRITER.format(tests=str(repo_root() / "tests"), storage=storage)
     env = {**os.environ, "PYTHONPATH": str(repo_root() / "platform")}  # the S3 endpoint and the spool too
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
@@ -350,16 +350,16 @@ def test_sink_logs_every_row_so_a_replica_killed_hard_loses_none(stats_storage):
 def test_a_node_gone_with_its_disk_takes_only_the_rows_not_uploaded_yet(s3_bucket):
     """On an object store a row waits in the node's spool only until its flush uploads it: a node that
     disappears with its disk (here: its spool deleted after the kill) takes the replica's unflushed buffer,
-    under ``max_rows`` rows, and nothing already uploaded."""
+    under ``max_records`` records, and nothing already uploaded."""
     storage = f"{s3_bucket}/stats"
-    _kill_a_writer(storage)  # max_rows=2: rows 0-3 uploaded by two flushes, row 4 only in the spool
+    _kill_a_writer(storage)  # max_records=2: records 0-3 uploaded by two flushes, row 4 only in the spool
     spool = log_folder(storage)
     assert (spool / DESTINATION_FILE).read_text() == f"{storage}\n"  # whoever finds the folder: where it goes
     assert len(write_ahead_logs(storage)) == 2 and not locate(f"{storage}/{WAL_DIR}").exists()  # never on S3
     shutil.rmtree(spool)  # the node is gone with its disk
     kept = read_requests(storage)["request_id"].to_pylist()
     assert sorted(kept) == [f"cmpl-{i}" for i in range(4)]
-    assert 5 - len(kept) < 2  # lost: only the buffer, under max_rows
+    assert 5 - len(kept) < 2  # lost: only the buffer, under max_records
     assert read_traces(storage).num_rows == 12
 
 
@@ -368,7 +368,7 @@ import os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from test_serve_parts import _row, _trace
 from speed.serve.sink import StatsSink
-sink = StatsSink({storage!r}, "app#SpeedServer#stopping", max_rows=100, max_seconds=600)
+sink = StatsSink({storage!r}, "app#SpeedServer#stopping", max_records=100, max_seconds=600)
 for i in range(4):
     sink.add(_row(i), _trace(f"cmpl-{{i}}", 2))
 print("logged", flush=True)
@@ -408,7 +408,7 @@ def test_a_stopping_job_turns_its_replicas_logs_into_parquet_any_reader_sees(sta
 
 def test_sink_flush_replaces_the_log_and_no_row_is_read_twice(stats_storage):
     storage = stats_storage
-    sink = StatsSink(storage, "r#1", max_rows=100, max_seconds=600)
+    sink = StatsSink(storage, "r#1", max_records=100, max_seconds=600)
     for i in range(3):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
     assert _log_names(storage) == ["r_1-000001.requests.arrows", "r_1-000001.traces.arrows"]
@@ -430,7 +430,7 @@ def test_a_failed_write_keeps_its_rows_until_a_write_succeeds(stats_storage, mon
     its logs stay, unlocked, still read; the sink's next write that succeeds writes them as well, and so does
     its next flush with nothing buffered (a replica's last, on shutdown)."""
     storage = stats_storage
-    sink = StatsSink(storage, "r#1", max_rows=100, max_seconds=600)
+    sink = StatsSink(storage, "r#1", max_records=100, max_seconds=600)
     for i in range(3):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
 
@@ -470,7 +470,7 @@ def test_a_malformed_row_costs_only_itself(tmp_path, memory_store, caplog, where
     fit its schema is logged and set aside under rejected/ with the error; the other rows are written, now and
     in every later flush (on a URI, where rows are not logged, ``take`` used to fail on it from then on)."""
     storage = str(tmp_path / "stats") if where == "local" else memory_store
-    sink = StatsSink(storage, "app#SpeedServer#r", max_rows=100, max_seconds=600)
+    sink = StatsSink(storage, "app#SpeedServer#r", max_records=100, max_seconds=600)
     sink.add(_row(0), _trace("cmpl-0", 2))
     with caplog.at_level("ERROR", logger="speed.serve.sink"):
         sink.add(_row(1, steps="five"), _trace("cmpl-1", 3))  # int32 column, a string

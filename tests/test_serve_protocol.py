@@ -9,10 +9,17 @@ from typing import NamedTuple
 
 import pytest
 
-from speed.serve.limits import BadRequest, parse_body
-from speed.serve.protocol import TEXT_CHAR, ChatRequest, CompletionRequest, inline_schema, validation_message
+from speed.serve.answers import ChoiceText
+from speed.serve.limits import parse_body
+from speed.serve.protocol import (
+    TEXT_CHAR,
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    inline_schema,
+    validation_message,
+)
 from speed.serve.responses import CHAT, COMPLETIONS, ChatResponse, Choice, CompletionResponse, TokenInfo
-from speed.serve.text import ChoiceText
 
 
 def _message(model, body):

@@ -161,6 +161,7 @@ def _variants(config: ServeBenchConfig, urls: dict[str, str]) -> list[ServeVaria
 def _deploy(config: ServeBenchConfig, stats_path: str) -> dict[str, str]:
     """The two applications on the connected Ray: one answering one request at a time, one batching."""
     from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
 
     common = {"task": config.task, "max_tokens": config.max_tokens, "threads": config.threads, "trace": False}
     common |= {"max_target_len": max(config.max_tokens, 64)}
@@ -169,9 +170,10 @@ def _deploy(config: ServeBenchConfig, stats_path: str) -> dict[str, str]:
     deploy |= {"max_ongoing_requests": biggest + 4, "max_queued_requests": 4 * biggest}
     batching = {**common, "max_active": config.max_active, "row_budget": config.row_budget}
     return {
-        "one": start_app(config.checkpoint, settings={**common, "max_active": 1}, name="one", route_prefix="/one",
-                         **deploy),
-        "batch": start_app(config.checkpoint, settings=batching, name="batch", route_prefix="/batch", **deploy),
+        "one": start_app(AppConfig(config.checkpoint, settings={**common, "max_active": 1}, name="one",
+                                   route_prefix="/one", **deploy)),
+        "batch": start_app(AppConfig(config.checkpoint, settings=batching, name="batch", route_prefix="/batch",
+                                     **deploy)),
     }  # fmt: skip
 
 

@@ -1,5 +1,7 @@
-"""What a request body must pass before any work is done on it: its size, its JSON, its text, its prompt count.
+"""Parsing a request: what its body must pass before any work is done on it (its size, its JSON, its text, its
+prompt count), then its fields (``speed.serve.protocol``'s models).
 
+``read_request`` is the whole of it: the body read, parsed and validated as the route's request model.
 ``read_body`` stops reading at ``max_bytes`` (a 413, also when the client sent
 no Content-Length); ``parse_body`` turns every malformed body into a
 ``BadRequest`` that says what is wrong (not JSON, not UTF-8, nested too deeply
@@ -18,15 +20,21 @@ import re
 from decimal import Decimal
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request as StarletteRequest
 
+from speed.serve.protocol import BadRequest, validation_message
 
-class BadRequest(Exception):
-    """A request the server cannot decode as asked: answered ``status`` (400) with ``message``."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+async def read_request(http: StarletteRequest, model: type[BaseModel], max_bytes: int, max_prompts: int) -> Any:
+    """The request body as a ``model`` (``CompletionRequest``, ``ChatRequest``); anything else is a ``BadRequest``
+    saying what to fix. Size, JSON, text and prompt count are checked first, before any work."""
+    data = parse_body(await read_body(http, max_bytes), max_prompts)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        message, param = validation_message(err, model)
+        raise BadRequest(message, param) from None
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # only escapes (\\ud800) make these; UTF-8 cannot hold them

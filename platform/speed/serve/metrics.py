@@ -79,37 +79,37 @@ class ServeMetrics:
         self.running.set(active)
         self.waiting.set(queued)
 
-    def finished(self, row: dict[str, Any], gaps: list[float]) -> None:
-        """A choice left the engine: its ``REQUEST_SCHEMA`` row and its inter-token gaps (seconds)."""
-        tags = {"method": row["method"]}
-        self.requests.inc(tags={**tags, "finish_reason": row["finish_reason"]})
+    def finished(self, record: dict[str, Any], gaps: list[float]) -> None:
+        """A choice left the engine: its ``REQUEST_SCHEMA`` record and its inter-token gaps (seconds)."""
+        tags = {"method": record["method"]}
+        self.requests.inc(tags={**tags, "finish_reason": record["finish_reason"]})
         for counter, value in (
-            (self.prompt_tokens, row["prompt_tokens"]),
-            (self.generation_tokens, row["completion_tokens"]),
-            (self.flushes, row["flushes"]),
-            (self.drafts, row["drafts"]),
-            (self.draft_tokens, row["draft_tokens"]),
-            (self.accepted, row["accepted_tokens"]),
+            (self.prompt_tokens, record["prompt_tokens"]),
+            (self.generation_tokens, record["completion_tokens"]),
+            (self.flushes, record["flushes"]),
+            (self.drafts, record["drafts"]),
+            (self.draft_tokens, record["draft_tokens"]),
+            (self.accepted, record["accepted_tokens"]),
         ):
             if value:
                 counter.inc(value, tags=tags)
         for counter, counts in (
-            (self.accepted_per_pos, row["accepted_per_pos"]),
-            (self.draft_tokens_per_pos, row["draft_tokens_per_pos"]),
+            (self.accepted_per_pos, record["accepted_per_pos"]),
+            (self.draft_tokens_per_pos, record["draft_tokens_per_pos"]),
         ):
             for pos, n in enumerate(counts, start=1):
                 if n:
                     counter.inc(n, tags={**tags, "position": str(pos)})
-        for loop, rate in enumerate(row["flip_rate"], start=1):
-            flipped = round(rate * row["completion_tokens"])
+        for loop, rate in enumerate(record["flip_rate"], start=1):
+            flipped = round(rate * record["completion_tokens"])
             if flipped:
                 self.flipped.inc(flipped, tags={**tags, "loop": str(loop)})
-        if row["ttft_ms"] is not None:
-            self.ttft.observe(row["ttft_ms"] / 1e3, tags=tags)
+        if record["ttft_ms"] is not None:
+            self.ttft.observe(record["ttft_ms"] / 1e3, tags=tags)
         for gap in gaps:
             self.itl.observe(gap, tags=tags)
-        self.e2e.observe(row["total_ms"] / 1e3, tags=tags)
-        self.queue.observe(row["queued_ms"] / 1e3, tags=tags)
+        self.e2e.observe(record["total_ms"] / 1e3, tags=tags)
+        self.queue.observe(record["queued_ms"] / 1e3, tags=tags)
 
 
 def resident_bytes() -> int | None:

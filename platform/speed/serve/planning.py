@@ -4,7 +4,7 @@ The body's shape is checked by ``speed.serve.protocol`` (pydantic); what
 depends on the model and capacity (prompt length, vocabulary, ``max_tokens``,
 ``launch_loop``, ``branches``, ``branch_depth``) and the sampling settings are checked once, by the engine's
 ``add`` and ``speed.sampling.Sampling``: their ``ValueError`` is the 400's
-message. Only what neither can know is checked here: the model's name, the
+message (``engine_error``). Only what neither can know is checked here: the model's name, the
 task and, for a looped LM, its context's length (said in the deployment's words). SPEED's fields of the
 body (``speed.engine.LEVERS``) become one ``speed.engine.Speculation``, the deployment's where the body leaves one out.
 
@@ -26,8 +26,8 @@ from speed.chat import CHAT_TEMPLATE, ChatTemplate, render_chat, task_prompt
 from speed.data import get_task
 from speed.engine import LEVERS, Request
 from speed.sampling import Sampling, choice_seed
-from speed.serve.limits import BadRequest
-from speed.serve.protocol import ChatRequest, CompletionRequest
+from speed.serve.protocol import BadRequest, ChatRequest, CompletionRequest
+from speed.serve.settings import decoding
 
 
 @dataclass(frozen=True)
@@ -45,24 +45,8 @@ class Plan:
     include_usage: bool
 
     def settings(self) -> dict[str, Any]:
-        """How it was decoded, for the answer's ``speed`` object."""
-        r = self.requests[0]
-        s = r.sampling
-        return {
-            "method": r.method,
-            **levers(r),
-            "seed": self.seed,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-        }
-
-
-def levers(request: Request) -> dict[str, Any]:
-    """SPEED's settings of a request by name (``speed.engine.LEVERS``), as answers and statistics rows give them:
-    for a sequential request its launch loop and invalidation only, the rest null (they do not apply)."""
-    s, speed = request.speculation, request.method == "speed"
-    return {name: getattr(s, name) if speed or name in ("launch_loop", "invalidation") else None for name in LEVERS}
+        """How it was decoded, for the answer's ``speed`` object (every choice alike but for its seed)."""
+        return decoding(self.requests[0], self.seed)
 
 
 def contexts(
@@ -152,3 +136,15 @@ def plan_request(
             prompt_of.append(p)
             seeds.append(sampling.seed)
     return Plan(requests, prompt_of, seeds, echoes, task, seed, body.stops(), logprobs, body.include_usage)
+
+
+# what an engine refusal can be about, in the request's words
+_PARAMS = ("max_tokens", "method", *LEVERS, "prompt")
+
+
+def engine_error(err: ValueError) -> BadRequest:
+    """The engine's refusal of a planned request (its ``add`` checks what depends on the model and capacity) as a
+    400 in the request's words (``max_tokens``, ``prompt[i]``), naming the field it is about."""
+    message = str(err).replace("max_new_tokens", "max_tokens").replace("input_ids", "prompt")
+    message = f"prompt{message}" if message.startswith("[") else message
+    return BadRequest(message, next((p for p in _PARAMS if p in message), None))

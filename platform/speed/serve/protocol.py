@@ -13,13 +13,13 @@
 implement (``best_of``, ``suffix``, ``logit_bias``, tools, ...) is a 400 saying
 it is not supported; any other unknown field is a 400 too. Every answer carries
 a ``speed`` object with the decoder's statistics. Errors follow OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}`` (``speed.serve.responses.error_body``).
 
 Choice ``i`` of a request (prompt-major: prompt ``p``'s ``n`` choices are
 ``p*n .. p*n+n-1``) samples with ``speed.sampling.choice_seed(seed, i)``; a
 request without ``seed`` gets a random one, returned in ``speed.seed`` and in
 the statistics rows, so every sampled answer can be reproduced. The answers'
-shapes are ``speed.serve.responses``; their text, ``speed.serve.text``.
+shapes are ``speed.serve.responses``; their text, ``speed.serve.answers``.
 """
 
 from __future__ import annotations
@@ -317,15 +317,19 @@ def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
     return expand(schema)
 
 
-# ----- errors --------------------------------------------------------------------------------------
+# ----- errors ---------------------------------------------------------------------------------------
+
+
+class BadRequest(Exception):
+    """A request the server cannot decode as asked: answered ``status`` (400) with ``message``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
 
 _BRANCHES = {"str", "int", "float", "bool"}
 _BRANCH_PREFIXES = ("list[", "literal[", "function-", "constrained-")
-
-
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def validation_message(

@@ -1,8 +1,8 @@
-"""Reading serving statistics back: a storage path's Parquet files and the rows still in this node's logs.
+"""Reading serving statistics back: a storage path's Parquet files and the records still in this node's logs.
 
 ``read_requests`` / ``read_traces`` read what ``speed.serve.sink`` wrote under a storage path (local or a URI):
 the Parquet files, and the write-ahead logs on this node that no Parquet file replaces yet (a log's torn last
-record is dropped).
+batch is dropped).
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ def _read(storage: str, folder: str, schema: pa.Schema) -> pa.Table:
 
 
 def read_requests(storage: str) -> pa.Table:
-    """Every request row written under ``storage`` (``REQUEST_SCHEMA``), the rows logged on this node included;
+    """Every request record written under ``storage`` (``REQUEST_SCHEMA``), the records logged on this node
+    included;
     empty if none."""
     return _read(storage, REQUESTS_DIR, REQUEST_SCHEMA)
 
 
 def read_traces(storage: str) -> pa.Table:
-    """Every trace row written under ``storage`` (``SERVE_TRACE_SCHEMA``), the rows logged on this node included;
+    """Every trace record written under ``storage`` (``SERVE_TRACE_SCHEMA``), the records logged on this node
+    included;
     empty if none."""
     return _read(storage, TRACES_DIR, SERVE_TRACE_SCHEMA)

@@ -1,5 +1,5 @@
-"""What the OpenAI routes answer: whole answers, server-sent chunks, logprobs in OpenAI's shapes, and the
-response models the published OpenAPI document describes them with.
+"""What the OpenAI routes answer: whole answers, server-sent chunks, logprobs and errors in OpenAI's shapes, and
+the response models the published OpenAPI document describes them with.
 
 ``Surface`` shapes the answers of one route: ``COMPLETIONS`` (``text``) or
 ``CHAT`` (``message``, ``delta``); ``Choice`` is one decoded choice.
@@ -124,6 +124,11 @@ class Choice:
     completion_tokens: int
     speed: dict[str, Any]  # the decoder's statistics of this choice
     tokens: list[TokenInfo] | None = None  # with logprobs
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def usage(choices: list[Choice]) -> dict[str, int]:

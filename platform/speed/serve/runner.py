@@ -34,6 +34,7 @@ class Submission:
     tokens: asyncio.Queue[Commit | None] = field(default_factory=asyncio.Queue)  # None after the last token
     done: asyncio.Future[Finished] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     times: list[float] = field(default_factory=list)  # perf_counter when each committed token reached the runner
+    config: EngineConfig | None = None  # the engine's capacity and row budget it runs under, set when queued
 
     async def stream(self) -> AsyncIterator[Commit]:
         """The committed tokens, in order, until the request finishes."""
@@ -108,7 +109,8 @@ class EngineRunner:
         without a trace (no ``on_finished``)."""
         self._start()
         await self._open.wait()
-        submissions = [Submission(r, m) for r, m in zip(requests, metas)]
+        # No await until the adds are counted (_adding): a reconfigure waits for them, so this is their engine's.
+        submissions = [Submission(r, m, config=self.config) for r, m in zip(requests, metas)]
         engine = self._engine
 
         def add() -> None:  # on the engine thread: registered before any step can commit its tokens

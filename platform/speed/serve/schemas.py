@@ -1,17 +1,18 @@
-"""The serving statistics' files: where they live under a storage path and the schemas of their rows.
+"""The serving statistics' files: where they live under a storage path and the schemas of their records.
 
-Every replica of the Serve application appends, for each finished request (one row per prompt of a completion
-request, ``choice`` its index), one ``REQUEST_SCHEMA`` row and its flip-trace rows (``SERVE_TRACE_SCHEMA``)
+Every replica of the Serve application appends, for each finished request (one record per choice of a completion
+request, ``choice`` its index), one ``REQUEST_SCHEMA`` record and its flip-trace records
+(``SERVE_TRACE_SCHEMA``)
 under a storage path, local or a URI that ``pyarrow.fs`` understands::
 
     <storage>/requests/<replica>-<n>.parquet    REQUEST_SCHEMA, one file per flushed row group
     <storage>/traces/<replica>-<n>.parquet      SERVE_TRACE_SCHEMA
-    <logs>/<replica>-<n>.requests.arrows        the rows of file n until it is written (its write-ahead log)
+    <logs>/<replica>-<n>.requests.arrows        the records of file n until it is written (its write-ahead log)
     <logs>/<replica>-<n>.traces.arrows
-    <storage>/rejected/<replica>-<k>.json       a row that does not fit its schema, set aside with the error
+    <storage>/rejected/<replica>-<k>.json       a record that does not fit its schema, set aside with the error
 
 ``speed.serve.sink`` writes them, ``speed.serve.readers`` reads them back. The load generator writes
-``LOADGEN_SCHEMA`` rows, the serving benchmark ``BENCH_SERVE_SCHEMA`` rows.
+``LOADGEN_SCHEMA`` records, the serving benchmark ``BENCH_SERVE_SCHEMA`` records.
 """
 
 from __future__ import annotations
@@ -22,19 +23,19 @@ from speed.trace import TRACE_SCHEMA
 
 REQUESTS_DIR = "requests"
 TRACES_DIR = "traces"
-WAL_DIR = "wal"  # write-ahead logs of the rows not yet in Parquet (local storage; a URI's are in the spool)
-DESTINATION_FILE = "destination"  # in a spool folder: the URI its logs' rows are bound for
-REJECTED_DIR = "rejected"  # rows that did not fit their schema, one JSON file each with the error
+WAL_DIR = "wal"  # write-ahead logs of the records not yet in Parquet (local storage; a URI's are in the spool)
+DESTINATION_FILE = "destination"  # in a spool folder: the URI its logs' records are bound for
+REJECTED_DIR = "rejected"  # records that did not fit their schema, one JSON file each with the error
 
 REQUEST_SCHEMA = pa.schema(
     [
         pa.field("request_id", pa.string(), nullable=False),  # the completion's id ("cmpl-...")
-        pa.field("choice", pa.int32(), nullable=False),  # index of the prompt within the request
+        pa.field("choice", pa.int32(), nullable=False),  # its index in the answer (prompt-major)
         pa.field("replica", pa.string(), nullable=False),  # Serve replica id that decoded it
         pa.field("engine_id", pa.int64(), nullable=False),  # the engine's request id (trace ``sequence``)
         pa.field("arrived", pa.timestamp("us", tz="UTC"), nullable=False),  # when the replica received it
         pa.field("model", pa.string(), nullable=False),  # served model name
-        pa.field("family", pa.string()),  # its family, "t5" or "lm"; null: a row written before the column
+        pa.field("family", pa.string()),  # its family, "t5" or "lm"; null: a record written before the column
         pa.field("task", pa.string()),  # task whose prefix (an LM: instruction) the prompt was read under; null: none
         pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
         pa.field("launch_loop", pa.int16(), nullable=False),
@@ -78,7 +79,7 @@ REQUEST_SCHEMA = pa.schema(
     ]
 )
 
-# The flip trace of served requests: one row per (request, position, loop); ``sequence`` is ``engine_id``.
+# The flip trace of served requests: one record per (request, position, loop); ``sequence`` is ``engine_id``.
 SERVE_TRACE_SCHEMA = pa.schema(
     [
         pa.field("request_id", pa.string(), nullable=False),
@@ -129,7 +130,7 @@ BENCH_SERVE_SCHEMA = pa.schema(
         pa.field("p50_ms", pa.float64(), nullable=False),
         pa.field("p99_ms", pa.float64(), nullable=False),
         pa.field("ttft_p50_ms", pa.float64()),
-        # the engine's, from the replicas' REQUEST_SCHEMA rows of the run's requests; null: none found
+        # the engine's, from the replicas' REQUEST_SCHEMA records of the run's requests; null: none found
         pa.field("steps_per_token", pa.float64()),
         pa.field("rows_per_token", pa.float64()),
         pa.field("temperature", pa.float64(), nullable=False),  # of every request (seeded per prompt)

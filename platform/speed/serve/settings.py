@@ -1,13 +1,28 @@
-"""A replica's live settings (Serve's ``user_config``): capacity, row budget, request defaults, statistics and
-body limits; unknown keys are errors (``speed.config.from_dict``)."""
+"""What a replica serves and how: the served model (loaded once), its live settings, how the application is
+deployed, and how a request's decoding is named.
+
+``load_served_model`` loads a checkpoint (a path or URI, or a run's newest) with its tokenizer and family.
+``ServeSettings`` is Serve's ``user_config``: capacity, row budget, request defaults, statistics and body limits;
+unknown keys are errors (``speed.config.from_dict``). ``AppConfig`` is how ``speed.serve.app.start_app`` deploys
+the application: the replicas' checkpoint and ``user_config``, the deployment's resources, the HTTP proxy.
+``decoding`` names how a request is decoded (method, SPEED's settings, seed, sampling) as answers and statistics
+records give it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+
+from speed.chat import CHAT_TEMPLATE, ChatTemplate
+from speed.checkpoint import checkpoint_family, load_model
+from speed.config import from_dict
 from speed.data import get_task
-from speed.engine import METHODS, EngineConfig, Method, SpeculationFields
+from speed.engine import LEVERS, METHODS, EngineConfig, Method, Request, SpeculationFields
 from speed.paths import repo_root
+from speed.tokenizer import Tokenizer
 
 DEFAULT_STATS_PATH = str(repo_root() / "runs" / "serve")
 
@@ -30,8 +45,8 @@ class ServeSettings(SpeculationFields):
     max_tokens: int = 64
     trace: bool = True  # per-request flip traces to Parquet
     threads: int | None = None  # torch CPU threads of the replica; None: torch's choice
-    flush_rows: int = 256  # statistics: write a row group at this many requests ...
-    flush_s: float = 30.0  # ... or when the oldest buffered row is this old
+    flush_rows: int = 256  # statistics: write the buffer as Parquet at this many records ...
+    flush_s: float = 30.0  # ... or when the oldest buffered record is this old
     max_prompts: int = 32  # prompts in one request (a longer prompt array is a 400)
     max_body_bytes: int = 1 << 20  # request body size (a larger body is a 413, refused before it is read)
 
@@ -73,6 +88,87 @@ class ServeSettings(SpeculationFields):
             self.speculation.check_loops(n_loops)
         except ValueError as err:
             raise ValueError(f"ServeSettings: {err}") from None
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """How ``start_app`` deploys the application. ``settings`` is the replicas' ``user_config``
+    (``ServeSettings`` keys; SPEED's settings it leaves out follow each replica's device), checked here so that
+    a misspelled key fails before any replica starts."""
+
+    checkpoint: str  # a checkpoint or run directory, a local path or a URI
+    settings: dict[str, Any] = field(default_factory=dict)
+    # each replica's
+    stats_path: str = DEFAULT_STATS_PATH  # where its statistics go, local or a URI
+    model_name: str | None = None  # the id in /v1/models; None: the checkpoint's folder name
+    device: str = "auto"  # "auto", "cpu", "cuda"
+    exit_adapters: bool | None = None  # draft with the checkpoint's exit adapters; None: on a GPU yes, on a CPU no
+    api_key: str | None = field(default=None, repr=False)  # every route but /healthz needs it; None: $SPEED_API_KEY
+    # the deployment's
+    name: str = "speed"
+    route_prefix: str = "/"
+    replicas: int = 1
+    num_cpus: float = 1  # per replica
+    num_gpus: float = 0
+    max_ongoing_requests: int | None = None  # None: the deployment's own (speed.serve.app.SpeedServer)
+    max_queued_requests: int | None = None
+    max_replicas_per_node: int | None = None  # 1: each replica on a node of its own
+    # Serve's HTTP proxy
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    proxy_location: str = "EveryNode"  # "HeadOnly": one proxy (nodes sharing a machine cannot all bind host:port)
+
+    def __post_init__(self) -> None:
+        from_dict(ServeSettings, dict(self.settings))
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What a replica serves: the model (eval mode, on its device), its tokenizer, its family (``t5`` or ``lm``,
+    from the checkpoint's config.json) and, for an LM, the chat template its prompts were written in."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    family: str
+    template: ChatTemplate | None  # an LM's (config.json's ``chat_template``; ``speed.chat``'s when absent)
+
+
+def load_served_model(checkpoint: str, device: str, exits: bool = True) -> ServedModel:
+    """The served model of a checkpoint path or URI (or a run's newest); a checkpoint without spm.model is an error.
+
+    With ``exits`` the checkpoint's exit adapters (``speed.exits``), when it has them, adapt the drafts; the
+    answers are the same either way."""
+    loaded = load_model(checkpoint, map_location=device, exits=exits)
+    if loaded.tokenizer_path is None:
+        raise FileNotFoundError(f"checkpoint {loaded.checkpoint} holds no spm.model: serving needs its tokenizer")
+    tokenizer = Tokenizer.load(loaded.tokenizer_path)  # reads the file into memory
+    family = checkpoint_family(loaded.config)
+    template = None
+    if family == "lm":
+        stored = loaded.config.get("chat_template")
+        template = from_dict(ChatTemplate, stored, "chat_template") if stored is not None else CHAT_TEMPLATE
+    return ServedModel(loaded.model.to(device).eval(), tokenizer, family, template)
+
+
+def levers(request: Request) -> dict[str, Any]:
+    """SPEED's settings of a request by name (``speed.engine.LEVERS``), as answers and statistics records give
+    them: for a sequential request its launch loop and invalidation only, the rest null (they do not apply)."""
+    s, speed = request.speculation, request.method == "speed"
+    return {name: getattr(s, name) if speed or name in ("launch_loop", "invalidation") else None for name in LEVERS}
+
+
+def decoding(request: Request, seed: int) -> dict[str, Any]:
+    """How a request is decoded, by name, as an answer's ``speed`` object and a statistics record give it: its
+    method, SPEED's settings (``levers``), the ``seed`` it was given and its sampling."""
+    s = request.sampling
+    return {
+        "method": request.method,
+        **levers(request),
+        "seed": seed,
+        "temperature": float(s.temperature),
+        "top_p": float(s.top_p),
+        "top_k": s.top_k,
+    }
 
 
 def _number(value: object) -> bool:

@@ -1,20 +1,20 @@
-"""The replica's statistics sink: rows buffered, logged to a write-ahead log, written as Parquet; orphans compacted.
+"""The replica's statistics sink: records buffered, logged to a write-ahead log, written as Parquet; orphans compacted.
 
 The files and their schemas are ``speed.serve.schemas``'s. A flush writes each buffer as one new file (one row
 group), so files on object stores are never appended to and every file is readable while the replica runs.
-Every row is also appended to a write-ahead log on the local disk of the replica's node (an Arrow IPC stream,
-one record batch per request, written through to the OS before the answer leaves the replica), so a replica
-killed hard (SIGKILL, a signal to its process group, an out-of-memory kill) loses no row it answered, whatever
+Every record is also appended to a write-ahead log on the local disk of the replica's node (an Arrow IPC stream,
+one batch per request, written through to the OS before the answer leaves the replica), so a replica
+killed hard (SIGKILL, a signal to its process group, an out-of-memory kill) loses no record it answered, whatever
 the storage: the logs' folder (``log_folder``) is ``<storage>/wal`` on local storage and, for a URI, a folder
 of the node's spool (``speed.paths.spool_dir``: ``$SPEED_SPOOL_DIR``, else ``~/.cache/speed/spool``) named by
 a digest of the URI, whose ``destination`` file names the URI. A flush writes Parquet file ``n`` (on an object
 store one upload, which appears whole) and then deletes log ``n``; a new sink turns the logs of dead replicas
 on its node into their Parquet files (``compact_orphans``), and so does ``jobs/serve.py`` once its replicas
 are gone. What a node takes with it when it disappears with its disk is only what its logs held: on an object
-store, each replica's rows not uploaded yet (its buffer: under ``max_rows`` rows, none older than
-``max_seconds`` while uploads keep up, plus a flush still uploading). A row that does not fit
-``REQUEST_SCHEMA`` (or trace rows that do not fit theirs) costs only itself: it is logged and set aside under
-``rejected/`` with the error, and the other rows are written.
+store, each replica's records not uploaded yet (its buffer: under ``max_records`` records, none older than
+``max_seconds`` while uploads keep up, plus a flush still uploading). A record that does not fit
+``REQUEST_SCHEMA`` (or trace records that do not fit theirs) costs only itself: it is logged and set aside
+under ``rejected/`` with the error, and the other records are written.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def read_log(path: str, schema: pa.Schema) -> list[pa.RecordBatch]:
                 batches.append(_conform(reader.read_next_batch(), schema))
         except StopIteration:
             pass
-        except (pa.ArrowInvalid, OSError):  # the last record (or the schema) was cut short
+        except (pa.ArrowInvalid, OSError):  # the last batch (or the schema) was cut short
             pass
     return batches
 
@@ -80,7 +80,7 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
 
 @dataclass(frozen=True)
 class Taken:
-    """Buffered rows swapped out of a sink, to be written as Parquet file ``number``."""
+    """Buffered records swapped out of a sink, to be written as Parquet file ``number``."""
 
     requests: pa.Table
     traces: pa.Table
@@ -89,7 +89,7 @@ class Taken:
 
 
 class _Log:
-    """One append-only Arrow IPC stream; every record goes to the OS as it is written (no user-space buffer).
+    """One append-only Arrow IPC stream; every batch goes to the OS as it is written (no user-space buffer).
     Its writer holds an exclusive ``flock`` on it until it is deleted, which the OS releases when the writer
     dies however it dies: an unlocked log belongs to a dead replica (``compact_orphans``)."""
 
@@ -110,7 +110,7 @@ class _Log:
         self._writer.close()
 
     def release(self) -> None:
-        """Delete the log and drop its lock (its rows are in Parquet now)."""
+        """Delete the log and drop its lock (its records are in Parquet now)."""
         Path(self.path).unlink(missing_ok=True)
         self._file.close()
 
@@ -139,7 +139,7 @@ def _write_parquet(final: Location, table: pa.Table) -> None:
 
 
 def log_folder(storage: str) -> Path:
-    """Where this node keeps the write-ahead logs of rows bound for ``storage``: ``<storage>/wal`` for local
+    """Where this node keeps the write-ahead logs of records bound for ``storage``: ``<storage>/wal`` for local
     storage; for a URI, ``<spool>/<digest of the URI>`` in this node's spool (``speed.paths.spool_dir``)."""
     return _log_folder(locate(storage))
 
@@ -155,7 +155,7 @@ def _make_log_folder(where: Location) -> Path:
     folder = _log_folder(where)
     folder.mkdir(parents=True, exist_ok=True)
     marker = folder / DESTINATION_FILE
-    if not where.local and not marker.exists():  # for whoever finds the folder: where its rows go
+    if not where.local and not marker.exists():  # for whoever finds the folder: where its records go
         partial = folder / f".{DESTINATION_FILE}.{os.getpid()}"
         partial.write_text(where.uri.rstrip("/") + "\n")
         partial.replace(marker)  # appears whole: replicas starting together on one node write the same text
@@ -163,14 +163,14 @@ def _make_log_folder(where: Location) -> Path:
 
 
 def write_ahead_logs(storage: str) -> list[str]:
-    """The write-ahead logs on this node of rows bound for ``storage`` (not in Parquet yet), sorted."""
+    """The write-ahead logs on this node of records bound for ``storage`` (not in Parquet yet), sorted."""
     return sorted(str(p) for p in log_folder(storage).glob("*.arrows"))
 
 
 def compact_orphans(storage: str, wait_s: float = 0.0) -> int:
     """Turn the logs on this node of dead replicas (a hard kill, or a failed write, leaves them; no live writer
     holds their lock) into the Parquet files they stand for, on local storage or uploaded to the object store,
-    so that readers of the Parquet files alone (the notebooks, pandas, DuckDB, other nodes) see their rows too;
+    so that readers of the Parquet files alone (the notebooks, pandas, DuckDB, other nodes) see their records too;
     returns the logs compacted. A new replica calls it when it starts, ``jobs/serve.py`` when it stops, with
     ``wait_s``: how long to wait for the writers still holding a log to end (replicas being stopped) before
     leaving their logs as they are."""
@@ -216,26 +216,26 @@ def _compact(where: Location) -> tuple[int, int]:
 
 
 class StatsSink:
-    """Buffers request and trace rows of one replica; writes them as Parquet on a size or time bound.
+    """Buffers request and trace records of one replica; writes them as Parquet on a size or time bound.
 
-    ``add`` never writes Parquet (it appends the rows to the write-ahead log of
+    ``add`` never writes Parquet (it appends the records to the write-ahead log of
     the current file, in ``log_folder``, on this node's disk); the owner calls
     ``flush`` when ``due()`` (and on shutdown), or ``take`` and then ``write``
-    from another thread: ``take`` swaps the buffers out first, so rows added
+    from another thread: ``take`` swaps the buffers out first, so records added
     during a write go into the next file.
     """
 
-    def __init__(self, storage: str, replica: str, max_rows: int = 256, max_seconds: float = 30.0) -> None:
-        if max_rows < 1 or max_seconds <= 0:
-            raise ValueError(f"flush bounds must be positive, got max_rows={max_rows}, max_seconds={max_seconds}")
+    def __init__(self, storage: str, replica: str, max_records: int = 256, max_seconds: float = 30.0) -> None:
+        if max_records < 1 or max_seconds <= 0:
+            raise ValueError(f"flush bounds must be positive, got max_records={max_records}, max_seconds={max_seconds}")
         self.storage = locate(storage)
         self.tag = file_tag(replica)
-        self.max_rows, self.max_seconds = max_rows, max_seconds
-        self.set_aside = 0  # rows that did not fit their schema (written under rejected/)
-        self._requests: list[pa.RecordBatch] = []  # one row each, checked against REQUEST_SCHEMA
+        self.max_records, self.max_seconds = max_records, max_seconds
+        self.set_aside = 0  # records that did not fit their schema (written under rejected/)
+        self._requests: list[pa.RecordBatch] = []  # one record each, checked against REQUEST_SCHEMA
         self._traces: list[pa.Table] = []
         self._since = time.monotonic()
-        self._files = 1  # the number of the file the buffered rows will be written as
+        self._files = 1  # the number of the file the buffered records will be written as
         self._logs: dict[str, _Log] = {}
         self._abandoned = False  # a write failed and left its logs: the next write or flush compacts them
         for folder in (REQUESTS_DIR, TRACES_DIR):
@@ -245,34 +245,35 @@ class StatsSink:
 
     @property
     def pending(self) -> int:
-        """Request rows waiting for the next flush."""
+        """Request records waiting for the next flush."""
         return len(self._requests)
 
     def add(self, request: dict[str, Any], trace: pa.Table | None) -> None:
-        """Buffer (and log) one request row (``REQUEST_SCHEMA`` keys) and its trace rows (``SERVE_TRACE_SCHEMA``).
+        """Buffer (and log) one request record (``REQUEST_SCHEMA`` keys) and its trace records
+        (``SERVE_TRACE_SCHEMA``).
 
-        A row that does not fit its schema (a missing key, a wrong type, a null where none may be) is set aside
-        with its trace rows: logged and written under ``rejected/`` with the error, never buffered, so that the
-        other rows are written."""
+        A record that does not fit its schema (a missing key, a wrong type, a null where none may be) is set
+        aside with its trace records: logged and written under ``rejected/`` with the error, never buffered, so
+        that the other records are written."""
         try:
-            row = _checked(pa.RecordBatch.from_pylist([request], REQUEST_SCHEMA))
+            record = _checked(pa.RecordBatch.from_pylist([request], REQUEST_SCHEMA))
             if trace is not None and trace.num_rows:
                 trace = _checked(trace.select(SERVE_TRACE_SCHEMA.names).cast(SERVE_TRACE_SCHEMA))
-        except Exception as err:  # whatever the row holds: it must not break the writes of the others
+        except Exception as err:  # whatever the record holds: it must not break the writes of the others
             self._set_aside(request, trace, err)
             return
         if not self._requests:
             self._since = time.monotonic()
         if trace is not None and trace.num_rows:
-            self._log(TRACES_DIR, SERVE_TRACE_SCHEMA).append(trace)  # before the request row, which closes it
+            self._log(TRACES_DIR, SERVE_TRACE_SCHEMA).append(trace)  # before the request record, which closes it
             self._traces.append(trace)
-        self._log(REQUESTS_DIR, REQUEST_SCHEMA).append(row)
-        self._requests.append(row)
+        self._log(REQUESTS_DIR, REQUEST_SCHEMA).append(record)
+        self._requests.append(record)
 
     def due(self) -> bool:
-        """Whether the buffer reached ``max_rows`` or holds rows older than ``max_seconds``."""
+        """Whether the buffer reached ``max_records`` or holds records older than ``max_seconds``."""
         return bool(self._requests) and (
-            len(self._requests) >= self.max_rows or time.monotonic() - self._since >= self.max_seconds
+            len(self._requests) >= self.max_records or time.monotonic() - self._since >= self.max_seconds
         )
 
     def take(self) -> Taken | None:
@@ -289,7 +290,7 @@ class StatsSink:
         return taken
 
     def write(self, taken: Taken) -> None:
-        """Write taken rows as one new Parquet file each (a single row group), then delete their logs. A write
+        """Write taken records as one new Parquet file each (a single row group), then delete their logs. A write
         that fails (an object store out of reach) raises and leaves its logs, unlocked: the sink's next write
         or flush that succeeds (the last one on shutdown included), or any ``compact_orphans`` on this node,
         writes them."""
@@ -308,7 +309,7 @@ class StatsSink:
         self._write_abandoned()
 
     def flush(self) -> int:
-        """Write whatever is buffered now (and the logs of failed writes); returns the request rows written."""
+        """Write whatever is buffered now (and the logs of failed writes); returns the request records written."""
         taken = self.take()
         if taken is None:
             self._write_abandoned()
@@ -323,18 +324,18 @@ class StatsSink:
             self._abandoned = False
 
     def _set_aside(self, request: Any, trace: Any, err: Exception) -> None:
-        """Log a row that does not fit its schema and write it, with its trace rows and the error, to
+        """Log a record that does not fit its schema and write it, with its trace records and the error, to
         ``rejected/<replica>-<k>.json`` (as JSON; what JSON cannot hold as its ``str``)."""
         self.set_aside += 1
         rid = request.get("request_id") if isinstance(request, dict) else None
         where = self.storage / REJECTED_DIR / f"{self.tag}-{self.set_aside:06d}.json"
-        log.error("statistics row of %s set aside in %s: %s: %s", rid, where.uri, type(err).__name__, err)
-        rows = trace.to_pylist() if isinstance(trace, pa.Table) else trace
-        record = {"error": f"{type(err).__name__}: {err}", "request": request, "trace": rows}
+        log.error("statistics record of %s set aside in %s: %s: %s", rid, where.uri, type(err).__name__, err)
+        traces = trace.to_pylist() if isinstance(trace, pa.Table) else trace
+        set_aside = {"error": f"{type(err).__name__}: {err}", "request": request, "trace": traces}
         try:
             (self.storage / REJECTED_DIR).makedirs()
-            where.write_text(json.dumps(record, default=str))
-        except Exception:  # the set-aside file is a courtesy: the answer and the other rows come first
+            where.write_text(json.dumps(set_aside, default=str))
+        except Exception:  # the set-aside file is a courtesy: the answer and the other records come first
             log.exception("could not write %s", where.uri)
 
     def _log(self, folder: str, schema: pa.Schema) -> _Log:
