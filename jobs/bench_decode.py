@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.benchmarks.decode import BenchConfig, format_table, run_benchmark
-from speed.benchmarks.decode_lm import LMBenchConfig, format_lm_table, run_lm_benchmark
+from speed.benchmarks.decode_lm import LMBenchConfig, run_lm_benchmark
 from speed.cli import JobParser, config_from_args, report_rows, user_errors
 from speed.config import lm_preset, preset
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             exit_rank = args.exit_rank or None
             cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf, exit_rank=exit_rank)
     if args.family == "lm":
-        report_rows(run_lm_benchmark(lm_cfg), args, format_lm_table)
+        report_rows(run_lm_benchmark(lm_cfg), args, format_table)
     else:
         report_rows(run_benchmark(cfg), args, format_table)
     return 0
