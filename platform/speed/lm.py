@@ -18,9 +18,10 @@ Keys and values have one entry per virtual layer: (loop, core layer) and
 (loop, coda layer) in ``LMCache.loops``, and the prelude's, which run once, in
 ``LMCache.prelude``. Two paths compute the same logits: ``forward`` over
 whole (B, T) sequences (training, teacher forcing, the reference), and the
-cached incremental path, ``prefill`` of a prompt plus ``step``, one pass of
-the loop over rows each at its own loop and position (the SPEED step), on the
-batch-invariant kernels of ``speed.kernels`` as ``SpeedT5.step`` is.
+cached incremental path, ``prefill`` of a prompt plus ``step``, one group pass
+of the loop over rows each at its own loop and position (the model's call in
+one of the engine's pipeline steps), on the batch-invariant kernels of
+``speed.kernels`` as T5's (``speed.engine.adapters.T5Stepper.step``) is.
 
 Shapes: B batch, T length, R decode rows (n in one tile), d d_model, W the
 carry's width (d, or 2d with injection), H query heads, K key/value heads
@@ -399,7 +400,8 @@ class LoopedLM(nn.Module):
     def step(
         self, cache: LMCache, rows: Rows, hidden: Tensor, with_logits: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One pass of the loop over R rows, each at its own loop and position (the SPEED step).
+        """One group pass of the loop over R rows, each at its own loop and position (the model's call in a
+        pipeline step of ``speed.engine``).
 
         ``hidden`` (R, W) is each row's carry into this loop: ``embed``'s at
         loop 0, else what the previous ``step`` returned for it. Without
@@ -408,13 +410,13 @@ class LoopedLM(nn.Module):
         runs the core and its exit (the coda, the final norm and, if asked,
         the LM head). Returns the carries into the next loop (R, W) and the
         exit logits (R, V). Each row's results are bit-identical whatever
-        other rows share the step (tiles of ``TILE_ROWS`` rows on the
+        other rows share the pass (tiles of ``TILE_ROWS`` rows on the
         row-invariant kernels of ``speed.kernels``).
         """
-        return in_tiles(lambda part, carry: self._step_tile(cache, part, carry, with_logits), rows, hidden)
+        return in_tiles(lambda part, carry: self._pass_tile(cache, part, carry, with_logits), rows, hidden)
 
-    def _step_tile(self, cache: LMCache, rows: Rows, carry: Tensor, with_logits: bool) -> tuple[Tensor, Tensor | None]:
-        """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W)."""
+    def _pass_tile(self, cache: LMCache, rows: Rows, carry: Tensor, with_logits: bool) -> tuple[Tensor, Tensor | None]:
+        """The group pass (``step``) for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W)."""
         c, N, d = self.config, self.sharing.n_unique, self.config.d_model
         _, _, pos_t = rows.tensors(carry.device)
         # As in SpeedT5: attention over the fewest whole chunks that cover the tile's rows changes no row's result.

@@ -4,8 +4,8 @@ The scheduling never touches a model. It drives any ``Stepper``: an object that
 admits a request's prompt into its slot (``admit``: T5 encodes it into the
 slot's memory; a decoder-only LM prefills it into the slot's KV entries of
 every virtual layer), embeds tokens, and runs ONE pass of its shared N-layer
-group over a set of rows, each row a token at its own loop, reading and
-writing an engine-owned ``KVCache``. ``speed.engine.adapters`` makes one of
+group (a group pass, ``Stepper.step``) over a set of rows, each row a token at
+its own loop, reading and writing an engine-owned ``KVCache``. ``speed.engine.adapters`` makes one of
 each model family (``T5Stepper``, ``LMStepper``); ``Engine(model)`` picks it.
 
 Admission runs output position 0's row: T5's is the start token, run
@@ -96,9 +96,17 @@ Names, one per concept (M loops of N shared layers):
   path. branch: a second successor launched from a runner-up prediction;
   lane: the branch and its own successors, whose keys live in the slot's
   side entries (``Speculation.branch_depth`` is a lane's length in tokens).
-- row: one in-flight token through one loop in one step (``Rows``, R of
-  them; ``row_budget``, ``DecodeStats.rows``). step: one engine iteration,
-  one group pass over the step's rows.
+- row: one in-flight token through one loop in one pipeline step (``Rows``,
+  R of them; ``row_budget``, ``DecodeStats.rows``).
+- pipeline step (in the engine, plain *step*): one engine iteration,
+  ``Engine.step``: admit what fits, run one group pass over the step's rows,
+  then commit, launch and flush (``StepResult``, ``DecodeStats.steps``; one
+  line of the worked schedule, ``speed.schedule.ScheduleStep``).
+- group pass: the model's call in a pipeline step, its shared N-layer group
+  once over the step's rows, each at its own loop (``Stepper.step``,
+  ``LoopedLM.step``; ``Engine._group_pass``; ``DecodeStats.group_passes``,
+  the weight reads). A training step (``TrainConfig.max_steps``) is one
+  optimizer update, a word of ``speed.train`` only.
 - draft token, draft position: vLLM's speculation terms (``RequestStats``).
 """
 
