@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from speed.engine import Engine, Request, Speculation, StepResult
+from speed.engine import Engine, EngineConfig, Request, Speculation, StepResult
 
 # The blocks of random cases of a differential test: the first in every tier, the others left out of
 # `make test-quick` (marked slow), so the inner loop still checks exactness on a few dozen random cases.
@@ -56,6 +56,16 @@ def drive(
     assert engine.active == engine.queued == 0
     assert sorted(f.id for f in finished) == sorted(requests)
     return requests, finished
+
+
+def churn_config(rng: random.Random, max_prompt_len: int, max_target_len: int, max_budget: int) -> EngineConfig:
+    """A churn test's engine: 1 to 4 slots, and no row budget or one of 1..``max_budget`` rows (drawn from ``rng``)."""
+    return EngineConfig(
+        max_active=rng.randint(1, 4),
+        max_prompt_len=max_prompt_len,
+        max_target_len=max_target_len,
+        row_budget=rng.choice([None, rng.randint(1, max_budget)]),
+    )
 
 
 def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context, **settings):

@@ -213,7 +213,7 @@ def test_branches_equal_sequential_bitwise(block):
 
 def test_churn_with_branches_equals_sequential_alone():
     """Requests with random branch settings join, leave and are cancelled under row budgets: each is exact."""
-    from engine_helpers import drive
+    from engine_helpers import churn_config, drive
     from test_engine import alone, random_request, tiny_model
 
     promotions = 0
@@ -221,13 +221,7 @@ def test_churn_with_branches_equals_sequential_alone():
         rng = random.Random(100 + seed)
         model = tiny_model(seed, ["2x3", "1x4", "3x3", "2x6"][seed % 4])
         m = model.n_loops
-        config = EngineConfig(
-            max_active=rng.randint(1, 4),
-            max_source_len=10,
-            max_target_len=16,
-            row_budget=rng.choice([None, rng.randint(1, 10)]),
-        )
-        engine = Engine(model, config)
+        engine = Engine(model, churn_config(rng, max_prompt_len=10, max_target_len=16, max_budget=10))
 
         def make(r=rng, mo=model):
             request = random_request(r, mo, 10, 16)

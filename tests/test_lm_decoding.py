@@ -18,6 +18,7 @@ import pytest
 import torch
 from engine_helpers import (
     BLOCKS,
+    churn_config,
     drive,
     exits_change_drafts_only,
     random_exits,
@@ -194,12 +195,7 @@ def test_lm_churn_equals_sequential_alone(block):
         rng = random.Random(2000 + seed)
         model = random_model(seed)
         m = model.n_loops
-        config = EngineConfig(
-            max_active=rng.randint(1, 4),
-            max_prompt_len=MAX_PROMPT,
-            max_target_len=12,
-            row_budget=rng.choice([None, rng.randint(1, 8)]),
-        )
+        config = churn_config(rng, max_prompt_len=MAX_PROMPT, max_target_len=12, max_budget=8)
         recorder = PromptKeyed(model)
         engine = Engine(recorder, config)
         counter = iter(range(2, model.vocab_size))
