@@ -43,7 +43,7 @@ from speed.cache import KVCache, Rows
 from speed.config import LMConfig
 from speed.exits import ExitAdapters
 from speed.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
-from speed.losses import weighted_loss
+from speed.losses import LoopOutput, loop_output
 
 Store = Callable[[Tensor, Tensor], None]  # receives one prompt's keys and values at a virtual layer (1, K, T, D)
 Segment = tuple[int, int]  # a prompt's rows in a prefill: (first row, length)
@@ -232,15 +232,6 @@ class LMCache:
             part.promote(slot, side, pos, loops_done)
 
 
-@dataclass
-class LMOutput:
-    """Forward result: per-loop losses (M,), the weighted loss, optional per-loop logits."""
-
-    loop_losses: Tensor | None
-    loss: Tensor | None
-    loop_logits: list[Tensor] | None  # M x (B, T, V), only when asked for
-
-
 class LoopedLM(nn.Module):
     """A ``P+NxM+C`` looped decoder-only LM: prelude once, core M times, an exit (coda, norm, head) per loop."""
 
@@ -296,7 +287,7 @@ class LoopedLM(nn.Module):
         labels: Tensor | None = None,
         weights: Tensor | None = None,
         return_logits: bool = False,
-    ) -> LMOutput:
+    ) -> LoopOutput:
         """Teacher-forced forward of token ids (B, T) through all M loops, causal (right padding is harmless).
 
         ``labels`` (B, T; -100 = ignore) are the tokens that follow each
@@ -304,17 +295,8 @@ class LoopedLM(nn.Module):
         token cross-entropy L_i and ``L_w = sum_i w_i L_i`` with ``weights``
         (M,) (default: the paper's linear scheme).
         """
-        losses, all_logits = [], []
-        for state in self._exit_states(input_ids):
-            logits = self.lm_head(state)  # (B, T, V)
-            if labels is not None:
-                losses.append(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100))
-            if return_logits:
-                all_logits.append(logits)
-        if labels is None:
-            return LMOutput(None, None, all_logits if return_logits else None)
-        loop_losses = torch.stack(losses)  # (M,)
-        return LMOutput(loop_losses, weighted_loss(loop_losses, weights), all_logits if return_logits else None)
+        exits = (self.lm_head(state) for state in self._exit_states(input_ids))  # each loop's (B, T, V)
+        return loop_output(exits, labels, weights, return_logits)
 
     # ----- cached decoding ---------------------------------------------------------------------------------
 
