@@ -100,6 +100,11 @@ class SharingPattern:
         """Number of virtual layers of the looped core (its layer runs per token): N * M."""
         return self.n_unique * self.n_loops
 
+    def one_loop(self) -> SharingPattern:
+        """The same layers looped once, the shallow decoder SPEED is measured against: ``2x6`` -> ``2x1``,
+        ``1+2x6+1`` -> ``1+2x1+1``."""
+        return dataclasses.replace(self, n_loops=1)
+
     def physical_layer(self, virtual_layer: int) -> int:
         """The unique layer that runs as ``virtual_layer`` (0..depth-1, CYCLE order)."""
         if not 0 <= virtual_layer < self.depth:

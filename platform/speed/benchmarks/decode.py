@@ -8,7 +8,6 @@ variants alike. Ratios are computed from these medians, never typed in.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import platform as _platform
 import statistics
@@ -104,9 +103,8 @@ class BenchModels:
 def bench_models(cfg: BenchConfig | LMBenchConfig, input_len: int, first_id: int) -> BenchModels:
     """``cfg``'s random model and its shallow Nx1 on ``cfg.device``, ``cfg.batch`` random inputs of ``input_len``
     tokens (ids from ``first_id`` up: no special token) and the sequential reference of ``cfg.new_tokens``."""
-    n_unique = cfg.model.sharing.n_unique
     model = random_model(cfg.model, cfg.seed).to(cfg.device)
-    shallow = random_model(cfg.model.replace(pattern=f"{n_unique}x1"), cfg.seed).to(cfg.device)
+    shallow = random_model(cfg.model.replace(pattern=str(cfg.model.sharing.one_loop())), cfg.seed).to(cfg.device)
     torch.manual_seed(cfg.seed + 1)
     ids = torch.randint(first_id, cfg.model.vocab_size, (cfg.batch, input_len))
     reference = generate(model, ids, method="sequential", max_new_tokens=cfg.new_tokens, trace=False)
@@ -497,7 +495,7 @@ def _lever_variants(name: str, model: SpeedT5, levers: dict[str, LeverSetting]) 
     ``oracle``: plain SPEED speculating the known sequential output (the steps it needs if every exit agreed)."""
     from speed.checkpoint import backbone_state
 
-    shallow = type(model)(model.config.replace(pattern=str(dataclasses.replace(model.sharing, n_loops=1)))).eval()
+    shallow = type(model)(model.config.replace(pattern=str(model.sharing.one_loop()))).eval()
     shallow.load_state_dict(backbone_state(model))  # the same parameters: a shared decoder's first loop alone
     adapted = model.exit_adapters is not None
     speeds = {"speed": LeverSetting()} | levers
