@@ -105,7 +105,8 @@ class _Adapter:
 
 
 class T5Stepper(_Adapter):
-    """The engine's view of a ``SpeedT5``: encoder memory per slot, the decoder's shared group per step."""
+    """The engine's view of a ``SpeedT5``: encoder memory per slot, the decoder's shared group once per pipeline
+    step (the group pass, ``step``)."""
 
     model: SpeedT5
 
