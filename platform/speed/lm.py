@@ -240,6 +240,7 @@ class LoopedLM(nn.Module):
         self.config = config
         self.sharing = sharing = config.sharing
         self.n_loops = sharing.n_loops
+        self.eos_id, self.vocab_size = config.eos_id, config.vocab_size  # what decoding reads
         d = config.d_model
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.prelude = nn.ModuleList(Block(config) for _ in range(sharing.prelude))
@@ -299,14 +300,6 @@ class LoopedLM(nn.Module):
         return loop_output(exits, labels, weights, return_logits)
 
     # ----- cached decoding ---------------------------------------------------------------------------------
-
-    @property
-    def eos_id(self) -> int:
-        return self.config.eos_id
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @property
     def device(self) -> torch.device:

@@ -216,6 +216,7 @@ class SpeedT5(nn.Module):
         self.config = config
         self.sharing = sharing = config.sharing
         self.n_loops = sharing.n_loops
+        self.eos_id, self.vocab_size = config.eos_id, config.vocab_size  # what decoding reads
         self.shared = nn.Embedding(config.vocab_size, config.d_model)  # encoder and decoder inputs
         self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
         self.encoder_bias = RelativeBias(config, bidirectional=True)
@@ -317,10 +318,6 @@ class SpeedT5(nn.Module):
     # ----- what decoding reads (the decode kernels are the layers' ``decode``; see speed.engine.adapters) -----
 
     @property
-    def eos_id(self) -> int:
-        return self.config.eos_id
-
-    @property
     def start_id(self) -> int:
         """T5 starts decoding from the pad token."""
         return self.config.pad_id
@@ -329,10 +326,6 @@ class SpeedT5(nn.Module):
     def device(self) -> torch.device:
         """Where the weights live; the decode path creates every tensor here."""
         return self.lm_head.weight.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
 
 def shift_right(labels: Tensor, start_id: int = 0, pad_id: int = 0) -> Tensor:

@@ -75,7 +75,7 @@ class _Adapter:
 
     def __init__(self, model: SpeedT5 | LoopedLM) -> None:
         self.model = model
-        self.n_loops = model.n_loops
+        self.n_loops, self.eos_id, self.vocab_size = model.n_loops, model.eos_id, model.vocab_size
 
     @property
     def training(self) -> bool:
@@ -90,14 +90,6 @@ class _Adapter:
         """The model's training mode back."""
         self.model.train(mode)
         return self
-
-    @property
-    def eos_id(self) -> int:
-        return self.model.eos_id
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
 
     @property
     def device(self) -> torch.device:
