@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.benchmarks.decode import BenchConfig, format_table, run_benchmark
-from speed.benchmarks.decode_lm import LMBenchConfig, format_lm_table, run_lm_benchmark
-from speed.cli import JobParser, config_from_args, report_rows, user_errors
+from speed.benchmarks.decode_lm import LMBenchConfig, run_lm_benchmark
+from speed.cli import JobParser, add_report_flags, config_from_args, report_rows, user_errors
 from speed.config import lm_preset, preset
 
 
@@ -42,12 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="torch device every variant runs on, e.g. cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
     p.add_argument("--exit-rank", type=int, default=64, help="T5: also time SPEED with exit adapters (0: not)")
-    p.add_argument("--out", type=Path, default=None, help="default: results/bench_decode[_lm].parquet")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_report_flags(p, None, "default: results/bench_decode[_lm].parquet")
     args = p.parse_args(argv)
     if args.out is None:
         args.out = Path("results/bench_decode_lm.parquet" if args.family == "lm" else "results/bench_decode.parquet")
@@ -62,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             exit_rank = args.exit_rank or None
             cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf, exit_rank=exit_rank)
     if args.family == "lm":
-        report_rows(run_lm_benchmark(lm_cfg), args, format_lm_table)
+        report_rows(run_lm_benchmark(lm_cfg), args, format_table)
     else:
         report_rows(run_benchmark(cfg), args, format_table)
     return 0

@@ -35,7 +35,7 @@ from speed.benchmarks.decode import (
     run_lever_benchmark,
     score_outputs,
 )
-from speed.cli import JobParser, report_rows, user_errors
+from speed.cli import JobParser, add_report_flags, report_rows, user_errors
 
 DEFAULT_LEVERS = "b6_rb8=branches:6,row_budget:8;lanes_rb8=branches:6,branch_depth:6,row_budget:8"
 
@@ -49,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levers", default=DEFAULT_LEVERS, help="NAME=key:value,...;... (keys: speed.engine.Speculation's "
                    "fields, launch_loop .. min_confidence, and row_budget)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", type=Path, default=Path("results/bench_levers.parquet"))
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_report_flags(p, Path("results/bench_levers.parquet"))
     args = p.parse_args(argv)
     with user_errors():  # a missing checkpoint, task or split, a misspelled lever: one line, status 2
         levers = parse_levers(args.levers)

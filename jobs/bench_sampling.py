@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.benchmarks.decode import format_sampling_table, held_out, run_sampling_benchmark
-from speed.cli import JobParser, report_rows, user_errors
+from speed.cli import JobParser, add_report_flags, report_rows, user_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=100, help="sentences decoded")
     p.add_argument("--temperatures", default="0,0.7,1.0", help="comma-separated; 0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", type=Path, default=Path("results/bench_sampling.parquet"))
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_report_flags(p, Path("results/bench_sampling.parquet"))
     args = p.parse_args(argv)
     with user_errors():  # a missing checkpoint, task or split, a bad temperature: one line, status 2
         temperatures = tuple(float(t) for t in args.temperatures.split(","))

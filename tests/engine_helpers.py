@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
-from speed.engine import Engine, Request, StepResult
+from speed.engine import Engine, EngineConfig, Request, Speculation, StepResult
 
 # The blocks of random cases of a differential test: the first in every tier, the others left out of
 # `make test-quick` (marked slow), so the inner loop still checks exactness on a few dozen random cases.
@@ -56,6 +58,16 @@ def drive(
     return requests, finished
 
 
+def churn_config(rng: random.Random, max_prompt_len: int, max_target_len: int, max_budget: int) -> EngineConfig:
+    """A churn test's engine: 1 to 4 slots, and no row budget or one of 1..``max_budget`` rows (drawn from ``rng``)."""
+    return EngineConfig(
+        max_active=rng.randint(1, 4),
+        max_prompt_len=max_prompt_len,
+        max_target_len=max_target_len,
+        row_budget=rng.choice([None, rng.randint(1, max_budget)]),
+    )
+
+
 def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context, **settings):
     """Decode ``ids`` with SPEED (``settings`` as ``generate`` takes them: ``speculation``, ``sampling``, ...) under
     a ``LogitRecorder`` and assert every loop's logits and the tokens equal the sequential ``reference``'s run
@@ -68,6 +80,48 @@ def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context,
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], context
     assert got.tokens == ref.tokens
     return got
+
+
+@dataclass
+class RecordedCase:
+    """One random case of a differential test (what a test file's ``random_case(seed)`` returns) and its sequential
+    greedy decoding under a ``LogitRecorder``: the reference every SPEED run of the case is compared with."""
+
+    seed: int
+    model: Any
+    ids: Any  # (B, S) token ids, right-padded
+    mask: Any  # (B, S) attention mask
+    max_new: int
+    rng: random.Random  # the case's own generator: what a test draws next (launch loops, settings) comes from it
+    reference: Any  # the LogitRecorder of the sequential run
+    ref: Any  # the sequential run's GenerateResult
+
+    def speed(self, context, **settings):
+        """SPEED on this case, checked against the reference by ``speed_as_sequential``; its result."""
+        return speed_as_sequential(
+            self.model, self.reference, self.ref, self.ids, self.mask, self.max_new, context, **settings
+        )
+
+
+def recorded_cases(random_case: Callable[[int], tuple], seeds: Iterable[int]) -> Iterator[RecordedCase]:
+    """``random_case(seed)`` for each seed, decoded sequentially (greedy) under a ``LogitRecorder``."""
+    from speed.decoding import generate
+    from speed.exactness import LogitRecorder
+
+    for seed in seeds:
+        model, ids, mask, max_new, rng = random_case(seed)
+        reference = LogitRecorder(model)
+        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
+        yield RecordedCase(seed, model, ids, mask, max_new, rng, reference, ref)
+
+
+def speed_at_launch_loops(case: RecordedCase) -> Iterator:
+    """SPEED on ``case`` with eager and with final invalidation, each at launch loops 1, a random one (from the
+    case's ``rng``) and M; every run checked by ``speed_as_sequential``. Yields each run's result."""
+    m = case.model.n_loops
+    for invalidation in ("eager", "final"):
+        for launch_loop in sorted({1, case.rng.randint(1, m), m}):
+            yield case.speed((case.seed, invalidation, launch_loop), speculation=Speculation(launch_loop, invalidation))
 
 
 def random_exits(model, seed: int, scale: float = 1.0):

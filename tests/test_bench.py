@@ -145,7 +145,8 @@ def test_lever_settings_are_refused_when_misspelled():
 
 def test_lm_decode_benchmark_rows():
     """The looped LM's side-by-side run: every variant timed, TTFT apart, our Dx1 against transformers' Llama."""
-    from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, LMBenchConfig, format_lm_table, run_lm_benchmark
+    from speed.benchmarks.decode import format_table
+    from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, LMBenchConfig, run_lm_benchmark
     from speed.config import lm_preset
 
     cfg = LMBenchConfig(lm_preset("tiny", pattern="2x3"), batch=2, prompt_len=5, new_tokens=4, reps=1)
@@ -157,7 +158,7 @@ def test_lm_decode_benchmark_rows():
     assert rows["speed_oracle"]["flushes"] == 0 and rows["sequential"]["tokens"] == 2 * 4
     assert all(r["ttft_ms"] > 0 and r["prompt_len"] == 5 for r in rows.values())
     assert rows["sequential"]["speedup"] == 1.0 and rows["hf_generate"]["speedup"] == 1.0
-    assert "TTFT" in format_lm_table(table)
+    assert "TTFT" in format_table(table)
 
 
 def test_exit_adapters_in_the_decode_and_lever_benchmarks():

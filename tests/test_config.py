@@ -73,6 +73,11 @@ def test_parse_rejects_prelude_and_coda_with_reason(text, fragment):
         SharingPattern.parse(text)
 
 
+@pytest.mark.parametrize("text, shallow", [("2x6", "2x1"), ("1x1", "1x1"), ("1+2x6+1", "1+2x1+1"), ("3x2+2", "3x1+2")])
+def test_one_loop_keeps_the_layers_and_loops_once(text, shallow):
+    assert str(SharingPattern.parse(text).one_loop()) == shallow
+
+
 def test_two_part_patterns_keep_their_form():
     assert SharingPattern(2, 6) == SharingPattern.parse("2x6") and str(SharingPattern(2, 6, 1, 0)) == "1+2x6"
     with pytest.raises(ValueError, match="P, C >= 0"):

@@ -14,14 +14,13 @@ import random
 
 import pytest
 import torch
-from engine_helpers import BLOCKS, speed_as_sequential
+from engine_helpers import BLOCKS, recorded_cases
 from test_decoding_exact import random_case
 from test_decoding_schedule import EOS, StubModel, target
 
 from speed.cache import Rows
 from speed.decoding import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation, should_branch, should_launch
-from speed.exactness import LogitRecorder
 
 
 class BranchStub(StubModel):
@@ -196,19 +195,14 @@ def test_branch_settings_beyond_the_models_loops_are_refused(kw, fragment):
 def test_branches_equal_sequential_bitwise(block):
     """Random tiny models, branches and gates on: every loop's logits of every token equal sequential's."""
     cases = promotions = restarts = 0
-    for seed in range(block * 8, block * 8 + 8):
-        model, ids, mask, max_new, rng = random_case(seed)
-        reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
-        m = model.n_loops
+    for case in recorded_cases(random_case, range(block * 8, block * 8 + 8)):
+        rng, ref, m = case.rng, case.ref, case.model.n_loops
         for invalidation in ("eager", "final"):
             settings = [(m, 1, 1.0, 0.0), (m, m, 1.0, 0.0)]
             settings.append((rng.randint(0, m), rng.randint(1, m), rng.random(), rng.random() / 4))
             for branches, depth, below, gate in settings:
                 speculation = Speculation(rng.randint(1, m), invalidation, branches, depth, max(below, 1e-3), gate)
-                got = speed_as_sequential(
-                    model, reference, ref, ids, mask, max_new, (seed, invalidation, branches), speculation=speculation
-                )
+                got = case.speed((case.seed, invalidation, branches), speculation=speculation)
                 assert got.tokens == ref.tokens and got.trace.equals(ref.trace)
                 assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
                 promotions += got.stats.promotions
@@ -219,7 +213,7 @@ def test_branches_equal_sequential_bitwise(block):
 
 def test_churn_with_branches_equals_sequential_alone():
     """Requests with random branch settings join, leave and are cancelled under row budgets: each is exact."""
-    from engine_helpers import drive
+    from engine_helpers import churn_config, drive
     from test_engine import alone, random_request, tiny_model
 
     promotions = 0
@@ -227,13 +221,7 @@ def test_churn_with_branches_equals_sequential_alone():
         rng = random.Random(100 + seed)
         model = tiny_model(seed, ["2x3", "1x4", "3x3", "2x6"][seed % 4])
         m = model.n_loops
-        config = EngineConfig(
-            max_active=rng.randint(1, 4),
-            max_source_len=10,
-            max_target_len=16,
-            row_budget=rng.choice([None, rng.randint(1, 10)]),
-        )
-        engine = Engine(model, config)
+        engine = Engine(model, churn_config(rng, max_prompt_len=10, max_target_len=16, max_budget=10))
 
         def make(r=rng, mo=model):
             request = random_request(r, mo, 10, 16)

@@ -15,7 +15,14 @@ import random
 
 import pytest
 import torch
-from engine_helpers import BLOCKS, exits_change_drafts_only, random_exits, speed_as_sequential
+from engine_helpers import (
+    BLOCKS,
+    exits_change_drafts_only,
+    random_exits,
+    recorded_cases,
+    speed_as_sequential,
+    speed_at_launch_loops,
+)
 
 from speed.config import preset
 from speed.decoding import generate
@@ -54,22 +61,14 @@ def padded_batch(rng: random.Random, batch: int, vocab_size: int) -> tuple[torch
 @pytest.mark.parametrize("block", BLOCKS[:8])
 def test_speed_equals_sequential(block):
     cases = flushes = 0
-    for seed in range(block * 25, block * 25 + 25):
-        model, ids, mask, max_new, rng = random_case(seed)
-        reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
-        m = model.n_loops
-        for invalidation in ("eager", "final"):
-            for launch_loop in sorted({1, rng.randint(1, m), m}):
-                got = speed_as_sequential(
-                    model, reference, ref, ids, mask, max_new, (seed, invalidation, launch_loop),
-                    speculation=Speculation(launch_loop, invalidation),
-                )  # fmt: skip
-                assert got.trace.equals(ref.trace)
-                assert got.stats.tokens == ref.stats.tokens == sum(map(len, ref.tokens))
-                assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
-                flushes += got.stats.flushes
-                cases += 1
+    for case in recorded_cases(random_case, range(block * 25, block * 25 + 25)):
+        ref = case.ref
+        for got in speed_at_launch_loops(case):  # each run's logits and tokens checked against ref's
+            assert got.trace.equals(ref.trace)
+            assert got.stats.tokens == ref.stats.tokens == sum(map(len, ref.tokens))
+            assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
+            flushes += got.stats.flushes
+            cases += 1
     assert flushes > 0  # random models mispredict: the invalidation path was exercised
     assert cases >= 50
 

@@ -14,7 +14,7 @@ import threading
 import pyarrow.compute as pc
 import pytest
 import torch
-from engine_helpers import BLOCKS, drive, random_exits
+from engine_helpers import BLOCKS, churn_config, drive, random_exits
 from test_decoding_schedule import EOS, StubModel, target
 
 from speed.config import preset
@@ -75,12 +75,7 @@ def test_churn_equals_sequential_alone(block):
     for seed in range(block * 10, block * 10 + 10):
         rng = random.Random(seed)
         model = tiny_model(seed, PATTERNS[seed % len(PATTERNS)])
-        config = EngineConfig(
-            max_active=rng.randint(1, 4),
-            max_source_len=10,
-            max_target_len=16,
-            row_budget=rng.choice([None, rng.randint(1, 8)]),
-        )
+        config = churn_config(rng, max_prompt_len=10, max_target_len=16, max_budget=8)
         engine = Engine(model, config)
 
         def budgeted(result, budget=config.row_budget):

@@ -16,7 +16,16 @@ import random
 
 import pytest
 import torch
-from engine_helpers import BLOCKS, drive, exits_change_drafts_only, random_exits, speed_as_sequential
+from engine_helpers import (
+    BLOCKS,
+    churn_config,
+    drive,
+    exits_change_drafts_only,
+    random_exits,
+    recorded_cases,
+    speed_as_sequential,
+    speed_at_launch_loops,
+)
 from test_lm import _randomize
 
 from speed.config import lm_preset
@@ -72,21 +81,13 @@ def random_case(seed: int):
 def test_lm_speed_equals_sequential(block):
     """Greedy: eager and final invalidation, launch loops 1, random and M, batch 1 and 8."""
     cases = flushes = 0
-    for seed in range(block * 6, block * 6 + 6):
-        model, ids, mask, max_new, rng = random_case(seed)
-        reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
-        m = model.n_loops
-        for invalidation in ("eager", "final"):
-            for launch_loop in sorted({1, rng.randint(1, m), m}):
-                got = speed_as_sequential(
-                    model, reference, ref, ids, mask, max_new, (seed, invalidation, launch_loop),
-                    speculation=Speculation(launch_loop, invalidation),
-                )  # fmt: skip
-                assert got.trace.equals(ref.trace)
-                assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
-                flushes += got.stats.flushes
-                cases += 1
+    for case in recorded_cases(random_case, range(block * 6, block * 6 + 6)):
+        ref = case.ref
+        for got in speed_at_launch_loops(case):  # each run's logits and tokens checked against ref's
+            assert got.trace.equals(ref.trace)
+            assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
+            flushes += got.stats.flushes
+            cases += 1
     assert flushes > 0 and cases >= 6 * 2 * 2
 
 
@@ -194,12 +195,7 @@ def test_lm_churn_equals_sequential_alone(block):
         rng = random.Random(2000 + seed)
         model = random_model(seed)
         m = model.n_loops
-        config = EngineConfig(
-            max_active=rng.randint(1, 4),
-            max_prompt_len=MAX_PROMPT,
-            max_target_len=12,
-            row_budget=rng.choice([None, rng.randint(1, 8)]),
-        )
+        config = churn_config(rng, max_prompt_len=MAX_PROMPT, max_target_len=12, max_budget=8)
         recorder = PromptKeyed(model)
         engine = Engine(recorder, config)
         counter = iter(range(2, model.vocab_size))

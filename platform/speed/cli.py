@@ -61,6 +61,14 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
     return cls(**(flags | given))
 
 
+def add_report_flags(parser: argparse.ArgumentParser, out: Path | None, out_help: str | None = None) -> None:
+    """A benchmark job's ``--threads`` (torch's threads) and the flags ``report_rows`` reads: ``--out``, the
+    Parquet file (default ``out``), and ``--json``."""
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=out, help=out_help)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
 def report_rows(table: pa.Table, args: argparse.Namespace, format_table: Callable[[pa.Table], str]) -> None:
     """A benchmark's rows written to ``args.out`` (Parquet), then printed: one JSON object of the flags and the
     rows with ``args.json``, else ``format_table``'s table and where the rows went."""

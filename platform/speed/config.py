@@ -100,6 +100,11 @@ class SharingPattern:
         """Number of virtual layers of the looped core (its layer runs per token): N * M."""
         return self.n_unique * self.n_loops
 
+    def one_loop(self) -> SharingPattern:
+        """The same layers looped once, the shallow decoder SPEED is measured against: ``2x6`` -> ``2x1``,
+        ``1+2x6+1`` -> ``1+2x1+1``."""
+        return dataclasses.replace(self, n_loops=1)
+
     def physical_layer(self, virtual_layer: int) -> int:
         """The unique layer that runs as ``virtual_layer`` (0..depth-1, CYCLE order)."""
         if not 0 <= virtual_layer < self.depth:
@@ -117,8 +122,35 @@ class SharingPattern:
         return f"{prelude}{self.n_unique}x{self.n_loops}{coda}"
 
 
+def require_positive(config: Any, *names: str) -> None:
+    """A config's check of its counts and sizes: ``ValueError`` for the first of the fields ``names`` below 1."""
+    for name in names:
+        value = getattr(config, name)
+        if value < 1:
+            raise ValueError(f"{type(config).__name__}.{name} must be positive, got {value}")
+
+
+C = TypeVar("C", bound="PatternedConfig")
+
+
+class PatternedConfig:
+    """What both model configs (``ModelConfig``, ``LMConfig``) offer: their sharing pattern parsed, and a checked
+    ``replace``."""
+
+    pattern: str
+
+    @property
+    def sharing(self) -> SharingPattern:
+        """The parsed sharing pattern."""
+        return SharingPattern.parse(self.pattern)
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with some fields changed (unknown fields are an error)."""
+        return from_dict(type(self), {**to_dict(self), **changes})
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(PatternedConfig):
     """A T5 v1.1 encoder with a parameter-shared, early-exit decoder.
 
     T5 v1.1 details: RMS norm without bias, relative position bias (computed by
@@ -144,11 +176,8 @@ class ModelConfig:
         sharing = SharingPattern.parse(self.pattern)  # validates
         if sharing.prelude or sharing.coda:
             raise ValueError(f"ModelConfig.pattern {self.pattern!r}: T5's decoder has no prelude or coda; write NxM")
-        for name in ("vocab_size", "d_model", "n_heads", "d_kv", "d_ff", "relative_buckets", "relative_max_distance"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.n_encoder_layers < 1:
-            raise ValueError(f"ModelConfig.n_encoder_layers must be positive, got {self.n_encoder_layers}")
+        sizes = ("vocab_size", "d_model", "n_heads", "d_kv", "d_ff", "relative_buckets", "relative_max_distance")
+        require_positive(self, *sizes, "n_encoder_layers")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
         for name in ("pad_id", "eos_id"):
@@ -156,15 +185,6 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name}={getattr(self, name)} outside the vocabulary [0, {self.vocab_size})"
                 )
-
-    @property
-    def sharing(self) -> SharingPattern:
-        """The parsed decoder sharing pattern."""
-        return SharingPattern.parse(self.pattern)
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (unknown fields are an error)."""
-        return from_dict(ModelConfig, {**to_dict(self), **changes})
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -191,7 +211,7 @@ NORMS: tuple[str, ...] = typing.get_args(Norm)
 
 
 @dataclass(frozen=True)
-class LMConfig:
+class LMConfig(PatternedConfig):
     """A decoder-only looped transformer (``speed.lm.LoopedLM``) of Llama blocks with an exit after every loop.
 
     Blocks: RMS norm, rotary position embeddings (Llama's split-halves layout), SwiGLU FFN, no biases,
@@ -219,9 +239,7 @@ class LMConfig:
 
     def __post_init__(self) -> None:
         SharingPattern.parse(self.pattern)  # validates
-        for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"LMConfig.{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"LMConfig.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -233,15 +251,6 @@ class LMConfig:
                 raise ValueError(f"LMConfig.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.eos_id < self.vocab_size:
             raise ValueError(f"LMConfig.eos_id={self.eos_id} outside the vocabulary [0, {self.vocab_size})")
-
-    @property
-    def sharing(self) -> SharingPattern:
-        """The parsed sharing pattern."""
-        return SharingPattern.parse(self.pattern)
-
-    def replace(self, **changes: Any) -> LMConfig:
-        """A copy with some fields changed (unknown fields are an error)."""
-        return from_dict(LMConfig, {**to_dict(self), **changes})
 
 
 # The T5 presets' layer sizes (d_model, heads x head size, FFN, vocabulary), so that a looped LM block has the

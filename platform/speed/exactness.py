@@ -71,6 +71,7 @@ class LogitRecorder:
     def step(
         self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
     ) -> tuple[Tensor, Tensor | None]:
+        """The model's group pass, its rows' exit logits recorded."""
         out, logits = self.model.step(memory, cache, rows, hidden, with_logits)
         if logits is not None:
             side = rows.side.tolist() if rows.side is not None else [-1] * len(rows)

@@ -22,10 +22,10 @@ to the engine's ``Stepper`` protocol. Here an adapter belongs to an *exit*.
 
 A model holds its adapters as ``model.exit_adapters`` (None: plain exits;
 ``attach``); the training forward (``SpeedT5.exit_logits``,
-``LoopedLM.forward``), the decode steps and the LM's prefill apply them. On
-the decode path the adapter's matmuls run per row on the row-invariant kernels
-(``speed.kernels.tile_linear``), so a row's exit does not depend on the rows it
-shares a step with: drafts never change the output, but the statistics stay
+``LoopedLM.forward``), the decode path's group passes and the LM's prefill
+apply them. On the decode path the adapter's matmuls run per row on the
+row-invariant kernels (``speed.kernels.tile_linear``), so a row's exit does
+not depend on the rows it shares a group pass with: drafts never change the output, but the statistics stay
 deterministic. In a checkpoint they are two files beside the model's
 (``speed.checkpoint``): ``exits.pt`` (the adapters' state dict) and ``exits.json``
 (``ExitConfig``: which loops are adapted, the rank; plus the training job's

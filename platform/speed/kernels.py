@@ -1,7 +1,7 @@
-"""Batch-invariant decode kernels: a row's result never depends on the other rows of its step.
+"""Batch-invariant decode kernels: a row's result never depends on the other rows of its group pass.
 
-A decode step computes 1 to M rows per sequence (many more across a batch or
-a server's requests), and the rows that share a step change all the time. A
+A pipeline step's group pass (the model's call, ``Stepper.step``) computes 1 to M rows per sequence (many more
+across a batch or a server's requests), and the rows that share a pass change all the time. A
 CPU or GPU kernel may pick its algorithm, blocking or reduction split by the
 shape it is given (MKL's GEMM rounds a 3-row product differently from an
 8-row one and takes a GEMV for one row; a reduction with one output splits
@@ -22,7 +22,7 @@ across threads; attention's softmax is blocked by its key length). So:
 - Attention is written as elementwise products and reductions that are per
   row and sum the key positions in fixed chunks of ``ATTN_CHUNK`` (see
   ``attend``), so its result does not depend on the number of masked positions
-  after a row's real ones: a step attends over the fewest whole chunks that
+  after a row's real ones: a group pass attends over the fewest whole chunks that
   cover its rows, and a request decodes to the same logits whatever the
   capacity of the engine or server that runs it. Cross-attention always
   runs one query per row against its request's keys (shared, not copied,
@@ -179,22 +179,22 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = A
 
 
 def in_tiles(
-    step_tile: Callable[[Rows, Tensor], tuple[Tensor, Tensor | None]],
+    pass_tile: Callable[[Rows, Tensor], tuple[Tensor, Tensor | None]],
     rows: Rows,
     hidden: Tensor,
     tile_rows: int = TILE_ROWS,
 ) -> tuple[Tensor, Tensor | None]:
-    """A decode step over any number of rows: ``step_tile`` on tiles of at most ``tile_rows`` of them, in order.
+    """A group pass over any number of rows: ``pass_tile`` on tiles of at most ``tile_rows`` of them, in order.
 
     ``hidden`` (R, ...) holds the rows' inputs; the tiles' outputs (and exit
     logits, None when the tiles return none) are concatenated in row order.
     """
     if len(rows) <= tile_rows:
-        return step_tile(rows, hidden)
+        return pass_tile(rows, hidden)
     outputs, logits = [], []
     for start in range(0, len(rows), tile_rows):
         part = rows.take(np.arange(start, min(start + tile_rows, len(rows))))
-        out, exit_logits = step_tile(part, hidden[start : start + len(part)])
+        out, exit_logits = pass_tile(part, hidden[start : start + len(part)])
         outputs.append(out)
         if exit_logits is not None:
             logits.append(exit_logits)

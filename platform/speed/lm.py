@@ -18,9 +18,10 @@ Keys and values have one entry per virtual layer: (loop, core layer) and
 (loop, coda layer) in ``LMCache.loops``, and the prelude's, which run once, in
 ``LMCache.prelude``. Two paths compute the same logits: ``forward`` over
 whole (B, T) sequences (training, teacher forcing, the reference), and the
-cached incremental path, ``prefill`` of a prompt plus ``step``, one pass of
-the loop over rows each at its own loop and position (the SPEED step), on the
-batch-invariant kernels of ``speed.kernels`` as ``SpeedT5.step`` is.
+cached incremental path, ``prefill`` of a prompt plus ``step``, one group pass
+of the loop over rows each at its own loop and position (the model's call in
+one of the engine's pipeline steps), on the batch-invariant kernels of
+``speed.kernels`` as T5's (``speed.engine.adapters.T5Stepper.step``) is.
 
 Shapes: B batch, T length, R decode rows (n in one tile), d d_model, W the
 carry's width (d, or 2d with injection), H query heads, K key/value heads
@@ -42,7 +43,7 @@ from speed.cache import KVCache, Rows
 from speed.config import LMConfig
 from speed.exits import ExitAdapters
 from speed.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
-from speed.losses import weighted_loss
+from speed.losses import LoopOutput, loop_output
 
 Store = Callable[[Tensor, Tensor], None]  # receives one prompt's keys and values at a virtual layer (1, K, T, D)
 Segment = tuple[int, int]  # a prompt's rows in a prefill: (first row, length)
@@ -231,15 +232,6 @@ class LMCache:
             part.promote(slot, side, pos, loops_done)
 
 
-@dataclass
-class LMOutput:
-    """Forward result: per-loop losses (M,), the weighted loss, optional per-loop logits."""
-
-    loop_losses: Tensor | None
-    loss: Tensor | None
-    loop_logits: list[Tensor] | None  # M x (B, T, V), only when asked for
-
-
 class LoopedLM(nn.Module):
     """A ``P+NxM+C`` looped decoder-only LM: prelude once, core M times, an exit (coda, norm, head) per loop."""
 
@@ -248,6 +240,7 @@ class LoopedLM(nn.Module):
         self.config = config
         self.sharing = sharing = config.sharing
         self.n_loops = sharing.n_loops
+        self.eos_id, self.vocab_size = config.eos_id, config.vocab_size  # what decoding reads
         d = config.d_model
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.prelude = nn.ModuleList(Block(config) for _ in range(sharing.prelude))
@@ -295,7 +288,7 @@ class LoopedLM(nn.Module):
         labels: Tensor | None = None,
         weights: Tensor | None = None,
         return_logits: bool = False,
-    ) -> LMOutput:
+    ) -> LoopOutput:
         """Teacher-forced forward of token ids (B, T) through all M loops, causal (right padding is harmless).
 
         ``labels`` (B, T; -100 = ignore) are the tokens that follow each
@@ -303,27 +296,10 @@ class LoopedLM(nn.Module):
         token cross-entropy L_i and ``L_w = sum_i w_i L_i`` with ``weights``
         (M,) (default: the paper's linear scheme).
         """
-        losses, all_logits = [], []
-        for state in self._exit_states(input_ids):
-            logits = self.lm_head(state)  # (B, T, V)
-            if labels is not None:
-                losses.append(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100))
-            if return_logits:
-                all_logits.append(logits)
-        if labels is None:
-            return LMOutput(None, None, all_logits if return_logits else None)
-        loop_losses = torch.stack(losses)  # (M,)
-        return LMOutput(loop_losses, weighted_loss(loop_losses, weights), all_logits if return_logits else None)
+        exits = (self.lm_head(state) for state in self._exit_states(input_ids))  # each loop's (B, T, V)
+        return loop_output(exits, labels, weights, return_logits)
 
     # ----- cached decoding ---------------------------------------------------------------------------------
-
-    @property
-    def eos_id(self) -> int:
-        return self.config.eos_id
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     @property
     def device(self) -> torch.device:
@@ -399,7 +375,8 @@ class LoopedLM(nn.Module):
     def step(
         self, cache: LMCache, rows: Rows, hidden: Tensor, with_logits: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One pass of the loop over R rows, each at its own loop and position (the SPEED step).
+        """One group pass of the loop over R rows, each at its own loop and position (the model's call in a
+        pipeline step of ``speed.engine``).
 
         ``hidden`` (R, W) is each row's carry into this loop: ``embed``'s at
         loop 0, else what the previous ``step`` returned for it. Without
@@ -408,13 +385,13 @@ class LoopedLM(nn.Module):
         runs the core and its exit (the coda, the final norm and, if asked,
         the LM head). Returns the carries into the next loop (R, W) and the
         exit logits (R, V). Each row's results are bit-identical whatever
-        other rows share the step (tiles of ``TILE_ROWS`` rows on the
+        other rows share the pass (tiles of ``TILE_ROWS`` rows on the
         row-invariant kernels of ``speed.kernels``).
         """
-        return in_tiles(lambda part, carry: self._step_tile(cache, part, carry, with_logits), rows, hidden)
+        return in_tiles(lambda part, carry: self._pass_tile(cache, part, carry, with_logits), rows, hidden)
 
-    def _step_tile(self, cache: LMCache, rows: Rows, carry: Tensor, with_logits: bool) -> tuple[Tensor, Tensor | None]:
-        """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W)."""
+    def _pass_tile(self, cache: LMCache, rows: Rows, carry: Tensor, with_logits: bool) -> tuple[Tensor, Tensor | None]:
+        """The group pass (``step``) for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W)."""
         c, N, d = self.config, self.sharing.n_unique, self.config.d_model
         _, _, pos_t = rows.tensors(carry.device)
         # As in SpeedT5: attention over the fewest whole chunks that cover the tile's rows changes no row's result.

@@ -14,7 +14,7 @@ prediction, each exit pulled toward a detached later one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +112,33 @@ def loss_weights(scheme: str, n_loops: int) -> Tensor:
         raise ValueError(f"n_loops must be at least 1, got {n_loops}")
     family, sep, value = scheme.partition(":")
     return PARAMETRIC[family](n_loops, float(value)) if sep else SCHEMES[scheme](n_loops)
+
+
+@dataclass
+class LoopOutput:
+    """A looped model's training forward: per-loop losses (M,), the weighted loss, optional per-loop logits."""
+
+    loop_losses: Tensor | None
+    loss: Tensor | None
+    loop_logits: list[Tensor] | None  # M x (B, T, V), only when asked for
+
+
+def loop_output(
+    exit_logits: Iterable[Tensor], labels: Tensor | None, weights: Tensor | None, return_logits: bool
+) -> LoopOutput:
+    """Each loop's exit logits (B, T, V), in loop order, against ``labels`` (B, T; -100 = ignore): each loop's mean
+    token cross-entropy L_i and ``weighted_loss``'s L_w; without labels, no losses."""
+    losses, all_logits = [], []
+    for logits in exit_logits:
+        if labels is not None:
+            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100))
+        if return_logits:
+            all_logits.append(logits)
+    kept = all_logits if return_logits else None
+    if labels is None:
+        return LoopOutput(None, None, kept)
+    loop_losses = torch.stack(losses)  # (M,)
+    return LoopOutput(loop_losses, weighted_loss(loop_losses, weights), kept)
 
 
 def weighted_loss(loop_losses: Tensor, weights: Tensor | None = None) -> Tensor:

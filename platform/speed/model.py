@@ -11,7 +11,7 @@ H heads, D d_kv, V vocabulary, M loops, N unique decoder layers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from speed.cache import KVCache, Rows
 from speed.config import ModelConfig
 from speed.exits import ExitAdapters
 from speed.kernels import attend, tile_linear
-from speed.losses import weighted_loss
+from speed.losses import LoopOutput, loop_output
 
 
 def relative_position_bucket(
@@ -208,15 +208,6 @@ class DecoderLayer(nn.Module):
         return x + self.ffn.decode(self.ffn_norm(x))
 
 
-@dataclass
-class SpeedT5Output:
-    """Training forward result: per-loop losses (M,), the weighted loss, optional per-loop logits."""
-
-    loop_losses: Tensor | None
-    loss: Tensor | None
-    loop_logits: list[Tensor] | None  # M x (B, T, V), only when asked for
-
-
 class SpeedT5(nn.Module):
     """T5 v1.1 encoder plus an ``NxM`` parameter-shared decoder with early exits."""
 
@@ -225,6 +216,7 @@ class SpeedT5(nn.Module):
         self.config = config
         self.sharing = sharing = config.sharing
         self.n_loops = sharing.n_loops
+        self.eos_id, self.vocab_size = config.eos_id, config.vocab_size  # what decoding reads
         self.shared = nn.Embedding(config.vocab_size, config.d_model)  # encoder and decoder inputs
         self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
         self.encoder_bias = RelativeBias(config, bidirectional=True)
@@ -293,7 +285,7 @@ class SpeedT5(nn.Module):
         labels: Tensor | None = None,
         weights: Tensor | None = None,
         return_logits: bool = False,
-    ) -> SpeedT5Output:
+    ) -> LoopOutput:
         """Teacher-forced forward through all M loops.
 
         With ``labels`` (B, T; -100 = ignore) returns each loop's mean token
@@ -309,29 +301,21 @@ class SpeedT5(nn.Module):
         self_bias = (self.decoder_bias(T, T) + causal).unsqueeze(0)  # (1, H, T, T)
         encoder_kv = [layer.cross_attn.keys_values(encoded) for layer in self.decoder_layers]
 
-        x = self.dropout(self.shared(decoder_input_ids))
-        losses, all_logits = [], []
         sharing = self.sharing
-        for v in range(sharing.depth):  # virtual layers
-            j = sharing.physical_layer(v)
-            x = self.decoder_layers[j](x, self_bias, *encoder_kv[j], cross_bias)
-            if v + 1 < sharing.depth and sharing.loop_of(v + 1) == sharing.loop_of(v):
-                continue  # the early exit comes after the loop's last layer
-            logits = self.exit_logits(x, sharing.loop_of(v))  # (B, T, V)
-            if labels is not None:
-                losses.append(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100))
-            if return_logits:
-                all_logits.append(logits)
-        if labels is None:
-            return SpeedT5Output(None, None, all_logits if return_logits else None)
-        loop_losses = torch.stack(losses)  # (M,)
-        return SpeedT5Output(loop_losses, weighted_loss(loop_losses, weights), all_logits if return_logits else None)
+
+        def loop_exits(x: Tensor) -> Iterator[Tensor]:
+            """Each loop's exit logits (B, T, V), in loop order, of decoder inputs ``x`` (B, T, d)."""
+            for v in range(sharing.depth):  # virtual layers
+                j = sharing.physical_layer(v)
+                x = self.decoder_layers[j](x, self_bias, *encoder_kv[j], cross_bias)
+                if v + 1 < sharing.depth and sharing.loop_of(v + 1) == sharing.loop_of(v):
+                    continue  # the early exit comes after the loop's last layer
+                yield self.exit_logits(x, sharing.loop_of(v))
+
+        x = self.dropout(self.shared(decoder_input_ids))
+        return loop_output(loop_exits(x), labels, weights, return_logits)
 
     # ----- what decoding reads (the decode kernels are the layers' ``decode``; see speed.engine.adapters) -----
-
-    @property
-    def eos_id(self) -> int:
-        return self.config.eos_id
 
     @property
     def start_id(self) -> int:
@@ -342,10 +326,6 @@ class SpeedT5(nn.Module):
     def device(self) -> torch.device:
         """Where the weights live; the decode path creates every tensor here."""
         return self.lm_head.weight.device
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
 
 def shift_right(labels: Tensor, start_id: int = 0, pad_id: int = 0) -> Tensor:

@@ -8,24 +8,28 @@ variants alike. Ratios are computed from these medians, never typed in.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import platform as _platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 import pyarrow as pa
 import torch
 
-from speed.config import ModelConfig, coerce, to_dict
+from speed.config import LMConfig, ModelConfig, coerce, to_dict
 from speed.decoding import GenerateResult, generate
 from speed.engine import LEVERS, Method, Speculation
 from speed.exits import attach, exits_for
+from speed.family import build_model
+from speed.lm import LoopedLM
 from speed.model import SpeedT5
 from speed.sampling import Sampling
+
+if TYPE_CHECKING:
+    from speed.benchmarks.decode_lm import LMBenchConfig
 
 BENCH_SCHEMA = pa.schema(
     [
@@ -70,13 +74,41 @@ class BenchConfig:
     exit_rank: int | None = 64  # also time SPEED with exit adapters of this rank (speed.exits); None: not
 
 
-def random_model(config: ModelConfig, seed: int) -> SpeedT5:
-    """A random model whose EOS row is zeroed, so that every run decodes the full length."""
+def random_model(config: ModelConfig | LMConfig, seed: int) -> SpeedT5 | LoopedLM:
+    """A random model of the config's family (a T5 without dropout) whose EOS row is zeroed, so that every run
+    decodes the full length."""
     torch.manual_seed(seed)
-    model = SpeedT5(config.replace(dropout=0.0)).eval()
+    model = build_model(config.replace(dropout=0.0) if isinstance(config, ModelConfig) else config).eval()
     with torch.no_grad():
         model.lm_head.weight[config.eos_id].zero_()
     return model
+
+
+@dataclass(frozen=True)
+class BenchModels:
+    """What every variant of a decode benchmark shares: the timed model and its shallow Nx1 twin (one loop of N
+    layers, the same seed), the random inputs and the model's sequential greedy decoding of them."""
+
+    model: SpeedT5 | LoopedLM
+    shallow: SpeedT5 | LoopedLM
+    ids: torch.Tensor  # (batch, input length), on the CPU, as a request's are
+    reference: GenerateResult  # sequential greedy decoding: what every exact variant must reproduce
+
+    def configs(self) -> dict[str, ModelConfig | LMConfig]:
+        """The timed model's config of each variant that runs ``model`` or ``shallow``."""
+        deep = self.model.config
+        return {"sequential": deep, "speed": deep, "speed_oracle": deep, "shallow": self.shallow.config}
+
+
+def bench_models(cfg: BenchConfig | LMBenchConfig, input_len: int, first_id: int) -> BenchModels:
+    """``cfg``'s random model and its shallow Nx1 on ``cfg.device``, ``cfg.batch`` random inputs of ``input_len``
+    tokens (ids from ``first_id`` up: no special token) and the sequential reference of ``cfg.new_tokens``."""
+    model = random_model(cfg.model, cfg.seed).to(cfg.device)
+    shallow = random_model(cfg.model.replace(pattern=str(cfg.model.sharing.one_loop())), cfg.seed).to(cfg.device)
+    torch.manual_seed(cfg.seed + 1)
+    ids = torch.randint(first_id, cfg.model.vocab_size, (cfg.batch, input_len))
+    reference = generate(model, ids, method="sequential", max_new_tokens=cfg.new_tokens, trace=False)
+    return BenchModels(model, shallow, ids, reference)
 
 
 def interleave(variants: dict[str, Callable[[], int]], reps: int, device: str = "cpu") -> dict[str, list[float]]:
@@ -110,19 +142,78 @@ def machine_name(device: str) -> str:
     return f"{_platform.machine()} {_platform.processor() or ''}".strip()
 
 
+def variant_columns(
+    name: str,
+    config: ModelConfig | LMConfig,
+    result: GenerateResult | None,
+    ms_per_token: dict[str, float],
+    tokens: int,
+) -> dict[str, Any]:
+    """A variant's row: its name, the timed model's pattern and resolved config (JSON), its decode time per token
+    (of ``ms_per_token``, every variant's) and speed-up over its baseline (transformers' generate for our deep
+    decoder and itself, else sequential) and the shallow Nx1, and its decoding's tokens, steps and flushes
+    (``result``, None for transformers': then ``tokens``, and no steps)."""
+    baseline = "hf_generate" if name in ("ours_deep", "hf_generate") else "sequential"
+    stats = result.stats if result is not None else None
+    return {
+        "variant": name,
+        "pattern": config.pattern,
+        "model": json.dumps(to_dict(config), sort_keys=True),
+        "ms_per_token": ms_per_token[name],
+        "baseline": baseline,
+        "speedup": ms_per_token[baseline] / ms_per_token[name],
+        "ratio_vs_shallow": ms_per_token[name] / ms_per_token["shallow"],
+        "tokens": stats.tokens if stats else tokens,
+        "steps": stats.steps if stats else None,
+        "flushes": stats.flushes if stats else None,
+    }
+
+
+def run_columns(cfg: BenchConfig | LMBenchConfig) -> dict[str, Any]:
+    """What every row of one benchmark run shares: its sizes and repetitions, the threads, torch and the machine."""
+    return {
+        "reps": cfg.reps,
+        "d_model": cfg.model.d_model,
+        "vocab_size": cfg.model.vocab_size,
+        "batch": cfg.batch,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": machine_name(cfg.device),
+    }
+
+
+def check_exact(results: dict[str, GenerateResult], reference: GenerateResult, names: tuple[str, ...]) -> None:
+    """Each named variant that ran decoded exactly ``reference``'s tokens (sequential greedy decoding's)."""
+    for name in names:
+        if name in results and results[name].tokens != reference.tokens:
+            raise AssertionError(f"{name} output differs from sequential greedy decoding")
+
+
+def transformers_installed() -> bool:
+    """Whether ``transformers`` (a test/bench extra) imports; where not, a line says the comparison is skipped."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        print(f"skipping the transformers comparison: {err}")
+        return False
+    return True
+
+
+def warn_unless_hf_agrees(ours: torch.nn.Module, ids: torch.Tensor, new_tokens: int, hf_tokens: torch.Tensor) -> None:
+    """Print a warning where our sequential greedy tokens differ from transformers' on the same weights."""
+    check = generate(ours, ids, method="sequential", max_new_tokens=new_tokens, trace=False).tokens
+    if check != hf_tokens.tolist():
+        print("warning: our Dx1 greedy tokens differ from transformers' (numerical near-ties on random weights?)")
+
+
 def run_benchmark(cfg: BenchConfig) -> pa.Table:
     """Measure all variants side by side and return one row per variant (``BENCH_SCHEMA``)."""
-    sharing = cfg.model.sharing
-    model = random_model(cfg.model, cfg.seed).to(cfg.device)
-    shallow = random_model(cfg.model.replace(pattern=f"{sharing.n_unique}x1"), cfg.seed).to(cfg.device)
-    torch.manual_seed(cfg.seed + 1)
-    ids = torch.randint(3, cfg.model.vocab_size, (cfg.batch, cfg.source_len))
+    bench = bench_models(cfg, cfg.source_len, first_id=3)
+    model, shallow, ids, reference = bench.model, bench.shallow, bench.ids, bench.reference
     n = cfg.new_tokens
-    reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
     tokens = sum(map(len, reference.tokens))
     results: dict[str, GenerateResult] = {}
-    configs = {"sequential": model.config, "speed": model.config, "speed_oracle": model.config}
-    configs["shallow"] = shallow.config
+    configs = bench.configs()
 
     def run(name: str, m: SpeedT5, **kw) -> Callable[[], int]:
         def go() -> int:
@@ -154,52 +245,30 @@ def run_benchmark(cfg: BenchConfig) -> pa.Table:
         flush=True,
     )
     times = interleave(variants, cfg.reps, cfg.device)
-    for name in ("speed", "speed_oracle", "speed_exits"):
-        if name in results and results[name].tokens != reference.tokens:
-            raise AssertionError(f"{name} output differs from sequential greedy decoding")
+    check_exact(results, reference, ("speed", "speed_oracle", "speed_exits"))
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    machine = machine_name(cfg.device)
+    shared = run_columns(cfg)
     rows = []
     for name, ts in times.items():
         stats = results[name].stats if name in results else None
-        baseline = "hf_generate" if name in ("ours_deep", "hf_generate") else "sequential"
-        rows.append(
-            {
-                "variant": name,
-                "pattern": configs[name].pattern,
-                "model": json.dumps(to_dict(configs[name]), sort_keys=True),
-                "ms_per_token": med[name],
-                "ms_per_token_min": min(ts),
-                "baseline": baseline,
-                "speedup": med[baseline] / med[name],
-                "ratio_vs_shallow": med[name] / med["shallow"],
-                "tokens": stats.tokens if stats else tokens,
-                "steps": stats.steps if stats else None,
-                "rows": stats.rows if stats else None,
-                "flushes": stats.flushes if stats else None,
-                "wasted_rows": stats.wasted_rows if stats else None,
-                "reps": cfg.reps,
-                "d_model": cfg.model.d_model,
-                "vocab_size": cfg.model.vocab_size,
-                "batch": cfg.batch,
-                "threads": torch.get_num_threads(),
-                "torch": torch.__version__,
-                "machine": machine,
-            }
-        )
+        row = variant_columns(name, configs[name], results.get(name), med, tokens) | shared
+        row |= {
+            "ms_per_token_min": min(ts),
+            "rows": stats.rows if stats else None,
+            "wasted_rows": stats.wasted_rows if stats else None,
+        }
+        rows.append(row)
     return pa.Table.from_pylist(rows, schema=BENCH_SCHEMA)
 
 
 def _hf_pair(cfg: BenchConfig, ids: torch.Tensor):
     """Our sequential Dx1 and transformers' T5 ``generate`` on the same random weights."""
-    try:
-        from transformers import T5ForConditionalGeneration
-
-        from speed.convert import from_hf_model, hf_config_from
-    except ImportError as err:  # transformers is a test/bench extra
-        print(f"skipping the transformers comparison: {err}")
+    if not transformers_installed():
         return None
+    from transformers import T5ForConditionalGeneration
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from speed.convert import from_hf_model, hf_config_from
 
     depth = cfg.model.sharing.depth
     torch.manual_seed(cfg.seed)
@@ -218,22 +287,23 @@ def _hf_pair(cfg: BenchConfig, ids: torch.Tensor):
         assert out.shape[1] == n + 1  # decoder start + n tokens
         return out[:, 1:]
 
-    check = generate(ours, ids, method="sequential", max_new_tokens=n, trace=False).tokens
-    if check != hf_generate().tolist():
-        print("warning: our Dx1 greedy tokens differ from transformers' (numerical near-ties on random weights?)")
+    warn_unless_hf_agrees(ours, ids, n, hf_generate())
     return ours, hf_generate
 
 
 def format_table(table: pa.Table) -> str:
-    """A fixed-width text table of the benchmark rows."""
-    head = f"{'variant':<14}{'pattern':>8}{'ms/token':>10}{'speed-up':>9}{'over':>13}{'vs shallow':>12}"
-    head += f"{'steps':>7}{'flushes':>9}"
+    """A fixed-width text table of the decode benchmark's rows, T5's or the LM's (with its time to first token)."""
+    ttft = "ttft_ms" in table.column_names
+    head = f"{'variant':<14}{'pattern':>8}" + (f"{'TTFT ms':>10}" if ttft else "")
+    head += f"{'ms/token':>10}{'speed-up':>9}{'over':>13}{'vs shallow':>12}{'steps':>7}{'flushes':>9}"
     lines = [head, "-" * len(head)]
     for r in table.to_pylist():
         steps = "" if r["steps"] is None else r["steps"]
         flushes = "" if r["flushes"] is None else r["flushes"]
         lines.append(
-            f"{r['variant']:<14}{r['pattern']:>8}{r['ms_per_token']:>10.2f}{r['speedup']:>8.2f}x{r['baseline']:>13}"
+            f"{r['variant']:<14}{r['pattern']:>8}"
+            + (f"{r['ttft_ms']:>10.1f}" if ttft else "")
+            + f"{r['ms_per_token']:>10.2f}{r['speedup']:>8.2f}x{r['baseline']:>13}"
             f"{r['ratio_vs_shallow']:>11.2f}x{steps:>7}{flushes:>9}"
         )
     return "\n".join(lines)
@@ -425,7 +495,7 @@ def _lever_variants(name: str, model: SpeedT5, levers: dict[str, LeverSetting]) 
     ``oracle``: plain SPEED speculating the known sequential output (the steps it needs if every exit agreed)."""
     from speed.checkpoint import backbone_state
 
-    shallow = type(model)(model.config.replace(pattern=str(dataclasses.replace(model.sharing, n_loops=1)))).eval()
+    shallow = type(model)(model.config.replace(pattern=str(model.sharing.one_loop()))).eval()
     shallow.load_state_dict(backbone_state(model))  # the same parameters: a shared decoder's first loop alone
     adapted = model.exit_adapters is not None
     speeds = {"speed": LeverSetting()} | levers

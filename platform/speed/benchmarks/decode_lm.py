@@ -9,7 +9,6 @@ and medians reported; ratios are computed from them, never typed in.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,8 +16,16 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from speed.benchmarks.decode import interleave, machine_name
-from speed.config import LMConfig, to_dict
+from speed.benchmarks.decode import (
+    bench_models,
+    check_exact,
+    interleave,
+    run_columns,
+    transformers_installed,
+    variant_columns,
+    warn_unless_hf_agrees,
+)
+from speed.config import LMConfig
 from speed.decoding import GenerateResult, generate
 from speed.lm import LoopedLM
 
@@ -61,29 +68,16 @@ class LMBenchConfig:
     device: str = "cpu"
 
 
-def random_lm(config: LMConfig, seed: int) -> LoopedLM:
-    """A random looped LM whose EOS row is zeroed, so that every run decodes the full length."""
-    torch.manual_seed(seed)
-    model = LoopedLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight[config.eos_id].zero_()
-    return model
-
-
 def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
     """Measure every variant side by side; one row per variant (``LM_BENCH_SCHEMA``)."""
     sharing = cfg.model.sharing
     if sharing.prelude or sharing.coda:
         raise ValueError(f"the benchmark compares NxM with Nx1 and Dx1; write the pattern NxM, got {cfg.model.pattern}")
-    model = random_lm(cfg.model, cfg.seed).to(cfg.device)
-    shallow = random_lm(cfg.model.replace(pattern=f"{sharing.n_unique}x1"), cfg.seed).to(cfg.device)
-    torch.manual_seed(cfg.seed + 1)
-    ids = torch.randint(2, cfg.model.vocab_size, (cfg.batch, cfg.prompt_len))
+    bench = bench_models(cfg, cfg.prompt_len, first_id=2)
+    model, shallow, ids, reference = bench.model, bench.shallow, bench.ids, bench.reference
     n = cfg.new_tokens
-    reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
     results: dict[str, GenerateResult] = {}
-    configs = {"sequential": model.config, "speed": model.config, "speed_oracle": model.config}
-    configs["shallow"] = shallow.config
+    configs = bench.configs()
 
     def run(name: str, m: LoopedLM, new: int, **kw) -> Callable[[], int]:
         def go() -> int:
@@ -127,53 +121,29 @@ def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
         flush=True,
     )
     times = interleave(variants, cfg.reps, cfg.device)  # ms per run
-    for name in ("speed", "speed_oracle"):
-        if results[name].tokens != reference.tokens:
-            raise AssertionError(f"{name} output differs from sequential greedy decoding")
+    check_exact(results, reference, ("speed", "speed_oracle"))
     med = {name: statistics.median(ts) for name, ts in times.items()}
     decoded = cfg.batch * (n - 1)  # the tokens after each sequence's first
     ttft = {name: med[f"{name}/first"] for name in [*kinds, *(["hf_generate"] if hf else [])]}
     per_token = {name: (med[name] - ttft[name]) / decoded for name in ttft}
-    machine = machine_name(cfg.device)
-    rows = []
-    for name in ttft:
-        stats = results[name].stats if name in results else None
-        baseline = "hf_generate" if name in ("ours_deep", "hf_generate") else "sequential"
-        rows.append(
-            {
-                "variant": name,
-                "pattern": configs[name].pattern,
-                "model": json.dumps(to_dict(configs[name]), sort_keys=True),
-                "ttft_ms": ttft[name],
-                "ms_per_token": per_token[name],
-                "baseline": baseline,
-                "speedup": per_token[baseline] / per_token[name],
-                "ratio_vs_shallow": per_token[name] / per_token["shallow"],
-                "tokens": stats.tokens if stats else cfg.batch * n,
-                "steps": stats.steps if stats else None,
-                "flushes": stats.flushes if stats else None,
-                "reps": cfg.reps,
-                "prompt_len": cfg.prompt_len,
-                "d_model": cfg.model.d_model,
-                "vocab_size": cfg.model.vocab_size,
-                "batch": cfg.batch,
-                "threads": torch.get_num_threads(),
-                "torch": torch.__version__,
-                "machine": machine,
-            }
-        )
+    shared = run_columns(cfg) | {"prompt_len": cfg.prompt_len}
+    rows = [
+        variant_columns(name, configs[name], results.get(name), per_token, cfg.batch * n)
+        | shared
+        | {"ttft_ms": ttft[name]}
+        for name in ttft
+    ]
     return pa.Table.from_pylist(rows, schema=LM_BENCH_SCHEMA)
 
 
 def _hf_pair(cfg: LMBenchConfig, ids: torch.Tensor):
     """Our sequential Dx1 and a ``generate(new)`` of transformers' Llama (greedy, KV cache on), same weights."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from speed.convert_llama import from_llama
-    except ImportError as err:  # transformers is a test/bench extra
-        print(f"skipping the transformers comparison: {err}")
+    if not transformers_installed():
         return None
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speed.convert_llama import from_llama
+
     c = cfg.model
     torch.manual_seed(cfg.seed)
     hf_config = LlamaConfig(
@@ -207,22 +177,5 @@ def _hf_pair(cfg: LMBenchConfig, ids: torch.Tensor):
         assert out.shape[1] == hf_ids.shape[1] + new
         return out[:, hf_ids.shape[1] :]
 
-    check = generate(ours, ids, method="sequential", max_new_tokens=cfg.new_tokens, trace=False).tokens
-    if check != hf_generate(cfg.new_tokens).tolist():
-        print("warning: our Dx1 greedy tokens differ from transformers' (numerical near-ties on random weights?)")
+    warn_unless_hf_agrees(ours, ids, cfg.new_tokens, hf_generate(cfg.new_tokens))
     return ours, hf_generate
-
-
-def format_lm_table(table: pa.Table) -> str:
-    """A fixed-width text table of the LM benchmark rows."""
-    head = f"{'variant':<14}{'pattern':>8}{'TTFT ms':>10}{'ms/token':>10}{'speed-up':>9}{'over':>13}"
-    head += f"{'vs shallow':>12}{'steps':>7}{'flushes':>9}"
-    lines = [head, "-" * len(head)]
-    for r in table.to_pylist():
-        steps = "" if r["steps"] is None else r["steps"]
-        flushes = "" if r["flushes"] is None else r["flushes"]
-        lines.append(
-            f"{r['variant']:<14}{r['pattern']:>8}{r['ttft_ms']:>10.1f}{r['ms_per_token']:>10.2f}{r['speedup']:>8.2f}x"
-            f"{r['baseline']:>13}{r['ratio_vs_shallow']:>11.2f}x{steps:>7}{flushes:>9}"
-        )
-    return "\n".join(lines)

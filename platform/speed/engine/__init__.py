@@ -4,8 +4,8 @@ The scheduling never touches a model. It drives any ``Stepper``: an object that
 admits a request's prompt into its slot (``admit``: T5 encodes it into the
 slot's memory; a decoder-only LM prefills it into the slot's KV entries of
 every virtual layer), embeds tokens, and runs ONE pass of its shared N-layer
-group over a set of rows, each row a token at its own loop, reading and
-writing an engine-owned ``KVCache``. ``speed.engine.adapters`` makes one of
+group (a group pass, ``Stepper.step``) over a set of rows, each row a token at
+its own loop, reading and writing an engine-owned ``KVCache``. ``speed.engine.adapters`` makes one of
 each model family (``T5Stepper``, ``LMStepper``); ``Engine(model)`` picks it.
 
 Admission runs output position 0's row: T5's is the start token, run
@@ -61,7 +61,7 @@ Modules: ``types`` (the ``Stepper`` protocol, ``Admitted``, ``EngineConfig``,
 back), ``adapters`` (a ``Stepper`` per model
 family), ``policies`` (pure functions: the one launch rule ``may_launch``,
 what follows a token, branch, flush, row budget), ``state`` (a request's
-``RequestState``, its ``InFlight`` tokens and their ``Exit`` records),
+``RequestState``, its ``InFlight`` tokens and their ``Exit``s),
 ``scheduler`` (``Scheduler``: which rows a step runs, and after it what each
 chain and lane becomes: what a step decides), ``outputs`` (what a step
 records: exits, commits' counters and traces, ``Finished``), ``engine``
@@ -89,16 +89,25 @@ Names, one per concept (M loops of N shared layers):
   ``layer`` the physical layer 0..N-1; the cache keeps keys per virtual
   layer. depth: their number, N*M (``SharingPattern.depth``).
 - in-flight token (``InFlight``): launched, not yet committed; ``loops_done``
-  of its M loops are finished, each leaving an exit record (``Exit``: its
+  of its M loops are finished, each leaving an ``Exit`` (its
   prediction, runner-up, top-1 probability and mode).
 - chain (``RequestState.chain``): a request's in-flight tokens in position order,
   each launched from its predecessor's exit; the oldest is on the committed
   path. branch: a second successor launched from a runner-up prediction;
   lane: the branch and its own successors, whose keys live in the slot's
   side entries (``Speculation.branch_depth`` is a lane's length in tokens).
-- row: one in-flight token through one loop in one step (``Rows``, R of
-  them; ``row_budget``, ``DecodeStats.rows``). step: one engine iteration,
-  one group pass over the step's rows.
+- row: one in-flight token through one loop in one pipeline step (``Rows``,
+  R of them; ``row_budget``, ``DecodeStats.rows``). A line of a statistics
+  file is a record (``speed.serve.records``), never a row.
+- pipeline step (in the engine, plain *step*): one engine iteration,
+  ``Engine.step``: admit what fits, run one group pass over the step's rows,
+  then commit, launch and flush (``StepResult``, ``DecodeStats.steps``; one
+  line of the worked schedule, ``speed.schedule.ScheduleStep``).
+- group pass: the model's call in a pipeline step, its shared N-layer group
+  once over the step's rows, each at its own loop (``Stepper.step``,
+  ``LoopedLM.step``; ``Engine._group_pass``; ``DecodeStats.group_passes``,
+  the weight reads). A training step (``TrainConfig.max_steps``) is one
+  optimizer update, a word of ``speed.train`` only.
 - draft token, draft position: vLLM's speculation terms (``RequestStats``).
 """
 

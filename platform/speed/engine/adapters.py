@@ -75,7 +75,7 @@ class _Adapter:
 
     def __init__(self, model: SpeedT5 | LoopedLM) -> None:
         self.model = model
-        self.n_loops = model.n_loops
+        self.n_loops, self.eos_id, self.vocab_size = model.n_loops, model.eos_id, model.vocab_size
 
     @property
     def training(self) -> bool:
@@ -92,20 +92,13 @@ class _Adapter:
         return self
 
     @property
-    def eos_id(self) -> int:
-        return self.model.eos_id
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    @property
     def device(self) -> torch.device:
         return self.model.device
 
 
 class T5Stepper(_Adapter):
-    """The engine's view of a ``SpeedT5``: encoder memory per slot, the decoder's shared group per step."""
+    """The engine's view of a ``SpeedT5``: encoder memory per slot, the decoder's shared group once per pipeline
+    step (the group pass, ``step``)."""
 
     model: SpeedT5
 
@@ -161,19 +154,20 @@ class T5Stepper(_Adapter):
     def step(
         self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One pass of the shared N-layer group over R rows, each at its own loop.
+        """One group pass (the model's call in a pipeline step): the shared N-layer group over R rows, each at
+        its own loop.
 
         ``hidden`` (R, d) is each row's input to this loop; returns its output
         (R, d) and, if asked, the early-exit logits (R, V). Each row's results
-        are bit-identical whatever other rows share the step: the rows run in
+        are bit-identical whatever other rows share the pass: the rows run in
         tiles of up to ``TILE_ROWS`` on row-invariant kernels (see ``speed.kernels``).
         """
-        return in_tiles(lambda part, x: self._step_tile(memory, cache, part, x, with_logits), rows, hidden)
+        return in_tiles(lambda part, x: self._pass_tile(memory, cache, part, x, with_logits), rows, hidden)
 
-    def _step_tile(
+    def _pass_tile(
         self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor, with_logits: bool
     ) -> tuple[Tensor, Tensor | None]:
-        """``step`` for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
+        """The group pass for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
         m = self.model
         # Attention runs over the fewest whole chunks that cover the tile's rows: the kernels' results do not
         # depend on how many masked chunks follow (see ``attend``), so the span changes no row's logits.
@@ -264,7 +258,7 @@ class LMStepper(_Adapter):
     def step(
         self, memory: None, cache: PromptCache, rows: Rows, hidden: Tensor, with_logits: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One pass of the loop over R rows at their output positions (``LoopedLM.step`` at cache positions)."""
+        """One group pass over R rows at their output positions (``LoopedLM.step`` at cache positions)."""
         return self.model.step(cache.inner, cache.rows(rows), hidden, with_logits)
 
 

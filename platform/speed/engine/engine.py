@@ -1,8 +1,9 @@
 """The engine: admission, and one pipeline step at a time (see ``speed.engine``).
 
-A step is three parts, as vLLM's scheduler, executor and output processor: the ``Scheduler`` chooses the
-step's rows, the model runs them (``_execute``, the only model call besides admission), ``speed.engine.outputs``
-records their exits; then the scheduler decides what each request's tokens become, and the commits are recorded.
+A pipeline step (``Engine.step``) is three parts, as vLLM's scheduler, executor and output processor: the
+``Scheduler`` chooses the step's rows, the model runs them in one group pass (``_group_pass``, the only model call
+besides admission), ``speed.engine.outputs`` records their exits; then the scheduler decides what each request's
+tokens become, and the commits are recorded.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class Engine:
             return StepResult(committed, done, 0)
         work = self._scheduler.select(self._active.values(), self._step_no)
         self._step_no += 1
-        logits = self._execute(work)
+        logits = self._group_pass(work)
         record_exits(work, logits, self.model.n_loops)
         st = self.stats
         st.steps += 1
@@ -148,10 +149,10 @@ class Engine:
             self._after(seq, now, committed, done)
         return StepResult(committed, done, len(work))
 
-    def _execute(self, work: list[tuple[RequestState, InFlight]]) -> Tensor | None:
-        """Run the rows ``work`` through one pass of the model's group (embedding the tokens launched since),
-        leave each token's hidden state for its next loop, and return the rows' exit logits (R, V) (None: no
-        row needed them)."""
+    def _group_pass(self, work: list[tuple[RequestState, InFlight]]) -> Tensor | None:
+        """Run the rows ``work`` through one group pass of the model (``Stepper.step``; embedding the tokens
+        launched since), leave each token's hidden state for its next loop, and return the rows' exit logits
+        (R, V) (None: no row needed them)."""
         fresh = [t for _, t in work if t.hidden is None]
         if fresh:
             tokens = torch.tensor([t.token for t in fresh], device=self._device)

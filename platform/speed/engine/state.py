@@ -1,4 +1,4 @@
-"""The engine's decoding state: a request's ``RequestState``, its ``InFlight`` tokens and their ``Exit`` records."""
+"""The engine's decoding state: a request's ``RequestState``, its ``InFlight`` tokens and their ``Exit``s."""
 
 from __future__ import annotations
 

@@ -53,7 +53,11 @@ class Stepper(Protocol):
 
     def step(
         self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
-    ) -> tuple[Tensor, Tensor | None]: ...
+    ) -> tuple[Tensor, Tensor | None]:
+        """One group pass, the model's call in a pipeline step: the shared N-layer group once over R rows, each at
+        its own loop; ``hidden`` (R, d) the rows' inputs. Returns their outputs (R, d) and, if asked, their
+        early-exit logits (R, V). (The engine's own step is ``Engine.step``, which makes one such call.)"""
+        ...
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ _COLUMNS = ("launch_loop", "invalidation", *SWEPT_LEVERS)  # a LATENCY_SCHEMA ro
 
 def _shallow(pattern: str) -> str:
     """The one-loop pattern of the same layers: ``2x6`` -> ``2x1``, ``1+2x6+1`` -> ``1+2x1+1``."""
-    return str(replace(SharingPattern.parse(pattern), n_loops=1))
+    return str(SharingPattern.parse(pattern).one_loop())
 
 
 def _best(row: dict[str, Any]) -> Speculation:

@@ -25,7 +25,7 @@ from typing import Any
 
 from speed.checkpoint import checkpoint_family, local_checkpoint, read_checkpoint_config
 from speed.cli import JobParser, parse_set, parse_yaml
-from speed.config import ConfigError, LMConfig, ModelConfig, from_dict, to_dict
+from speed.config import ConfigError, LMConfig, ModelConfig, from_dict, require_positive, to_dict
 from speed.data.tasks import TASKS
 from speed.evaluate import EvalConfig
 from speed.family import DEFAULT_FAMILY, Family, family_of, get_family
@@ -55,9 +55,7 @@ class DataConfig:
         for task in (self.task, *self.tokenizer_tasks):
             if task not in TASKS:
                 raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
-        for name in ("max_source_len", "max_target_len", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DataConfig.{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "max_source_len", "max_target_len", "vocab_size")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"DataConfig.limit must be positive or None, got {self.limit}")
 
@@ -84,9 +82,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_scheme(self.loss_weights)
-        for name in ("batch_size", "grad_accum", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
+        counts = ("batch_size", "grad_accum", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints")
+        require_positive(self, *counts)
         if self.time_budget_min is not None and self.time_budget_min <= 0:
             raise ValueError(f"TrainConfig.time_budget_min must be positive, got {self.time_budget_min}")
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
