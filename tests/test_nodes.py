@@ -62,27 +62,35 @@ def _finish(job: subprocess.Popen, log: Path, timeout_s: float = JOB_TIMEOUT_S) 
     return output
 
 
-def _lose_node_b_after_a_checkpoint(
+HANG_AT = 5  # --hang-at-step: the workers stop before step 5, at the step-4 checkpoint (a checkpoint every 2 steps)
+
+
+def _lose_node_b_at_the_hang(
     cluster: cluster_helpers.Cluster, run_dir: str, cpus: int, job: subprocess.Popen, log: Path
 ) -> int:
-    """Once ``run_dir`` has a complete checkpoint on S3, lose node_b and start node_c (``cpus`` CPUs) in its
-    place; the step of the newest complete checkpoint at the loss."""
-    _wait("a checkpoint on S3", lambda: newest_complete_checkpoint(run_dir), job, log)
+    """Once ``run_dir`` has its complete checkpoint of step ``HANG_AT - 1`` on S3 (where the workers hang: the
+    training cannot outrun the test), lose node_b and start node_c (``cpus`` CPUs) in its place; that step."""
+    at = HANG_AT - 1
+
+    def newest_step() -> int | None:
+        newest = newest_complete_checkpoint(run_dir)
+        return read_checkpoint_config(newest)["step"] if newest is not None else None
+
+    _wait(f"the step-{at} checkpoint on S3", lambda: newest_step() == at, job, log)
     killed = cluster.kill("node_b")
-    lost_at = read_checkpoint_config(newest_complete_checkpoint(run_dir))["step"]
-    print(f"node_b lost ({len(killed)} processes) with the step-{lost_at} checkpoint on S3")
+    print(f"node_b lost ({len(killed)} processes) with the step-{at} checkpoint on S3")
     cluster.add_node("node_c", cpus)
-    return lost_at
+    return at
 
 
 def _resumed_once(final: str, steps: int, lost_at: int) -> dict[str, list]:
-    """The train log of the run's ``final`` checkpoint, checked: steps 1..``steps`` once each, one restart, from a
-    complete checkpoint at or after the step-``lost_at`` one seen at the loss."""
+    """The train log of the run's ``final`` checkpoint, checked: steps 1..``steps`` once each, one restart, from
+    the step-``lost_at`` checkpoint the workers hung at."""
     train_log = pq.read_table(locate(f"{final}/{TRAIN_LOG_FILE}").path, filesystem=locate(final).fs).to_pydict()
     assert train_log["step"] == list(range(1, steps + 1))  # no step missing, none twice
     resumed = train_log["restarts"].index(1)  # the steps trained before the loss, then those after
     assert train_log["restarts"] == [0] * resumed + [1] * (steps - resumed), train_log["restarts"]
-    assert lost_at <= resumed < steps and resumed % 2 == 0  # every checkpoint_every=2 steps
+    assert resumed == lost_at < steps
     return train_log
 
 
@@ -101,13 +109,14 @@ def _serves_again(url: str, deadline: float) -> float:
 
 
 def test_train_loses_a_worker_node_and_resumes_on_a_replacement(tiny_tokenizer, s3_bucket, tmp_path):
-    """Two Train workers, one per node; the second node lost after the first checkpoint. Ray Train 2.60 with a
-    fixed worker count restarts the whole group and waits (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s) for
-    room for both: a replacement node joins, and the run resumes from its newest complete checkpoint on S3."""
+    """Two Train workers, one per node; the second node lost while the workers hang at a checkpoint. Ray Train
+    2.60 with a fixed worker count restarts the whole group and waits (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S,
+    60 s) for room for both: a replacement node joins, and the run resumes from that checkpoint on S3."""
     storage, tracking, name = f"{s3_bucket}/runs", (tmp_path / "mlruns").as_uri(), "two-nodes"
     flags = ["--preset", "tiny", "--pattern", "2x2", "--limit", "40", "--tokenizer", str(tiny_tokenizer)]
     flags += ["--batch-size", "4", "--max-steps", "16", "--checkpoint-every", "2", "--log-every", "1"]
     flags += ["--warmup-steps", "2", "--num-workers", "2", "--cpus-per-worker", "1", "--max-failures", "2"]
+    flags += ["--hang-at-step", str(HANG_AT)]
     flags += ["--storage-path", storage, "--name", name, "--tracking-uri", tracking]
     run_dir, log = f"{storage}/{name}", tmp_path / "pretrain.log"
     with cluster_helpers.nodes(1, node_b=1) as cluster:  # one CPU each: the two workers cannot share a node
@@ -115,7 +124,7 @@ def test_train_loses_a_worker_node_and_resumes_on_a_replacement(tiny_tokenizer, 
         try:
             placed = _wait("two workers", lambda: len(cluster.placement("RayTrainWorker")) == 2, job, log)
             assert placed and cluster.placement("RayTrainWorker") == ["head", "node_b"]
-            lost_at = _lose_node_b_after_a_checkpoint(cluster, run_dir, 1, job, log)
+            lost_at = _lose_node_b_at_the_hang(cluster, run_dir, 1, job, log)
             _finish(job, log)
         finally:
             job.kill()
@@ -187,14 +196,14 @@ def test_serve_loses_a_replicas_node_under_load(tiny_tokenizer, s3_bucket, tmp_p
     assert len(lost) <= 2 * FLUSH_ROWS - 1, lost  # its buffer (< FLUSH_ROWS) and one flush uploading
 
 
-SWEEP_STEPS = 30  # a checkpoint every 2: the node is lost while the trial trains
+SWEEP_STEPS = 12  # a checkpoint every 2; the node is lost at the hang (HANG_AT)
 TRIAL_ACTOR = "ImplicitFunc"  # the class of a Tune function trainable's actor: a sweep trial's own process
 
 
 def test_sweep_retries_a_trial_whose_node_is_lost(tiny_tokenizer, s3_bucket, tmp_path):
     """One trial of jobs/sweep.py, all of it on the second node: its Tune actor (the head's memory resource is too
     small for one), its Train controller (on the trial's node) and its Train worker (the head has no CPU). That node
-    lost after the first checkpoint, a replacement joins; the sweep's Tune starts the trial again there
+    lost while the worker hangs at a checkpoint, a replacement joins; the sweep's Tune starts the trial again there
     (speed.sweep.failures: a lost node is retried, within --max-failures), its Train run resumes from the
     checkpoint on S3, trains to the end and is measured: its results row says finished after one restart."""
     from speed.sweep.results import RESULTS_FILE
@@ -207,6 +216,7 @@ def test_sweep_retries_a_trial_whose_node_is_lost(tiny_tokenizer, s3_bucket, tmp
     flags += ["--max-source-len", "24", "--max-target-len", "24", "--num-workers", "1", "--cpus-per-worker", "1"]
     flags += ["--max-failures", "1", "--measure-limit", "2", "--cost-limit", "1", "--val-limit", "4"]
     flags += ["--max-new-tokens", "4", "--latency-limit", "0", "--storage-path", storage, "--name", name]
+    flags += ["--hang-at-step", str(HANG_AT)]
     run_dir, log = f"{storage}/{name}/train/{trial}", tmp_path / "sweep.log"
     head = ("--memory", str(TRIAL_DRIVER_RESOURCES["memory"] // 2))  # no trial's driver fits on the head
     with cluster_helpers.nodes(0, head_flags=head, node_b=2) as cluster:
@@ -214,7 +224,7 @@ def test_sweep_retries_a_trial_whose_node_is_lost(tiny_tokenizer, s3_bucket, tmp
         try:
             _wait("the trial's worker", lambda: cluster.placement("RayTrainWorker") == ["node_b"], job, log)
             assert cluster.placement(TRIAL_ACTOR) == cluster.placement("TrainController") == ["node_b"]
-            lost_at = _lose_node_b_after_a_checkpoint(cluster, run_dir, 2, job, log)
+            lost_at = _lose_node_b_at_the_hang(cluster, run_dir, 2, job, log)
             _finish(job, log)
             assert cluster.placement(TRIAL_ACTOR, alive=False) == ["node_b", "node_c"]  # started again, elsewhere
         finally:

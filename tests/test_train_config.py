@@ -98,10 +98,13 @@ def test_batch_must_split_over_workers_and_accumulation():
     assert job.micro_batch == 2
 
 
-def test_fault_injection_must_follow_a_checkpoint():
-    with pytest.raises(ValueError, match="fail_at_step=2 must lie after the first checkpoint"):
-        TrainConfig(checkpoint_every=2, fail_at_step=2, max_steps=5)
-    assert TrainConfig(checkpoint_every=2, fail_at_step=3, max_steps=5).fail_at_step == 3
+@pytest.mark.parametrize("drill", ["fail_at_step", "hang_at_step"])
+def test_fault_injection_must_follow_a_checkpoint(drill):
+    with pytest.raises(ValueError, match=f"{drill}=2 must lie after the first checkpoint"):
+        TrainConfig(checkpoint_every=2, max_steps=5, **{drill: 2})
+    with pytest.raises(ValueError, match=f"{drill}=6 must lie after the first checkpoint"):
+        TrainConfig(checkpoint_every=2, max_steps=5, **{drill: 6})
+    assert getattr(TrainConfig(checkpoint_every=2, max_steps=5, **{drill: 3}), drill) == 3
 
 
 def test_run_name_is_deterministic_and_ignores_launch_settings():
@@ -110,6 +113,8 @@ def test_run_name_is_deterministic_and_ignores_launch_settings():
     assert run_name(job).startswith("pretrain-pretrain-2x6-")
     same = job_from_args("pretrain", ["--preset", "tiny", "--time-budget-min", "3", "--num-workers", "2"])
     assert run_name(same) == run_name(job)
+    drills = ["--fail-at-step", "60", "--hang-at-step", "70"]  # the tiny preset checkpoints every 50 of 100 steps
+    assert run_name(job_from_args("pretrain", ["--preset", "tiny", *drills])) == run_name(job)
     assert run_name(job_from_args("pretrain", ["--preset", "tiny", "--lr", "0.5"])) != run_name(job)
     assert isinstance(job, JobConfig)
 

@@ -77,6 +77,7 @@ class TrainConfig:
     time_budget_min: float | None = None  # wall clock for this launch; stops cleanly with a final checkpoint
     stop_at_step: int | None = None  # stop cleanly (final checkpoint) at this step, schedule unchanged
     fail_at_step: int | None = None  # fault injection: the last worker raises once on reaching this step
+    hang_at_step: int | None = None  # fault drill: every worker stops before this step until ended (a lost node)
     num_threads: int | None = None  # torch threads per worker; None = cpus_per_worker
     bf16: bool = True  # bf16 autocast when training on GPU
 
@@ -88,12 +89,14 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.time_budget_min must be positive, got {self.time_budget_min}")
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise ValueError(f"TrainConfig.stop_at_step={self.stop_at_step} must be in [1, max_steps={self.max_steps}]")
-        if self.fail_at_step is not None and not self.checkpoint_every < self.fail_at_step <= self.max_steps:
-            raise ValueError(
-                f"TrainConfig.fail_at_step={self.fail_at_step} must lie after the first checkpoint "
-                f"(checkpoint_every={self.checkpoint_every}) and at most max_steps={self.max_steps}, "
-                "so that the retried run resumes from a checkpoint instead of failing again"
-            )
+        for name in ("fail_at_step", "hang_at_step"):
+            at = getattr(self, name)
+            if at is not None and not self.checkpoint_every < at <= self.max_steps:
+                raise ValueError(
+                    f"TrainConfig.{name}={at} must lie after the first checkpoint "
+                    f"(checkpoint_every={self.checkpoint_every}) and at most max_steps={self.max_steps}, "
+                    "so that the retried run resumes from a checkpoint instead of failing again"
+                )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"TrainConfig.num_threads must be positive, got {self.num_threads}")
 
@@ -296,7 +299,7 @@ def run_name(job: JobConfig) -> str:
 # ----- resuming a run --------------------------------------------------------------------------------
 
 # Launch-only settings a resumed run must not inherit from the run it continues.
-LAUNCH_ONLY = {"train": ("time_budget_min", "stop_at_step", "fail_at_step"), "run": ("name",)}
+LAUNCH_ONLY = {"train": ("time_budget_min", "stop_at_step", "fail_at_step", "hang_at_step"), "run": ("name",)}
 
 
 def resumable_job(path: str) -> dict[str, Any]:
@@ -346,6 +349,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--time-budget-min": ("train.time_budget_min", float, "wall-clock minutes; then stop with a final checkpoint"),
     "--stop-at-step": ("train.stop_at_step", int, "stop cleanly at this step (schedule unchanged)"),
     "--fail-at-step": ("train.fail_at_step", int, "fault injection: a worker fails once at this step"),
+    "--hang-at-step": ("train.hang_at_step", int, "fault drill: the workers stop at this step until ended"),
     "--num-threads": ("train.num_threads", int, "torch threads per worker"),
     "--num-workers": ("scale.num_workers", int, "Ray Train workers"),
     "--use-gpu": ("scale.use_gpu", bool, "one GPU per worker, bf16 autocast"),

@@ -73,8 +73,21 @@ from speed.train.validation import validation_metrics
 _PACE_WINDOW = 20  # steps averaged for the ETA
 
 
+HANG_LIMIT_S = 900.0  # train.hang_at_step: a hang nobody ended fails the run after this long
+
+
 class InjectedFailure(RuntimeError):
-    """The failure ``train.fail_at_step`` asks for (fault-tolerance tests and drills)."""
+    """The failure ``train.fail_at_step`` asks for (fault-tolerance tests and drills), or a ``train.hang_at_step``
+    hang that nobody ended."""
+
+
+def _hang(rank: int, step: int) -> None:
+    """``train.hang_at_step``: stop before step ``step + 1``, as a worker on a lost or frozen node would, so a
+    drill can end the node while the run is at a known checkpoint; fails after ``HANG_LIMIT_S``."""
+    if rank == 0:
+        print(f"hanging before step {step + 1} (train.hang_at_step) until this worker is ended", flush=True)
+    time.sleep(HANG_LIMIT_S)
+    raise InjectedFailure(f"rank {rank} hung before step {step + 1} (train.hang_at_step), and nothing ended it")
 
 
 def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
@@ -272,6 +285,8 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
     while step < last_step:
         if t.fail_at_step == step + 1 and not resumed_own and rank == world - 1:
             raise InjectedFailure(f"injected failure on rank {rank} before step {step + 1} (train.fail_at_step)")
+        if t.hang_at_step == step + 1 and not resumed_own:
+            _hang(rank, step)
         started = time.perf_counter()
         model.train()
         micro = plan.micro_batches(step)
