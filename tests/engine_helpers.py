@@ -124,6 +124,22 @@ def speed_at_launch_loops(case: RecordedCase) -> Iterator:
             yield case.speed((case.seed, invalidation, launch_loop), speculation=Speculation(launch_loop, invalidation))
 
 
+def speed_runs_match(random_case: Callable[[int], tuple], seeds: Iterable[int]) -> tuple[int, int]:
+    """The greedy differential test of ``random_case`` over ``seeds``: every run of ``speed_at_launch_loops`` on
+    each ``recorded_cases`` case matches the case's sequential reference in logits, tokens and trace, and counts
+    its rows as the reference's plus the wasted ones. Returns (runs, flushes): what the caller asserts covered."""
+    runs = flushes = 0
+    for case in recorded_cases(random_case, seeds):
+        ref = case.ref
+        for got in speed_at_launch_loops(case):  # each run's logits and tokens checked against ref's
+            assert got.trace.equals(ref.trace)
+            assert got.stats.tokens == ref.stats.tokens == sum(map(len, ref.tokens))
+            assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
+            flushes += got.stats.flushes
+            runs += 1
+    return runs, flushes
+
+
 def random_exits(model, seed: int, scale: float = 1.0):
     """Attach exit adapters (``speed.exits``) with random, non-zero weights to ``model``: its early exits change,
     its last loop's must not. Returns the model."""

@@ -132,15 +132,16 @@ def test_trace_rows_and_flip_flags():
     assert first == [(1, 5, 6, False, True), (2, 6, 6, True, False), (3, 6, 6, False, False)]
 
 
-@pytest.mark.parametrize(
-    "kwargs, fragment",
-    [
-        ({"method": "beam"}, "method must be"),
-        ({"speculation": Speculation(launch_loop=4)}, r"launch_loop must be in 1\.\.3 \(the model's loops\)"),
-        ({"speculation": {"launch_loop": 2}}, "speculation must be a speed.engine.Speculation"),
-        ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
-    ],
-)
+# Settings that generate and the engine's Request (tests/test_engine.py) reject alike, with the same message
+BAD_SETTINGS = [
+    ({"method": "beam"}, "method must be"),
+    ({"speculation": Speculation(launch_loop=4)}, r"launch_loop must be in 1\.\.3 \(the model's loops\), got 4"),
+    ({"speculation": {"launch_loop": 2}}, "speculation must be a speed.engine.Speculation, got dict"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("kwargs, fragment", BAD_SETTINGS)
 def test_bad_arguments(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         generate(StubModel(3, lambda s, p, lo: 5), torch.ones(1, 2, dtype=torch.long), **kwargs)

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pytest
 import torch
 from engine_helpers import BLOCKS, churn_config, drive, random_exits
-from test_decoding_schedule import EOS, StubModel, target
+from test_decoding_schedule import BAD_SETTINGS, EOS, StubModel, target
 
 from speed.config import preset
 from speed.decoding import generate
@@ -234,10 +234,7 @@ def test_sequential_without_trace_skips_early_exits():
 @pytest.mark.parametrize(
     "request_kw, fragment",
     [
-        ({"method": "beam"}, "method must be"),
-        ({"speculation": Speculation(launch_loop=4)}, r"launch_loop must be in 1\.\.3 \(the model's loops\), got 4"),
-        ({"speculation": {"launch_loop": 2}}, "speculation must be a speed.engine.Speculation, got dict"),
-        ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+        *BAD_SETTINGS,
         ({"max_new_tokens": 9}, "max_new_tokens must be at most 8 .the engine's max_target_len"),
         ({"max_new_tokens": 2.5}, "max_new_tokens must be at least 1"),
         ({"input_ids": []}, "non-empty list of token ids"),

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -217,21 +218,32 @@ def _sampled_offline(server, prompt, max_tokens, **sampling):
             return server["tokenizer"].decode(step.finished[0].tokens)
 
 
-def _streamed(server, stream):
-    """Text per choice index, finish reasons, the last chunk and the logprob entries of a stream of chunks."""
+class Answers(NamedTuple):
+    """An answer's choices as the ``openai`` client returned them, whole or streamed."""
+
+    texts: dict[int, str]  # per choice index
+    reasons: dict[int, str]  # finish reasons
+    last: Any  # the response, or the stream's last chunk (its usage, when the request asked for it)
+    logprobs: dict[int, list]  # logprob entries: a completion's tokens, a chat message's content entries
+
+
+def _answers(server, response) -> Answers:
+    """The choices of a completion or chat completion, or of a stream of their chunks; the answer's id and choice
+    count go to ``server["answered"]`` (whose records the statistics tests look for)."""
     texts, reasons, logprobs, last = {}, {}, {}, None
-    for chunk in stream:
+    for chunk in [response] if hasattr(response, "choices") else response:
         last = chunk
         for c in chunk.choices:
-            piece = c.delta.content if hasattr(c, "delta") else c.text
+            message = getattr(c, "delta", None) or getattr(c, "message", None)  # a chat's; None: a completion's
+            piece = message.content if message is not None else c.text
             texts[c.index] = texts.get(c.index, "") + (piece or "")
             if c.finish_reason:
                 reasons[c.index] = c.finish_reason
             if c.logprobs is not None:
-                entries = c.logprobs.content if hasattr(c, "delta") else c.logprobs.tokens
+                entries = c.logprobs.content if message is not None else c.logprobs.tokens
                 logprobs.setdefault(c.index, []).extend(entries or [])
     server["answered"].append((last.id, len(texts)))
-    return texts, reasons, last, logprobs
+    return Answers(texts, reasons, last, logprobs)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -241,18 +253,10 @@ def test_openai_client_sampling_fields_n_and_seed(server, client, stream):
     prompt = "A woman rides a horse."
     args = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 11, "n": 3}
     args |= {"presence_penalty": 0.3, "frequency_penalty": 0.2, "extra_body": {"top_k": 40}}
-    if stream:
-        texts, reasons, last, _ = _streamed(
-            server, client.completions.create(**args, stream=True, stream_options={"include_usage": True})
-        )
-        prompt_tokens = len(server["tokenizer"].encode(prompt))
-        assert (last.usage.completion_tokens, last.usage.prompt_tokens) == (24, prompt_tokens)
-    else:
-        answer = client.completions.create(**args)
-        server["answered"].append((answer.id, 3))
-        texts = {c.index: c.text for c in answer.choices}
-        reasons = {c.index: c.finish_reason for c in answer.choices}
-        assert answer.usage.completion_tokens == 24
+    usage = {"stream_options": {"include_usage": True}} if stream else {}
+    texts, reasons, last, _ = _answers(server, client.completions.create(**args, stream=stream, **usage))
+    prompt_tokens = len(server["tokenizer"].encode(prompt))
+    assert (last.usage.completion_tokens, last.usage.prompt_tokens) == (24, prompt_tokens)
     sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "presence_penalty": 0.3, "frequency_penalty": 0.2}
     for i in range(3):
         assert texts[i] == _sampled_offline(server, prompt, 8, seed=choice_seed(11, i), **sampling)
@@ -267,16 +271,10 @@ def test_openai_client_stop_strings_end_the_choice(server, client, stream):
     assert stop.strip(), full
     expected = full[: full.find(stop)]
     args = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "stop": [stop, "\u2603never"]}
-    if stream:
-        texts, reasons, _, _ = _streamed(server, client.completions.create(**args, stream=True))
-        text, reason = texts[0], reasons[0]
-    else:
-        answer = client.completions.create(**args)
-        server["answered"].append((answer.id, 1))
-        (c,) = answer.choices
-        text, reason = c.text, c.finish_reason
-        assert answer.usage.completion_tokens < 12
-    assert (text, reason) == (expected, "stop")
+    texts, reasons, last, _ = _answers(server, client.completions.create(**args, stream=stream))
+    assert (texts[0], reasons[0]) == (expected, "stop")
+    if not stream:
+        assert last.usage.completion_tokens < 12
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -284,25 +282,15 @@ def test_openai_client_logprobs_and_echo(server, client, stream):
     prompt = "An old man sits on a bench."
     full, n = _offline(server, prompt, 7)
     args = {"model": "tiny", "prompt": prompt, "max_tokens": 7, "logprobs": 2}
-    if stream:
-        texts, _, _, entries = _streamed(server, client.completions.create(**args, stream=True))
-        text, tokens = texts[0], entries[0]
-    else:
-        answer = client.completions.create(**args)
-        server["answered"].append((answer.id, 1))
-        lp = answer.choices[0].logprobs
-        text, tokens = answer.choices[0].text, lp.tokens
+    texts, _, last, entries = _answers(server, client.completions.create(**args, stream=stream))
+    assert texts[0] == full and len(entries[0]) == n
+    if not stream:
+        lp = last.choices[0].logprobs
         assert len(lp.token_logprobs) == n and all(v <= 0 for v in lp.token_logprobs)
         assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    assert text == full and len(tokens) == n
     echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=7, echo=True, stream=stream)
-    if stream:
-        texts, _, _, _ = _streamed(server, echoed)
-        assert texts[0] == prompt + full
-    else:
-        server["answered"].append((echoed.id, 1))
-        assert echoed.choices[0].text == prompt + full
+    assert _answers(server, echoed).texts[0] == prompt + full
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -314,22 +302,13 @@ def test_openai_client_chat_translates_the_last_user_message(server, client, str
     ]
     full, n = _offline(server, "A child is eating.", 9, task="translate_en_de")
     args = {"model": "tiny", "messages": messages, "max_tokens": 9, "extra_body": {"task": "translate_en_de"}}
-    if stream:
-        texts, reasons, last, entries = _streamed(
-            server,
-            client.chat.completions.create(
-                **args, stream=True, logprobs=True, top_logprobs=1, stream_options={"include_usage": True}
-            ),
-        )
-        assert (texts[0], reasons[0], last.usage.completion_tokens) == (full, "length", n)
-        assert len(entries[0]) == n
-    else:
-        answer = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
-        server["answered"].append((answer.id, 1))
-        (c,) = answer.choices
-        assert (c.message.role, c.message.content, c.finish_reason) == ("assistant", full, "length")
-        assert answer.object == "chat.completion" and len(c.logprobs.content) == n
-        assert all(len(e.top_logprobs) <= 2 for e in c.logprobs.content)
+    usage = {"stream_options": {"include_usage": True}} if stream else {}
+    answer = client.chat.completions.create(**args, stream=stream, logprobs=True, top_logprobs=2, **usage)
+    texts, reasons, last, entries = _answers(server, answer)
+    assert (texts[0], reasons[0], last.usage.completion_tokens) == (full, "length", n)
+    assert len(entries[0]) == n and all(len(e.top_logprobs) <= 2 for e in entries[0])
+    if not stream:
+        assert answer.object == "chat.completion" and answer.choices[0].message.role == "assistant"
 
 
 def test_openai_client_gets_a_400_for_what_is_not_supported(server, client):

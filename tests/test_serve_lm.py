@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from test_serve_app import _free_port, _streamed  # its state's "answered" list: ours is kept, unread
+from test_serve_app import _answers, _free_port  # its state's "answered" list: ours is kept, unread
 
 from speed import generate
 from speed.chat import ChatTemplate, render_chat, task_prompt
@@ -100,18 +100,11 @@ def test_completions_read_the_text_or_the_tasks_finetuning_prompt(server, client
     ]
     for args, context in cases:
         expected, n, prompt_tokens = _offline(server, context, 6)
-        if stream:
-            answer = client.completions.create(
-                model=NAME, max_tokens=6, **args, stream=True, stream_options={"include_usage": True}
-            )
-            texts, reasons, last, _ = _streamed(server, answer)
-            got, reason, usage = texts[0], reasons[0], last.usage
-        else:
-            answer = client.completions.create(model=NAME, max_tokens=6, **args)
-            (c,) = answer.choices
-            got, reason, usage = c.text, c.finish_reason, answer.usage
-        assert (got, reason) == (expected, "length"), args
-        assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, n)
+        usage = {"stream_options": {"include_usage": True}} if stream else {}
+        answer = client.completions.create(model=NAME, max_tokens=6, **args, stream=stream, **usage)
+        texts, reasons, last, _ = _answers(server, answer)
+        assert (texts[0], reasons[0]) == (expected, "length"), args
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_tokens, n)
 
 
 def test_seeded_sampling_with_n_equals_offline_sampling(server, client):
@@ -132,20 +125,14 @@ def test_stop_strings_logprobs_and_echo(server, client, stream):
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), full
     args = {"model": NAME, "prompt": prompt, "max_tokens": 8}
-    stopped = client.completions.create(**args, stop=[stop], stream=stream)
-    if stream:
-        texts, reasons, _, _ = _streamed(server, stopped)
-    else:
-        texts, reasons = {0: stopped.choices[0].text}, {0: stopped.choices[0].finish_reason}
+    texts, reasons, _, _ = _answers(server, client.completions.create(**args, stop=[stop], stream=stream))
     assert (texts[0], reasons[0]) == (full[: full.find(stop)], "stop")
     echoed = client.completions.create(**args, echo=True, stream=stream)
-    assert (_streamed(server, echoed)[0][0] if stream else echoed.choices[0].text) == prompt + full
-    scored = client.completions.create(**args, logprobs=2, stream=stream)
-    if stream:
-        texts, _, _, entries = _streamed(server, scored)
-        assert texts[0] == full and len(entries[0]) == n
-    else:
-        lp = scored.choices[0].logprobs
+    assert _answers(server, echoed).texts[0] == prompt + full
+    texts, _, last, entries = _answers(server, client.completions.create(**args, logprobs=2, stream=stream))
+    assert texts[0] == full and len(entries[0]) == n
+    if not stream:
+        lp = last.choices[0].logprobs
         assert "".join(lp.tokens) == full and len(lp.token_logprobs) == n
         assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) <= 2 for t in lp.top_logprobs)
 
@@ -161,18 +148,12 @@ def test_chat_reads_the_messages_in_the_checkpoints_template(server, client, str
     context = render_chat(messages, TEMPLATE)
     expected, n, prompt_tokens = _offline(server, context, 6)
     args = {"model": NAME, "messages": messages, "max_tokens": 6, "logprobs": True, "top_logprobs": 1}
-    if stream:
-        texts, reasons, last, _ = _streamed(
-            server, client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
-        )
-        got, reason, usage = texts[0], reasons[0], last.usage
-    else:
-        answer = client.chat.completions.create(**args)
-        (c,) = answer.choices
-        got, reason, usage = c.message.content, c.finish_reason, answer.usage
-        assert c.message.role == "assistant" and len(c.logprobs.content) == n
-    assert (got, reason) == (expected, "length")
-    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, n)
+    usage = {"stream_options": {"include_usage": True}} if stream else {}
+    texts, reasons, last, entries = _answers(server, client.chat.completions.create(**args, stream=stream, **usage))
+    assert (texts[0], reasons[0], len(entries[0])) == (expected, "length", n)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_tokens, n)
+    if not stream:
+        assert last.choices[0].message.role == "assistant"
     # under a task, its instruction opens the last user message: a finetuning prompt for a one-turn chat
     one = [{"role": "user", "content": "A child is eating."}]
     instruction = get_task("translate_en_de").instruction

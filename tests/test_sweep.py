@@ -339,19 +339,19 @@ def _job(storage: Path, tokenizer: Path):
     return job_from_args("finetune", flags + ["--storage-path", str(storage)])
 
 
+# The smallest measurement that still exercises every stage of a sweep (test_sweep_lm.py's sweep too): every
+# trial to the end (fifo: the tests check each one's row), a few validation examples, a two-input latency stage.
+TINY_SWEEP = {"scheduler": "fifo", "val_limit": 8, "max_new_tokens": 8, "latency_limit": 2, "latency_reps": 1}
+
 SWEEP = SweepConfig(
     patterns=("1x2", "2x2", "2x1"),
     loss_weights=("linear",),
     settle=("none", "consecutive:1:fc"),  # 1x2 and 2x2 with and without the settle term, 2x1 once
-    scheduler="fifo",  # every trial to the end: the test checks each one's row
     measure_limit=4,
     cost_limit=3,
-    val_limit=8,
-    max_new_tokens=8,
-    latency_limit=2,
-    latency_reps=1,
     branches=(0, 2),  # each trial's costs with and without runner-up branches (capped at 1 for 2x1)
     fail_pattern="2x2",
+    **TINY_SWEEP,
 )
 
 

@@ -8,21 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_sweep import TINY_SWEEP
 
 from speed.sweep import SweepConfig, run_sweep
 from speed.train.config import job_from_args
 
-LM_SWEEP = SweepConfig(
-    patterns=("1+depth=2+1",),  # 1+1x2+1 and 1+2x1+1
-    loss_weights=("linear",),
-    scheduler="fifo",
-    measure_limit=3,
-    cost_limit=2,
-    val_limit=8,
-    max_new_tokens=8,
-    latency_limit=2,
-    latency_reps=1,
-)
+# 1+depth=2+1: 1+1x2+1 and 1+2x1+1
+LM_SWEEP = SweepConfig(patterns=("1+depth=2+1",), loss_weights=("linear",), measure_limit=3, cost_limit=2, **TINY_SWEEP)
 
 
 @pytest.mark.ray

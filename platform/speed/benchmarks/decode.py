@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, get_type_hints
+from typing import Any, get_type_hints
 
 import pyarrow as pa
 import torch
@@ -27,9 +27,6 @@ from speed.family import build_model
 from speed.lm import LoopedLM
 from speed.model import SpeedT5
 from speed.sampling import Sampling
-
-if TYPE_CHECKING:
-    from speed.benchmarks.decode_lm import LMBenchConfig
 
 BENCH_SCHEMA = pa.schema(
     [
@@ -60,17 +57,25 @@ BENCH_SCHEMA = pa.schema(
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    """What to measure: model dims, pattern, input and output lengths, repetitions."""
+class DecodeBenchConfig:
+    """What every decode benchmark measures: the model (dims and pattern; its weights are random), the batch, the
+    output length, repetitions, the seed and the device."""
 
-    model: ModelConfig
+    model: ModelConfig | LMConfig
     batch: int = 1
-    source_len: int = 32
     new_tokens: int = 64
     reps: int = 5
     seed: int = 0
     compare_hf: bool = True  # also time our sequential Dx1 (D = N*M) against transformers' generate
     device: str = "cpu"  # where every variant runs (its inputs start on the CPU, as a request's do)
+
+
+@dataclass(frozen=True)
+class BenchConfig(DecodeBenchConfig):
+    """The encoder-decoder's: a ``ModelConfig``, its source length, and exit adapters."""
+
+    model: ModelConfig
+    source_len: int = 32
     exit_rank: int | None = 64  # also time SPEED with exit adapters of this rank (speed.exits); None: not
 
 
@@ -100,7 +105,7 @@ class BenchModels:
         return {"sequential": deep, "speed": deep, "speed_oracle": deep, "shallow": self.shallow.config}
 
 
-def bench_models(cfg: BenchConfig | LMBenchConfig, input_len: int, first_id: int) -> BenchModels:
+def bench_models(cfg: DecodeBenchConfig, input_len: int, first_id: int) -> BenchModels:
     """``cfg``'s random model and its shallow Nx1 on ``cfg.device``, ``cfg.batch`` random inputs of ``input_len``
     tokens (ids from ``first_id`` up: no special token) and the sequential reference of ``cfg.new_tokens``."""
     model = random_model(cfg.model, cfg.seed).to(cfg.device)
@@ -169,7 +174,7 @@ def variant_columns(
     }
 
 
-def run_columns(cfg: BenchConfig | LMBenchConfig) -> dict[str, Any]:
+def run_columns(cfg: DecodeBenchConfig) -> dict[str, Any]:
     """What every row of one benchmark run shares: its sizes and repetitions, the threads, torch and the machine."""
     return {
         "reps": cfg.reps,

@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 
 from speed.benchmarks.decode import (
+    DecodeBenchConfig,
     bench_models,
     check_exact,
     interleave,
@@ -55,17 +56,11 @@ LM_BENCH_SCHEMA = pa.schema(
 
 
 @dataclass(frozen=True)
-class LMBenchConfig:
-    """What to measure: model dims and pattern, prompt and output lengths, repetitions."""
+class LMBenchConfig(DecodeBenchConfig):
+    """The decoder-only LM's: an ``LMConfig`` and its prompt length (``compare_hf``: against Llama's generate)."""
 
     model: LMConfig
-    batch: int = 1
     prompt_len: int = 64
-    new_tokens: int = 64
-    reps: int = 5
-    seed: int = 0
-    compare_hf: bool = True  # also time our sequential Dx1 (D = N*M) against transformers' Llama generate
-    device: str = "cpu"
 
 
 def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:

@@ -102,25 +102,13 @@ RESULTS_SCHEMA = pa.schema(
     ]
 )
 
+# RESULTS_SCHEMA's columns of a frontier row; a finished trial has them all, but for these, null where unset
+_FRONTIER_NULLABLE = ("settle", "best_branches", "best_branch_depth", "best_min_confidence", "flip_rate_loop1")
+_FRONTIER_COLUMNS = ("trial", "pattern", "loss_weights", "settle", "accuracy_metric", "accuracy", "speed_cost")
+_FRONTIER_COLUMNS += ("speed_steps_per_token", "depth", "best_launch_loop", "best_invalidation", "best_branches")
+_FRONTIER_COLUMNS += ("best_branch_depth", "best_min_confidence", "flip_rate_loop1", "checkpoint")
 FRONTIER_SCHEMA = pa.schema(
-    [
-        pa.field("trial", pa.string(), nullable=False),
-        pa.field("pattern", pa.string(), nullable=False),
-        pa.field("loss_weights", pa.string(), nullable=False),
-        pa.field("settle", pa.string()),
-        pa.field("accuracy_metric", pa.string(), nullable=False),
-        pa.field("accuracy", pa.float64(), nullable=False),
-        pa.field("speed_cost", pa.float64(), nullable=False),
-        pa.field("speed_steps_per_token", pa.float64(), nullable=False),
-        pa.field("depth", pa.int32(), nullable=False),
-        pa.field("best_launch_loop", pa.int32(), nullable=False),
-        pa.field("best_invalidation", pa.string(), nullable=False),
-        pa.field("best_branches", pa.int32()),
-        pa.field("best_branch_depth", pa.int32()),
-        pa.field("best_min_confidence", pa.float64()),
-        pa.field("flip_rate_loop1", pa.float64()),
-        pa.field("checkpoint", pa.string(), nullable=False),
-    ]
+    [RESULTS_SCHEMA.field(name).with_nullable(name in _FRONTIER_NULLABLE) for name in _FRONTIER_COLUMNS]
 )
 
 LATENCY_SCHEMA = pa.schema(
