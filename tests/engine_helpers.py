@@ -140,6 +140,20 @@ def speed_runs_match(random_case: Callable[[int], tuple], seeds: Iterable[int]) 
     return runs, flushes
 
 
+def recorded_pair(model, ids, mask, max_new: int):
+    """Sequential and SPEED greedy decoding of ``ids`` under a ``LogitRecorder`` each, checked equal by
+    ``compare_logits``: (the sequential recorder, SPEED's, the sequential result), for tests that then tamper
+    with a recorded row to show that the comparison is not vacuous."""
+    from speed.decoding import generate
+    from speed.exactness import LogitRecorder, compare_logits
+
+    reference, candidate = LogitRecorder(model), LogitRecorder(model)
+    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
+    generate(candidate, ids, mask, method="speed", max_new_tokens=max_new)
+    assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
+    return reference, candidate, ref
+
+
 def random_exits(model, seed: int, scale: float = 1.0):
     """Attach exit adapters (``speed.exits``) with random, non-zero weights to ``model``: its early exits change,
     its last loop's must not. Returns the model."""

@@ -19,6 +19,7 @@ from engine_helpers import (
     BLOCKS,
     exits_change_drafts_only,
     random_exits,
+    recorded_pair,
     speed_as_sequential,
     speed_runs_match,
 )
@@ -101,10 +102,7 @@ def test_sampled_speed_equals_sequential_sampling(block):
 def test_a_logit_difference_is_caught():
     """The comparison is not vacuous: one flipped bit in one recorded row is reported."""
     model, ids, mask, _, _ = random_case(3)
-    reference, candidate = LogitRecorder(model), LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=6)
-    generate(candidate, ids, mask, method="speed", max_new_tokens=6)
-    assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
+    reference, candidate, ref = recorded_pair(model, ids, mask, 6)
     key = (0, model.n_loops - 1, len(ref.tokens[0]) - 1)
     row = candidate.logits[key].clone()
     row[5] = torch.nextafter(row[5], torch.tensor(float("inf")))

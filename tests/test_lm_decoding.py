@@ -22,6 +22,7 @@ from engine_helpers import (
     drive,
     exits_change_drafts_only,
     random_exits,
+    recorded_pair,
     speed_as_sequential,
     speed_runs_match,
 )
@@ -278,10 +279,7 @@ def test_max_new_tokens_one_and_eos_at_admission():
 
 def test_compare_logits_covers_the_prefilled_position():
     model, ids, mask, _, _ = random_case(3)
-    reference, candidate = LogitRecorder(model), LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=4)
-    generate(candidate, ids, mask, method="speed", max_new_tokens=4)
-    assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
+    reference, candidate, ref = recorded_pair(model, ids, mask, 4)
     del candidate.logits[(0, 0, 0)]
     assert len(compare_logits(reference, candidate, ref.tokens, model.n_loops)) == 1
 
