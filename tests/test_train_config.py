@@ -170,3 +170,14 @@ def test_the_settle_term_names_a_new_run_and_leaves_old_names_alone():
     assert run_name(job_from_args("finetune", ["--preset", "tiny"])) == "finetune-translate_en_de-2x6-14cea2ef"
     settled = job_from_args("finetune", ["--preset", "tiny", "--set", "train.settle={kind: to_last, weight: 1}"])
     assert run_name(settled) != "finetune-translate_en_de-2x6-14cea2ef"
+
+
+def test_a_hang_drill_nobody_ends_fails_the_run(monkeypatch, capsys):
+    """``--hang-at-step`` stops the workers until they are ended (tests/test_nodes.py ends their node); one that
+    nobody ends fails after ``HANG_LIMIT_S``, with an error saying so, instead of hanging the run for good."""
+    from speed.train import loop
+
+    monkeypatch.setattr(loop, "HANG_LIMIT_S", 0.01)
+    with pytest.raises(loop.InjectedFailure, match=r"rank 0 hung before step 5 \(train.hang_at_step\)"):
+        loop._hang(0, 4)
+    assert "hanging before step 5 (train.hang_at_step)" in capsys.readouterr().out
