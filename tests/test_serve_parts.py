@@ -533,10 +533,10 @@ def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
     async def run():
         left = []
         config = EngineConfig(max_active=2, max_source_len=16, max_target_len=24, row_budget=5)
-        runner = EngineRunner(tiny_model, config, lambda f, s: left.append(s.meta["i"]))
+        runner = EngineRunner(tiny_model, config, lambda f, s: left.append(s.meta))
         subs = []
         for i, (ids, method) in enumerate(zip(inputs, methods)):
-            subs.append(await runner.submit(Request(ids, 12 + i, method, Speculation(1 + i % 3)), {"i": i}))
+            subs.append(await runner.submit(Request(ids, 12 + i, method, Speculation(1 + i % 3)), i))
             await asyncio.sleep(0.005)  # arrivals while others decode
 
         async def collect(s):
@@ -566,9 +566,9 @@ def test_runner_submits_all_or_none(tiny_model):
         )
         good = Request([5, 6, 1], 4)
         with pytest.raises(ValueError, match=r"^\[2\]: max_new_tokens must be at most 8"):
-            await runner.submit_all([good, good, Request([5, 1], 9)], [{}, {}, {}])
+            await runner.submit_all([good, good, Request([5, 1], 9)], [None, None, None])
         assert (runner.pending, runner.queued, runner.active, left) == (0, 0, 0, [])
-        (ok,) = await runner.submit_all([good], [{}])
+        (ok,) = await runner.submit_all([good], [None])
         finished = await ok.done
         runner.close()
         return finished, ok, left
@@ -630,7 +630,7 @@ def test_runner_fails_every_pending_request_on_an_engine_fault_and_answers_the_n
         config = EngineConfig(max_active=2, max_source_len=8, max_target_len=16)
         runner = EngineRunner(FaultyModel(tiny_model, fail_at=5), config, lambda f, s: left.append(s))
         methods = ["speed", "sequential", "speed"]
-        failed = await runner.submit_all([Request(x, 12, m) for x, m in zip(inputs, methods)], [{}] * 3)
+        failed = await runner.submit_all([Request(x, 12, m) for x, m in zip(inputs, methods)], [None] * 3)
         streamed = []
         for s in failed:
             streamed.append([c.token async for c in s.stream()])  # the stream ends

@@ -4,7 +4,7 @@ whole answer or its server-sent events.
 ``ChoiceText`` turns one choice's tokens into text deltas (incremental detokenisation, stop strings cut across
 tokens, logprobs kept with the text they belong to). ``choice_events`` merges the token streams of a request's
 submissions into one sequence of ``Event``: a text delta or a choice's end. A stop string cancels its choice in
-the engine at once (its rows are freed) after recording, in the submission's ``meta["stopped_at"]``, how many
+the engine at once (its rows are freed) after recording, in the submission's ``stopped_at``, how many
 tokens the answer kept. ``whole_answer`` collects the events into one body, ``streamed_answer`` sends each as
 it comes (``speed.serve.responses`` shapes both).
 """
@@ -175,7 +175,7 @@ async def choice_events(
                     continue
                 delta = text.push(commit.token, commit.logprob)
                 if text.stopped:
-                    s.meta["stopped_at"] = text.consumed
+                    s.stopped_at = text.consumed
                     cancel(s.id)
                 yield Event(index, delta)
                 continue

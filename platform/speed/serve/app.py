@@ -238,7 +238,7 @@ class SpeedServer:
         route = "chat" if surface.chat else "completions"
         by = {"replica": self.replica, "model": self.model_name, "family": served.family}
         metas = [
-            {"choice": ChoiceMeta(request_id, i, p, route, arrived, started, body.stream, plan.task, seed, **by)}
+            ChoiceMeta(request_id, i, p, route, arrived, started, body.stream, plan.task, seed, **by)
             for i, (p, seed) in enumerate(zip(plan.prompts, plan.seeds))
         ]
         try:

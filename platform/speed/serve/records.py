@@ -146,7 +146,7 @@ def _log_write_error(done: Future) -> None:
 class Recorder:
     """A replica's statistics: every choice that leaves the engine becomes one request record (and its trace
     records) in the sink, written as Parquet on the sink's bounds on a writer thread (so the event loop keeps
-    serving), and counts in the metrics. The submissions' ``meta["choice"]`` is their ``ChoiceMeta``."""
+    serving), and counts in the metrics. A submission's ``meta`` is its choice's ``ChoiceMeta``."""
 
     def __init__(self, sink: StatsSink, metrics: ServeMetrics) -> None:
         self.sink = sink
@@ -156,11 +156,11 @@ class Recorder:
 
     def finished(self, finished: Finished, submission: Submission) -> None:
         """A choice left the engine (the runner's ``on_finished``): its records to the sink, its counts."""
-        meta: ChoiceMeta = submission.meta["choice"]
+        meta: ChoiceMeta = submission.meta
         end = ChoiceEnd(
             submission.request,
             finished,
-            submission.meta.get("stopped_at"),
+            submission.stopped_at,
             submission.gaps,
             time.perf_counter() - meta.started,
             submission.config,

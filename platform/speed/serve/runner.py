@@ -29,12 +29,13 @@ class Submission:
     """A request inside the runner: its engine id, its tokens as they commit, and its end."""
 
     request: Request
-    meta: dict[str, Any] = field(default_factory=dict)  # the caller's own keys (request id, arrival, ...)
+    meta: Any = None  # the caller's own record of the request (the app's: its choice's ChoiceMeta)
     id: int = -1  # the engine's id, set when the engine accepted it
     tokens: asyncio.Queue[Commit | None] = field(default_factory=asyncio.Queue)  # None after the last token
     done: asyncio.Future[Finished] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     times: list[float] = field(default_factory=list)  # perf_counter when each committed token reached the runner
     config: EngineConfig | None = None  # the engine's capacity and row budget it runs under, set when queued
+    stopped_at: int | None = None  # a stop string ended it: the tokens the answer kept (speed.serve.answers)
 
     async def stream(self) -> AsyncIterator[Commit]:
         """The committed tokens, in order, until the request finishes."""
@@ -98,12 +99,13 @@ class EngineRunner:
         """Requests submitted and not yet finished."""
         return len(self._pending)
 
-    async def submit(self, request: Request, meta: dict[str, Any] | None = None) -> Submission:
-        """Queue a request (``ValueError`` from the engine says what is wrong with it)."""
-        (submission,) = await self.submit_all([request], [meta or {}])
+    async def submit(self, request: Request, meta: Any = None) -> Submission:
+        """Queue a request (``ValueError`` from the engine says what is wrong with it); ``meta``: the caller's
+        record of it, kept in its ``Submission``."""
+        (submission,) = await self.submit_all([request], [meta])
         return submission
 
-    async def submit_all(self, requests: list[Request], metas: list[dict[str, Any]]) -> list[Submission]:
+    async def submit_all(self, requests: list[Request], metas: list[Any]) -> list[Submission]:
         """Queue several requests, all or none: when the engine refuses one (``ValueError``, its message
         prefixed with the request's index when there are several), those already queued are removed
         without a trace (no ``on_finished``)."""
