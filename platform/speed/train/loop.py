@@ -71,8 +71,6 @@ from speed.train.train_log import (
 from speed.train.validation import validation_metrics
 
 _PACE_WINDOW = 20  # steps averaged for the ETA
-
-
 HANG_LIMIT_S = 900.0  # train.hang_at_step: a hang nobody ended fails the run after this long
 
 
