@@ -21,11 +21,13 @@ import secrets
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 SESSION_ENV = "SPEED_TEST_SESSION"
+SLOW_EXIT_S = 10  # processes still ending this long after the last test: named in a warning
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -68,9 +70,13 @@ def no_process_left():
     from speed.train.local_ray import end_processes, marked_processes
 
     yield
-    token, deadline = os.environ[SESSION_ENV], time.monotonic() + 60  # Ray's agents may take a while to go
+    token, started = os.environ[SESSION_ENV], time.monotonic()
+    deadline = started + 60  # Ray's agents may take a while to go
+    first = sorted({_name(pid) for pid in marked_processes(token, name=SESSION_ENV)})  # named while they run
     while (left := marked_processes(token, name=SESSION_ENV)) and time.monotonic() < deadline:
         time.sleep(0.5)
+    if (waited := time.monotonic() - started) > SLOW_EXIT_S:  # the run's last seconds: say what they waited on
+        warnings.warn(f"the session waited {waited:.0f} s for processes to end: {', '.join(first)}", stacklevel=1)
     if left:
         names = sorted({_name(pid) for pid in left})
         end_processes(left)
