@@ -22,17 +22,13 @@ demo-lm: $(VENV)/.installed
 
 # Tests use tiny models: one intra-op thread each avoids oversubscribing the cores, and a thread waiting for work
 # sleeps instead of spinning (OMP_WAIT_POLICY: a test that asks for two threads beside a busy worker otherwise
-# runs ~4x slower, measured: a 2-thread matmul loop 10.2 s spinning, 2.4 s passive). pytest-xdist workers
-# (TEST_WORKERS; 0 runs in one process, in file order), each a session of its own (tests/conftest.py): three on
-# 2 cores for the whole suite, whose Ray tests wait on process starts and servers (measured on one machine, one
-# day: 2 workers 11:00 and 1126 CPU-s; 3 workers 9:42 and 1125 CPU-s, 10:07 in a random order); two for the quick
-# tier, which computes without waiting (56 s with 2, 61 s with 3).
-TEST_WORKERS ?= 3
-QUICK_WORKERS ?= 2
-XDIST = --dist loadfile -n
+# runs ~4x slower, measured: a 2-thread matmul loop 10.2 s spinning, 2.4 s passive). Two pytest-xdist workers
+# (TEST_WORKERS; 0 runs in one process, in file order): each a session of its own (tests/conftest.py).
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 test: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests
-	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -m "not gpu and not cluster" $(XDIST) $(TEST_WORKERS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -m "not gpu and not cluster" $(XDIST) $(PYTEST_ARGS)
 
 # Several Ray nodes on this machine, one of them lost mid-run (the `cluster` mark, tests/test_nodes.py: Train, Serve
 # and a sweep's trial): ~5 min on 2 cores (measured: 100, 60 and 125 s), so outside `make test`. One process: each test's cluster takes the machine's CPUs.
@@ -42,7 +38,7 @@ test-cluster: $(VENV)/.installed
 # The inner loop: no Ray, no Serve, no training runs (the `ray` and `slow` marks), under 90 s.
 test-quick: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests
-	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -m "not gpu and not ray and not slow" $(XDIST) $(QUICK_WORKERS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -m "not gpu and not ray and not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check platform jobs tests

@@ -1,9 +1,9 @@
 """Shared fixtures: one local Ray instance for the whole test session, a tiny tokenizer for training tests.
 
-``make test`` runs the suite on three pytest-xdist workers (``--dist loadfile``; the Makefile says why three on
-2 cores): each worker is a test session of its own (its own Ray, when one of its tests needs one) and runs whole
-modules, so a module's fixtures (a Serve deployment, a sweep, a trained model, a reference run) are built once;
-the modules with slow tests are handed out first, so that the workers finish together.
+``make test`` runs the suite on two pytest-xdist workers (``--dist loadfile``): each worker is a test session
+of its own (its own Ray, when one of its tests needs one) and runs whole modules, so a module's fixtures (a Serve
+deployment, a sweep, a trained model, a reference run) are built once; the modules with slow tests are handed
+out first, so that the two workers finish together.
 
 Ray 2.60 uses token authentication for every local cluster and, on a machine
 without one, writes a new token into ``~/.ray/auth_token``. The test session
