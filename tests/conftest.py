@@ -66,15 +66,17 @@ def pytest_configure(config: pytest.Config) -> None:
 def no_process_left():
     """A test run leaves no process behind: any process started under this session (a Ray, a job, a server)
     still running once every other fixture is torn down (this one is set up first, so torn down last) is
-    ended, and the run fails naming it."""
+    ended, and the run fails naming it. Processes that take over ``SLOW_EXIT_S`` to end are named in a warning."""
     from speed.train.local_ray import end_processes, marked_processes
 
     yield
     token, started = os.environ[SESSION_ENV], time.monotonic()
     deadline = started + 60  # Ray's agents may take a while to go
-    first = sorted({_name(pid) for pid in marked_processes(token, name=SESSION_ENV)})  # named while they run
-    while (left := marked_processes(token, name=SESSION_ENV)) and time.monotonic() < deadline:
+    left = marked_processes(token, name=SESSION_ENV)
+    first = sorted({_name(pid) for pid in left})  # named while they run
+    while left and time.monotonic() < deadline:
         time.sleep(0.5)
+        left = marked_processes(token, name=SESSION_ENV)
     if (waited := time.monotonic() - started) > SLOW_EXIT_S:  # the run's last seconds: say what they waited on
         warnings.warn(f"the session waited {waited:.0f} s for processes to end: {', '.join(first)}", stacklevel=1)
     if left:
