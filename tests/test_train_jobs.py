@@ -170,10 +170,10 @@ def test_a_run_stopped_by_ctrl_c_and_then_killed_resumes_each_time_from_its_newe
     # By checkpoint 10 every process is up, the Train worker in its training loop. Its title names the actor call it
     # runs: `run_train_fn` returns once the loop's thread starts, and the controller's `poll_status` calls follow.
     names = {s.name for s in seen}
-    assert {"gcs_server", "raylet"} <= names and any(n.startswith(cluster_helpers.TRAIN_WORKER) for n in names), names
+    train_workers = {s.pid for s in seen if s.name.startswith(cluster_helpers.TRAIN_WORKER)}
+    assert {"gcs_server", "raylet"} <= names and train_workers, names
     assert not any(n.startswith("ray::Preemption") for n in names), names  # one node: no preemption watcher
     beyond = {s for s in seen if not cluster_helpers.is_loopback(s.ip)}
-    train_workers = {s.pid for s in seen if s.name.startswith(cluster_helpers.TRAIN_WORKER)}
     store = {(s.pid, s.port) for s in beyond}
     assert len(store) <= 1 and {pid for pid, _ in store} <= train_workers, f"beyond loopback: {sorted(beyond)}"
     after_kill, log, killed = _run_until_stopped(storage, start, kill, after_ctrl_c + 10)
