@@ -10,7 +10,7 @@ sequential NxM; for ours_deep, transformers' generate of the same random
 (N*M)x1 T5, or Llama with --family lm); "vs shallow" is the variant's ms/token
 over the shallow Nx1's. The LM's rows time the prefill and first token (TTFT)
 apart from the decode time per later token. T5's speed_exits row is SPEED with
-fresh exit adapters of --exit-rank (speed.exits): the same schedule as plain
+fresh exit adapters of --exit-rank (speed.models.exits): the same schedule as plain
 SPEED's, so the difference is the adapters' cost.
 """
 

@@ -4,10 +4,10 @@
     .venv/bin/python jobs/budget_curve.py --run s3://bucket/speed/<run> --steps 100 200 400 --task translate_en_de
 
 Evaluates each complete checkpoint_<step> of --run (or the --steps given) with the same settings, in-process,
-one after another (speed.budget), at batch 1: quality with its 95% bootstrap interval, the flip rate per loop,
+one after another (speed.eval.budget), at batch 1: quality with its 95% bootstrap interval, the flip rate per loop,
 SPEED's own and (with --oracle, the default) oracle steps per token, every loop's perplexity. Each evaluation
 lands in <out>/checkpoint_<step> (one already there with the same settings is reused); <out>/budget.parquet
-(speed.budget.BUDGET_SCHEMA) holds one row per budget with each budget's paired-bootstrap difference from
+(speed.eval.budget.BUDGET_SCHEMA) holds one row per budget with each budget's paired-bootstrap difference from
 the previous one. --out defaults to <run>/budget/<task>-<split>. A run keeps train.keep_checkpoints
 checkpoints: the job names the budgets it lacks. `make analysis` draws the curve (analysis/budget.ipynb).
 """
@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.budget import BUDGET_FILE, budget_curve, choose_budgets
-from speed.checkpoint import read_checkpoint_config
 from speed.cli import JobParser, user_errors
-from speed.evaluate import EvalConfig
+from speed.eval.budget import BUDGET_FILE, budget_curve, choose_budgets
+from speed.eval.evaluate import EvalConfig
+from speed.models.checkpoint import read_checkpoint_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import JobParser, user_errors
-from speed.compare import compare_evaluations, format_comparison
+from speed.eval.compare import compare_evaluations, format_comparison
 from speed.storage import locate
 
 

@@ -7,7 +7,7 @@
 1. finetunes a T5 (--t5-pattern, jobs/configs/sweep_local.yaml: d_model 128, 2 encoder layers) from scratch,
    training the tokenizer both use (or both use --tokenizer);
 2. finetunes a looped LM (--lm-pattern, jobs/configs/sweep_lm_local.yaml) whose FFN width makes its parameter
-   count the T5's (speed.family.match_parameters), on the same records with the same batch size and steps: the
+   count the T5's (speed.models.family.match_parameters), on the same records with the same batch size and steps: the
    same answers, so the same target tokens (each family reads its sources in its own format);
 3. evaluates both on the same held-out examples at batch 1 (jobs/evaluate.py's folders: SPEED checked
    identical to sequential decoding, BLEU or ROUGE-L with bootstrap intervals, flip rates, own and oracle steps
@@ -31,22 +31,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from speed.analysis.families import (
-    FAMILIES_FILE,
-    FAMILIES_SCHEMA,
     family_row,
     format_families,
     load_families,
     quality_difference,
 )
-from speed.checkpoint import load_model
+from speed.analysis.results import FAMILIES_FILE, FAMILIES_SCHEMA
 from speed.cli import JobParser, user_errors
 from speed.data import get_task
-from speed.evaluate import EvalConfig, format_summary, run_evaluation
-from speed.family import match_parameters, parameter_count
-from speed.paths import repo_root
+from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
+from speed.models.checkpoint import load_model
+from speed.models.family import match_parameters, parameter_count
+from speed.paths import TRAIN_LOG_FILE, repo_root
 from speed.train.config import JobConfig, job_from_layers
 from speed.train.launch import check_inputs, run_job
-from speed.train.state import TRAIN_LOG_FILE
 
 CONFIGS = {"t5": "sweep_local.yaml", "lm": "sweep_lm_local.yaml"}  # the sweeps' CPU-sized base jobs
 

@@ -3,7 +3,7 @@
     .venv/bin/python jobs/evaluate.py --checkpoint runs/finetune/checkpoint --split test --limit 200
     .venv/bin/python jobs/evaluate.py --checkpoint s3://bucket/speed/<run> --task translate_en_de --limit 50
 
-The settings are speed.evaluate.EvalConfig's, with its defaults: the task, source
+The settings are speed.eval.evaluate.EvalConfig's, with its defaults: the task, source
 and input length the checkpoint was trained with unless given; SPEED output is
 checked against sequential decoding unless --no-check-sequential, greedy or,
 with --temperature (and --top-k, --top-p, --seed), seeded sampling. Writes
@@ -27,14 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.checkpoint import load_model
 from speed.cli import JobParser, user_errors
 from speed.config import from_dict
 from speed.data import TASKS, get_task, resolve_source
 from speed.engine import INVALIDATIONS
 from speed.engine.defaults import device_exit_adapters, device_levers
-from speed.evaluate import EvalConfig, format_summary, run_evaluation
-from speed.exits import EXITS_CONFIG_FILE
+from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
+from speed.models.checkpoint import load_model
+from speed.models.exits import EXITS_CONFIG_FILE
 from speed.storage import locate
 from speed.tokenizer import Tokenizer
 
@@ -72,7 +72,7 @@ UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = JobParser(prog="evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="checkpoint or run directory, a local path or a URI")
-    settings = p.add_argument_group("evaluation (speed.evaluate.EvalConfig)")
+    settings = p.add_argument_group("evaluation (speed.eval.evaluate.EvalConfig)")
     for name, help_ in SETTINGS.items():
         flag = f"--{name.replace('_', '-')}"
         if name in ("check_sequential", "bitwise", "oracle", "perplexity"):
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--exit-adapters",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="draft with the checkpoint's exit adapters when it has them (speed.exits; the output never changes); "
+        help="draft with the checkpoint's exit adapters when it has them (speed.models.exits; output unchanged); "
         "default: on a GPU yes, on a CPU no (speed.engine.defaults)",
     )
     p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's spm.model)")

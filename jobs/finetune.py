@@ -7,7 +7,7 @@ on the answer only.
     python jobs/finetune.py --init-from hf:google/t5-v1_1-small --pattern 2x4 --task summarize --use-gpu
     python jobs/finetune.py --task translate_en_de                             # from scratch
 
-The final checkpoint is evaluated (speed.evaluate.run_evaluation: SPEED decoding,
+The final checkpoint is evaluated (speed.eval.evaluate.run_evaluation: SPEED decoding,
 optionally against sequential) into <run>/eval_<split>/ (predictions.parquet,
 trace.parquet, summary.json). Without $RAY_ADDRESS a local Ray starts in-process.
 """

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.cli import config_from_args
 from speed.engine import METHODS
+from speed.loadtest.loadgen import DEFAULT_URL, LoadConfig, run_load, task_prompts
 from speed.paths import repo_root
 from speed.serve.auth import API_KEY_ENV
-from speed.serve.loadgen import DEFAULT_URL, LoadConfig, run_load, task_prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--exit-adapters",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="draft with the checkpoint's exit adapters when it has them (speed.exits; the answers never change); "
+        help="draft with the checkpoint's exit adapters when it has them (speed.models.exits; answers unchanged); "
         "default: on a GPU yes, on a CPU no (speed.engine.defaults)",
     )
     p.add_argument(

@@ -7,8 +7,8 @@ from C clients for some minutes; memory, latency per minute, errors by kind, and
 With --checkpoint it starts a private local Ray and deploys the app on a free loopback port, its statistics
 under --stats (default: a fresh folder in results/); with --url it loads a running server whose --stats path
 it reads the rows from (skip the row check without --stats). Prints Markdown tables
-(``speed.serve.soak.format_report``) and the goals (no failures but intended 4xx/503, replica RSS growth under
-10 %, one row per answered choice); writes every request to --out (``speed.serve.soak.SOAK_SCHEMA``).
+(``speed.loadtest.soak.format_report``) and the goals (no failures but intended 4xx/503, replica RSS growth under
+10 %, one row per answered choice); writes every request to --out (``speed.loadtest.soak.SOAK_SCHEMA``).
 Exits 1 when a request failed or an answered row is missing.
 """
 
@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
+from speed.loadtest.soak import SoakConfig, format_report, run_soak
 from speed.paths import repo_root
 from speed.serve.auth import API_KEY_ENV
-from speed.serve.soak import SoakConfig, format_report, run_soak
 from speed.storage import absolute
 
 
@@ -57,7 +57,7 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the soak the flags describe; print its report; write its rows."""
     args = parse_args(argv)
-    from speed.serve.loadgen import task_prompts
+    from speed.loadtest.loadgen import task_prompts
 
     prompts = tuple(task_prompts(args.task, "test", limit=200))
     stats = args.stats

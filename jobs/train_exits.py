@@ -1,4 +1,4 @@
-"""Train exit adapters on a frozen checkpoint with Ray Train, and save them beside it (speed.exits).
+"""Train exit adapters on a frozen checkpoint with Ray Train, and save them beside it (speed.models.exits).
 
 One small residual adapter per early loop k < M before the shared classifier, trained with KL(loop M || loop k)
 while the model stays frozen: the early exits agree more with the last loop (fewer flushes for SPEED), and the

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from speed.lm import LoopedLM
-from speed.model import SpeedT5
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 from speed.train.state import TrainingState, checkpoint_name, mark_complete, save_training_checkpoint
 from speed.train.train_log import TRAIN_LOG_SCHEMA
 

@@ -72,8 +72,8 @@ def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context,
     """Decode ``ids`` with SPEED (``settings`` as ``generate`` takes them: ``speculation``, ``sampling``, ...) under
     a ``LogitRecorder`` and assert every loop's logits and the tokens equal the sequential ``reference``'s run
     ``ref``; return SPEED's result."""
-    from speed.decoding import generate
-    from speed.exactness import LogitRecorder, compare_logits
+    from speed.decode.exactness import LogitRecorder, compare_logits
+    from speed.decode.generate import generate
 
     candidate = LogitRecorder(model)
     got = generate(candidate, ids, mask, method="speed", max_new_tokens=max_new, **settings)
@@ -105,8 +105,8 @@ class RecordedCase:
 
 def recorded_cases(random_case: Callable[[int], tuple], seeds: Iterable[int]) -> Iterator[RecordedCase]:
     """``random_case(seed)`` for each seed, decoded sequentially (greedy) under a ``LogitRecorder``."""
-    from speed.decoding import generate
-    from speed.exactness import LogitRecorder
+    from speed.decode.exactness import LogitRecorder
+    from speed.decode.generate import generate
 
     for seed in seeds:
         model, ids, mask, max_new, rng = random_case(seed)
@@ -144,8 +144,8 @@ def recorded_pair(model, ids, mask, max_new: int):
     """Sequential and SPEED greedy decoding of ``ids`` under a ``LogitRecorder`` each, checked equal by
     ``compare_logits``: (the sequential recorder, SPEED's, the sequential result), for tests that then tamper
     with a recorded row to show that the comparison is not vacuous."""
-    from speed.decoding import generate
-    from speed.exactness import LogitRecorder, compare_logits
+    from speed.decode.exactness import LogitRecorder, compare_logits
+    from speed.decode.generate import generate
 
     reference, candidate = LogitRecorder(model), LogitRecorder(model)
     ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
@@ -155,11 +155,11 @@ def recorded_pair(model, ids, mask, max_new: int):
 
 
 def random_exits(model, seed: int, scale: float = 1.0):
-    """Attach exit adapters (``speed.exits``) with random, non-zero weights to ``model``: its early exits change,
+    """Attach exit adapters (``speed.models.exits``) with random, non-zero weights to ``model``: its early exits change,
     its last loop's must not. Returns the model."""
     import torch
 
-    from speed.exits import attach, exits_for
+    from speed.models.exits import attach, exits_for
 
     adapters = exits_for(model, rank=8)
     g = torch.Generator().manual_seed(seed)
@@ -176,9 +176,9 @@ def exits_change_drafts_only(model, ids, mask, max_new: int, context, **settings
     SPEED's results with and without the adapters, and how many early-exit logits the adapters changed."""
     import torch
 
-    from speed.decoding import generate
-    from speed.exactness import LogitRecorder
-    from speed.exits import attach
+    from speed.decode.exactness import LogitRecorder
+    from speed.decode.generate import generate
+    from speed.models.exits import attach
 
     adapters, last = model.exit_adapters, model.n_loops - 1
     sampling = settings.get("sampling")

@@ -33,21 +33,22 @@ from speed.analysis import (
     rows_per_step,
     tradeoff,
 )
-from speed.analysis.families import FAMILIES_FILE, FAMILIES_SCHEMA, family_row, format_families
+from speed.analysis.families import family_row, format_families
 from speed.analysis.notebooks import notebook_paths
+from speed.analysis.results import FAMILIES_FILE, FAMILIES_SCHEMA
 from speed.analysis.serving import in_flight_at, max_in_flight
 from speed.analysis.tradeoff import model_label
 from speed.benchmarks.decode import BenchConfig, run_benchmark
-from speed.budget import BUDGET_FILE, budget_curve
 from speed.config import lm_preset, to_dict
-from speed.evaluate import EvalConfig, run_evaluation
-from speed.family import match_parameters, parameter_count
-from speed.lm import LoopedLM
-from speed.metrics import bleu
+from speed.engine.trace import TraceBuilder, flip_rates
+from speed.eval.budget import BUDGET_FILE, budget_curve
+from speed.eval.evaluate import EvalConfig, run_evaluation
+from speed.eval.metrics import bleu
+from speed.models.family import match_parameters, parameter_count
+from speed.models.looped_lm import LoopedLM
 from speed.paths import repo_root
 from speed.serve.schemas import LOADGEN_SCHEMA, REQUEST_SCHEMA
 from speed.tokenizer import Tokenizer
-from speed.trace import TraceBuilder, flip_rates
 
 NOTEBOOKS = notebook_paths()
 # The figures each notebook writes, relative to the results folder of _results().

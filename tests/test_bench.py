@@ -7,9 +7,9 @@ import torch
 
 from speed.benchmarks.decode import SAMPLING_BENCH_SCHEMA, format_sampling_table, run_sampling_benchmark
 from speed.config import preset
-from speed.decoding import generate
-from speed.model import SpeedT5
-from speed.sampling import Sampling
+from speed.decode.generate import generate
+from speed.engine.sampling import Sampling
+from speed.models.t5 import SpeedT5
 
 
 def test_sampling_benchmark_rows():
@@ -191,7 +191,7 @@ def _checkpoint(directory, tokenizer, task: str, adapters_seed: int | None = Non
     saved beside it when ``adapters_seed`` is given."""
     from engine_helpers import random_exits
 
-    from speed.checkpoint import save_exits, save_model
+    from speed.models.checkpoint import save_exits, save_model
     from speed.tokenizer import Tokenizer
 
     torch.manual_seed(0)
@@ -242,7 +242,7 @@ def test_the_lever_benchmark_takes_a_looped_lm():
     sequential decoding, and the oracle needs no more steps than plain SPEED."""
     from speed.benchmarks.decode import _lever_variants, parse_levers, run_lever_benchmark
     from speed.config import lm_preset
-    from speed.lm import LoopedLM
+    from speed.models.looped_lm import LoopedLM
 
     torch.manual_seed(0)
     model = LoopedLM(lm_preset("tiny", pattern="1+2x3+1")).eval()

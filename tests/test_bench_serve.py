@@ -10,9 +10,9 @@ import torch
 
 from speed import SpeedT5, preset
 from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_bench
-from speed.checkpoint import save_model
 from speed.config import lm_preset
-from speed.lm import LoopedLM
+from speed.models.checkpoint import save_model
+from speed.models.looped_lm import LoopedLM
 from speed.serve.readers import read_requests
 from speed.serve.schemas import BENCH_SERVE_SCHEMA
 from speed.tokenizer import EOS_ID, Tokenizer

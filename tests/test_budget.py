@@ -1,5 +1,5 @@
 """jobs/budget_curve.py on tiny runs of kept training checkpoints (T5 on a local path, a looped LM on a URI):
-budget.parquet's rows are each checkpoint's own evaluation, the paired differences speed.compare's."""
+budget.parquet's rows are each checkpoint's own evaluation, the paired differences speed.eval.compare's."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from budget_helpers import STEPS, TOKENS_PER_STEP, make_run
 
 from speed import SpeedT5, preset
 from speed.analysis import budget_loops, discover, format_budget, load_budget
-from speed.budget import BUDGET_FILE, BUDGET_SCHEMA, checkpoint_steps
-from speed.compare import compare_evaluations
 from speed.config import lm_preset
-from speed.evaluate import SUMMARY_FILE
-from speed.lm import LoopedLM
+from speed.eval.budget import BUDGET_FILE, BUDGET_SCHEMA, checkpoint_steps
+from speed.eval.compare import compare_evaluations
+from speed.eval.evaluate import SUMMARY_FILE
+from speed.models.looped_lm import LoopedLM
 from speed.paths import repo_root
 from speed.storage import locate
 from speed.train.state import checkpoint_name
@@ -53,7 +53,7 @@ def _job():
 
 
 def _check_rows(table: pa.Table, out, run: str, family: str) -> None:
-    """Every row is its checkpoint's own summary.json; every difference speed.compare's against the previous."""
+    """Every row is its checkpoint's own summary.json; every difference speed.eval.compare's against the previous."""
     assert table.schema.equals(BUDGET_SCHEMA)
     rows = table.to_pylist()
     assert [r["step"] for r in rows] == list(STEPS)

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from speed.cache import CacheError, KVCache, Rows
-from speed.kernels import ATTN_CHUNK
+from speed.engine.cache import CacheError, KVCache, Rows
+from speed.engine.kernels import ATTN_CHUNK
 
 
 def test_write_read_and_invalidate_copies_nothing():

@@ -15,8 +15,8 @@ from pathlib import Path
 import cluster_helpers
 import pytest
 
-from speed.checkpoint import load_model
 from speed.cluster import JOB_CONFIG_ENV, code_runtime_env, package_dir
+from speed.models.checkpoint import load_model
 from speed.paths import DATA_DIR_ENV, data_dir, repo_root
 from speed.train.local_ray import OWNER_ENV, marked_processes
 from speed.train.state import load_training_state

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from speed.compare import compare_evaluations, format_comparison
-from speed.evaluate import PREDICTIONS_FILE, PREDICTIONS_SCHEMA, SUMMARY_FILE
+from speed.eval.compare import compare_evaluations, format_comparison
+from speed.eval.evaluate import PREDICTIONS_FILE, PREDICTIONS_SCHEMA, SUMMARY_FILE
 from speed.losses import flip_cost
 from speed.paths import repo_root
 

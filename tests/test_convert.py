@@ -18,7 +18,8 @@ from transformers import T5Config, T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from speed.config import PRESETS, ModelConfig
-from speed.convert import (
+from speed.decode.generate import generate
+from speed.models.convert_t5 import (
     config_from_hf,
     conversion_plan,
     default_layer_map,
@@ -27,7 +28,6 @@ from speed.convert import (
     from_pretrained,
     hf_config_from,
 )
-from speed.decoding import generate
 
 VOCAB, D_MODEL = 200, 64
 EOS = 1

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speed.cache import Rows
 from speed.config import SharingPattern
-from speed.convert_llama import (
+from speed.engine.cache import Rows
+from speed.models.convert_llama import (
     config_from_llama,
     conversion_plan,
     from_llama,
@@ -22,7 +22,7 @@ from speed.convert_llama import (
     from_pretrained,
     layer_sources,
 )
-from speed.lm import LoopedLM
+from speed.models.looped_lm import LoopedLM
 
 VOCAB, D_MODEL, LAYERS = 96, 32, 4
 EOS = 2

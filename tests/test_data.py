@@ -24,7 +24,7 @@ from speed.data import (
     tokenize_records,
 )
 from speed.data.records import RecordCount, iter_records
-from speed.model import shift_right
+from speed.losses import shift_right
 from speed.paths import DATA_DIR_ENV
 from speed.tokenizer import Tokenizer, train_tokenizer
 

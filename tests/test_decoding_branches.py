@@ -18,9 +18,9 @@ from engine_helpers import BLOCKS, recorded_cases
 from test_decoding_exact import random_case
 from test_decoding_schedule import EOS, StubModel, target
 
-from speed.cache import Rows
-from speed.decoding import generate
+from speed.decode.generate import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation, should_branch, should_launch
+from speed.engine.cache import Rows
 
 
 class BranchStub(StubModel):

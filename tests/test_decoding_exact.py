@@ -4,7 +4,7 @@ A differential oracle in the spirit of LayerSkip's correctness check: many
 random models (patterns 1xM, Nx1, 2x6, 3x4, odd M), seeds, batch sizes, input
 lengths, both invalidation policies and several launch loops. Every loop's
 early-exit logits of every committed token are recorded from both engines
-(``speed.exactness.LogitRecorder``) and compared with ``torch.equal``: no
+(``speed.decode.exactness.LogitRecorder``) and compared with ``torch.equal``: no
 tolerance, no near-tie exemption.
 """
 
@@ -25,11 +25,12 @@ from engine_helpers import (
 )
 
 from speed.config import preset
-from speed.decoding import generate
+from speed.decode.exactness import LogitRecorder, compare_logits
+from speed.decode.generate import generate
 from speed.engine import Speculation
-from speed.exactness import LogitRecorder, compare_logits
-from speed.model import SpeedT5, shift_right
-from speed.sampling import Sampling
+from speed.engine.sampling import Sampling
+from speed.losses import shift_right
+from speed.models.t5 import SpeedT5
 
 PATTERNS = ["1x4", "4x1", "2x6", "3x4", "2x3", "1x5", "3x3", "1x1"]
 
@@ -154,7 +155,7 @@ def test_generate_restores_training_mode():
 
 @pytest.mark.parametrize("block", BLOCKS[:2])
 def test_exit_adapters_change_drafts_never_the_output(block):
-    """Exit adapters (``speed.exits``) on random models, batch 1 and 8, greedy and seeded sampling, both policies:
+    """Exit adapters (``speed.models.exits``) on random models, batch 1 and 8, greedy and seeded sampling, both policies
     the tokens and the last loop's logits are bitwise those without them, SPEED's every loop equals sequential
     decoding's with them, and the adapters do change the early exits and SPEED's schedule."""
     changed_logits = changed_runs = cases = 0

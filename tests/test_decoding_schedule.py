@@ -1,6 +1,6 @@
 """Stub-model tests: exact SPEED schedules, flushes and cache lengths.
 
-The stub (``speed.schedule.TableModel``)'s early exit for output position p
+The stub (``speed.decode.schedule.TableModel``)'s early exit for output position p
 after loop l is a fixed table entry, so every schedule can be worked out by hand.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speed.decoding import generate
+from speed.decode.generate import generate
+from speed.decode.schedule import TableModel as StubModel
 from speed.engine import Speculation
-from speed.schedule import TableModel as StubModel
 
 EOS = StubModel.eos_id
 

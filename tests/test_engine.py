@@ -18,13 +18,13 @@ from engine_helpers import BLOCKS, churn_config, drive, random_exits
 from test_decoding_schedule import BAD_SETTINGS, EOS, StubModel, target
 
 from speed.config import preset
-from speed.decoding import generate
+from speed.decode.exactness import LogitRecorder
+from speed.decode.generate import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation, budget_rows
-from speed.exactness import LogitRecorder
-from speed.exits import attach
-from speed.model import SpeedT5
-from speed.sampling import Sampling
-from speed.trace import flip_rates
+from speed.engine.sampling import Sampling
+from speed.engine.trace import flip_rates
+from speed.models.exits import attach
+from speed.models.t5 import SpeedT5
 
 PATTERNS = ["1x4", "4x1", "2x6", "3x4", "2x3", "1x5", "3x3", "1x1"]
 
@@ -244,7 +244,7 @@ def test_sequential_without_trace_skips_early_exits():
         ({"input_ids": [3, -1]}, r"token ids in \[0, 128\), got -1"),
         ({"input_ids": [3, 4.0]}, r"got 4\.0"),
         ({"method": "sequential", "oracle": [1]}, "oracle needs method='speed'"),
-        ({"sampling": {"temperature": 1.0}}, "sampling must be a speed.sampling.Sampling"),
+        ({"sampling": {"temperature": 1.0}}, "sampling must be a speed.engine.sampling.Sampling"),
         ({"logprobs": 21}, r"logprobs must be None or an integer in 0\.\.20"),
         ({"logprobs": -1}, r"logprobs must be None or an integer in 0\.\.20"),
         ({"logprobs": True}, r"logprobs must be None or an integer in 0\.\.20"),
@@ -338,7 +338,7 @@ def test_logprobs_are_the_last_loops_log_softmax():
 
 @pytest.mark.slow
 def test_churn_with_exit_adapters_equals_plain_sequential_alone():
-    """Exit adapters (``speed.exits``) under random arrivals, cancellations, capacities and budgets, greedy and
+    """Exit adapters (``speed.models.exits``) under random arrivals, cancellations, capacities and budgets, greedy and
     sampled: every finished request's tokens, and its last loop's predictions, are those of the request decoded
     alone, sequentially, without adapters; its early exits are those of the adapted model alone."""
     finished_n = changed = 0

@@ -18,10 +18,10 @@ from speed.engine.policies import (
     may_branch,
     may_launch,
 )
+from speed.engine.sampling import Sampling
 from speed.engine.scheduler import Scheduler
 from speed.engine.state import Exit, InFlight, RequestState
 from speed.engine.types import NO_EXIT, DecodeStats, Request, Speculation
-from speed.sampling import Sampling
 
 EOS = 1
 M = 3

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_engine import tiny_model
 
-from speed.decoding import generate
+from speed.decode.generate import generate
 from speed.engine import LEVERS, Request, Speculation, SpeculationFields
 
 
@@ -49,7 +49,7 @@ def test_every_layer_spells_out_the_one_definition():
     """LEVERS are Speculation's fields; Serve's planning, settings and protocol, evaluation's config and the sweep
     take their names from it (the sweep a subset), the configs' flat fields are SpeculationFields, and their
     defaults are its defaults."""
-    from speed.evaluate import EvalConfig
+    from speed.eval.evaluate import EvalConfig
     from speed.serve import planning
     from speed.serve.protocol import ChatRequest, CompletionRequest
     from speed.serve.settings import ServeSettings

@@ -11,16 +11,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import speed.evaluate
+import speed.eval.evaluate
 from speed import SpeedT5, preset
-from speed.checkpoint import save_model
 from speed.config import ConfigError, from_dict, lm_preset
 from speed.data import load_records, truncate
 from speed.data.batching import encode_prompts
+from speed.decode.exactness import LogitRecorder
 from speed.engine import Speculation
-from speed.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, DecodingMismatch, EvalConfig, run_evaluation
-from speed.exactness import LogitRecorder
-from speed.lm import LoopedLM
+from speed.eval.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, DecodingMismatch, EvalConfig, run_evaluation
+from speed.models.checkpoint import save_model
+from speed.models.looped_lm import LoopedLM
 from speed.paths import repo_root
 from speed.tokenizer import train_tokenizer
 
@@ -165,7 +165,7 @@ def test_a_looped_lm_is_evaluated_as_a_t5_is(lm_checkpoint, tmp_path, capsys):
 
 def _break_sequential(monkeypatch):
     """Make sequential decoding of the second example of each 2-example batch emit another first token."""
-    real = speed.evaluate.generate
+    real = speed.eval.evaluate.generate
     calls = []
 
     def broken(model, *args, **kwargs):
@@ -175,7 +175,7 @@ def _break_sequential(monkeypatch):
             result.tokens[1][0] += 1  # the timed batch, not the warm-up nor the gap's re-run
         return result
 
-    monkeypatch.setattr(speed.evaluate, "generate", broken)
+    monkeypatch.setattr(speed.eval.evaluate, "generate", broken)
     return calls
 
 
@@ -283,7 +283,7 @@ def test_settings_are_coerced_by_type_and_follow_the_training_data():
 
 
 def test_exit_adapters_are_used_when_asked_and_change_only_the_drafts(checkpoint, tmp_path):
-    """A checkpoint with exit adapters (``speed.exits``) is evaluated with them with --exit-adapters (its summary
+    """A checkpoint with exit adapters (``speed.models.exits``) is evaluated with them with --exit-adapters (its summary
     names them), or without them (beside, not over, the other evaluation): by default on a CPU, or with
     --no-exit-adapters: the same hypotheses, other early exits and steps."""
     import shutil
@@ -291,7 +291,7 @@ def test_exit_adapters_are_used_when_asked_and_change_only_the_drafts(checkpoint
 
     from engine_helpers import random_exits
 
-    from speed.checkpoint import load_model, save_exits
+    from speed.models.checkpoint import load_model, save_exits
 
     directory, model, _ = checkpoint
     adapted = tmp_path / "adapted"

@@ -21,11 +21,12 @@ from engine_helpers import drive
 
 from speed.config import preset
 from speed.data import load_records, pad_inputs, truncate
-from speed.decoding import generate
+from speed.decode.exactness import LogitRecorder, compare_logits, top2_gap
+from speed.decode.generate import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
-from speed.exactness import LogitRecorder, compare_logits, top2_gap
-from speed.model import SpeedT5, shift_right
-from speed.sampling import Sampling
+from speed.engine.sampling import Sampling
+from speed.losses import shift_right
+from speed.models.t5 import SpeedT5
 from speed.tokenizer import train_tokenizer
 
 STEPS, BATCH, SENTENCES, NEW_TOKENS = 150, 32, 104, 64
@@ -209,7 +210,7 @@ def test_trained_exit_adapters_raise_agreement_and_never_change_the_output(train
     change, and the tokens and last-loop logits equal the model's without them, bit for bit, greedy and sampled,
     in batches of 1 to 8."""
     from speed.data import collate
-    from speed.exits import attach, exits_for
+    from speed.models.exits import attach, exits_for
     from speed.train.exits import exits_loss
 
     model, tok = trained

@@ -1,4 +1,4 @@
-"""Exit adapters (``speed.exits``): the module, its place in both families' exits, and its checkpoint files.
+"""Exit adapters (``speed.models.exits``): the module, its place in both families' exits, and its checkpoint files.
 
 The decoding contract with adapters (the output bitwise unchanged, the drafts changed) is proven where the
 engine's exactness is: ``test_decoding_exact``, ``test_lm_decoding``, ``test_exact_trained``.
@@ -13,9 +13,10 @@ import pytest
 import torch
 from engine_helpers import random_exits
 
-from speed.checkpoint import MODEL_FILE, load_model, save_model
 from speed.config import lm_preset, preset
-from speed.exits import (
+from speed.losses import shift_right
+from speed.models.checkpoint import MODEL_FILE, load_model, save_model
+from speed.models.exits import (
     EXITS_CONFIG_FILE,
     EXITS_FILE,
     ExitAdapters,
@@ -24,8 +25,8 @@ from speed.exits import (
     count_exit_parameters,
     exits_for,
 )
-from speed.lm import LoopedLM
-from speed.model import SpeedT5, shift_right
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 
 
 def t5(pattern: str = "2x3") -> SpeedT5:

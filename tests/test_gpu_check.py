@@ -32,8 +32,9 @@ def test_decoding_imports_and_runs_without_ray(tmp_path):
     script = """
 import sys
 import torch
-import speed, speed.model, speed.cache, speed.kernels, speed.sampling, speed.engine, speed.decoding
-import speed.checkpoint, speed.exactness, speed.train.optim, speed.train.state, speed.benchmarks.decode
+import speed, speed.models.t5, speed.engine.cache, speed.engine.kernels, speed.engine.sampling, speed.engine
+import speed.decode.generate
+import speed.models.checkpoint, speed.decode.exactness, speed.train.optim, speed.train.state, speed.benchmarks.decode
 import speed.benchmarks.gpu
 from speed import SpeedT5, Speculation, generate, preset
 try:

@@ -21,12 +21,12 @@ from test_decoding_exact import padded_batch
 from test_engine import alone, random_request, tiny_model
 
 from speed import SpeedT5, preset
-from speed.checkpoint import save_model
-from speed.decoding import generate
+from speed.decode.exactness import LogitRecorder
+from speed.decode.generate import generate
 from speed.engine import Engine, EngineConfig, Speculation
-from speed.exactness import LogitRecorder
+from speed.engine.sampling import Sampling
+from speed.models.checkpoint import save_model
 from speed.paths import repo_root
-from speed.sampling import Sampling
 
 pytestmark = [
     pytest.mark.gpu,

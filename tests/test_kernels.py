@@ -16,13 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import speed.kernels as kernels
-from speed.cache import Rows
+import speed.engine.kernels as kernels
 from speed.config import preset
-from speed.decoding import generate
-from speed.engine import T5Stepper
-from speed.kernels import TILE_ROWS, tile_linear
-from speed.model import SpeedT5
+from speed.decode.generate import generate
+from speed.engine.cache import Rows
+from speed.engine.kernels import TILE_ROWS, tile_linear
+from speed.models.t5 import SpeedT5, T5Stepper
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -154,7 +153,7 @@ def test_step_rows_do_not_depend_on_company_or_position(threads, backend):
 
 
 def test_speed_equals_sequential_with_the_fallback_kernels(backend):
-    from speed.exactness import LogitRecorder, compare_logits
+    from speed.decode.exactness import LogitRecorder, compare_logits
 
     torch.manual_seed(11)
     model = SpeedT5(preset("tiny", pattern="2x3")).eval()
@@ -220,7 +219,7 @@ def test_two_threads_decoding_one_model_concurrently():
 def test_attend_rows_do_not_depend_on_how_many_rows_attend(threads):
     """Attention runs on a tile's real rows only (1..T of them): a row's result must not depend on the count,
     also at real-model sizes where the sums and the softmax split across threads."""
-    from speed.kernels import attend
+    from speed.engine.kernels import attend
 
     torch.manual_seed(threads)
     for heads, length, d in [(12, 512, 64), (4, 80, 16), (3, 13, 12)]:
@@ -237,7 +236,7 @@ def test_attend_rows_do_not_depend_on_how_many_rows_attend(threads):
 def test_attend_does_not_depend_on_the_number_of_masked_positions(threads):
     """A request's attention must not change with the capacity of the engine that decodes it: the same keys
     with more masked positions after them (a bigger cache or encoder memory) give bit-identical results."""
-    from speed.kernels import attend
+    from speed.engine.kernels import attend
 
     torch.manual_seed(threads)
     for heads, d in [(12, 64), (4, 16), (3, 12), (1, 8)]:
@@ -260,8 +259,8 @@ def test_speed_equals_sequential_with_a_base_width_mlp(family, threads):
     from test_lm import _randomize
 
     from speed.config import lm_preset
-    from speed.exactness import LogitRecorder, compare_logits
-    from speed.lm import LoopedLM
+    from speed.decode.exactness import LogitRecorder, compare_logits
+    from speed.models.looped_lm import LoopedLM
 
     torch.manual_seed(5)
     if family == "t5":
@@ -280,7 +279,7 @@ def test_rows_linear_rows_do_not_depend_on_company_position_or_count(threads):
     """A prefill's matmuls (``rows_linear``: tiles of ``PREFILL_ROWS``): a row's result is the same alone, among
     up to 150 rows at any place (so in any tile, with any tile size up to 64 rows), at the widths of real
     layers (2048: base size's MLP output projection, whose one-row call oneDNN would round otherwise)."""
-    from speed.kernels import PREFILL_ROWS, rows_linear
+    from speed.engine.kernels import PREFILL_ROWS, rows_linear
 
     rng = random.Random(threads)
     torch.manual_seed(threads)

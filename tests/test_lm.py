@@ -1,6 +1,6 @@
 """The looped LM: an unrolled reference of its own, cached decoding against the forward, the loss, the cache.
 
-The reference (``_unrolled``) shares no code with ``speed.lm``: plain torch
+The reference (``_unrolled``) shares no code with ``speed.models.looped_lm``: plain torch
 ops on the model's weights, laid out as an unrolled stack of N * M layers
 whose core weights are tied (plus the prelude before and the coda at each
 exit). The models are random but non-degenerate (``_randomize``): weights at
@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speed.cache import CacheError, Rows
 from speed.config import LM_PRESETS, PRESETS, lm_preset
-from speed.lm import Block, LoopedLM, next_token_labels
+from speed.engine.cache import CacheError, Rows
 from speed.losses import PARAMETRIC, SCHEMES, loss_weights
-from speed.model import EncoderLayer, count_parameters
+from speed.models.looped_lm import Block, LoopedLM, next_token_labels
+from speed.models.t5 import EncoderLayer, count_parameters
 
 VOCAB = 128  # the tiny preset's
 # Each option on in some variant and off in another; GQA: 4 query heads on 2 key/value heads.
@@ -136,7 +136,7 @@ def test_the_reference_sees_a_wrong_model(monkeypatch) -> None:
         other.load_state_dict(model.state_dict(), strict=False)
         with torch.no_grad():
             assert (other(ids, return_logits=True).loop_logits[-1] - want).abs().max() > 1e-2
-    monkeypatch.setattr("speed.lm.rotate", _interleaved)
+    monkeypatch.setattr("speed.models.looped_lm.rotate", _interleaved)
     with torch.no_grad():
         assert (model(ids, return_logits=True).loop_logits[-1] - want).abs().max() > 1e-2
 

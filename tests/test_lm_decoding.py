@@ -29,12 +29,12 @@ from engine_helpers import (
 from test_lm import _randomize
 
 from speed.config import lm_preset
-from speed.decoding import generate
+from speed.decode.exactness import LogitRecorder, compare_logits
+from speed.decode.generate import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
-from speed.exactness import LogitRecorder, compare_logits
-from speed.exits import attach
-from speed.lm import LoopedLM
-from speed.sampling import Sampling
+from speed.engine.sampling import Sampling
+from speed.models.exits import attach
+from speed.models.looped_lm import LoopedLM
 
 PATTERNS = ["2x3", "1x4", "3x2", "1+2x3", "2x3+1", "1+2x2+1"]
 GQA = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 8}
@@ -286,7 +286,7 @@ def test_compare_logits_covers_the_prefilled_position():
 
 @pytest.mark.parametrize("block", BLOCKS[:2])
 def test_lm_exit_adapters_change_drafts_never_the_output(block):
-    """Exit adapters (``speed.exits``, applied in the prefill's exits too): batch 1 and 8, greedy and sampled,
+    """Exit adapters (``speed.models.exits``, applied in the prefill's exits too): batch 1 and 8, greedy and sampled,
     the tokens and the last loop's logits are bitwise those without them; SPEED's every loop equals sequential's
     with them; the early exits and SPEED's schedule change."""
     changed_logits = changed_runs = 0

@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from speed.chat import CHAT_TEMPLATE, ChatTemplate, render_chat, task_prompt
-from speed.checkpoint import load_model, save_model
 from speed.config import lm_preset
 from speed.data import load_records
 from speed.data.batching import collate_lm, encode_prompts, pack_rows
 from speed.data.corpus import open_corpus
 from speed.data.shards import CorpusSpec, prepare_corpus
-from speed.decoding import generate
-from speed.lm import LoopedLM
+from speed.decode.generate import generate
+from speed.eval.validation import validate
 from speed.losses import SettleConfig, loss_weights, settle_loss, settled_loss
+from speed.models.checkpoint import load_model, save_model
+from speed.models.looped_lm import LoopedLM
 from speed.tokenizer import EOS_ID, Tokenizer
 from speed.train.batches import BatchPlan
 from speed.train.config import job_from_args, job_from_dict, job_to_dict, run_name
-from speed.train.validation import validate
 
 datasets.disable_progress_bars()
 ROW = 32

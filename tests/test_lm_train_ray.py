@@ -13,12 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speed.checkpoint import load_model
-from speed.decoding import generate
-from speed.lm import LoopedLM
+from speed.decode.generate import generate
+from speed.models.checkpoint import load_model
+from speed.models.looped_lm import LoopedLM
+from speed.paths import TRAIN_LOG_FILE
 from speed.train.config import job_from_args
 from speed.train.launch import run_job
-from speed.train.state import TRAIN_LOG_FILE, load_training_state
+from speed.train.state import load_training_state
 from speed.train.tracking import import_mlflow, tracking_uri
 
 pytestmark = pytest.mark.ray

@@ -12,10 +12,11 @@ from speed.losses import (
     parametric,
     settle_loss,
     settled_loss,
+    shift_right,
     teacher_forced_flips,
     weighted_loss,
 )
-from speed.model import SpeedT5, shift_right
+from speed.models.t5 import SpeedT5
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
@@ -212,7 +213,7 @@ def test_teacher_forced_flips_count_changes_per_loop():
 
 
 def test_a_traces_flip_costs_sum_to_the_flip_cost_of_its_rates():
-    from speed.trace import TraceBuilder, flip_costs, flip_rates
+    from speed.engine.trace import TraceBuilder, flip_costs, flip_rates
 
     builder = TraceBuilder()
     for position, preds in enumerate([[5, 6, 6], [7, 7, 8], [1, 2, 3], [4, 4, 4]]):

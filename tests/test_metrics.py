@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from speed.metrics import bleu, bootstrap, chrf, paired_bootstrap, rouge
+from speed.eval.metrics import bleu, bootstrap, chrf, paired_bootstrap, rouge
 
 
 def test_bleu_identical_is_100_and_signature():

@@ -1,7 +1,8 @@
 import torch
 
 from speed.config import preset
-from speed.model import SpeedT5, count_parameters, shift_right
+from speed.losses import shift_right
+from speed.models.t5 import SpeedT5, count_parameters
 
 
 def test_shapes_and_parameter_sharing():

@@ -19,10 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
-from speed.checkpoint import newest_complete_checkpoint, read_checkpoint_config
-from speed.paths import repo_root
+from speed.models.checkpoint import newest_complete_checkpoint, read_checkpoint_config
+from speed.paths import TRAIN_LOG_FILE, repo_root
 from speed.storage import locate
-from speed.train.state import TRAIN_LOG_FILE
 from speed.train.tracking import import_mlflow
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow]

@@ -28,7 +28,7 @@ from test_serve_parts import _parquet_only
 from speed import SpeedT5, preset
 from speed.analysis.results import discover, local_results, read_tables
 from speed.benchmarks.decode import held_out
-from speed.checkpoint import load_model, save_model
+from speed.models.checkpoint import load_model, save_model
 from speed.serve.readers import read_requests, read_traces
 from speed.serve.schemas import REQUEST_SCHEMA
 from speed.serve.settings import load_served_model

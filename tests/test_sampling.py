@@ -5,11 +5,11 @@ import torch
 from test_decoding_schedule import StubModel, target
 
 from speed.config import preset
-from speed.decoding import generate
+from speed.decode.exactness import LogitRecorder
+from speed.decode.generate import generate
 from speed.engine import Engine, EngineConfig, Request
-from speed.exactness import LogitRecorder
-from speed.model import SpeedT5
-from speed.sampling import Draw, Sampling, choice_seed, exit_choices, exit_scores, gumbel, process, uniforms
+from speed.engine.sampling import Draw, Sampling, choice_seed, exit_choices, exit_scores, gumbel, process, uniforms
+from speed.models.t5 import SpeedT5
 
 
 def test_exit_choices_top_runner_up_and_confidence():

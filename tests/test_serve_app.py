@@ -31,10 +31,10 @@ import requests
 import torch
 
 from speed import SpeedT5, generate, preset
-from speed.checkpoint import save_model
 from speed.data import get_task
+from speed.loadtest.loadgen import LoadConfig, run_load
+from speed.models.checkpoint import save_model
 from speed.paths import repo_root
-from speed.serve.loadgen import LoadConfig, run_load
 from speed.serve.readers import read_requests, read_traces
 from speed.tokenizer import EOS_ID, Tokenizer
 
@@ -207,7 +207,7 @@ def client(server):
 def _sampled_offline(server, prompt, max_tokens, **sampling):
     """Tokens of the same choice decoded alone, sequentially, with the same sampling (choice seed included)."""
     from speed.engine import Engine, EngineConfig, Request
-    from speed.sampling import Sampling
+    from speed.engine.sampling import Sampling
 
     ids = server["tokenizer"].encode(prompt)
     engine = Engine(server["model"], EngineConfig(max_active=1, max_source_len=48, max_target_len=64))
@@ -248,7 +248,7 @@ def _answers(server, response) -> Answers:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_client_sampling_fields_n_and_seed(server, client, stream):
-    from speed.sampling import choice_seed
+    from speed.engine.sampling import choice_seed
 
     prompt = "A woman rides a horse."
     args = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 11, "n": 3}
@@ -553,7 +553,7 @@ def test_a_short_soak_answers_every_kind_without_failures_and_loses_no_row(serve
     """``jobs/soak.py``'s run, for 12 s at 4 clients: every kind of request is sent and answered (the
     abandoned ones cancelled on the replica or finished first), no failure, the replica reports its memory,
     and the statistics hold one row per answered choice."""
-    from speed.serve.soak import SOAK_KINDS, SoakConfig, run_soak
+    from speed.loadtest.soak import SOAK_KINDS, SoakConfig, run_soak
 
     config = SoakConfig(url=server["url"], minutes=0.2, concurrency=4, max_tokens=6, abandon_tokens=300)
     result = run_soak(config)
@@ -671,7 +671,7 @@ def _check_statistics_after_shutdown(server):
             assert traced % 3 == 0 and traced >= 3 * r["completion_tokens"], r
         else:
             assert traced == 3 * r["completion_tokens"], r
-    from speed.sampling import choice_seed
+    from speed.engine.sampling import choice_seed
 
     for r in rows.to_pylist():  # whichever tests ran before: every row's own invariants
         assert r["accepted_tokens"] == sum(r["accepted_per_pos"]) and r["route"] in ("completions", "chat")

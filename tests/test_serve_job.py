@@ -16,8 +16,8 @@ import pytest
 import requests
 from test_serve_app import _free_port, _parquet_rows, _tiny_checkpoint
 
+from speed.loadtest.loadgen import LoadConfig, run_load
 from speed.paths import repo_root
-from speed.serve.loadgen import LoadConfig, run_load
 from speed.serve.readers import read_requests, read_traces
 
 pytestmark = pytest.mark.ray

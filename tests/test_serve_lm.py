@@ -1,6 +1,6 @@
 """The Serve application serving a looped LM for real: one deployment of a tiny LM checkpoint, the official client.
 
-The checkpoint is written as training writes one (``speed.checkpoint.save_model``: ``"family": "lm"`` and a
+The checkpoint is written as training writes one (``speed.models.checkpoint.save_model``: ``"family": "lm"`` and a
 chat template in its config.json), with a template of its own (``User: ...``) in place of the default, so
 that a server applying any other template would be caught. Its EOS logit is pinned to 0, so answers run to
 max_tokens. Every answer must equal offline sequential decoding of the context the model should read: the
@@ -21,11 +21,11 @@ from test_serve_app import _answers, _free_port  # its state's "answered" list: 
 
 from speed import generate
 from speed.chat import ChatTemplate, render_chat, task_prompt
-from speed.checkpoint import save_model
 from speed.config import lm_preset, to_dict
 from speed.data import get_task
-from speed.lm import LoopedLM
-from speed.sampling import Sampling, choice_seed
+from speed.engine.sampling import Sampling, choice_seed
+from speed.models.checkpoint import save_model
+from speed.models.looped_lm import LoopedLM
 from speed.serve.readers import read_requests
 from speed.tokenizer import EOS_ID, Tokenizer
 

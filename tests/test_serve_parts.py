@@ -21,12 +21,13 @@ import torch
 import yaml
 
 from speed import SpeedT5, generate, preset
-from speed.engine import EngineConfig, Request, Speculation, stepper_for
+from speed.engine import EngineConfig, Request, Speculation, as_stepper
+from speed.engine.trace import TRACE_SCHEMA
+from speed.loadtest.loadgen import LoadConfig, arrival_times, summarize
 from speed.paths import repo_root
 from speed.serve import auth
 from speed.serve.answers import TextStream
 from speed.serve.limits import parse_body, read_body
-from speed.serve.loadgen import LoadConfig, arrival_times, summarize
 from speed.serve.metrics import ServeCounters
 from speed.serve.protocol import BadRequest, CompletionRequest, validation_message
 from speed.serve.readers import read_requests, read_traces
@@ -34,7 +35,6 @@ from speed.serve.runner import EngineRunner
 from speed.serve.schemas import DESTINATION_FILE, LOADGEN_SCHEMA, REQUEST_SCHEMA, SERVE_TRACE_SCHEMA, WAL_DIR
 from speed.serve.sink import StatsSink, compact_orphans, log_folder, write_ahead_logs
 from speed.storage import locate
-from speed.trace import TRACE_SCHEMA
 
 # ----- request validation ------------------------------------------------------------------------
 
@@ -604,7 +604,7 @@ class FaultyModel:
     cache): a fault that leaves the engine unusable. An engine built afterwards steps normally."""
 
     def __init__(self, model: SpeedT5, fail_at: int) -> None:
-        self.model, self.fail_at, self.steps, self.broken = stepper_for(model), fail_at, 0, None
+        self.model, self.fail_at, self.steps, self.broken = as_stepper(model), fail_at, 0, None
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
@@ -806,7 +806,7 @@ def test_bench_variant_d_ratios_and_engine_counts_per_run():
 
 
 def test_soak_config_bodies_and_the_row_check():
-    from speed.serve.soak import SOAK_KINDS, SOAK_SCHEMA, SoakConfig, SoakResult, request_body
+    from speed.loadtest.soak import SOAK_KINDS, SOAK_SCHEMA, SoakConfig, SoakResult, request_body
 
     for bad in ({"url": "localhost:8000"}, {"minutes": 0}, {"concurrency": 0}, {"prompts": ()}):
         with pytest.raises(ValueError):

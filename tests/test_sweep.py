@@ -251,7 +251,7 @@ def test_speed_costs_per_lever_setting_and_the_best_of_them(tiny_tokenizer):
 
     from speed import SpeedT5, preset
     from speed.config import lm_preset
-    from speed.lm import LoopedLM
+    from speed.models.looped_lm import LoopedLM
     from speed.sweep.measure import Measurement, lever_settings, speed_costs
 
     torch.manual_seed(0)

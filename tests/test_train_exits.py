@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from speed.checkpoint import backbone_state, load_model, newest_complete_checkpoint, save_model
 from speed.config import preset
-from speed.decoding import generate
-from speed.exits import EXITS_CONFIG_FILE, exit_kl
-from speed.model import SpeedT5
+from speed.decode.generate import generate
+from speed.models.checkpoint import backbone_state, load_model, newest_complete_checkpoint, save_model
+from speed.models.exits import EXITS_CONFIG_FILE, exit_kl
+from speed.models.t5 import SpeedT5
 from speed.paths import repo_root
 from speed.tokenizer import Tokenizer
 from speed.train.config import job_from_args, job_to_dict

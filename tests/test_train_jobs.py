@@ -16,7 +16,7 @@ from pathlib import Path
 import cluster_helpers
 import pytest
 
-from speed.checkpoint import newest_complete_checkpoint
+from speed.models.checkpoint import newest_complete_checkpoint
 from speed.paths import repo_root
 from speed.train.local_ray import OWNER_ENV, PREEMPTION_WATCHER_ENV, end_processes, marked_processes
 from speed.train.state import load_training_state

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speed.config import preset
-from speed.model import SpeedT5
+from speed.models.t5 import SpeedT5
 from speed.train.optim import OptimConfig, build_optimizer, build_scheduler, follow_parameters, lr_factor
 
 

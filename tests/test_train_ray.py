@@ -14,10 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speed.checkpoint import load_model
+from speed.models.checkpoint import load_model
+from speed.paths import TRAIN_LOG_FILE
 from speed.train.config import job_from_args
 from speed.train.launch import run_job
-from speed.train.state import TRAIN_LOG_FILE, load_training_state
+from speed.train.state import load_training_state
 from speed.train.tracking import RUN_TAG, import_mlflow, tracking_uri
 
 pytestmark = pytest.mark.ray

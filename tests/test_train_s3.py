@@ -11,10 +11,10 @@ import torch
 from s3_helpers import create_bucket
 from test_train_ray import _job, _log, _weights, straight  # noqa: F401 (straight: the reference run, a fixture)
 
+from speed.paths import TRAIN_LOG_FILE
 from speed.storage import locate
 from speed.train.config import job_from_args
 from speed.train.launch import run_job
-from speed.train.state import TRAIN_LOG_FILE
 
 pytestmark = pytest.mark.ray
 

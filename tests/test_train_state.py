@@ -1,19 +1,19 @@
-"""Training checkpoints: readable by speed.checkpoint.load_model, resumable, refused when incompatible."""
+"""Training checkpoints: readable by speed.models.checkpoint.load_model, resumable, refused when incompatible."""
 
 import random
 
 import pytest
 import torch
 
-from speed.checkpoint import (
+from speed.config import preset
+from speed.models.checkpoint import (
     COMPLETE_FILE,
     latest_checkpoint,
     load_model,
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
-from speed.config import preset
-from speed.model import SpeedT5
+from speed.models.t5 import SpeedT5
 from speed.train.config import job_from_args, job_to_dict, resumable_job
 from speed.train.optim import build_optimizer, build_scheduler
 from speed.train.state import (

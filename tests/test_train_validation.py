@@ -7,8 +7,8 @@ import torch
 
 from speed.config import preset
 from speed.data import collate
-from speed.model import SpeedT5
-from speed.train.validation import validate, validation_losses, validation_metrics
+from speed.eval.validation import validate, validation_losses, validation_metrics
+from speed.models.t5 import SpeedT5
 
 
 class _Corpus:

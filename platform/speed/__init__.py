@@ -1,10 +1,10 @@
 """speed: SPEED (speculative pipelined decoding) for parameter-shared T5 decoders and looped decoder-only LMs."""
 
 from speed.config import PRESETS, LMConfig, ModelConfig, SharingPattern, lm_preset, preset
-from speed.decoding import DecodeStats, GenerateResult, Speculation, generate
-from speed.lm import LoopedLM
+from speed.decode.generate import DecodeStats, GenerateResult, Speculation, generate
 from speed.losses import loss_weights
-from speed.model import SpeedT5
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 
 __all__ = [
     "PRESETS",

@@ -212,7 +212,7 @@ NORMS: tuple[str, ...] = typing.get_args(Norm)
 
 @dataclass(frozen=True)
 class LMConfig(PatternedConfig):
-    """A decoder-only looped transformer (``speed.lm.LoopedLM``) of Llama blocks with an exit after every loop.
+    """A decoder-only looped transformer (``speed.models.looped_lm.LoopedLM``) of Llama blocks, an exit after each loop.
 
     Blocks: RMS norm, rotary position embeddings (Llama's split-halves layout), SwiGLU FFN, no biases,
     grouped-query attention when ``n_kv_heads < n_heads``. ``norm``: ``pre`` (Llama: a norm before each

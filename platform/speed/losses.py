@@ -289,3 +289,10 @@ def teacher_forced_flips(loop_logits: Sequence[Tensor], labels: Tensor) -> tuple
     prev = torch.cat([torch.zeros_like(preds[:1], dtype=torch.bool), preds[1:] != preds[:-1]])  # (M, n)
     final = preds != preds[-1:]
     return prev.sum(-1), final.sum(-1), int(keep.sum())
+
+
+def shift_right(labels: Tensor, start_id: int = 0, pad_id: int = 0) -> Tensor:
+    """Decoder inputs for teacher forcing: start token, then labels[:-1] (-100 -> pad)."""
+    shifted = labels.new_full(labels.shape, start_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == -100, pad_id)

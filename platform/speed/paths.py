@@ -7,6 +7,7 @@ from pathlib import Path
 
 DATA_DIR_ENV = "SPEED_DATA_DIR"
 SPOOL_DIR_ENV = "SPEED_SPOOL_DIR"
+TRAIN_LOG_FILE = "train_log.parquet"  # a training run's per-step log, beside its checkpoints (speed.train.state)
 
 
 def repo_root() -> Path:

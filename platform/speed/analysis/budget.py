@@ -1,7 +1,7 @@
 """The budget curve: quality and SPEED's cost against training steps, per run.
 
 ``jobs/budget_curve.py`` evaluates a run's checkpoints and writes ``budget.parquet``
-(``speed.budget.BUDGET_SCHEMA``, one row per budget). ``load_budget`` reads one; ``loop_flips`` lays its flip
+(``speed.eval.budget.BUDGET_SCHEMA``, one row per budget). ``load_budget`` reads one; ``loop_flips`` lays its flip
 rates out one row per (budget, loop), which the budget notebook draws beside the rows themselves; ``format_budget``
 prints them.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speed.budget import BUDGET_FILE, BUDGET_SCHEMA
+from speed.eval.budget import BUDGET_FILE, BUDGET_SCHEMA
 
 
 def load_budget(path: str | Path) -> pa.Table:

@@ -17,45 +17,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speed.analysis.results import Evaluation, load_evaluation
-from speed.metrics import paired_bootstrap
-
-FAMILIES_FILE = "families.parquet"
-
-FAMILIES_SCHEMA = pa.schema(
-    [
-        pa.field("family", pa.string(), nullable=False),  # t5 | lm (speed.family)
-        pa.field("pattern", pa.string(), nullable=False),
-        pa.field("parameters", pa.int64(), nullable=False),  # the whole model's, embeddings included
-        pa.field("d_ff", pa.int32(), nullable=False),  # the width speed.family.match_parameters chose
-        pa.field("train_steps", pa.int64(), nullable=False),
-        pa.field("train_examples", pa.int64(), nullable=False),  # steps x batch size
-        pa.field("train_tokens", pa.int64(), nullable=False),  # tokens the model read (the train log's)
-        pa.field("train_seconds", pa.float64(), nullable=False),  # wall clock of the training steps
-        pa.field("task", pa.string(), nullable=False),
-        pa.field("examples", pa.int32(), nullable=False),  # held-out examples evaluated
-        pa.field("accuracy_metric", pa.string(), nullable=False),  # bleu (translation) | rougeL (summarization)
-        pa.field("accuracy", pa.float64(), nullable=False),
-        pa.field("accuracy_low", pa.float64()),  # its 95% bootstrap interval (speed.metrics.bootstrap)
-        pa.field("accuracy_high", pa.float64()),
-        pa.field("flip_rate_prev", pa.list_(pa.float64()), nullable=False),  # per loop, of the decoded tokens
-        pa.field("flip_rate_final", pa.list_(pa.float64()), nullable=False),
-        pa.field("perplexity", pa.list_(pa.float64())),  # per loop, teacher-forced on the references
-        pa.field("steps_per_token", pa.float64(), nullable=False),  # SPEED's own pipeline steps per token
-        pa.field("oracle_steps_per_token", pa.float64()),  # ... were every early exit right
-        pa.field("speed_ms_per_token", pa.float64(), nullable=False),  # decode wall clock, interleaved batches
-        pa.field("sequential_ms_per_token", pa.float64(), nullable=False),
-        pa.field("speedup", pa.float64(), nullable=False),  # sequential time / SPEED time, identical output
-        pa.field("identical", pa.bool_(), nullable=False),
-        pa.field("evaluation", pa.string(), nullable=False),  # the evaluation folder, relative to the file
-    ]
-)
+from speed.analysis.results import FAMILIES_FILE, Evaluation, load_evaluation
+from speed.eval.metrics import paired_bootstrap
 
 
 def family_row(
     family: str, summary: dict[str, Any], evaluation: str, parameters: int, train: dict[str, Any]
 ) -> dict[str, Any]:
-    """One ``FAMILIES_SCHEMA`` row from an evaluation summary (``speed.evaluate``, checked against sequential
+    """One ``FAMILIES_SCHEMA`` row from an evaluation summary (``speed.eval.evaluate``, checked against sequential
     decoding) and the training's ``train_steps``, ``train_examples``, ``train_tokens``, ``train_seconds``."""
     decode = summary["decode"]
     if "sequential" not in decode:
@@ -184,7 +153,7 @@ def quality_difference(
     families: Families, baseline: str = "t5", system: str = "lm", samples: int = 1000, seed: int = 12345
 ) -> dict[str, dict[str, float]]:
     """``system``'s BLEU and ROUGE-L minus ``baseline``'s on the same held-out examples, with paired-bootstrap
-    intervals (``speed.metrics.paired_bootstrap``); the two read the sources in their own prompt formats, so
+    intervals (``speed.eval.metrics.paired_bootstrap``); the two read the sources in their own prompt formats, so
     the examples are matched by their references."""
     sides = [families.evaluations[name].predictions.sort_by("example").to_pydict() for name in (baseline, system)]
     if sides[0]["reference"] != sides[1]["reference"]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from speed.trace import flip_rates
+from speed.engine.trace import flip_rates
 
 __all__ = ["flip_rates", "flip_rates_by_position"]
 

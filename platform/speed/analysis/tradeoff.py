@@ -22,8 +22,8 @@ from typing import Any
 import pyarrow as pa
 
 from speed.config import SharingPattern, to_dict
-from speed.family import DEFAULT_FAMILY, config_of_any_family, family_of
-from speed.metrics import ROUGE_TYPES
+from speed.eval.metrics import ROUGE_TYPES
+from speed.models.family import DEFAULT_FAMILY, config_of_any_family, family_of
 
 TRADEOFF_SCHEMA = pa.schema(
     [
@@ -54,7 +54,7 @@ BENCH_METHODS = {
     "sequential": "sequential",
     "speed": "speed",
     "speed_oracle": "speed_oracle",
-    "speed_exits": "speed",  # SPEED with fresh exit adapters (speed.exits): plain SPEED's schedule, their cost
+    "speed_exits": "speed",  # SPEED with fresh exit adapters (speed.models.exits): plain SPEED's schedule, their cost
     "shallow": "sequential",
     "ours_deep": "sequential",
 }

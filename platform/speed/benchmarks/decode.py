@@ -20,13 +20,13 @@ import pyarrow as pa
 import torch
 
 from speed.config import LMConfig, ModelConfig, coerce, to_dict
-from speed.decoding import GenerateResult, generate
+from speed.decode.generate import GenerateResult, generate
 from speed.engine import LEVERS, Method, Speculation
-from speed.exits import attach, exits_for
-from speed.family import build_model
-from speed.lm import LoopedLM
-from speed.model import SpeedT5
-from speed.sampling import Sampling
+from speed.engine.sampling import Sampling
+from speed.models.exits import attach, exits_for
+from speed.models.family import build_model
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 
 BENCH_SCHEMA = pa.schema(
     [
@@ -76,7 +76,7 @@ class BenchConfig(DecodeBenchConfig):
 
     model: ModelConfig
     source_len: int = 32
-    exit_rank: int | None = 64  # also time SPEED with exit adapters of this rank (speed.exits); None: not
+    exit_rank: int | None = 64  # also time SPEED with exit adapters of this rank (speed.models.exits); None: not
 
 
 def random_model(config: ModelConfig | LMConfig, seed: int) -> SpeedT5 | LoopedLM:
@@ -273,7 +273,7 @@ def _hf_pair(cfg: BenchConfig, ids: torch.Tensor):
     from transformers import T5ForConditionalGeneration
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-    from speed.convert import from_hf_model, hf_config_from
+    from speed.models.convert_t5 import from_hf_model, hf_config_from
 
     depth = cfg.model.sharing.depth
     torch.manual_seed(cfg.seed)
@@ -407,7 +407,7 @@ LEVER_BENCH_SCHEMA = pa.schema(
         pa.field("variant", pa.string()),  # sequential | shallow | speed | a lever setting; "..._no_exits": no
         # adapters; oracle: SPEED speculating the sequential output (timed after the others, not in rotation)
         pa.field("settings", pa.string()),  # JSON of LeverSetting.given (branches, branch_depth, row_budget, ...)
-        pa.field("exit_adapters", pa.bool_()),  # SPEED drafted from the checkpoint's exit adapters (speed.exits)
+        pa.field("exit_adapters", pa.bool_()),  # SPEED drafted from the checkpoint's exit adapters (speed.models.exits)
         pa.field("sentences", pa.int64()),
         pa.field("tokens", pa.int64()),
         pa.field("passes_per_token", pa.float64()),  # group passes (weight reads) per token; SPEED at batch 1: steps
@@ -498,7 +498,7 @@ def _lever_variants(name: str, model: SpeedT5, levers: dict[str, LeverSetting]) 
     """One model's variants: sequential, the shallow Nx1 (the same weights, one loop), plain SPEED and each lever
     setting; a model with exit adapters also runs every SPEED variant without them (``<name>_no_exits``); last,
     ``oracle``: plain SPEED speculating the known sequential output (the steps it needs if every exit agreed)."""
-    from speed.checkpoint import backbone_state
+    from speed.models.checkpoint import backbone_state
 
     shallow = type(model)(model.config.replace(pattern=str(model.sharing.one_loop()))).eval()
     shallow.load_state_dict(backbone_state(model))  # the same parameters: a shared decoder's first loop alone
@@ -608,7 +608,7 @@ def _scoring(held: HeldOut) -> tuple[Any, str]:
 def score_outputs(held: HeldOut, samples: int = 1000) -> Callable[[list[list[int]]], Quality]:
     """A ``quality`` for ``run_lever_benchmark``: a model's outputs detokenized and scored against ``held``'s
     references with the task's metric (BLEU for translation, else ROUGE-L) and its bootstrap interval."""
-    from speed import metrics
+    from speed.eval import metrics
 
     tok, metric = _scoring(held)
 
@@ -621,8 +621,8 @@ def score_outputs(held: HeldOut, samples: int = 1000) -> Callable[[list[list[int
 
 def paired_quality(held: HeldOut, outputs: dict[str, list[list[int]]], samples: int = 1000) -> list[str]:
     """Each checkpoint's output against the first's on the same references: the task's metric's difference with
-    its 95 % paired-bootstrap interval (``speed.metrics.paired_bootstrap``), one line per checkpoint."""
-    from speed import metrics
+    its 95 % paired-bootstrap interval (``speed.eval.metrics.paired_bootstrap``), one line per checkpoint."""
+    from speed.eval import metrics
 
     tok, metric = _scoring(held)
     (first, baseline), *others = outputs.items()
@@ -671,9 +671,9 @@ def held_out(checkpoint: str, split: str, limit: int | None) -> HeldOut:
     """Load ``checkpoint`` and encode the first ``limit`` records of its training task's ``split`` as its family
     reads them (T5's encoder inputs, an LM's chat prompts), truncated as in training; a checkpoint without
     tokenizer or task is a clear error."""
-    from speed.checkpoint import load_model
     from speed.data import get_task, read_records
-    from speed.family import family_of
+    from speed.models.checkpoint import load_model
+    from speed.models.family import family_of
     from speed.tokenizer import Tokenizer
 
     loaded = load_model(checkpoint)

@@ -27,8 +27,8 @@ from speed.benchmarks.decode import (
     warn_unless_hf_agrees,
 )
 from speed.config import LMConfig
-from speed.decoding import GenerateResult, generate
-from speed.lm import LoopedLM
+from speed.decode.generate import GenerateResult, generate
+from speed.models.looped_lm import LoopedLM
 
 LM_BENCH_SCHEMA = pa.schema(
     [
@@ -137,7 +137,7 @@ def _hf_pair(cfg: LMBenchConfig, ids: torch.Tensor):
         return None
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from speed.convert_llama import from_llama
+    from speed.models.convert_llama import from_llama
 
     c = cfg.model
     torch.manual_seed(cfg.seed)

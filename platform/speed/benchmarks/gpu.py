@@ -43,13 +43,13 @@ import pyarrow as pa
 import torch
 
 from speed.benchmarks.decode import BENCH_SCHEMA, BenchConfig, format_table, random_model, run_benchmark
-from speed.checkpoint import load_model
 from speed.config import ModelConfig, preset
-from speed.decoding import generate
-from speed.losses import loss_weights
-from speed.model import SpeedT5, shift_right
+from speed.decode.generate import generate
+from speed.engine.sampling import Sampling
+from speed.losses import loss_weights, shift_right
+from speed.models.checkpoint import load_model
+from speed.models.t5 import SpeedT5
 from speed.paths import repo_root
-from speed.sampling import Sampling
 from speed.train.optim import OptimConfig, build_optimizer, build_scheduler, follow_parameters
 from speed.train.state import TrainingState, load_training_state, rng_state, save_training_checkpoint, set_rng_state
 from speed.train.train_log import TRAIN_LOG_SCHEMA

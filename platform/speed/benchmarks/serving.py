@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from speed.engine import LEVERS, Speculation
-from speed.serve.loadgen import LoadConfig, run_load, summarize, task_prompts
+from speed.loadtest.loadgen import LoadConfig, run_load, summarize, task_prompts
 from speed.serve.readers import read_requests
 from speed.serve.schemas import BENCH_SERVE_SCHEMA
 

@@ -1,5 +1,5 @@
 """Tokenisation (parallel ``datasets.map``), span corruption with optional packing, and padding; for the looped
-LM (``speed.family``), packed next-token rows and prompted examples with the loss on the answer only.
+LM (``speed.models.family``), packed next-token rows and prompted examples with the loss on the answer only.
 
 Every example is EOS-terminated and truncated to explicit limits. Span
 corruption draws from ``noise_rng(seed, 0, index)`` per example (the noise of
@@ -21,7 +21,7 @@ from torch import Tensor
 from speed.chat import CHAT_TEMPLATE, task_prompt
 from speed.data.spans import corruption_lengths, noise_rng, span_corruption, span_counts
 from speed.data.tasks import Task, get_task
-from speed.model import shift_right
+from speed.losses import shift_right
 from speed.tokenizer import EOS_ID, LABEL_PAD, Tokenizer
 
 MAP_BATCH = 1000  # records per datasets.map call; packing joins texts within one such batch

@@ -68,7 +68,7 @@ class CorpusSpec:
     pack: bool = False  # pretraining: join texts into full-length runs
     noise_density: float = 0.15  # pretraining: span corruption, applied when batches are read
     mean_span_length: float = 3.0
-    family: str = "t5"  # speed.family: "lm" prepares next-token rows (of max_source_len) or prompted pairs
+    family: str = "t5"  # speed.models.family: "lm" prepares next-token rows (of max_source_len) or prompted pairs
 
     def __post_init__(self) -> None:
         check_encoding(get_task(self.task), self.max_source_len, self.max_target_len, self.pack)

@@ -5,8 +5,9 @@ admits a request's prompt into its slot (``admit``: T5 encodes it into the
 slot's memory; a decoder-only LM prefills it into the slot's KV entries of
 every virtual layer), embeds tokens, and runs ONE pass of its shared N-layer
 group (a group pass, ``Stepper.step``) over a set of rows, each row a token at
-its own loop, reading and writing an engine-owned ``KVCache``. ``speed.engine.adapters`` makes one of
-each model family (``T5Stepper``, ``LMStepper``); ``Engine(model)`` picks it.
+its own loop, reading and writing an engine-owned ``KVCache``. A model hands out its own (``model.stepper()``:
+``speed.models.t5.T5Stepper``, ``speed.models.looped_lm.LMStepper``); ``Engine(model)`` asks it for one
+(``as_stepper``), so the engine imports no model.
 
 Admission runs output position 0's row: T5's is the start token, run
 through the M loops like any other row; an LM's is the prompt's last token,
@@ -25,7 +26,7 @@ successor was launched with, the successor and everything after it are
 flushed (``eager``: at once; ``final``: only when the predecessor finishes its
 last loop) and relaunched from the new prediction. Committed tokens are always
 the last loop's decisions, so the output equals sequential decoding: greedy, or
-seeded sampling (``speed.sampling``), whose noise depends only on the
+seeded sampling (``speed.engine.sampling``), whose noise depends only on the
 request's seed and the output position, never on the step or the batch.
 Sequential decoding is the same pipeline that never launches a successor
 before its predecessor's last loop.
@@ -33,7 +34,7 @@ before its predecessor's last loop.
 Runner-up branches (tree speculation, ``Speculation.branches``): an in-flight
 token whose exit is unsure may also carry a second successor launched from its
 runner-up prediction. It runs beside the chain (its key/value in a side entry of
-the cache, see ``speed.cache``) and may grow a lane of its own successors, up
+the cache, see ``speed.engine.cache``) and may grow a lane of its own successors, up
 to ``Speculation.branch_depth`` tokens (1: it launches nothing); when a later loop
 switches to the runner-up, the lane becomes the chain and the old chain is
 flushed, instead of a restart from the first loop. When the runner-up changes,
@@ -102,7 +103,7 @@ Names, one per concept (M loops of N shared layers):
 - pipeline step (in the engine, plain *step*): one engine iteration,
   ``Engine.step``: admit what fits, run one group pass over the step's rows,
   then commit, launch and flush (``StepResult``, ``DecodeStats.steps``; one
-  line of the worked schedule, ``speed.schedule.ScheduleStep``).
+  line of the worked schedule, ``speed.decode.schedule.ScheduleStep``).
 - group pass: the model's call in a pipeline step, its shared N-layer group
   once over the step's rows, each at its own loop (``Stepper.step``,
   ``LoopedLM.step``; ``Engine._group_pass``; ``DecodeStats.group_passes``,
@@ -111,7 +112,6 @@ Names, one per concept (M loops of N shared layers):
 - draft token, draft position: vLLM's speculation terms (``RequestStats``).
 """
 
-from speed.engine.adapters import LMStepper, T5Stepper, stepper_for
 from speed.engine.engine import Engine
 from speed.engine.policies import budget_rows, should_branch, should_flush, should_launch
 from speed.engine.types import (
@@ -132,6 +132,7 @@ from speed.engine.types import (
     SpeculationFields,
     Stepper,
     StepResult,
+    as_stepper,
 )
 
 __all__ = [
@@ -146,7 +147,6 @@ __all__ = [
     "EngineConfig",
     "Finished",
     "Invalidation",
-    "LMStepper",
     "Method",
     "Request",
     "RequestStats",
@@ -154,10 +154,9 @@ __all__ = [
     "SpeculationFields",
     "StepResult",
     "Stepper",
-    "T5Stepper",
     "budget_rows",
     "should_branch",
     "should_flush",
     "should_launch",
-    "stepper_for",
+    "as_stepper",
 ]

@@ -21,6 +21,6 @@ def device_levers(device: str, n_loops: int) -> dict[str, Any]:
 
 
 def device_exit_adapters(device: str) -> bool:
-    """Whether to draft with a checkpoint's exit adapters (``speed.exits``) on ``device``'s kind when the user
+    """Whether to draft with a checkpoint's exit adapters (``speed.models.exits``) on ``device``'s kind when the user
     says nothing: on a GPU yes (fewer steps), on a CPU no (their per-row cost outweighs the steps saved)."""
     return str(device).split(":")[0] == "cuda"

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from speed.cache import Rows
-from speed.engine.adapters import stepper_for
+from speed.engine.cache import Rows
 from speed.engine.outputs import finished, record_commit, record_exits
 from speed.engine.policies import LaunchRule
+from speed.engine.sampling import MAX_LOGPROBS, Sampling
 from speed.engine.scheduler import Scheduler
 from speed.engine.state import InFlight, RequestState
+from speed.engine.trace import TraceBuilder
 from speed.engine.types import (
     METHODS,
     Commit,
@@ -33,19 +34,18 @@ from speed.engine.types import (
     Speculation,
     Stepper,
     StepResult,
+    as_stepper,
 )
-from speed.sampling import MAX_LOGPROBS, Sampling
-from speed.trace import TraceBuilder
 
 
 class Engine:
     """Continuous-batching decoder, greedy or seeded sampling, over a ``Stepper`` or a model its family's adapter
-    makes one of (``speed.engine.adapters``; see the module doc)."""
+    makes one of (``speed.models.steppers``; see the module doc)."""
 
     def __init__(self, model: Stepper | Any, config: EngineConfig = EngineConfig()) -> None:  # noqa: B008 (frozen)
         if getattr(model, "training", False):
             raise ValueError("the engine decodes with the model in eval mode: call model.eval() first")
-        self.model: Stepper = stepper_for(model)
+        self.model: Stepper = as_stepper(model)
         self.config = config
         with torch.inference_mode():
             self._cache = self.model.cache(config.max_active, config.max_prompt_len, config.max_target_len)
@@ -218,7 +218,8 @@ class Engine:
         if request.oracle is not None and request.method != "speed":
             raise ValueError("an oracle needs method='speed'")
         if not isinstance(request.sampling, Sampling):
-            raise ValueError(f"sampling must be a speed.sampling.Sampling, got {type(request.sampling).__name__}")
+            got = type(request.sampling).__name__
+            raise ValueError(f"sampling must be a speed.engine.sampling.Sampling, got {got}")
         k = request.logprobs
         if k is not None and (type(k) is not int or not 0 <= k <= min(MAX_LOGPROBS, V)):
             raise ValueError(f"logprobs must be None or an integer in 0..{min(MAX_LOGPROBS, V)}, got {k!r}")

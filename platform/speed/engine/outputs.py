@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from speed.engine.sampling import exit_choices, exit_scores, token_logprob
 from speed.engine.state import Exit, InFlight, RequestState
 from speed.engine.types import NO_EXIT, DecodeStats, Finished, RequestStats
-from speed.sampling import exit_choices, exit_scores, token_logprob
 
 
 def record_exits(work: list[tuple[RequestState, InFlight]], logits: Tensor | None, n_loops: int) -> None:

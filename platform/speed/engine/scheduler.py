@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from speed.cache import KVCache
+from speed.engine.cache import KVCache
 from speed.engine.policies import (
     Successor,
     budget_rows,

@@ -8,9 +8,9 @@ from typing import NamedTuple
 from torch import Tensor
 
 from speed.engine.policies import LaunchRule
+from speed.engine.sampling import Draw, TokenLogprob
+from speed.engine.trace import TraceBuilder
 from speed.engine.types import Request
-from speed.sampling import Draw, TokenLogprob
-from speed.trace import TraceBuilder
 
 
 class Exit(NamedTuple):

@@ -10,8 +10,8 @@ from typing import Any, Literal, NamedTuple, Protocol, get_args
 import pyarrow as pa
 from torch import Tensor
 
-from speed.cache import KVCache, Rows
-from speed.sampling import Sampling, TokenLogprob
+from speed.engine.cache import KVCache, Rows
+from speed.engine.sampling import Sampling, TokenLogprob
 
 Method = Literal["sequential", "speed"]
 Invalidation = Literal["eager", "final"]
@@ -30,7 +30,8 @@ class Admitted(NamedTuple):
 
 
 class Stepper(Protocol):
-    """What the engine needs from a looped decoder (``speed.engine.adapters`` makes one of each model family).
+    """What the engine needs from a looped decoder (a model hands out its own with ``model.stepper()``:
+    ``speed.models.t5.T5Stepper``, ``speed.models.looped_lm.LMStepper``).
 
     Positions in ``Rows`` are output positions (the row at position p predicts output token p); where a
     prompt occupies the cache too (a decoder-only LM), the stepper places them after it.
@@ -58,6 +59,13 @@ class Stepper(Protocol):
         its own loop; ``hidden`` (R, d) the rows' inputs. Returns their outputs (R, d) and, if asked, their
         early-exit logits (R, V). (The engine's own step is ``Engine.step``, which makes one such call.)"""
         ...
+
+
+def as_stepper(model: Stepper | Any) -> Stepper:
+    """The ``Stepper`` of ``model``: what its ``stepper()`` hands out (a model of a family), else ``model`` as it
+    is (a stub, a ``LogitRecorder``, a stepper). The engine asks this of what it is given, and imports no model."""
+    make = getattr(model, "stepper", None)
+    return make() if callable(make) else model
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,7 @@ class Finished:
     id: int
     tokens: list[int]  # EOS included when produced
     stats: RequestStats
-    trace: pa.Table | None  # speed.trace.TRACE_SCHEMA rows (sequence = request id), when the engine traces
+    trace: pa.Table | None  # speed.engine.trace.TRACE_SCHEMA rows (sequence = request id), when the engine traces
     cancelled: bool = False
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
 

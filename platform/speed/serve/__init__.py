@@ -6,5 +6,5 @@
 - ``speed.serve.schemas``: the statistics' files and row schemas; ``speed.serve.sink`` writes them (write-ahead
   logs, Parquet, orphans compacted), ``speed.serve.readers`` reads them back
 - ``speed.serve.metrics``: a replica's live counters (``GET /v1/stats``) and Prometheus metrics
-- ``speed.serve.loadgen``: closed- and open-loop HTTP load; ``speed.benchmarks.serving``: the serving benchmark
+- ``speed.loadtest.loadgen``: closed- and open-loop HTTP load; ``speed.benchmarks.serving``: the serving benchmark
 """

@@ -3,7 +3,7 @@
 The body's shape is checked by ``speed.serve.protocol`` (pydantic); what
 depends on the model and capacity (prompt length, vocabulary, ``max_tokens``,
 ``launch_loop``, ``branches``, ``branch_depth``) and the sampling settings are checked once, by the engine's
-``add`` and ``speed.sampling.Sampling``: their ``ValueError`` is the 400's
+``add`` and ``speed.engine.sampling.Sampling``: their ``ValueError`` is the 400's
 message (``engine_error``). Only what neither can know is checked here: the model's name, the
 task and, for a looped LM, its context's length (said in the deployment's words). SPEED's fields of the
 body (``speed.engine.LEVERS``) become one ``speed.engine.Speculation``, the deployment's where the body leaves one out.
@@ -25,7 +25,7 @@ from typing import Any
 from speed.chat import CHAT_TEMPLATE, ChatTemplate, render_chat, task_prompt
 from speed.data import get_task
 from speed.engine import LEVERS, Request
-from speed.sampling import Sampling, choice_seed
+from speed.engine.sampling import Sampling, choice_seed
 from speed.serve.protocol import BadRequest, ChatRequest, CompletionRequest
 from speed.serve.settings import decoding
 

@@ -16,7 +16,7 @@ a ``speed`` object with the decoder's statistics. Errors follow OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}`` (``speed.serve.responses.error_body``).
 
 Choice ``i`` of a request (prompt-major: prompt ``p``'s ``n`` choices are
-``p*n .. p*n+n-1``) samples with ``speed.sampling.choice_seed(seed, i)``; a
+``p*n .. p*n+n-1``) samples with ``speed.engine.sampling.choice_seed(seed, i)``; a
 request without ``seed`` gets a random one, returned in ``speed.seed`` and in
 the statistics rows, so every sampled answer can be reproduced. The answers'
 shapes are ``speed.serve.responses``; their text, ``speed.serve.answers``.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from speed.trace import TRACE_SCHEMA
+from speed.engine.trace import TRACE_SCHEMA
 
 REQUESTS_DIR = "requests"
 TRACES_DIR = "traces"
@@ -50,7 +50,7 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("temperature", pa.float64(), nullable=False),  # 0: greedy
         pa.field("top_p", pa.float64(), nullable=False),
         pa.field("top_k", pa.int32(), nullable=False),  # 0: off
-        pa.field("seed", pa.int64(), nullable=False),  # this choice's seed (speed.sampling.choice_seed)
+        pa.field("seed", pa.int64(), nullable=False),  # this choice's seed (speed.engine.sampling.choice_seed)
         pa.field("presence_penalty", pa.float64(), nullable=False),
         pa.field("frequency_penalty", pa.float64(), nullable=False),
         pa.field("stream", pa.bool_(), nullable=False),  # answered as server-sent events

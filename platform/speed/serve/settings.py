@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from speed.chat import CHAT_TEMPLATE, ChatTemplate
-from speed.checkpoint import checkpoint_family, load_model
 from speed.config import from_dict
 from speed.data import get_task
 from speed.engine import LEVERS, METHODS, EngineConfig, Method, Request, SpeculationFields
+from speed.models.checkpoint import checkpoint_family, load_model
 from speed.paths import repo_root
 from speed.tokenizer import Tokenizer
 
@@ -136,7 +136,7 @@ class ServedModel:
 def load_served_model(checkpoint: str, device: str, exits: bool = True) -> ServedModel:
     """The served model of a checkpoint path or URI (or a run's newest); a checkpoint without spm.model is an error.
 
-    With ``exits`` the checkpoint's exit adapters (``speed.exits``), when it has them, adapt the drafts; the
+    With ``exits`` the checkpoint's exit adapters (``speed.models.exits``), when it has them, adapt the drafts; the
     answers are the same either way."""
     loaded = load_model(checkpoint, map_location=device, exits=exits)
     if loaded.tokenizer_path is None:

@@ -20,14 +20,14 @@ import pyarrow as pa
 import torch
 
 from speed.benchmarks.decode import interleave
-from speed.checkpoint import load_model
 from speed.config import SharingPattern
 from speed.data import get_task, pad_inputs, read_records
-from speed.decoding import DecodeStats, generate
+from speed.decode.generate import DecodeStats, generate
 from speed.engine import Speculation
-from speed.family import family_of
-from speed.lm import LoopedLM
-from speed.model import SpeedT5
+from speed.models.checkpoint import load_model
+from speed.models.family import family_of
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 from speed.sweep.measure import PLAIN
 from speed.sweep.results import LATENCY_SCHEMA
 from speed.sweep.space import SWEPT_LEVERS

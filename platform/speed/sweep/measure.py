@@ -20,12 +20,12 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from speed.data import pad_inputs
-from speed.decoding import DecodeStats, generate
+from speed.decode.generate import DecodeStats, generate
 from speed.engine import INVALIDATIONS, Speculation
-from speed.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
-from speed.family import family_of
-from speed.lm import LoopedLM
-from speed.model import SpeedT5
+from speed.eval.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
+from speed.models.family import family_of
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 from speed.sweep.results import layer_steps
 from speed.sweep.space import SWEPT_LEVERS
 from speed.tokenizer import Tokenizer

@@ -57,7 +57,7 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("status", pa.string(), nullable=False),  # one of STATUSES
         pa.field("error", pa.string()),  # the failure's last line (failed trials)
         pa.field("task", pa.string(), nullable=False),
-        pa.field("family", pa.string()),  # t5 | lm (speed.family); null in sweeps written before the LM's
+        pa.field("family", pa.string()),  # t5 | lm (speed.models.family); null in sweeps written before the LM's
         pa.field("pattern", pa.string(), nullable=False),
         pa.field("n_unique", pa.int32(), nullable=False),  # N: unique layers of the looped core (the parameter count)
         pa.field("n_loops", pa.int32(), nullable=False),  # M
@@ -70,7 +70,7 @@ RESULTS_SCHEMA = pa.schema(
         pa.field("train_loss", pa.float64()),  # weighted loss L_w at the last report
         pa.field("val_loss_last", pa.float64()),  # the last loop's validation loss (what the scheduler ranks)
         pa.field("val_loss_loops", pa.list_(pa.float64())),  # validation loss of every loop
-        # teacher-forced on the validation split (speed.train.validation): per loop, argmax changed from the
+        # teacher-forced on the validation split (speed.eval.validation): per loop, argmax changed from the
         # previous loop's; and the flip cost sum_k flip_prev(k) * (k - 1) (speed.losses.flip_cost)
         pa.field("val_flip_rate_prev", pa.list_(pa.float64())),
         pa.field("val_flip_cost", pa.float64()),

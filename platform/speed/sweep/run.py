@@ -26,6 +26,7 @@ import ray
 from ray import tune
 
 from speed.losses import flip_cost
+from speed.paths import TRAIN_LOG_FILE
 from speed.storage import absolute, locate
 from speed.sweep.failures import last_line
 from speed.sweep.measure import PLAIN
@@ -54,7 +55,6 @@ from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job
 from speed.train import tracking
 from speed.train.config import JobConfig, job_to_dict
 from speed.train.launch import data_stage, ensure_ray, tokenizer_stage
-from speed.train.state import TRAIN_LOG_FILE
 
 # A trial's own process only waits on its Train run and its measurement task, which reserve the CPUs and
 # GPUs; Tune needs a non-empty bundle, so it asks for a little memory instead of a CPU a worker would miss.

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 SEARCHES = ("grid", "random")  # Tune's BasicVariantGenerator: every combination, or num_samples draws
 SCHEDULERS = ("asha", "fifo")  # ASHA stops trials whose last-loop validation loss lags; fifo runs all to the end
 METRIC = "val_loss_last"  # what ASHA ranks: the last loop's loss is comparable across loss-weight schemes
-# ...or the teacher-forced flip cost (speed.train.validation): SPEED's steps per token lost to flips, no decoding
+# ...or the teacher-forced flip cost (speed.eval.validation): SPEED's steps per token lost to flips, no decoding
 METRICS = (METRIC, "val_flip_cost")
 # SPEED's settings (speed.engine.LEVERS) a sweep lists values of: every trial's costs are measured for each combination
 # beside every launch loop and both invalidation policies; branch_below stays at its default

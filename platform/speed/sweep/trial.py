@@ -141,11 +141,11 @@ def _measure(
     """The measurement and the validation losses of a checkpoint (``val_loss_loop*``, ``val_loss_last``)."""
     import torch
 
-    from speed.checkpoint import load_model
     from speed.data.corpus import open_corpus
+    from speed.eval.validation import validation_metrics
+    from speed.models.checkpoint import load_model
     from speed.sweep.measure import lever_settings, measure
     from speed.tokenizer import Tokenizer
-    from speed.train.validation import validation_metrics
 
     job = job_from_dict(job_dict)
     device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")

@@ -8,7 +8,7 @@ files and flags are only input: they are merged over the job kind's defaults
 ``speed.config.from_dict``, so a misspelled key is an error naming it.
 
 The ``model`` section may name a ``family`` (``t5``, the default, or ``lm``:
-``speed.family``; the flag ``--model``) and a ``preset`` of it plus field
+``speed.models.family``; the flag ``--model``) and a ``preset`` of it plus field
 overrides; it resolves to a full ``ModelConfig`` or ``LMConfig`` (the form
 stored in checkpoints, which parses back).
 """
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speed.checkpoint import checkpoint_family, local_checkpoint, read_checkpoint_config
 from speed.cli import JobParser, parse_set, parse_yaml
 from speed.config import ConfigError, LMConfig, ModelConfig, from_dict, require_positive, to_dict
 from speed.data.tasks import TASKS
-from speed.evaluate import EvalConfig
-from speed.family import DEFAULT_FAMILY, Family, family_of, get_family
+from speed.eval.evaluate import EvalConfig
 from speed.losses import SCHEMES, SettleConfig, check_scheme
+from speed.models.checkpoint import checkpoint_family, local_checkpoint, read_checkpoint_config
+from speed.models.family import DEFAULT_FAMILY, Family, family_of, get_family
 from speed.train.optim import SCHEDULES, OptimConfig
 from speed.train.state import IncompatibleCheckpointError
 
@@ -161,7 +161,7 @@ class JobConfig:
     """Everything a pretraining or finetuning job needs; travels inside every checkpoint."""
 
     kind: str = "pretrain"  # pretrain | finetune
-    model: ModelConfig | LMConfig = field(default_factory=ModelConfig)  # its class is the family (speed.family)
+    model: ModelConfig | LMConfig = field(default_factory=ModelConfig)  # its class is the family (speed.models.family)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -188,7 +188,7 @@ class JobConfig:
 
     @property
     def family(self) -> Family:
-        """The model family (``speed.family``) that ``model`` belongs to."""
+        """The model family (``speed.models.family``) that ``model`` belongs to."""
         return family_of(self.model)
 
     @property

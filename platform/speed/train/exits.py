@@ -1,7 +1,7 @@
-"""Training exit adapters (``speed.exits``) on a frozen checkpoint, with Ray Train: ``jobs/train_exits.py``.
+"""Training exit adapters (``speed.models.exits``) on a frozen checkpoint, with Ray Train: ``jobs/train_exits.py``.
 
 The model of ``checkpoint`` is loaded and frozen (no gradient, eval mode: no dropout); fresh adapters are attached
-to its early exits and trained with ``sum_k KL(loop M || loop k)`` (``speed.exits.exit_kl``) on the training
+to its early exits and trained with ``sum_k KL(loop M || loop k)`` (``speed.models.exits.exit_kl``) on the training
 split its finetuning (or pretraining) job used, read from the same prepared shards (``speed.launch.data_stage``),
 teacher-forced on the split's targets (``targets="split"``) or on the model's own greedy outputs for the
 split's inputs (``targets="decoded"``, T5 only). Loop M's exit is never adapted, so the adapters change no
@@ -11,7 +11,7 @@ A run lives in ``<storage_path>/<name>`` as the training jobs' do: ``checkpoint_
 adapters (exits.pt, exits.json) and the optimizer state (exits_state.pt), each complete once it holds
 ``complete``; a rerun of the same command, or a worker Ray retries, resumes from the newest. Rank 0 logs
 every adapted loop's KL and agreement to MLflow (``speed.train.tracking``). When the run ends, its adapters are
-written beside the checkpoint they were trained for (``speed.checkpoint.save_exits``): evaluation, Serve and
+written beside the checkpoint they were trained for (``speed.models.checkpoint.save_exits``): evaluation, Serve and
 the sweep load them from there.
 """
 
@@ -33,7 +33,8 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from speed.checkpoint import (
+from speed.config import from_dict, to_dict
+from speed.models.checkpoint import (
     TOKENIZER_FILE,
     checkpoint_family,
     latest_checkpoint,
@@ -44,8 +45,7 @@ from speed.checkpoint import (
     read_checkpoint_config,
     save_exits,
 )
-from speed.config import from_dict, to_dict
-from speed.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach, exit_kl, exits_for
+from speed.models.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach, exit_kl, exits_for
 from speed.storage import absolute, locate
 from speed.train import tracking
 from speed.train.config import JobConfig, TrackingConfig, job_from_dict, job_to_dict
@@ -273,7 +273,7 @@ def exits_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 def exits_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """What a training step minimises: per adapted loop, KL(loop M || loop k) over a collated batch's labelled
-    positions, and the share of them where loop k's argmax is loop M's (``speed.exits.exit_kl``), for the model's
+    positions, and the share of them where loop k's argmax is loop M's (``speed.models.exits.exit_kl``), for the model's
     attached adapters."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}  # no cross-entropy: the KL is the loss
     logits = model(**inputs, return_logits=True).loop_logits
@@ -283,7 +283,7 @@ def exits_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[
 def _decoded(model: torch.nn.Module, columns: dict[str, list[list[int]]], max_new: int) -> dict[str, list[list[int]]]:
     """``columns`` with the model's greedy sequential outputs for its inputs as the targets."""
     from speed.data import pad_inputs
-    from speed.decoding import generate
+    from speed.decode.generate import generate
 
     input_ids, mask = pad_inputs(columns["input_ids"])
     device = model.lm_head.weight.device

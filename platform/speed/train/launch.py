@@ -8,7 +8,7 @@ calls the same ones:
    job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``;
 2. ``data_stage``: the splits tokenized once on storage (``speed.data.shards``) -> ``PreparedData``;
 3. ``train_stage``: the ``TorchTrainer`` run, resumed from the run's newest complete checkpoint -> ``Trained``;
-4. ``evaluation_stage``: a finetuned model's evaluation (``speed.evaluate``), in a Ray task.
+4. ``evaluation_stage``: a finetuned model's evaluation (``speed.eval.evaluate``), in a Ray task.
 
 ``run_job`` connects to ``$RAY_ADDRESS`` when set (``ray job submit`` sets it)
 and otherwise starts a local Ray in-process (``ensure_ray``).
@@ -30,7 +30,10 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from speed.checkpoint import (
+from speed.cluster import code_runtime_env
+from speed.config import LMConfig, ModelConfig, to_dict
+from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
+from speed.models.checkpoint import (
     TOKENIZER_FILE,
     checkpoint_family,
     latest_checkpoint,
@@ -38,10 +41,7 @@ from speed.checkpoint import (
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
-from speed.cluster import code_runtime_env
-from speed.config import LMConfig, ModelConfig, to_dict
-from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
-from speed.family import config_from_dict
+from speed.models.family import config_from_dict
 from speed.paths import data_dir
 from speed.storage import absolute, locate
 from speed.tokenizer import Tokenizer, train_tokenizer
@@ -57,10 +57,10 @@ class TrainOutcome:
 
     job: JobConfig  # resolved: model vocabulary, initial model and run name filled in
     run_dir: str  # storage_path/name (a local path or a URI)
-    checkpoint: str  # the final checkpoint (path or URI), readable by speed.checkpoint.load_model
+    checkpoint: str  # the final checkpoint (path or URI), readable by speed.models.checkpoint.load_model
     step: int  # optimizer steps in that checkpoint
     metrics: dict[str, Any]  # the last metrics rank 0 reported in this launch (empty if it trained no step)
-    evaluation: dict[str, Any] | None  # speed.evaluate summary (finetuning), else None
+    evaluation: dict[str, Any] | None  # speed.eval.evaluate summary (finetuning), else None
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def job_main(kind: str, argv: list[str] | None, description: str) -> int:
     ``JobConfig`` (a mistake is one ``error:`` line, status 2), then ``run_job``; prints the checkpoint and, for
     a finetuned model, its evaluation's summary."""
     from speed.cli import user_errors
-    from speed.evaluate import format_summary
+    from speed.eval.evaluate import format_summary
 
     with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
         job = job_from_args(kind, argv, description=description)
@@ -210,7 +210,7 @@ def _note_replaced(asked: ModelConfig | LMConfig, used: ModelConfig | LMConfig, 
 def _hf_model_config(name: str, pattern: str) -> ModelConfig:
     from transformers import T5Config
 
-    from speed.convert import config_from_hf
+    from speed.models.convert_t5 import config_from_hf
 
     return config_from_hf(T5Config.from_pretrained(name), pattern)
 
@@ -387,7 +387,7 @@ def build_trainer(
 
 
 def evaluation_stage(job: JobConfig, trained: Trained) -> dict[str, Any] | None:
-    """A finetuning job's evaluation of its final checkpoint (``speed.evaluate`` summary), under
+    """A finetuning job's evaluation of its final checkpoint (``speed.eval.evaluate`` summary), under
     ``<run_dir>/eval_<split>``; None for pretraining or ``eval: null``."""
     if job.kind != "finetune" or job.eval is None:
         return None
@@ -395,7 +395,7 @@ def evaluation_stage(job: JobConfig, trained: Trained) -> dict[str, Any] | None:
 
 
 def evaluate_checkpoint(job: JobConfig, checkpoint: str, out_uri: str) -> dict[str, Any]:
-    """Run ``speed.evaluate.run_evaluation`` on a checkpoint in a Ray task sized like one worker; its Parquet
+    """Run ``speed.eval.evaluate.run_evaluation`` on a checkpoint in a Ray task sized like one worker; its Parquet
     files and summary go to ``out_uri`` (a local path or a URI)."""
     ensure_ray()
     gpus = job.scale.gpus_per_worker if job.scale.use_gpu else 0
@@ -406,8 +406,8 @@ def evaluate_checkpoint(job: JobConfig, checkpoint: str, out_uri: str) -> dict[s
 def _evaluate(job_dict: dict[str, Any], checkpoint: str, out_uri: str) -> dict[str, Any]:
     import torch
 
-    from speed.checkpoint import load_model
-    from speed.evaluate import run_evaluation
+    from speed.eval.evaluate import run_evaluation
+    from speed.models.checkpoint import load_model
     from speed.train.config import job_from_dict
 
     job = job_from_dict(job_dict)

@@ -32,7 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speed.checkpoint import (
+from speed.data.corpus import TokenizedCorpus, open_corpus
+from speed.eval.validation import validation_metrics
+from speed.losses import loss_weights, settled_loss
+from speed.models.checkpoint import (
     MODEL_FILE,
     TOKENIZER_FILE,
     load_model,
@@ -40,11 +43,9 @@ from speed.checkpoint import (
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
-from speed.data.corpus import TokenizedCorpus, open_corpus
-from speed.family import build_model
-from speed.lm import LoopedLM
-from speed.losses import loss_weights, settled_loss
-from speed.model import SpeedT5
+from speed.models.family import build_model
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 from speed.train import tracking
 from speed.train.batches import BatchPlan
 from speed.train.config import JobConfig, job_from_dict, job_to_dict
@@ -68,7 +69,6 @@ from speed.train.train_log import (
     records_to_table,
     window_mean,
 )
-from speed.train.validation import validation_metrics
 
 _PACE_WINDOW = 20  # steps averaged for the ETA
 HANG_LIMIT_S = 900.0  # train.hang_at_step: a hang nobody ended fails the run after this long
@@ -95,7 +95,7 @@ def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
     if job.init_from is None or not load_init:
         return build_model(job.model)
     if job.init_from.startswith("hf:"):
-        from speed.convert import from_pretrained
+        from speed.models.convert_t5 import from_pretrained
 
         model = from_pretrained(job.init_from[3:], pattern=job.model.pattern)
     else:
@@ -364,7 +364,7 @@ def _checkpoint(
 
     ``history`` and ``records``: the log before this launch and this launch's steps. The report holds the
     last step's losses (with ``train.settle``: ``settle_loss``, the term S, and ``settle_weight``, lambda at
-    that step) and, with a validation split, ``speed.train.validation``'s metrics.
+    that step) and, with a validation split, ``speed.eval.validation``'s metrics.
     """
     job = ctx.job
     rngs = [rng_state()]

@@ -1,11 +1,11 @@
-"""Training checkpoints: the model part (``speed.checkpoint``) plus the state that resumes a run exactly.
+"""Training checkpoints: the model part (``speed.models.checkpoint``) plus the state that resumes a run exactly.
 
 A training checkpoint directory holds
-    model.pt, config.json, spm.model   speed.checkpoint.save_model (config.json: {"model", "job", "step"})
+    model.pt, config.json, spm.model   speed.models.checkpoint.save_model (config.json: {"model", "job", "step"})
     train_state.pt                     step, optimizer, scheduler, every rank's RNG states, world size
     train_log.parquet                  speed.train.train_log.TRAIN_LOG_SCHEMA, one row per step so far
     complete                           the step, written last (``mark_complete``): the checkpoint is whole
-so ``speed.checkpoint.load_model(dir)`` (evaluation, serving) reads any of them.
+so ``speed.models.checkpoint.load_model(dir)`` (evaluation, serving) reads any of them.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
-from speed.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, TOKENIZER_FILE, save_model
-from speed.lm import LoopedLM
-from speed.model import SpeedT5
+from speed.models.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, TOKENIZER_FILE, save_model
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
+from speed.paths import TRAIN_LOG_FILE
 from speed.storage import locate
 from speed.train.train_log import TRAIN_LOG_SCHEMA
 
 TRAIN_STATE_FILE = "train_state.pt"
-TRAIN_LOG_FILE = "train_log.parquet"
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -74,7 +74,7 @@ def save_training_checkpoint(
     job: dict[str, Any],
     state: TrainingState,
 ) -> Path:
-    """Write a resumable checkpoint (model part via ``speed.checkpoint.save_model``) into ``directory``.
+    """Write a resumable checkpoint (model part via ``speed.models.checkpoint.save_model``) into ``directory``.
 
     ``job`` is the resolved job (``speed.train.config.job_to_dict``); without ``tokenizer_path`` the
     checkpoint holds no tokenizer (the GPU check's throwaway one, ``speed.benchmarks.gpu``).
@@ -130,7 +130,7 @@ def check_compatible(saved: dict[str, Any], job: dict[str, Any], tokenizer_bytes
         raise IncompatibleCheckpointError(f"checkpoint {where} cannot continue this run: " + "; ".join(problems))
 
 
-# ----- marking checkpoints complete (``speed.checkpoint`` finds them) ------------------------------
+# ----- marking checkpoints complete (``speed.models.checkpoint`` finds them) ------------------------------
 
 
 def checkpoint_uri(checkpoint: Any) -> str:

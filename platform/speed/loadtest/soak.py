@@ -26,7 +26,7 @@ import aiohttp
 import numpy as np
 import pyarrow as pa
 
-from speed.serve.loadgen import DEFAULT_URL
+from speed.loadtest.loadgen import DEFAULT_URL
 
 SOAK_KINDS = ("greedy", "sampled", "streamed", "n2", "stop", "abandoned")
 

@@ -26,7 +26,7 @@ from speed.engine import (
     Speculation,
     Stepper,
 )
-from speed.sampling import Sampling
+from speed.engine.sampling import Sampling
 
 __all__ = ["DecodeStats", "GenerateResult", "Method", "Speculation", "Stepper", "generate"]
 
@@ -37,7 +37,7 @@ class GenerateResult:
 
     tokens: list[list[int]]
     stats: DecodeStats
-    trace: pa.Table | None  # speed.trace.TRACE_SCHEMA, when asked for
+    trace: pa.Table | None  # speed.engine.trace.TRACE_SCHEMA, when asked for
 
 
 def generate(

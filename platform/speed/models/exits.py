@@ -17,17 +17,17 @@ others, measured, so the drafts would depend on the batch) on the exit's input (
 the LM: the coda's), before the shared final norm and LM head. The carry into
 the next loop is never adapted: the loops themselves compute what they did.
 
-Not to be confused with ``speed.engine.adapters``: those adapt a model *family*
+Not to be confused with ``speed.models.steppers``: those adapt a model *family*
 to the engine's ``Stepper`` protocol. Here an adapter belongs to an *exit*.
 
 A model holds its adapters as ``model.exit_adapters`` (None: plain exits;
 ``attach``); the training forward (``SpeedT5.exit_logits``,
 ``LoopedLM.forward``), the decode path's group passes and the LM's prefill
 apply them. On the decode path the adapter's matmuls run per row on the
-row-invariant kernels (``speed.kernels.tile_linear``), so a row's exit does
+row-invariant kernels (``speed.engine.kernels.tile_linear``), so a row's exit does
 not depend on the rows it shares a group pass with: drafts never change the output, but the statistics stay
 deterministic. In a checkpoint they are two files beside the model's
-(``speed.checkpoint``): ``exits.pt`` (the adapters' state dict) and ``exits.json``
+(``speed.models.checkpoint``): ``exits.pt`` (the adapters' state dict) and ``exits.json``
 (``ExitConfig``: which loops are adapted, the rank; plus the training job's
 config), so a checkpoint without them loads as before.
 
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.kernels import TILE_ROWS, rows_linear
+from speed.engine.kernels import TILE_ROWS, rows_linear
 
 EXITS_FILE = "exits.pt"  # the adapters' state dict, beside a checkpoint's model.pt
 EXITS_CONFIG_FILE = "exits.json"  # {"exits": ExitConfig's fields, "job": the training job's config, "step": ...}

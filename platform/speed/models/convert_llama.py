@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
-from speed.convert import check_names, fill_parameters
-from speed.lm import LoopedLM
+from speed.models.convert_t5 import check_names, fill_parameters
+from speed.models.looped_lm import LoopedLM
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -3,7 +3,7 @@
 ``compare_evaluations(baseline, system)`` reads two folders (local paths or URIs) ``jobs/evaluate.py``
 wrote (``predictions.parquet``, ``summary.json``) over the same examples and
 references, and returns, for BLEU and ROUGE-L, the system's score minus the
-baseline's with a 95% paired-bootstrap interval (``speed.metrics.paired_bootstrap``:
+baseline's with a 95% paired-bootstrap interval (``speed.eval.metrics.paired_bootstrap``:
 the same resampled examples for both systems and both metrics), plus each side's
 SPEED cost: pipeline steps per token and the flip cost of its decoded tokens.
 """
@@ -17,9 +17,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speed.evaluate import PREDICTIONS_FILE, SUMMARY_FILE
+from speed.eval.evaluate import PREDICTIONS_FILE, SUMMARY_FILE
+from speed.eval.metrics import paired_bootstrap
 from speed.losses import flip_cost
-from speed.metrics import paired_bootstrap
 from speed.storage import Location, locate
 
 

@@ -6,7 +6,7 @@ schedule tests use it too). ``schedule`` decodes one request with
 ``speed.engine.Engine`` and reports, step by step, which rows ran at which
 loop, what each predicted, which tokens were committed, launched and flushed,
 and the KV cache's valid length per loop. ``schedule_table`` renders that as
-markdown; ``python -m speed.schedule`` prints the worked example of
+markdown; ``python -m speed.decode.schedule`` prints the worked example of
 ``docs/decoding.md``.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from speed.cache import KVCache, Rows
 from speed.engine import INVALIDATIONS, Admitted, Engine, EngineConfig, Request, Speculation
+from speed.engine.cache import KVCache, Rows
 
 Table = Callable[[int, int, int], int]  # (slot, position, 1-based loop) -> predicted token
 

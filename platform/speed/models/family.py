@@ -6,7 +6,7 @@ decoding a task needs of it: how the task reads (``read_task``) and how its sour
 inputs (``encode_sources``), the same for evaluation, sweeps and benchmarks. Jobs
 choose a family with ``--model t5|lm`` (the ``model`` section's ``family`` key); checkpoints record it
 (config.json's ``family``, absent in T5 checkpoints written before the LM existed), so that
-``speed.checkpoint.load_model`` rebuilds the right model.
+``speed.models.checkpoint.load_model`` rebuilds the right model.
 
 Imports of ``speed.data`` stay inside the methods: loading a checkpoint (serving) does not pay for
 ``datasets``.
@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from speed.config import LMConfig, ModelConfig, from_dict, lm_preset, preset
-from speed.lm import LoopedLM
-from speed.model import SpeedT5
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 
 if TYPE_CHECKING:
     from speed.data.tasks import Task

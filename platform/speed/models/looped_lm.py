@@ -21,7 +21,7 @@ whole (B, T) sequences (training, teacher forcing, the reference), and the
 cached incremental path, ``prefill`` of a prompt plus ``step``, one group pass
 of the loop over rows each at its own loop and position (the model's call in
 one of the engine's pipeline steps), on the batch-invariant kernels of
-``speed.kernels`` as T5's (``speed.engine.adapters.T5Stepper.step``) is.
+``speed.engine.kernels`` as T5's (``speed.models.steppers.T5Stepper.step``) is.
 
 Shapes: B batch, T length, R decode rows (n in one tile), d d_model, W the
 carry's width (d, or 2d with injection), H query heads, K key/value heads
@@ -39,11 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.cache import KVCache, Rows
 from speed.config import LMConfig
-from speed.exits import ExitAdapters
-from speed.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
+from speed.engine.cache import KVCache, Rows
+from speed.engine.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
+from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
+from speed.models.exits import ExitAdapters
+from speed.models.steppers import ModelStepper
 
 Store = Callable[[Tensor, Tensor], None]  # receives one prompt's keys and values at a virtual layer (1, K, T, D)
 Segment = tuple[int, int]  # a prompt's rows in a prefill: (first row, length)
@@ -252,7 +254,7 @@ class LoopedLM(nn.Module):
         self.apply(self._init_weights)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.exit_adapters: ExitAdapters | None = None  # the early exits' adapters (speed.exits), never in model.pt
+        self.exit_adapters: ExitAdapters | None = None  # early-exit adapters (speed.models.exits), never in model.pt
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -327,7 +329,7 @@ class LoopedLM(nn.Module):
         position (its first new token's).
 
         The prompts' tokens are the rows of one pass: every matmul runs on tiles of ``PREFILL_ROWS`` rows of
-        them on the row-invariant kernels (``speed.kernels.rows_linear``), attention runs on each prompt
+        them on the row-invariant kernels (``speed.engine.kernels.rows_linear``), attention runs on each prompt
         alone, and the exits' head on tiles of its last rows, so what a prompt leaves in the cache and its
         logits do not depend on the prompts prefilled with it, nor on their order.
         """
@@ -367,6 +369,10 @@ class LoopedLM(nn.Module):
             state = self.norm(h) if c.loop_norm else h
         return list(torch.stack(logits, dim=1))  # B x (M, V)
 
+    def stepper(self) -> LMStepper:
+        """The engine's view of this model (``speed.engine.Stepper``)."""
+        return LMStepper(self)
+
     def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
         """Each token's carry into its first loop (R, W): its embedding, after a zero state with injection."""
         x = self.embed_tokens(torch.as_tensor(tokens, dtype=torch.long, device=self.device))  # (R, d)
@@ -386,7 +392,7 @@ class LoopedLM(nn.Module):
         the LM head). Returns the carries into the next loop (R, W) and the
         exit logits (R, V). Each row's results are bit-identical whatever
         other rows share the pass (tiles of ``TILE_ROWS`` rows on the
-        row-invariant kernels of ``speed.kernels``).
+        row-invariant kernels of ``speed.engine.kernels``).
         """
         return in_tiles(lambda part, carry: self._pass_tile(cache, part, carry, with_logits), rows, hidden)
 
@@ -415,11 +421,78 @@ class LoopedLM(nn.Module):
         for k, block in enumerate(self.coda):
             y = block.decode(y, cos, sin, rows, cache.loops, N + k, bias)
         logits = None
-        if with_logits:  # the exit adapters (speed.exits) change the exits' inputs only, never the carry
+        if with_logits:  # the exit adapters (speed.models.exits) change the exits' inputs only, never the carry
             y = y if self.exit_adapters is None else self.exit_adapters.adapt_rows(y, rows.loop)
             logits = tile_linear(self.lm_head, self.norm(y))  # (n, V)
         state = self.norm(h) if c.loop_norm else h  # (n, d)
         return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), logits
+
+
+class PromptCache:
+    """An ``LMCache`` seen in output positions: output position p of a slot is its cache position
+    ``offset[slot] + p``, after the slot's prompt (``offset``: the prompt's length minus 1)."""
+
+    def __init__(self, inner: LMCache) -> None:
+        self.inner = inner
+        self.offset = np.zeros(inner.loops.n_slots, dtype=np.int64)  # (C,)
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def reset(self, slot: int) -> None:
+        self.inner.reset(slot)
+        self.offset[slot] = 0
+
+    def invalidate(self, slot: int, from_pos: int) -> None:
+        self.inner.invalidate(slot, int(self.offset[slot]) + from_pos)
+
+    def promote(self, slot: int, side: int, pos: int, loops_done: int) -> None:
+        self.inner.promote(slot, side, int(self.offset[slot]) + pos, loops_done)
+
+    def rows(self, rows: Rows) -> Rows:
+        """``rows`` at their cache positions."""
+        offset = self.offset[rows.slot]
+        if rows.side is None:
+            return Rows(rows.slot, rows.loop, rows.pos + offset)
+        up = tuple(tuple((p + int(o), b) for p, b in lane) for lane, o in zip(rows.up, offset))
+        return Rows(rows.slot, rows.loop, rows.pos + offset, rows.side, up)
+
+
+class LMStepper(ModelStepper):
+    """The engine's view of a ``LoopedLM``: the prompt prefilled into the cache at admission, no memory."""
+
+    model: LoopedLM
+
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> PromptCache:
+        """An empty cache for ``n_slots`` requests of a prompt of up to ``max_prompt_len`` tokens and
+        ``max_len`` output positions each (output position 0's row is the prompt's last)."""
+        return PromptCache(self.model.cache(n_slots, max_prompt_len + max_len - 1))
+
+    def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> None:
+        """None: everything a request keeps is in the cache."""
+        return None
+
+    def admit(
+        self, memory: None, cache: PromptCache, slots: Sequence[int], prompts: Sequence[Tensor]
+    ) -> list[Admitted]:
+        """Prefill the requests' prompts (each (P,)) together into their empty slots (``LoopedLM.prefill_batch``:
+        row-invariant, so each prompt's result is its own alone); each last position's exits (M, V) are its
+        output position 0's."""
+        exits = self.model.prefill_batch(cache.inner, slots, prompts)
+        for slot, prompt in zip(slots, prompts):
+            cache.offset[slot] = prompt.shape[0] - 1
+        return [Admitted(int(prompt[-1]), x) for prompt, x in zip(prompts, exits)]
+
+    def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
+        """Each token's carry into its first loop (R, W) (``LoopedLM.embed``)."""
+        return self.model.embed(tokens)
+
+    def step(
+        self, memory: None, cache: PromptCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        """One group pass over R rows at their output positions (``LoopedLM.step`` at cache positions)."""
+        return self.model.step(cache.inner, cache.rows(rows), hidden, with_logits)
 
 
 def next_token_labels(input_ids: Tensor) -> Tensor:

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from speed.cache import KVCache, Rows
-from speed.engine import Admitted, stepper_for
+from speed.engine import Admitted, as_stepper
+from speed.engine.cache import KVCache, Rows
 
 
 class LogitRecorder:
@@ -35,7 +35,7 @@ class LogitRecorder:
     """
 
     def __init__(self, model: Any) -> None:
-        self.model = stepper_for(model)  # a model's adapter, or a Stepper as it is
+        self.model = as_stepper(model)  # a model's adapter, or a Stepper as it is
         self.logits: dict[Any, Tensor] = {}
         self._branches: dict[tuple[int, int, int, int], Tensor] = {}  # (slot, side entry, loop, pos) -> (V,)
 

@@ -41,15 +41,13 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from speed.cache import Rows  # speed.cache imports this module
+from speed.engine.rows import Rows
 
 TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence
 PREFILL_ROWS = 64  # rows per kernel call of a decoder-only prefill, whose prompts' tokens are its rows

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from speed.config import ModelConfig
-from speed.model import SpeedT5
+from speed.models.t5 import SpeedT5
 
 if TYPE_CHECKING:
     from transformers import T5Config, T5ForConditionalGeneration
@@ -328,7 +328,7 @@ def from_pretrained(
     Extra keyword arguments go to ``T5ForConditionalGeneration.from_pretrained``
     (e.g. ``revision``, ``local_files_only``). The SentencePiece model of a
     hub checkpoint is its ``spiece.model``; pass it to
-    ``speed.checkpoint.save_model`` to make a SpeedT5 checkpoint.
+    ``speed.models.checkpoint.save_model`` to make a SpeedT5 checkpoint.
     """
     from transformers import T5ForConditionalGeneration
 

@@ -5,7 +5,7 @@ A sweep's scheduler ranks trials by the last loop's validation loss
 the loss-weight scheme. The flip rates come from the same teacher-forced pass
 (every loop's argmax at every target position, no decoding): ``val_flip_cost``
 (``speed.losses.flip_cost``) estimates the steps per token SPEED loses to flips. Both model families
-(``speed.family``): the LM's targets are its next tokens, so its per-loop perplexities
+(``speed.models.family``): the LM's targets are its next tokens, so its per-loop perplexities
 (``Validation.perplexities``) are the language-model's.
 """
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from speed.data.corpus import TokenizedCorpus
-from speed.family import family_of
-from speed.lm import LoopedLM
 from speed.losses import flip_cost, teacher_forced_flips
-from speed.model import SpeedT5
+from speed.models.family import family_of
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The budget curve: one training run's checkpoints, each evaluated on the same held-out examples.
 
 ``budget_curve(run, config, out)`` evaluates every chosen complete ``checkpoint_<step>`` of a run
-directory (a local path or a URI) with one ``speed.evaluate.EvalConfig`` (in-process, one after
+directory (a local path or a URI) with one ``speed.eval.evaluate.EvalConfig`` (in-process, one after
 another), each into ``<out>/checkpoint_<step>`` (an evaluation folder that already holds a summary of
 the same settings is read, not redone), compares each budget's quality with the previous budget's on the
-same examples (``speed.compare``: paired bootstrap) and writes ``<out>/budget.parquet``
+same examples (``speed.eval.compare``: paired bootstrap) and writes ``<out>/budget.parquet``
 (``BUDGET_SCHEMA``, one row per budget: ``budget_row``). A better-trained model may flip more at its
 early loops, so SPEED's steps per token can rise with the budget: the curve shows it per run.
 """
@@ -20,19 +20,19 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from speed.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, load_model, read_checkpoint_config
-from speed.compare import compare_evaluations
-from speed.evaluate import PREDICTIONS_FILE, SUMMARY_FILE, EvalConfig, run_evaluation
+from speed.eval.compare import compare_evaluations
+from speed.eval.evaluate import PREDICTIONS_FILE, SUMMARY_FILE, EvalConfig, run_evaluation
+from speed.models.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, load_model, read_checkpoint_config
+from speed.paths import TRAIN_LOG_FILE
 from speed.storage import locate
 from speed.tokenizer import Tokenizer
-from speed.train.state import TRAIN_LOG_FILE
 
 BUDGET_FILE = "budget.parquet"
 
 BUDGET_SCHEMA = pa.schema(
     [
         pa.field("run", pa.string(), nullable=False),  # the run directory, as given
-        pa.field("family", pa.string(), nullable=False),  # t5 | lm (speed.family)
+        pa.field("family", pa.string(), nullable=False),  # t5 | lm (speed.models.family)
         pa.field("pattern", pa.string(), nullable=False),
         pa.field("task", pa.string(), nullable=False),
         pa.field("split", pa.string(), nullable=False),
@@ -41,10 +41,10 @@ BUDGET_SCHEMA = pa.schema(
         pa.field("train_tokens", pa.int64()),  # tokens read up to that step (its train log's); None: unknown
         pa.field("metric", pa.string(), nullable=False),  # bleu (translation) | rougeL (summarization)
         pa.field("score", pa.float64(), nullable=False),
-        pa.field("score_low", pa.float64()),  # its 95% bootstrap interval (speed.metrics.bootstrap)
+        pa.field("score_low", pa.float64()),  # its 95% bootstrap interval (speed.eval.metrics.bootstrap)
         pa.field("score_high", pa.float64()),
         pa.field("delta", pa.float64()),  # score minus the previous budget's (None at the first budget) ...
-        pa.field("delta_low", pa.float64()),  # ... with its 95% paired-bootstrap interval (speed.compare)
+        pa.field("delta_low", pa.float64()),  # ... with its 95% paired-bootstrap interval (speed.eval.compare)
         pa.field("delta_high", pa.float64()),
         pa.field("flip_rate_prev", pa.list_(pa.float64()), nullable=False),  # per loop, of the decoded tokens
         pa.field("flip_rate_final", pa.list_(pa.float64()), nullable=False),
@@ -134,8 +134,8 @@ def budget_row(
     evaluation: str,
     delta: dict[str, float] | None,
 ) -> dict[str, Any]:
-    """One ``BUDGET_SCHEMA`` row from a checkpoint's evaluation summary (``speed.evaluate``) and, but at the
-    first budget, its paired difference from the previous one (``speed.metrics.paired_bootstrap``'s entry for
+    """One ``BUDGET_SCHEMA`` row from a checkpoint's evaluation summary (``speed.eval.evaluate``) and, but at the
+    first budget, its paired difference from the previous one (``speed.eval.metrics.paired_bootstrap``'s entry for
     the metric)."""
     metric, score = accuracy_metric(summary)
     interval = summary.get("intervals", {}).get(metric, {})

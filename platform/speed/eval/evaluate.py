@@ -30,22 +30,22 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from torch import Tensor
 
-from speed import metrics
 from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
-from speed.decoding import DecodeStats, GenerateResult, generate
+from speed.decode.exactness import LogitRecorder, top2_gap
+from speed.decode.generate import DecodeStats, GenerateResult, generate
 from speed.engine import Speculation, SpeculationFields
-from speed.exactness import LogitRecorder, top2_gap
-from speed.family import family_of
-from speed.lm import LoopedLM
-from speed.metrics import bootstrap
-from speed.model import SpeedT5
+from speed.engine.sampling import Sampling
+from speed.engine.trace import TRACE_SCHEMA, flip_costs, flip_rates
+from speed.eval import metrics
+from speed.eval.metrics import bootstrap
+from speed.eval.validation import validate_batches
+from speed.models.family import family_of
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 from speed.progress import ProgressBar
-from speed.sampling import Sampling
 from speed.storage import locate
 from speed.tokenizer import EOS_ID, Tokenizer
-from speed.trace import TRACE_SCHEMA, flip_costs, flip_rates
-from speed.train.validation import validate_batches
 
 PREDICTIONS_FILE = "predictions.parquet"
 TRACE_FILE = "trace.parquet"
@@ -90,11 +90,11 @@ class EvalConfig(SpeculationFields):
     check_sequential: bool = True  # also decode sequentially, require identical output, report the speed-up
     bitwise: bool = True  # with check_sequential: any difference fails (else only differences beyond near_tie)
     near_tie: float = 1e-5  # top-2 logit gap under which a difference counts as a near-tie (bitwise off)
-    temperature: float = 0.0  # 0: greedy; else seeded sampling, the same for both methods (speed.sampling)
+    temperature: float = 0.0  # 0: greedy; else seeded sampling, the same for both methods (speed.engine.sampling)
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: int = 0  # every sequence samples with this seed: its draws depend on (seed, output position) only
-    bootstrap_samples: int = 1000  # resamples of the metrics' intervals (speed.metrics.bootstrap); 0: none
+    bootstrap_samples: int = 1000  # resamples of the metrics' intervals (speed.eval.metrics.bootstrap); 0: none
     perplexity: bool = True  # every loop's teacher-forced perplexity of the references (cut to max_new_tokens)
 
     def __post_init__(self) -> None:
@@ -180,7 +180,7 @@ def run_evaluation(
     any difference from sequential decoding fails the evaluation after the files
     are written; with ``config.bitwise`` off, only one whose top-2 logit gap is
     at least ``config.near_tie`` (kernels that round differently may flip a
-    near-tie; ours do not, see ``speed.kernels``).
+    near-tie; ours do not, see ``speed.engine.kernels``).
     """
     config.check_complete()
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
@@ -257,7 +257,7 @@ def _perplexity(
 
 
 def _exits_summary(model: SpeedT5 | LoopedLM) -> dict[str, Any] | None:
-    """The exit adapters the early exits were decoded with (``speed.exits.ExitConfig``, as JSON has it); None."""
+    """The exit adapters the early exits were decoded with (``speed.models.exits.ExitConfig``, as JSON has it); None."""
     if model.exit_adapters is None:
         return None
     config = to_dict(model.exit_adapters.config)
@@ -408,7 +408,7 @@ def _speed_summary(
         "steps_per_token": per_token(speed.stats.steps),
         "rows_per_token": per_token(speed.stats.rows),
         "wasted_rows_per_token": per_token(speed.stats.wasted_rows),
-        "flip_cost": sum(costs),  # speed.trace.flip_costs: steps per token that flips cost without branches
+        "flip_cost": sum(costs),  # speed.engine.trace.flip_costs: steps per token that flips cost without branches
         "flip_cost_per_loop": costs,
     }
     if oracle is not None:

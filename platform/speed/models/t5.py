@@ -11,17 +11,21 @@ H heads, D d_kv, V vocabulary, M loops, N unique decoder layers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.cache import KVCache, Rows
 from speed.config import ModelConfig
-from speed.exits import ExitAdapters
-from speed.kernels import attend, tile_linear
+from speed.engine.cache import KVCache, Rows
+from speed.engine.kernels import attend, chunk_span, in_tiles, tile_linear
+from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
+from speed.models.exits import ExitAdapters
+from speed.models.steppers import ModelStepper
 
 
 def relative_position_bucket(
@@ -227,7 +231,7 @@ class SpeedT5(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.dropout = nn.Dropout(config.dropout)
         self.apply(self._init_weights)
-        self.exit_adapters: ExitAdapters | None = None  # the early exits' adapters (speed.exits), never in model.pt
+        self.exit_adapters: ExitAdapters | None = None  # early-exit adapters (speed.models.exits), never in model.pt
 
     def _init_weights(self, module: nn.Module) -> None:
         """T5's initialisation (Mesh TensorFlow scales), LM head at d_model**-0.5."""
@@ -272,7 +276,7 @@ class SpeedT5(nn.Module):
 
     def exit_logits(self, hidden: Tensor, loop: int | None = None) -> Tensor:
         """The shared classifier: final norm + LM head, (..., d) -> (..., V); with ``loop`` (0-based), that
-        loop's exit adapter first, when the model has one for it (``speed.exits``; never the last loop)."""
+        loop's exit adapter first, when the model has one for it (``speed.models.exits``; never the last loop)."""
         if loop is not None and self.exit_adapters is not None:
             hidden = self.exit_adapters.adapt(hidden, loop)
         return self.lm_head(self.dropout(self.decoder_norm(hidden)))
@@ -315,7 +319,52 @@ class SpeedT5(nn.Module):
         x = self.dropout(self.shared(decoder_input_ids))
         return loop_output(loop_exits(x), labels, weights, return_logits)
 
-    # ----- what decoding reads (the decode kernels are the layers' ``decode``; see speed.engine.adapters) -----
+    # ----- decoding: the group pass over rows, on the layers' ``decode`` kernels ------------------------------
+
+    def stepper(self) -> T5Stepper:
+        """The engine's view of this model (``speed.engine.Stepper``)."""
+        return T5Stepper(self)
+
+    def step(
+        self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        """One group pass (the model's call in a pipeline step of ``speed.engine``): the shared N-layer group over
+        R rows, each at its own loop, reading the slots' encoder ``memory`` (``T5Stepper.memory``).
+
+        ``hidden`` (R, d) is each row's input to this loop; returns its output
+        (R, d) and, if asked, the early-exit logits (R, V). Each row's results
+        are bit-identical whatever other rows share the pass: the rows run in
+        tiles of up to ``TILE_ROWS`` on row-invariant kernels (see ``speed.engine.kernels``).
+        """
+        return in_tiles(lambda part, x: self._pass_tile(memory, cache, part, x, with_logits), rows, hidden)
+
+    def _pass_tile(
+        self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor, with_logits: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """The group pass for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
+        m = self
+        # Attention runs over the fewest whole chunks that cover the tile's rows: the kernels' results do not
+        # depend on how many masked chunks follow (see ``attend``), so the span changes no row's logits.
+        n, slot_t, _, pos_t = len(rows), *rows.tensors(x.device)
+        L, S = chunk_span(int(rows.pos.max()) + 1), chunk_span(int(memory.prompt_lens[rows.slot].max()))
+        self_bias = memory.self_bias[..., :L].index_select(0, pos_t).unsqueeze(2)  # (n, H, 1, L)
+        first = int(rows.slot[0])
+        one_slot = bool((rows.slot == first).all())  # e.g. one request's pipeline: share its keys, copy none
+
+        def source(t: Tensor) -> Tensor:  # each row's slot of a per-slot tensor (C, ...) -> (n, ...)
+            return t.narrow(0, first, 1).expand(n, *t.shape[1:]) if one_slot else t.index_select(0, slot_t)
+
+        cross_bias = source(memory.cross_bias[..., :S])  # (n, 1, 1, S)
+        # CYCLE order: loop l's pass runs virtual layers l*N .. l*N+N-1, which are the N unique layers in order
+        for j, layer in enumerate(m.decoder_layers):
+            keys, values = source(memory.keys[j][:, :, :S]), source(memory.values[j][:, :, :S])  # (n, H, S, D)
+            x = layer.decode(x, rows, cache, j, self_bias, keys, values, cross_bias)  # (n, d)
+        if not with_logits:
+            return x, None
+        # The exit adapters (speed.models.exits) change the early exits' inputs only: x, the carry, stays as it is
+        y = x if m.exit_adapters is None else m.exit_adapters.adapt_rows(x, rows.loop)
+        return x, tile_linear(m.lm_head, m.decoder_norm(y))
+
 
     @property
     def start_id(self) -> int:
@@ -328,11 +377,88 @@ class SpeedT5(nn.Module):
         return self.lm_head.weight.device
 
 
-def shift_right(labels: Tensor, start_id: int = 0, pad_id: int = 0) -> Tensor:
-    """Decoder inputs for teacher forcing: start token, then labels[:-1] (-100 -> pad)."""
-    shifted = labels.new_full(labels.shape, start_id)
-    shifted[:, 1:] = labels[:, :-1]
-    return shifted.masked_fill(shifted == -100, pad_id)
+@dataclass
+class Memory:
+    """Slot-addressed decoding inputs of T5: one slot per request decoded at once, shared by every loop.
+
+    ``keys[j]``/``values[j]``: cross-attention keys/values (C, H, S, D) of
+    physical layer j for C slots of up to S encoder tokens (S: the longest
+    prompt rounded up to whole attention chunks), written once when a
+    request is admitted to its slot. ``cross_bias``: (C, 1, 1, S) mask of
+    each slot's real tokens (0) and unused tail (a large negative);
+    ``prompt_lens`` (C,): each slot's number of real tokens. ``self_bias``:
+    (max_len, H, L) decoder position bias plus causal mask for L key positions
+    (``max_len`` rounded up to whole chunks), indexed by query position; it
+    does not depend on the request.
+    """
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    cross_bias: Tensor
+    self_bias: Tensor
+    prompt_lens: np.ndarray
+
+
+class T5Stepper(ModelStepper):
+    """The engine's view of a ``SpeedT5``: encoder memory per slot, the decoder's shared group once per pipeline
+    step (the group pass, ``step``)."""
+
+    model: SpeedT5
+
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> KVCache:
+        """An empty KV cache for ``n_slots`` requests of up to ``max_len`` decoder positions each (the prompt
+        is the encoder's: it takes no decoder position)."""
+        m, c = self.model, self.model.config
+        p = m.lm_head.weight
+        return KVCache(m.n_loops, len(m.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
+
+    def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> Memory:
+        """Empty decoding memory: ``capacity`` slots of up to ``max_prompt_len`` encoder tokens.
+
+        The decoder position bias for ``max_len`` positions is built here, once.
+        """
+        m, c = self.model, self.model.config
+        p = m.lm_head.weight
+        S, L = chunk_span(max_prompt_len), chunk_span(max_len)
+        shape = (capacity, c.n_heads, S, c.d_kv)
+        keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in m.decoder_layers]
+        values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in m.decoder_layers]
+        cross_bias = torch.full((capacity, 1, 1, S), _mask_value(p.dtype), dtype=p.dtype, device=p.device)
+        causal = torch.full((max_len, L), _mask_value(p.dtype), dtype=p.dtype, device=p.device).triu(1)
+        self_bias = (m.decoder_bias(max_len, L) + causal).transpose(0, 1).contiguous()  # (q, H, k)
+        return Memory(keys, values, cross_bias, self_bias, np.zeros(capacity, dtype=np.int64))
+
+    def admit(self, memory: Memory, cache: KVCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Admitted]:
+        """Encode each request's ids (S,) into its slot: its cross-attention keys/values and mask.
+
+        Each request is encoded alone, so its keys do not depend on which
+        requests arrive with it; the slot's stale tail past S is masked. The
+        decoder starts from the start token (T5's pad).
+        """
+        return [self._encode(memory, slot, prompt) for slot, prompt in zip(slots, prompts)]
+
+    @torch.no_grad()
+    def _encode(self, memory: Memory, slot: int, prompt: Tensor) -> Admitted:
+        S = prompt.shape[0]
+        encoded = self.model.encode(prompt[None])  # (1, S, d)
+        for j, layer in enumerate(self.model.decoder_layers):
+            k, v = layer.cross_attn.keys_values(encoded)  # 2 x (1, H, S, D)
+            memory.keys[j][slot, :, :S] = k[0]
+            memory.values[j][slot, :, :S] = v[0]
+        memory.cross_bias[slot, ..., :S] = 0.0
+        memory.cross_bias[slot, ..., S:] = _mask_value(memory.cross_bias.dtype)
+        memory.prompt_lens[slot] = S
+        return Admitted(self.model.start_id, None)
+
+    def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
+        """Decoder input embeddings (R, d) of token ids (R,)."""
+        return self.model.shared(torch.as_tensor(tokens, dtype=torch.long, device=self.device))
+
+    def step(
+        self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
+        """One group pass over R rows (``SpeedT5.step``)."""
+        return self.model.step(memory, cache, rows, hidden, with_logits)
 
 
 def count_parameters(model: nn.Module) -> int:

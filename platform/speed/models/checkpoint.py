@@ -2,10 +2,10 @@
 
 Layout (shared by training, evaluation and serving):
     model.pt     the model's state dict
-    config.json  {"model": the model config's fields, "family": "t5" or "lm" (``speed.family``; absent: t5),
+    config.json  {"model": the model config's fields, "family": "t5" or "lm" (``speed.models.family``; absent: t5),
                   "chat_template": an LM's (``speed.chat``), ...any other resolved configs}
     spm.model    the SentencePiece tokenizer, when one was given
-    exits.pt     the early exits' adapters (``speed.exits``), when trained (``jobs/train_exits.py``)
+    exits.pt     the early exits' adapters (``speed.models.exits``), when trained (``jobs/train_exits.py``)
     exits.json   {"exits": which loops are adapted and the rank (``ExitConfig``), "job": ..., "step": ...};
                  written after exits.pt: a checkpoint has exit adapters when it holds exits.json
 Training jobs add their own files (optimizer, scheduler, RNG; ``speed.train.state``) beside these.
@@ -29,10 +29,10 @@ import pyarrow.fs as pafs
 import torch
 
 from speed.config import from_dict, to_dict
-from speed.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach
-from speed.family import DEFAULT_FAMILY, build_model, config_from_dict, family_of
-from speed.lm import LoopedLM
-from speed.model import SpeedT5
+from speed.models.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach
+from speed.models.family import DEFAULT_FAMILY, build_model, config_from_dict, family_of
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
 from speed.storage import absolute, locate
 
 MODEL_FILE = "model.pt"
@@ -113,7 +113,7 @@ def load_model(where: str | Path, map_location: str | torch.device = "cpu", exit
 
     Reads ``config.json``, ``model.pt`` and (when there) ``spm.model`` where they are, downloading
     nothing else; a missing file is named in the error. With ``exits`` the checkpoint's exit adapters
-    (exits.pt, when it has them) are attached to the model (``speed.exits``); they never change its output.
+    (exits.pt, when it has them) are attached to the model (``speed.models.exits``); they never change its output.
     """
     directory = locate(latest_checkpoint(absolute(where)))
     for name in (CONFIG_FILE, MODEL_FILE):

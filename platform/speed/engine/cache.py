@@ -23,87 +23,18 @@ its positions of the slot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 from torch import Tensor
 
-from speed.kernels import ATTN_CHUNK, chunk_span
+from speed.engine.kernels import ATTN_CHUNK, chunk_span
+from speed.engine.rows import Rows
+
+__all__ = ["CacheError", "KVCache", "Rows"]
 
 
 class CacheError(RuntimeError):
     """A write that would leave a gap in, or overwrite, a valid cache prefix."""
-
-
-@dataclass(frozen=True)
-class Rows:
-    """The tokens processed by one pass of the shared layer group, one row each.
-
-    Row r is the token at decoder position ``pos[r]`` of engine slot ``slot[r]``,
-    running loop ``loop[r]`` (0-based); ``side[r]`` >= 0 makes it a branch row
-    that keeps its own key/value in that side entry of its slot (-1: a chain
-    row), and ``up[r]`` lists the (position, side entry) of the branch tokens
-    before it in its lane, oldest first (the lane forks at the first).
-    ``side`` and ``up`` are None when no row is a branch.
-    """
-
-    slot: np.ndarray  # (R,) int64
-    loop: np.ndarray  # (R,) int64
-    pos: np.ndarray  # (R,) int64
-    side: np.ndarray | None = None  # (R,) int64 side entry of a branch row, -1 for a chain row; None: no branches
-    up: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per row: its lane's earlier (pos, side entry)s
-    _tensors: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (slot, loop, pos)
-
-    @classmethod
-    def build(
-        cls,
-        slot: list[int],
-        loop: list[int],
-        pos: list[int],
-        side: list[int] | None = None,
-        up: list[tuple[tuple[int, int], ...]] | None = None,
-    ) -> Rows:
-        """Rows from three equally long lists of ints (and, for branch rows, ``side`` and ``up``)."""
-        s, lo, p = (np.asarray(x, dtype=np.int64) for x in (slot, loop, pos))
-        if not len(s) == len(lo) == len(p) == (len(p) if side is None else len(side)):
-            raise ValueError(f"slot, loop, pos (and side) differ in length: {len(s)}, {len(lo)}, {len(p)}")
-        if side is None or all(x < 0 for x in side):
-            return cls(s, lo, p)
-        return cls(s, lo, p, np.asarray(side, dtype=np.int64), tuple(up) if up is not None else ((),) * len(p))
-
-    def __len__(self) -> int:
-        return len(self.slot)
-
-    def take(self, index: np.ndarray) -> Rows:
-        """The rows at ``index`` (an index may repeat, e.g. to pad a tile)."""
-        if self.side is None or (self.side[index] < 0).all():
-            return Rows(self.slot[index], self.loop[index], self.pos[index])
-        up = tuple(self.up[i] for i in index.tolist())
-        return Rows(self.slot[index], self.loop[index], self.pos[index], self.side[index], up)
-
-    def lane_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every (row, position, side entry) a branch row reads from side entries: its lane's and its own."""
-        if "lane" not in self._tensors:
-            r, p, b = [], [], []
-            for i in np.flatnonzero(self.side >= 0).tolist():
-                for pos, side in (*self.up[i], (int(self.pos[i]), int(self.side[i]))):
-                    r.append(i)
-                    p.append(pos)
-                    b.append(side)
-            self._tensors["lane"] = tuple(np.asarray(x, dtype=np.int64) for x in (r, p, b))
-        return self._tensors["lane"]
-
-    def forks(self) -> np.ndarray:
-        """(B,) the first lane position of each branch row (where its prefix from the chain ends)."""
-        return np.asarray([u[0][0] if u else p for u, p, b in zip(self.up, self.pos.tolist(), self.side) if b >= 0])
-
-    def tensors(self, device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
-        """(slot, loop, pos) as long tensors on ``device``, made once per device."""
-        key = str(device)
-        if key not in self._tensors:
-            self._tensors[key] = tuple(torch.as_tensor(a, device=device) for a in (self.slot, self.loop, self.pos))
-        return self._tensors[key]
 
 
 class KVCache:
