@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from looped_refs import huginn_shapes, ouro_shapes, write_huginn_checkpoint, write_ouro_checkpoint
 from safetensors.torch import save_file
 
 from speed import hf_files
@@ -64,6 +65,18 @@ def test_read_config_and_forms(tmp_path):
         assert hf_files.read_config(tmp_path) == config
         assert hf_files.model_form(hf_files.read_config(tmp_path)) == form
     assert hf_files.FORMS == ("t5", "llama", "ouro", "huginn")
+
+
+def test_published_tiny_configs_are_known_forms(tmp_path):
+    write_ouro_checkpoint(tmp_path / "ouro")
+    write_huginn_checkpoint(tmp_path / "huginn")
+    assert hf_files.model_form(hf_files.read_config(tmp_path / "ouro")) == "ouro"
+    assert hf_files.model_form(hf_files.read_config(tmp_path / "huginn")) == "huginn"
+    assert hf_files.remote_code(hf_files.read_config(tmp_path / "huginn")) == {
+        "AutoConfig": "raven_config_minimal.RavenConfig",
+        "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM",
+    }
+    assert hf_files.remote_code({"model_type": "llama"}) == {}
 
 
 def test_config_errors_are_one_line(tmp_path):
@@ -208,3 +221,14 @@ def test_weights_bytes():
     assert hf_files.weights_bytes(SHAPES, torch.bfloat16) == (12 + 3 + 10 + 3) * 2
     assert hf_files.weights_bytes({}) == 0
 
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_published_layouts_read_with_their_expected_shapes(tmp_path, shards):
+    ouro = write_ouro_checkpoint(tmp_path / "ouro", dtype=torch.bfloat16, shards=shards)
+    weights = hf_files.read_weights(tmp_path / "ouro", expected=ouro_shapes(ouro))
+    assert len(weights) == len(ouro_shapes(ouro)) and weights["lm_head.weight"].dtype == torch.float32
+    huginn = write_huginn_checkpoint(tmp_path / "huginn", shards=shards)
+    expected = huginn_shapes(huginn, lm_head=True)
+    weights = hf_files.read_weights(tmp_path / "huginn", expected=expected, optional={"lm_head.weight"})
+    assert set(weights) == set(expected) - {"lm_head.weight"}
+    assert hf_files.weights_bytes(expected) > hf_files.weights_bytes(huginn_shapes(huginn))
