@@ -243,7 +243,7 @@ def write_huginn_checkpoint(
         "sampling_scheme": "poisson-lognormal-filling",
         "state_init": "like-init",
         "test_time_noise": 0,
-        "test_time_noise_type": "none",
+        "test_time_noise_type": "fixed",
         "tie_embeddings": True,
         "tie_word_embeddings": True,
         "torch_dtype": _dtype_name(dtype),
@@ -350,7 +350,7 @@ def huginn_reference_logits(
     hd = d // heads
     T = input_ids.shape[1]
     freqs = huginn_freqs_cis(hd, T, config["rope_base"]).to(dtype)[0, :, 0]  # (T, hd/2, 2)
-    scale = config.get("init_values", {}).get("embed_scale", math.sqrt(d))
+    scale = math.sqrt(d)  # the model's emb_scale: _init_func(n_embd, ...)["embed_scale"], not read from the config
     head = w.get("lm_head.weight", w["transformer.wte.weight"])
 
     def block(prefix: str, x: Tensor) -> Tensor:

@@ -119,16 +119,6 @@ def tensor_shapes(directory: str | Path) -> dict[str, tuple[tuple[int, ...], str
     return _shapes(weight_files(directory))
 
 
-def _shapes(files: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
-    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    for path, names in _by_file(files).items():
-        with _open(path) as handle:
-            for name in names:
-                piece = handle.get_slice(name)
-                shapes[name] = (tuple(piece.get_shape()), piece.get_dtype())
-    return shapes
-
-
 def read_weights(
     directory: str | Path,
     dtype: torch.dtype | None = torch.float32,
@@ -195,6 +185,16 @@ def _open(path: Path):
         return safe_open(str(path), framework="pt")
     except Exception as error:  # safetensors raises its own SafetensorError, or an OSError
         raise WeightsError(f"{path}: not a readable safetensors file ({_one_line(error)})") from None
+
+
+def _shapes(files: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path, names in _by_file(files).items():
+        with _open(path) as handle:
+            for name in names:
+                piece = handle.get_slice(name)
+                shapes[name] = (tuple(piece.get_shape()), piece.get_dtype())
+    return shapes
 
 
 def _header_names(path: Path) -> list[str]:
