@@ -1,0 +1,255 @@
+"""Read a Hugging Face model directory: its ``config.json`` and its safetensors weights, nothing else.
+
+A foundation module: it imports nothing from ``speed``, and never runs code from the directory. A
+``config.json`` may name remote code (``auto_map``: classes in ``*.py`` files beside it, which
+``transformers`` imports under ``trust_remote_code``); ``remote_code`` reports it, and nothing here
+imports it.
+
+- ``read_config(dir)``: the parsed ``config.json``, or a one-line ``ModelFilesError``.
+- ``model_form(config)``: which of the forms the platform loads the config describes, from its
+  ``model_type`` (``FORMS``): ``"t5"`` (T5 v1.1: ``feed_forward_proj == "gated-gelu"``), ``"llama"``,
+  ``"ouro"`` (ByteDance's Ouro) or ``"huginn"`` (``model_type == "huginn_raven"``: Huginn-0125).
+- ``tensor_shapes(dir)``: every tensor's name, shape and stored dtype, from the safetensors headers alone.
+- ``read_weights(dir, dtype, expected, optional)``: the tensors, memory-mapped and read one at a time
+  (``safetensors.safe_open``), floating-point ones converted to ``dtype``; checked against ``expected``
+  (name -> shape) before any is read, with a one-line ``WeightsError`` naming what is missing, unexpected
+  or of the wrong shape.
+- ``weights_bytes(expected, dtype)``: what those tensors take in memory, before reading them.
+
+Weights are ``model.safetensors``, or shards named by ``model.safetensors.index.json`` (its
+``weight_map``: tensor name -> shard file), as ``transformers`` looks for them (the single file first).
+Only safetensors are read: a directory with ``pytorch_model.bin`` alone is refused (a pickle can run
+code when loaded). Directories are local paths (memory-mapping needs a local file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+# model_type -> form; T5 further needs the v1.1 feed-forward (``T5_FEED_FORWARD``).
+MODEL_TYPES = {"t5": "t5", "llama": "llama", "ouro": "ouro", "huginn_raven": "huginn"}
+FORMS = tuple(dict.fromkeys(MODEL_TYPES.values()))
+T5_FEED_FORWARD = "gated-gelu"
+NAMES_SHOWN = 5  # names listed in an error before "(+N more)"
+
+
+class ModelFilesError(ValueError):
+    """A model directory's files are missing, malformed or not of a form the platform loads (one line)."""
+
+
+class WeightsError(ModelFilesError):
+    """The weights are missing, unreadable, or not the tensors (names and shapes) asked for (one line)."""
+
+
+def read_config(directory: str | Path) -> dict:
+    """The directory's ``config.json``, parsed; a one-line ``ModelFilesError`` when missing or malformed."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise ModelFilesError(f"{path}: no such file (a Hugging Face model directory has a {CONFIG})")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelFilesError(f"{path}: not valid JSON ({_one_line(error)})") from None
+    if not isinstance(config, dict):
+        raise ModelFilesError(f"{path}: a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def model_form(config: Mapping) -> str:
+    """Which form (``FORMS``) ``config`` describes; a one-line ``ModelFilesError`` for any other model."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ModelFilesError(f"config.json has no model_type (known: {_known()})")
+    form = MODEL_TYPES.get(model_type)
+    if form is None:
+        raise ModelFilesError(
+            f"config.json: model_type {model_type!r} is not one the platform loads (known: {_known()})"
+        )
+    if form == "t5":
+        # T5Config's default is "relu": the original T5 (v1.0), whose feed-forward the platform lacks.
+        feed_forward = config.get("feed_forward_proj", "relu")
+        if feed_forward != T5_FEED_FORWARD:
+            raise ModelFilesError(
+                f"config.json: a T5 with feed_forward_proj {feed_forward!r}; only T5 v1.1 ({T5_FEED_FORWARD!r}) loads"
+            )
+    return form
+
+
+def remote_code(config: Mapping) -> dict[str, str]:
+    """The classes ``config.json`` names as remote code (``auto_map``: auto class -> ``module.Class``), to report.
+
+    Never imported here: the platform computes these models with its own code."""
+    auto_map = config.get("auto_map") or {}
+    if not isinstance(auto_map, Mapping):
+        return {}
+    # An entry may be a list ([slow, fast] tokenizer classes): shown as given.
+    return {str(key): value if isinstance(value, str) else repr(value) for key, value in auto_map.items()}
+
+
+def weight_files(directory: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it; a one-line ``WeightsError`` when there are none."""
+    directory = Path(directory)
+    single, index = directory / SINGLE, directory / INDEX
+    if single.is_file():
+        return dict.fromkeys(_header_names(single), single)
+    if index.is_file():
+        return _indexed_files(index)
+    pickles = [name for name in PICKLES if (directory / name).is_file()]
+    if pickles:
+        raise WeightsError(
+            f"{directory}: only {pickles[0]}, and only safetensors are read ({SINGLE} or {INDEX} with its shards): "
+            "a pickle can run code when loaded; save the model with safe_serialization"
+        )
+    raise WeightsError(f"{directory}: no weights ({SINGLE}, or {INDEX} with its shards)")
+
+
+def tensor_shapes(directory: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, stored dtype as safetensors names it: ``"BF16"``, ``"F32"``), from the headers."""
+    return _shapes(weight_files(directory))
+
+
+def read_weights(
+    directory: str | Path,
+    dtype: torch.dtype | None = torch.float32,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+    optional: Collection[str] = (),
+) -> dict[str, torch.Tensor]:
+    """The directory's tensors by name, floating-point ones as ``dtype`` (``None``: as stored).
+
+    With ``expected`` (name -> shape), every name in it but those in ``optional`` must be present, no other
+    name may be, and each shape must match; all of this is checked from the headers before any tensor is
+    read, and a failure is one ``WeightsError`` line naming the problem. Tensors are read one at a time
+    from memory-mapped files, each converted as it is read, so no second copy of the whole model is made.
+    """
+    files = weight_files(directory)
+    if expected is not None:
+        found = {name: shape for name, (shape, _) in _shapes(files).items()}
+        check_shapes(directory, found, expected, optional)
+    weights: dict[str, torch.Tensor] = {}
+    for path, names in _by_file(files).items():
+        with _open(path) as handle:
+            for name in names:
+                tensor = handle.get_tensor(name)
+                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                weights[name] = tensor
+    return weights
+
+
+def check_shapes(
+    where: str | Path,
+    found: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    optional: Collection[str] = (),
+) -> None:
+    """A one-line ``WeightsError`` (prefixed ``where``) unless ``found`` holds every ``expected`` name but the
+    ``optional`` ones, no other name, and each with its expected shape."""
+    missing = [name for name in expected if name not in found and name not in optional]
+    unexpected = [name for name in found if name not in expected]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} expected tensor{_s(missing)} missing: {_names(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor{_s(unexpected)}: {_names(unexpected)}")
+    wrong = [name for name in expected if name in found and tuple(found[name]) != tuple(expected[name])]
+    if wrong:
+        first = wrong[0]
+        more = f" (+{len(wrong) - 1} more of the wrong shape)" if len(wrong) > 1 else ""
+        problems.append(f"{first} has shape {_shape(found[first])}, expected {_shape(expected[first])}{more}")
+    if problems:
+        raise WeightsError(f"{where}: " + "; ".join(problems))
+
+
+def weights_bytes(expected: Mapping[str, tuple[int, ...]], dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the tensors ``expected`` (name -> shape) take as ``dtype``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) for shape in expected.values()) * itemsize
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as error:  # safetensors raises its own SafetensorError, or an OSError
+        raise WeightsError(f"{path}: not a readable safetensors file ({_one_line(error)})") from None
+
+
+def _shapes(files: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path, names in _by_file(files).items():
+        with _open(path) as handle:
+            for name in names:
+                piece = handle.get_slice(name)
+                shapes[name] = (tuple(piece.get_shape()), piece.get_dtype())
+    return shapes
+
+
+def _header_names(path: Path) -> list[str]:
+    with _open(path) as handle:
+        return list(handle.keys())
+
+
+def _indexed_files(index: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise WeightsError(f"{index}: not a safetensors index with a weight_map ({_one_line(error)})") from None
+    if not isinstance(weight_map, Mapping) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise WeightsError(f"{index}: weight_map is not an object of tensor name -> shard file name")
+    files = {name: index.parent / shard for name, shard in weight_map.items()}
+    for shard, names in _by_file(files).items():
+        if not shard.is_file():
+            raise WeightsError(f"{index}: shard {shard.name} (holding {len(names)} tensors) is missing")
+        held = set(_header_names(shard))
+        absent = [name for name in names if name not in held]
+        if absent:
+            raise WeightsError(
+                f"{shard}: lacks {len(absent)} tensor{_s(absent)} the index puts there: {_names(absent)}"
+            )
+        unindexed = sorted(held.difference(names))
+        if unindexed:
+            raise WeightsError(f"{shard}: holds {len(unindexed)} tensor{_s(unindexed)} the index does not name: "
+                               f"{_names(unindexed)}")
+    return files
+
+
+def _by_file(files: Mapping[str, Path]) -> dict[Path, list[str]]:
+    grouped: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        grouped.setdefault(path, []).append(name)
+    return grouped
+
+
+def _names(names: Iterable[str]) -> str:
+    names = list(names)
+    shown = ", ".join(names[:NAMES_SHOWN])
+    return shown + (f" (+{len(names) - NAMES_SHOWN} more)" if len(names) > NAMES_SHOWN else "")
+
+
+def _shape(shape: Iterable[int]) -> str:
+    return str(tuple(int(n) for n in shape))
+
+
+def _s(items: Collection) -> str:
+    return "" if len(items) == 1 else "s"
+
+
+def _known() -> str:
+    return ", ".join(MODEL_TYPES)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
