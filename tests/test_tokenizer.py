@@ -10,8 +10,9 @@ import pickle
 import pytest
 import sentencepiece as spm
 
+from speed.chat import CHAT_TEMPLATE, ChatRenderer, render_chat
 from speed.paths import data_dir
-from speed.tokenizer import Tokenizer, train_tokenizer
+from speed.tokenizer import TextTokenizer, Tokenizer, load_tokenizer, train_tokenizer
 
 
 def _multi30k(split: str, n: int) -> list[str]:
@@ -70,6 +71,18 @@ def test_load_by_path_and_pickle(tok):
     assert again.encode(text) == tok.encode(text) and again.vocab_size == tok.vocab_size
     copy = pickle.loads(pickle.dumps(tok))  # what datasets.map sends to its worker processes
     assert copy.encode(text) == tok.encode(text) and copy.path == tok.path
+
+
+def test_satisfies_the_one_tokenizer_interface(tok):
+    """Decoding, evaluation and serving take any TextTokenizer: this one, or an imported model's HFTokenizer."""
+    assert isinstance(tok, TextTokenizer)
+    members = {"path", "vocab_size", "eos_id", "pad_id", "stop_ids", "encode", "encode_batch", "decode"}
+    assert members | {"decode_batch", "piece"} <= set(dir(TextTokenizer))
+    assert tok.stop_ids == {tok.eos_id}  # generation ends at EOS
+    assert isinstance(load_tokenizer(tok.path), Tokenizer)  # a .model file: SentencePiece
+    assert isinstance(CHAT_TEMPLATE, ChatRenderer)  # the platform's own LMs' chat: render(messages) as before
+    chat = [{"role": "user", "content": "Hi"}]
+    assert CHAT_TEMPLATE.render(chat) == render_chat(chat) == "<user> Hi\n<assistant>"
 
 
 def test_plain_sentencepiece_model_gets_t5_sentinels(tmp_path):

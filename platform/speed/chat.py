@@ -10,15 +10,26 @@ training prompt, and the model answers it. The template is stored in every LM ch
     <assistant>
 
 Each message is ``turn`` with its role and content; ``cue`` ends the prompt, where the answer begins.
+
+An imported model brings its own Jinja template instead (``speed.hf_tokenizer.HFChatTemplate``, read from its
+``tokenizer_config.json`` or ``chat_template.jinja``). Both have the shape ``ChatRenderer``: ``render(messages)``
+is the prompt text, ending where the assistant's answer begins; ``render_chat`` and ``task_prompt`` take either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 ROLES = ("system", "user", "assistant")
+
+
+@runtime_checkable
+class ChatRenderer(Protocol):
+    """Chat messages (``{"role", "content"}`` mappings) -> the prompt text, ending where the answer begins."""
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -33,15 +44,25 @@ class ChatTemplate:
             if placeholder not in self.turn:
                 raise ValueError(f"ChatTemplate.turn must hold {placeholder}, got {self.turn!r}")
 
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """``render_chat(messages, self)``."""
+        return _render(messages, self)
+
 
 CHAT_TEMPLATE = ChatTemplate()
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]], template: ChatTemplate = CHAT_TEMPLATE) -> str:
+def render_chat(messages: Sequence[Mapping[str, Any]], template: ChatRenderer = CHAT_TEMPLATE) -> str:
     """The prompt text of chat ``messages`` (each ``{"role": system|user|assistant, "content": str}``).
 
-    A message of another role, without text content, or an empty list is a ``ValueError``.
+    A ``ChatTemplate``: a message of another role, without text content, or an empty list is a ``ValueError``.
+    Any other ``ChatRenderer`` (an imported model's Jinja template) renders them itself, its errors
+    ``ValueError`` too.
     """
+    return template.render(messages)
+
+
+def _render(messages: Sequence[Mapping[str, Any]], template: ChatTemplate) -> str:
     if not messages:
         raise ValueError("a chat needs at least one message")
     turns = []
@@ -55,6 +76,6 @@ def render_chat(messages: Sequence[Mapping[str, Any]], template: ChatTemplate = 
     return "".join(turns) + template.cue
 
 
-def task_prompt(instruction: str, source: str, template: ChatTemplate = CHAT_TEMPLATE) -> str:
+def task_prompt(instruction: str, source: str, template: ChatRenderer = CHAT_TEMPLATE) -> str:
     """The prompt of one finetuning example: a single user turn, ``instruction`` before ``source``."""
     return render_chat([{"role": "user", "content": instruction + source}], template)

@@ -5,6 +5,11 @@ it holds ``num_extra`` sentinel pieces ``<extra_id_{num_extra-1}>`` ...
 ``<extra_id_0>`` (user-defined pieces), so ``<extra_id_0>`` is the highest id,
 exactly T5's layout, and the file alone restores the tokenizer. A plain T5
 ``spiece.model`` without sentinels gets T5's 100 appended on load.
+
+``TextTokenizer`` is the one interface decoding, evaluation and serving use: this ``Tokenizer`` and an
+imported model's ``speed.hf_tokenizer.HFTokenizer`` (its ``tokenizer.json``) both satisfy it, and
+``load_tokenizer`` opens either. Training with span corruption also needs sentinels (``sentinel_id``,
+``num_extra``): that stays SentencePiece-only.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as spm_pb
@@ -35,12 +41,61 @@ _SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|\n+")
 _MAX_SENTENCE_BYTES = 8192
 
 
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """What decoding, evaluation and serving ask of a tokenizer: the members they use, no more.
+
+    ``encode`` appends ``eos_id`` unless ``add_eos=False`` (T5's encoder inputs end in EOS; an LM's prompt
+    does not); ``decode`` drops padding, label padding (-100) and the end of sequence, and raises
+    ``ValueError`` for an id outside ``[0, vocab_size)``; ``piece`` is one token's text for log-probability
+    listings; ``stop_ids`` are the ids at which a generation ends (SentencePiece: EOS; an imported chat
+    model: its EOS ids and end-of-turn token); ``path`` says where it was read from.
+    """
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def stop_ids(self) -> frozenset[int]: ...
+
+    def encode(self, text: str, add_eos: bool = True) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str], add_eos: bool = True) -> list[list[int]]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]: ...
+
+    def piece(self, i: int) -> str: ...
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """The tokenizer at ``path`` (a local path or a URI): a directory holding ``tokenizer.json`` (an imported
+    model's, ``speed.hf_tokenizer.HFTokenizer``) or a SentencePiece ``.model`` file (``Tokenizer``)."""
+    where = locate(path)
+    if where.is_dir():
+        from speed.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.load(where.uri)
+    return Tokenizer.load(where.uri)
+
+
 class Tokenizer:
     """A SentencePiece model plus T5 sentinels. ``vocab_size`` = pieces + sentinels."""
 
     pad_id = PAD_ID
     eos_id = EOS_ID
     unk_id = UNK_ID
+    stop_ids = frozenset({EOS_ID})  # TextTokenizer: generation ends at EOS
 
     def __init__(self, model_proto: bytes, path: str) -> None:
         self._proto = model_proto
