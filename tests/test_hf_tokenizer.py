@@ -17,8 +17,8 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from speed.chat import CHAT_TEMPLATE, ChatRenderer, render_chat, task_prompt
-from speed.hf_tokenizer import HFChatTemplate, HFTokenizer, SentinelsUnsupported
-from speed.tokenizer import TextTokenizer, load_tokenizer
+from speed.hf_tokenizer import HFChatTemplate, HFTokenizer, SentinelsUnsupported, load_tokenizer
+from speed.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers")
 

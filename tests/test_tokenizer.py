@@ -11,8 +11,9 @@ import pytest
 import sentencepiece as spm
 
 from speed.chat import CHAT_TEMPLATE, ChatRenderer, render_chat
+from speed.hf_tokenizer import load_tokenizer
 from speed.paths import data_dir
-from speed.tokenizer import TextTokenizer, Tokenizer, load_tokenizer, train_tokenizer
+from speed.tokenizer import TextTokenizer, Tokenizer, train_tokenizer
 
 
 def _multi30k(split: str, n: int) -> list[str]:

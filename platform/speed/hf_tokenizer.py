@@ -48,7 +48,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from speed.storage import Location, locate
-from speed.tokenizer import LABEL_PAD
+from speed.tokenizer import LABEL_PAD, TextTokenizer, Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -545,3 +545,12 @@ def _with_reasoning_aliases(message: dict) -> dict:
     """transformers' ``_alias_reasoning_fields``: a message's reasoning under every name templates read."""
     reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
     return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """The tokenizer at ``path`` (a local path or a URI): a directory holding ``tokenizer.json`` (an imported
+    model's, ``HFTokenizer``) or a SentencePiece ``.model`` file (``Tokenizer``)."""
+    where = locate(path)
+    if where.is_dir():
+        return HFTokenizer.load(where.uri)
+    return Tokenizer.load(where.uri)

@@ -8,7 +8,7 @@ exactly T5's layout, and the file alone restores the tokenizer. A plain T5
 
 ``TextTokenizer`` is the one interface decoding, evaluation and serving use: this ``Tokenizer`` and an
 imported model's ``speed.hf_tokenizer.HFTokenizer`` (its ``tokenizer.json``) both satisfy it, and
-``load_tokenizer`` opens either. Training with span corruption also needs sentinels (``sentinel_id``,
+``speed.hf_tokenizer.load_tokenizer`` opens either. Training with span corruption also needs sentinels (``sentinel_id``,
 ``num_extra``): that stays SentencePiece-only.
 """
 
@@ -76,17 +76,6 @@ class TextTokenizer(Protocol):
     def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]: ...
 
     def piece(self, i: int) -> str: ...
-
-
-def load_tokenizer(path: str | Path) -> TextTokenizer:
-    """The tokenizer at ``path`` (a local path or a URI): a directory holding ``tokenizer.json`` (an imported
-    model's, ``speed.hf_tokenizer.HFTokenizer``) or a SentencePiece ``.model`` file (``Tokenizer``)."""
-    where = locate(path)
-    if where.is_dir():
-        from speed.hf_tokenizer import HFTokenizer
-
-        return HFTokenizer.load(where.uri)
-    return Tokenizer.load(where.uri)
 
 
 class Tokenizer:
