@@ -34,7 +34,7 @@ from ray import serve
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import parse_set, user_errors
-from speed.cluster import code_runtime_env, loopback_options
+from speed.cluster import code_runtime_env, local_ray_options
 from speed.serve.app import start_app
 from speed.serve.auth import API_KEY_ENV
 from speed.serve.settings import DEFAULT_STATS_PATH, AppConfig
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     stats_path = absolute(args.stats_path)  # the replicas' working folder is not this one
     # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
     address = os.environ.get("RAY_ADDRESS")
-    where = {"address": address} if address else {"address": "local", **loopback_options()}  # loopback only
+    where = {"address": address} if address else {"address": "local", **local_ray_options()}  # loopback unless opened
     ray.init(**where, log_to_driver=True, runtime_env=code_runtime_env())
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:

@@ -34,7 +34,7 @@ RAY = str(Path(sys.executable).parent / "ray")
 # Ray's single-node switch (named for Windows and macOS, honoured on Linux): the node's address is 127.0.0.1, so the
 # GCS, the raylet, the agents, the metrics servers and the Ray client server bind loopback. Without it Ray replaces
 # `--node-ip-address 127.0.0.1` with the machine's address and most of them bind every interface.
-LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # in-process: speed.cluster.loopback_options
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # in-process: speed.cluster.local_ray_options
 LOOPBACK_ENV = {LOOPBACK_SWITCH: "0"}
 # Each node of ``nodes``: a small object store (Ray's default takes 30% of the machine's memory per node).
 NODE_FLAGS = ("--object-store-memory", str(200 * 2**20))

@@ -40,6 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from speed.cluster import NODE_IP_ENV
     from speed.paths import SPOOL_DIR_ENV
     from speed.train.local_ray import PREEMPTION_WATCHER_ENV
 
@@ -50,6 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
     token.write_text(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes: 256 random bits
     token.chmod(0o600)
     os.environ.pop("RAY_AUTH_TOKEN", None)  # takes precedence over the path
+    os.environ.pop(NODE_IP_ENV, None)  # the suite's Rays and the jobs it runs listen on loopback, whatever the user set
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
     os.environ[SPOOL_DIR_ENV] = str(folder / "spool")  # before any Ray starts: its workers inherit it
     # The suite's Rays are single nodes, or nodes lost by SIGKILL, never preempted: without Ray Train's preemption
@@ -102,9 +104,9 @@ def ray_session():
     """
     import ray
 
-    from speed.cluster import loopback_options
+    from speed.cluster import local_ray_options
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True, **loopback_options())
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True, **local_ray_options())
     yield ray
     ray.shutdown()
 

@@ -4,7 +4,9 @@ The code under test talks HTTP to it through ``pyarrow.fs`` as it would to AWS, 
 users tell it: ``AWS_ENDPOINT_URL``, with (dummy) credentials and a region in the environment. The plugin
 sets these when the session is configured, before any Ray process or job subprocess starts, so every one of
 them inherits the address; the server itself starts with the first test that asks for ``s3_bucket`` and is
-stopped when the session ends, passed or failed. Each test gets a bucket of its own.
+stopped when the session ends, passed or failed. Each test gets a bucket of its own. Its port is held until
+then (bound, not listening, ``SO_REUSEADDR``, which lets the server bind it too): otherwise any process on the
+machine asking for a free port (a Ray worker) may be given it in the minutes before the server starts.
 
     pytest_plugins = ["s3_helpers"]   # tests/conftest.py; then a test takes the ``s3_bucket`` fixture
 """
@@ -38,11 +40,16 @@ DROPPED_ENV = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_R
 START_TIMEOUT_S = 60.0
 
 
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+def reserved_port() -> socket.socket:
+    """A loopback port kept from everyone but a server that binds it with ``SO_REUSEADDR`` (moto's does): a
+    socket bound to it, not listening; close it once the server listens."""
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind((HOST, 0))
+    return held
+
+
+_held: list[socket.socket] = []  # the session's S3 port, until its server listens
 
 
 def endpoint() -> str:
@@ -99,13 +106,16 @@ def pytest_configure(config: pytest.Config) -> None:
     for name in DROPPED_ENV:
         os.environ.pop(name, None)
     os.environ.update(SESSION_ENV)
-    os.environ["AWS_ENDPOINT_URL"] = f"http://{HOST}:{free_port()}"  # the server takes this port when it starts
+    _held.append(reserved_port())  # the server takes this port when it starts
+    os.environ["AWS_ENDPOINT_URL"] = f"http://{HOST}:{_held[0].getsockname()[1]}"
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory) -> Iterator[str]:
     """The session's S3 server, started on first use; yields its endpoint URL."""
     with moto_server(endpoint(), tmp_path_factory.mktemp("s3") / "moto.log"):
+        while _held:
+            _held.pop().close()
         yield endpoint()
 
 

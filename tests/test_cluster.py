@@ -15,7 +15,7 @@ from pathlib import Path
 import cluster_helpers
 import pytest
 
-from speed.cluster import JOB_CONFIG_ENV, code_runtime_env, package_dir
+from speed.cluster import JOB_CONFIG_ENV, NODE_IP_ENV, code_runtime_env, local_ray_options, package_dir
 from speed.models.checkpoint import load_model
 from speed.paths import DATA_DIR_ENV, data_dir, repo_root
 from speed.train.local_ray import OWNER_ENV, marked_processes
@@ -133,7 +133,7 @@ def test_local_cluster_listens_on_loopback_only(ray_cluster):
 
 @pytest.mark.ray
 def test_the_suites_shared_ray_listens_on_loopback_only(ray_session):
-    """conftest's ``ray_session`` (``loopback_options``): the test driver, the GCS, the raylet, the agents and a
+    """conftest's ``ray_session`` (``local_ray_options``): the test driver, the GCS, the raylet, the agents and a
     worker listen on loopback only (before, every Ray server of the suite listened on ``::``)."""
     import psutil
 
@@ -153,6 +153,20 @@ def test_the_suites_shared_ray_listens_on_loopback_only(ray_session):
     assert {"gcs_server", "raylet"} <= {s.name for s in seen} and any(s.pid == worker for s in seen), seen
     beyond = {(s.name, s.ip, s.port) for s in seen if not cluster_helpers.is_loopback(s.ip)}
     assert not beyond, f"listening beyond loopback: {sorted(beyond)}"
+
+
+def test_a_local_ray_is_on_loopback_unless_opened_on_purpose(monkeypatch):
+    """``local_ray_options``: node address 127.0.0.1 with Ray's single-node switch set; a user's
+    ``$SPEED_RAY_NODE_IP`` (docs/training.md) is the node's address instead, the switch left as Ray read it
+    (seen on this machine: the GCS, the raylet and the workers then listen on ``::``, the agents on the address)."""
+    from ray._private import ray_constants
+
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    monkeypatch.delenv(NODE_IP_ENV, raising=False)
+    assert local_ray_options() == {"_node_ip_address": "127.0.0.1"} and not ray_constants.ENABLE_RAY_CLUSTER
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    monkeypatch.setenv(NODE_IP_ENV, "192.0.2.2")
+    assert local_ray_options() == {"_node_ip_address": "192.0.2.2"} and ray_constants.ENABLE_RAY_CLUSTER
 
 
 def test_the_documented_local_cluster_sets_the_loopback_switch():

@@ -243,17 +243,23 @@ def _trace(request_id: str, n: int) -> pa.Table:
 
 
 def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
-    sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_records=3, max_seconds=0.2)
+    """On the sink's own clock, which moves only when the test says so: a wall clock made the time bound's
+    "not yet" fail whenever the machine stalled the test for its 0.25 s (a loaded machine does)."""
+    now = [0.0]  # seconds; steps that are binary fractions, so that the sums are exact
+    sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_records=3, max_seconds=0.25, clock=lambda: now[0])
     for i in range(2):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
+    now[0] += 0.125
     assert not sink.due() and not list((tmp_path / "requests").iterdir())  # no Parquet yet ...
     assert read_requests(str(tmp_path)).num_rows == 2  # ... but the rows are readable from their log
     sink.add(_row(2), None)
     assert sink.due()  # the size bound
     assert sink.flush() == 3 and sink.pending == 0
+    now[0] += 4
     sink.add(_row(3), _trace("cmpl-3", 1))
-    assert not sink.due()
-    time.sleep(0.25)
+    now[0] += 0.125
+    assert not sink.due()  # the time bound counts from the buffer's first record
+    now[0] += 0.125
     assert sink.due()  # the time bound
     sink.flush()
     requests, traces = read_requests(str(tmp_path)), read_traces(str(tmp_path))

@@ -150,7 +150,7 @@ def test_a_run_stopped_by_ctrl_c_and_then_killed_resumes_each_time_from_its_newe
 
     While the first launch trains, every listener of its private Ray is recorded (``speed.train.local_ray``,
     started without $RAY_ADDRESS): the driver, the GCS, the raylet, the agents and the Train workers listen on
-    loopback only (before ``speed.cluster.loopback_options``, 20 of 23 listeners were on every interface); the one
+    loopback only (before ``speed.cluster.local_ray_options``, 20 of 23 listeners were on every interface); the one
     exception is torch's TCPStore, one port of the rank-0 Train worker (cluster_helpers.TRAIN_WORKER)."""
     storage, start = launch
     seen: set[cluster_helpers.Listener] = set()

@@ -10,7 +10,7 @@ uploads it once and puts it first on every worker's ``PYTHONPATH``.
 
 A local Ray the project starts (a job without ``$RAY_ADDRESS``, the test
 suite's) listens on loopback only: ``ray.init(address="local", ...,
-**loopback_options())``.
+**local_ray_options())``; ``$SPEED_RAY_NODE_IP`` opens it on purpose.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from speed.paths import DATA_DIR_ENV, data_dir
 # Set by the job manager for an entry point started by `ray job submit` (ray._private.runtime_env.constants).
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 LOOPBACK = "127.0.0.1"
+NODE_IP_ENV = "SPEED_RAY_NODE_IP"  # a local Ray's node address when not loopback: opened beyond it on purpose
 
 
 def package_dir() -> Path:
@@ -56,21 +57,26 @@ def code_runtime_env() -> dict[str, Any]:
     return env
 
 
-def loopback_options() -> dict[str, Any]:
+def local_ray_options() -> dict[str, Any]:
     """``ray.init`` options that put every process of a new local Ray (``address="local"``) on loopback: the
-    GCS, the raylet, the agents, the workers (Train's, Serve's) all listen on 127.0.0.1 only.
+    GCS, the raylet, the agents, the workers (Train's, Serve's) all listen on 127.0.0.1 only, unless
+    ``$SPEED_RAY_NODE_IP`` names another address of this machine (opened on purpose, to reach it from elsewhere).
 
     Ray 2.60 binds its servers to the node's address, ``_node_ip_address``, but replaces a loopback one with
     the machine's address (which most then serve on every interface) unless its single-node switch is on:
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads once, when ``ray`` is imported (``ray start``
-    takes it from the environment: ``tests/cluster_helpers.py``). This sets the switch in this process, so
-    call it just before starting the local Ray: the process is then a single-node driver, which must not
-    join a Ray on other machines afterwards (it would tell them its address is 127.0.0.1).
+    takes it from the environment: ``tests/cluster_helpers.py``). On loopback this sets the switch in this
+    process, so call it just before starting the local Ray: the process is then a single-node driver, which
+    must not join a Ray on other machines afterwards (it would tell them its address is 127.0.0.1). With
+    ``$SPEED_RAY_NODE_IP`` the switch is left alone and Ray's servers listen on that address or on every
+    interface, as Ray's own defaults do.
     """
     from ray._private import ray_constants  # Ray's private module: where the switch read at import lives
 
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    return {"_node_ip_address": LOOPBACK}
+    address = os.environ.get(NODE_IP_ENV, "").strip() or LOOPBACK
+    if address == LOOPBACK:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    return {"_node_ip_address": address}
 
 
 def start_local_ray(num_cpus: int | None = None) -> None:
@@ -87,5 +93,5 @@ def start_local_ray(num_cpus: int | None = None) -> None:
         include_dashboard=False,
         log_to_driver=False,
         runtime_env=code_runtime_env(),
-        **loopback_options(),
+        **local_ray_options(),
     )

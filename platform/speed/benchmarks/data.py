@@ -145,9 +145,9 @@ def measure_prepare(spec_json: str, tokenizer: str, root: str, docs_per_shard: i
     if use_ray:
         import ray
 
-        from speed.cluster import loopback_options
+        from speed.cluster import local_ray_options
 
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, **loopback_options())
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, **local_ray_options())
     spec = CorpusSpec(**json.loads(spec_json))
     started = time.perf_counter()
     prepared = prepare_corpus(

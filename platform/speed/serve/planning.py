@@ -4,8 +4,9 @@ The body's shape is checked by ``speed.serve.protocol`` (pydantic); what
 depends on the model and capacity (prompt length, vocabulary, ``max_tokens``,
 ``launch_loop``, ``branches``, ``branch_depth``) and the sampling settings are checked once, by the engine's
 ``add`` and ``speed.engine.sampling.Sampling``: their ``ValueError`` is the 400's
-message (``engine_error``). Only what neither can know is checked here: the model's name, the
-task and, for a looped LM, its context's length (said in the deployment's words). SPEED's fields of the
+message (``engine_error``). Only what neither can know is checked here: the model's name and, for a
+looped LM, its context's length (said in the deployment's words); the task is one of the registry's
+(``speed.data.tasks``), given with text prompts only, as the body's schema says. SPEED's fields of the
 body (``speed.engine.LEVERS``) become one ``speed.engine.Speculation``, the deployment's where the body leaves one out.
 
 Text becomes tokens as the served family reads it (``contexts``). A T5 encodes ``task prefix + text`` and
@@ -53,10 +54,7 @@ def contexts(
     body: CompletionRequest | ChatRequest, task: str | None, tokenizer: Any, family: str, template: ChatTemplate
 ) -> list[list[int]]:
     """The token ids of a request's text prompts (or its chat), as the ``family`` (``t5``, ``lm``) reads them."""
-    try:
-        found = get_task(task) if task else None
-    except ValueError as err:
-        raise BadRequest(str(err), "task") from None
+    found = get_task(task) if task else None  # the body's (protocol) or the deployment's (settings): both checked
     chat = isinstance(body, ChatRequest)
     if family != "lm":  # T5: the task's prefix before the text (a chat's last user message), EOS after it
         prefix = found.prefix if found else ""
@@ -92,8 +90,6 @@ def plan_request(
     chat = isinstance(body, ChatRequest)
     prompts = [body.source()] if chat else body.prompts()
     texts = isinstance(prompts[0], str)
-    if body.task is not None and not texts:
-        raise BadRequest("task applies to text prompts only; token-id prompts are sent as they are", "task")
     task = (body.task or s.task) if texts else None
     inputs = contexts(body, task, tokenizer, family, template) if texts else [list(p) for p in prompts]
     longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))

@@ -30,6 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from speed.data.tasks import TASKS, get_task
 from speed.engine import Invalidation
 
 PROMPT_SHAPES = "a non-empty string, a list of strings, a list of token ids, or a list of token-id lists"
@@ -66,10 +67,11 @@ CHAT_NOT_SUPPORTED = NOT_SUPPORTED | {
 TEXT_CHAR = r"[^\t-\r\x1c- \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 _TEXT = {"type": "string", "pattern": TEXT_CHAR}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_TEXTS = {"type": "array", "items": _TEXT, "minItems": 1}
 PROMPT_SCHEMA = {
     "anyOf": [
         _TEXT,
-        {"type": "array", "items": _TEXT, "minItems": 1},
+        _TEXTS,
         _IDS,
         {"type": "array", "items": _IDS, "minItems": 1},
     ]
@@ -99,10 +101,11 @@ def _absent(field: str) -> dict[str, Any]:
 
 
 # What the models' ``model_validator``s check across fields (``_stream_options_need_stream``,
-# ``_echo_without_logprobs``, ``_chat_checks``) in JSON Schema, published in each model's schema (``allOf``)
-# so that a generated client or a fuzzer knows the rules too, not only the server.
+# ``_echo_without_logprobs``, ``_task_needs_text``, ``_chat_checks``) in JSON Schema, published in each model's
+# schema (``allOf``) so that a generated client or a fuzzer knows the rules too, not only the server.
 STREAM_OPTIONS_RULE = {"if": _given("stream_options", "object"), "then": _is_true("stream")}
 ECHO_RULE = {"if": _is_true("echo"), "then": _absent("logprobs")}
+TASK_RULE = {"if": _given("task", "string"), "then": {"properties": {"prompt": {"anyOf": [_TEXT, _TEXTS]}}}}
 TOP_LOGPROBS_RULE = {"if": _given("top_logprobs", "integer"), "then": _is_true("logprobs")}
 ONE_MAX_TOKENS_RULE = {"not": {"allOf": [_given("max_tokens", "integer"), _given("max_completion_tokens", "integer")]}}
 _TEXT_PART = {"required": ["text"], "properties": {"text": _TEXT}}
@@ -154,7 +157,15 @@ class _Decoding(BaseModel):
     branch_depth: int | None = Field(default=None, ge=1)
     branch_below: float | None = Field(default=None, gt=0, le=1)
     min_confidence: float | None = Field(default=None, ge=0, le=1)
-    task: str | None = None  # a speed.data.tasks name whose prefix goes before each text prompt
+    # A speed.data.tasks name whose prefix goes before each text prompt: the schema lists the registry's names.
+    task: Literal[tuple(TASKS)] | None = None  # type: ignore[valid-type]
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _known_task(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            get_task(value)  # an unknown name: the registry's error, which lists the names
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -185,7 +196,7 @@ class _Decoding(BaseModel):
 class CompletionRequest(_Decoding):
     """A ``/v1/completions`` request."""
 
-    rules: ClassVar[list[dict[str, Any]]] = [*_Decoding.rules, ECHO_RULE]
+    rules: ClassVar[list[dict[str, Any]]] = [*_Decoding.rules, ECHO_RULE, TASK_RULE]
 
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # top alternatives per token
@@ -218,6 +229,12 @@ class CompletionRequest(_Decoding):
     def _echo_without_logprobs(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported: the prompt's tokens get no log-probabilities")
+        return self
+
+    @model_validator(mode="after")
+    def _task_needs_text(self) -> CompletionRequest:
+        if self.task is not None and not isinstance(self.prompts()[0], str):
+            raise ValueError("task applies to text prompts only; token-id prompts are sent as they are")
         return self
 
     def prompts(self) -> list[str] | list[list[int]]:

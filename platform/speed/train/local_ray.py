@@ -1,6 +1,6 @@
 """A job's private local Ray that leaves nothing behind, even when the driver is killed.
 
-``start()`` starts it on loopback only (``speed.cluster.loopback_options``) and
+``start()`` starts it on loopback only (``speed.cluster.local_ray_options``; ``$SPEED_RAY_NODE_IP`` opens it) and
 marks the driver's environment with ``SPEED_RAY_OWNER=<token>``
 before ``ray.init``, so that every process of this Ray (GCS, raylet, dashboard,
 runtime-env and dashboard agents, workers) inherits the mark, and gives Ray a
@@ -43,7 +43,7 @@ def start(num_cpus: int | None = None, runtime_env: dict | None = None) -> str:
     """
     import ray
 
-    from speed.cluster import loopback_options
+    from speed.cluster import local_ray_options
 
     token = os.environ.setdefault(OWNER_ENV, secrets.token_hex(8))
     # One node has no other node to be preempted: Ray Train's preemption watcher would only cost every run one more
@@ -61,7 +61,7 @@ def start(num_cpus: int | None = None, runtime_env: dict | None = None) -> str:
         close_fds=True,
     )
     options = {"num_cpus": num_cpus, "_temp_dir": temp_dir, "log_to_driver": True, "runtime_env": runtime_env}
-    ray.init(address="local", **options, **loopback_options())  # on loopback only
+    ray.init(address="local", **options, **local_ray_options())  # on loopback unless opened
     return token
 
 
