@@ -20,7 +20,9 @@ import signal
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -63,9 +65,27 @@ def _tiny_checkpoint(tiny_tokenizer, directory: Path) -> tuple[SpeedT5, Tokenize
     return model, tokenizer
 
 
+@dataclass
+class Deployment:
+    """The module's one deployment: where it answers and what it serves, and the ledger of what the tests had it
+    answer, which the statistics on disk must hold exactly (each test adds its own answers through ``answer``)."""
+
+    url: str
+    model: SpeedT5
+    tokenizer: Tokenizer
+    stats: str  # its stats_path
+    redeploy: Callable[[dict[str, Any]], str]  # deploy it again with these settings; returns the URL
+    answered: list[tuple[str, int]] = field(default_factory=list)  # (request id, choices) answered in full
+    cancelled: int = 0  # disconnected streams: one cancelled row each
+
+    def answer(self, request_id: str, choices: int = 1) -> None:
+        """Note an answered request: its choices' finished rows must be in the statistics."""
+        self.answered.append((request_id, choices))
+
+
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_tokenizer, tmp_path_factory):
-    """URL, model, tokenizer, stats path and the list of answered (request id, prompts) of one deployment."""
+def server(ray_session, tiny_tokenizer, tmp_path_factory) -> Deployment:
+    """The deployment every test of the module talks to (one replica), removed at the end."""
     from ray import serve
 
     from speed.serve.app import start_app
@@ -76,34 +96,37 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
     options = {"stats_path": str(root / "stats"), "model_name": "tiny", "device": "cpu", "name": APP}
     options |= {"port": _free_port(), "num_cpus": 1, "max_ongoing_requests": 8, "max_queued_requests": 8}
     url = start_app(AppConfig(str(root / "ckpt"), settings=SETTINGS, **options))
-    state = {"url": url, "model": model, "tokenizer": tokenizer, "stats": options["stats_path"], "answered": []}
-    state["cancelled"] = 0  # disconnected streams: one cancelled row each
-    state["redeploy"] = lambda settings: start_app(AppConfig(str(root / "ckpt"), settings=settings, **options))
-    yield state
+    yield Deployment(
+        url,
+        model,
+        tokenizer,
+        options["stats_path"],
+        lambda settings: start_app(AppConfig(str(root / "ckpt"), settings=settings, **options)),
+    )
     if APP in serve.status().applications:
         serve.delete(APP)
     serve.shutdown()
 
 
-def _complete(server, body, answered=True):
-    r = requests.post(server["url"] + "/v1/completions", json=body, timeout=120)
+def _complete(server: Deployment, body, answered=True):
+    r = requests.post(server.url + "/v1/completions", json=body, timeout=120)
     if answered and r.status_code == 200:
-        server["answered"].append((r.json()["id"], len(r.json()["choices"])))
+        server.answer(r.json()["id"], len(r.json()["choices"]))
     return r
 
 
 def _offline(server, prompt, max_tokens, task=None):
     """Text and token count of sequential greedy decoding of the same input, alone."""
-    tok = server["tokenizer"]
+    tok = server.tokenizer
     ids = prompt if isinstance(prompt, list) else tok.encode((get_task(task).prefix if task else "") + prompt)
-    tokens = generate(server["model"], torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens).tokens[0]
+    tokens = generate(server.model, torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens).tokens[0]
     return tok.decode(tokens), len(tokens)
 
 
 def test_health_and_models(server):
-    health = requests.get(server["url"] + "/healthz", timeout=30).json()
+    health = requests.get(server.url + "/healthz", timeout=30).json()
     assert health["status"] == "ok" and health["replica"].startswith(APP)
-    (card,) = requests.get(server["url"] + "/v1/models", timeout=30).json()["data"]
+    (card,) = requests.get(server.url + "/v1/models", timeout=30).json()["data"]
     assert (card["id"], card["pattern"], card["n_loops"], card["max_source_len"]) == ("tiny", "2x3", 3, 48)
 
 
@@ -146,9 +169,9 @@ def test_branches_and_confidence_gate_change_no_token_and_are_recorded(server):
     ]
     answers = [_complete(server, b) for b in bodies]
     chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 14, "branches": 3, "branch_depth": 3}
-    answer = requests.post(server["url"] + "/v1/chat/completions", json=chat, timeout=120)
+    answer = requests.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
     assert answer.status_code == 200, answer.text
-    server["answered"].append((answer.json()["id"], 1))
+    server.answer(answer.json()["id"], 1)
     text, _ = _offline(server, prompt, 14)
     assert [a.json()["choices"][0]["text"] for a in answers] == [text] * 4
     assert answer.json()["choices"][0]["message"]["content"] == text
@@ -159,9 +182,9 @@ def test_branches_and_confidence_gate_change_no_token_and_are_recorded(server):
     ids = [a.json()["id"] for a in [*answers, answer]]
     for a, want in zip([*answers, answer], expected):
         assert {k: a.json()["speed"][k] for k in default} == want
-    rows = {r["request_id"]: r for r in read_requests(server["stats"]).to_pylist()}
+    rows = {r["request_id"]: r for r in read_requests(server.stats).to_pylist()}
     assert [{k: rows[i][k] for k in default} for i in ids] == expected
-    spec = requests.get(server["url"] + "/openapi.json", timeout=30).json()
+    spec = requests.get(server.url + "/openapi.json", timeout=30).json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert {"minimum": 0, "type": "integer"} in body["properties"]["branches"]["anyOf"]
@@ -179,7 +202,7 @@ def test_prompt_list_answers_each_prompt(server):
 def test_streaming_sends_deltas_then_usage_then_done(server):
     body = {"prompt": ["A man reads a book.", "Birds fly."], "max_tokens": 9, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    with requests.post(server["url"] + "/v1/completions", json=body, stream=True, timeout=120) as r:
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line.decode()[len("data: ") :] for line in r.iter_lines() if line]
     assert events[-1] == "[DONE]"
@@ -187,7 +210,7 @@ def test_streaming_sends_deltas_then_usage_then_done(server):
     final = chunks[-1]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 18
     assert all(c["usage"] is None for c in chunks[:-1])  # OpenAI: null until the last chunk
-    server["answered"].append((final["id"], 2))
+    server.answer(final["id"], 2)
     for index, prompt in enumerate(body["prompt"]):
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
         assert "".join(c["text"] for c in mine) == _offline(server, prompt, 9)[0]
@@ -201,7 +224,7 @@ def test_streaming_sends_deltas_then_usage_then_done(server):
 def client(server):
     import openai
 
-    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _sampled_offline(server, prompt, max_tokens, **sampling):
@@ -209,13 +232,13 @@ def _sampled_offline(server, prompt, max_tokens, **sampling):
     from speed.engine import Engine, EngineConfig, Request
     from speed.engine.sampling import Sampling
 
-    ids = server["tokenizer"].encode(prompt)
-    engine = Engine(server["model"], EngineConfig(max_active=1, max_source_len=48, max_target_len=64))
+    ids = server.tokenizer.encode(prompt)
+    engine = Engine(server.model, EngineConfig(max_active=1, max_source_len=48, max_target_len=64))
     engine.add(Request(ids, max_tokens, "sequential", sampling=Sampling(**sampling)))
     while True:
         step = engine.step()
         if step.finished:
-            return server["tokenizer"].decode(step.finished[0].tokens)
+            return server.tokenizer.decode(step.finished[0].tokens)
 
 
 class Answers(NamedTuple):
@@ -229,7 +252,7 @@ class Answers(NamedTuple):
 
 def _answers(server, response) -> Answers:
     """The choices of a completion or chat completion, or of a stream of their chunks; the answer's id and choice
-    count go to ``server["answered"]`` (whose records the statistics tests look for)."""
+    count go to the deployment's ledger (``Deployment.answer``) (whose records the statistics tests look for)."""
     texts, reasons, logprobs, last = {}, {}, {}, None
     for chunk in [response] if hasattr(response, "choices") else response:
         last = chunk
@@ -242,7 +265,7 @@ def _answers(server, response) -> Answers:
             if c.logprobs is not None:
                 entries = c.logprobs.content if message is not None else c.logprobs.tokens
                 logprobs.setdefault(c.index, []).extend(entries or [])
-    server["answered"].append((last.id, len(texts)))
+    server.answer(last.id, len(texts))
     return Answers(texts, reasons, last, logprobs)
 
 
@@ -255,7 +278,7 @@ def test_openai_client_sampling_fields_n_and_seed(server, client, stream):
     args |= {"presence_penalty": 0.3, "frequency_penalty": 0.2, "extra_body": {"top_k": 40}}
     usage = {"stream_options": {"include_usage": True}} if stream else {}
     texts, reasons, last, _ = _answers(server, client.completions.create(**args, stream=stream, **usage))
-    prompt_tokens = len(server["tokenizer"].encode(prompt))
+    prompt_tokens = len(server.tokenizer.encode(prompt))
     assert (last.usage.completion_tokens, last.usage.prompt_tokens) == (24, prompt_tokens)
     sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "presence_penalty": 0.3, "frequency_penalty": 0.2}
     for i in range(3):
@@ -328,7 +351,8 @@ def test_unseeded_sampling_returns_its_seed_and_repeats_with_it(server, client):
     first = client.completions.create(model="tiny", prompt="A bird sings.", max_tokens=6, temperature=1.0)
     seed = first.model_extra["speed"]["seed"]
     again = client.completions.create(model="tiny", prompt="A bird sings.", max_tokens=6, temperature=1.0, seed=seed)
-    server["answered"] += [(first.id, 1), (again.id, 1)]
+    server.answer(first.id)
+    server.answer(again.id)
     assert isinstance(seed, int) and again.choices[0].text == first.choices[0].text
 
 
@@ -366,7 +390,7 @@ def test_unseeded_sampling_returns_its_seed_and_repeats_with_it(server, client):
     ],
 )
 def test_bad_requests_are_4xx_saying_what_to_fix(server, body, status, says):
-    url = server["url"] + "/v1/completions"
+    url = server.url + "/v1/completions"
     if not isinstance(body, dict):  # raw bytes; an iterator is sent chunked, without a Content-Length
         r = requests.post(url, data=body, headers={"content-type": "application/json"}, timeout=60)
     else:
@@ -434,7 +458,7 @@ def _fuzz_schema(server):
     # A refusal is a 400, or a 413 for a body over max_body_bytes (both documented in the schema).
     rejection = {"negative_data_rejection": {"expected-statuses": ["400", "413"]}}
     config = SchemathesisConfig.from_dict({"max-stream-events": 10_000, "checks": rejection})
-    return schemathesis.openapi.from_url(server["url"] + "/openapi.json", config=config)
+    return schemathesis.openapi.from_url(server.url + "/openapi.json", config=config)
 
 
 def test_schemathesis_reads_a_long_stream_to_its_end_and_its_rows_are_finished(server):
@@ -449,11 +473,11 @@ def test_schemathesis_reads_a_long_stream_to_its_end_and_its_rows_are_finished(s
     ids = []
     for path, body in bodies.items():
         case = schema[path]["POST"].Case(body=body, media_type="application/json")
-        response = case.call(base_url=server["url"], timeout=120)
+        response = case.call(base_url=server.url, timeout=120)
         assert response.status_code == 200 and response.text.count("data: ") > 20
         ids.append(_answered(response))
-        server["answered"].append(ids[-1])
-    rows = read_requests(server["stats"]).to_pylist()
+        server.answer(*ids[-1])
+    rows = read_requests(server.stats).to_pylist()
     got = sorted((r["request_id"], r["choice"], r["finish_reason"], r["completion_tokens"]) for r in rows)
     (completion, n), (chat, one) = ids
     want = [(completion, i, "length", 12) for i in range(n)] + [(chat, 0, "length", 24)]
@@ -487,11 +511,11 @@ def test_schemathesis_finds_no_5xx_and_every_answer_matches_the_schema(server, m
         @given(case=schema[path]["POST"].as_strategy(GenerationMode(mode)))
         def fuzz(case):
             if mode == "positive" and isinstance(case.body, dict):
-                _smaller(case.body, server["tokenizer"].vocab_size)
-            response = case.call_and_validate(base_url=server["url"], checks=run_checks, timeout=120)
+                _smaller(case.body, server.tokenizer.vocab_size)
+            response = case.call_and_validate(base_url=server.url, checks=run_checks, timeout=120)
             calls.append(response.status_code)
             if response.status_code == 200:
-                server["answered"].append(_answered(response))
+                server.answer(*_answered(response))
 
         fuzz()
     assert len(calls) >= 40 and all(c < 500 for c in calls)
@@ -500,10 +524,10 @@ def test_schemathesis_finds_no_5xx_and_every_answer_matches_the_schema(server, m
 
 
 def test_replica_healthy_after_bad_requests(server):
-    before = requests.get(server["url"] + "/v1/stats", timeout=30).json()["rejected"]
+    before = requests.get(server.url + "/v1/stats", timeout=30).json()["rejected"]
     assert _complete(server, {"prompt": "", "max_tokens": 4}).status_code == 400
     assert _complete(server, {"prompt": "Still here?", "max_tokens": 4}).status_code == 200
-    stats = requests.get(server["url"] + "/v1/stats", timeout=30).json()
+    stats = requests.get(server.url + "/v1/stats", timeout=30).json()
     assert stats["rejected"] == before + 1 and stats["active"] == 0
     spec = stats["spec_decode"]
     assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == spec["num_accepted_tokens"] / spec["num_draft_tokens"]
@@ -513,18 +537,18 @@ def test_replica_healthy_after_bad_requests(server):
 
 
 def test_disconnect_frees_the_rows(server):
-    before = requests.get(server["url"] + "/v1/stats", timeout=30).json()["cancelled"]
+    before = requests.get(server.url + "/v1/stats", timeout=30).json()["cancelled"]
     body = {"prompt": "Tell me a long story.", "max_tokens": 400, "method": "sequential", "stream": True}
-    with requests.post(server["url"] + "/v1/completions", json=body, stream=True, timeout=120) as r:
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
         next(line for line in r.iter_lines() if line)  # one token arrived: it is decoding
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        stats = requests.get(server["url"] + "/v1/stats", timeout=30).json()
+        stats = requests.get(server.url + "/v1/stats", timeout=30).json()
         if stats["cancelled"] > before and stats["active"] == 0:
             break
         time.sleep(0.2)
     assert stats["cancelled"] == before + 1 and stats["active"] == 0 and stats["queue_depth"] == 0
-    server["cancelled"] += 1
+    server.cancelled += 1
 
 
 def test_overload_is_a_fast_503_never_a_hang(server):
@@ -550,13 +574,14 @@ LOAD_PROMPTS = ["A dog.", "A cat sleeps.", "Rain falls on the city."]
 
 def _load_runs(server):
     """A closed-loop run of 6 requests and an open-loop one of 5 (5 tokens each), recorded as answered."""
-    url = server["url"]
+    url = server.url
     closed = run_load(LoadConfig(url=url, concurrency=3, requests=6, max_tokens=5, label="closed"), LOAD_PROMPTS)
     opened = run_load(
         LoadConfig(url=url, concurrency=4, requests=5, rate=20.0, max_tokens=5, stream=False, label="open"),
         LOAD_PROMPTS,
     )
-    server["answered"] += [(r["request_id"], 1) for run in (closed, opened) for r in run.table.to_pylist()]
+    for r in (r for run in (closed, opened) for r in run.table.to_pylist()):
+        server.answer(r["request_id"])
     return closed, opened
 
 
@@ -579,22 +604,22 @@ def test_a_short_soak_answers_every_kind_without_failures_and_loses_no_row(serve
     and the statistics hold one row per answered choice."""
     from speed.loadtest.soak import SOAK_KINDS, SoakConfig, run_soak
 
-    config = SoakConfig(url=server["url"], minutes=0.2, concurrency=4, max_tokens=6, abandon_tokens=300)
+    config = SoakConfig(url=server.url, minutes=0.2, concurrency=4, max_tokens=6, abandon_tokens=300)
     result = run_soak(config)
     table = result.table.to_pylist()
     answered = [r for r in table if r["error"] is None]
     for r in answered:  # the module's bookkeeping: finished rows as answered, abandoned ones by what they say
         if r["kind"] != "abandoned":
-            server["answered"].append((r["request_id"], r["choices"]))
-    rows = read_requests(server["stats"])
+            server.answer(r["request_id"], r["choices"])
+    rows = read_requests(server.stats)
     check = result.check_rows(rows)
     reasons = dict(zip(rows["request_id"].to_pylist(), rows["finish_reason"].to_pylist()))
     for r in answered:
         if r["kind"] == "abandoned":
             if reasons.get(r["request_id"]) == "cancelled":
-                server["cancelled"] += 1
+                server.cancelled += 1
             else:
-                server["answered"].append((r["request_id"], 1))
+                server.answer(r["request_id"], 1)
     assert {r["kind"] for r in table} == set(SOAK_KINDS) and result.failures == 0, result.errors()
     assert check.complete and check.answered == sum(r["choices"] for r in answered), check
     assert check.abandoned and check.cancelled_rows >= 1  # 300 tokens: the replica noticed the disconnect
@@ -639,16 +664,16 @@ def test_a_replica_killed_hard_is_replaced_and_loses_no_answered_row(server):
     for _ in range(10):  # flush_rows=3: within three answers some row is only in the replica's log (10: margin)
         assert _complete(server, {"prompt": "Kill me softly.", "max_tokens": 5}).status_code == 200
         # all rows (cancelled ones are in Parquet too), counted before Parquet's: a flush landing between is no hit
-        logged = read_requests(server["stats"]).num_rows
-        if _parquet_rows(server["stats"]) < logged:
+        logged = read_requests(server.stats).num_rows
+        if _parquet_rows(server.stats) < logged:
             break
     else:
         pytest.fail("every row was in Parquet after each of 10 answers")
-    before = _kill_replica(server["url"])
-    rows = read_requests(server["stats"])
+    before = _kill_replica(server.url)
+    rows = read_requests(server.stats)
     finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
-    assert finished.num_rows == sum(n for _, n in server["answered"])  # nothing lost: answered means logged
-    _wait_for_a_new_replica(server["url"], before)
+    assert finished.num_rows == sum(n for _, n in server.answered)  # nothing lost: answered means logged
+    _wait_for_a_new_replica(server.url, before)
     a = _complete(server, {"prompt": "Back again.", "max_tokens": 6}).json()
     assert a["choices"][0]["text"] == _offline(server, "Back again.", 6)[0]
 
@@ -656,14 +681,14 @@ def test_a_replica_killed_hard_is_replaced_and_loses_no_answered_row(server):
 def test_redeploy_applies_settings_and_the_old_replica_loses_no_statistics(server):
     """A redeploy through the Python API replaces the replica: Serve drains the old one and calls its
     ``__del__``, which must write every buffered row; the new one gets the settings via ``reconfigure``."""
-    before = requests.get(server["url"] + "/v1/stats", timeout=30).json()
-    server["redeploy"]({**SETTINGS, "max_active": 2, "row_budget": None})
-    after = requests.get(server["url"] + "/v1/stats", timeout=30).json()
+    before = requests.get(server.url + "/v1/stats", timeout=30).json()
+    server.redeploy({**SETTINGS, "max_active": 2, "row_budget": None})
+    after = requests.get(server.url + "/v1/stats", timeout=30).json()
     assert after["settings"]["max_active"] == 2 and after["settings"]["row_budget"] is None
     assert after["replica"] != before["replica"] and after["finished"] == 0
-    rows = read_requests(server["stats"])
+    rows = read_requests(server.stats)
     finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
-    assert finished.num_rows == sum(n for _, n in server["answered"])  # the old replica's rows, none left behind
+    assert finished.num_rows == sum(n for _, n in server.answered)  # the old replica's rows, none left behind
     a = _complete(server, {"prompt": "After the change.", "max_tokens": 6}).json()
     assert a["choices"][0]["text"] == _offline(server, "After the change.", 6)[0]
 
@@ -676,17 +701,17 @@ def test_statistics_hold_one_row_per_answered_prompt_after_shutdown(server):
     try:
         _check_statistics_after_shutdown(server)
     finally:
-        server["redeploy"](SETTINGS)  # for the tests that run after this one, pass or fail
+        server.redeploy(SETTINGS)  # for the tests that run after this one, pass or fail
 
 
 def _check_statistics_after_shutdown(server):
-    rows = read_requests(server["stats"])
+    rows = read_requests(server.stats)
     finished = rows.filter(pc.not_equal(rows["finish_reason"], "cancelled"))
-    answered = sorted((rid, choice) for rid, n in server["answered"] for choice in range(n))
+    answered = sorted((rid, choice) for rid, n in server.answered for choice in range(n))
     got = sorted(zip(finished["request_id"].to_pylist(), finished["choice"].to_pylist()))
     assert got == answered  # exactly one row each, none missing, none extra
-    assert rows.num_rows - finished.num_rows == server["cancelled"]  # the disconnected streams
-    traces = read_traces(server["stats"])
+    assert rows.num_rows - finished.num_rows == server.cancelled  # the disconnected streams
+    traces = read_traces(server.stats)
     per_choice = Counter(zip(traces["request_id"].to_pylist(), traces["choice"].to_pylist()))
     assert set(per_choice) <= {(r["request_id"], r["choice"]) for r in rows.to_pylist()}
     for r in rows.to_pylist():  # one trace row per committed token and loop (3 loops)
@@ -726,7 +751,7 @@ def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     runs = _load_runs(server)
     root = tmp_path / "results"
     # The live replica may write (a hidden partial file, renamed when complete) or retire a log while this copies.
-    shutil.copytree(server["stats"], root / "stats", ignore=shutil.ignore_patterns(".*"), copy_function=_copy_if_there)
+    shutil.copytree(server.stats, root / "stats", ignore=shutil.ignore_patterns(".*"), copy_function=_copy_if_there)
     (root / "load").mkdir()
     for run in runs:
         pq.write_table(run.table, root / "load" / f"{run.table['run'][0]}.parquet")

@@ -118,7 +118,8 @@ def test_spec_decode_rates():
 def test_replica_counters_sum_speculation(model):
     c = ServeCounters()
     for launch_loop in (1, 2):
-        c.add_finished(_first_finished(model, Request(IDS, 16, "speed", Speculation(launch_loop))).stats, 7, False)
+        finished = _first_finished(model, Request(IDS, 16, "speed", Speculation(launch_loop)))
+        c.add_finished({"prompt_tokens": 7}, finished, gaps=[])
     s = c.snapshot(0, 0)["spec_decode"]
     assert s["num_accepted_tokens"] == sum(s["num_accepted_tokens_per_pos"]) and s["num_drafts"] >= 2
     assert s["acceptance_rate"] == s["num_accepted_tokens"] / s["num_draft_tokens"]
@@ -149,14 +150,21 @@ class _Recorder:
 
 
 def test_prometheus_names_are_vllms_with_a_prefix_and_in_seconds():
+    """One event, counted once: the replica's counters serve it in /v1/stats and hand it to Prometheus."""
+    from speed.engine import Finished, RequestStats
+
     rec = _Recorder()
-    metrics = ServeMetrics(rec)
+    counters = ServeCounters(export=ServeMetrics(rec))
     row = {"method": "speed", "finish_reason": "stop", "prompt_tokens": 7, "completion_tokens": 10, "flushes": 1}
     row |= {"drafts": 3, "draft_tokens": 8, "accepted_tokens": 6, "accepted_per_pos": [3, 2, 1]}
     row |= {"draft_tokens_per_pos": [3, 3, 2]}
     row |= {"flip_rate": [0.5, 0.1, 0.0], "ttft_ms": 40.0, "total_ms": 250.0, "queued_ms": 5.0}
-    metrics.finished(row, gaps=[0.02, 0.03])
-    metrics.step(rows=6, active=2, queued=1)
+    stats = RequestStats(10, 12, 30, 1, 0, [0.5, 0.1, 0.0], 0.005, 0.04, 0.25, 3, 8, 6, [3, 2, 1], [3, 3, 2])
+    counters.add_finished(row, Finished(0, [5] * 10, stats, None), gaps=[0.02, 0.03])
+    counters.add_step(rows=6, active=2, queued=1)
+    live = counters.snapshot(active=2, queued=1)
+    assert (live["finished"], live["tokens"], live["prompt_tokens"], live["steps"], live["rows"]) == (1, 10, 7, 1, 6)
+    assert live["spec_decode"]["num_accepted_tokens_per_pos"] == [3, 2, 1] and live["flip_rate"] == [0.5, 0.1, 0.0]
     got = {name: [v for v, _ in seen] for name, seen in rec.seen.items() if seen}
     assert got["speed_spec_decode_num_drafts"] == [3] and got["speed_spec_decode_num_draft_tokens"] == [8]
     assert got["speed_spec_decode_num_accepted_tokens"] == [6]

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,7 +22,7 @@ import torch
 import yaml
 
 from speed import SpeedT5, generate, preset
-from speed.engine import EngineConfig, Request, Speculation, as_stepper
+from speed.engine import EngineConfig, Finished, Request, Speculation, as_stepper
 from speed.engine.trace import TRACE_SCHEMA
 from speed.loadtest.loadgen import LoadConfig, arrival_times, summarize
 from speed.paths import repo_root
@@ -31,7 +32,7 @@ from speed.serve.limits import parse_body, read_body
 from speed.serve.metrics import ServeCounters
 from speed.serve.protocol import BadRequest, CompletionRequest, validation_message
 from speed.serve.readers import read_requests, read_traces
-from speed.serve.runner import EngineRunner
+from speed.serve.runner import Ended, EngineRunner
 from speed.serve.schemas import DESTINATION_FILE, LOADGEN_SCHEMA, REQUEST_SCHEMA, SERVE_TRACE_SCHEMA, WAL_DIR
 from speed.serve.sink import StatsSink, compact_orphans, log_folder, write_ahead_logs
 from speed.storage import locate
@@ -506,14 +507,19 @@ def _stats(**counts):
     return RequestStats(steps=0, rows=0, queued_s=0.0, ttft_s=0.0, latency_s=0.0, **counts)
 
 
+def _left(stats, prompt_tokens: int, cancelled: bool = False) -> tuple[dict, Finished, list[float]]:
+    """``ServeCounters.add_finished``'s arguments for a prompt that left the engine with ``stats``."""
+    return {"prompt_tokens": prompt_tokens}, Finished(0, [7] * stats.tokens, stats, None, cancelled), []
+
+
 def test_counters_weight_flip_rates_by_tokens():
     c = ServeCounters()
-    c.add_step(4)
-    c.add_step(0)
-    c.add_step(8)
-    c.add_finished(_stats(tokens=10, flushes=2, wasted_rows=3, flip_rate=[0.5, 0.1, 0.0]), 5, cancelled=False)
-    c.add_finished(_stats(tokens=30, flushes=0, wasted_rows=0, flip_rate=[0.1, 0.0, 0.0]), 7, cancelled=False)
-    c.add_finished(_stats(tokens=2, flushes=0, wasted_rows=1, flip_rate=[]), 3, cancelled=True)
+    c.add_step(4, 1, 0)
+    c.add_step(0, 1, 0)
+    c.add_step(8, 1, 0)
+    c.add_finished(*_left(_stats(tokens=10, flushes=2, wasted_rows=3, flip_rate=[0.5, 0.1, 0.0]), 5))
+    c.add_finished(*_left(_stats(tokens=30, flushes=0, wasted_rows=0, flip_rate=[0.1, 0.0, 0.0]), 7))
+    c.add_finished(*_left(_stats(tokens=2, flushes=0, wasted_rows=1, flip_rate=[]), 3, cancelled=True))
     s = c.snapshot(active=1, queued=2)
     assert (s["steps"], s["rows"], s["rows_per_step"], s["max_rows_per_step"]) == (2, 12, 6.0, 8)
     assert (s["finished"], s["cancelled"], s["tokens"], s["flushes"]) == (2, 1, 42, 2)
@@ -530,20 +536,46 @@ def tiny_model():
     return SpeedT5(preset("tiny", pattern="2x3")).eval()
 
 
+def _runner(
+    model, config: EngineConfig, after_step: Callable[[int, int], None] | None = None
+) -> tuple[EngineRunner, list[Ended], list[int]]:
+    """An ``EngineRunner`` whose hooks keep every request that left the engine (its ``Ended``) and each step's
+    rows; ``after_step(n, active)`` runs after its n-th step (1-based), before that step's tokens are handed out."""
+    ended: list[Ended] = []
+    rows: list[int] = []
+
+    def on_step(step_rows: int, active: int, queued: int) -> None:
+        rows.append(step_rows)
+        if after_step is not None:
+            after_step(len(rows), active)
+
+    return EngineRunner(model, config, ended.append, on_step), ended, rows
+
+
 def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
-    """Concurrent requests joining a running batch, streamed token by token, equal decoding each alone."""
+    """Concurrent requests joining a running batch, streamed token by token, equal decoding each alone. The
+    arrivals come from the runner's step hook, after steps 2, 4 and 6, while the first request decodes."""
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randint(3, tiny_model.config.vocab_size, (n,), generator=gen).tolist() + [1] for n in (5, 9, 3, 7)]
     methods = ["speed", "sequential", "speed", "speed"]
 
+    def request(i: int) -> Request:
+        return Request(inputs[i], 12 + i, methods[i], Speculation(1 + i % 3))
+
     async def run():
-        left = []
+        arriving, active_then = [], []
+
+        def arrive(step: int, active: int) -> None:  # a submit lands on the engine thread before step + 2
+            if step in (2, 4, 6):
+                i = len(arriving) + 1
+                arriving.append(asyncio.get_running_loop().create_task(runner.submit(request(i), i)))
+                active_then.append(active)
+
         config = EngineConfig(max_active=2, max_source_len=16, max_target_len=24, row_budget=5)
-        runner = EngineRunner(tiny_model, config, lambda f, s: left.append(s.meta))
-        subs = []
-        for i, (ids, method) in enumerate(zip(inputs, methods)):
-            subs.append(await runner.submit(Request(ids, 12 + i, method, Speculation(1 + i % 3)), i))
-            await asyncio.sleep(0.005)  # arrivals while others decode
+        runner, ended, rows = _runner(tiny_model, config, arrive)
+        subs = [await runner.submit(request(0), 0)]
+        await subs[0].done  # 12 tokens of a 3-loop model: more than 6 steps
+        subs += [await task for task in arriving]
 
         async def collect(s):
             return [c.token async for c in s.stream()]
@@ -551,25 +583,23 @@ def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
         streamed = await asyncio.gather(*(collect(s) for s in subs))
         finished = [await s.done for s in subs]
         runner.close()
-        return streamed, finished, left, runner.counters
+        return streamed, finished, ended, rows, active_then
 
-    streamed, finished, left, counters = asyncio.run(run())
+    streamed, finished, ended, rows, active_then = asyncio.run(run())
+    assert len(active_then) == 3 and all(active_then)  # each arrived while another decoded
     for i, ids in enumerate(inputs):
         alone = generate(tiny_model, torch.tensor([ids]), method="sequential", max_new_tokens=12 + i).tokens[0]
         assert finished[i].tokens == alone == streamed[i]
-    assert sorted(left) == [0, 1, 2, 3]
-    assert counters.finished == 4 and counters.tokens == sum(len(f.tokens) for f in finished)
-    assert counters.max_rows_per_step <= 5  # the row budget
+    assert sorted(e.meta for e in ended) == [0, 1, 2, 3] and not any(e.finished.cancelled for e in ended)
+    assert all(e.finished is f for e, f in zip(sorted(ended, key=lambda e: e.meta), finished))
+    assert max(rows) <= 5  # the row budget
 
 
 def test_runner_submits_all_or_none(tiny_model):
     """One refused request of several: none of them stays in the engine, none leaves a statistics row."""
 
     async def run():
-        left = []
-        runner = EngineRunner(
-            tiny_model, EngineConfig(max_active=2, max_source_len=8, max_target_len=8), lambda f, s: left.append(s)
-        )
+        runner, left, _ = _runner(tiny_model, EngineConfig(max_active=2, max_source_len=8, max_target_len=8))
         good = Request([5, 6, 1], 4)
         with pytest.raises(ValueError, match=r"^\[2\]: max_new_tokens must be at most 8"):
             await runner.submit_all([good, good, Request([5, 1], 9)], [None, None, None])
@@ -585,7 +615,7 @@ def test_runner_submits_all_or_none(tiny_model):
 
 def test_runner_cancel_frees_the_slot_and_reconfigure_rebuilds(tiny_model):
     async def run():
-        runner = EngineRunner(tiny_model, EngineConfig(max_active=1, max_source_len=8, max_target_len=64))
+        runner, ended, _ = _runner(tiny_model, EngineConfig(max_active=1, max_source_len=8, max_target_len=64))
         long = await runner.submit(Request([5, 6, 7, 1], 64, "sequential"))
         waiting = await runner.submit(Request([8, 9, 1], 4))
         async for _ in long.stream():
@@ -597,12 +627,13 @@ def test_runner_cancel_frees_the_slot_and_reconfigure_rebuilds(tiny_model):
         await runner.reconfigure(EngineConfig(max_active=3, max_source_len=8, max_target_len=16, row_budget=2))
         after = await (await runner.submit(Request([8, 9, 1], 4))).done
         runner.close()
-        return cancelled, second, after, runner
+        return cancelled, second, after, runner, ended
 
-    cancelled, second, after, runner = asyncio.run(run())
+    cancelled, second, after, runner, ended = asyncio.run(run())
     assert cancelled.cancelled and 1 <= len(cancelled.tokens) < 64
     assert not second.cancelled and second.tokens == after.tokens
-    assert runner.config.max_active == 3 and runner.counters.cancelled == 1 and runner.active == 0
+    assert runner.config.max_active == 3 and runner.active == 0
+    assert [e.finished.cancelled for e in ended] == [True, False, False] and ended[0].config.max_active == 1
 
 
 class FaultyModel:
@@ -632,9 +663,8 @@ def test_runner_fails_every_pending_request_on_an_engine_fault_and_answers_the_n
     assert all(len(t) > 2 for t in alone), "each request must still be decoding when the fault comes"
 
     async def run():
-        left = []
         config = EngineConfig(max_active=2, max_source_len=8, max_target_len=16)
-        runner = EngineRunner(FaultyModel(tiny_model, fail_at=5), config, lambda f, s: left.append(s))
+        runner, left, _ = _runner(FaultyModel(tiny_model, fail_at=5), config)
         methods = ["speed", "sequential", "speed"]
         failed = await runner.submit_all([Request(x, 12, m) for x, m in zip(inputs, methods)], [None] * 3)
         streamed = []
@@ -643,7 +673,7 @@ def test_runner_fails_every_pending_request_on_an_engine_fault_and_answers_the_n
             with pytest.raises(RuntimeError, match="injected fault"):
                 await s.done
         after = await (await runner.submit(Request(inputs[0], 6))).done
-        state = (runner.pending, runner.active, runner.queued, len(left), runner.counters.finished)
+        state = (runner.pending, runner.active, runner.queued, len(left), sum(not e.finished.cancelled for e in left))
         runner.close()
         return streamed, after, state
 

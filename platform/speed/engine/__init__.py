@@ -62,12 +62,13 @@ Modules: ``types`` (the ``Stepper`` protocol, ``Admitted``, ``EngineConfig``,
 back), ``adapters`` (a ``Stepper`` per model
 family), ``policies`` (pure functions: the one launch rule ``may_launch``,
 what follows a token, branch, flush, row budget), ``state`` (a request's
-``RequestState``, its ``InFlight`` tokens and their ``Exit``s),
-``scheduler`` (``Scheduler``: which rows a step runs, and after it what each
-chain and lane becomes: what a step decides), ``outputs`` (what a step
-records: exits, commits' counters and traces, ``Finished``), ``engine``
-(``Engine``: admission, validation, the model call, locking), as vLLM splits
-its scheduler, executor and output processor.
+``RequestState`` and ``RequestCounts``, its ``InFlight`` tokens and their
+``Exit``s), ``scheduler`` (``Scheduler``: a step's plan as plain data, and
+after it what each chain and lane becomes, the commits and the one writer of
+``DecodeStats``), ``outputs`` (what a step records: exits, commits' counters
+and traces, ``Finished``), ``engine`` (``Engine``: admission, validation, the
+executor (the model call, the hidden states), locking), as vLLM v1 splits
+its scheduler, executor and output processing.
 
 Names, one per concept (M loops of N shared layers):
 

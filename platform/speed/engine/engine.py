@@ -1,9 +1,9 @@
 """The engine: admission, and one pipeline step at a time (see ``speed.engine``).
 
-A pipeline step (``Engine.step``) is three parts, as vLLM's scheduler, executor and output processor: the
-``Scheduler`` chooses the step's rows, the model runs them in one group pass (``_group_pass``, the only model call
-besides admission), ``speed.engine.outputs`` records their exits; then the scheduler decides what each request's
-tokens become, and the commits are recorded.
+A pipeline step (``Engine.step``) is three parts, as vLLM v1's scheduler, executor and output processing: the
+``Scheduler`` plans the step's rows as plain data (``StepPlan``), the executor runs them in one group pass
+(``_execute``, the only model call besides admission; it keeps every in-flight token's hidden state), and the
+scheduler's ``update`` turns the exit logits into the step's commits, its finished requests and its counts.
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ import torch
 from torch import Tensor
 
 from speed.engine.cache import Rows
-from speed.engine.outputs import finished, record_commit, record_exits
+from speed.engine.outputs import finished
 from speed.engine.policies import LaunchRule
 from speed.engine.sampling import MAX_LOGPROBS, Sampling
-from speed.engine.scheduler import Scheduler
+from speed.engine.scheduler import Scheduled, Scheduler, StepPlan
 from speed.engine.state import InFlight, RequestState
 from speed.engine.trace import TraceBuilder
 from speed.engine.types import (
     METHODS,
-    Commit,
-    DecodeStats,
     EngineConfig,
     Finished,
     Request,
@@ -58,8 +56,9 @@ class Engine:
         self._step_no = 0
         self._lock = threading.Lock()  # the decoding state: step and cancel
         self._queue_lock = threading.Lock()  # the waiting queue and ids: add
-        self.stats = DecodeStats()  # totals over the engine's life
-        self._scheduler = Scheduler(self._cache, self.model.n_loops, config.row_budget, self.stats)
+        self._hidden: dict[int, Tensor] = {}  # the executor's: each in-flight token's hidden state (d,), by key
+        self._scheduler = Scheduler(self._cache, self.model.n_loops, config.row_budget)
+        self.stats = self._scheduler.stats  # totals over the engine's life (the scheduler's update writes them)
 
     # ----- public API ----------------------------------------------------------------------
 
@@ -125,66 +124,51 @@ class Engine:
                 return self._step()
 
     def _step(self) -> StepResult:
-        committed: list[Commit] = []
-        done: list[Finished] = []
-        prefilled = self._admit()
+        prefilled, exits = self._admit()
+        # output position 0 of a prefilled request was decided by admission: commit it, launch its successor
         now = time.perf_counter()
-        for seq in prefilled:  # output position 0 was decided by admission: commit it, launch its successor
-            self._after(seq, now, committed, done)
+        admitted = self._scheduler.admitted(prefilled, exits, now)
+        committed, done = admitted.committed, self._leave(admitted, now)
         if not self._active:
             return StepResult(committed, done, 0)
-        work = self._scheduler.select(self._active.values(), self._step_no)
+        plan = self._scheduler.select(self._active.values(), self._step_no)
         self._step_no += 1
-        logits = self._group_pass(work)
-        record_exits(work, logits, self.model.n_loops)
-        st = self.stats
-        st.steps += 1
-        st.group_passes += 1
-        st.rows += len(work)
-        for seq, _ in work:
-            seq.rows += 1
+        logits = self._execute(plan)
         now = time.perf_counter()
-        for seq in {seq.id: seq for seq, _ in work}.values():  # each request that ran, in admission order
-            seq.steps += 1
-            self._after(seq, now, committed, done)
-        return StepResult(committed, done, len(work))
+        ran = self._scheduler.update(plan, logits, now)
+        done += self._leave(ran, now)
+        live = {t.key for seq in self._active.values() for t in seq.in_flight()}
+        self._hidden = {key: h for key, h in self._hidden.items() if key in live}  # the others left the chains
+        return StepResult(committed + ran.committed, done, len(plan.rows))
 
-    def _group_pass(self, work: list[tuple[RequestState, InFlight]]) -> Tensor | None:
-        """Run the rows ``work`` through one group pass of the model (``Stepper.step``; embedding the tokens
-        launched since), leave each token's hidden state for its next loop, and return the rows' exit logits
+    def _execute(self, plan: StepPlan) -> Tensor | None:
+        """Run the plan's rows through one group pass of the model (``Stepper.step``; embedding the tokens
+        launched since), keep each token's hidden state for its next loop, and return the rows' exit logits
         (R, V) (None: no row needed them)."""
-        fresh = [t for _, t in work if t.hidden is None]
+        fresh = [r for r in plan.rows if r.key not in self._hidden]
         if fresh:
-            tokens = torch.tensor([t.token for t in fresh], device=self._device)
-            for t, h in zip(fresh, self.model.embed(tokens)):
-                t.hidden = h
-        M = self.model.n_loops
+            tokens = torch.tensor([r.token for r in fresh], device=self._device)
+            for r, h in zip(fresh, self.model.embed(tokens)):
+                self._hidden[r.key] = h
         rows = Rows.build(
-            [s.slot for s, _ in work],
-            [t.loops_done for _, t in work],
-            [t.pos for _, t in work],
-            [t.side for _, t in work],
-            [t.up for _, t in work],
+            [r.slot for r in plan.rows],
+            [r.loops_done for r in plan.rows],
+            [r.pos for r in plan.rows],
+            [r.side for r in plan.rows],
+            [r.up for r in plan.rows],
         )
-        with_logits = any(s.all_exits or t.loops_done == M - 1 for s, t in work)
-        inputs = work[0][1].hidden[None] if len(work) == 1 else torch.stack([t.hidden for _, t in work])  # (R, d)
-        hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=with_logits)
-        for (_, t), h in zip(work, hidden.unbind(0)):
-            t.hidden = h
+        held = [self._hidden[r.key] for r in plan.rows]
+        inputs = held[0][None] if len(held) == 1 else torch.stack(held)  # (R, d)
+        hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=plan.with_logits)
+        for r, h in zip(plan.rows, hidden.unbind(0)):
+            self._hidden[r.key] = h
         return logits
 
-    def _after(self, seq: RequestState, now: float, committed: list[Commit], done: list[Finished]) -> None:
-        """Schedule ``seq`` after its rows ran; record what it committed, and collect the request if it finished."""
-        t = self._scheduler.schedule(seq)
-        if t is not None:
-            record_commit(seq, t, self.stats)
-            if len(seq.out) == 1:
-                seq.first_token = now
-            logprob = seq.logprobs[-1] if seq.logprobs is not None else None
-            committed.append(Commit(seq.id, seq.out[-1], logprob))
-        if seq.done:
+    def _leave(self, scheduled: Scheduled, now: float) -> list[Finished]:
+        """Release the requests the scheduler found done at ``now``, freeing their slots; what each gives back."""
+        for seq in scheduled.done:
             self._release(seq)
-            done.append(finished(seq, now, cancelled=False))
+        return [finished(seq, now, cancelled=False) for seq in scheduled.done]
 
     # ----- internals -------------------------------------------------------------------------
 
@@ -224,10 +208,10 @@ class Engine:
         if k is not None and (type(k) is not int or not 0 <= k <= min(MAX_LOGPROBS, V)):
             raise ValueError(f"logprobs must be None or an integer in 0..{min(MAX_LOGPROBS, V)}, got {k!r}")
 
-    def _admit(self) -> list[RequestState]:
+    def _admit(self) -> tuple[list[RequestState], list[Tensor]]:
         """Move waiting requests into free slots and admit them there together (T5: encoding each prompt; a
         decoder-only LM: prefilling them in one pass), each one's result its own alone; return those whose
-        output position 0 the admission decided."""
+        output position 0 the admission decided, with that row's logits of every loop (M, V) each."""
         coming = []
         while self._free and self._waiting:
             with self._queue_lock:
@@ -236,21 +220,18 @@ class Engine:
             self._cache.reset(seq.slot)
             coming.append(seq)
         if not coming:
-            return []
+            return [], []
         prompts = [torch.tensor(list(seq.request.input_ids), device=self._device) for seq in coming]  # (P,) each
         admitted_all = self.model.admit(self._memory, self._cache, [seq.slot for seq in coming], prompts)
-        prefilled = []
+        prefilled, exits = [], []
         for seq, admitted in zip(coming, admitted_all):
-            first = InFlight(0, admitted.token)
-            seq.chain.append(first)
+            seq.chain.append(InFlight(0, admitted.token))
             seq.admitted = time.perf_counter()
             self._active[seq.id] = seq
-            if admitted.exits is not None:  # (M, V): the prefill ran the first row through every loop
-                M = self.model.n_loops
-                for loop in range(M):
-                    record_exits([(seq, first)], admitted.exits[loop : loop + 1], M)
+            if admitted.exits is not None:  # the prefill ran the first row through every loop
                 prefilled.append(seq)
-        return prefilled
+                exits.append(admitted.exits)
+        return prefilled, exits
 
     def _release(self, seq: RequestState) -> None:
         del self._active[seq.id]

@@ -1,5 +1,5 @@
 """What the engine records of a step: each row's exit from the model's logits, each committed token's counters,
-trace and logprob, and what a request that leaves gives back."""
+trace and logprob (a request's ``RequestCounts``), and what a request that leaves gives back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import Tensor
 
 from speed.engine.sampling import exit_choices, exit_scores, token_logprob
 from speed.engine.state import Exit, InFlight, RequestState
-from speed.engine.types import NO_EXIT, DecodeStats, Finished, RequestStats
+from speed.engine.types import NO_EXIT, Finished, RequestStats
 
 
 def record_exits(work: list[tuple[RequestState, InFlight]], logits: Tensor | None, n_loops: int) -> None:
@@ -25,11 +25,12 @@ def record_exits(work: list[tuple[RequestState, InFlight]], logits: Tensor | Non
             t.logprob = token_logprob(logits[r], e.pred, seq.request.logprobs)
 
 
-def record_commit(seq: RequestState, t: InFlight, stats: DecodeStats) -> None:
-    """Count the token ``t`` the scheduler just committed (the last of ``seq.out``): acceptance, flips per loop,
-    its trace rows and logprob."""
+def record_commit(seq: RequestState, t: InFlight, now: float) -> None:
+    """Count the token ``t`` the scheduler just committed at ``now`` (the last of ``seq.out``): the first token's
+    time, acceptance, flips per loop, its trace rows and logprob."""
     token = seq.out[-1]
-    stats.tokens += 1
+    if len(seq.out) == 1:
+        seq.first_token = now
     if t.ahead:
         seq.accepted[t.ahead - 1] += 1
     if seq.all_exits:

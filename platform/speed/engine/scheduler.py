@@ -1,16 +1,24 @@
 """The scheduler: which rows a step computes, and after it, what each request's in-flight tokens become.
 
-It decides with the pure rules of ``speed.engine.policies`` and keeps the decoding state (``RequestState``,
-``InFlight``) and the cache's bookkeeping (invalidating and promoting entries) in step with its decisions; it
-never runs the model (the engine does) and records only its own counters (flushes, wasted rows, promotions).
+As vLLM's: ``select`` returns the step's plan as plain data (``StepPlan``: slots, positions, loops, input tokens),
+the engine's executor runs it (keeping every token's hidden state), and ``update`` turns the executor's exit
+logits into the step's outcome (``Scheduled``: commits and the requests that are done), the one place that
+writes the engine's ``DecodeStats``. It decides with the pure rules of ``speed.engine.policies`` and keeps the
+decoding state (``RequestState``, ``InFlight``) and the cache's bookkeeping (invalidating and promoting entries)
+in step with its decisions; it never runs the model.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from torch import Tensor
 
 from speed.engine.cache import KVCache
+from speed.engine.outputs import record_commit, record_exits
 from speed.engine.policies import (
     Successor,
     budget_rows,
@@ -21,26 +29,102 @@ from speed.engine.policies import (
     should_flush,
 )
 from speed.engine.state import InFlight, RequestState
-from speed.engine.types import DecodeStats
+from speed.engine.types import Commit, DecodeStats
+
+
+class PlannedRow(NamedTuple):
+    """One row of a step's plan: an in-flight token through its next loop."""
+
+    key: int  # the token's key (``InFlight.key``): where the executor keeps its hidden state
+    token: int  # its input token, embedded when the executor holds no hidden state for it yet
+    slot: int
+    loops_done: int  # its finished loops: the row runs loop loops_done + 1
+    pos: int
+    side: int
+    up: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one pipeline step computes, for the executor: its rows in order, and whether any row's exit logits are
+    needed (every loop's for a request that evaluates all exits, else the last loop's)."""
+
+    step_no: int
+    rows: list[PlannedRow]
+    with_logits: bool
+
+
+@dataclass
+class Scheduled:
+    """What the scheduler made of a step's results: the tokens committed, in order, and the requests now done."""
+
+    committed: list[Commit] = field(default_factory=list)
+    done: list[RequestState] = field(default_factory=list)
 
 
 class Scheduler:
-    """Row selection and the schedule between steps for the requests of one engine (its cache, its counters)."""
+    """Row selection and the schedule between steps for the requests of one engine (its cache, its totals)."""
 
-    def __init__(self, cache: KVCache, n_loops: int, row_budget: int | None, stats: DecodeStats) -> None:
+    def __init__(self, cache: KVCache, n_loops: int, row_budget: int | None, stats: DecodeStats | None = None) -> None:
         self.cache = cache
         self.n_loops = n_loops
         self.row_budget = row_budget
-        self.stats = stats  # the engine's totals: the scheduler adds flushes, wasted rows and promotions
+        self.stats = DecodeStats() if stats is None else stats  # the engine's totals; only the scheduler writes them
+        self._work: list[tuple[RequestState, InFlight]] = []  # the last plan's rows, as decoding state
 
-    def select(self, seqs: Iterable[RequestState], step_no: int) -> list[tuple[RequestState, InFlight]]:
-        """Step ``step_no``'s rows, in the order of ``seqs`` (admission order): all in-flight rows, or the row
-        budget's choice.
+    def select(self, seqs: Iterable[RequestState], step_no: int) -> StepPlan:
+        """Step ``step_no``'s plan (kept for ``update``): its rows are all in-flight rows, or the row budget's
+        choice, in the order of ``seqs`` (admission order)."""
+        self._work = work = self._choose(list(seqs), step_no)
+        rows = [PlannedRow(t.key, t.token, s.slot, t.loops_done, t.pos, t.side, t.up) for s, t in work]
+        with_logits = any(s.all_exits or t.loops_done == self.n_loops - 1 for s, t in work)
+        return StepPlan(step_no, rows, with_logits)
+
+    def update(self, plan: StepPlan, logits: Tensor | None, now: float) -> Scheduled:
+        """After the executor ran ``plan``: record each row's exit from its logits (R, V) (None: none evaluated),
+        count the step, and schedule each request that ran (in admission order) at ``now`` (perf_counter)."""
+        work = self._work
+        assert len(work) == len(plan.rows), "update takes the plan of the last select"
+        record_exits(work, logits, self.n_loops)
+        st = self.stats
+        st.steps += 1
+        st.group_passes += 1
+        st.rows += len(work)
+        for seq, _ in work:
+            seq.rows += 1
+        out = Scheduled()
+        for seq in {seq.id: seq for seq, _ in work}.values():  # each request that ran, in admission order
+            seq.steps += 1
+            self._settle(seq, now, out)
+        return out
+
+    def admitted(self, seqs: list[RequestState], exits: list[Tensor], now: float) -> Scheduled:
+        """After admission ran each request's first row through every loop (its logits (M, V) in ``exits``):
+        record them, and schedule the requests at ``now`` (commit output position 0, launch its successor)."""
+        for seq, logits in zip(seqs, exits):
+            for loop in range(self.n_loops):
+                record_exits([(seq, seq.chain[0])], logits[loop : loop + 1], self.n_loops)
+        out = Scheduled()
+        for seq in seqs:
+            self._settle(seq, now, out)
+        return out
+
+    def _settle(self, seq: RequestState, now: float, out: Scheduled) -> None:
+        """Schedule ``seq`` after its rows ran; record what it committed, and note it if it is done."""
+        t = self.schedule(seq)
+        if t is not None:
+            record_commit(seq, t, now)
+            logprob = seq.logprobs[-1] if seq.logprobs is not None else None
+            out.committed.append(Commit(seq.id, seq.out[-1], logprob))
+        if seq.done:
+            out.done.append(seq)
+
+    def _choose(self, seqs: list[RequestState], step_no: int) -> list[tuple[RequestState, InFlight]]:
+        """Step ``step_no``'s rows, in the order of ``seqs``: all in-flight rows, or the row budget's choice.
 
         The budget serves each request's committed path, then chain speculation, then branches; a branch
         runs only in a step that runs its parent, so it never catches up with the keys it reads.
         """
-        seqs = list(seqs)
         budget = self.row_budget
         flying = {s.id: s.in_flight() for s in seqs}
         if budget is None or sum(map(len, flying.values())) <= budget:
@@ -89,6 +173,7 @@ class Scheduler:
         (kept, a promoted lane, or one relaunched on the committed path), or none when ``seq`` is done."""
         token = t.exits[-1].pred
         seq.out.append(token)
+        self.stats.tokens += 1
         if token == seq.launch.eos_id or len(seq.out) >= seq.request.max_new_tokens:
             t.lane = self._drop(seq, t.lane)
             self._flush(seq, ahead, mispredicted=False)

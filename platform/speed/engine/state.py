@@ -1,11 +1,11 @@
-"""The engine's decoding state: a request's ``RequestState``, its ``InFlight`` tokens and their ``Exit``s."""
+"""The engine's decoding state: a request's ``RequestState`` (its decisions) beside its ``RequestCounts`` (counters,
+timings, records), its ``InFlight`` tokens and their ``Exit``s."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
-
-from torch import Tensor
 
 from speed.engine.policies import LaunchRule
 from speed.engine.sampling import Draw, TokenLogprob
@@ -29,7 +29,6 @@ class InFlight:
 
     pos: int
     token: int
-    hidden: Tensor | None = None  # (d,) input to its next loop; None until embedded
     exits: list[Exit] = field(default_factory=list)  # one per finished loop, in loop order
     ahead: int = 0  # uncommitted tokens ahead of it when launched: 0 on the committed path, else its draft position
     logprob: TokenLogprob | None = None  # after its last loop, when the request asked for logprobs
@@ -37,6 +36,8 @@ class InFlight:
     # branch's own successors at pos + 2, ...; empty: no branch
     side: int = -1  # a lane token's side entry in the cache (its own key/value); -1 on the chain
     up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side entry), oldest first
+    key: int = field(default_factory=itertools.count().__next__, compare=False, repr=False)  # unique for the
+    # process: where the executor keeps its hidden state (never reused, so a new token never finds an old one's)
 
     @property
     def loops_done(self) -> int:
@@ -49,23 +50,14 @@ class InFlight:
         return [e.pred for e in self.exits]
 
 
-@dataclass
-class RequestState:
-    """One request's state, from ``add`` until it leaves."""
+@dataclass(kw_only=True)
+class RequestCounts:
+    """What is counted, timed and recorded of one request for its ``RequestStats`` and its trace: written as its
+    rows run and its tokens commit (``Scheduler.update``, ``speed.engine.outputs``), never read by a decision."""
 
-    id: int
-    request: Request
-    launch: LaunchRule  # when its tokens may launch successors (sequential: launch loop M, so never early)
-    all_exits: bool  # every loop's exit is evaluated (SPEED, or a traced sequential request)
     added: float  # perf_counter at add
-    slot: int = -1  # its engine slot (its place in the KV cache and the encoder memory); -1 while queued
-    out: list[int] = field(default_factory=list)  # committed tokens
-    chain: list[InFlight] = field(default_factory=list)  # in flight, oldest first; chain[i+1] launched from chain[i]
-    side_free: list[int] = field(default_factory=list)  # a heap of its slot's side entries its branches may take
-    done: bool = False
     admitted: float = float("nan")
     first_token: float = float("nan")
-    last_served: int = -1  # the last step that computed its committed-path row (budget fairness)
     steps: int = 0
     rows: int = 0
     flushes: int = 0
@@ -77,6 +69,23 @@ class RequestState:
     accepted: list[int] = field(default_factory=list)  # committed draft tokens by draft position - 1
     trace: TraceBuilder | None = None
     logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
+
+
+@dataclass
+class RequestState(RequestCounts):
+    """One request's decoding state, from ``add`` until it leaves: what the scheduler decides from and changes
+    (its counters, timings and records are the ``RequestCounts`` fields, keyword-only)."""
+
+    id: int
+    request: Request
+    launch: LaunchRule  # when its tokens may launch successors (sequential: launch loop M, so never early)
+    all_exits: bool  # every loop's exit is evaluated (SPEED, or a traced sequential request)
+    slot: int = -1  # its engine slot (its place in the KV cache and the encoder memory); -1 while queued
+    out: list[int] = field(default_factory=list)  # committed tokens
+    chain: list[InFlight] = field(default_factory=list)  # in flight, oldest first; chain[i+1] launched from chain[i]
+    side_free: list[int] = field(default_factory=list)  # a heap of its slot's side entries its branches may take
+    done: bool = False
+    last_served: int = -1  # the last step that computed its committed-path row (budget fairness)
 
     def guess(self, t: InFlight) -> int:
         """The prediction to speculate from (its successor's token): the oracle's token if forced, else the latest

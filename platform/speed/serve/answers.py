@@ -4,9 +4,9 @@ whole answer or its server-sent events.
 ``ChoiceText`` turns one choice's tokens into text deltas (incremental detokenisation, stop strings cut across
 tokens, logprobs kept with the text they belong to). ``choice_events`` merges the token streams of a request's
 submissions into one sequence of ``Event``: a text delta or a choice's end. A stop string cancels its choice in
-the engine at once (its rows are freed) after recording, in the submission's ``stopped_at``, how many
-tokens the answer kept. ``whole_answer`` collects the events into one body, ``streamed_answer`` sends each as
-it comes (``speed.serve.responses`` shapes both).
+the engine at once (its rows are freed), telling the runner how many tokens the answer kept (its record's).
+``whole_answer`` collects the events into one body, ``streamed_answer`` sends each as it comes
+(``speed.serve.responses`` shapes both).
 """
 
 from __future__ import annotations
@@ -153,10 +153,11 @@ class Event:
 
 
 async def choice_events(
-    submissions: list[Submission], texts: list[ChoiceText], cancel: Callable[[int], None]
+    submissions: list[Submission], texts: list[ChoiceText], cancel: Callable[[int, int | None], None]
 ) -> AsyncIterator[Event]:
     """Every choice's deltas as its tokens commit, then its end; on leaving early (a client gone, an error) the
-    unfinished choices are cancelled (``cancel`` takes an engine id)."""
+    unfinished choices are cancelled (``cancel`` takes an engine id, and the tokens kept when a stop string ended
+    the choice: ``EngineRunner.cancel_soon``)."""
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
 
     async def pump(index: int, s: Submission) -> None:
@@ -175,8 +176,7 @@ async def choice_events(
                     continue
                 delta = text.push(commit.token, commit.logprob)
                 if text.stopped:
-                    s.stopped_at = text.consumed
-                    cancel(s.id)
+                    cancel(s.id, text.consumed)
                 yield Event(index, delta)
                 continue
             left -= 1
@@ -192,7 +192,7 @@ async def choice_events(
             p.cancel()
         for s in submissions:
             if not s.done.done():
-                cancel(s.id)
+                cancel(s.id, None)
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ class Answering:
     plan: Plan
     submissions: list[Submission]  # one per choice, in the plan's order
     tokenizer: Any  # decode, piece
-    cancel: Callable[[int], None]  # cancels an engine id without waiting
+    cancel: Callable[[int, int | None], None]  # cancels an engine id without waiting (tokens kept by a stop string)
 
     def texts(self) -> list[ChoiceText]:
         """A fresh ``ChoiceText`` per choice (its prompt's echo first)."""

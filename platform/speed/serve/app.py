@@ -49,7 +49,7 @@ from speed.config import coerce, from_dict
 from speed.engine.defaults import device_exit_adapters, device_levers
 from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import Answering, streamed_answer, whole_answer
-from speed.serve.metrics import ServeMetrics, resident_bytes
+from speed.serve.metrics import ServeCounters, ServeMetrics, resident_bytes
 from speed.serve.planning import engine_error, plan_request
 from speed.serve.protocol import BadRequest, ChatRequest, CompletionRequest
 from speed.serve.records import ChoiceMeta, Recorder
@@ -141,7 +141,8 @@ class SpeedServer:
         self.device = device
         self.settings = self._settings({})
         sink = StatsSink(stats_path, self.replica, self.settings.flush_rows, self.settings.flush_s)
-        self.recorder = Recorder(sink, ServeMetrics())
+        self.counters = ServeCounters(export=ServeMetrics())  # /v1/stats and Prometheus, each event counted once
+        self.recorder = Recorder(sink, self.counters)
         self.runner = EngineRunner(
             self.model, self.settings.engine_config(), self.recorder.finished, self.recorder.step
         )
@@ -207,7 +208,7 @@ class SpeedServer:
     @api.get("/v1/stats")
     def stats(self) -> dict[str, Any]:
         """This replica's totals since it started, its resident memory (bytes) and its settings."""
-        counts = self.runner.counters.snapshot(self.runner.active, self.runner.queued)
+        counts = self.counters.snapshot(self.runner.active, self.runner.queued)
         memory = {"rss_bytes": resident_bytes()}
         return {"replica": self.replica, **counts, **memory, "settings": dataclasses.asdict(self.settings)}
 
@@ -232,7 +233,7 @@ class SpeedServer:
             body = await limits.read_request(http, model, settings.max_body_bytes, settings.max_prompts)
             plan = plan_request(body, settings, self.tokenizer, self.model_name, served.family, served.template)
         except BadRequest:
-            self.runner.counters.rejected += 1
+            self.counters.add_rejected()
             raise
         request_id = f"{'chatcmpl' if surface.chat else 'cmpl'}-{uuid.uuid4().hex}"
         route = "chat" if surface.chat else "completions"
@@ -244,9 +245,9 @@ class SpeedServer:
         try:
             submissions = await self.runner.submit_all(plan.requests, metas)
         except ValueError as err:  # the engine's check of each request: said in the request's words
-            self.runner.counters.rejected += 1
+            self.counters.add_rejected()
             raise engine_error(err) from None
-        self.runner.counters.requests += 1
+        self.counters.add_request()
         answering = Answering(
             surface=surface,
             request_id=request_id,

@@ -15,16 +15,18 @@ SPEED's own: ``speed_requests`` (tags method, finish_reason), ``speed_flushes``,
 over ``speed_generation_tokens`` it is the flip rate per loop) and the histogram
 ``speed_rows_per_step``. Ray's exporter puts its ``ray_`` namespace before every name and
 ``_total`` after a counter's (``ray_speed_spec_decode_num_drafts_total``).
+
+``ServeCounters`` is where a replica counts each event once: its running totals are ``/v1/stats``, and it hands
+the same events to its ``ServeMetrics`` (``export``) for Prometheus.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from speed.engine import RequestStats
+from speed.engine import Finished
 
 SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5]
@@ -123,8 +125,10 @@ def resident_bytes() -> int | None:
 
 @dataclass
 class ServeCounters:
-    """A replica's running totals, served by ``GET /v1/stats``."""
+    """A replica's running totals, served by ``GET /v1/stats``; each event is counted here once, and handed to
+    Prometheus (``export``) from here."""
 
+    export: ServeMetrics | None = field(default=None, repr=False, compare=False)  # None: no Prometheus export
     requests: int = 0  # completion requests accepted (each may hold several prompts)
     rejected: int = 0  # requests answered with a 4xx before decoding
     finished: int = 0  # prompts decoded to the end
@@ -144,24 +148,37 @@ class ServeCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_tokens_per_pos: list[int] = field(default_factory=list)
 
-    def add_step(self, rows: int) -> None:
-        """Count one engine step of ``rows`` rows (steps without rows are not counted)."""
+    def add_request(self) -> None:
+        """Count one completion request accepted for decoding."""
+        self.requests += 1
+
+    def add_rejected(self) -> None:
+        """Count one request answered with a 4xx before decoding."""
+        self.rejected += 1
+
+    def add_step(self, rows: int, active: int, queued: int) -> None:
+        """Count one engine step of ``rows`` rows (steps without rows are not counted), after which ``active``
+        requests hold a slot and ``queued`` wait."""
         if rows:
             self.steps += 1
             self.rows += rows
             self.max_rows_per_step = max(self.max_rows_per_step, rows)
+        if self.export is not None:
+            self.export.step(rows, active, queued)
 
-    def add_finished(self, stats: RequestStats, prompt_tokens: int, cancelled: bool) -> None:
-        """Count one prompt that left the engine."""
+    def add_finished(self, record: dict[str, Any], finished: Finished, gaps: list[float]) -> None:
+        """Count one prompt that left the engine: its ``REQUEST_SCHEMA`` record, what the engine gave back, and
+        its inter-token gaps (seconds)."""
+        stats = finished.stats
         tokens, flip_rate = stats.tokens, stats.flip_rate
-        self.prompt_tokens += prompt_tokens
+        self.prompt_tokens += record["prompt_tokens"]
         self.drafts += stats.drafts
         self.draft_tokens += stats.draft_tokens
         self.accepted_tokens += stats.accepted_tokens
         _add(self.accepted_per_pos, stats.accepted_per_pos)
         _add(self.draft_tokens_per_pos, stats.draft_tokens_per_pos)
-        self.cancelled += cancelled
-        self.finished += not cancelled
+        self.cancelled += finished.cancelled
+        self.finished += not finished.cancelled
         self.tokens += tokens
         self.flushes += stats.flushes
         self.wasted_rows += stats.wasted_rows
@@ -171,6 +188,8 @@ class ServeCounters:
             for loop, rate in enumerate(flip_rate):
                 self.flips[loop] += rate * tokens
             self.flip_tokens += tokens
+        if self.export is not None:
+            self.export.finished(record, gaps)
 
     def snapshot(self, active: int, queued: int) -> dict[str, Any]:
         """The counters as JSON, with derived rates and the engine's current load."""

@@ -4,24 +4,24 @@ that hands them to the sink and the metrics.
 ``choice_stats`` is the per-choice part of an answer's ``speed`` object; ``request_record`` the ``REQUEST_SCHEMA``
 record and ``trace_records`` the ``SERVE_TRACE_SCHEMA`` records of one choice that left the engine (pure
 functions: no Ray, no engine, no clock). The ``Recorder`` is the replica's last stage: the runner hands it every
-choice that leaves the engine (finished or cancelled) and every step; it writes the records through a
-``StatsSink`` on a writer thread, on the sink's size and time bounds, and counts them in ``ServeMetrics``.
+choice that leaves the engine (finished or cancelled, an ``Ended`` whose meta is its ``ChoiceMeta``) and every
+step; it writes the records through a ``StatsSink`` on a writer thread, on the sink's size and time bounds, and
+counts each once in the replica's ``ServeCounters`` (which feed ``/v1/stats`` and Prometheus).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from speed.engine import EngineConfig, Finished, Request
-from speed.serve.metrics import ServeMetrics, spec_decode
-from speed.serve.runner import Submission
+from speed.engine import Finished
+from speed.serve.metrics import ServeCounters, spec_decode
+from speed.serve.runner import Ended
 from speed.serve.settings import decoding
 from speed.serve.sink import StatsSink
 from speed.tokenizer import EOS_ID
@@ -45,18 +45,6 @@ class ChoiceMeta:
     replica: str  # the Serve replica that decodes it
     model: str  # the served model's name
     family: str  # "t5" or "lm"
-
-
-@dataclass(frozen=True)
-class ChoiceEnd:
-    """How a choice left the engine, as the runner saw it."""
-
-    request: Request
-    finished: Finished
-    stopped_at: int | None  # tokens the answer kept when a stop string ended it; None: no stop string did
-    gaps: list[float]  # seconds between its committed tokens
-    total_s: float  # from its request's arrival until it left the engine
-    config: EngineConfig  # the engine's capacity and row budget it ran under
 
 
 def choice_stats(finished: Finished) -> dict[str, Any]:
@@ -87,9 +75,9 @@ def finish_reason(finished: Finished, stopped_at: int | None) -> str:
     return "stop" if finished.tokens and finished.tokens[-1] == EOS_ID else "length"
 
 
-def request_record(meta: ChoiceMeta, end: ChoiceEnd) -> dict[str, Any]:
-    """The ``REQUEST_SCHEMA`` record of one choice."""
-    finished, request = end.finished, end.request
+def request_record(end: Ended[ChoiceMeta]) -> dict[str, Any]:
+    """The ``REQUEST_SCHEMA`` record of one choice that left the engine."""
+    finished, request, meta = end.finished, end.request, end.meta
     st, s = finished.stats, request.sampling
     tokens = len(finished.tokens) if end.stopped_at is None else end.stopped_at
     speed = {k: v for k, v in choice_stats(finished).items() if k not in ("tokens", "spec_decode")}
@@ -119,7 +107,7 @@ def request_record(meta: ChoiceMeta, end: ChoiceEnd) -> dict[str, Any]:
         "accepted_per_pos": list(st.accepted_per_pos),
         "draft_tokens_per_pos": list(st.draft_tokens_per_pos),
         "itl_ms": sum(end.gaps) / len(end.gaps) * 1e3 if end.gaps else None,
-        "total_ms": end.total_s * 1e3,
+        "total_ms": (end.left - meta.started) * 1e3,  # from its request's arrival until it left the engine
         "max_active": end.config.max_active,
         "row_budget": end.config.row_budget,
     }
@@ -146,34 +134,25 @@ def _log_write_error(done: Future) -> None:
 class Recorder:
     """A replica's statistics: every choice that leaves the engine becomes one request record (and its trace
     records) in the sink, written as Parquet on the sink's bounds on a writer thread (so the event loop keeps
-    serving), and counts in the metrics. A submission's ``meta`` is its choice's ``ChoiceMeta``."""
+    serving), and is counted once in the counters, as is every step."""
 
-    def __init__(self, sink: StatsSink, metrics: ServeMetrics) -> None:
+    def __init__(self, sink: StatsSink, counters: ServeCounters) -> None:
         self.sink = sink
-        self.metrics = metrics
+        self.counters = counters
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speed-stats")  # Parquet, in order
         self._flusher: asyncio.Task | None = None
 
-    def finished(self, finished: Finished, submission: Submission) -> None:
+    def finished(self, end: Ended[ChoiceMeta]) -> None:
         """A choice left the engine (the runner's ``on_finished``): its records to the sink, its counts."""
-        meta: ChoiceMeta = submission.meta
-        end = ChoiceEnd(
-            submission.request,
-            finished,
-            submission.stopped_at,
-            submission.gaps,
-            time.perf_counter() - meta.started,
-            submission.config,
-        )
-        record = request_record(meta, end)
-        self.sink.add(record, trace_records(finished.trace, meta))
-        self.metrics.finished(record, submission.gaps)
+        record = request_record(end)
+        self.sink.add(record, trace_records(end.finished.trace, end.meta))
+        self.counters.add_finished(record, end.finished, end.gaps)
         if self.sink.due():
             self._write_soon()
 
     def step(self, rows: int, active: int, queued: int) -> None:
         """After every engine step (the runner's ``on_step``): rows per step and the engine's load."""
-        self.metrics.step(rows, active, queued)
+        self.counters.add_step(rows, active, queued)
 
     def set_bounds(self, max_records: int, max_seconds: float) -> None:
         """The sink's flush bounds (a live setting)."""

@@ -6,6 +6,8 @@ while a step computes, and the engine is only ever touched by that thread.
 The stepping task runs while requests are active and sleeps otherwise.
 Committed tokens (``speed.engine.Commit``: token and log-probabilities) go to
 each request's queue as they come, for streaming, with the time they arrived.
+The runner counts nothing itself: it hands every step (``on_step``) and every
+request that leaves the engine (``on_finished``, an ``Ended``) to its caller.
 """
 
 from __future__ import annotations
@@ -16,26 +18,27 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from speed.engine import Commit, Engine, EngineConfig, Finished, Request
-from speed.serve.metrics import ServeCounters
 
 log = logging.getLogger(__name__)
 
+Meta = TypeVar("Meta")  # the caller's own record of a request (the app's: its choice's ChoiceMeta)
+
 
 @dataclass
-class Submission:
+class Submission(Generic[Meta]):
     """A request inside the runner: its engine id, its tokens as they commit, and its end."""
 
     request: Request
-    meta: Any = None  # the caller's own record of the request (the app's: its choice's ChoiceMeta)
+    meta: Meta  # the caller's record of it, handed back in its ``Ended``
     id: int = -1  # the engine's id, set when the engine accepted it
     tokens: asyncio.Queue[Commit | None] = field(default_factory=asyncio.Queue)  # None after the last token
     done: asyncio.Future[Finished] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     times: list[float] = field(default_factory=list)  # perf_counter when each committed token reached the runner
     config: EngineConfig | None = None  # the engine's capacity and row budget it runs under, set when queued
-    stopped_at: int | None = None  # a stop string ended it: the tokens the answer kept (speed.serve.answers)
+    stopped_at: int | None = None  # the caller ended it at a stop string, keeping these tokens (``cancel_soon``)
 
     async def stream(self) -> AsyncIterator[Commit]:
         """The committed tokens, in order, until the request finishes."""
@@ -48,26 +51,38 @@ class Submission:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
+@dataclass(frozen=True)
+class Ended(Generic[Meta]):
+    """A request that left the engine (finished or cancelled), as the runner saw it: what its record is made of."""
+
+    request: Request
+    meta: Meta  # the caller's record of it (``submit``)
+    finished: Finished
+    stopped_at: int | None  # tokens the answer kept when a stop string ended it; None: no stop string did
+    gaps: list[float]  # seconds between its committed tokens
+    left: float  # perf_counter when it left the engine
+    config: EngineConfig  # the engine's capacity and row budget it ran under
+
+
 class EngineRunner:
     """Owns an ``Engine`` and steps it from a background task while requests are active.
 
-    ``on_finished(finished, submission)`` is called on the event loop with every
-    request that leaves the engine (finished or cancelled), before its
-    submission completes; ``on_step(rows, active, queued)`` after every step.
+    ``on_finished(ended)`` is called on the event loop with every request that leaves the engine (finished or
+    cancelled), before its submission completes; ``on_step(rows, active, queued)`` after every step, before the
+    step's tokens are handed out (a test may submit from it: arrivals at a known step).
     """
 
     def __init__(
         self,
         model: Any,
         config: EngineConfig,
-        on_finished: Callable[[Finished, Submission], None] | None = None,
+        on_finished: Callable[[Ended], None] | None = None,
         on_step: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.on_finished = on_finished
         self.on_step = on_step
-        self.counters = ServeCounters()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speed-engine")
         self._engine = Engine(model, config)
         self._pending: dict[int, Submission] = {}
@@ -99,13 +114,13 @@ class EngineRunner:
         """Requests submitted and not yet finished."""
         return len(self._pending)
 
-    async def submit(self, request: Request, meta: Any = None) -> Submission:
+    async def submit(self, request: Request, meta: Meta = None) -> Submission[Meta]:
         """Queue a request (``ValueError`` from the engine says what is wrong with it); ``meta``: the caller's
         record of it, kept in its ``Submission``."""
         (submission,) = await self.submit_all([request], [meta])
         return submission
 
-    async def submit_all(self, requests: list[Request], metas: list[Any]) -> list[Submission]:
+    async def submit_all(self, requests: list[Request], metas: list[Meta]) -> list[Submission[Meta]]:
         """Queue several requests, all or none: when the engine refuses one (``ValueError``, its message
         prefixed with the request's index when there are several), those already queued are removed
         without a trace (no ``on_finished``)."""
@@ -134,10 +149,15 @@ class EngineRunner:
         self._wake.set()
         return submissions
 
-    def cancel_soon(self, request_id: int) -> None:
-        """Cancel a request without waiting (safe inside ``finally`` of a cancelled task)."""
-        if request_id not in self._pending:
+    def cancel_soon(self, request_id: int, stopped_at: int | None = None) -> None:
+        """Cancel a request without waiting (safe inside ``finally`` of a cancelled task); ``stopped_at``: the
+        answer ended it at a stop string, keeping that many tokens (its ``Ended`` says so, even if it finishes
+        before the cancel takes effect)."""
+        submission = self._pending.get(request_id)
+        if submission is None:
             return
+        if stopped_at is not None:
+            submission.stopped_at = stopped_at
         task = asyncio.get_running_loop().create_task(self.cancel(request_id))
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
@@ -202,7 +222,6 @@ class EngineRunner:
                     self._fail_all(err)
                     self._open.set()
                 continue
-            self.counters.add_step(result.rows)
             if self.on_step is not None:
                 self.on_step(result.rows, self._engine.active, self._engine.queued)
             now = time.perf_counter()
@@ -218,10 +237,11 @@ class EngineRunner:
         submission = self._pending.pop(finished.id, None)
         if submission is None:
             return
-        self.counters.add_finished(finished.stats, len(submission.request.input_ids), finished.cancelled)
         if self.on_finished is not None:
+            s = submission
+            ended = Ended(s.request, s.meta, finished, s.stopped_at, s.gaps, time.perf_counter(), s.config)
             try:
-                self.on_finished(finished, submission)
+                self.on_finished(ended)
             except Exception:  # statistics must never break an answer
                 log.exception("on_finished failed for request %d", finished.id)
         submission.tokens.put_nowait(None)
