@@ -15,6 +15,19 @@ from speed.engine import Speculation
 from speed.engine.sampling import Sampling
 
 ATOL = 1e-4
+VOCAB = 97  # the checkpoint writers' (looped_refs)
+
+
+def token_ids(seed: int = 0, batch: int = 2, length: int = 11) -> torch.Tensor:
+    """Random token ids (batch, length) of the writers' vocabulary."""
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def one_line(error) -> str:
+    """A raised error's text (``pytest.ExceptionInfo``), asserted to be one line."""
+    text = str(error.value)
+    assert "\n" not in text, text
+    return text
 
 
 def assert_loops_match(model, ids: torch.Tensor, want: list[torch.Tensor], atol: float = ATOL) -> None:

@@ -10,10 +10,15 @@ import math
 
 import pytest
 import torch
-from imported_helpers import assert_cached_equals_forward, assert_loops_match, assert_speed_exact
+from imported_helpers import (
+    assert_cached_equals_forward,
+    assert_loops_match,
+    assert_speed_exact,
+    one_line,
+    token_ids,
+)
 from looped_refs import huginn_reference_logits, write_huginn_checkpoint
 from safetensors.torch import load_file, save_file
-from test_convert_ouro import one_line
 
 from speed.hf_files import WeightsError
 from speed.models.convert_huginn import load_huginn
@@ -31,16 +36,12 @@ def huginn_dir(tmp_path_factory):
     return directory
 
 
-def ids(seed: int = 0, batch: int = 2, length: int = 11) -> torch.Tensor:
-    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("n_loops", [None, 1, 2, 6])
 def test_every_step_equals_the_reference(huginn_dir, n_loops):
     model = load_huginn(huginn_dir, n_loops=n_loops)
     steps = 3 if n_loops is None else n_loops
     assert model.n_loops == steps and model.config.pattern == f"1+2x{steps}+1"
-    assert_loops_match(model, ids(), huginn_reference_logits(huginn_dir, ids(), steps))
+    assert_loops_match(model, token_ids(), huginn_reference_logits(huginn_dir, token_ids(), steps))
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_layouts_and_sharded_bfloat16_files(tmp_path, layout):
     assert model.config.adapter_bias == layout.get("bias", False)
     assert model.config.qk_bias == layout.get("qk_bias", True)
     assert model.lm_head.weight is model.embed_tokens.weight  # tied
-    assert_loops_match(model, ids(2), huginn_reference_logits(tmp_path, ids(2), 4))
+    assert_loops_match(model, token_ids(2), huginn_reference_logits(tmp_path, token_ids(2), 4))
 
 
 def test_the_converted_config(huginn_dir):

@@ -10,7 +10,13 @@ import tempfile
 
 import pytest
 import torch
-from imported_helpers import assert_cached_equals_forward, assert_loops_match, assert_speed_exact
+from imported_helpers import (
+    assert_cached_equals_forward,
+    assert_loops_match,
+    assert_speed_exact,
+    one_line,
+    token_ids,
+)
 from looped_refs import ouro_reference, write_ouro_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -28,18 +34,14 @@ def ouro_dir(tmp_path_factory):
     return directory
 
 
-def ids(seed: int = 0, batch: int = 2, length: int = 11) -> torch.Tensor:
-    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("n_loops", [None, 1, 2, 5])
 def test_every_loop_equals_the_reference(ouro_dir, n_loops):
     model = load_ouro(ouro_dir, n_loops=n_loops)
     assert model.n_loops == (3 if n_loops is None else n_loops) == model.config.sharing.n_loops
-    want = ouro_reference(ouro_dir, ids(), n_loops)
-    assert_loops_match(model, ids(), want.logits)
+    want = ouro_reference(ouro_dir, token_ids(), n_loops)
+    assert_loops_match(model, token_ids(), want.logits)
     with torch.no_grad():
-        torch.testing.assert_close(model.exit_lambdas(ids()), torch.stack(want.lambdas, -1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(model.exit_lambdas(token_ids()), torch.stack(want.lambdas, -1), atol=1e-5, rtol=0)
 
 
 def test_sharded_bfloat16_files_and_a_head_dim_of_its_own(tmp_path):
@@ -48,7 +50,7 @@ def test_sharded_bfloat16_files_and_a_head_dim_of_its_own(tmp_path):
     )
     model = load_ouro(tmp_path)
     assert model.config.head_dim == 12 and model.config.n_kv_heads == 1
-    assert_loops_match(model, ids(1), ouro_reference(tmp_path, ids(1)).logits)
+    assert_loops_match(model, token_ids(1), ouro_reference(tmp_path, token_ids(1)).logits)
     assert load_ouro(tmp_path, dtype=torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
 
 
@@ -70,12 +72,6 @@ def test_cached_path_equals_the_forward(ouro_dir):
 @pytest.mark.slow
 def test_speed_equals_sequential_bit_for_bit(ouro_dir):
     assert assert_speed_exact(load_ouro(ouro_dir), seed=4) > 0
-
-
-def one_line(error: pytest.ExceptionInfo) -> str:
-    text = str(error.value)
-    assert "\n" not in text, text
-    return text
 
 
 @pytest.mark.parametrize(
