@@ -138,7 +138,7 @@ def test_lm_config_round_trip_presets_and_errors():
     assert [LM_PRESETS[n].d_model for n in ("tiny", "mini", "small", "base")] == [32, 256, 512, 768]
     with pytest.raises(ValueError, match="unknown LM preset 'huge'"):
         lm_preset("huge")
-    with pytest.raises(ConfigError, match=r"norm: expected one of \['pre', 'sandwich'\], got 'post'"):
+    with pytest.raises(ConfigError, match=r"norm: expected one of \['pre', 'sandwich', 'residual'\], got 'post'"):
         from_dict(LMConfig, {"norm": "post"})
     with pytest.raises(ValueError, match="unknown LMConfig key"):
         cfg.replace(n_layers=3)

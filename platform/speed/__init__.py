@@ -4,6 +4,7 @@ from speed.config import PRESETS, LMConfig, ModelConfig, SharingPattern, lm_pres
 from speed.decode.generate import DecodeStats, GenerateResult, Speculation, generate
 from speed.losses import loss_weights
 from speed.models.looped_lm import LoopedLM
+from speed.models.pretrained import from_pretrained
 from speed.models.t5 import SpeedT5
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "SharingPattern",
     "Speculation",
     "SpeedT5",
+    "from_pretrained",
     "generate",
     "lm_preset",
     "loss_weights",

@@ -206,33 +206,48 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
 
 
-Norm = Literal["pre", "sandwich"]  # where a block normalises: before each sublayer, or before and after
+Norm = Literal["pre", "sandwich", "residual"]  # where a block normalises (LMConfig's docstring)
 NORMS: tuple[str, ...] = typing.get_args(Norm)
+RopeLayout = Literal["halves", "pairs"]  # which dimensions rotary embeddings rotate together
+ROPE_LAYOUTS: tuple[str, ...] = typing.get_args(RopeLayout)
 
 
 @dataclass(frozen=True)
 class LMConfig(PatternedConfig):
     """A decoder-only looped transformer (``speed.models.looped_lm.LoopedLM``) of Llama blocks, an exit after each loop.
 
-    Blocks: RMS norm, rotary position embeddings (Llama's split-halves layout), SwiGLU FFN, no biases,
-    grouped-query attention when ``n_kv_heads < n_heads``. ``norm``: ``pre`` (Llama: a norm before each
-    sublayer) or ``sandwich`` (Ouro: also a norm on each sublayer's output). ``pattern``: ``P+NxM+C``
-    (``SharingPattern``). ``loop_norm``: the final norm's output, not the raw core output, feeds the next loop
-    (Ouro). ``injection``: each loop's input is ``adapter([state, prelude output])`` (Huginn; the state is
-    zero before the first loop).
+    Blocks: RMS norm, rotary position embeddings, SwiGLU FFN, no biases, grouped-query attention when
+    ``n_kv_heads < n_heads``. ``norm``: ``pre`` (Llama: a norm before each sublayer), ``sandwich`` (Ouro: also
+    a norm on each sublayer's output, ``h + norm(f(norm(h)))``) or ``residual`` (Huginn: also a norm on each
+    residual sum, ``norm(h + f(norm(h)))``). ``pattern``: ``P+NxM+C`` (``SharingPattern``). ``loop_norm``: the
+    final norm's output, not the raw core output, feeds the next loop (Ouro). ``injection``: each loop's input
+    is ``adapter([state, prelude output])`` (Huginn; the state is zero before the first loop).
+
+    The options of the published looped LMs, each off by default: ``rope_layout`` ``halves`` (Llama: dimension
+    i turns with i + D/2) or ``pairs`` (Huginn: 2i with 2i + 1); ``qk_bias``, a learned bias on queries and
+    keys before the rotation (Huginn); ``embed_scale``, the embedding's factor (Huginn: sqrt(d_model));
+    ``coda_norm``, the final norm also before the coda, the same weights (Huginn's ``ln_f`` twice);
+    ``adapter_bias``, the injection adapter's bias; ``exit_gate``, a Linear(d, 1) on each exit's normed state
+    whose sigmoid is that loop's exit probability lambda (Ouro's ``early_exit_gate``).
     """
 
     vocab_size: int = 32128  # T5's, so that the two families compare at equal embedding sizes
     d_model: int = 768
     n_heads: int = 12
     n_kv_heads: int = 12  # a divisor of n_heads; fewer than n_heads is grouped-query attention
-    head_dim: int = 64  # even: rotary embeddings rotate pairs of (first half, second half) dimensions
+    head_dim: int = 64  # even: rotary embeddings rotate pairs of dimensions
     d_ff: int = 2048
     pattern: str = "2x6"
     norm: Norm = "pre"
     loop_norm: bool = False
     injection: bool = False
     rope_theta: float = 10000.0
+    rope_layout: RopeLayout = "halves"
+    qk_bias: bool = False
+    embed_scale: float = 1.0
+    coda_norm: bool = False
+    adapter_bias: bool = False
+    exit_gate: bool = False
     norm_eps: float = 1e-6
     tie_embeddings: bool = False  # the LM head reuses the input embedding (SmolLM); untied as in T5 v1.1 and Ouro
     eos_id: int = 1
@@ -246,7 +261,11 @@ class LMConfig(PatternedConfig):
             raise ValueError(f"LMConfig.head_dim must be even (rotary embeddings), got {self.head_dim}")
         if self.norm not in NORMS:
             raise ValueError(f"LMConfig.norm must be one of {list(NORMS)}, got {self.norm!r}")
-        for name in ("rope_theta", "norm_eps"):
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"LMConfig.rope_layout must be one of {list(ROPE_LAYOUTS)}, got {self.rope_layout!r}")
+        if self.adapter_bias and not self.injection:
+            raise ValueError("LMConfig.adapter_bias needs injection (the adapter it biases)")
+        for name in ("rope_theta", "norm_eps", "embed_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"LMConfig.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.eos_id < self.vocab_size:

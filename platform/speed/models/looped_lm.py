@@ -12,7 +12,9 @@ loops P + M * (N + C); the coda writes keys and values at every loop, so it
 always runs (``with_logits=False`` skips only the head). With input injection
 (Huginn) each loop's input is ``adapter([state, e])``, e the prelude's output
 and state the previous loop's output, zero before the first loop (Huginn
-draws it at random; zero keeps the model deterministic).
+draws it at random; zero keeps the model deterministic). The options of the
+published looped LMs (Ouro, Huginn-0125; ``LMConfig``'s docstring) hold in
+both paths alike.
 
 Keys and values have one entry per virtual layer: (loop, core layer) and
 (loop, coda layer) in ``LMCache.loops``, and the prelude's, which run once, in
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.config import LMConfig
+from speed.config import LMConfig, RopeLayout
 from speed.engine.cache import KVCache, Rows
 from speed.engine.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
 from speed.engine.types import Admitted
@@ -51,20 +53,22 @@ Store = Callable[[Tensor, Tensor], None]  # receives one prompt's keys and value
 Segment = tuple[int, int]  # a prompt's rows in a prefill: (first row, length)
 
 
-def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin (..., D) of the rotary angles at integer ``positions`` (...), Llama's layout.
+def rotary(positions: Tensor, head_dim: int, theta: float, layout: RopeLayout = "halves") -> tuple[Tensor, Tensor]:
+    """cos and sin (..., D) of the rotary angles at integer ``positions`` (...), in ``layout``.
 
-    Frequency f_i = theta^(-2i/D) for i < D/2, repeated for both halves, so
-    dimension i pairs with i + D/2 (``rotate``).
+    Frequency f_i = theta^(-2i/D) for i < D/2, the angle of dimension pair i:
+    ``halves`` (Llama) pairs dimension i with i + D/2, so f is repeated for
+    both halves; ``pairs`` (Huginn) pairs 2i with 2i + 1, so each f_i is
+    repeated in place (``rotate``, ``rotate_pairs``).
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)  # (D/2,)
     freqs = positions[..., None].float() * inv_freq  # (..., D/2)
-    angles = torch.cat([freqs, freqs], dim=-1)  # (..., D)
+    angles = torch.cat([freqs, freqs], dim=-1) if layout == "halves" else freqs.repeat_interleave(2, dim=-1)  # (..., D)
     return angles.cos(), angles.sin()
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Head vectors x (..., D) rotated by the angles of cos/sin (broadcast to x).
+    """Head vectors x (..., D) rotated by the angles of cos/sin (broadcast to x), the ``halves`` layout.
 
     Dimension pairs (a, b) = (i, i + D/2) become (a cos - b sin, b cos + a sin).
     """
@@ -72,23 +76,46 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``rotate`` in the ``pairs`` layout: dimension pairs (a, b) = (2i, 2i + 1) become (a cos - b sin,
+    b cos + a sin)."""
+    even, odd = x[..., 0::2], x[..., 1::2]  # 2 x (..., D/2)
+    return x * cos + torch.stack([-odd, even], dim=-1).flatten(-2) * sin
+
+
+def _call(layer: nn.Linear, x: Tensor) -> Tensor:
+    """``layer(x)``: the whole-sequence path's way of applying a layer (the cached path's: the row kernels)."""
+    return layer(x)
+
+
 def _mask_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
 class Attention(nn.Module):
-    """Causal self-attention with rotary positions and K key/value heads, each shared by H/K query heads."""
+    """Causal self-attention with rotary positions and K key/value heads, each shared by H/K query heads;
+    with ``qk_bias`` a learned bias on queries and keys before their rotation (Huginn)."""
 
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.qkv = nn.Linear(config.d_model, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)  # q;k;v
-        self.o = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
+        H, K, D = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim, self.layout = H, K, D, config.rope_layout
+        self.qkv = nn.Linear(config.d_model, (H + 2 * K) * D, bias=False)  # q;k;v
+        self.o = nn.Linear(H * D, config.d_model, bias=False)
+        # Apart from qkv: the decode kernels take bias-free layers, and v has none.
+        self.q_bias = nn.Parameter(torch.zeros(H, D)) if config.qk_bias else None
+        self.k_bias = nn.Parameter(torch.zeros(K, D)) if config.qk_bias else None
 
-    def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries (..., H, D), keys and values (..., K, D) of a fused projection (..., (H + 2K) * D)."""
+    def _split(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries (..., H, D), keys and values (..., K, D) of a fused projection (..., (H + 2K) * D), queries
+        and keys biased (``qk_bias``) and rotated by cos/sin (..., D)."""
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
-        return qkv.view(*qkv.shape[:-1], H + 2 * K, D).split([H, K, K], dim=-2)
+        q, k, v = qkv.view(*qkv.shape[:-1], H + 2 * K, D).split([H, K, K], dim=-2)
+        if self.q_bias is not None:
+            q, k = q + self.q_bias, k + self.k_bias
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., 1, D): one angle for every head
+        turn = rotate if self.layout == "halves" else rotate_pairs
+        return turn(q, cos, sin), turn(k, cos, sin), v
 
     def _share(self, kv: Tensor) -> Tensor:
         """Keys or values (..., K, T, D) repeated for the H/K query heads of each (as they are when K == H)."""
@@ -98,8 +125,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Causal attention over whole sequences (B, T, d), angles cos/sin (T, D)."""
         B, T, _ = x.shape
-        q, k, v = self._split(self.qkv(x))  # (B, T, H, D), 2 x (B, T, K, D)
-        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+        q, k, v = self._split(self.qkv(x), cos, sin)  # (B, T, H, D), 2 x (B, T, K, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), 2 x (B, K, T, D)
         k, v = self._share(k), self._share(v)  # 2 x (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D), scaled by D**-0.5
@@ -110,8 +136,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         """Causal attention over several prompts given as rows (R, d) (angles cos/sin (R, D)): the projections
         on row tiles (``rows_linear``), the attention of each prompt alone; ``stores[b]`` gets prompt b's."""
-        q, k, v = self._split(rows_linear(self.qkv, x))  # (R, H, D), 2 x (R, K, D)
-        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+        q, k, v = self._split(rows_linear(self.qkv, x), cos, sin)  # (R, H, D), 2 x (R, K, D)
         out = []
         for (start, T), store in zip(segments, stores):
             qb, kb, vb = (t[start : start + T].transpose(0, 1)[None] for t in (q, k, v))  # (1, H or K, T, D)
@@ -131,8 +156,7 @@ class Attention(nn.Module):
         (n, 1, 1, L) masks the positions past each row's own.
         """
         n = x.shape[0]
-        q, k, v = self._split(tile_linear(self.qkv, x))  # (n, H, D), 2 x (n, K, D)
-        q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+        q, k, v = self._split(tile_linear(self.qkv, x), cos, sin)  # (n, H, D), 2 x (n, K, D)
         cache.write(layer, rows, k, v)
         keys, values = cache.read(layer, rows, bias.shape[-1])  # 2 x (n, K, L, D)
         keys, values = self._share(keys), self._share(values)  # (n, H, L, D)
@@ -164,35 +188,41 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """``pre``: h += attn(norm(h)); h += mlp(norm(h)). ``sandwich`` (Ouro): each sublayer's output is normed too."""
+    """``pre``: h += attn(norm(h)); h += mlp(norm(h)). ``sandwich`` (Ouro): each sublayer's output is normed too,
+    h += out_norm(attn(norm(h))). ``residual`` (Huginn): each residual sum is, h = out_norm(h + attn(norm(h)))."""
 
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
         d, eps = config.d_model, config.norm_eps
+        self.norm_sum = config.norm == "residual"
 
         def out_norm() -> nn.Module:
-            return nn.RMSNorm(d, eps=eps) if config.norm == "sandwich" else nn.Identity()
+            return nn.RMSNorm(d, eps=eps) if config.norm != "pre" else nn.Identity()
 
         self.attn_norm, self.attn, self.attn_out_norm = nn.RMSNorm(d, eps=eps), Attention(config), out_norm()
         self.mlp_norm, self.mlp, self.mlp_out_norm = nn.RMSNorm(d, eps=eps), SwiGLU(config), out_norm()
 
+    def _add(self, x: Tensor, y: Tensor, out_norm: nn.Module) -> Tensor:
+        """The residual stream x plus a sublayer's output y, ``out_norm`` on y or on the sum."""
+        return out_norm(x + y) if self.norm_sum else x + out_norm(y)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn_out_norm(self.attn(self.attn_norm(x), cos, sin))
-        return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
+        x = self._add(x, self.attn(self.attn_norm(x), cos, sin), self.attn_out_norm)
+        return self._add(x, self.mlp(self.mlp_norm(x)), self.mlp_out_norm)
 
     def prefill(
         self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], stores: Sequence[Store | None]
     ) -> Tensor:
         """A prefill's rows (R, d) through this block (see ``Attention.prefill``)."""
-        x = x + self.attn_out_norm(self.attn.prefill(self.attn_norm(x), cos, sin, segments, stores))
-        return x + self.mlp_out_norm(self.mlp.prefill(self.mlp_norm(x)))
+        x = self._add(x, self.attn.prefill(self.attn_norm(x), cos, sin, segments, stores), self.attn_out_norm)
+        return self._add(x, self.mlp.prefill(self.mlp_norm(x)), self.mlp_out_norm)
 
     def decode(
         self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor
     ) -> Tensor:
         """One tile of decode rows (n, d) through this block (see ``Attention.decode``)."""
-        x = x + self.attn_out_norm(self.attn.decode(self.attn_norm(x), cos, sin, rows, cache, layer, bias))
-        return x + self.mlp_out_norm(self.mlp.decode(self.mlp_norm(x)))
+        x = self._add(x, self.attn.decode(self.attn_norm(x), cos, sin, rows, cache, layer, bias), self.attn_out_norm)
+        return self._add(x, self.mlp.decode(self.mlp_norm(x)), self.mlp_out_norm)
 
 
 @dataclass
@@ -249,8 +279,11 @@ class LoopedLM(nn.Module):
         self.core = nn.ModuleList(Block(config) for _ in range(sharing.n_unique))
         self.coda = nn.ModuleList(Block(config) for _ in range(sharing.coda))
         self.adapter = nn.Linear(2 * d, d, bias=False) if config.injection else None  # [state, e] -> loop input
+        # Apart from the adapter, as the query and key biases: the decode kernels take bias-free layers.
+        self.adapter_bias = nn.Parameter(torch.zeros(d)) if config.adapter_bias else None
         self.norm = nn.RMSNorm(d, eps=config.norm_eps)  # the exits' final norm
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.exit_gate = nn.Linear(d, 1) if config.exit_gate else None  # each exit's lambda (``exit_lambdas``)
         self.apply(self._init_weights)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -258,31 +291,59 @@ class LoopedLM(nn.Module):
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        """Llama's initialisation: every weight matrix and the embedding N(0, 0.02), norm gains 1."""
+        """Llama's initialisation: every weight matrix and the embedding N(0, 0.02), norm gains 1, biases 0."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     # ----- whole sequences ---------------------------------------------------------------------------------
 
-    def _exit_states(self, input_ids: Tensor) -> list[Tensor]:
-        """Each loop's exit state M x (B, T, d), the LM head's input (after the loop's exit adapter, if any)."""
-        T = input_ids.shape[1]
-        cos, sin = rotary(torch.arange(T, device=input_ids.device), self.config.head_dim, self.config.rope_theta)
-        e = self.embed_tokens(input_ids)  # (B, T, d)
+    def _embed(self, ids: Tensor) -> Tensor:
+        """The tokens' embeddings (..., d), times ``embed_scale`` (Huginn's sqrt(d))."""
+        x = self.embed_tokens(ids)
+        return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
+
+    def _inject(self, state: Tensor, e: Tensor, linear: Callable[[nn.Linear, Tensor], Tensor]) -> Tensor:
+        """A loop's input with injection, ``adapter([state, e])`` (..., d), the adapter applied by ``linear`` (the
+        path's own: a plain call, ``rows_linear`` or ``tile_linear``), plus its bias (``adapter_bias``)."""
+        h = linear(self.adapter, torch.cat([state, e], dim=-1))
+        return h if self.adapter_bias is None else h + self.adapter_bias
+
+    def _exit_inputs(self, input_ids: Tensor) -> list[Tensor]:
+        """Each loop's exit input M x (B, T, d): the coda's output (the core's without one), before the loop's
+        exit adapter and the final norm."""
+        c, T = self.config, input_ids.shape[1]
+        cos, sin = rotary(torch.arange(T, device=input_ids.device), c.head_dim, c.rope_theta, c.rope_layout)
+        e = self._embed(input_ids)  # (B, T, d)
         for block in self.prelude:
             e = block(e, cos, sin)
         state = torch.zeros_like(e) if self.adapter is not None else e
         exits = []
-        for i in range(self.n_loops):
-            h = self.adapter(torch.cat([state, e], dim=-1)) if self.adapter is not None else state  # (B, T, d)
+        for _ in range(self.n_loops):
+            h = self._inject(state, e, _call) if self.adapter is not None else state  # (B, T, d)
             for block in self.core:
                 h = block(h, cos, sin)
-            y = h
+            y = self.norm(h) if c.coda_norm else h
             for block in self.coda:
                 y = block(y, cos, sin)
-            exits.append(self.norm(y if self.exit_adapters is None else self.exit_adapters.adapt(y, i)))
-            state = self.norm(h) if self.config.loop_norm else h
+            exits.append(y)
+            state = self.norm(h) if c.loop_norm else h
         return exits
+
+    def _exit_states(self, input_ids: Tensor) -> list[Tensor]:
+        """Each loop's exit state M x (B, T, d), the LM head's input (after the loop's exit adapter, if any)."""
+        adapt = self.exit_adapters.adapt if self.exit_adapters is not None else lambda y, i: y
+        return [self.norm(adapt(y, i)) for i, y in enumerate(self._exit_inputs(input_ids))]
+
+    def exit_lambdas(self, input_ids: Tensor) -> Tensor:
+        """Each loop's exit-gate probability lambda (B, T, M) for token ids (B, T): sigmoid(exit_gate(norm(y))), y
+        the loop's exit input, so the gate reads the state the head reads (Ouro's ``early_exit_gate``); the
+        probability of exiting at loop i is lambda_i * prod_{j<i} (1 - lambda_j), the last loop taking the rest."""
+        if self.exit_gate is None:
+            raise ValueError("this LoopedLM has no exit gate (LMConfig.exit_gate)")
+        gates = [self.exit_gate(self.norm(y)) for y in self._exit_inputs(input_ids)]  # M x (B, T, 1)
+        return torch.sigmoid(torch.cat(gates, dim=-1))
 
     def forward(
         self,
@@ -343,23 +404,23 @@ class LoopedLM(nn.Module):
         starts = np.cumsum([0, *lengths[:-1]]).tolist()
         segments = list(zip(starts, lengths))
         positions = torch.cat([torch.arange(T, device=self.device) for T in lengths])
-        cos, sin = rotary(positions, c.head_dim, c.rope_theta)  # 2 x (R, D)
+        cos, sin = rotary(positions, c.head_dim, c.rope_theta, c.rope_layout)  # 2 x (R, D)
 
         def stores(part: str, loop: int, layer: int) -> list[Store]:
             kv = getattr(cache, part)
             return [lambda k, v, s=slot: kv.write_span(layer, loop, s, 0, k[0], v[0]) for slot in slots]
 
-        e = self.embed_tokens(ids)  # (R, d)
+        e = self._embed(ids)  # (R, d)
         for p, block in enumerate(self.prelude):
             e = block.prefill(e, cos, sin, segments, stores("prelude", 0, p))
         state = torch.zeros_like(e) if self.adapter is not None else e
         last = torch.tensor([s + T - 1 for s, T in segments], device=self.device)
         logits = []
         for i in range(self.n_loops):
-            h = rows_linear(self.adapter, torch.cat([state, e], dim=-1)) if self.adapter is not None else state
+            h = self._inject(state, e, rows_linear) if self.adapter is not None else state  # (R, d)
             for j, block in enumerate(self.core):
                 h = block.prefill(h, cos, sin, segments, stores("loops", i, j))
-            y = h
+            y = self.norm(h) if c.coda_norm else h
             for k, block in enumerate(self.coda):
                 y = block.prefill(y, cos, sin, segments, stores("loops", i, N + k))
             y = y.index_select(0, last)  # (B, d)
@@ -375,7 +436,7 @@ class LoopedLM(nn.Module):
 
     def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
         """Each token's carry into its first loop (R, W): its embedding, after a zero state with injection."""
-        x = self.embed_tokens(torch.as_tensor(tokens, dtype=torch.long, device=self.device))  # (R, d)
+        x = self._embed(torch.as_tensor(tokens, dtype=torch.long, device=self.device))  # (R, d)
         return torch.cat([torch.zeros_like(x), x], dim=-1) if self.adapter is not None else x
 
     def step(
@@ -405,7 +466,7 @@ class LoopedLM(nn.Module):
         visible = torch.arange(L, device=carry.device)[None, :] <= pos_t[:, None]  # (n, L)
         bias = torch.zeros(visible.shape, dtype=carry.dtype, device=carry.device)
         bias = bias.masked_fill(~visible, _mask_value(carry.dtype))[:, None, None]  # (n, 1, 1, L)
-        cos, sin = rotary(pos_t, c.head_dim, c.rope_theta)  # 2 x (n, D)
+        cos, sin = rotary(pos_t, c.head_dim, c.rope_theta, c.rope_layout)  # 2 x (n, D)
         x = carry[:, -d:]  # (n, d): the embedding at loop 0; then e with injection, else the loop's input
         first = np.flatnonzero(rows.loop == 0)
         if self.prelude and len(first):
@@ -414,10 +475,10 @@ class LoopedLM(nn.Module):
             for p, block in enumerate(self.prelude):
                 e = block.decode(e, cos[at], sin[at], part, cache.prelude, p, bias[at])
             x = x.index_copy(0, at, e)
-        h = tile_linear(self.adapter, torch.cat([carry[:, :d], x], dim=-1)) if self.adapter is not None else x
+        h = self._inject(carry[:, :d], x, tile_linear) if self.adapter is not None else x  # (n, d)
         for j, block in enumerate(self.core):
             h = block.decode(h, cos, sin, rows, cache.loops, j, bias)
-        y = h
+        y = self.norm(h) if c.coda_norm else h
         for k, block in enumerate(self.coda):
             y = block.decode(y, cos, sin, rows, cache.loops, N + k, bias)
         logits = None

@@ -1,0 +1,156 @@
+"""Import Huginn-0125 (``model_type == "huginn_raven"``, tomg-group-umd/huginn-0125) into ``LoopedLM``, exactly.
+
+Huginn is ``P+NxM+C``: a prelude of ``n_layers_in_prelude`` blocks, a core of ``n_layers_in_recurrent_block``
+run ``num_steps`` times (default ``mean_recurrence``), a coda of ``n_layers_in_coda``; each recurrence's
+input is ``adapter([state, e])`` (injection), e the prelude's output and the state the raw core output; the
+exit is ``ln_f(coda(ln_f(state)))`` (``coda_norm``: the same final norm twice). Blocks norm each residual sum
+(``norm="residual"``), add a learned bias to queries and keys before the rotary embedding (``qk_bias``), which
+turns adjacent pairs (``rope_layout="pairs"``); the embedding is scaled by sqrt(n_embd) (``embed_scale``, as
+the model computes it); the head is tied to the embedding.
+
+The initial state is zero (``init_scale=0`` in Huginn's forward). Huginn's default draws it at random
+(``state_init="like-init"``), which no two runs reproduce; the platform always starts from zero. Refused,
+naming the field: test-time noise, another injection, block, MLP, activation or norm than the published
+ones, grouped-query attention.
+
+Parameter mapping (published name -> ours; ``part`` is prelude, core_block or coda, ours prelude, core,
+coda)::
+
+    transformer.wte, transformer.ln_f                        -> embed_tokens (and the tied head), norm
+    transformer.part.i.norm_1, norm_2, norm_3, norm_4        -> part.i.attn_norm, attn_out_norm, mlp_norm, mlp_out_norm
+    transformer.part.i.attn.Wqkv, attn.proj                  -> part.i.attn.qkv, part.i.attn.o
+    transformer.part.i.attn.qk_bias[0, 0], [1, 0]            -> part.i.attn.q_bias, part.i.attn.k_bias
+    transformer.part.i.mlp.fc (gate; up), mlp.proj           -> part.i.mlp.wi, part.i.mlp.wo
+    transformer.adapter.weight, .bias                        -> adapter.weight, adapter_bias
+
+``freqs_cis`` (the rotary table, a buffer) is accepted and ignored: the angles are recomputed;
+``lm_head.weight``, when stored, must equal the embedding. Any other tensor, or a missing one, is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from speed.config import LMConfig, SharingPattern
+from speed.hf_files import read_config, read_weights
+from speed.models.hf_import import UnsupportedConfig, assemble, check_tied, expect, field, loop_count, single_eos
+from speed.models.looped_lm import LoopedLM
+
+EMBEDDING, HEAD, FREQS = "transformer.wte.weight", "lm_head.weight", "freqs_cis"
+PARTS = {"prelude": "prelude", "core_block": "core", "coda": "coda"}  # published -> ours
+NORMS = {"norm_1": "attn_norm", "norm_2": "attn_out_norm", "norm_3": "mlp_norm", "norm_4": "mlp_out_norm"}
+
+
+def config_from_huginn(hf: Mapping[str, Any], n_loops: int | None = None) -> LMConfig:
+    """Our ``LMConfig`` for Huginn's config.json; ``n_loops`` (Huginn's ``num_steps``) defaults to its
+    ``mean_recurrence``."""
+    if field(hf, "test_time_noise", 0):
+        raise UnsupportedConfig("config.json: test_time_noise is on, but random noise cannot be reproduced")
+    expect(hf, "injection_type", "linear", "LoopedLM injects through one linear adapter")
+    expect(hf, "block_class_name", "SandwichBlock", "LoopedLM computes Huginn's published block")
+    expect(hf, "mlp_class_name", "GatedMLP", "LoopedLM's MLP is gated")
+    expect(hf, "nonlin_name", "SiLU", "LoopedLM's SwiGLU uses SiLU")
+    expect(hf, "norm_class_name", "RMSNorm_llama", "LoopedLM's norms are RMS norms")
+    expect(hf, "rope_scaling", None, "LoopedLM's rotary embeddings are unscaled")
+    d, n_heads = field(hf, "n_embd"), field(hf, "n_heads")
+    expect(hf, "num_key_value_heads", n_heads, "Huginn's fused Wqkv has as many key/value heads as query heads")
+    expect(hf, "head_dim", d // n_heads, "Huginn's head size is n_embd / n_heads")
+    steps = loop_count(n_loops, field(hf, "mean_recurrence"), "num_steps")
+    sharing = SharingPattern(
+        field(hf, "n_layers_in_recurrent_block"), steps, field(hf, "n_layers_in_prelude"), field(hf, "n_layers_in_coda")
+    )
+    return LMConfig(
+        vocab_size=field(hf, "padded_vocab_size", field(hf, "vocab_size")),
+        d_model=d,
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        head_dim=d // n_heads,
+        d_ff=field(hf, "intermediate_size"),
+        pattern=str(sharing),
+        norm="residual",
+        injection=True,
+        rope_theta=float(field(hf, "rope_base")),
+        rope_layout="pairs",
+        qk_bias=bool(field(hf, "qk_bias", False)),
+        embed_scale=math.sqrt(d),
+        coda_norm=True,
+        adapter_bias=bool(field(hf, "bias", False)),
+        norm_eps=float(field(hf, "norm_eps")),
+        tie_embeddings=bool(field(hf, "tie_embeddings", field(hf, "tie_word_embeddings", True))),
+        eos_id=single_eos(hf),
+    )
+
+
+def huginn_shapes(config: LMConfig, block_size: int) -> dict[str, tuple[int, ...]]:
+    """The published tensors of a Huginn of ``config`` and their shapes; ``freqs_cis``, the rotary table of
+    ``block_size`` positions, and a tied head may be absent (``optional``)."""
+    d, H, D, ff = config.d_model, config.n_heads, config.head_dim, config.d_ff
+    shapes = {EMBEDDING: (config.vocab_size, d), "transformer.adapter.weight": (d, 2 * d)}
+    if config.adapter_bias:
+        shapes["transformer.adapter.bias"] = (d,)
+    for hf, _ in _blocks(config):
+        shapes |= {hf + norm + ".weight": (d,) for norm in NORMS}
+        shapes |= {
+            hf + "attn.Wqkv.weight": (3 * d, d),
+            hf + "attn.proj.weight": (d, d),
+            hf + "mlp.fc.weight": (2 * ff, d),
+            hf + "mlp.proj.weight": (d, ff),
+        }
+        if config.qk_bias:
+            shapes[hf + "attn.qk_bias"] = (2, 1, H, D)
+    shapes |= {"transformer.ln_f.weight": (d,), HEAD: (config.vocab_size, d), FREQS: (1, block_size, 1, D // 2, 2)}
+    return shapes
+
+
+def optional(config: LMConfig) -> tuple[str, ...]:
+    """The published tensors a Huginn directory may lack: the rotary table, and the head when tied."""
+    return (FREQS, HEAD) if config.tie_embeddings else (FREQS,)
+
+
+def huginn_parameters(weights: Mapping[str, Tensor], config: LMConfig) -> dict[str, Tensor]:
+    """Our parameters (name -> tensor) from Huginn's published tensors (the module doc's mapping)."""
+    values = {
+        "embed_tokens.weight": weights[EMBEDDING],
+        "norm.weight": weights["transformer.ln_f.weight"],
+        "adapter.weight": weights["transformer.adapter.weight"],
+    }
+    if config.adapter_bias:
+        values["adapter_bias"] = weights["transformer.adapter.bias"]
+    if not config.tie_embeddings:
+        values["lm_head.weight"] = weights[HEAD]
+    for hf, ours in _blocks(config):
+        values |= {f"{ours}{norm}.weight": weights[f"{hf}{theirs}.weight"] for theirs, norm in NORMS.items()}
+        values |= {
+            ours + "attn.qkv.weight": weights[hf + "attn.Wqkv.weight"],
+            ours + "attn.o.weight": weights[hf + "attn.proj.weight"],
+            ours + "mlp.wi.weight": weights[hf + "mlp.fc.weight"],  # rows [gate; up], as ours
+            ours + "mlp.wo.weight": weights[hf + "mlp.proj.weight"],
+        }
+        if config.qk_bias:
+            bias = weights[hf + "attn.qk_bias"]  # (2, 1, H, D): q's, k's
+            values |= {ours + "attn.q_bias": bias[0, 0], ours + "attn.k_bias": bias[1, 0]}
+    return values
+
+
+def load_huginn(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_loops: int | None = None) -> LoopedLM:
+    """A Huginn-0125 directory (config.json and safetensors; its code is never run) as a ``LoopedLM`` (eval
+    mode, ``dtype``) recurring ``n_loops`` times (Huginn's ``num_steps``; default its ``mean_recurrence``)."""
+    hf = read_config(directory)
+    config = config_from_huginn(hf, n_loops)
+    weights = read_weights(directory, dtype, huginn_shapes(config, field(hf, "block_size")), optional(config))
+    if config.tie_embeddings:
+        check_tied(str(directory), weights, HEAD, EMBEDDING)
+    return assemble(config, huginn_parameters(weights, config))
+
+
+def _blocks(config: LMConfig) -> list[tuple[str, str]]:
+    """Every block's published prefix and ours: ``("transformer.core_block.0.", "core.0.")``, ..."""
+    sharing = config.sharing
+    counts = {"prelude": sharing.prelude, "core_block": sharing.n_unique, "coda": sharing.coda}
+    return [(f"transformer.{part}.{i}.", f"{PARTS[part]}.{i}.") for part, n in counts.items() for i in range(n)]

@@ -1,0 +1,127 @@
+"""Import ByteDance's Ouro (``model_type == "ouro"``, e.g. ByteDance/Ouro-1.4B) into ``LoopedLM``, exactly.
+
+Ouro runs all of its L layers ``total_ut_steps`` times: here the pattern ``Lx{M}``, no prelude or coda,
+sandwich norms, loop norm (the final norm's output feeds the next loop and is that loop's exit), rotary
+embeddings in Llama's halves layout, untied head, and the exit gate (``exit_gate``: each loop's lambda,
+``LoopedLM.exit_lambdas``). Keys and values: one entry per (loop, layer), as Ouro's cache keeps them.
+Refused, naming the field: another activation than SiLU, a sliding window, scaled rotary embeddings,
+attention or MLP biases.
+
+Parameter mapping (published name -> ours; ``q;k;v`` means rows concatenated)::
+
+    model.embed_tokens, model.norm, lm_head                  -> embed_tokens, norm, lm_head
+    model.layers.i.self_attn.{q;k;v}_proj, o_proj            -> core.i.attn.qkv, core.i.attn.o
+    model.layers.i.mlp.{gate;up}_proj, down_proj             -> core.i.mlp.wi, core.i.mlp.wo
+    model.layers.i.input_layernorm, input_layernorm_2        -> core.i.attn_norm, core.i.attn_out_norm
+    model.layers.i.post_attention_layernorm(_2)              -> core.i.mlp_norm (mlp_out_norm)
+    model.early_exit_gate                                    -> exit_gate
+
+No other tensor is accepted, none may be missing (``speed.hf_files.read_weights``); with
+``tie_word_embeddings`` the head is the embedding (``lm_head.weight``, when stored, must equal it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from speed.config import LMConfig
+from speed.hf_files import read_config, read_weights
+from speed.models.hf_import import UnsupportedConfig, assemble, check_tied, expect, field, loop_count, single_eos
+from speed.models.looped_lm import LoopedLM
+
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# published sandwich norm -> ours, in each layer
+NORMS = {
+    "input_layernorm": "attn_norm",
+    "input_layernorm_2": "attn_out_norm",
+    "post_attention_layernorm": "mlp_norm",
+    "post_attention_layernorm_2": "mlp_out_norm",
+}
+
+
+def config_from_ouro(hf: Mapping[str, Any], n_loops: int | None = None) -> LMConfig:
+    """Our ``LMConfig`` for Ouro's config.json; ``n_loops`` (Ouro's ``total_ut_steps``) defaults to its own."""
+    expect(hf, "hidden_act", "silu", "LoopedLM's SwiGLU uses SiLU")
+    expect(hf, "use_sliding_window", False, "LoopedLM attends to every position")
+    expect(hf, "rope_scaling", None, "LoopedLM's rotary embeddings are unscaled")
+    expect(hf, "attention_bias", False, "Ouro's attention has no biases")
+    expect(hf, "mlp_bias", False, "Ouro's MLP has no biases")
+    windowed = sorted({kind for kind in field(hf, "layer_types", []) if kind != "full_attention"})
+    if windowed:
+        raise UnsupportedConfig(f"config.json: layer_types holds {windowed}, but LoopedLM attends to every position")
+    n_heads = field(hf, "num_attention_heads")
+    loops = loop_count(n_loops, field(hf, "total_ut_steps"), "total_ut_steps")
+    return LMConfig(
+        vocab_size=field(hf, "vocab_size"),
+        d_model=field(hf, "hidden_size"),
+        n_heads=n_heads,
+        n_kv_heads=field(hf, "num_key_value_heads", n_heads),
+        head_dim=field(hf, "head_dim", field(hf, "hidden_size") // n_heads),
+        d_ff=field(hf, "intermediate_size"),
+        pattern=f"{field(hf, 'num_hidden_layers')}x{loops}",
+        norm="sandwich",
+        loop_norm=True,
+        rope_theta=float(field(hf, "rope_theta", 10000.0)),
+        norm_eps=float(field(hf, "rms_norm_eps")),
+        tie_embeddings=bool(field(hf, "tie_word_embeddings", False)),
+        exit_gate=True,
+        eos_id=single_eos(hf),
+    )
+
+
+def ouro_shapes(config: LMConfig) -> dict[str, tuple[int, ...]]:
+    """The published tensors of an Ouro of ``config`` and their shapes (all required but a tied head)."""
+    d, q, kv = config.d_model, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    shapes = {EMBEDDING: (config.vocab_size, d)}
+    for i in range(config.sharing.n_unique):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (config.d_ff, d),
+            p + "mlp.up_proj.weight": (config.d_ff, d),
+            p + "mlp.down_proj.weight": (d, config.d_ff),
+        }
+        shapes |= {p + norm + ".weight": (d,) for norm in NORMS}
+    shapes |= {"model.norm.weight": (d,), "model.early_exit_gate.weight": (1, d), "model.early_exit_gate.bias": (1,)}
+    shapes[HEAD] = (config.vocab_size, d)
+    return shapes
+
+
+def ouro_parameters(weights: Mapping[str, Tensor], config: LMConfig) -> dict[str, Tensor]:
+    """Our parameters (name -> tensor) from Ouro's published tensors (the module doc's mapping)."""
+    values = {
+        "embed_tokens.weight": weights[EMBEDDING],
+        "norm.weight": weights["model.norm.weight"],
+        "exit_gate.weight": weights["model.early_exit_gate.weight"],
+        "exit_gate.bias": weights["model.early_exit_gate.bias"],
+    }
+    if not config.tie_embeddings:
+        values["lm_head.weight"] = weights[HEAD]
+    for i in range(config.sharing.n_unique):
+        hf, ours = f"model.layers.{i}.", f"core.{i}."
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        values[ours + "attn.qkv.weight"] = torch.cat([weights[f"{attn}{x}_proj.weight"] for x in "qkv"])
+        values[ours + "attn.o.weight"] = weights[attn + "o_proj.weight"]
+        values[ours + "mlp.wi.weight"] = torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+        values[ours + "mlp.wo.weight"] = weights[mlp + "down_proj.weight"]
+        values |= {f"{ours}{norm}.weight": weights[f"{hf}{theirs}.weight"] for theirs, norm in NORMS.items()}
+    return values
+
+
+def load_ouro(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_loops: int | None = None) -> LoopedLM:
+    """An Ouro directory (config.json and safetensors; its code is never run) as a ``LoopedLM`` (eval mode,
+    ``dtype``) looping ``n_loops`` times (Ouro's ``total_ut_steps``; default the checkpoint's own)."""
+    config = config_from_ouro(read_config(directory), n_loops)
+    optional = (HEAD,) if config.tie_embeddings else ()
+    weights = read_weights(directory, dtype, ouro_shapes(config), optional)
+    if config.tie_embeddings:
+        check_tied(str(directory), weights, HEAD, EMBEDDING)
+    return assemble(config, ouro_parameters(weights, config))

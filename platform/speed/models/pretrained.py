@@ -1,0 +1,78 @@
+"""One loader for every model the platform computes: ``from_pretrained(path)``.
+
+A Hugging Face directory (config.json and safetensors), its form read from config.json
+(``speed.hf_files.model_form``): a T5 v1.1 (``convert_t5``), a Llama (``convert_llama``), Ouro
+(``convert_ouro``) or Huginn-0125 (``convert_huginn``); or a platform checkpoint (``model.pt`` beside a
+config.json with a ``model`` section, or a run directory of them; ``speed.models.checkpoint.load_model``).
+Code in the directory (config.json's ``auto_map``) is never imported or run: the weights are read from
+safetensors alone, the configs as data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from speed.hf_files import model_form, read_config, read_weights
+from speed.models.checkpoint import MODEL_FILE, load_model
+from speed.models.convert_huginn import load_huginn
+from speed.models.convert_ouro import load_ouro
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
+
+LOOPED = {"ouro": load_ouro, "huginn": load_huginn}  # form -> loader taking n_loops
+
+
+def from_pretrained(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, n_loops: int | None = None
+) -> SpeedT5 | LoopedLM:
+    """The model at ``path`` (a Hugging Face directory or a platform checkpoint), in eval mode, as ``dtype``.
+
+    ``n_loops``: the recurrences of a published looped LM (Ouro's ``total_ut_steps``, Huginn's
+    ``num_steps``), by default the checkpoint's own; other models loop as their pattern says, and refuse it.
+    """
+    if _is_platform_checkpoint(path):
+        _no_loop_option(n_loops, "a platform checkpoint")
+        return load_model(str(path)).model.to(dtype)
+    form = model_form(read_config(path))
+    if form in LOOPED:
+        return LOOPED[form](path, dtype=dtype, n_loops=n_loops)
+    _no_loop_option(n_loops, f"a {form} checkpoint")
+    return (_load_t5 if form == "t5" else _load_llama)(path).to(dtype).eval()
+
+
+def _is_platform_checkpoint(path: str | Path) -> bool:
+    """A URI, a folder with the platform's ``model.pt``, or one without config.json (a training run's folder)."""
+    if "://" in str(path):
+        return True
+    directory = Path(path)
+    return (directory / MODEL_FILE).is_file() or not (directory / "config.json").is_file()
+
+
+def _no_loop_option(n_loops: int | None, what: str) -> None:
+    if n_loops is not None:
+        raise ValueError(f"n_loops={n_loops}: {what} loops as its pattern says; n_loops is for Ouro and Huginn")
+
+
+def _load_t5(path: str | Path) -> SpeedT5:
+    """A T5 v1.1 directory through ``convert_t5``, its weights read from safetensors."""
+    from transformers import T5Config
+
+    from speed.models.convert_t5 import config_from_hf, from_hf_state_dict, hf_decoder_depth
+
+    hf = T5Config.from_dict(read_config(path))
+    weights = read_weights(path)
+    if hf.tie_word_embeddings:  # saved without the head, which transformers ties to ``shared`` when loading
+        weights.setdefault("lm_head.weight", weights["shared.weight"])
+    return from_hf_state_dict(weights, config_from_hf(hf), hf_decoder_depth(hf))
+
+
+def _load_llama(path: str | Path) -> LoopedLM:
+    """A Llama directory through ``convert_llama`` (the plain stack, ``{layers}x1``), from safetensors."""
+    from transformers import LlamaConfig
+
+    from speed.models.convert_llama import config_from_llama, from_llama_state_dict
+
+    hf = LlamaConfig.from_dict(read_config(path))
+    return from_llama_state_dict(read_weights(path), config_from_llama(hf), hf.num_hidden_layers)

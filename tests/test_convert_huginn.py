@@ -1,0 +1,112 @@
+"""Huginn-0125 into ``LoopedLM``: every recurrence's exit logits equal the independent reference's
+(``looped_refs``, zero initial state), for several step counts, with and without the adapter's bias, the
+rotary table and a stored tied head, and from sharded bfloat16 files; the cached path equals the forward;
+SPEED equals sequential decoding bit for bit; each refusal is one line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from imported_helpers import (
+    assert_cached_equals_forward,
+    assert_loops_match,
+    assert_speed_exact,
+    one_line,
+    token_ids,
+)
+from looped_refs import huginn_reference_logits, write_huginn_checkpoint
+from safetensors.torch import load_file, save_file
+
+from speed.hf_files import WeightsError
+from speed.models.convert_huginn import load_huginn
+from speed.models.hf_import import UnsupportedConfig
+
+# Unit-scale weights: the loops change the logits by far more than the tolerance, while a larger scale makes
+# the recurrence chaotic enough that float32 rounding alone grows past 1e-4 within a few steps.
+SMALL = {"prelude": 1, "core": 2, "coda": 1, "mean_recurrence": 3, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def huginn_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("huginn")
+    write_huginn_checkpoint(directory, **SMALL)
+    return directory
+
+
+@pytest.mark.parametrize("n_loops", [None, 1, 2, 6])
+def test_every_step_equals_the_reference(huginn_dir, n_loops):
+    model = load_huginn(huginn_dir, n_loops=n_loops)
+    steps = 3 if n_loops is None else n_loops
+    assert model.n_loops == steps and model.config.pattern == f"1+2x{steps}+1"
+    assert_loops_match(model, token_ids(), huginn_reference_logits(huginn_dir, token_ids(), steps))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"bias": True, "lm_head": True, "freqs_cis": False},
+        {"qk_bias": False, "prelude": 2, "core": 1, "coda": 2},
+        {"dtype": torch.bfloat16, "shards": 3, "bias": True},
+    ],
+)
+def test_layouts_and_sharded_bfloat16_files(tmp_path, layout):
+    write_huginn_checkpoint(tmp_path, **(SMALL | layout))
+    model = load_huginn(tmp_path, n_loops=4)
+    assert model.config.adapter_bias == layout.get("bias", False)
+    assert model.config.qk_bias == layout.get("qk_bias", True)
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied
+    assert_loops_match(model, token_ids(2), huginn_reference_logits(tmp_path, token_ids(2), 4))
+
+
+def test_the_converted_config(huginn_dir):
+    config = load_huginn(huginn_dir).config
+    assert (config.norm, config.injection, config.coda_norm, config.rope_layout) == ("residual", True, True, "pairs")
+    assert config.embed_scale == math.sqrt(32) and config.eos_id == 97 - 3 and config.vocab_size == 97
+
+
+def test_cached_path_equals_the_forward(huginn_dir):
+    assert_cached_equals_forward(load_huginn(huginn_dir), seed=3)
+
+
+@pytest.mark.slow
+def test_speed_equals_sequential_bit_for_bit(huginn_dir):
+    assert assert_speed_exact(load_huginn(huginn_dir), seed=4) > 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"test_time_noise": 0.5}, "test_time_noise is on, but random noise cannot be reproduced"),
+        ({"injection_type": "add"}, "injection_type='add', but LoopedLM injects through one linear adapter"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads=2, but Huginn's fused Wqkv"),
+        ({"nonlin_name": "GELU"}, "nonlin_name='GELU'"),
+        ({"mean_recurrence": None}, "config.json lacks mean_recurrence"),
+    ],
+)
+def test_a_config_it_cannot_honour_is_one_line(tmp_path, change, message):
+    config = write_huginn_checkpoint(tmp_path, **SMALL)
+    (tmp_path / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(UnsupportedConfig) as error:
+        load_huginn(tmp_path)
+    assert message in one_line(error)
+
+
+def test_wrong_tensors_and_an_untied_head_are_one_line(tmp_path):
+    write_huginn_checkpoint(tmp_path, **SMALL, lm_head=True)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] + 1
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightsError) as error:
+        load_huginn(tmp_path)
+    assert "tied checkpoint, but lm_head.weight differs from transformer.wte.weight" in one_line(error)
+    del weights["transformer.core_block.1.attn.qk_bias"]
+    weights["transformer.adapter.weight"] = weights["transformer.adapter.weight"][:, :32].contiguous()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightsError) as error:
+        load_huginn(tmp_path)
+    text = one_line(error)
+    assert "1 expected tensor missing: transformer.core_block.1.attn.qk_bias" in text
+    assert "transformer.adapter.weight has shape (32, 32), expected (32, 64)" in text
