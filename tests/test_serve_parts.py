@@ -243,7 +243,8 @@ def _trace(request_id: str, n: int) -> pa.Table:
 
 
 def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
-    sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_records=3, max_seconds=0.2)
+    now = [0.0]  # the sink's clock, in seconds: advanced by hand
+    sink = StatsSink(str(tmp_path), "app#SpeedServer#a b", max_records=3, max_seconds=30, clock=lambda: now[0])
     for i in range(2):
         sink.add(_row(i), _trace(f"cmpl-{i}", 2))
     assert not sink.due() and not list((tmp_path / "requests").iterdir())  # no Parquet yet ...
@@ -252,8 +253,9 @@ def test_sink_flushes_on_size_and_time_and_reads_back(tmp_path):
     assert sink.due()  # the size bound
     assert sink.flush() == 3 and sink.pending == 0
     sink.add(_row(3), _trace("cmpl-3", 1))
+    now[0] += 29
     assert not sink.due()
-    time.sleep(0.25)
+    now[0] += 1
     assert sink.due()  # the time bound
     sink.flush()
     requests, traces = read_requests(str(tmp_path)), read_traces(str(tmp_path))

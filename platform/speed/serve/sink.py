@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,7 +226,14 @@ class StatsSink:
     during a write go into the next file.
     """
 
-    def __init__(self, storage: str, replica: str, max_records: int = 256, max_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        storage: str,
+        replica: str,
+        max_records: int = 256,
+        max_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,  # seconds, for the time bound (a test's advances by hand)
+    ) -> None:
         if max_records < 1 or max_seconds <= 0:
             raise ValueError(f"flush bounds must be positive, got max_records={max_records}, max_seconds={max_seconds}")
         self.storage = locate(storage)
@@ -234,7 +242,8 @@ class StatsSink:
         self.set_aside = 0  # records that did not fit their schema (written under rejected/)
         self._requests: list[pa.RecordBatch] = []  # one record each, checked against REQUEST_SCHEMA
         self._traces: list[pa.Table] = []
-        self._since = time.monotonic()
+        self._clock = clock
+        self._since = clock()
         self._files = 1  # the number of the file the buffered records will be written as
         self._logs: dict[str, _Log] = {}
         self._abandoned = False  # a write failed and left its logs: the next write or flush compacts them
@@ -263,7 +272,7 @@ class StatsSink:
             self._set_aside(request, trace, err)
             return
         if not self._requests:
-            self._since = time.monotonic()
+            self._since = self._clock()
         if trace is not None and trace.num_rows:
             self._log(TRACES_DIR, SERVE_TRACE_SCHEMA).append(trace)  # before the request record, which closes it
             self._traces.append(trace)
@@ -273,7 +282,7 @@ class StatsSink:
     def due(self) -> bool:
         """Whether the buffer reached ``max_records`` or holds records older than ``max_seconds``."""
         return bool(self._requests) and (
-            len(self._requests) >= self.max_records or time.monotonic() - self._since >= self.max_seconds
+            len(self._requests) >= self.max_records or self._clock() - self._since >= self.max_seconds
         )
 
     def take(self) -> Taken | None:
