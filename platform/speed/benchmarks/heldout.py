@@ -14,11 +14,11 @@ from speed.models.t5 import SpeedT5
 
 @dataclass(frozen=True)
 class HeldOut:
-    """A trained checkpoint and the encoder inputs of its task's held-out sentences (the benchmarks' workload)."""
+    """A trained checkpoint and its task's held-out sentences as its family reads them (the benchmarks' workload)."""
 
     model: SpeedT5 | LoopedLM
     task: str
-    inputs: list[list[int]]
+    inputs: list[list[int]]  # T5's encoder inputs, an LM's chat prompts
     references: list[str]  # the records' targets
     tokenizer_path: str
 
