@@ -13,7 +13,7 @@ and rows per token (exact), wall and CPU ms per token and the ratio to the same 
 the references (BLEU or ROUGE-L, with a 95 % bootstrap interval; each later checkpoint's difference from the
 first's, with a 95 % paired-bootstrap interval); last, each checkpoint's ``oracle`` row: plain SPEED speculating
 the known output. Several checkpoints must share a task and a tokenizer. Writes the rows
-(speed.benchmarks.decode.LEVER_BENCH_SCHEMA) to --out; exits 1 if a SPEED variant's output differs.
+(speed.benchmarks.levers.LEVER_BENCH_SCHEMA) to --out; exits 1 if a SPEED variant's output differs.
 """
 
 from __future__ import annotations
@@ -26,15 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.benchmarks.decode import (
-    HeldOut,
-    format_lever_table,
-    held_out,
-    paired_quality,
-    parse_levers,
-    run_lever_benchmark,
-    score_outputs,
-)
+from speed.benchmarks.heldout import HeldOut, held_out, paired_quality, score_outputs
+from speed.benchmarks.levers import format_lever_table, parse_levers, run_lever_benchmark
 from speed.cli import JobParser, add_report_flags, report_rows, user_errors
 
 DEFAULT_LEVERS = "b6_rb8=branches:6,row_budget:8;lanes_rb8=branches:6,branch_depth:6,row_budget:8"

@@ -6,8 +6,8 @@ Decodes the checkpoint task's held-out test sentences one at a time (sentence i 
 sequentially and with SPEED at each temperature (0 is greedy), speculating from the early exit's draw
 under the same noise (coupled) or from its argmax; reports group passes per token, ms per token, the
 speed-up over sequential sampling at the same temperature (variants interleaved per sentence) and
-whether every output equals sequential sampling's. Writes the rows (speed.benchmarks.decode.SAMPLING_BENCH_SCHEMA)
-to --out.
+whether every output equals sequential sampling's. Writes the rows
+(speed.benchmarks.sampling.SAMPLING_BENCH_SCHEMA) to --out.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.benchmarks.decode import format_sampling_table, held_out, run_sampling_benchmark
+from speed.benchmarks.heldout import held_out
+from speed.benchmarks.sampling import format_sampling_table, run_sampling_benchmark
 from speed.cli import JobParser, add_report_flags, report_rows, user_errors
 
 

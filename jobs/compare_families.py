@@ -12,8 +12,10 @@
 3. evaluates both on the same held-out examples at batch 1 (jobs/evaluate.py's folders: SPEED checked
    identical to sequential decoding, BLEU or ROUGE-L with bootstrap intervals, flip rates, own and oracle steps
    per token, per-loop perplexity of the references);
-4. writes <out>/families.parquet (speed.analysis.families.FAMILIES_SCHEMA) and prints both rows and the LM's
+4. writes <out>/families.parquet (speed.train.families.FAMILIES_SCHEMA) and prints both rows and the LM's
    paired difference from the T5.
+
+The workflow is speed.train.families.compare_families; this job turns flags into its FamiliesConfig.
 
 Runs live in --storage-path under deterministic names: a second run continues them.
 """
@@ -27,24 +29,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from speed.analysis.families import (
-    family_row,
-    format_families,
-    load_families,
-    quality_difference,
-)
-from speed.analysis.results import FAMILIES_FILE, FAMILIES_SCHEMA
+from speed.analysis.families import format_families, load_families, quality_difference
 from speed.cli import JobParser, user_errors
-from speed.data import get_task
-from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
-from speed.models.checkpoint import load_model
-from speed.models.family import match_parameters, parameter_count
-from speed.paths import TRAIN_LOG_FILE, repo_root
+from speed.paths import repo_root
 from speed.train.config import JobConfig, job_from_layers
-from speed.train.launch import check_inputs, run_job
+from speed.train.families import FAMILIES_FILE, FamiliesConfig, compare_families
+from speed.train.launch import check_inputs
 
 CONFIGS = {"t5": "sweep_local.yaml", "lm": "sweep_lm_local.yaml"}  # the sweeps' CPU-sized base jobs
 
@@ -94,57 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     """Train, evaluate and tabulate both families; returns the exit status."""
     with user_errors():
         args = parse_args(argv)
-        if get_task(args.task).is_pretrain:
-            raise ValueError(f"task {args.task!r} has no references to compare on: choose a source/target task")
-        t5_job = family_job(args, "t5", args.t5_pattern, {})
-        lm_job = family_job(args, "lm", args.lm_pattern, {})  # checked now; its width and tokenizer follow the T5's
-        for job in (t5_job, lm_job):
+        t5_job, lm_job = family_job(args, "t5", args.t5_pattern, {}), family_job(args, "lm", args.lm_pattern, {})
+        cfg = FamiliesConfig(t5_job, lm_job, args.eval_limit, args.max_new_tokens, args.out)
+        for job in (t5_job, lm_job):  # the LM's width and tokenizer follow the T5's once it has trained
             check_inputs(job)
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    t5 = run_job(t5_job)
-    t5_model = load_model(t5.checkpoint)
-    size = parameter_count(t5.job.model)
-    lm_model_config = match_parameters(lm_job.model.replace(vocab_size=t5.job.model.vocab_size), size)
-    extra = {"data.tokenizer": t5_model.tokenizer_path, "model.d_ff": lm_model_config.d_ff}
-    lm = run_job(family_job(args, "lm", args.lm_pattern, extra))
-
-    out = Path(args.out)
-    rows = []
-    for family, outcome in (("t5", t5), ("lm", lm)):
-        loaded = t5_model if family == "t5" else load_model(lm.checkpoint)
-        config = EvalConfig(
-            args.task,
-            "test",
-            limit=args.eval_limit,
-            batch_size=1,  # the latency SPEED targets
-            max_new_tokens=args.max_new_tokens,
-            max_source_len=outcome.job.data.max_source_len,
-        )
-        folder = f"{family}-{outcome.job.model.pattern}"
-        summary = run_evaluation(loaded.model.eval(), loaded.tokenizer_path, config, out / folder)
-        print(f"\n{family} {outcome.job.model.pattern}:\n{format_summary(summary)}", flush=True)
-        rows.append(family_row(family, summary, folder, parameter_count(outcome.job.model), _training(outcome)))
-    pq.write_table(pa.Table.from_pylist(rows, schema=FAMILIES_SCHEMA), out / FAMILIES_FILE)
+    out = compare_families(cfg)
     families = load_families(out)
     print(f"\n{format_families(families.table)}")
     for name, r in quality_difference(families).items():
         print(f"lm - t5 {name}: {r['delta']:+.2f} [{r['low']:+.2f}, {r['high']:+.2f}] (paired bootstrap, 95%)")
     print(f"wrote {out / FAMILIES_FILE}")
     return 0
-
-
-def _training(outcome: Any) -> dict[str, Any]:
-    """Steps, examples, tokens read and seconds of a finished run, from its train log."""
-    log = pq.read_table(f"{outcome.checkpoint}/{TRAIN_LOG_FILE}").to_pydict()
-    return {
-        "train_steps": outcome.step,
-        "train_examples": outcome.step * outcome.job.train.batch_size,
-        "train_tokens": sum(log["tokens"]),
-        "train_seconds": sum(log["step_time_s"]),
-    }
 
 
 if __name__ == "__main__":

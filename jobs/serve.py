@@ -5,8 +5,8 @@
         -d '{"prompt": "A man rides a bike.", "task": "translate_en_de", "max_tokens": 48}'
 
 Starts on the local Ray (or joins $RAY_ADDRESS) and blocks until interrupted (Ctrl-C or
-SIGTERM, what `kill`, systemd and Kubernetes send), then stops within --stop-timeout-s:
-it deletes the application (Serve drains every replica, which writes its remaining
+SIGTERM, what `kill`, systemd and Kubernetes send), then stops within --stop-timeout-s
+(speed.serve.stop.stop_serving): it deletes the application (Serve drains every replica, which writes its remaining
 statistics), then shuts Serve and Ray down, and writes the write-ahead logs of replicas
 that could not drain (a signal to the whole process group stops them at once) as their
 Parquet files, so that any Parquet reader sees every answered row. Binds 127.0.0.1
@@ -23,13 +23,11 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import fields
 from pathlib import Path
 
 import ray
-from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
@@ -38,7 +36,7 @@ from speed.cluster import code_runtime_env, local_ray_options
 from speed.serve.app import start_app
 from speed.serve.auth import API_KEY_ENV
 from speed.serve.settings import DEFAULT_STATS_PATH, AppConfig
-from speed.serve.sink import compact_orphans, write_ahead_logs
+from speed.serve.stop import stop_serving
 from speed.storage import absolute
 
 APP = "speed"
@@ -78,52 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def stop(timeout_s: float) -> None:
-    """Serve's graceful stop, bounded by ``timeout_s``: delete the application (each replica finishes its
-    requests for up to the deployment's graceful_shutdown_timeout_s, then writes its statistics), then shut
-    Serve down. Past the bound, or when Ray's own processes died too, it gives up: every answered row is on
-    this node's disk anyway, whatever the storage (the replicas log each row before answering)."""
-
-    def graceful() -> None:
-        try:
-            if APP in serve.status().applications:
-                serve.delete(APP)  # blocks until the replicas are gone
-            serve.shutdown()
-        except Exception as err:  # Ray's processes gone (a signal to the whole process group): nothing to drain
-            print(f"stopping: Serve could not be stopped gracefully ({type(err).__name__}: {err})", flush=True)
-
-    worker = threading.Thread(target=graceful, name="serve-stop", daemon=True)
-    worker.start()
-    deadline = time.monotonic() + timeout_s
-    while worker.is_alive() and time.monotonic() < deadline:
-        worker.join(0.5)
-        if _local_ray_died():  # the signal reached Ray's own processes too: nothing left to drain
-            print("stopping: the local Ray's processes were stopped as well; answered rows are in the logs")
-            return
-    if worker.is_alive():
-        print(f"stopping: Serve's graceful stop ran past {timeout_s} s; giving up on it", flush=True)
-
-
-def compact_statistics(stats_path: str, wait_s: float) -> None:
-    """Once the replicas are gone: their write-ahead logs on this node (rows of replicas stopped before they
-    could write them) into Parquet, uploaded on an object store, waiting up to ``wait_s`` for replicas still
-    ending to let go."""
-    compacted = compact_orphans(stats_path, wait_s=wait_s)
-    left = write_ahead_logs(stats_path)
-    if compacted or left:
-        held = f"; {len(left)} still held by a running writer (read_requests reads them)" if left else ""
-        print(f"stopping: {compacted} write-ahead logs of stopped replicas written as Parquet{held}", flush=True)
-
-
-def _local_ray_died() -> bool:
-    """Whether a process of the Ray this job started (GCS, raylet, ...) has died (Ray's private node API)."""
-    node = getattr(ray._private.worker, "_global_node", None)  # joined clusters: it started none
-    try:
-        return node is not None and bool(node.dead_processes())
-    except Exception:
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     """Deploy, print the URL, block until interrupted."""
     args = parse_args(argv)
@@ -134,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
     address = os.environ.get("RAY_ADDRESS")
     where = {"address": address} if address else {"address": "local", **local_ray_options()}  # loopback unless opened
-    ray.init(**where, log_to_driver=True, runtime_env=code_runtime_env())
+    context = ray.init(**where, log_to_driver=True, runtime_env=code_runtime_env())
+    own_gcs = None if address else context.address_info["gcs_address"]  # a joined cluster outlives this job
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:
         flags = {f.name: getattr(args, f.name) for f in fields(AppConfig) if hasattr(args, f.name)}  # same names
@@ -150,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the bounded stop short
             signal.signal(sig, signal.SIG_IGN)
-        started = time.monotonic()
-        stop(args.stop_timeout_s)
-        ray.shutdown()
-        compact_statistics(stats_path, wait_s=max(0.0, args.stop_timeout_s - (time.monotonic() - started)))
-        print(f"stopped in {time.monotonic() - started:.1f} s", flush=True)
+        stop_serving(APP, stats_path, args.stop_timeout_s, own_gcs)
     return 0
 
 

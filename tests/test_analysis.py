@@ -33,9 +33,8 @@ from speed.analysis import (
     rows_per_step,
     tradeoff,
 )
-from speed.analysis.families import family_row, format_families
+from speed.analysis.families import format_families
 from speed.analysis.notebooks import notebook_paths
-from speed.analysis.results import FAMILIES_FILE, FAMILIES_SCHEMA
 from speed.analysis.serving import in_flight_at, max_in_flight
 from speed.analysis.tradeoff import model_label
 from speed.benchmarks.decode import BenchConfig, run_benchmark
@@ -49,6 +48,7 @@ from speed.models.looped_lm import LoopedLM
 from speed.paths import repo_root
 from speed.serve.schemas import LOADGEN_SCHEMA, REQUEST_SCHEMA
 from speed.tokenizer import Tokenizer
+from speed.train.families import FAMILIES_FILE, FAMILIES_SCHEMA, family_row
 
 NOTEBOOKS = notebook_paths()
 # The figures each notebook writes, relative to the results folder of _results().
@@ -92,8 +92,8 @@ def results(tmp_path_factory, tiny_tokenizer):
 
 
 def _families(tok: Tokenizer, folder: Path) -> None:
-    """A family comparison's folder as jobs/compare_families.py writes it, of untrained tiny models: a T5 2x3 and
-    a looped LM 1+2x3+1 evaluated on the same examples, and families.parquet."""
+    """A family comparison's folder as speed.train.families.compare_families writes it, of untrained tiny models:
+    a T5 2x3 and a looped LM 1+2x3+1 evaluated on the same examples, and families.parquet."""
     rows = []
     for family, model in (("t5", model_2x3(tok.vocab_size)), ("lm", _lm(tok.vocab_size))):
         config = EvalConfig("translate_en_de", "validation", limit=4, batch_size=1, max_new_tokens=8,
@@ -370,19 +370,3 @@ def _analysis_job():
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
     return job
-
-
-def test_the_family_comparison_job_refuses_a_task_without_references(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("compare_families_job", repo_root() / "jobs" / "compare_families.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    monkeypatch.setattr(job, "run_job", lambda *a: pytest.fail("training started"))
-    with pytest.raises(SystemExit) as exit_:
-        job.main(["--task", "pretrain"])
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.startswith("error: task 'pretrain' has no references to compare on")
-    # The LM's base job follows the T5's comparison settings (its width and tokenizer come after the T5 trains).
-    args = job.parse_args(["--max-steps", "7", "--batch-size", "3", "--lm-pattern", "1+1x2+1"])
-    lm = job.family_job(args, "lm", args.lm_pattern, {})
-    assert (lm.family.name, lm.model.pattern, lm.train.max_steps, lm.train.batch_size) == ("lm", "1+1x2+1", 7, 3)
-    assert lm.eval is None and lm.run.name == "lm-1+1x2+1-translate_en_de-7"

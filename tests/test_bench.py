@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speed.benchmarks.decode import SAMPLING_BENCH_SCHEMA, format_sampling_table, run_sampling_benchmark
+from speed.benchmarks.sampling import SAMPLING_BENCH_SCHEMA, format_sampling_table, run_sampling_benchmark
 from speed.config import preset
 from speed.decode.generate import generate
 from speed.engine.sampling import Sampling
@@ -43,8 +43,19 @@ def test_sampling_benchmark_rows():
     assert "coupled" in format_sampling_table(table)
 
 
+def test_the_sampling_benchmark_takes_a_looped_lm():
+    """A looped LM's prompts: every SPEED variant samples what sequential sampling does."""
+    from speed.config import lm_preset
+    from speed.models.looped_lm import LoopedLM
+
+    torch.manual_seed(0)
+    model = LoopedLM(lm_preset("tiny", pattern="1+2x3+1")).eval()
+    table = run_sampling_benchmark(model, [[5, 6, 7, 8], [9, 10]], (0.0, 1.0), 5)
+    assert table.num_rows == 5 and all(table.column("identical").to_pylist())
+
+
 def test_lever_benchmark_rows_count_every_variant_and_check_it_against_sequential():
-    from speed.benchmarks.decode import (
+    from speed.benchmarks.levers import (
         LEVER_BENCH_SCHEMA,
         LeverSetting,
         format_lever_table,
@@ -91,7 +102,8 @@ def test_lever_benchmark_compares_checkpoints_with_and_without_adapters_and_scor
     adapters' combinations with every lever (``<name>_no_exits``); ``quality`` scores each model's output once."""
     from engine_helpers import random_exits
 
-    from speed.benchmarks.decode import Quality, format_lever_table, parse_levers, run_lever_benchmark
+    from speed.benchmarks.heldout import Quality
+    from speed.benchmarks.levers import format_lever_table, parse_levers, run_lever_benchmark
 
     torch.manual_seed(0)
     a = SpeedT5(preset("tiny", pattern="2x3")).eval()
@@ -130,7 +142,7 @@ def test_lever_benchmark_compares_checkpoints_with_and_without_adapters_and_scor
 
 
 def test_lever_settings_are_refused_when_misspelled():
-    from speed.benchmarks.decode import parse_levers
+    from speed.benchmarks.levers import parse_levers
 
     for text in ("b=branch:6", "b=branches", "speed=branches:1", "b=branches:1;b=branches:2", "branches:6"):
         with pytest.raises(ValueError):
@@ -166,7 +178,8 @@ def test_exit_adapters_in_the_decode_and_lever_benchmarks():
     the lever benchmark of a model with adapters: its ``speed_no_exits`` row decodes the same tokens without them."""
     from engine_helpers import random_exits
 
-    from speed.benchmarks.decode import BenchConfig, run_benchmark, run_lever_benchmark
+    from speed.benchmarks.decode import BenchConfig, run_benchmark
+    from speed.benchmarks.levers import run_lever_benchmark
 
     table = run_benchmark(BenchConfig(preset("tiny", pattern="2x3"), new_tokens=6, reps=1, compare_hf=False))
     rows = {r["variant"]: r for r in table.to_pylist()}
@@ -240,7 +253,7 @@ def test_the_lever_job_compares_named_checkpoints_on_held_out_text(tiny_tokenize
 def test_the_lever_benchmark_takes_a_looped_lm():
     """A looped LM's variants: its shallow decoder keeps the prelude and coda (1+2x1+1), every SPEED variant equals
     sequential decoding, and the oracle needs no more steps than plain SPEED."""
-    from speed.benchmarks.decode import _lever_variants, parse_levers, run_lever_benchmark
+    from speed.benchmarks.levers import _lever_variants, parse_levers, run_lever_benchmark
     from speed.config import lm_preset
     from speed.models.looped_lm import LoopedLM
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import ray
+import ray.autoscaler
 import yaml
-from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.autoscaler.sdk import fillout_defaults
 
 from speed.paths import repo_root
 
@@ -101,10 +104,17 @@ def test_the_pin_is_the_installed_ray():
     assert pinned_ray_version() == ray.__version__
 
 
+def validate_launcher_config(config: dict) -> None:
+    """What `ray up` checks before it launches anything, through Ray's exported pieces: the provider's defaults
+    filled in (``ray.autoscaler.sdk.fillout_defaults``), then the cluster schema Ray ships beside its autoscaler."""
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(fillout_defaults(config), schema)
+
+
 @pytest.mark.parametrize("path", LAUNCHER_FILES, ids=lambda p: p.name)
 def test_launcher_config_passes_rays_validation_with_token_auth_and_a_loopback_dashboard(path):
     config = yaml.safe_load(path.read_text())
-    validate_config(prepare_config(config))  # what `ray up` runs before it launches anything
+    validate_launcher_config(config)
     starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
     ray_starts = [c for c in starts if "ray start" in c]
     assert len(ray_starts) == 2 and all("RAY_AUTH_MODE=token ray start" in c for c in ray_starts)
@@ -117,7 +127,7 @@ def test_a_broken_launcher_config_fails_validation():
     config = yaml.safe_load(LAUNCHER_FILES[0].read_text())
     config["available_node_types"]["head"]["min_wrokers"] = 1
     with pytest.raises(Exception, match="min_wrokers"):
-        validate_config(prepare_config(config))
+        validate_launcher_config(config)
 
 
 def test_kuberay_manifests_have_the_fields_kuberay_expects_and_our_ray():

@@ -27,7 +27,7 @@ from test_serve_parts import _parquet_only
 
 from speed import SpeedT5, preset
 from speed.analysis.results import discover, local_results, read_tables
-from speed.benchmarks.decode import held_out
+from speed.benchmarks.heldout import held_out
 from speed.models.checkpoint import load_model, save_model
 from speed.serve.readers import read_requests, read_traces
 from speed.serve.schemas import REQUEST_SCHEMA

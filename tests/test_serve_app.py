@@ -728,7 +728,6 @@ def _check_statistics_after_shutdown(server):
             assert r["seed"] == choice_seed(11, r["choice"])
 
 
-@pytest.mark.slow
 def _copy_if_there(source: str, destination: str) -> None:
     import shutil
 
@@ -736,6 +735,7 @@ def _copy_if_there(source: str, destination: str) -> None:
         shutil.copy2(source, destination)
 
 
+@pytest.mark.slow
 def test_serving_notebook_on_the_applications_own_files(server, tmp_path):
     """The analysis of serving reads what the application and the load generator really wrote."""
     import shutil

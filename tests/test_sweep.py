@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 from dataclasses import replace
 from pathlib import Path
@@ -129,7 +130,8 @@ SHORT_SWEEP += ["--limit", "200", "--vocab-size", "500"]
 
 
 def _rungs(sched) -> list[float]:
-    return sorted(milestone for milestone, _ in sched._brackets[0]._rungs)
+    """ASHA's rungs (milestones), as its public ``debug_string`` lists them: ``Bracket: Iter 40.000: ... | ...``."""
+    return sorted(float(m) for m in re.findall(r"Iter ([0-9.]+):", sched.debug_string()))
 
 
 @pytest.mark.parametrize("max_steps", [1, 4, 21, 60, 100])

@@ -1,7 +1,7 @@
 """The two model families side by side: a T5 and a looped LM of equal size, trained on the same examples.
 
-``jobs/compare_families.py`` trains both, evaluates both on the same held-out examples (``jobs/evaluate.py``'s
-folders) and writes ``families.parquet`` (``FAMILIES_SCHEMA``, one row per model: ``family_row``). These
+``speed.train.families.compare_families`` trains both, evaluates both on the same held-out examples
+(``jobs/evaluate.py``'s folders) and writes ``families.parquet`` (``FAMILIES_SCHEMA``, one row per model). These
 functions turn it into what the families notebook draws: every loop's flip rates and perplexity
 (``loop_table``), SPEED's own and oracle steps per token and its speed-up (the rows themselves), quality with
 bootstrap intervals and the LM's paired difference from the T5 (``quality_difference``), and the
@@ -12,54 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speed.analysis.results import FAMILIES_FILE, Evaluation, load_evaluation
+from speed.analysis.results import Evaluation, load_evaluation
 from speed.eval.metrics import paired_bootstrap
-
-
-def family_row(
-    family: str, summary: dict[str, Any], evaluation: str, parameters: int, train: dict[str, Any]
-) -> dict[str, Any]:
-    """One ``FAMILIES_SCHEMA`` row from an evaluation summary (``speed.eval.evaluate``, checked against sequential
-    decoding) and the training's ``train_steps``, ``train_examples``, ``train_tokens``, ``train_seconds``."""
-    decode = summary["decode"]
-    if "sequential" not in decode:
-        raise ValueError("the evaluation was not checked against sequential decoding: no speed-up to compare")
-    metric = "bleu" if "bleu" in summary["metrics"] else "rougeL"
-    score = summary["metrics"]["bleu"]["score"] if metric == "bleu" else summary["metrics"]["rouge"]["rougeL"]
-    interval = summary.get("intervals", {}).get(metric, {})
-    flips = sorted(summary["flip_rates"], key=lambda r: r["loop"])
-    return {
-        "family": family,
-        "pattern": summary["model"]["pattern"],
-        "parameters": parameters,
-        "d_ff": summary["model"]["d_ff"],
-        **{k: train[k] for k in ("train_steps", "train_examples", "train_tokens", "train_seconds")},
-        "task": summary["task"],
-        "examples": summary["examples"],
-        "accuracy_metric": metric,
-        "accuracy": score,
-        "accuracy_low": interval.get("low"),
-        "accuracy_high": interval.get("high"),
-        "flip_rate_prev": [r["flip_rate_prev"] for r in flips],
-        "flip_rate_final": [r["flip_rate_final"] for r in flips],
-        "perplexity": (summary.get("perplexity") or {}).get("perplexity"),
-        "steps_per_token": decode["steps_per_token"],
-        "oracle_steps_per_token": decode.get("oracle_steps_per_token"),
-        "speed_ms_per_token": _ms_per_token(decode["speed"]),
-        "sequential_ms_per_token": _ms_per_token(decode["sequential"]),
-        "speedup": decode["speedup"],
-        "identical": decode["identical"],
-        "evaluation": evaluation,
-    }
-
-
-def _ms_per_token(run: dict[str, Any]) -> float:
-    return 1000.0 * run["seconds"] / run["tokens"] if run["tokens"] else float("nan")
+from speed.train.families import FAMILIES_FILE
 
 
 @dataclass(frozen=True)

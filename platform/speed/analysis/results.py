@@ -6,7 +6,7 @@ A results folder may hold evaluation folders (``summary.json`` beside
 (``speed.serve.schemas.LOADGEN_SCHEMA``), the Serve application's statistics
 (``REQUEST_SCHEMA`` rows), sweep folders (``results.parquet``,
 ``speed.sweep.results.RESULTS_SCHEMA``) and family comparisons (``families.parquet``,
-``FAMILIES_SCHEMA``, written by ``speed.analysis.families``) and budget curves (``budget.parquet``,
+``speed.train.families.FAMILIES_SCHEMA``) and budget curves (``budget.parquet``,
 ``speed.eval.budget.BUDGET_SCHEMA``), in any layout. A folder on object storage is copied here first
 (``local_results``).
 """
@@ -27,42 +27,12 @@ from speed.eval.evaluate import PREDICTIONS_FILE, SUMMARY_FILE, TRACE_FILE
 from speed.serve.schemas import LOADGEN_SCHEMA, REQUEST_SCHEMA
 from speed.storage import locate
 from speed.sweep.results import RESULTS_FILE, RESULTS_SCHEMA
+from speed.train.families import FAMILIES_FILE, FAMILIES_SCHEMA
 
 # A file is of a kind when it holds every column of that kind's schema (the writers' own schemas).
 LOAD_COLUMNS = frozenset(LOADGEN_SCHEMA.names)
 REQUEST_COLUMNS = frozenset(REQUEST_SCHEMA.names)
 SWEEP_COLUMNS = frozenset(RESULTS_SCHEMA.names)
-
-FAMILIES_FILE = "families.parquet"
-
-FAMILIES_SCHEMA = pa.schema(
-    [
-        pa.field("family", pa.string(), nullable=False),  # t5 | lm (speed.models.family)
-        pa.field("pattern", pa.string(), nullable=False),
-        pa.field("parameters", pa.int64(), nullable=False),  # the whole model's, embeddings included
-        pa.field("d_ff", pa.int32(), nullable=False),  # the width speed.models.family.match_parameters chose
-        pa.field("train_steps", pa.int64(), nullable=False),
-        pa.field("train_examples", pa.int64(), nullable=False),  # steps x batch size
-        pa.field("train_tokens", pa.int64(), nullable=False),  # tokens the model read (the train log's)
-        pa.field("train_seconds", pa.float64(), nullable=False),  # wall clock of the training steps
-        pa.field("task", pa.string(), nullable=False),
-        pa.field("examples", pa.int32(), nullable=False),  # held-out examples evaluated
-        pa.field("accuracy_metric", pa.string(), nullable=False),  # bleu (translation) | rougeL (summarization)
-        pa.field("accuracy", pa.float64(), nullable=False),
-        pa.field("accuracy_low", pa.float64()),  # its 95% bootstrap interval (speed.eval.metrics.bootstrap)
-        pa.field("accuracy_high", pa.float64()),
-        pa.field("flip_rate_prev", pa.list_(pa.float64()), nullable=False),  # per loop, of the decoded tokens
-        pa.field("flip_rate_final", pa.list_(pa.float64()), nullable=False),
-        pa.field("perplexity", pa.list_(pa.float64())),  # per loop, teacher-forced on the references
-        pa.field("steps_per_token", pa.float64(), nullable=False),  # SPEED's own pipeline steps per token
-        pa.field("oracle_steps_per_token", pa.float64()),  # ... were every early exit right
-        pa.field("speed_ms_per_token", pa.float64(), nullable=False),  # decode wall clock, interleaved batches
-        pa.field("sequential_ms_per_token", pa.float64(), nullable=False),
-        pa.field("speedup", pa.float64(), nullable=False),  # sequential time / SPEED time, identical output
-        pa.field("identical", pa.bool_(), nullable=False),
-        pa.field("evaluation", pa.string(), nullable=False),  # the evaluation folder, relative to the file
-    ]
-)
 
 
 @dataclass(frozen=True)

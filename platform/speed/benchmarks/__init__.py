@@ -1,7 +1,10 @@
 """The benchmarks: every measurement that compares variants side by side in one run, ratios never typed in.
 
-- ``speed.benchmarks.decode``: decode latency (sequential vs SPEED vs the shallow decoder) and seeded sampling;
-  ``jobs/bench_decode.py``, ``jobs/bench_sampling.py``.
+- ``speed.benchmarks.decode`` (T5, and what both families share), ``speed.benchmarks.decode_lm`` (the looped LM):
+  decode latency, sequential vs SPEED vs the shallow decoder; ``jobs/bench_decode.py``.
+- ``speed.benchmarks.sampling``: SPEED under seeded sampling against sequential sampling; ``jobs/bench_sampling.py``.
+- ``speed.benchmarks.levers``: SPEED's levers on trained checkpoints, side by side; ``jobs/bench_levers.py``.
+- ``speed.benchmarks.heldout``: the trained-checkpoint benchmarks' workload (held-out inputs) and its scoring.
 - ``speed.benchmarks.data``: the data stage at scale (preparation time, per-worker peak memory); ``jobs/bench_data.py``.
 - ``speed.benchmarks.serving``: one request at a time vs continuous batching, sequential vs SPEED, over HTTP;
   ``jobs/bench_serve.py``.

@@ -3,6 +3,7 @@
 - ``speed.train.config``: ``JobConfig`` and its sections, parsed from YAML and flags; run names.
 - ``speed.train.launch``: the driver's stages and ``run_job`` (what the training jobs call).
 - ``speed.train.loop``: ``train_loop_per_worker``, what every Ray Train worker runs.
+- ``speed.train.families``: both model families trained and evaluated side by side (``jobs/compare_families.py``).
 - ``speed.train.optim``, ``speed.train.state``: the optimizer and its schedule; training checkpoints.
 
 This package imports nothing itself: the optimizer and checkpoint modules load without Ray (``jobs/gpu_check.py``

@@ -1,0 +1,95 @@
+"""The benchmarks' workload of a trained checkpoint: its task's held-out inputs as its family reads them
+(``held_out``), and its outputs scored against the references (``score_outputs``, ``paired_quality``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A trained checkpoint and its task's held-out sentences as its family reads them (the benchmarks' workload)."""
+
+    model: SpeedT5 | LoopedLM
+    task: str
+    inputs: list[list[int]]  # T5's encoder inputs, an LM's chat prompts
+    references: list[str]  # the records' targets
+    tokenizer_path: str
+
+
+def held_out(checkpoint: str, split: str, limit: int | None) -> HeldOut:
+    """Load ``checkpoint`` and encode the first ``limit`` records of its training task's ``split`` as its family
+    reads them (T5's encoder inputs, an LM's chat prompts), truncated as in training; a checkpoint without
+    tokenizer or task is a clear error."""
+    from speed.data import get_task, read_records
+    from speed.models.checkpoint import load_model
+    from speed.models.family import family_of
+    from speed.tokenizer import Tokenizer
+
+    loaded = load_model(checkpoint)
+    if loaded.tokenizer_path is None:
+        raise FileNotFoundError(f"checkpoint {checkpoint} holds no spm.model")
+    data = loaded.config.get("job", {}).get("data", {})
+    if not data.get("task"):
+        raise ValueError(f"checkpoint {checkpoint} records no training task")
+    family = family_of(loaded.model)
+    records = read_records(family.read_task(get_task(data["task"])), split, data.get("source"), limit)
+    columns = records.dataset.to_dict()
+    tok = Tokenizer.load(loaded.tokenizer_path)
+    inputs = family.encode_sources(columns["source"], tok, data.get("max_source_len") or 512)
+    return HeldOut(loaded.model, data["task"], inputs, columns["target"], loaded.tokenizer_path)
+
+
+@dataclass(frozen=True)
+class Quality:
+    """A model's output scored against the references, with a 95 % bootstrap interval."""
+
+    metric: str  # bleu | rougeL
+    score: float
+    low: float
+    high: float
+
+
+def _scoring(held: HeldOut) -> tuple[Any, str]:
+    """The tokenizer that detokenizes ``held``'s outputs, and its task's metric (BLEU for translation, else ROUGE-L)."""
+    from speed.data import get_task
+    from speed.tokenizer import Tokenizer
+
+    return Tokenizer.load(held.tokenizer_path), "bleu" if "bleu" in get_task(held.task).metrics else "rougeL"
+
+
+def score_outputs(held: HeldOut, samples: int = 1000) -> Callable[[list[list[int]]], Quality]:
+    """A ``quality`` for ``run_lever_benchmark``: a model's outputs detokenized and scored against ``held``'s
+    references with the task's metric (BLEU for translation, else ROUGE-L) and its bootstrap interval."""
+    from speed.eval import metrics
+
+    tok, metric = _scoring(held)
+
+    def quality(outputs: list[list[int]]) -> Quality:
+        scored = metrics.bootstrap(tok.decode_batch(outputs), held.references[: len(outputs)], samples)[metric]
+        return Quality(metric, scored["score"], scored["low"], scored["high"])
+
+    return quality
+
+
+def paired_quality(held: HeldOut, outputs: dict[str, list[list[int]]], samples: int = 1000) -> list[str]:
+    """Each checkpoint's output against the first's on the same references: the task's metric's difference with
+    its 95 % paired-bootstrap interval (``speed.eval.metrics.paired_bootstrap``), one line per checkpoint."""
+    from speed.eval import metrics
+
+    tok, metric = _scoring(held)
+    (first, baseline), *others = outputs.items()
+    refs, lines = held.references[: len(baseline)], []
+    for name, output in others:
+        d = metrics.paired_bootstrap(tok.decode_batch(baseline), tok.decode_batch(output), refs, samples)[metric]
+        lines.append(
+            f"{name} vs {first}: {metric} {d['system']:.2f} vs {d['baseline']:.2f}, difference {d['delta']:+.2f} "
+            f"[{d['low']:+.2f}, {d['high']:+.2f}] (95 % paired bootstrap, {samples} resamples)"
+        )
+    return lines
