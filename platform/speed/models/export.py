@@ -20,11 +20,12 @@ Forms that would change the outputs are refused (``ExportError``, one line namin
 it). Exit adapters (``speed.models.exits``) are not exported: a checkpoint is read without them, a model
 holding them is refused. The weights keep the model's dtype, in ``model.safetensors``.
 
-Tokenizer (when the checkpoint holds its SentencePiece ``spm.model``, or one is given): T5 gets
-``spiece.model`` and a ``tokenizer_config.json`` for ``T5Tokenizer`` (``extra_ids``: the sentinels the platform
-adds to a model without them); an LM gets ``tokenizer.model`` and a ``tokenizer_config.json`` for the slow
-``LlamaTokenizer`` (no BOS or EOS added, the platform's pad/EOS/UNK pieces) with the platform's chat template
-as Jinja when the checkpoint has one. No ``tokenizer.json`` (the fast pipeline) is written.
+Tokenizer (when the checkpoint holds its SentencePiece ``spm.model``, or one is given): ``spiece.model`` and a
+``tokenizer_config.json`` for ``T5Tokenizer``, whatever the form, since the platform's tokenizer is T5's
+conventions (a unigram SentencePiece model; pad 0, EOS 1, UNK 2, no BOS, EOS appended as ``Tokenizer.encode``
+appends it; ``extra_ids``: the sentinels the platform adds to a model without them), plus, for an LM whose
+checkpoint has one, the platform's chat template as Jinja (``chat_template``). No ``tokenizer.json`` (the fast
+pipeline, which ``transformers`` builds from ``spiece.model``) and no generation config are written.
 
 The directory appears whole or not at all: it is written into a temporary sibling, then renamed.
 """
@@ -211,12 +212,17 @@ def ouro_files(model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
         **_decoder_fields(c, n, model_dtype(model)),
     }
     weights = {EMBEDDING: state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
-    weights |= {"model.early_exit_gate.weight": state["exit_gate.weight"], "model.early_exit_gate.bias": state["exit_gate.bias"]}
+    weights |= {
+        "model.early_exit_gate.weight": state["exit_gate.weight"],
+        "model.early_exit_gate.bias": state["exit_gate.bias"],
+    }
     if not c.tie_embeddings:
         weights[HEAD] = state["lm_head.weight"]
     for i in range(n):
         weights |= _llama_layer(state, f"core.{i}.", f"model.layers.{i}.", c)
-        weights |= {f"model.layers.{i}.{theirs}.weight": state[f"core.{i}.{ours}.weight"] for theirs, ours in NORMS.items()}
+        weights |= {
+            f"model.layers.{i}.{theirs}.weight": state[f"core.{i}.{ours}.weight"] for theirs, ours in NORMS.items()
+        }
     return config, weights
 
 
@@ -291,14 +297,19 @@ def t5_files(model: SpeedT5) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A T5 v1.1 config.json and tensors for ``model``, its decoder unrolled: the inverse of ``convert_t5``."""
     c, state, s = model.config, model.state_dict(), model.config.sharing
     config = hf_config_from(c).to_dict() | {"architectures": ["T5ForConditionalGeneration"]}
+    config["tie_word_embeddings"] = False  # transformers 5 writes True (v1.1 untied by scale_decoder_outputs=False)
     config["torch_dtype"] = str(model_dtype(model)).removeprefix("torch.")
     shared = state["shared.weight"]
     weights = {"shared.weight": shared, "lm_head.weight": state["lm_head.weight"]}
     weights |= dict.fromkeys(EMBEDDING_COPIES, shared)
     weights["encoder.final_layer_norm.weight"] = state["encoder_norm.weight"]
     weights["decoder.final_layer_norm.weight"] = state["decoder_norm.weight"]
-    weights["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = state["encoder_bias.embedding.weight"]
-    weights["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = state["decoder_bias.embedding.weight"]
+    weights["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = state[
+        "encoder_bias.embedding.weight"
+    ]
+    weights["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = state[
+        "decoder_bias.embedding.weight"
+    ]
     for i in range(c.n_encoder_layers):
         hf, ours = f"encoder.block.{i}.layer.", f"encoder_layers.{i}."
         weights |= _t5_attention(state, ours + "attn.", hf + "0.SelfAttention.", c)
@@ -358,16 +369,11 @@ def _write_tokenizer(directory: Path, path: str, form: str, chat_template: ChatT
         "eos_token": plain.id_to_piece(Tokenizer.eos_id),
         "unk_token": plain.id_to_piece(Tokenizer.unk_id),
     }
-    if form == "t5":
-        (directory / "spiece.model").write_bytes(raw)
-        extra = Tokenizer.load(path).vocab_size - plain.get_piece_size()  # sentinels the platform appends
-        config = {"tokenizer_class": "T5Tokenizer", "extra_ids": extra, **specials}
-    else:
-        (directory / "tokenizer.model").write_bytes(raw)
-        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False}
-        config |= {"bos_token": None, "legacy": False, **specials}
-        if chat_template is not None:
-            config["chat_template"] = jinja_template(chat_template)
+    (directory / "spiece.model").write_bytes(raw)
+    extra = Tokenizer.load(path).vocab_size - plain.get_piece_size()  # sentinels the platform appends
+    config = {"tokenizer_class": "T5Tokenizer", "extra_ids": extra, **specials}
+    if form != "t5" and chat_template is not None:
+        config["chat_template"] = jinja_template(chat_template)
     config["model_max_length"] = MAX_POSITIONS
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -375,4 +381,10 @@ def _write_tokenizer(directory: Path, path: str, form: str, chat_template: ChatT
 def jinja_template(template: ChatTemplate) -> str:
     """``template`` as the Jinja chat template transformers renders (``apply_chat_template``) to the same text."""
     turn = template.turn.replace("{role}", "{{ message['role'] }}").replace("{content}", "{{ message['content'] }}")
-    return "{% for message in messages %}" + turn + "{% endfor %}{% if add_generation_prompt %}" + template.cue + "{% endif %}"
+    return (
+        "{% for message in messages %}"
+        + turn
+        + "{% endfor %}{% if add_generation_prompt %}"
+        + template.cue
+        + "{% endif %}"
+    )
