@@ -209,7 +209,7 @@ def ouro_files(model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
         "sliding_window": None,
         "total_ut_steps": c.sharing.n_loops,
         "use_sliding_window": False,
-        **_decoder_fields(c, n, model_dtype(model)),
+        **_decoder_fields(c, n, _dtype(model)),
     }
     weights = {EMBEDDING: state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
     weights |= {
@@ -238,7 +238,7 @@ def llama_files(model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
         "mlp_bias": False,
         "model_type": "llama",
         "rope_scaling": None,
-        **_decoder_fields(c, len(blocks), model_dtype(model)),
+        **_decoder_fields(c, len(blocks), _dtype(model)),
     }
     weights = {EMBEDDING: state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
     if not c.tie_embeddings:
@@ -298,7 +298,7 @@ def t5_files(model: SpeedT5) -> tuple[dict[str, Any], dict[str, Tensor]]:
     c, state, s = model.config, model.state_dict(), model.config.sharing
     config = hf_config_from(c).to_dict() | {"architectures": ["T5ForConditionalGeneration"]}
     config["tie_word_embeddings"] = False  # transformers 5 writes True (v1.1 untied by scale_decoder_outputs=False)
-    config["torch_dtype"] = str(model_dtype(model)).removeprefix("torch.")
+    config["torch_dtype"] = str(_dtype(model)).removeprefix("torch.")
     shared = state["shared.weight"]
     weights = {"shared.weight": shared, "lm_head.weight": state["lm_head.weight"]}
     weights |= dict.fromkeys(EMBEDDING_COPIES, shared)
@@ -312,13 +312,13 @@ def t5_files(model: SpeedT5) -> tuple[dict[str, Any], dict[str, Tensor]]:
     ]
     for i in range(c.n_encoder_layers):
         hf, ours = f"encoder.block.{i}.layer.", f"encoder_layers.{i}."
-        weights |= _t5_attention(state, ours + "attn.", hf + "0.SelfAttention.", c)
+        weights |= _t5_attention(state, ours + "attn.", hf + "0.SelfAttention.")
         weights[hf + "0.layer_norm.weight"] = state[ours + "attn_norm.weight"]
         weights |= _t5_ffn(state, ours + "ffn.", hf + "1.")
         weights[hf + "1.layer_norm.weight"] = state[ours + "ffn_norm.weight"]
     for v in range(s.depth):
         hf, ours = f"decoder.block.{v}.layer.", f"decoder_layers.{s.physical_layer(v)}."
-        weights |= _t5_attention(state, ours + "self_attn.", hf + "0.SelfAttention.", c)
+        weights |= _t5_attention(state, ours + "self_attn.", hf + "0.SelfAttention.")
         weights[hf + "0.layer_norm.weight"] = state[ours + "self_norm.weight"]
         cross = hf + "1.EncDecAttention."
         weights[cross + "q.weight"] = state[ours + "cross_attn.q.weight"]
@@ -330,7 +330,7 @@ def t5_files(model: SpeedT5) -> tuple[dict[str, Any], dict[str, Tensor]]:
     return config, weights
 
 
-def _t5_attention(state: Mapping[str, Tensor], ours: str, hf: str, c: Any) -> dict[str, Tensor]:
+def _t5_attention(state: Mapping[str, Tensor], ours: str, hf: str) -> dict[str, Tensor]:
     q, k, v = state[ours + "qkv.weight"].chunk(3)
     return {hf + "q.weight": q, hf + "k.weight": k, hf + "v.weight": v, hf + "o.weight": state[ours + "o.weight"]}
 
@@ -341,7 +341,8 @@ def _t5_ffn(state: Mapping[str, Tensor], ours: str, hf: str) -> dict[str, Tensor
     return {dense + "wi_0.weight": wi_0, dense + "wi_1.weight": wi_1, dense + "wo.weight": state[ours + "wo.weight"]}
 
 
-def model_dtype(model: torch.nn.Module) -> torch.dtype:
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model's weights are in (and exported in)."""
     return next(model.parameters()).dtype
 
 
