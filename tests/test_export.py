@@ -1,0 +1,142 @@
+"""``speed.models.export`` and ``jobs/export.py``: a platform model as a Hugging Face directory, read back by
+``speed.from_pretrained`` (bit for bit) and by ``transformers`` (to 1e-4), or refused in one line."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from imported_helpers import one_line
+from transformers import AutoTokenizer, LlamaForCausalLM, T5ForConditionalGeneration
+
+import speed
+from speed.chat import CHAT_TEMPLATE, render_chat
+from speed.config import PRESETS, lm_preset
+from speed.models.checkpoint import save_model
+from speed.models.export import ExportError, export
+from speed.models.looped_lm import LoopedLM
+from speed.models.t5 import SpeedT5
+from speed.paths import repo_root
+from speed.tokenizer import Tokenizer
+
+OURO = {"norm": "sandwich", "loop_norm": True, "exit_gate": True}
+IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def looped(pattern: str = "2x3", seed: int = 0, **options) -> LoopedLM:
+    torch.manual_seed(seed)
+    return LoopedLM(lm_preset("tiny", pattern=pattern, n_kv_heads=1, **options)).eval()
+
+
+def loop_logits(model, *inputs) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return model(*inputs, return_logits=True).loop_logits
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_ouro_layout_reads_back_bit_for_bit(tmp_path, tied):
+    model = looped(**OURO, tie_embeddings=tied)
+    done = export(model, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert done.form == "ouro" and config["model_type"] == "ouro" and config["total_ut_steps"] == 3
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_ouro.OuroForCausalLM"
+    back = speed.from_pretrained(tmp_path / "out")
+    assert back.config.replace(eos_id=model.config.eos_id) == model.config
+    assert all(torch.equal(a, b) for a, b in zip(loop_logits(model, IDS), loop_logits(back, IDS), strict=True))
+    with torch.no_grad():
+        assert torch.equal(model.exit_lambdas(IDS), back.exit_lambdas(IDS))
+
+
+@pytest.mark.parametrize(("pattern", "tied"), [("1+2x3+1", False), ("2x2", True)])
+def test_unrolled_llama_keeps_the_last_loop(tmp_path, pattern, tied):
+    model = looped(pattern, tie_embeddings=tied)
+    done = export(model, tmp_path / "out")
+    s = model.sharing
+    assert done.form == "llama" and done.n_layers == s.prelude + s.n_unique * s.n_loops + s.coda
+    want = loop_logits(model, IDS)[-1]
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(IDS).logits, want, atol=1e-4, rtol=0)
+    back = speed.from_pretrained(tmp_path / "out")
+    assert back.config.pattern == f"{done.n_layers}x1" and torch.equal(loop_logits(back, IDS)[-1], want)
+
+
+def test_t5_decoder_unrolled(tmp_path):
+    torch.manual_seed(0)
+    model = SpeedT5(PRESETS["tiny"].replace(pattern="2x3")).eval()
+    done = export(model, tmp_path / "out")
+    assert done.form == "t5" and done.n_layers == 6
+    decoder_ids = IDS[:, :5]
+    want = loop_logits(model, IDS, decoder_ids)[-1]
+    hf = T5ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=IDS, decoder_input_ids=decoder_ids).logits, want, atol=1e-4, rtol=0)
+    assert torch.equal(loop_logits(speed.from_pretrained(tmp_path / "out"), IDS, decoder_ids)[-1], want)
+
+
+@pytest.mark.parametrize(
+    ("options", "form", "message"),
+    [
+        ({"injection": True}, None, "no exported form keeps this model's outputs: ouro: norm='pre'"),
+        ({"loop_norm": True}, "llama", "cannot export as llama: loop_norm: it normalises between loops"),
+        ({"norm": "sandwich"}, "llama", "cannot export as llama: norm='sandwich': a Llama layer is pre-norm only"),
+        ({**OURO, "pattern": "1+2x3"}, "ouro", "cannot export as ouro: pattern 1+2x3: Ouro loops all of its layers"),
+        ({"rope_layout": "pairs"}, "llama", "rope_layout='pairs': a Llama rotates halves"),
+        ({}, "t5", "form t5 is for a SpeedT5"),
+    ],
+)
+def test_a_form_that_would_change_the_outputs_is_one_line(tmp_path, options, form, message):
+    with pytest.raises(ExportError) as error:
+        export(looped(**options), tmp_path / "out", form=form)
+    assert message in one_line(error)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_a_checkpoint_brings_its_tokenizer_and_chat_template(tmp_path, tiny_tokenizer):
+    tokenizer = Tokenizer.load(tiny_tokenizer)
+    torch.manual_seed(0)
+    model = LoopedLM(lm_preset("tiny", vocab_size=tokenizer.vocab_size, pattern="2x2")).eval()
+    save_model(tmp_path / "lm", model, tiny_tokenizer)
+    done = export(tmp_path / "lm", tmp_path / "out")
+    assert {"spiece.model", "tokenizer_config.json"} <= set(done.files)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "The quick brown fox."
+    assert hf(text)["input_ids"] == tokenizer.encode(text)
+    chat = [{"role": "user", "content": "Translate to German: A dog runs."}]
+    assert hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == render_chat(chat, CHAT_TEMPLATE)
+
+    t5 = SpeedT5(PRESETS["tiny"].replace(vocab_size=tokenizer.vocab_size))
+    save_model(tmp_path / "t5", t5, tiny_tokenizer)
+    assert "spiece.model" in export(tmp_path / "t5", tmp_path / "t5-out").files
+    hf = AutoTokenizer.from_pretrained(tmp_path / "t5-out")
+    assert hf(text)["input_ids"] == tokenizer.encode(text) and len(hf) == tokenizer.vocab_size
+    assert "chat_template" not in json.loads((tmp_path / "t5-out" / "tokenizer_config.json").read_text())
+
+
+def _job():
+    return SimpleNamespace(**runpy.run_path(str(repo_root() / "jobs" / "export.py")))
+
+
+def test_the_job(tmp_path, capsys):
+    save_model(tmp_path / "ckpt", looped("2x2"))
+    done = _job().main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")])
+    assert done.form == "llama" and "wrote llama" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        _job().main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "other"), "--form", "ouro"])
+    assert exit_.value.code == 2 and "error: cannot export as ouro: norm='pre'" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]
+
+
+def test_the_job_on_a_bad_checkpoint_path_exits_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(repo_root() / "jobs" / "export.py"), "--checkpoint", str(tmp_path / "nothing"),
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
