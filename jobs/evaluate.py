@@ -32,6 +32,7 @@ from speed.config import from_dict
 from speed.data import TASKS, get_task, resolve_source
 from speed.engine import INVALIDATIONS
 from speed.engine.defaults import device_exit_adapters, device_levers
+from speed.engine.memory import MemoryBudgetError
 from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
 from speed.models.checkpoint import load_model
 from speed.models.exits import EXITS_CONFIG_FILE
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plain = "-no-exit-adapters" if unused else ""  # beside the evaluation with them, not over it
     out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}{plain}"
     model = loaded.model.to(args.device)  # load_model fills a CPU-built model: move it where it should decode
-    summary = run_evaluation(model, tokenizer, config, out)
+    with user_errors((MemoryBudgetError,)):  # a batch the device cannot hold: one line saying what fits, status 2
+        summary = run_evaluation(model, tokenizer, config, out)
     print(format_summary(summary))
     print(f"wrote {', '.join(summary['files'].values())}")
     return summary

@@ -83,11 +83,12 @@ def report_rows(table: pa.Table, args: argparse.Namespace, format_table: Callabl
 
 
 @contextmanager
-def user_errors() -> Iterator[None]:
-    """Around the parsing and checking of a job's settings: a ``USER_ERRORS`` exception exits with status 2."""
+def user_errors(errors: tuple[type[BaseException], ...] = USER_ERRORS) -> Iterator[None]:
+    """Around the parsing and checking of a job's settings: an exception of ``errors`` (default ``USER_ERRORS``)
+    exits with status 2."""
     try:
         yield
-    except USER_ERRORS as err:
+    except errors as err:
         message = str(err).strip() or type(err).__name__
         print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(USAGE_STATUS) from None

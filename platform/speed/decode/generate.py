@@ -93,7 +93,12 @@ def generate(
         for b, ids in enumerate(sources)
     ]
     config = EngineConfig(
-        max_active=batch, max_prompt_len=length, max_target_len=max_new_tokens, row_budget=row_budget, trace=trace
+        max_active=batch,
+        max_prompt_len=length,
+        max_target_len=max_new_tokens,
+        row_budget=row_budget,
+        trace=trace,
+        branches=method == "speed" and speculation.branches > 0,  # side entries only for branches
     )
     was_training = getattr(model, "training", False)
     if was_training:

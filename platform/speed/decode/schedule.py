@@ -42,8 +42,9 @@ class TableModel:
         self.snapshots: list[np.ndarray] = []
         self.calls: list[list[tuple[int, int, int, int, int]]] = []
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> KVCache:
-        self.kv = KVCache(self.n_loops, 1, n_slots, 1, max_len, 1)  # kept to read its lengths after the last step
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> KVCache:
+        # kept to read its lengths after the last step
+        self.kv = KVCache(self.n_loops, 1, n_slots, 1, max_len, 1, n_side=None if side else 0)
         return self.kv
 
     @property

@@ -18,7 +18,9 @@ key/value there, and a read gathers the row's prefix up to the fork from its
 slot's positions and the lane's positions from their side entries, in
 position order, so attention sums exactly the keys a chain token with the
 same prefix would see. Promoting a lane copies each token's entries (one per loop it ran) into
-its positions of the slot.
+its positions of the slot. A cache built for an engine without branches has no side entries (``n_side=0``).
+
+``kv_bytes`` is what a cache of a given size allocates, so an engine can say before allocating whether it fits.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import Tensor
 from speed.engine.kernels import ATTN_CHUNK, chunk_span
 from speed.engine.rows import Rows
 
-__all__ = ["CacheError", "KVCache", "Rows"]
+__all__ = ["CacheError", "KVCache", "Rows", "kv_bytes"]
 
 
 class CacheError(RuntimeError):
@@ -47,7 +49,7 @@ class KVCache:
     prefix length at that virtual layer for that slot. Branch rows keep their
     key/value in ``side_keys[j]``/``side_values[j]`` (n_loops, n_slots *
     n_side, n_heads, d_kv): side entry b of slot s is index ``s * n_side + b``
-    (``n_side``: n_loops**2 by default).
+    (``n_side``: n_loops**2 by default; 0: no side tensors at all, for an engine without branches).
     """
 
     def __init__(
@@ -71,11 +73,17 @@ class KVCache:
         # in fewer loops than the model has (a looped LM's prelude: one loop, the model's M lanes)
         self.n_side = n_loops * n_loops if n_side is None else n_side
         side_shape = (n_loops, n_slots * self.n_side, n_heads, d_kv)
-        self.side_keys = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.side_values = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        n_sided = n_layers if self.n_side else 0
+        self.side_keys = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_sided)]
+        self.side_values = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_sided)]
         self.max_len = max_len
         self.n_slots = n_slots
         self.device = torch.device(device)
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        """Every tensor this cache allocated (what ``kv_bytes`` counts)."""
+        return [*self.keys, *self.values, *self.side_keys, *self.side_values]
 
     def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
         """Append each row's key/value (R, H, D) at its virtual layer (its loop, ``layer``).
@@ -188,3 +196,20 @@ class KVCache:
     def reset(self, slot: int) -> None:
         """Empty ``slot``, e.g. when a new request takes it over."""
         self.lengths[:, :, slot] = 0
+
+
+def kv_bytes(
+    n_loops: int,
+    n_layers: int,
+    n_slots: int,
+    n_heads: int,
+    max_len: int,
+    d_kv: int,
+    dtype: torch.dtype = torch.float32,
+    n_side: int | None = None,
+) -> tuple[int, int]:
+    """Bytes a ``KVCache`` of these arguments allocates: (its positions' keys/values, its side entries')."""
+    n_side = n_loops * n_loops if n_side is None else n_side
+    item = torch.empty((), dtype=dtype).element_size()
+    entry = 2 * n_layers * n_loops * n_slots * n_heads * d_kv * item  # a key and a value per (loop, layer, slot)
+    return entry * chunk_span(max_len), entry * n_side

@@ -12,12 +12,14 @@ import heapq
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from speed.engine.cache import Rows
+from speed.engine.memory import check_memory
 from speed.engine.outputs import finished
 from speed.engine.policies import LaunchRule
 from speed.engine.sampling import MAX_LOGPROBS, Sampling
@@ -45,8 +47,14 @@ class Engine:
             raise ValueError("the engine decodes with the model in eval mode: call model.eval() first")
         self.model: Stepper = as_stepper(model)
         self.config = config
+        need = getattr(self.model, "memory_need", None)
+        if need is not None:  # a model's stepper says what it needs: refuse before allocating what does not fit
+            c, device = config, self.model.device
+            check_memory(partial(need, side=c.branches), c.max_active, c.max_prompt_len, c.max_target_len, device)
         with torch.inference_mode():
-            self._cache = self.model.cache(config.max_active, config.max_prompt_len, config.max_target_len)
+            self._cache = self.model.cache(
+                config.max_active, config.max_prompt_len, config.max_target_len, side=config.branches
+            )
             self._memory = self.model.memory(config.max_active, config.max_prompt_len, config.max_target_len)
         self._device = self._cache.device
         self._free = list(range(config.max_active))  # a heap: the lowest free slot is taken first
@@ -180,6 +188,11 @@ class Engine:
         if not isinstance(spec, Speculation):
             raise ValueError(f"speculation must be a speed.engine.Speculation, got {type(spec).__name__}")
         spec.check_loops(M)
+        if request.method == "speed" and spec.branches and not c.branches:
+            raise ValueError(
+                f"speculation.branches={spec.branches}, but this engine was built without runner-up branches "
+                "(EngineConfig.branches=False: its cache has no side entries)"
+            )
         n = request.max_new_tokens
         if type(n) is not int or n < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {n!r}")

@@ -11,6 +11,7 @@ import pyarrow as pa
 from torch import Tensor
 
 from speed.engine.cache import KVCache, Rows
+from speed.engine.memory import MemoryNeed
 from speed.engine.sampling import Sampling, TokenLogprob
 
 Method = Literal["sequential", "speed"]
@@ -41,7 +42,14 @@ class Stepper(Protocol):
     eos_id: int
     vocab_size: int
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> KVCache: ...
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> KVCache:
+        """An empty cache for ``n_slots`` requests; the runner-up branches' side entries only if ``side``."""
+        ...
+
+    def memory_need(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> MemoryNeed:
+        """What ``cache`` and ``memory`` of this capacity allocate, and the weights, computed without allocating.
+        Optional: the engine checks the memory of a stepper that has it (a model's), and builds a stub's as asked."""
+        ...
 
     def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> Any: ...
 
@@ -77,6 +85,7 @@ class EngineConfig:
     max_target_len: int = 128  # output positions per request (max_new_tokens <= this)
     row_budget: int | None = None  # rows per step; None: every in-flight row. Committed-path rows go first
     trace: bool = True  # per-request flip traces (sequential requests then evaluate every loop's exit)
+    branches: bool = True  # runner-up branches allowed: the cache holds their side entries (False: none, smaller)
     max_source_len: InitVar[int | None] = None  # max_prompt_len's T5 name, still accepted (it wins when given)
 
     def __post_init__(self, max_source_len: int | None) -> None:

@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.config import LMConfig, RopeLayout
-from speed.engine.cache import KVCache, Rows
+from speed.engine.cache import KVCache, Rows, kv_bytes
 from speed.engine.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
+from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
 from speed.models.exits import ExitAdapters
@@ -369,15 +370,32 @@ class LoopedLM(nn.Module):
         """Where the weights live; the decode path creates every tensor here."""
         return self.lm_head.weight.device
 
-    def cache(self, n_slots: int, max_len: int) -> LMCache:
-        """An empty cache for ``n_slots`` sequences of up to ``max_len`` positions (prompt included) each."""
-        c, s, p = self.config, self.sharing, self.lm_head.weight
+    def cache(self, n_slots: int, max_len: int, side: bool = True) -> LMCache:
+        """An empty cache for ``n_slots`` sequences of up to ``max_len`` positions (prompt included) each; with
+        the runner-up branches' side entries if ``side`` (else none: a sequence decoded without branches)."""
+        c, p = self.config, self.lm_head.weight
 
-        def kv(n_loops: int, n_layers: int) -> KVCache:
-            side = s.n_loops**2  # the looped layers' side entries, in the prelude too
-            return KVCache(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device, side)
+        def kv(n_loops: int, n_layers: int, n_side: int) -> KVCache | None:
+            if n_layers == 0:
+                return None
+            return KVCache(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device, n_side)
 
-        return LMCache(kv(s.n_loops, s.n_unique + s.coda), kv(1, s.prelude) if s.prelude else None)
+        return LMCache(*(kv(*part) for part in self._cache_parts(side)))
+
+    def cache_bytes(self, n_slots: int, max_len: int, side: bool = True) -> tuple[int, int]:
+        """Bytes ``cache`` of these arguments allocates: (its positions', its side entries'), without allocating."""
+        c, p = self.config, self.lm_head.weight
+        parts = [
+            kv_bytes(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, p.dtype, n_side)
+            for n_loops, n_layers, n_side in self._cache_parts(side)
+        ]
+        return sum(kv for kv, _ in parts), sum(s for _, s in parts)
+
+    def _cache_parts(self, side: bool) -> list[tuple[int, int, int]]:
+        """(loops, layers, side entries per slot) of ``LMCache.loops`` and ``LMCache.prelude`` (0 layers: none)."""
+        s = self.sharing
+        n_side = s.n_loops**2 if side else 0  # the looped layers' side entries, in the prelude too
+        return [(s.n_loops, s.n_unique + s.coda, n_side), (1, s.prelude, n_side)]
 
     def prefill(self, cache: LMCache, slot: int, input_ids: Tensor) -> Tensor:
         """``prefill_batch`` of one prompt (T,) into ``slot``: each loop's logits (M, V) at its last position."""
@@ -525,10 +543,16 @@ class LMStepper(ModelStepper):
 
     model: LoopedLM
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> PromptCache:
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> PromptCache:
         """An empty cache for ``n_slots`` requests of a prompt of up to ``max_prompt_len`` tokens and
-        ``max_len`` output positions each (output position 0's row is the prompt's last)."""
-        return PromptCache(self.model.cache(n_slots, max_prompt_len + max_len - 1))
+        ``max_len`` output positions each (output position 0's row is the prompt's last); with the runner-up
+        branches' side entries if ``side``."""
+        return PromptCache(self.model.cache(n_slots, max_prompt_len + max_len - 1, side))
+
+    def memory_need(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> MemoryNeed:
+        """What ``cache`` of this capacity allocates (the prompt's positions included), and the weights."""
+        cache, side_bytes = self.model.cache_bytes(n_slots, max_prompt_len + max_len - 1, side)
+        return MemoryNeed(self.weights_bytes(), cache, side_bytes, 0)
 
     def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> None:
         """None: everything a request keeps is in the cache."""

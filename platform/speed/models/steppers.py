@@ -43,3 +43,7 @@ class ModelStepper:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def weights_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers (shared ones counted once)."""
+        return sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.config import ModelConfig
-from speed.engine.cache import KVCache, Rows
+from speed.engine.cache import KVCache, Rows, kv_bytes
 from speed.engine.kernels import attend, chunk_span, in_tiles, tile_linear
+from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
 from speed.models.exits import ExitAdapters
@@ -405,12 +406,25 @@ class T5Stepper(ModelStepper):
 
     model: SpeedT5
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int) -> KVCache:
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> KVCache:
         """An empty KV cache for ``n_slots`` requests of up to ``max_len`` decoder positions each (the prompt
-        is the encoder's: it takes no decoder position)."""
+        is the encoder's: it takes no decoder position); with the runner-up branches' side entries if ``side``."""
         m, c = self.model, self.model.config
         p = m.lm_head.weight
-        return KVCache(m.n_loops, len(m.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, p.dtype, p.device)
+        n_side = None if side else 0
+        return KVCache(m.n_loops, len(m.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, p.dtype, p.device, n_side)
+
+    def memory_need(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> MemoryNeed:
+        """What ``cache`` and ``memory`` of this capacity allocate, and the weights, without allocating."""
+        m, c = self.model, self.model.config
+        dtype = m.lm_head.weight.dtype
+        item = m.lm_head.weight.element_size()
+        N = len(m.decoder_layers)
+        cache, side_bytes = kv_bytes(m.n_loops, N, n_slots, c.n_heads, max_len, c.d_kv, dtype, None if side else 0)
+        S, L = chunk_span(max_prompt_len), chunk_span(max_len)
+        cross = 2 * N * n_slots * c.n_heads * S * c.d_kv  # encoder keys/values per slot
+        masks = n_slots * S + max_len * c.n_heads * L  # cross_bias, self_bias
+        return MemoryNeed(self.weights_bytes(), cache, side_bytes, (cross + masks) * item)
 
     def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> Memory:
         """Empty decoding memory: ``capacity`` slots of up to ``max_prompt_len`` encoder tokens.
