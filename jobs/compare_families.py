@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     rows = []
-    for family, outcome in (("t5", t5), ("lm", lm)):
-        loaded = t5_model if family == "t5" else load_model(lm.checkpoint)
+    for family, outcome, loaded in (("t5", t5, t5_model), ("lm", lm, load_model(lm.checkpoint))):
         config = EvalConfig(
             args.task,
             "test",
