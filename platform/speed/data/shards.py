@@ -68,7 +68,7 @@ class CorpusSpec:
     pack: bool = False  # pretraining: join texts into full-length runs
     noise_density: float = 0.15  # pretraining: span corruption, applied when batches are read
     mean_span_length: float = 3.0
-    family: str = "t5"  # the model family's name (speed.models.family): how its splits are prepared (PREPARATIONS)
+    family: str = "t5"  # how a model family's splits are prepared: a PREPARATIONS name (speed.models.family's)
 
     def __post_init__(self) -> None:
         check_encoding(get_task(self.task), self.max_source_len, self.max_target_len, self.pack)
@@ -460,7 +460,8 @@ def _as_written(task: Task) -> Task:
     return task  # T5's task prefix ("translate English to German: ")
 
 
-# model family name (speed.models.family) -> how its splits are prepared; data imports no model
+# name (a model family's ``preparation``, speed.models.family; the name of the family that first read data so)
+# -> how the split is prepared. data imports no model: a new family names one of these
 PREPARATIONS: dict[str, Preparation] = {
     "t5": Preparation(_as_written, _RunsEncoder, _PairsEncoder, keyed=False),
     "lm": Preparation(lm_task, _RowsEncoder, _PromptedEncoder),

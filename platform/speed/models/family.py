@@ -1,16 +1,16 @@
 """The model families, behind one seam: the T5 encoder-decoder (``t5``) and the decoder-only looped LM (``lm``).
 
 A ``Family`` is the one place that knows a family: its config class, its model class, its presets; what
-training needs of it (how a batch of examples becomes the forward's keyword arguments, ``collate``, and how
-many tokens a batch holds); what decoding a task needs of it (how the task reads, ``read_task``, and how its
-source texts become the decoder's inputs, ``encode_sources``: the same for evaluation, sweeps and benchmarks);
-what Serve needs of it (how a served prompt or chat becomes the decoder's input, and whether Serve checks its
-length itself); and what its checkpoint holds beside the weights (``checkpoint_config``, read back by
-``chat_template``). A model hands out its engine ``Stepper`` itself (``model.stepper()``). Jobs choose a family
-with ``--model t5|lm`` (the ``model`` section's ``family`` key); checkpoints record it (config.json's
-``family``, absent in T5 checkpoints written before the LM existed), so that
-``speed.models.checkpoint.load_model`` rebuilds the right model; prepared data splits name it too
-(``speed.data.shards.CorpusSpec.family``). Nothing outside ``speed.models`` compares a family's name.
+training needs of it (how a batch of examples becomes the forward's keyword arguments, ``collate``; how many
+tokens a batch holds; how data prepares its splits, ``preparation``); what decoding a task needs of it (how
+the task reads, ``read_task``, and how its source texts become the decoder's inputs, ``encode_sources``: the
+same for evaluation, sweeps and benchmarks); what Serve needs of it (how a served prompt or chat becomes the
+decoder's input, and whether Serve checks its length itself); and what its checkpoint holds beside the
+weights (``checkpoint_config``, read back by ``chat_template``). A model hands out its engine ``Stepper``
+itself (``model.stepper()``). Jobs choose a family with ``--model t5|lm`` (the ``model`` section's
+``family`` key); checkpoints record it (config.json's ``family``, absent in T5 checkpoints written before
+the LM existed), so that ``speed.models.checkpoint.load_model`` rebuilds the right model. Nothing outside
+``speed.models`` compares a family's name (``tests/test_layers.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class Family(Protocol):
     def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
         """The decoder's inputs for source texts (of ``read_task``'s task), at most ``max_len`` tokens each."""
 
+    preparation: str  # how its splits are tokenized: a ``speed.data.shards.PREPARATIONS`` name (``CorpusSpec.family``)
+
     # Serve
     whole_context: bool  # a served prompt is the whole context (chat template, instruction): Serve checks its length
 
@@ -87,6 +89,7 @@ class T5Family:
     name = "t5"
     config = ModelConfig
     model = SpeedT5
+    preparation = "t5"  # token runs, span-corrupted when read; source/target pairs
     whole_context = False  # T5 reads a prompt as sent (prefix and EOS aside): the engine's length check words it
     hub_init = True
     encoder_decoder = True
@@ -131,6 +134,7 @@ class LMFamily:
     name = "lm"
     config = LMConfig
     model = LoopedLM
+    preparation = "lm"  # next-token rows; chat prompts and answers
     whole_context = True
     hub_init = False
     encoder_decoder = False
