@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
@@ -30,9 +32,29 @@ from speed.cli import JobParser, add_report_flags, config_from_args, report_rows
 from speed.config import lm_preset, preset
 
 
+def _t5_benchmark(args: argparse.Namespace) -> Callable[[], pa.Table]:
+    model = preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
+    exit_rank = args.exit_rank or None
+    cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf, exit_rank=exit_rank)
+    return lambda: run_benchmark(cfg)
+
+
+def _lm_benchmark(args: argparse.Namespace) -> Callable[[], pa.Table]:
+    lm = lm_preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
+    cfg = config_from_args(LMBenchConfig, args, model=lm, compare_hf=not args.no_hf)
+    return lambda: run_lm_benchmark(cfg)
+
+
+# --family -> (the benchmark its flags set up, its default output)
+BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], Callable[[], pa.Table]], str]] = {
+    "t5": (_t5_benchmark, "results/bench_decode.parquet"),
+    "lm": (_lm_benchmark, "results/bench_decode_lm.parquet"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = JobParser(prog="bench_decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=["t5", "lm"], default="t5", help="SpeedT5, or the decoder-only LoopedLM")
+    p.add_argument("--family", choices=list(BENCHMARKS), default="t5", help="SpeedT5, or the decoder-only LoopedLM")
     p.add_argument("--preset", default="base")
     p.add_argument("--pattern", default="2x6")
     p.add_argument("--vocab-size", type=int, default=16384)
@@ -47,24 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit-rank", type=int, default=64, help="T5: also time SPEED with exit adapters (0: not)")
     add_report_flags(p, None, "default: results/bench_decode[_lm].parquet")
     args = p.parse_args(argv)
+    setup, default_out = BENCHMARKS[args.family]
     if args.out is None:
-        args.out = Path("results/bench_decode_lm.parquet" if args.family == "lm" else "results/bench_decode.parquet")
+        args.out = Path(default_out)
     if args.threads:
         torch.set_num_threads(args.threads)
     with user_errors():  # an unknown preset, a bad pattern or size: one line, status 2
-        if args.family == "lm":
-            lm = lm_preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
-            lm_cfg = config_from_args(LMBenchConfig, args, model=lm, compare_hf=not args.no_hf)
-        else:
-            model = preset(args.preset, pattern=args.pattern, vocab_size=args.vocab_size)
-            exit_rank = args.exit_rank or None
-            cfg = config_from_args(BenchConfig, args, model=model, compare_hf=not args.no_hf, exit_rank=exit_rank)
-    if args.family == "lm":
-        report_rows(run_lm_benchmark(lm_cfg), args, format_table)
-    else:
-        report_rows(run_benchmark(cfg), args, format_table)
+        benchmark = setup(args)
+    report_rows(benchmark(), args, format_table)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

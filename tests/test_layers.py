@@ -128,3 +128,31 @@ def test_the_architecture_page_draws_these_layers_in_this_order():
     text = (repo_root() / "docs" / "architecture.md").read_text()
     drawn = re.findall(r"^\| (\w+) \|", text.split("## Layers", 1)[1].split("\n## ", 1)[0], re.M)
     assert tuple(d for d in drawn if d != "layer") == LAYERS
+
+
+def _family_comparisons(path: Path, names: set[str]) -> list[str]:
+    """``family == "lm"`` and its kin in one file: a comparison (``==``, ``!=``, ``in``, ``not in``) of a family's
+    name as a literal with an expression that names a family (``spec.family``, ``family_of(m).name``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        literals = set()
+        for operand in operands:
+            values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+            literals |= {v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+        if literals & names and any("family" in ast.unparse(o).lower() for o in operands):
+            found.append(f"{path.relative_to(repo_root())}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_models_layer_asks_which_family_a_model_is():
+    """What differs between families is a ``Family``'s to say (``speed.models.family``): a comparison of a family's
+    name anywhere else (the library outside ``models/``, the jobs) is a switch that a new family would miss."""
+    from speed.models.family import FAMILIES
+
+    files = [p for p in ROOT.rglob("*.py") if not p.is_relative_to(ROOT / "models")]
+    files += sorted((repo_root() / "jobs").rglob("*.py"))
+    found = [line for path in files for line in _family_comparisons(path, set(FAMILIES))]
+    assert not found, "ask the Family instead:\n" + "\n".join(found)

@@ -20,6 +20,7 @@ from speed.decode.generate import generate
 from speed.eval.validation import validate
 from speed.losses import SettleConfig, loss_weights, settle_loss, settled_loss
 from speed.models.checkpoint import load_model, save_model
+from speed.models.family import get_family
 from speed.models.looped_lm import LoopedLM
 from speed.tokenizer import EOS_ID, Tokenizer
 from speed.train.batches import BatchPlan
@@ -141,7 +142,7 @@ def test_a_training_step_lowers_the_loss_and_validation_reports_every_loop(rows)
         optimizer.zero_grad()
         losses.append(float(out.loss.detach()))
     assert losses[-1] < losses[0]
-    v = validate(model, rows, batch_size=3)
+    v = validate(model, get_family("lm"), rows, batch_size=3)
     assert len(v.losses) == len(v.flip_rate_prev) == 2 and v.flip_rate_prev[0] == 0.0
     assert v.perplexities[-1] == pytest.approx(torch.tensor(v.losses[-1]).exp().item())
     assert v.tokens == sum(len(r) - 1 for r in rows.examples(range(len(rows)), 0, 0)["input_ids"])

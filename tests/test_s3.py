@@ -67,7 +67,7 @@ def test_every_checkpoint_loader_takes_a_run_or_checkpoint_uri(run_on_s3, tiny_t
     served = load_served_model(run, "cpu")  # jobs/serve.py, jobs/bench_serve.py
     tokenizer = served.tokenizer
     assert served.model.config == model.config and tokenizer.path == f"{checkpoint}/spm.model"
-    assert served.family == "t5" and served.template is None
+    assert served.family.name == "t5" and served.template is None
     assert tokenizer.encode("a house") == Tokenizer.load(tiny_tokenizer).encode("a house")
     work = held_out(run, "test", 2)  # jobs/bench_levers.py, jobs/bench_sampling.py
     assert work.task == "translate_en_de" and len(work.inputs) == 2 and max(map(len, work.inputs)) <= 24

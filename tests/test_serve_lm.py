@@ -195,4 +195,4 @@ def test_the_checkpoint_family_and_template_reach_the_replica(server):
     from speed.serve.settings import load_served_model
 
     served = load_served_model(str(Path(server["stats"]).parent / "ckpt"), "cpu")
-    assert served.family == "lm" and isinstance(served.model, LoopedLM) and served.template == TEMPLATE
+    assert served.family.name == "lm" and isinstance(served.model, LoopedLM) and served.template == TEMPLATE

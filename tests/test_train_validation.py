@@ -8,7 +8,10 @@ import torch
 from speed.config import preset
 from speed.data import collate
 from speed.eval.validation import validate, validation_losses, validation_metrics
+from speed.models.family import get_family
 from speed.models.t5 import SpeedT5
+
+T5 = get_family("t5")
 
 
 class _Corpus:
@@ -40,7 +43,7 @@ def test_validation_losses_are_per_token_means_over_the_whole_split():
     torch.manual_seed(0)
     model = SpeedT5(preset("tiny", pattern="2x3")).train()
     corpus = _Corpus(_examples(7, seed=1))
-    one_batch = validation_losses(model, corpus, batch_size=7)
+    one_batch = validation_losses(model, T5, corpus, batch_size=7)
     assert model.training  # left as it was
     batch = collate(corpus.examples(range(7), 0, 0))
     with torch.no_grad():
@@ -48,8 +51,9 @@ def test_validation_losses_are_per_token_means_over_the_whole_split():
         out = model(batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"], labels=batch["labels"])
     torch.testing.assert_close(torch.tensor(one_batch), out.loop_losses, rtol=1e-5, atol=1e-6)
     # Uneven batches (3 + 3 + 1 examples of different target lengths) give the same per-token means.
-    torch.testing.assert_close(torch.tensor(validation_losses(model, corpus, batch_size=3)), torch.tensor(one_batch))
-    metrics = validation_metrics(model, corpus, 3)
+    uneven = validation_losses(model, T5, corpus, batch_size=3)
+    torch.testing.assert_close(torch.tensor(uneven), torch.tensor(one_batch))
+    metrics = validation_metrics(model, T5, corpus, 3)
     losses = ["val_loss_last", "val_loss_loop1", "val_loss_loop2", "val_loss_loop3"]
     flips = [f"val_flip_{kind}_loop{i}" for kind in ("final", "prev") for i in (1, 2, 3)]
     perplexities = ["val_ppl_loop1", "val_ppl_loop2", "val_ppl_loop3"]
@@ -61,7 +65,7 @@ def test_validation_flip_rates_are_every_loops_argmax_changes_over_the_split():
     torch.manual_seed(0)
     model = SpeedT5(preset("tiny", pattern="1x4")).eval()
     corpus = _Corpus(_examples(9, seed=2))
-    v = validate(model, corpus, batch_size=4)  # batches of 4, 4, 1
+    v = validate(model, T5, corpus, batch_size=4)  # batches of 4, 4, 1
     batch = collate(corpus.examples(range(9), 0, 0))
     with torch.no_grad():
         out = model(batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"], return_logits=True)
@@ -73,4 +77,4 @@ def test_validation_flip_rates_are_every_loops_argmax_changes_over_the_split():
     assert v.flip_rate_prev == pytest.approx(expected_prev) and v.flip_rate_final == pytest.approx(expected_final)
     assert v.flip_rate_final[-1] == 0 and max(v.flip_rate_prev[1:]) > 0  # a random model changes its mind
     assert v.flip_cost == pytest.approx(sum(k * r for k, r in enumerate(expected_prev)))
-    assert validation_metrics(model, corpus, 9)["val_flip_cost"] == pytest.approx(v.flip_cost)
+    assert validation_metrics(model, T5, corpus, 9)["val_flip_cost"] == pytest.approx(v.flip_cost)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import torch
 from torch import Tensor
@@ -24,10 +23,10 @@ from speed.data.tasks import Task, get_task
 from speed.losses import shift_right
 from speed.tokenizer import EOS_ID, LABEL_PAD, Tokenizer
 
+if TYPE_CHECKING:
+    import datasets
+
 MAP_BATCH = 1000  # records per datasets.map call; packing joins texts within one such batch
-_FEATURES = datasets.Features(
-    {"input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32"))}
-)
 
 
 def tokenize_records(
@@ -50,6 +49,11 @@ def tokenize_records(
     consecutive texts, so runs are full length), then corrupts every run.
     ``num_proc`` worker processes tokenise in parallel (ignored for streams).
     """
+    import datasets  # only here and in load_records: decoding, serving and the GPU machine go without it
+
+    features = datasets.Features(
+        {"input_ids": datasets.List(datasets.Value("int32")), "labels": datasets.List(datasets.Value("int32"))}
+    )
     spec = get_task(task)
     check_encoding(spec, max_source_len, max_target_len, pack)
     needed = list(spec.columns)
@@ -59,7 +63,7 @@ def tokenize_records(
     columns = list(ds.column_names or needed)  # a stream may not know its columns
     if not spec.is_pretrain:
         kwargs = {"tokenizer": tokenizer, "max_source_len": max_source_len, "max_target_len": max_target_len}
-        return _map(ds, encode_pairs, kwargs, columns, f"tokenize {task}", procs, features=_FEATURES)
+        return _map(ds, encode_pairs, kwargs, columns, f"tokenize {task}", procs, features=features)
     run = pretrain_run_length(tokenizer, max_source_len, max_target_len, noise_density, mean_span_length)
     runs = _map(ds, encode_runs, {"tokenizer": tokenizer, "run": run}, columns, "tokenize text", procs)
     if pack:  # one process: joining lists is cheap, and batch boundaries then never depend on num_proc
@@ -67,7 +71,7 @@ def tokenize_records(
     corrupt = {"seed": seed, "noise_density": noise_density, "mean_span_length": mean_span_length}
     kwargs = {**corrupt, "sentinel_id": tokenizer.sentinel_id}
     return _map(
-        runs, _corrupt_runs, kwargs, ["tokens"], "span corruption", procs, with_indices=True, features=_FEATURES
+        runs, _corrupt_runs, kwargs, ["tokens"], "span corruption", procs, with_indices=True, features=features
     )
 
 
@@ -100,6 +104,8 @@ def _map(
     **kwargs: Any,
 ) -> datasets.Dataset | datasets.IterableDataset:
     """``ds.map(fn)`` in batches, replacing the ``remove`` columns by ``fn``'s output."""
+    import datasets
+
     common = {"batched": True, "batch_size": MAP_BATCH, "remove_columns": remove, "fn_kwargs": fn_kwargs, **kwargs}
     if isinstance(ds, datasets.IterableDataset):
         return ds.map(fn, **common)

@@ -14,9 +14,8 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
@@ -24,6 +23,9 @@ import pyarrow.parquet as pq
 
 from speed.data.sources import PARQUET_SUFFIX, Source, resolve_source
 from speed.data.tasks import Task, get_task
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ def read_records(
     task: str | Task, split: str, source: str | Sequence[str] | None = None, limit: int | None = None
 ) -> Records:
     """``load_records`` plus where the records came from and how many were read and skipped."""
+    import datasets  # only when records are read: decoding, serving and the GPU machine go without it
+
     task = get_task(task) if isinstance(task, str) else task
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be positive or None, got {limit}")
@@ -101,6 +105,8 @@ class _FieldProblem(Exception):
 
 def _read_files(files: tuple[Path, ...], task: Task) -> tuple[pa.Table, int, int]:
     """The task's columns from local files (empty records dropped), records read, records skipped."""
+    import datasets
+
     builder = "parquet" if files[0].name.endswith(PARQUET_SUFFIX) else "json"
     try:
         loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")

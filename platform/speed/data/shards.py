@@ -68,24 +68,35 @@ class CorpusSpec:
     pack: bool = False  # pretraining: join texts into full-length runs
     noise_density: float = 0.15  # pretraining: span corruption, applied when batches are read
     mean_span_length: float = 3.0
-    family: str = "t5"  # speed.models.family: "lm" prepares next-token rows (of max_source_len) or prompted pairs
+    family: str = "t5"  # how a model family's splits are prepared: a PREPARATIONS name (speed.models.family's)
 
     def __post_init__(self) -> None:
         check_encoding(get_task(self.task), self.max_source_len, self.max_target_len, self.pack)
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be positive or None, got {self.limit}")
-        if self.family not in _ENCODERS:
-            raise ValueError(f"unknown model family {self.family!r}; choose one of {sorted(_ENCODERS)}")
+        if self.family not in PREPARATIONS:
+            raise ValueError(f"unknown model family {self.family!r}; choose one of {sorted(PREPARATIONS)}")
+
+    @property
+    def preparation(self) -> Preparation:
+        """How this family's splits are read and tokenized."""
+        return PREPARATIONS[self.family]
+
+    @property
+    def encoder(self) -> type:
+        """The encoder of this split's records (a pretraining task's texts, or source/target pairs)."""
+        p = self.preparation
+        return p.texts if get_task(self.task).is_pretrain else p.pairs
 
     @property
     def kind(self) -> str:
         """What the prepared split stores (``speed.data.corpus.Manifest.kind``)."""
-        return _ENCODERS[self.family][get_task(self.task).is_pretrain].kind
+        return self.encoder.kind
 
     @property
     def reading(self) -> Task:
         """The task as this family reads its records (the LM's instruction instead of T5's prefix)."""
-        return lm_task(get_task(self.task)) if self.family == "lm" else get_task(self.task)
+        return self.preparation.read_task(get_task(self.task))
 
 
 @dataclass(frozen=True)
@@ -110,8 +121,8 @@ def corpus_key(spec: CorpusSpec, tokenizer_bytes: bytes) -> str:
     else:
         corpus = str(src)
     spec_fields = asdict(spec)
-    if spec.family == "t5":
-        spec_fields.pop("family")  # T5 splits prepared before the LM existed keep their keys
+    if not spec.preparation.keyed:
+        spec_fields.pop("family")
     identity = {"format": FORMAT_VERSION, "spec": spec_fields, "corpus": corpus}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     digest.update(hashlib.sha256(tokenizer_bytes).digest())
@@ -312,7 +323,7 @@ def _prepare_piece(
 ) -> _PieceResult:
     """Tokenize one piece's records chunk by chunk, writing a shard every ``docs_per_shard`` records."""
     count = RecordCount()
-    encoder = _ENCODERS[spec.family][get_task(spec.task).is_pretrain](spec, tokenizer)
+    encoder = spec.encoder(spec, tokenizer)
     kind = spec.kind
     shards: list[Shard] = []
     columns: dict[str, list] = {}
@@ -435,10 +446,25 @@ class _RunsEncoder:
         return {"tokens": runs, "length": [cost[n] for n in lengths]}
 
 
-# family -> {is a pretraining task: its encoder}
-_ENCODERS: dict[str, dict[bool, type]] = {
-    "t5": {True: _RunsEncoder, False: _PairsEncoder},
-    "lm": {True: _RowsEncoder, False: _PromptedEncoder},
+@dataclass(frozen=True)
+class Preparation:
+    """How a model family's splits are prepared: how it reads a task, and the encoders of its records."""
+
+    read_task: Callable[[Task], Task]  # the task as the family reads its records
+    texts: type  # the encoder of a pretraining task's texts
+    pairs: type  # the encoder of a source/target task's records
+    keyed: bool = True  # the family is part of the cache key (T5's is not: its splits keep their pre-LM keys)
+
+
+def _as_written(task: Task) -> Task:
+    return task  # T5's task prefix ("translate English to German: ")
+
+
+# name (a model family's ``preparation``, speed.models.family; the name of the family that first read data so)
+# -> how the split is prepared. data imports no model: a new family names one of these
+PREPARATIONS: dict[str, Preparation] = {
+    "t5": Preparation(_as_written, _RunsEncoder, _PairsEncoder, keyed=False),
+    "lm": Preparation(lm_task, _RowsEncoder, _PromptedEncoder),
 }
 
 

@@ -40,7 +40,7 @@ from speed.engine.trace import TRACE_SCHEMA, flip_costs, flip_rates
 from speed.eval import metrics
 from speed.eval.metrics import bootstrap
 from speed.eval.validation import validate_batches
-from speed.models.family import family_of
+from speed.models.family import Family, family_of
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
 from speed.progress import ProgressBar
@@ -163,6 +163,14 @@ class Mismatch:
     top2_gap: float | None  # sequential decoding's last-loop top-2 logit gap at that position
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """What ``evaluate`` returns: the summary (as written to summary.json) and the decoder's inputs."""
+
+    summary: dict[str, Any]
+    inputs: list[list[int]]  # per evaluated example: the decoder's input, as its family read the source
+
+
 def run_evaluation(
     model: SpeedT5 | LoopedLM,
     tokenizer: Tokenizer | str | Path,
@@ -171,9 +179,24 @@ def run_evaluation(
     *,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Decode a task split with SPEED, score it, write the three files; returns the summary.
+    """Decode a task split with SPEED, score it, write the three files; returns the summary (``evaluate`` for
+    the model's family, ``speed.models.family.family_of``)."""
+    return evaluate(model, family_of(model), tokenizer, config, out_dir, progress=progress).summary
 
-    A ``LoopedLM`` decodes each source as its finetuning prompt (``speed.data.batching.encode_prompts``).
+
+def evaluate(
+    model: SpeedT5 | LoopedLM,
+    family: Family,
+    tokenizer: Tokenizer | str | Path,
+    config: EvalConfig,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+) -> Evaluation:
+    """Decode a task split with SPEED, score it, write the three files; returns the summary and the inputs.
+
+    ``family`` is the model's: a ``LoopedLM`` decodes each source as its finetuning prompt
+    (``speed.data.batching.encode_prompts``).
 
     ``config`` must name its task and input length (``EvalConfig.following``).
     ``progress`` shows one progress bar on stderr. With ``config.check_sequential``
@@ -186,11 +209,10 @@ def run_evaluation(
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     if tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
-    family = family_of(model)  # a decoder-only LM reads its prompts in the chat template (speed.chat)
     records = read_records(family.read_task(get_task(config.task)), config.split, config.source, config.limit)
     columns = records.dataset.to_dict()
     sources, references = columns["source"], columns["target"]
-    inputs = family.encode_sources(sources, tok, config.max_source_len)
+    inputs = family.encode_sources(sources, tok, config.max_source_len)  # an LM's: prompts in its chat template
 
     methods = ("speed", "sequential") if config.check_sequential else ("speed",)
     _warm_up(model, inputs[0], methods)
@@ -210,6 +232,7 @@ def run_evaluation(
     table = pa.Table.from_pydict(predictions, schema=PREDICTIONS_SCHEMA)
     pq.write_table(table, (out / PREDICTIONS_FILE).path, filesystem=out.fs)
     pq.write_table(decoded.trace, (out / TRACE_FILE).path, filesystem=out.fs)
+    perplexity = _perplexity(model, family, inputs, tok.encode_batch(references), config) if config.perplexity else None
     summary = {
         "task": config.task,
         "split": config.split,
@@ -223,21 +246,25 @@ def run_evaluation(
         "tokenizer": str(tok.path),
         "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},
         "intervals": bootstrap(hypotheses, references, config.bootstrap_samples) if config.bootstrap_samples else {},
-        "perplexity": _perplexity(model, inputs, tok.encode_batch(references), config) if config.perplexity else None,
+        "perplexity": perplexity,
         "flip_rates": flip_rates(decoded.trace).to_pylist(),
         "decode": _speed_summary(decoded, sequential, oracle, mismatches, config.bitwise, config.near_tie),
         "files": {name: (out / f).uri for name, f in _FILES.items()},
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     _fail_on_mismatch(mismatches, config.bitwise, config.near_tie, (out / SUMMARY_FILE).uri)
-    return summary
+    return Evaluation(summary, inputs)
 
 
 _FILES = {"predictions": PREDICTIONS_FILE, "trace": TRACE_FILE, "summary": SUMMARY_FILE}
 
 
 def _perplexity(
-    model: SpeedT5 | LoopedLM, inputs: list[list[int]], references: list[list[int]], config: EvalConfig
+    model: SpeedT5 | LoopedLM,
+    family: Family,
+    inputs: list[list[int]],
+    references: list[list[int]],
+    config: EvalConfig,
 ) -> dict[str, Any]:
     """Every loop's mean token cross-entropy and perplexity of the references given the inputs (teacher
     forcing, the family's training batches: a ``LoopedLM`` scores the answer after its prompt), each reference
@@ -246,7 +273,7 @@ def _perplexity(
     labels = [truncate(ids, config.max_new_tokens) for ids in references]
     size = config.batch_size
     batches = ({"input_ids": inputs[s : s + size], "labels": labels[s : s + size]} for s in range(0, len(inputs), size))
-    v = validate_batches(model, batches)
+    v = validate_batches(model, family, batches)
     return {
         "loss": v.losses,
         "perplexity": v.perplexities,

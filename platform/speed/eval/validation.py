@@ -19,7 +19,7 @@ import torch
 
 from speed.data.corpus import TokenizedCorpus
 from speed.losses import flip_cost, teacher_forced_flips
-from speed.models.family import family_of
+from speed.models.family import Family
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
 
@@ -43,17 +43,20 @@ class Validation:
         return [math.exp(x) for x in self.losses]
 
 
-def validate(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int) -> Validation:
-    """Every loop's loss and flip rates over the whole corpus (eval mode, no dropout, teacher forcing)."""
+def validate(model: SpeedT5 | LoopedLM, family: Family, corpus: TokenizedCorpus, batch_size: int) -> Validation:
+    """Every loop's loss and flip rates over the whole corpus (eval mode, no dropout, teacher forcing); ``family``
+    is the model's."""
     starts = range(0, len(corpus), batch_size)
-    return validate_batches(model, (corpus.examples(range(s, min(s + batch_size, len(corpus))), 0, 0) for s in starts))
+    batches = (corpus.examples(range(s, min(s + batch_size, len(corpus))), 0, 0) for s in starts)
+    return validate_batches(model, family, batches)
 
 
-def validate_batches(model: SpeedT5 | LoopedLM, batches: Iterable[Mapping[str, Sequence]]) -> Validation:
+def validate_batches(
+    model: SpeedT5 | LoopedLM, family: Family, batches: Iterable[Mapping[str, Sequence]]
+) -> Validation:
     """Every loop's loss and flip rates over batches of examples (columns ``input_ids`` and ``labels``, as the
-    family's ``collate`` takes them; eval mode, no dropout, teacher forcing)."""
+    ``family``'s ``collate`` takes them; eval mode, no dropout, teacher forcing)."""
     device = next(model.parameters()).device
-    collate = family_of(model).collate
     was_training = model.training
     model.eval()
     total = torch.zeros(model.n_loops, dtype=torch.float64)
@@ -63,7 +66,7 @@ def validate_batches(model: SpeedT5 | LoopedLM, batches: Iterable[Mapping[str, S
     try:
         with torch.no_grad():
             for columns in batches:
-                batch = {k: v.to(device) for k, v in collate(columns).items()}
+                batch = {k: v.to(device) for k, v in family.collate(columns).items()}
                 out = model(**batch, return_logits=True)  # the family's collate gives the forward's arguments
                 flips_prev, flips_final, n = teacher_forced_flips(out.loop_logits, batch["labels"])
                 total += out.loop_losses.double().cpu() * n  # (M,): per-token means back to sums
@@ -77,15 +80,19 @@ def validate_batches(model: SpeedT5 | LoopedLM, batches: Iterable[Mapping[str, S
     return Validation((total / tokens).tolist(), (prev / tokens).tolist(), (final / tokens).tolist(), tokens)
 
 
-def validation_losses(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int) -> list[float]:
+def validation_losses(
+    model: SpeedT5 | LoopedLM, family: Family, corpus: TokenizedCorpus, batch_size: int
+) -> list[float]:
     """(M,) mean token cross-entropy of every loop's exit over the whole corpus (eval mode, no dropout)."""
-    return validate(model, corpus, batch_size).losses
+    return validate(model, family, corpus, batch_size).losses
 
 
-def validation_metrics(model: SpeedT5 | LoopedLM, corpus: TokenizedCorpus, batch_size: int) -> dict[str, float]:
+def validation_metrics(
+    model: SpeedT5 | LoopedLM, family: Family, corpus: TokenizedCorpus, batch_size: int
+) -> dict[str, float]:
     """For a report: ``val_loss_loop1`` .. ``val_loss_loopM``, ``val_loss_last`` (= loop M),
     ``val_ppl_loop{i}`` (perplexity), ``val_flip_prev_loop{i}``, ``val_flip_final_loop{i}`` and ``val_flip_cost``."""
-    v = validate(model, corpus, batch_size)
+    v = validate(model, family, corpus, batch_size)
     return {
         **{f"val_loss_loop{i + 1}": x for i, x in enumerate(v.losses)},
         "val_loss_last": v.losses[-1],

@@ -60,17 +60,14 @@ def save_model(
 ) -> Path:
     """Write weights, config (the family, plus ``extra_config`` sections) and tokenizer into ``directory``.
 
-    An LM's config.json also holds the chat template its prompts were written in (``speed.chat``). The model's
-    exit adapters, if it has any, are written beside it (``save_exits``), never into model.pt.
+    The family adds its own sections (``Family.checkpoint_config``: an LM's chat template, ``speed.chat``). The
+    model's exit adapters, if it has any, are written beside it (``save_exits``), never into model.pt.
     """
-    from speed.chat import CHAT_TEMPLATE
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    family = family_of(model).name
-    config = {"model": to_dict(model.config), "family": family, **(extra_config or {})}
-    if family == "lm":
-        config["chat_template"] = to_dict(CHAT_TEMPLATE)
+    family = family_of(model)
+    config = {"model": to_dict(model.config), "family": family.name, **(extra_config or {})}
+    config |= family.checkpoint_config()
     torch.save(backbone_state(model), directory / MODEL_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer_path is not None and Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():

@@ -1,34 +1,36 @@
-"""The two model families, behind one seam: the T5 encoder-decoder (``t5``) and the decoder-only looped LM (``lm``).
+"""The model families, behind one seam: the T5 encoder-decoder (``t5``) and the decoder-only looped LM (``lm``).
 
-A family names its config class, its model class, its presets, and what training needs of it: how a batch
-of examples becomes the forward's keyword arguments (``collate``) and how many tokens a batch holds; and what
-decoding a task needs of it: how the task reads (``read_task``) and how its source texts become the decoder's
-inputs (``encode_sources``), the same for evaluation, sweeps and benchmarks. Jobs
-choose a family with ``--model t5|lm`` (the ``model`` section's ``family`` key); checkpoints record it
-(config.json's ``family``, absent in T5 checkpoints written before the LM existed), so that
-``speed.models.checkpoint.load_model`` rebuilds the right model.
-
-Imports of ``speed.data`` stay inside the methods: loading a checkpoint (serving) does not pay for
-``datasets``.
+A ``Family`` is the one place that knows a family: its config class, its model class, its presets; what
+training needs of it (how a batch of examples becomes the forward's keyword arguments, ``collate``; how many
+tokens a batch holds; how data prepares its splits, ``preparation``); what decoding a task needs of it (how
+the task reads, ``read_task``, and how its source texts become the decoder's inputs, ``encode_sources``: the
+same for evaluation, sweeps and benchmarks); what Serve needs of it (how a served prompt or chat becomes the
+decoder's input, and whether Serve checks its length itself); and what its checkpoint holds beside the
+weights (``checkpoint_config``, read back by ``chat_template``). A model hands out its engine ``Stepper``
+itself (``model.stepper()``). Jobs choose a family with ``--model t5|lm`` (the ``model`` section's
+``family`` key); checkpoints record it (config.json's ``family``, absent in T5 checkpoints written before
+the LM existed), so that ``speed.models.checkpoint.load_model`` rebuilds the right model. Nothing outside
+``speed.models`` compares a family's name (``tests/test_layers.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from speed.config import LMConfig, ModelConfig, from_dict, lm_preset, preset
+from speed.chat import CHAT_TEMPLATE, ChatTemplate, render_chat, task_prompt
+from speed.config import LMConfig, ModelConfig, from_dict, lm_preset, preset, to_dict
+from speed.data import batching
+from speed.data.tasks import Task, lm_task
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
-
-if TYPE_CHECKING:
-    from speed.data.tasks import Task
-    from speed.tokenizer import Tokenizer
+from speed.tokenizer import PAD_ID, Tokenizer
 
 DEFAULT_FAMILY = "t5"
+Messages = Sequence[Mapping[str, str]]  # a served chat: every message's role and content
 
 
 class Family(Protocol):
@@ -54,6 +56,32 @@ class Family(Protocol):
     def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
         """The decoder's inputs for source texts (of ``read_task``'s task), at most ``max_len`` tokens each."""
 
+    preparation: str  # how its splits are tokenized: a ``speed.data.shards.PREPARATIONS`` name (``CorpusSpec.family``)
+
+    # Serve
+    whole_context: bool  # a served prompt is the whole context (chat template, instruction): Serve checks its length
+
+    def served_prompts(
+        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+    ) -> list[list[int]]:
+        """Served text prompts as the decoder's inputs, under ``task`` when one is named."""
+
+    def served_chat(
+        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+    ) -> list[int]:
+        """A served chat (``role``/``content`` messages; ``last_user``: the last user message's index) as the
+        decoder's input, under ``task`` when one is named."""
+
+    # checkpoints and imports
+    hub_init: bool  # ``--init-from hf:<name>`` loads Hugging Face weights into it (``speed.models.convert_t5``)
+    encoder_decoder: bool  # it decodes a target from a source text (exit training's ``decoded`` targets)
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        """What a checkpoint's config.json holds for this family beside the model config (sections by name)."""
+
+    def chat_template(self, config: Mapping[str, Any]) -> ChatTemplate | None:
+        """The chat template a checkpoint's prompts were written in, from its config.json; None: it has none."""
+
 
 class T5Family:
     """``SpeedT5`` trained on (input_ids, labels) pairs: span-corrupted text or source/target tasks."""
@@ -61,14 +89,16 @@ class T5Family:
     name = "t5"
     config = ModelConfig
     model = SpeedT5
+    preparation = "t5"  # token runs, span-corrupted when read; source/target pairs
+    whole_context = False  # T5 reads a prompt as sent (prefix and EOS aside): the engine's length check words it
+    hub_init = True
+    encoder_decoder = True
 
     def preset(self, name: str) -> ModelConfig:
         return preset(name)
 
     def collate(self, columns: Mapping[str, Sequence]) -> dict[str, Tensor]:
-        from speed.data import collate
-
-        return collate(columns)  # input_ids, attention_mask, labels, decoder_input_ids
+        return batching.collate(columns)  # input_ids, attention_mask, labels, decoder_input_ids
 
     def tokens(self, batch: Mapping[str, Tensor]) -> int:
         return int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
@@ -77,9 +107,25 @@ class T5Family:
         return task  # T5's task prefix ("translate English to German: ")
 
     def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
-        from speed.data import truncate
+        encoded = tokenizer.encode_batch(sources)  # EOS-terminated encoder inputs
+        return [batching.truncate(ids, max_len) for ids in encoded]
 
-        return [truncate(ids, max_len) for ids in tokenizer.encode_batch(sources)]  # EOS-terminated encoder inputs
+    def served_prompts(
+        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+    ) -> list[list[int]]:
+        prefix = task.prefix if task is not None else ""
+        return tokenizer.encode_batch([prefix + text for text in texts])  # the task's prefix before, EOS after
+
+    def served_chat(
+        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+    ) -> list[int]:
+        return self.served_prompts([messages[last_user]["content"]], task, tokenizer, template)[0]  # its source text
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        return {}
+
+    def chat_template(self, config: Mapping[str, Any]) -> ChatTemplate | None:
+        return None
 
 
 class LMFamily:
@@ -88,29 +134,46 @@ class LMFamily:
     name = "lm"
     config = LMConfig
     model = LoopedLM
+    preparation = "lm"  # next-token rows; chat prompts and answers
+    whole_context = True
+    hub_init = False
+    encoder_decoder = False
 
     def preset(self, name: str) -> LMConfig:
         return lm_preset(name)
 
     def collate(self, columns: Mapping[str, Sequence]) -> dict[str, Tensor]:
-        from speed.data.batching import collate_lm
-
-        return collate_lm(columns)  # input_ids, labels
+        return batching.collate_lm(columns)  # input_ids, labels
 
     def tokens(self, batch: Mapping[str, Tensor]) -> int:
-        from speed.tokenizer import PAD_ID
-
         return int((batch["input_ids"] != PAD_ID).sum())
 
     def read_task(self, task: Task) -> Task:
-        from speed.data.tasks import lm_task
-
         return lm_task(task)  # the task's instruction before every source text
 
     def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
-        from speed.data.batching import encode_prompts
+        return batching.encode_prompts(sources, tokenizer, max_len)  # chat prompts, ending in the answer's cue
 
-        return encode_prompts(sources, tokenizer, max_len)  # chat prompts, ending in the answer's cue
+    def served_prompts(
+        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+    ) -> list[list[int]]:
+        if task is not None:  # the instruction and the text as one user turn: exactly a finetuning prompt
+            texts = [task_prompt(task.instruction, text, template) for text in texts]
+        return tokenizer.encode_batch(texts, add_eos=False)  # the whole context, without EOS
+
+    def served_chat(
+        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+    ) -> list[int]:
+        instruction = task.instruction if task is not None else ""  # opens the last user message
+        turns = [{**m, "content": instruction + m["content"]} if i == last_user else m for i, m in enumerate(messages)]
+        return tokenizer.encode(render_chat(turns, template), add_eos=False)
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        return {"chat_template": to_dict(CHAT_TEMPLATE)}  # the template its prompts are written in
+
+    def chat_template(self, config: Mapping[str, Any]) -> ChatTemplate | None:
+        stored = config.get("chat_template")
+        return from_dict(ChatTemplate, stored, "chat_template") if stored is not None else CHAT_TEMPLATE
 
 
 FAMILIES: dict[str, Family] = {"t5": T5Family(), "lm": LMFamily()}

@@ -197,7 +197,7 @@ class SpeedServer:
             "object": "model",
             "created": 0,
             "owned_by": "speed",
-            "family": self.served.family,
+            "family": self.served.family.name,
             "pattern": str(c.pattern),
             "n_loops": self.model.n_loops,
             "max_source_len": self.settings.max_source_len,
@@ -237,7 +237,7 @@ class SpeedServer:
             raise
         request_id = f"{'chatcmpl' if surface.chat else 'cmpl'}-{uuid.uuid4().hex}"
         route = "chat" if surface.chat else "completions"
-        by = {"replica": self.replica, "model": self.model_name, "family": served.family}
+        by = {"replica": self.replica, "model": self.model_name, "family": served.family.name}
         metas = [
             ChoiceMeta(request_id, i, p, route, arrived, started, body.stream, plan.task, seed, **by)
             for i, (p, seed) in enumerate(zip(plan.prompts, plan.seeds))

@@ -9,12 +9,13 @@ looped LM, its context's length (said in the deployment's words); the task is on
 (``speed.data.tasks``), given with text prompts only, as the body's schema says. SPEED's fields of the
 body (``speed.engine.LEVERS``) become one ``speed.engine.Speculation``, the deployment's where the body leaves one out.
 
-Text becomes tokens as the served family reads it (``contexts``). A T5 encodes ``task prefix + text`` and
-EOS; a chat request's text is its last user message. A looped LM's prompt is its whole context, without
-EOS: under a task, the task's instruction and the text as one user turn of the checkpoint's chat template
-(``speed.chat.task_prompt``: exactly a finetuning prompt), without one the raw text; a chat request is
-its messages rendered by the template (``speed.chat.render_chat``; under a task, the instruction opens the
-last user message). Token-id prompts pass through as they are, for both.
+Text becomes tokens as the served family reads it (``contexts``: ``Family.served_prompts`` and
+``Family.served_chat``). A T5 encodes ``task prefix + text`` and EOS; a chat request's text is its last user
+message. A looped LM's prompt is its whole context, without EOS: under a task, the task's instruction and the
+text as one user turn of the checkpoint's chat template (``speed.chat.task_prompt``: exactly a finetuning
+prompt), without one the raw text; a chat request is its messages rendered by the template
+(``speed.chat.render_chat``; under a task, the instruction opens the last user message). Token-id prompts
+pass through as they are, for both.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
-from speed.chat import CHAT_TEMPLATE, ChatTemplate, render_chat, task_prompt
+from speed.chat import CHAT_TEMPLATE, ChatTemplate
 from speed.data import get_task
 from speed.engine import LEVERS, Request
 from speed.engine.sampling import Sampling, choice_seed
+from speed.models.family import DEFAULT_FAMILY, FAMILIES, Family
 from speed.serve.protocol import BadRequest, ChatRequest, CompletionRequest
 from speed.serve.settings import decoding
 
@@ -51,27 +53,17 @@ class Plan:
 
 
 def contexts(
-    body: CompletionRequest | ChatRequest, task: str | None, tokenizer: Any, family: str, template: ChatTemplate
+    body: CompletionRequest | ChatRequest, task: str | None, tokenizer: Any, family: Family, template: ChatTemplate
 ) -> list[list[int]]:
-    """The token ids of a request's text prompts (or its chat), as the ``family`` (``t5``, ``lm``) reads them."""
+    """The token ids of a request's text prompts (or its chat), as the served ``family`` reads them."""
     found = get_task(task) if task else None  # the body's (protocol) or the deployment's (settings): both checked
-    chat = isinstance(body, ChatRequest)
-    if family != "lm":  # T5: the task's prefix before the text (a chat's last user message), EOS after it
-        prefix = found.prefix if found else ""
-        return tokenizer.encode_batch([prefix + p for p in ([body.source()] if chat else body.prompts())])
-    instruction = found.instruction if found else ""
-    if not chat:
-        texts = [task_prompt(instruction, p, template) if found else p for p in body.prompts()]
-        return tokenizer.encode_batch(texts, add_eos=False)
-    last = body.last_user()
+    if not isinstance(body, ChatRequest):
+        return family.served_prompts(body.prompts(), found, tokenizer, template)
     messages = [
-        {
-            "role": "system" if m.role == "developer" else m.role,  # OpenAI's newer name for the system role
-            "content": instruction + m.text() if i == last else m.text(),
-        }
-        for i, m in enumerate(body.messages)
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}  # OpenAI's newer name for system
+        for m in body.messages
     ]
-    return [tokenizer.encode(render_chat(messages, template), add_eos=False)]
+    return [family.served_chat(messages, body.last_user(), found, tokenizer, template)]
 
 
 def plan_request(
@@ -79,7 +71,7 @@ def plan_request(
     settings: Any,
     tokenizer: Any,
     model_name: str,
-    family: str = "t5",
+    family: Family = FAMILIES[DEFAULT_FAMILY],
     template: ChatTemplate = CHAT_TEMPLATE,
 ) -> Plan:
     """Resolve ``body`` against the deployment's ``settings`` (``ServeSettings``) into engine requests, its text
@@ -93,7 +85,7 @@ def plan_request(
     task = (body.task or s.task) if texts else None
     inputs = contexts(body, task, tokenizer, family, template) if texts else [list(p) for p in prompts]
     longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
-    if family == "lm" and len(inputs[longest]) > s.max_source_len:
+    if family.whole_context and len(inputs[longest]) > s.max_source_len:  # the engine would name the prompt as sent
         what = "the chat" if chat else f"prompt {longest}"
         raise BadRequest(
             f"{what} is {len(inputs[longest])} tokens as the model reads it (an LM's whole context: chat template "

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from speed.chat import CHAT_TEMPLATE, ChatTemplate
+from speed.chat import ChatTemplate
 from speed.config import from_dict
 from speed.data import get_task
 from speed.engine import LEVERS, METHODS, EngineConfig, Method, Request, SpeculationFields
 from speed.models.checkpoint import checkpoint_family, load_model
+from speed.models.family import Family, get_family
 from speed.paths import repo_root
 from speed.tokenizer import Tokenizer
 
@@ -124,12 +125,12 @@ class AppConfig:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What a replica serves: the model (eval mode, on its device), its tokenizer, its family (``t5`` or ``lm``,
-    from the checkpoint's config.json) and, for an LM, the chat template its prompts were written in."""
+    """What a replica serves: the model (eval mode, on its device), its tokenizer, its family (the checkpoint's
+    config.json names it) and, for an LM, the chat template its prompts were written in."""
 
     model: torch.nn.Module
     tokenizer: Tokenizer
-    family: str
+    family: Family  # how prompts become the model's inputs (``speed.models.family``)
     template: ChatTemplate | None  # an LM's (config.json's ``chat_template``; ``speed.chat``'s when absent)
 
 
@@ -142,11 +143,8 @@ def load_served_model(checkpoint: str, device: str, exits: bool = True) -> Serve
     if loaded.tokenizer_path is None:
         raise FileNotFoundError(f"checkpoint {loaded.checkpoint} holds no spm.model: serving needs its tokenizer")
     tokenizer = Tokenizer.load(loaded.tokenizer_path)  # reads the file into memory
-    family = checkpoint_family(loaded.config)
-    template = None
-    if family == "lm":
-        stored = loaded.config.get("chat_template")
-        template = from_dict(ChatTemplate, stored, "chat_template") if stored is not None else CHAT_TEMPLATE
+    family = get_family(checkpoint_family(loaded.config))
+    template = family.chat_template(loaded.config)
     return ServedModel(loaded.model.to(device).eval(), tokenizer, family, template)
 
 

@@ -17,13 +17,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from speed.data import pad_inputs
 from speed.decode.generate import DecodeStats, generate
 from speed.engine import INVALIDATIONS, Speculation
-from speed.eval.evaluate import PREDICTIONS_FILE, EvalConfig, run_evaluation
-from speed.models.family import family_of
+from speed.eval.evaluate import EvalConfig, evaluate
+from speed.models.family import Family
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
 from speed.sweep.results import layer_steps
@@ -64,6 +62,7 @@ class Measurement:
 
 def measure(
     model: SpeedT5 | LoopedLM,
+    family: Family,
     tokenizer: Tokenizer,
     task: str,
     source: str | None,
@@ -74,7 +73,8 @@ def measure(
     out_dir: str | Path,
     levers: Sequence[Speculation] = (PLAIN,),
 ) -> Measurement:
-    """Evaluate ``model`` on the first ``limit`` validation examples; the evaluation files go to ``out_dir``.
+    """Evaluate ``model`` (of ``family``) on the first ``limit`` validation examples; the evaluation files go to
+    ``out_dir``.
 
     SPEED's steps per token are counted on the first ``cost_limit`` of them, each decoded alone for every
     launch loop 1..M, both policies and every lever setting (2*M*len(levers) decodes per example: the slowest
@@ -89,18 +89,18 @@ def measure(
         max_source_len=max_source_len,
         check_sequential=True,  # SPEED's output must be the sequential output: the measurement fails otherwise
     )
-    summary = run_evaluation(model, tokenizer, config, out_dir, progress=False)
+    evaluation = evaluate(model, family, tokenizer, config, out_dir, progress=False)
+    summary = evaluation.summary
     scores = _scores(summary["metrics"])
     primary = "bleu" if "bleu" in scores else "rougeL"
     flips = sorted(summary["flip_rates"], key=lambda r: r["loop"])
-    inputs = _inputs(model, out_dir, tokenizer, max_source_len)
     return Measurement(
         accuracy_metric=primary,
         accuracy=scores[primary],
         scores=scores,
         flip_rate_prev=[r["flip_rate_prev"] for r in flips],
         flip_rate_final=[r["flip_rate_final"] for r in flips],
-        costs=speed_costs(model, inputs[:cost_limit], max_new_tokens, levers),
+        costs=speed_costs(model, evaluation.inputs[:cost_limit], max_new_tokens, levers),
         examples=summary["examples"],
     )
 
@@ -169,11 +169,3 @@ def _scores(metrics: dict[str, Any]) -> dict[str, float]:
     if "rouge" in metrics:
         scores |= {k: metrics["rouge"][k] for k in ("rouge1", "rouge2", "rougeL")}
     return scores
-
-
-def _inputs(
-    model: SpeedT5 | LoopedLM, out_dir: str | Path, tokenizer: Tokenizer, max_source_len: int
-) -> list[list[int]]:
-    """The decoder's inputs of the evaluated examples, as the evaluation built them (its predictions file)."""
-    sources = pq.read_table(Path(out_dir) / PREDICTIONS_FILE, columns=["source"]).column("source").to_pylist()
-    return family_of(model).encode_sources(sources, tokenizer, max_source_len)

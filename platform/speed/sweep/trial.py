@@ -154,6 +154,7 @@ def _measure(
     with tempfile.TemporaryDirectory() as out:
         result = measure(
             loaded.model.to(device).eval(),
+            job.family,
             Tokenizer.load(loaded.tokenizer_path),
             job.data.task,
             job.data.source,
@@ -165,5 +166,5 @@ def _measure(
             lever_settings(setup.levers, loaded.model.n_loops),
         )
         locate(out_uri).upload(out)
-        validation = validation_metrics(loaded.model, open_corpus(setup.data.validation), job.micro_batch)
+        validation = validation_metrics(loaded.model, job.family, open_corpus(setup.data.validation), job.micro_batch)
     return result.to_dict(), validation

@@ -183,7 +183,7 @@ class JobConfig:
             )
         if self.kind == "finetune" and self.eval is not None:
             self.final_eval.check_complete()  # checked now, not after training: e.g. a task without references
-        if self.family.name != "t5" and self.init_from is not None and self.init_from.startswith("hf:"):
+        if not self.family.hub_init and self.init_from is not None and self.init_from.startswith("hf:"):
             raise ValueError(f"--init-from {self.init_from}: Hugging Face T5 weights need --model t5")
 
     @property

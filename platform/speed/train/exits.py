@@ -139,7 +139,7 @@ def check_inputs(config: ExitTrainConfig) -> None:
     job = source_job(checkpoint)
     if not (locate(checkpoint) / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} has no {TOKENIZER_FILE}: its training split cannot be read")
-    if config.targets == "decoded" and job.family.name != "t5":
+    if config.targets == "decoded" and not job.family.encoder_decoder:
         raise ValueError("targets 'decoded' decodes T5 sources; a looped LM trains on its split ('split')")
     ExitConfig(job.model.sharing.n_loops, job.model.d_model, config.rank, config.loops)  # the loops fit the model
     tracking.check(_tracked_job(config))

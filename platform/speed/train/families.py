@@ -96,8 +96,7 @@ def compare_families(cfg: FamiliesConfig) -> Path:
     )
     lm = run_job(lm_job)
     out, rows = Path(cfg.out), []
-    for family, outcome in (("t5", t5), ("lm", lm)):
-        loaded = t5_model if family == "t5" else load_model(lm.checkpoint)
+    for family, outcome, loaded in (("t5", t5, t5_model), ("lm", lm, load_model(lm.checkpoint))):
         config = EvalConfig(
             outcome.job.data.task,
             "test",

@@ -278,7 +278,7 @@ def data_stage(job: JobConfig, tokenizer_path: Path, validation_limit: int | Non
     """The job's training split (and, with ``validation_limit``, that many validation records) tokenized once
     into shards under ``<storage_path>/data``, or found there."""
     d, root = job.data, cache_root(absolute(job.run.storage_path))
-    family = job.family.name
+    family = job.family.preparation  # how the family's splits are tokenized
     spec = CorpusSpec(d.task, "train", d.source, d.limit, d.max_source_len, d.max_target_len, d.pack, family=family)
     train = prepare_corpus(spec, tokenizer_path, root).uri
     if validation_limit is None:

@@ -379,7 +379,7 @@ def _checkpoint(
         if job.train.settle.active and settle_term is not None:
             metrics |= {"settle_loss": settle_term, "settle_weight": job.train.settle.weight_at(step)}
     if ctx.validation is not None:
-        metrics |= validation_metrics(_unwrap(ctx.model), ctx.validation, job.micro_batch)
+        metrics |= validation_metrics(_unwrap(ctx.model), job.family, ctx.validation, job.micro_batch)
     tracking.log_report(step, metrics)  # rank 0: the validation metrics and the settle term, when tracked
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
