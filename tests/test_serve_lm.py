@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from test_serve_app import _answers, _free_port  # its state's "answered" list: ours is kept, unread
+from test_serve_app import Deployment, _answers, _free_port  # its ledger of answers: ours is kept, unread
 
 from speed import generate
 from speed.chat import ChatTemplate, render_chat, task_prompt
@@ -34,6 +34,10 @@ pytestmark = pytest.mark.ray
 APP, KEY, NAME = "speed-lm-test", "sk-lm-test", "tiny-lm"
 SETTINGS = {"max_active": 4, "max_source_len": 64, "max_target_len": 32, "row_budget": 8, "max_tokens": 6}
 TEMPLATE = ChatTemplate(turn="{role}: {content}\n", cue="assistant:")  # not speed.chat's default
+
+
+def _no_redeploy(settings):
+    raise AssertionError("the LM deployment is never redeployed")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,7 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
     options = {"stats_path": str(root / "stats"), "model_name": NAME, "device": "cpu", "name": APP, "api_key": KEY}
     options |= {"port": _free_port(), "num_cpus": 1, "route_prefix": "/lm"}
     url = start_app(AppConfig(str(ckpt), settings=SETTINGS, **options))
-    yield {"url": url, "model": model, "tokenizer": tokenizer, "stats": options["stats_path"], "answered": []}
+    yield Deployment(url, model, tokenizer, options["stats_path"], redeploy=_no_redeploy)
     if APP in serve.status().applications:
         serve.delete(APP)
     serve.shutdown()
@@ -67,24 +71,24 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
 def client(server):
     import openai
 
-    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def _offline(server, context: str | list[int], max_tokens: int, **sampling) -> tuple[str, int, int]:
     """Text, token count and context length of sequential decoding of ``context`` (text: encoded without EOS)."""
-    tok = server["tokenizer"]
+    tok = server.tokenizer
     ids = context if isinstance(context, list) else tok.encode(context, add_eos=False)
     s = Sampling(**sampling) if sampling else None
-    result = generate(server["model"], torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens, sampling=s)
+    result = generate(server.model, torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens, sampling=s)
     return tok.decode(result.tokens[0]), len(result.tokens[0]), len(ids)
 
 
 def test_the_card_names_the_family_and_the_key_guards_the_routes(server, client):
     (card,) = client.models.list().data
     assert (card.id, card.family, card.pattern, card.n_loops, card.max_source_len) == (NAME, "lm", "2x3", 3, 64)
-    refused = requests.post(server["url"] + "/v1/completions", json={"prompt": "a"}, timeout=30)
+    refused = requests.post(server.url + "/v1/completions", json={"prompt": "a"}, timeout=30)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
-    assert requests.get(server["url"] + "/healthz", timeout=30).status_code == 200
+    assert requests.get(server.url + "/healthz", timeout=30).status_code == 200
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -181,7 +185,7 @@ def test_a_context_over_max_source_len_is_a_400_saying_what_to_fix(server, clien
 def test_every_choice_leaves_a_statistics_row_naming_the_family(server, client):
     answer = client.completions.create(model=NAME, prompt="People walk.", max_tokens=5, n=2, seed=3, temperature=0.5)
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi."}], max_tokens=5)
-    rows = read_requests(server["stats"]).to_pylist()  # on local storage a row is logged before its answer leaves
+    rows = read_requests(server.stats).to_pylist()  # on local storage a row is logged before its answer leaves
     ours = [r for r in rows if r["request_id"] in (answer.id, chat.id)]
     assert sorted((r["route"], r["choice"]) for r in ours) == [("chat", 0), ("completions", 0), ("completions", 1)]
     assert {(r["family"], r["model"]) for r in ours} == {("lm", NAME)}
@@ -194,5 +198,5 @@ def test_the_checkpoint_family_and_template_reach_the_replica(server):
     """The served model is the checkpoint's LM (not a T5), with the template the checkpoint stores."""
     from speed.serve.settings import load_served_model
 
-    served = load_served_model(str(Path(server["stats"]).parent / "ckpt"), "cpu")
+    served = load_served_model(str(Path(server.stats).parent / "ckpt"), "cpu")
     assert served.family.name == "lm" and isinstance(served.model, LoopedLM) and served.template == TEMPLATE
