@@ -98,7 +98,8 @@ def generate(
         max_target_len=max_new_tokens,
         row_budget=row_budget,
         trace=trace,
-        branches=method == "speed" and speculation.branches > 0,  # side entries only for branches
+        # side entries only for branches; a speculation that is none is the engine's add to refuse
+        branches=method == "speed" and isinstance(speculation, Speculation) and speculation.branches > 0,
     )
     was_training = getattr(model, "training", False)
     if was_training:
