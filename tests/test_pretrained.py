@@ -39,6 +39,15 @@ def test_ouro_and_huginn_directories(tmp_path):
     assert speed.from_pretrained(tmp_path / "ouro", dtype=torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
 
 
+def test_a_directory_on_object_storage(tmp_path, memory_store):
+    write_ouro_checkpoint(tmp_path / "ouro", total_ut_steps=3)
+    from speed.storage import locate
+
+    locate(memory_store + "/ouro").upload(tmp_path / "ouro")
+    loaded = speed.from_pretrained(memory_store + "/ouro", n_loops=2)
+    assert same_weights(loaded, load_ouro(tmp_path / "ouro", n_loops=2))
+
+
 def test_a_llama_directory(tmp_path):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=2)  # fmt: skip

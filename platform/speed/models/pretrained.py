@@ -4,12 +4,15 @@ A Hugging Face directory (config.json and safetensors), its form read from confi
 (``speed.hf_files.model_form``): a T5 v1.1 (``convert_t5``), a Llama (``convert_llama``), Ouro
 (``convert_ouro``) or Huginn-0125 (``convert_huginn``); or a platform checkpoint (``model.pt`` beside a
 config.json with a ``model`` section, or a run directory of them; ``speed.models.checkpoint.load_model``).
+Either may be a local path or a URI (``s3://...``); a Hugging Face directory on object storage is copied to a
+temporary local folder first, since safetensors are memory-mapped from a local file.
 Code in the directory (config.json's ``auto_map``) is never imported or run: the weights are read from
 safetensors alone, the configs as data.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ from speed.models.convert_huginn import load_huginn
 from speed.models.convert_ouro import load_ouro
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
+from speed.storage import locate
 
 LOOPED = {"ouro": load_ouro, "huginn": load_huginn}  # form -> loader taking n_loops
 
@@ -35,6 +39,11 @@ def from_pretrained(
     if _is_platform_checkpoint(path):
         _no_loop_option(n_loops, "a platform checkpoint")
         return load_model(str(path)).model.to(dtype)
+    where = locate(path)
+    if not where.local:  # read_weights memory-maps local files: the directory comes here first
+        with tempfile.TemporaryDirectory(prefix="speed-pretrained-") as local:
+            where.download(local)
+            return from_pretrained(local, dtype=dtype, n_loops=n_loops)
     form = model_form(read_config(path))
     if form in LOOPED:
         return LOOPED[form](path, dtype=dtype, n_loops=n_loops)
@@ -43,11 +52,10 @@ def from_pretrained(
 
 
 def _is_platform_checkpoint(path: str | Path) -> bool:
-    """A URI, a folder with the platform's ``model.pt``, or one without config.json (a training run's folder)."""
-    if "://" in str(path):
-        return True
-    directory = Path(path)
-    return (directory / MODEL_FILE).is_file() or not (directory / "config.json").is_file()
+    """A folder (local or a URI) with the platform's ``model.pt``, or one without config.json (a training run's
+    folder)."""
+    where = locate(path)
+    return (where / MODEL_FILE).is_file() or not (where / "config.json").is_file()
 
 
 def _no_loop_option(n_loops: int | None, what: str) -> None:
