@@ -12,8 +12,9 @@ predictions.parquet, trace.parquet and summary.json to --out (default
 and prints the metrics with their signatures. A checkpoint with exit adapters (jobs/train_exits.py) drafts with
 them with --exit-adapters, by default on a GPU, not on a CPU (speed.engine.defaults); the output is the same
 either way, the steps per token and the time not.
---checkpoint names a checkpoint or a run (its newest complete checkpoint), a
-local path or a URI (s3://, gs://: docs/training.md, "Storage").
+--checkpoint names a checkpoint or a run (its newest complete checkpoint), or a Hugging Face model directory
+(Ouro, Huginn, Llama, T5 v1.1: docs/models.md, "Bring your own looped LM"; its own tokenizer, chat template and
+stop tokens), a local path or a URI (s3://, gs://: docs/training.md, "Storage").
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from speed.engine import INVALIDATIONS
 from speed.engine.defaults import device_exit_adapters, device_levers
 from speed.engine.memory import MemoryBudgetError
 from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
-from speed.models.checkpoint import load_model
+from speed.hf_tokenizer import load_tokenizer
 from speed.models.exits import EXITS_CONFIG_FILE
+from speed.models.pretrained import load_pretrained
 from speed.storage import locate
-from speed.tokenizer import Tokenizer
 
 # EvalConfig field -> help; each is the flag --<field-name>, left out = EvalConfig's default.
 EVAL_TASKS = sorted(name for name, task in TASKS.items() if not task.is_pretrain)
@@ -72,7 +73,9 @@ UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = JobParser(prog="evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory, a local path or a URI")
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoint, run or Hugging Face model directory, a local path or a URI"
+    )
     settings = p.add_argument_group("evaluation (speed.eval.evaluate.EvalConfig)")
     for name, help_ in SETTINGS.items():
         flag = f"--{name.replace('_', '-')}"
@@ -87,7 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="draft with the checkpoint's exit adapters when it has them (speed.models.exits; output unchanged); "
         "default: on a GPU yes, on a CPU no (speed.engine.defaults)",
     )
-    p.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's spm.model)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="SentencePiece model or tokenizer.json directory (default: the checkpoint's spm.model, the directory's)",
+    )
     p.add_argument("--out", default=None, help="output folder or URI (default: <checkpoint>/eval/<task>-<split>)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
         config = from_dict(EvalConfig, given)  # flag strings coerced by the field types, checked
         exits = device_exit_adapters(args.device) if args.exit_adapters is None else args.exit_adapters
-        loaded = load_model(args.checkpoint, map_location=args.device, exits=exits)
+        loaded = load_pretrained(args.checkpoint, map_location=args.device, exits=exits)
         # SPEED's settings left unset take the device's defaults (speed.engine.defaults: branches with lanes on a GPU)
         config = from_dict(EvalConfig, device_levers(args.device, loaded.model.n_loops) | given)
         data = loaded.config.get("job", {}).get("data", {})
@@ -112,14 +119,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         resolve_source(get_task(config.task), config.split, config.source)  # the split exists
         tokenizer_path = args.tokenizer or loaded.tokenizer_path
         if tokenizer_path is None:
-            raise FileNotFoundError(f"checkpoint {loaded.checkpoint} holds no spm.model; pass --tokenizer")
-        tokenizer = Tokenizer.load(tokenizer_path)
+            raise FileNotFoundError(f"{loaded.checkpoint} holds no spm.model nor tokenizer.json; pass --tokenizer")
+        tokenizer = load_tokenizer(tokenizer_path)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     unused = not exits and (locate(loaded.checkpoint) / EXITS_CONFIG_FILE).is_file()
     plain = "-no-exit-adapters" if unused else ""  # beside the evaluation with them, not over it
     out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}{plain}"
-    model = loaded.model.to(args.device)  # load_model fills a CPU-built model: move it where it should decode
+    model = loaded.model.to(args.device)  # the loader fills a CPU-built model: move it where it should decode
     with user_errors((MemoryBudgetError,)):  # a batch the device cannot hold: one line saying what fits, status 2
         summary = run_evaluation(model, tokenizer, config, out)
     print(format_summary(summary))

@@ -1,6 +1,8 @@
 """Serve a checkpoint over HTTP with Ray Serve: OpenAI-style completions decoded by SPEED.
 
     python jobs/serve.py --checkpoint runs/demo/<finetune run>/checkpoint_000400 --port 8000 --replicas 2
+    python jobs/serve.py --checkpoint ~/models/Ouro-1.4B-Thinking  # a Hugging Face directory: its own tokenizer,
+                                                                   # chat template and stop tokens
     curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
         -d '{"prompt": "A man rides a bike.", "task": "translate_en_de", "max_tokens": 48}'
 
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.cli import parse_set, user_errors
 from speed.cluster import code_runtime_env, local_ray_options
+from speed.models.pretrained import model_source
 from speed.serve.app import start_app
 from speed.serve.auth import API_KEY_ENV
 from speed.serve.settings import DEFAULT_STATS_PATH, AppConfig
@@ -45,7 +48,11 @@ APP = "speed"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; each one that deploys is named as its ``speed.serve.settings.AppConfig`` field."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory, a local path or a URI")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint, run or Hugging Face model directory (Ouro, Huginn, Llama, T5 v1.1), a local path or a URI",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy binds (default: loopback only)")
     p.add_argument("--replicas", type=int, default=1)
@@ -79,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Deploy, print the URL, block until interrupted."""
     args = parse_args(argv)
-    with user_errors():  # a --set without '=' or with invalid YAML: one line, status 2
+    with user_errors():  # a --set without '=' or with invalid YAML, a directory it cannot read: one line, status 2
         settings = dict(map(parse_set, args.set))
+        model_source(args.checkpoint)  # before Ray starts: a replica's failure would be neither one line nor quick
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     stats_path = absolute(args.stats_path)  # the replicas' working folder is not this one
     # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.

@@ -77,3 +77,28 @@ def assert_speed_exact(model, seed: int) -> int:
                     assert got.trace.equals(ref.trace)
                     flushes += got.stats.flushes
     return flushes
+
+
+def write_chat_ouro(directory, end_of_turn_bias: float = 0.0, seed: int = 0, chat_template: str | None = None):
+    """A tiny random Ouro in the published layout (``looped_refs``) with an Ouro-like tokenizer beside it
+    (``test_hf_tokenizer``'s: byte-level BPE, ``<|endoftext|>`` ``<|im_start|>`` ``<|im_end|>`` at 0 1 2, eos 0,
+    a ChatML template): what a downloaded chat model's directory holds. ``end_of_turn_bias`` is added to
+    ``<|im_end|>``'s row of the head, so that chats end at it after a few tokens; ``chat_template`` replaces
+    Qwen's ChatML. Returns the directory."""
+    from pathlib import Path
+
+    from looped_refs import write_ouro_checkpoint
+    from safetensors.torch import load_file, save_file
+    from test_hf_tokenizer import OURO_CONFIG, _qwen_like, _write
+
+    directory = Path(directory)
+    backend = _qwen_like()
+    write_ouro_checkpoint(directory, vocab=backend.get_vocab_size(), total_ut_steps=3, seed=seed)
+    if end_of_turn_bias:
+        weights = load_file(str(directory / "model.safetensors"))
+        head = weights["lm_head.weight"]  # (V, d)
+        head[2] += end_of_turn_bias * weights["model.norm.weight"].sign()
+        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = OURO_CONFIG if chat_template is None else {**OURO_CONFIG, "chat_template": chat_template}
+    _write(directory, backend, tokenizer_config__json=config)
+    return directory

@@ -174,3 +174,36 @@ def test_exit_adapters_change_drafts_never_the_output(block):
         changed_runs += (got.stats.rows, got.stats.flushes) != (without.stats.rows, without.stats.flushes)
         cases += 1
     assert cases == 6 and changed_logits > 0 and changed_runs > 0
+
+
+def test_a_stop_set_is_exact_and_ends_at_its_first_member():
+    """A stop set besides EOS (an imported chat model's end of turn): SPEED equals sequential decoding with the
+    same set bit for bit (greedy and sampled, with branches); sequential with the set ends each sequence at the
+    first member the plain run produced, and says so in ``stopped``."""
+    cut = runs = 0
+    for seed in range(12):
+        model, ids, mask, _, rng = random_case(2000 + seed)
+        plain = generate(model, ids, mask, method="sequential", max_new_tokens=12, trace=False)
+        produced = [t for tokens in plain.tokens for t in tokens[:-1] if t != model.eos_id]
+        stops = {model.eos_id, *rng.sample(produced, min(2, len(produced)))}
+        for sampling in (None, Sampling(temperature=1.0, top_k=5, seed=rng.randrange(2**63))):
+            reference = LogitRecorder(model)
+            ref = generate(reference, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling,
+                           stop_ids=stops)  # fmt: skip
+            for b, tokens in enumerate(ref.tokens):
+                assert ref.stopped[b] == (tokens[-1] in stops)
+                assert not set(tokens[:-1]) & stops  # nothing follows a stop token
+            if sampling is None:
+                for b, tokens in enumerate(plain.tokens):  # the plain run, cut at its first stop token
+                    first = next((i for i, t in enumerate(tokens) if t in stops), len(tokens) - 1)
+                    assert ref.tokens[b] == tokens[: first + 1]
+                    cut += first + 1 < len(tokens)
+            m = model.n_loops
+            for speculation in (Speculation(1, "eager"), Speculation(rng.randint(1, m), "final", branches=min(2, m))):
+                got = speed_as_sequential(
+                    model, reference, ref, ids, mask, 12, (seed, sampling, speculation),
+                    speculation=speculation, sampling=sampling, stop_ids=stops,
+                )  # fmt: skip
+                assert got.stopped == ref.stopped
+                runs += 1
+    assert cut > 0 and runs == 48  # the stop set ended sequences early

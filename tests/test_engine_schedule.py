@@ -24,8 +24,9 @@ from speed.engine.state import Exit, InFlight, RequestState
 from speed.engine.types import NO_EXIT, DecodeStats, Request, Speculation
 
 EOS = 1
+STOPS = frozenset({EOS})
 M = 3
-RULE = LaunchRule(launch_loop=1, min_confidence=0.5, eos_id=EOS, max_new_tokens=8)
+RULE = LaunchRule(launch_loop=1, min_confidence=0.5, stop_ids=STOPS, max_new_tokens=8)
 
 
 def test_may_launch_needs_every_condition():
@@ -34,7 +35,7 @@ def test_may_launch_needs_every_condition():
     assert not may_launch(RULE, loops_done=2, p_top=0.49, token=7, pos=3)  # an unsure exit
     assert not may_launch(RULE, loops_done=2, p_top=0.9, token=EOS, pos=3)  # nothing follows EOS
     assert not may_launch(RULE, loops_done=2, p_top=0.9, token=7, pos=8)  # past the last position
-    sequential = LaunchRule(launch_loop=M, min_confidence=0.0, eos_id=EOS, max_new_tokens=8)
+    sequential = LaunchRule(launch_loop=M, min_confidence=0.0, stop_ids=STOPS, max_new_tokens=8)
     assert not may_launch(sequential, M - 1, 1.0, 7, 3) and may_launch(sequential, M, 1.0, 7, 3)
 
 
@@ -58,17 +59,17 @@ def test_keeps_branch():
 
 def test_may_branch():
     spec = Speculation(branches=2, branch_below=0.8)
-    assert may_branch(spec, p_top=0.5, runner_up=6, succ=5, eos_id=EOS, branches=1)
-    assert not may_branch(spec, 0.5, 6, 5, EOS, branches=2)  # as many in flight as allowed
-    assert not may_branch(spec, 0.8, 6, 5, EOS, 0)  # a confident exit
+    assert may_branch(spec, p_top=0.5, runner_up=6, succ=5, stop_ids=STOPS, branches=1)
+    assert not may_branch(spec, 0.5, 6, 5, STOPS, branches=2)  # as many in flight as allowed
+    assert not may_branch(spec, 0.8, 6, 5, STOPS, 0)  # a confident exit
     for runner_up in (5, EOS, NO_EXIT):  # the successor itself, EOS, an exit not evaluated
-        assert not may_branch(spec, 0.5, runner_up, 5, EOS, 0)
-    assert not may_branch(Speculation(), 0.5, 6, 5, EOS, 0)  # branches off
+        assert not may_branch(spec, 0.5, runner_up, 5, STOPS, 0)
+    assert not may_branch(Speculation(), 0.5, 6, 5, STOPS, 0)  # branches off
 
 
 def sequence(spec: Speculation = Speculation(), max_new: int = 8, sampling: Sampling = Sampling()) -> RequestState:  # noqa: B008
     request = Request([2], max_new, "speed", spec, sampling=sampling)
-    rule = LaunchRule(spec.launch_loop, spec.min_confidence, EOS, max_new)
+    rule = LaunchRule(spec.launch_loop, spec.min_confidence, STOPS, max_new)
     return RequestState(
         0,
         request,
@@ -245,3 +246,10 @@ def test_cancel_wastes_every_row_in_flight():
     seq.chain = [parent, token(1, 10, (11, 2, 0.9), ahead=1)]
     sched.cancel(seq)
     assert seq.chain == [] and seq.wasted_rows == sched.stats.wasted_rows == 4
+
+
+def test_every_stop_id_ends_a_chain():
+    stops = frozenset({EOS, 9})  # an imported chat model's: its EOS and its end of turn
+    rule = LaunchRule(launch_loop=1, min_confidence=0.0, stop_ids=stops, max_new_tokens=8)
+    assert may_launch(rule, 1, 1.0, token=7, pos=3) and not may_launch(rule, 1, 1.0, token=9, pos=3)
+    assert not may_branch(Speculation(branches=1), 0.5, runner_up=9, succ=5, stop_ids=stops, branches=0)

@@ -333,3 +333,46 @@ def test_speeds_settings_left_unset_take_the_devices_defaults(checkpoint, tmp_pa
     assert (config["branches"], config["branch_depth"]) == (1, 3)
     config = _job().main([*flags, "--out", str(tmp_path / "c")])["config"]  # this machine's own: the CPU's
     assert (config["branches"], config["branch_depth"]) == (0, 1)
+
+
+def test_an_imported_ouro_directory_is_evaluated_in_its_own_template_and_stop_tokens(tmp_path, capsys):
+    """jobs/evaluate.py on a Hugging Face directory (a tiny Ouro with its tokenizer.json and ChatML template): each
+    source is one user turn of the directory's template, outputs end at its stop ids (<|im_end|> too), SPEED is
+    checked against sequential decoding, and the files are written as for a platform checkpoint."""
+    from imported_helpers import write_chat_ouro
+
+    from speed import from_pretrained, generate
+    from speed.hf_tokenizer import load_tokenizer
+
+    directory = write_chat_ouro(tmp_path / "Ouro-tiny", end_of_turn_bias=0.36)  # 2 of 4 end at <|im_end|>
+    out = tmp_path / "eval"
+    flags = ["--checkpoint", str(directory), "--task", "translate_en_de", "--limit", "4", "--batch-size", "2"]
+    summary = _job().main([*flags, "--max-new-tokens", "8", "--threads", "1", "--out", str(out)])
+    assert (summary["examples"], summary["family"], summary["tokenizer"]) == (4, "lm", str(directory))
+    assert "bleu" in summary["metrics"] and (out / "trace.parquet").is_file()
+    predictions = pq.read_table(out / "predictions.parquet").to_pydict()
+    model, tok = from_pretrained(directory), load_tokenizer(directory)
+    for source, hypothesis, finished in zip(predictions["source"], predictions["hypothesis"], predictions["finished"]):
+        ids = tok.encode_chat([{"role": "user", "content": source}])  # the instruction is in the source
+        ref = generate(model, torch.tensor([ids]), method="sequential", max_new_tokens=8, stop_ids=tok.stop_ids)
+        assert (hypothesis, finished) == (tok.decode(ref.tokens[0]), ref.stopped[0])
+    assert any(predictions["finished"]) and not all(predictions["finished"]), predictions["finished"]
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not one the platform loads"),
+        ({"architectures": ["X"]}, "config.json has no model_type"),
+    ],
+)
+def test_a_directory_the_platform_cannot_read_is_one_line_and_status_2(tmp_path, capsys, config, message):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit) as exit_:
+        _job().main(["--checkpoint", str(bad), "--task", "translate_en_de", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err and message in err, err
+    assert not out.exists()  # nothing half-written

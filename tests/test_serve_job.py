@@ -87,3 +87,16 @@ def test_sigterm_stops_jobs_serve_with_every_answered_row_on_disk(tiny_tokenizer
     assert sorted(pd.read_parquet(stats / "requests")["request_id"]) == sorted(answered)
     files = [p.read_bytes() for p in stats.rglob("*") if p.is_file()]
     assert key not in text and all(key.encode() not in data for data in files)
+
+
+def test_a_directory_it_cannot_read_is_one_line_and_status_2_before_ray_starts(tmp_path):
+    bad = tmp_path / "Bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "gpt2"}')
+    job = [sys.executable, str(repo_root() / "jobs" / "serve.py"), "--checkpoint", str(bad)]
+    done = subprocess.run([*job, "--stats-path", str(tmp_path / "stats")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: config.json: model_type 'gpt2' is not one the platform loads (known: t5, llama, ouro, huginn_raven)"
+    ]
+    assert not (tmp_path / "stats").exists()  # nothing started, nothing written

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from imported_helpers import write_chat_ouro
+from test_hf_tokenizer import QWEN_CHATML
 from test_serve_app import Deployment, _answers, _free_port  # its ledger of answers: ours is kept, unread
 
 from speed import generate
@@ -200,3 +202,72 @@ def test_the_checkpoint_family_and_template_reach_the_replica(server):
 
     served = load_served_model(str(Path(server.stats).parent / "ckpt"), "cpu")
     assert served.family.name == "lm" and isinstance(served.model, LoopedLM) and served.template == TEMPLATE
+
+
+# An imported chat model: a tiny Ouro directory as downloaded (safetensors, tokenizer.json, a ChatML template),
+# deployed beside the LM above. Its template refuses a chat that does not end with the user's turn, as templates
+# do with raise_exception; <|im_end|> is likely enough that some answers end at it.
+OURO_TEMPLATE = (
+    "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('the last message must be the user\\'s') }}"
+    "{% endif %}" + QWEN_CHATML
+)
+OURO_SETTINGS = {"max_active": 4, "max_source_len": 128, "max_target_len": 16, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def ouro(server, tmp_path_factory):
+    """A deployment of a tiny imported Ouro directory named by its folder (``Ouro-tiny``), SPEED on, on the LM
+    server's Serve: its Deployment (model from ``from_pretrained``, tokenizer from ``load_tokenizer``)."""
+    from ray import serve
+
+    from speed import from_pretrained
+    from speed.hf_tokenizer import load_tokenizer
+    from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
+
+    root = tmp_path_factory.mktemp("serve-ouro")
+    directory = write_chat_ouro(root / "Ouro-tiny", end_of_turn_bias=0.3, chat_template=OURO_TEMPLATE)
+    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    options = {"stats_path": str(root / "stats"), "device": "cpu", "name": "speed-ouro-test", "api_key": KEY}
+    options |= {"port": port, "num_cpus": 0.5, "route_prefix": "/ouro"}
+    url = start_app(AppConfig(str(directory), settings=OURO_SETTINGS, **options))
+    yield Deployment(url, from_pretrained(directory), load_tokenizer(directory), options["stats_path"], _no_redeploy)
+    if "speed-ouro-test" in serve.status().applications:
+        serve.delete("speed-ouro-test")
+
+
+def _ouro_offline(ouro, ids: list[int], max_tokens: int = 12) -> tuple[str, str]:
+    """Text and finish reason of sequential decoding of ``ids``, ending at the tokenizer's stop ids."""
+    result = generate(ouro.model, torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens,
+                      stop_ids=ouro.tokenizer.stop_ids)  # fmt: skip
+    return ouro.tokenizer.decode(result.tokens[0]), "stop" if result.stopped[0] else "length"
+
+
+def test_an_imported_ouro_serves_chat_and_completions_in_its_template_stopping_at_its_end_of_turn(ouro):
+    import openai
+
+    client = openai.OpenAI(base_url=ouro.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    (card,) = client.models.list().data
+    assert (card.id, card.family, card.n_loops) == ("Ouro-tiny", "lm", 3)
+    tok, reasons = ouro.tokenizer, []
+    assert tok.stop_ids == {0, 2}  # <|endoftext|> and ChatML's <|im_end|>
+    for content in ("Translate to German: A dog runs.", "What is 12 + 30?", "Hi!"):
+        messages = [{"role": "user", "content": content}]
+        expected = _ouro_offline(ouro, tok.encode_chat(messages))
+        answer = client.chat.completions.create(model="Ouro-tiny", messages=messages, max_tokens=12)
+        assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == expected, content
+        assert answer.speed["method"] == "speed"
+        reasons.append(expected[1])
+    assert set(reasons) == {"stop", "length"}  # some chats ended at <|im_end|>, some ran to max_tokens
+    for stream in (False, True):
+        prompt = "A man in a blue shirt."
+        answer = client.completions.create(model="Ouro-tiny", prompt=prompt, max_tokens=12, stream=stream)
+        texts, finish, _, _ = _answers(ouro, answer)
+        assert (texts[0], finish[0]) == _ouro_offline(ouro, tok.encode(prompt, add_eos=False))
+    with pytest.raises(openai.BadRequestError, match="messages: .*the last message must be the user's"):
+        client.chat.completions.create(
+            model="Ouro-tiny", messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        )
+    rows = [r for r in read_requests(ouro.stats).to_pylist() if r["route"] == "chat"]
+    assert {(r["model"], r["family"]) for r in rows} == {("Ouro-tiny", "lm")} and len(rows) == 3
+    assert sorted(r["finish_reason"] for r in rows) == sorted(reasons)

@@ -47,6 +47,7 @@ import numpy as np
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
+from speed.chat import CHAT_TEMPLATE, ChatRenderer
 from speed.storage import Location, locate
 from speed.tokenizer import LABEL_PAD, TextTokenizer, Tokenizer
 
@@ -554,3 +555,10 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     if where.is_dir():
         return HFTokenizer.load(where.uri)
     return Tokenizer.load(where.uri)
+
+
+def chat_renderer(tokenizer: TextTokenizer, fallback: ChatRenderer = CHAT_TEMPLATE) -> ChatRenderer:
+    """The chat template prompts to ``tokenizer``'s model are written in: an imported model's own (its
+    ``HFTokenizer.chat_template``), else ``fallback`` (a platform LM's, which its checkpoint stores)."""
+    own = tokenizer.chat_template if isinstance(tokenizer, HFTokenizer) else None
+    return fallback if own is None else own

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from speed.chat import CHAT_TEMPLATE, task_prompt
+from speed.chat import CHAT_TEMPLATE, ChatRenderer, task_prompt
 from speed.data.spans import corruption_lengths, noise_rng, span_corruption, span_counts
 from speed.data.tasks import Task, get_task
 from speed.losses import shift_right
@@ -193,14 +193,21 @@ def cut_rows(documents: Sequence[Sequence[int]], row_len: int) -> list[list[int]
     return [list(ids[i : i + row_len]) for ids in documents for i in range(0, len(ids), row_len)]
 
 
-def encode_prompts(sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
-    """Each source text (instruction included) as a chat prompt (``speed.chat.task_prompt``), no EOS, at most
-    ``max_len`` tokens: an overlong prompt loses the end of its source, never the template's cue."""
-    prompts = tokenizer.encode_batch([task_prompt("", text) for text in sources], add_eos=False)
-    tail = len(tokenizer.encode("\n" + CHAT_TEMPLATE.cue, add_eos=False))
+def encode_prompts(
+    sources: Sequence[str], tokenizer: Tokenizer, max_len: int, template: ChatRenderer = CHAT_TEMPLATE
+) -> list[list[int]]:
+    """Each source text (instruction included) as a chat prompt (``speed.chat.task_prompt`` in ``template``), no
+    EOS, at most ``max_len`` tokens: an overlong prompt loses the end of its source, never what the template writes
+    after it (the platform's: the answer's cue)."""
+    prompts = tokenizer.encode_batch([task_prompt("", text, template) for text in sources], add_eos=False)
+    after = task_prompt("", _MARK, template).rsplit(_MARK, 1)[1]  # the template's text after the source
+    tail = len(tokenizer.encode(after, add_eos=False))
     if max_len <= tail:
         raise ValueError(f"a prompt of at most {max_len} tokens cannot hold the chat template's cue ({tail})")
     return [ids if len(ids) <= max_len else ids[: max_len - tail] + ids[-tail:] for ids in prompts]
+
+
+_MARK = "\x00source\x00"  # a source text no template writes itself
 
 
 def encode_prompted(

@@ -8,7 +8,8 @@ ends, so the engine's exactness tests and generate's are the same.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -33,11 +34,12 @@ __all__ = ["DecodeStats", "GenerateResult", "Method", "Speculation", "Stepper", 
 
 @dataclass
 class GenerateResult:
-    """Output of ``generate``: tokens per sequence (EOS included when produced), counters, trace."""
+    """Output of ``generate``: tokens per sequence (the stop token included when produced), counters, trace."""
 
     tokens: list[list[int]]
     stats: DecodeStats
     trace: pa.Table | None  # speed.engine.trace.TRACE_SCHEMA, when asked for
+    stopped: list[bool] = field(default_factory=list)  # per sequence: it ended at a stop token (else at the limit)
 
 
 def generate(
@@ -52,6 +54,7 @@ def generate(
     oracle: list[list[int]] | None = None,
     trace: bool = True,
     row_budget: int | None = None,
+    stop_ids: Collection[int] | None = None,
 ) -> GenerateResult:
     """Decode a batch of prompts (B, S) with a looped decoder: a model (``SpeedT5``'s encoder inputs,
     ``LoopedLM``'s contexts) or any ``speed.engine.Stepper``.
@@ -67,7 +70,8 @@ def generate(
     the tokens where ``attention_mask[b]`` is 1, encoded (or prefilled) on their own.
     ``sampling`` (default greedy) applies to every sequence with its one seed:
     the noise depends on (seed, output position) only, so two sequences of the
-    batch with the same input draw the same tokens.
+    batch with the same input draw the same tokens. ``stop_ids``: the tokens a sequence ends at (an imported chat
+    model's ``HFTokenizer.stop_ids``); None: the model's EOS.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -88,10 +92,12 @@ def generate(
         sources = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(sources, attention_mask.tolist())]
     speculation = Speculation() if speculation is None else speculation
     sampling = Sampling() if sampling is None else sampling
+    stops = None if stop_ids is None else frozenset(stop_ids)
     requests = [
-        Request(ids, max_new_tokens, method, speculation, None if oracle is None else list(oracle[b]), sampling)
+        Request(ids, max_new_tokens, method, speculation, None if oracle is None else list(oracle[b]), sampling,
+                stop_ids=stops)
         for b, ids in enumerate(sources)
-    ]
+    ]  # fmt: skip
     config = EngineConfig(
         max_active=batch,
         max_prompt_len=length,
@@ -121,4 +127,4 @@ def generate(
     table = None
     if trace:
         table = pa.concat_tables([done[i].trace for i in ids]).combine_chunks()
-    return GenerateResult([done[i].tokens for i in ids], stats, table)
+    return GenerateResult([done[i].tokens for i in ids], stats, table, [done[i].stopped for i in ids])

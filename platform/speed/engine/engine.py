@@ -90,9 +90,10 @@ class Engine:
         self._validate(request)
         M, spec = self.model.n_loops, request.speculation
         launch_loop = M if request.method == "sequential" else spec.launch_loop
+        stops = frozenset({self.model.eos_id}) if request.stop_ids is None else frozenset(request.stop_ids)
         seq_fields = {
             "request": request,
-            "launch": LaunchRule(launch_loop, spec.min_confidence, self.model.eos_id, request.max_new_tokens),
+            "launch": LaunchRule(launch_loop, spec.min_confidence, stops, request.max_new_tokens),
             "all_exits": request.method == "speed" or self.config.trace,
             "added": time.perf_counter(),
             "flips": [0] * M,
@@ -212,6 +213,11 @@ class Engine:
         bad = next((t for t in ids if type(t) is not int or not 0 <= t < V), None)
         if bad is not None:
             raise ValueError(f"input_ids must be token ids in [0, {V}), got {bad!r}")
+        stops = request.stop_ids
+        if stops is not None and (
+            isinstance(stops, (str, bytes)) or not stops or any(type(t) is not int or not 0 <= t < V for t in stops)
+        ):
+            raise ValueError(f"stop_ids must be None or a non-empty set of token ids in [0, {V}), got {stops!r}")
         if request.oracle is not None and request.method != "speed":
             raise ValueError("an oracle needs method='speed'")
         if not isinstance(request.sampling, Sampling):

@@ -63,4 +63,5 @@ def finished(seq: RequestState, now: float, cancelled: bool) -> Finished:
         promotions=seq.promotions,
     )
     trace = seq.trace.table() if seq.trace is not None else None
-    return Finished(seq.id, seq.out, stats, trace, cancelled, seq.logprobs)
+    stopped = bool(seq.out) and seq.out[-1] in seq.launch.stop_ids
+    return Finished(seq.id, seq.out, stats, trace, cancelled, seq.logprobs, stopped)

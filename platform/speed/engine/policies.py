@@ -25,7 +25,7 @@ class LaunchRule:
 
     launch_loop: int  # loops a token runs before it may launch (M for sequential decoding: never early)
     min_confidence: float  # the least top-1 probability of the exit it launches from
-    eos_id: int  # nothing follows EOS
+    stop_ids: frozenset[int]  # nothing follows a stop token (the request's, else the model's EOS)
     max_new_tokens: int  # nor the request's last position
 
 
@@ -34,7 +34,7 @@ def may_launch(rule: LaunchRule, loops_done: int, p_top: float, token: int, pos:
     successor with input ``token`` at position ``pos``: the one launch rule of chains and lanes alike."""
     return (
         should_launch(loops_done, rule.launch_loop, p_top, rule.min_confidence)
-        and token != rule.eos_id
+        and token not in rule.stop_ids
         and pos < rule.max_new_tokens
     )
 
@@ -64,11 +64,15 @@ def keeps_branch(branch: int, runner_up: int, guess: int, succ: int | None) -> b
     return succ is not None and branch in (runner_up, guess) and branch != succ
 
 
-def may_branch(spec: Speculation, p_top: float, runner_up: int, succ: int, eos_id: int, branches: int) -> bool:
+def may_branch(
+    spec: Speculation, p_top: float, runner_up: int, succ: int, stop_ids: frozenset[int], branches: int
+) -> bool:
     """Whether a token whose successor has input ``succ`` may launch a branch from its latest exit's runner-up
-    ``runner_up`` (top-1 probability ``p_top``), ``branches`` of its request's branches being in flight."""
+    ``runner_up`` (top-1 probability ``p_top``; a stop token launches none), ``branches`` of its request's branches
+    being in flight."""
     return (
-        runner_up not in (succ, eos_id, NO_EXIT)
+        runner_up not in (succ, NO_EXIT)
+        and runner_up not in stop_ids
         and branches < spec.branches
         and should_branch(p_top, spec.branch_below)
     )

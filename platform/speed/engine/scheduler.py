@@ -174,7 +174,7 @@ class Scheduler:
         token = t.exits[-1].pred
         seq.out.append(token)
         self.stats.tokens += 1
-        if token == seq.launch.eos_id or len(seq.out) >= seq.request.max_new_tokens:
+        if token in seq.launch.stop_ids or len(seq.out) >= seq.request.max_new_tokens:
             t.lane = self._drop(seq, t.lane)
             self._flush(seq, ahead, mispredicted=False)
             seq.done = True
@@ -235,7 +235,7 @@ class Scheduler:
         if parent.lane or succ is None or request.oracle is not None or not spec.branches:
             return  # (branches are counted only where one may launch)
         branches = sum(bool(c.lane) for c in chain) + sum(bool(c.lane) for c in ahead)
-        if may_branch(spec, latest.p_top, latest.runner_up, succ.token, seq.launch.eos_id, branches):
+        if may_branch(spec, latest.p_top, latest.runner_up, succ.token, seq.launch.stop_ids, branches):
             side = heapq.heappop(seq.side_free)
             parent.lane = [self._draft(seq, parent.pos + 1, latest.runner_up, side=side)]
 

@@ -180,6 +180,8 @@ class Request:
     oracle: list[int] | None = None  # benchmarks: speculate the known final tokens (SPEED only)
     sampling: Sampling = Sampling()  # greedy by default
     logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and its k best alternatives
+    stop_ids: frozenset[int] | None = None  # generation ends at any of these (an imported chat model's end of turn
+    # besides its EOS: ``HFTokenizer.stop_ids``); None: at the model's ``eos_id``
 
 
 @dataclass
@@ -232,11 +234,12 @@ class Finished:
     """A request that left the engine: finished, or cancelled (its tokens so far)."""
 
     id: int
-    tokens: list[int]  # EOS included when produced
+    tokens: list[int]  # the stop token included when produced
     stats: RequestStats
     trace: pa.Table | None  # speed.engine.trace.TRACE_SCHEMA rows (sequence = request id), when the engine traces
     cancelled: bool = False
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
+    stopped: bool = False  # its last token is one of its stop ids (else it ran to max_new_tokens, or was cancelled)
 
 
 class Commit(NamedTuple):

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,13 @@ from speed.engine.trace import TRACE_SCHEMA, flip_costs, flip_rates
 from speed.eval import metrics
 from speed.eval.metrics import bootstrap
 from speed.eval.validation import validate_batches
+from speed.hf_tokenizer import chat_renderer, load_tokenizer
 from speed.models.family import Family, family_of
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
 from speed.progress import ProgressBar
 from speed.storage import locate
-from speed.tokenizer import EOS_ID, Tokenizer
+from speed.tokenizer import TextTokenizer
 
 PREDICTIONS_FILE = "predictions.parquet"
 TRACE_FILE = "trace.parquet"
@@ -150,6 +151,7 @@ class _Decoded:
     stats: DecodeStats
     seconds: float
     trace: pa.Table | None  # EVAL_TRACE_SCHEMA
+    stopped: list[bool] = field(default_factory=list)  # per example: it ended at a stop token
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class Evaluation:
 
 def run_evaluation(
     model: SpeedT5 | LoopedLM,
-    tokenizer: Tokenizer | str | Path,
+    tokenizer: TextTokenizer | str | Path,
     config: EvalConfig,
     out_dir: str | Path,
     *,
@@ -187,7 +189,7 @@ def run_evaluation(
 def evaluate(
     model: SpeedT5 | LoopedLM,
     family: Family,
-    tokenizer: Tokenizer | str | Path,
+    tokenizer: TextTokenizer | str | Path,
     config: EvalConfig,
     out_dir: str | Path,
     *,
@@ -196,7 +198,9 @@ def evaluate(
     """Decode a task split with SPEED, score it, write the three files; returns the summary and the inputs.
 
     ``family`` is the model's: a ``LoopedLM`` decodes each source as its finetuning prompt
-    (``speed.data.batching.encode_prompts``).
+    (``speed.data.batching.encode_prompts``), one user turn of the tokenizer's chat template where it has one (an
+    imported model's, ``speed.hf_tokenizer.chat_renderer``). ``tokenizer`` (a ``TextTokenizer``, or where one is:
+    a SentencePiece model, an imported model's directory) also says where outputs end (its ``stop_ids``).
 
     ``config`` must name its task and input length (``EvalConfig.following``).
     ``progress`` shows one progress bar on stderr. With ``config.check_sequential``
@@ -206,17 +210,18 @@ def evaluate(
     near-tie; ours do not, see ``speed.engine.kernels``).
     """
     config.check_complete()
-    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
     if tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}")
     records = read_records(family.read_task(get_task(config.task)), config.split, config.source, config.limit)
     columns = records.dataset.to_dict()
     sources, references = columns["source"], columns["target"]
-    inputs = family.encode_sources(sources, tok, config.max_source_len)  # an LM's: prompts in its chat template
+    # an LM's: prompts in its chat template
+    inputs = family.encode_sources(sources, tok, config.max_source_len, chat_renderer(tok))
 
     methods = ("speed", "sequential") if config.check_sequential else ("speed",)
     _warm_up(model, inputs[0], methods)
-    decoded, sequential, oracle, mismatches = _decode(model, inputs, config, progress)
+    decoded, sequential, oracle, mismatches = _decode(model, inputs, config, progress, tok.stop_ids)
     hypotheses = tok.decode_batch(decoded.tokens)
 
     out = locate(out_dir)
@@ -227,7 +232,7 @@ def evaluate(
         "reference": references,
         "hypothesis": hypotheses,
         "output_tokens": [len(t) for t in decoded.tokens],
-        "finished": [bool(t) and t[-1] == EOS_ID for t in decoded.tokens],
+        "finished": decoded.stopped,
     }
     table = pa.Table.from_pydict(predictions, schema=PREDICTIONS_SCHEMA)
     pq.write_table(table, (out / PREDICTIONS_FILE).path, filesystem=out.fs)
@@ -300,9 +305,10 @@ def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...]) -> No
 
 
 def _decode(
-    model: SpeedT5, inputs: list[list[int]], config: EvalConfig, progress: bool
+    model: SpeedT5, inputs: list[list[int]], config: EvalConfig, progress: bool, stop_ids: frozenset[int]
 ) -> tuple[_Decoded, _Decoded | None, _Decoded | None, list[Mismatch]]:
-    """Decode ``inputs`` in batches with SPEED (with its trace) and, if checked, sequentially.
+    """Decode ``inputs`` in batches with SPEED (with its trace) and, if checked, sequentially, each output ending at
+    any of ``stop_ids``.
 
     The two methods run batch by batch, alternating which goes first, each
     timed on its own. With ``config.oracle`` each batch is decoded once more,
@@ -319,8 +325,9 @@ def _decode(
         input_ids, attention_mask = pad_inputs(inputs[start : start + config.batch_size])  # (B, S), (B, S)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         decode = functools.partial(  # this batch, decoded as the config says; each call adds its method's settings
-            generate, model, input_ids, attention_mask, max_new_tokens=config.max_new_tokens, sampling=config.sampling
-        )
+            generate, model, input_ids, attention_mask, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
+            stop_ids=stop_ids,
+        )  # fmt: skip
         results: dict[str, GenerateResult] = {}
         for method in methods if b % 2 == 0 else methods[::-1]:
             begin = time.perf_counter()
@@ -333,6 +340,7 @@ def _decode(
         for method, result in results.items():
             run = runs.setdefault(method, _Decoded([], DecodeStats(), 0.0, None))
             run.tokens.extend(result.tokens)
+            run.stopped.extend(result.stopped)
             for f in dataclasses.fields(DecodeStats):
                 setattr(run.stats, f.name, getattr(run.stats, f.name) + getattr(result.stats, f.name))
         trace = results["speed"].trace
@@ -340,7 +348,8 @@ def _decode(
         traces.append(pa.Table.from_arrays([example, *trace.columns], schema=EVAL_TRACE_SCHEMA))
         if "sequential" in results and results["speed"].tokens != results["sequential"].tokens:
             mismatches.extend(
-                _mismatches(model, input_ids, attention_mask, config, start, results["speed"], results["sequential"])
+                _mismatches(model, input_ids, attention_mask, config, start, results["speed"], results["sequential"],
+                            stop_ids)  # fmt: skip
             )
         if bar is not None:
             rates = ", ".join(f"{m} {r.stats.tokens / r.seconds:.0f}" for m, r in runs.items() if r.seconds)
@@ -357,6 +366,7 @@ def _mismatches(
     start: int,
     speed: GenerateResult,
     sequential: GenerateResult,
+    stop_ids: frozenset[int],
 ) -> list[Mismatch]:
     """The first differing position of each differing example of a batch, with the reference's top-2 gap.
 
@@ -372,6 +382,7 @@ def _mismatches(
         max_new_tokens=config.max_new_tokens,
         trace=True,
         sampling=config.sampling,
+        stop_ids=stop_ids,
     )
     found = []
     for b, (a, r) in enumerate(zip(speed.tokens, sequential.tokens)):

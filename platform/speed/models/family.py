@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from speed.chat import CHAT_TEMPLATE, ChatTemplate, render_chat, task_prompt
+from speed.chat import CHAT_TEMPLATE, ChatRenderer, ChatTemplate, render_chat, task_prompt
 from speed.config import LMConfig, ModelConfig, from_dict, lm_preset, preset, to_dict
 from speed.data import batching
 from speed.data.tasks import Task, lm_task
@@ -53,8 +53,11 @@ class Family(Protocol):
     def read_task(self, task: Task) -> Task:
         """The source/target task as this family reads it (its source texts' prefix)."""
 
-    def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
-        """The decoder's inputs for source texts (of ``read_task``'s task), at most ``max_len`` tokens each."""
+    def encode_sources(
+        self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int, template: ChatRenderer = CHAT_TEMPLATE
+    ) -> list[list[int]]:
+        """The decoder's inputs for source texts (of ``read_task``'s task), at most ``max_len`` tokens each (an LM's
+        prompts in chat ``template``: the platform's, or an imported model's)."""
 
     preparation: str  # how its splits are tokenized: a ``speed.data.shards.PREPARATIONS`` name (``CorpusSpec.family``)
 
@@ -62,12 +65,12 @@ class Family(Protocol):
     whole_context: bool  # a served prompt is the whole context (chat template, instruction): Serve checks its length
 
     def served_prompts(
-        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatRenderer
     ) -> list[list[int]]:
         """Served text prompts as the decoder's inputs, under ``task`` when one is named."""
 
     def served_chat(
-        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatRenderer
     ) -> list[int]:
         """A served chat (``role``/``content`` messages; ``last_user``: the last user message's index) as the
         decoder's input, under ``task`` when one is named."""
@@ -106,18 +109,20 @@ class T5Family:
     def read_task(self, task: Task) -> Task:
         return task  # T5's task prefix ("translate English to German: ")
 
-    def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
+    def encode_sources(
+        self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int, template: ChatRenderer = CHAT_TEMPLATE
+    ) -> list[list[int]]:
         encoded = tokenizer.encode_batch(sources)  # EOS-terminated encoder inputs
         return [batching.truncate(ids, max_len) for ids in encoded]
 
     def served_prompts(
-        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatRenderer
     ) -> list[list[int]]:
         prefix = task.prefix if task is not None else ""
         return tokenizer.encode_batch([prefix + text for text in texts])  # the task's prefix before, EOS after
 
     def served_chat(
-        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatRenderer
     ) -> list[int]:
         return self.served_prompts([messages[last_user]["content"]], task, tokenizer, template)[0]  # its source text
 
@@ -151,18 +156,20 @@ class LMFamily:
     def read_task(self, task: Task) -> Task:
         return lm_task(task)  # the task's instruction before every source text
 
-    def encode_sources(self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int) -> list[list[int]]:
-        return batching.encode_prompts(sources, tokenizer, max_len)  # chat prompts, ending in the answer's cue
+    def encode_sources(
+        self, sources: Sequence[str], tokenizer: Tokenizer, max_len: int, template: ChatRenderer = CHAT_TEMPLATE
+    ) -> list[list[int]]:
+        return batching.encode_prompts(sources, tokenizer, max_len, template)  # chat prompts, ending in the cue
 
     def served_prompts(
-        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+        self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatRenderer
     ) -> list[list[int]]:
         if task is not None:  # the instruction and the text as one user turn: exactly a finetuning prompt
             texts = [task_prompt(task.instruction, text, template) for text in texts]
         return tokenizer.encode_batch(texts, add_eos=False)  # the whole context, without EOS
 
     def served_chat(
-        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatTemplate
+        self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatRenderer
     ) -> list[int]:
         instruction = task.instruction if task is not None else ""  # opens the last user message
         turns = [{**m, "content": instruction + m["content"]} if i == last_user else m for i, m in enumerate(messages)]

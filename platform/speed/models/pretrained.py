@@ -8,22 +8,30 @@ Either may be a local path or a URI (``s3://...``); a Hugging Face directory on 
 temporary local folder first, since safetensors are memory-mapped from a local file.
 Code in the directory (config.json's ``auto_map``) is never imported or run: the weights are read from
 safetensors alone, the configs as data.
+
+``load_pretrained(path)`` is the same as a ``LoadedModel``, what every job that reads a model takes
+(``--checkpoint``, ``--init-from``): a Hugging Face directory's tokenizer is the directory itself
+(``speed.hf_tokenizer.load_tokenizer`` reads it as an ``HFTokenizer``, its stop ids and chat template with it).
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
 import torch
 
+from speed.config import to_dict
 from speed.hf_files import model_form, read_config, read_weights
-from speed.models.checkpoint import MODEL_FILE, load_model
+from speed.hf_tokenizer import TOKENIZER_FILE
+from speed.models.checkpoint import MODEL_FILE, LoadedModel, latest_checkpoint, load_model, read_checkpoint_config
 from speed.models.convert_huginn import load_huginn
 from speed.models.convert_ouro import load_ouro
+from speed.models.family import family_of
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
-from speed.storage import locate
+from speed.storage import absolute, locate
 
 LOOPED = {"ouro": load_ouro, "huginn": load_huginn}  # form -> loader taking n_loops
 
@@ -49,6 +57,35 @@ def from_pretrained(
         return LOOPED[form](path, dtype=dtype, n_loops=n_loops)
     _no_loop_option(n_loops, f"a {form} checkpoint")
     return (_load_t5 if form == "t5" else _load_llama)(path).to(dtype).eval()
+
+
+def load_pretrained(
+    path: str | Path, map_location: str | torch.device = "cpu", exits: bool = True, n_loops: int | None = None
+) -> LoadedModel:
+    """The model at ``path`` as the jobs read it: a platform checkpoint or run (``load_model``, its exit adapters
+    attached with ``exits``), or a Hugging Face directory (``from_pretrained``, float32; detected by its
+    config.json) with its tokenizer's location (the directory, where it holds tokenizer.json) and a config whose
+    ``model`` and ``family`` sections are the converted model's. A directory the platform cannot read is a
+    one-line ``ValueError`` or ``FileNotFoundError`` before anything is written."""
+    if _is_platform_checkpoint(path):
+        _no_loop_option(n_loops, "a platform checkpoint")
+        return load_model(str(path), map_location=map_location, exits=exits)
+    model = from_pretrained(path, n_loops=n_loops).to(map_location)
+    where = locate(absolute(str(path)))
+    form = model_form(json.loads((where / "config.json").read_text()))
+    config = {"model": to_dict(model.config), "family": family_of(model).name, "hf": {"form": form}}
+    tokenizer = where.uri if (where / TOKENIZER_FILE).is_file() else None
+    return LoadedModel(model, tokenizer, config, where.uri)
+
+
+def model_source(path: str | Path) -> str:
+    """What ``load_pretrained(path)`` would read, checked without reading weights: ``platform`` (a checkpoint, or a
+    run with a complete one) or a Hugging Face form (``speed.hf_files.FORMS``); a one-line ``ValueError`` or
+    ``FileNotFoundError`` for a directory the platform cannot read. A job checks it before starting anything."""
+    if _is_platform_checkpoint(path):
+        read_checkpoint_config(latest_checkpoint(absolute(str(path))))  # a missing or empty folder: its error
+        return "platform"
+    return model_form(json.loads((locate(path) / "config.json").read_text()))
 
 
 def _is_platform_checkpoint(path: str | Path) -> bool:

@@ -20,7 +20,6 @@ from speed.engine import Finished
 from speed.serve.records import choice_stats
 from speed.serve.responses import DONE, Choice, Surface, TokenInfo, error_body, speed_object, sse
 from speed.serve.runner import Submission
-from speed.tokenizer import EOS_ID
 
 if TYPE_CHECKING:
     from speed.serve.planning import Plan
@@ -218,7 +217,7 @@ class Answering:
     def choice(self, index: int, text: ChoiceText, finished: Finished) -> Choice:
         """The answer's view of a finished choice: its text, why it ended, its token counts and statistics."""
         tokens = finished.tokens
-        stopped = text.stopped or (bool(tokens) and tokens[-1] == EOS_ID)
+        stopped = text.stopped or finished.stopped
         return Choice(
             index=index,
             prompt=self.plan.prompts[index],

@@ -14,8 +14,10 @@ Text becomes tokens as the served family reads it (``contexts``: ``Family.served
 message. A looped LM's prompt is its whole context, without EOS: under a task, the task's instruction and the
 text as one user turn of the checkpoint's chat template (``speed.chat.task_prompt``: exactly a finetuning
 prompt), without one the raw text; a chat request is its messages rendered by the template
-(``speed.chat.render_chat``; under a task, the instruction opens the last user message). Token-id prompts
-pass through as they are, for both.
+(``speed.chat.render_chat``; under a task, the instruction opens the last user message); an imported model's
+template is its directory's Jinja template, whose refusal (``raise_exception``: a role out of order) is a 400.
+Token-id prompts pass through as they are, for both. Every request ends at the tokenizer's ``stop_ids`` (an
+imported chat model's end of turn besides its EOS).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
-from speed.chat import CHAT_TEMPLATE, ChatTemplate
+from speed.chat import CHAT_TEMPLATE, ChatRenderer
 from speed.data import get_task
 from speed.engine import LEVERS, Request
 from speed.engine.sampling import Sampling, choice_seed
@@ -53,7 +55,7 @@ class Plan:
 
 
 def contexts(
-    body: CompletionRequest | ChatRequest, task: str | None, tokenizer: Any, family: Family, template: ChatTemplate
+    body: CompletionRequest | ChatRequest, task: str | None, tokenizer: Any, family: Family, template: ChatRenderer
 ) -> list[list[int]]:
     """The token ids of a request's text prompts (or its chat), as the served ``family`` reads them."""
     found = get_task(task) if task else None  # the body's (protocol) or the deployment's (settings): both checked
@@ -72,7 +74,7 @@ def plan_request(
     tokenizer: Any,
     model_name: str,
     family: Family = FAMILIES[DEFAULT_FAMILY],
-    template: ChatTemplate = CHAT_TEMPLATE,
+    template: ChatRenderer = CHAT_TEMPLATE,
 ) -> Plan:
     """Resolve ``body`` against the deployment's ``settings`` (``ServeSettings``) into engine requests, its text
     read as the served ``family`` reads it (an LM's with its chat ``template``)."""
@@ -83,7 +85,10 @@ def plan_request(
     prompts = [body.source()] if chat else body.prompts()
     texts = isinstance(prompts[0], str)
     task = (body.task or s.task) if texts else None
-    inputs = contexts(body, task, tokenizer, family, template) if texts else [list(p) for p in prompts]
+    try:
+        inputs = contexts(body, task, tokenizer, family, template) if texts else [list(p) for p in prompts]
+    except ValueError as err:  # the chat template's refusal (an imported model's raise_exception)
+        raise BadRequest(f"{'messages' if chat else 'prompt'}: {err}", "messages" if chat else "prompt") from None
     longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
     if family.whole_context and len(inputs[longest]) > s.max_source_len:  # the engine would name the prompt as sent
         what = "the chat" if chat else f"prompt {longest}"
@@ -105,6 +110,7 @@ def plan_request(
     given = {name: getattr(body, name) for name in LEVERS if getattr(body, name) is not None}
     speculation = replace(s.speculation, **given)  # the protocol checked the body's values as Speculation does
     method = body.method or s.method
+    stops = getattr(tokenizer, "stop_ids", None)  # None (token-id prompts, no tokenizer): the model's EOS
     requests, prompt_of, seeds = [], [], []
     for p, ids in enumerate(inputs):
         for k in range(body.n):
@@ -120,7 +126,9 @@ def plan_request(
                 )
             except ValueError as err:
                 raise BadRequest(str(err)) from None
-            requests.append(Request(ids, max_tokens, method, speculation, sampling=sampling, logprobs=logprobs))
+            requests.append(
+                Request(ids, max_tokens, method, speculation, sampling=sampling, logprobs=logprobs, stop_ids=stops)
+            )
             prompt_of.append(p)
             seeds.append(sampling.seed)
     return Plan(requests, prompt_of, seeds, echoes, task, seed, body.stops(), logprobs, body.include_usage)

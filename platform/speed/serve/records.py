@@ -24,7 +24,6 @@ from speed.serve.metrics import ServeCounters, spec_decode
 from speed.serve.runner import Ended
 from speed.serve.settings import decoding
 from speed.serve.sink import StatsSink
-from speed.tokenizer import EOS_ID
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +66,13 @@ def choice_stats(finished: Finished) -> dict[str, Any]:
 
 
 def finish_reason(finished: Finished, stopped_at: int | None) -> str:
-    """``stop`` (EOS or a stop string), ``length``, or ``cancelled`` (the client left)."""
+    """``stop`` (a stop token, EOS or the request's, or a stop string), ``length``, or ``cancelled`` (the client
+    left)."""
     if stopped_at is not None:
         return "stop"
     if finished.cancelled:
         return "cancelled"
-    return "stop" if finished.tokens and finished.tokens[-1] == EOS_ID else "length"
+    return "stop" if finished.stopped else "length"
 
 
 def request_record(end: Ended[ChoiceMeta]) -> dict[str, Any]:

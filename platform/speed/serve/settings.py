@@ -1,7 +1,8 @@
 """What a replica serves and how: the served model (loaded once), its live settings, how the application is
 deployed, and how a request's decoding is named.
 
-``load_served_model`` loads a checkpoint (a path or URI, or a run's newest) with its tokenizer and family.
+``load_served_model`` loads a checkpoint (a path or URI, or a run's newest) or a Hugging Face model directory
+(``speed.models.pretrained.load_pretrained``) with its tokenizer, family and chat template.
 ``ServeSettings`` is Serve's ``user_config``: capacity, row budget, request defaults, statistics and body limits;
 unknown keys are errors (``speed.config.from_dict``). ``AppConfig`` is how ``speed.serve.app.start_app`` deploys
 the application: the replicas' checkpoint and ``user_config``, the deployment's resources, the HTTP proxy.
@@ -16,14 +17,16 @@ from typing import Any
 
 import torch
 
-from speed.chat import ChatTemplate
+from speed.chat import ChatRenderer
 from speed.config import from_dict
 from speed.data import get_task
 from speed.engine import LEVERS, METHODS, EngineConfig, Method, Request, SpeculationFields
-from speed.models.checkpoint import checkpoint_family, load_model
+from speed.hf_tokenizer import chat_renderer, load_tokenizer
+from speed.models.checkpoint import checkpoint_family
 from speed.models.family import Family, get_family
+from speed.models.pretrained import load_pretrained
 from speed.paths import repo_root
-from speed.tokenizer import Tokenizer
+from speed.tokenizer import TextTokenizer
 
 DEFAULT_STATS_PATH = str(repo_root() / "runs" / "serve")
 
@@ -97,11 +100,11 @@ class AppConfig:
     (``ServeSettings`` keys; SPEED's settings it leaves out follow each replica's device), checked here so that
     a misspelled key fails before any replica starts."""
 
-    checkpoint: str  # a checkpoint or run directory, a local path or a URI
+    checkpoint: str  # a checkpoint, run or Hugging Face model directory, a local path or a URI
     settings: dict[str, Any] = field(default_factory=dict)
     # each replica's
     stats_path: str = DEFAULT_STATS_PATH  # where its statistics go, local or a URI
-    model_name: str | None = None  # the id in /v1/models; None: the checkpoint's folder name
+    model_name: str | None = None  # the id in /v1/models; None: the checkpoint's (or model directory's) folder name
     device: str = "auto"  # "auto", "cpu", "cuda"
     exit_adapters: bool | None = None  # draft with the checkpoint's exit adapters; None: on a GPU yes, on a CPU no
     api_key: str | None = field(default=None, repr=False)  # every route but /healthz needs it; None: $SPEED_API_KEY
@@ -125,26 +128,30 @@ class AppConfig:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What a replica serves: the model (eval mode, on its device), its tokenizer, its family (the checkpoint's
-    config.json names it) and, for an LM, the chat template its prompts were written in."""
+    """What a replica serves: the model (eval mode, on its device), its tokenizer (whose ``stop_ids`` end every
+    answer), its family (the checkpoint's config.json names it) and, for an LM, the chat template its prompts are
+    written in."""
 
     model: torch.nn.Module
-    tokenizer: Tokenizer
+    tokenizer: TextTokenizer  # a platform checkpoint's SentencePiece model, an imported model's ``HFTokenizer``
     family: Family  # how prompts become the model's inputs (``speed.models.family``)
-    template: ChatTemplate | None  # an LM's (config.json's ``chat_template``; ``speed.chat``'s when absent)
+    template: ChatRenderer | None  # an LM's: an imported model's own (its directory's Jinja template), else
+    # config.json's ``chat_template`` (``speed.chat``'s when absent)
 
 
 def load_served_model(checkpoint: str, device: str, exits: bool = True) -> ServedModel:
-    """The served model of a checkpoint path or URI (or a run's newest); a checkpoint without spm.model is an error.
+    """The served model of a checkpoint path or URI (or a run's newest) or of a Hugging Face model directory; one
+    without its tokenizer (spm.model, tokenizer.json) is an error.
 
     With ``exits`` the checkpoint's exit adapters (``speed.models.exits``), when it has them, adapt the drafts; the
     answers are the same either way."""
-    loaded = load_model(checkpoint, map_location=device, exits=exits)
+    loaded = load_pretrained(checkpoint, map_location=device, exits=exits)
     if loaded.tokenizer_path is None:
-        raise FileNotFoundError(f"checkpoint {loaded.checkpoint} holds no spm.model: serving needs its tokenizer")
-    tokenizer = Tokenizer.load(loaded.tokenizer_path)  # reads the file into memory
+        raise FileNotFoundError(f"{loaded.checkpoint} holds no spm.model nor tokenizer.json: serving needs one")
+    tokenizer = load_tokenizer(loaded.tokenizer_path)  # reads the files into memory
     family = get_family(checkpoint_family(loaded.config))
     template = family.chat_template(loaded.config)
+    template = template if template is None else chat_renderer(tokenizer, template)
     return ServedModel(loaded.model.to(device).eval(), tokenizer, family, template)
 
 
