@@ -25,8 +25,16 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 SESSION_ENV = "SPEED_TEST_SESSION"
+
+# Hypothesis draws its examples from a fixed seed (a property test or a fuzz run generates the same cases every
+# run, in any order), so a failure is reproducible, never a chance one that passes on rerun;
+# `pytest --hypothesis-profile=explore` draws new examples on purpose (and prints the seed of a failure).
+settings.register_profile("speed", derandomize=True, database=None, deadline=None)
+settings.register_profile("explore", database=None, deadline=None)
+settings.load_profile("speed")
 SLOW_EXIT_S = 10  # processes still ending this long after the last test: named in a warning
 
 
