@@ -180,3 +180,58 @@ def test_gate_run_follows_ouro_pdf():
     assert loop == 2 and [float(x[0]) for x in recorded] == [0.0, 1.0, 2.0, 2.0]
     recorded, loop = run(ExitRule("mix"))
     assert loop == 3 and torch.equal(recorded[-1], sum(x * p for x, p in zip(logits, pdf)))
+
+
+def test_serve_request_fields_make_the_rule():
+    from speed.serve.planning import engine_error, plan_request
+    from speed.serve.protocol import BadRequest, CompletionRequest, inline_schema
+    from speed.serve.settings import ServeSettings
+
+    body = CompletionRequest.model_validate(
+        {"prompt": [5, 6, 1], "method": "exit_gate", "exit_kind": "step", "exit_step": 2}
+    )
+    plan = plan_request(body, ServeSettings(), None, "m")
+    assert plan.requests[0].exit_rule == ExitRule("step", step=2)
+    shown = plan.settings()
+    assert (shown["method"], shown["exit_kind"], shown["exit_step"], shown["exit_threshold"]) == (
+        "exit_gate",
+        "step",
+        2,
+        None,
+    )
+    plain = plan_request(
+        CompletionRequest.model_validate({"prompt": [5, 1], "method": "exit_gate"}), ServeSettings(), None, "m"
+    )
+    assert plain.requests[0].exit_rule == ExitRule()
+    assert (
+        plan_request(CompletionRequest.model_validate({"prompt": [5, 1]}), ServeSettings(), None, "m")
+        .requests[0]
+        .exit_rule
+        is None
+    )
+    with pytest.raises(ValueError, match="apply to method exit_gate, not speed"):
+        CompletionRequest.model_validate({"prompt": [5, 1], "method": "speed", "exit_kind": "mix"})
+    with pytest.raises(BadRequest, match="apply to method exit_gate, not speed"):  # the deployment's method
+        plan_request(CompletionRequest.model_validate({"prompt": [5, 1], "exit_step": 1}), ServeSettings(), None, "m")
+    for bad in ({"exit_threshold": 0}, {"exit_threshold": 1.5}, {"exit_step": -1}, {"exit_kind": "first"}):
+        with pytest.raises(ValueError):
+            CompletionRequest.model_validate({"prompt": [5, 1], "method": "exit_gate", **bad})
+    assert engine_error(ValueError("exit rule step must be in 0..3")).param == "exit_step"
+    schema = inline_schema(CompletionRequest)
+    assert {"exit_kind", "exit_threshold", "exit_step"} <= set(schema["properties"])
+    assert any("exit_kind" in str(rule.get("if")) for rule in schema["allOf"])  # the rule is published
+
+
+def test_served_statistics_carry_the_mean_exit_loop(model):
+    from speed.serve.records import choice_stats
+
+    engine = Engine(model, EngineConfig(max_active=2, max_prompt_len=6, max_target_len=MAX_NEW))
+    batch = prompts(2)
+    gated = engine.add(Request(batch[0], MAX_NEW, "exit_gate", exit_rule=RULES[0]))
+    engine.add(Request(batch[1], MAX_NEW, "speed"))
+    done = {}
+    while engine.has_work:
+        done.update({f.id: f for f in engine.step().finished})
+    loops = done[gated].stats.exit_loops
+    assert choice_stats(done[gated])["mean_exit_loop"] == sum(loops) / len(loops) and 1 <= min(loops) < M
+    assert choice_stats(done[1 - gated])["mean_exit_loop"] is None
