@@ -415,13 +415,17 @@ def _answered(response):
 
 def _smaller(body, vocabulary: int, loops: int = 3):
     """A valid body made cheap to decode and within what the published schema cannot know (the served model's
-    loops and ``vocabulary``, a text's length in its tokens), still valid: few tokens, few choices, few and
+    loops, exit gate and ``vocabulary``, a text's length in its tokens), still valid: few tokens, few choices, few and
     short prompts (texts cut to 8 characters from their first, a byte-fallback tokenizer's 32 tokens at most)."""
     bounds = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2}  # chat's newer name for max_tokens too
     bounds |= dict.fromkeys(("launch_loop", "branches", "branch_depth"), loops)
     for key, most in bounds.items():
         if _whole(body.get(key)) and body[key] > most:
             body[key] = most
+    if body.get("method") == "exit_gate":  # the served T5 has no exit gate (Ouro's), which no schema can know
+        body["method"] = "speed"
+        for key in ("exit_kind", "exit_threshold", "exit_step"):
+            body.pop(key, None)
 
     def cut(value):  # texts shortened, token ids into the vocabulary, lists to two items
         if isinstance(value, str):

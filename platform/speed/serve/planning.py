@@ -130,16 +130,9 @@ def plan_request(
 
 
 def _exit_rule(body: CompletionRequest | ChatRequest, method: str) -> ExitRule | None:
-    """The exit gate's rule of an ``exit_gate`` request (``ExitRule``'s defaults for the fields left out); a 400 for
-    its fields with another method."""
-    given = body.exit_fields()
-    if method != "exit_gate":
-        if given:
-            raise BadRequest(
-                f"exit_kind, exit_threshold and exit_step apply to method exit_gate, not {method}", "method"
-            )
-        return None
-    return ExitRule(**given)  # the protocol checked each value's bounds as ExitRule does
+    """The exit gate's rule of an ``exit_gate`` request (``ExitRule``'s defaults for the fields left out; the
+    protocol allows them with that method only); None for another method."""
+    return ExitRule(**body.exit_fields()) if method == "exit_gate" else None  # bounds checked as ExitRule does
 
 
 # what an engine refusal can be about, in the request's words

@@ -107,13 +107,13 @@ def _absent(field: str) -> dict[str, Any]:
 # schema (``allOf``) so that a generated client or a fuzzer knows the rules too, not only the server.
 STREAM_OPTIONS_RULE = {"if": _given("stream_options", "object"), "then": _is_true("stream")}
 ECHO_RULE = {"if": _is_true("echo"), "then": _absent("logprobs")}
-EXIT_RULE = {  # the exit gate's fields need its method (a request that leaves method out: the planner checks)
+EXIT_RULE = {  # the exit gate's fields need its method, named in the request (whatever the deployment's default)
     "if": {
         "anyOf": [
             _given(f, k) for f, k in (("exit_kind", "string"), ("exit_threshold", "number"), ("exit_step", "integer"))
         ]
     },
-    "then": {"properties": {"method": {"enum": ["exit_gate", None]}}},
+    "then": {"required": ["method"], "properties": {"method": {"const": "exit_gate"}}},
 }
 TASK_RULE = {"if": _given("task", "string"), "then": {"properties": {"prompt": {"anyOf": [_TEXT, _TEXTS]}}}}
 TOP_LOGPROBS_RULE = {"if": _given("top_logprobs", "integer"), "then": _is_true("logprobs")}
@@ -200,8 +200,10 @@ class _Decoding(BaseModel):
 
     @model_validator(mode="after")
     def _exit_fields_need_exit_gate(self) -> _Decoding:
-        if self.method not in (None, "exit_gate") and self.exit_fields():
-            raise ValueError(f"exit_kind, exit_threshold and exit_step apply to method exit_gate, not {self.method}")
+        if self.method != "exit_gate" and self.exit_fields():
+            raise ValueError(
+                f"exit_kind, exit_threshold and exit_step need method exit_gate in the request, got {self.method}"
+            )
         return self
 
     def exit_fields(self) -> dict[str, Any]:
