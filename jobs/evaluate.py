@@ -6,7 +6,9 @@
 The settings are speed.eval.evaluate.EvalConfig's, with its defaults: the task, source
 and input length the checkpoint was trained with unless given; SPEED output is
 checked against sequential decoding unless --no-check-sequential, greedy or,
-with --temperature (and --top-k, --top-p, --seed), seeded sampling. Writes
+with --temperature (and --top-k, --top-p, --seed), seeded sampling. With --method exit_gate (and --exit-kind,
+--exit-threshold, --exit-step) a model with Ouro's exit gate is also decoded by its gate, a lossy baseline
+reported beside SPEED's. Writes
 predictions.parquet, trace.parquet and summary.json to --out (default
 <checkpoint>/eval/<task>-<split>, -no-exit-adapters appended when the checkpoint's exit adapters went unused)
 and prints the metrics with their signatures. A checkpoint with exit adapters (jobs/train_exits.py) drafts with
@@ -67,6 +69,11 @@ SETTINGS = {
     "seed": "sampling seed: every sequence's draws depend on (seed, output position) only",
     "bootstrap_samples": "resamples of BLEU's and ROUGE-L's 95%% bootstrap intervals (0: none)",
     "perplexity": "also score every loop's teacher-forced perplexity of the references",
+    "method": "speed (default), or exit_gate: also decode with Ouro's exit gate (a model with one), reported beside "
+    "SPEED's and sequential's: quality, group passes per token, mean exit loop (lossy, never checked)",
+    "exit_kind": "the exit gate's rule: threshold (Ouro's exit_threshold), step (exit_at_step) or mix (weighted)",
+    "exit_threshold": "kind threshold: the cumulative exit probability to reach, in (0, 1] (default 1.0)",
+    "exit_step": "kind step: the 0-based loop whose logits decide (default 0)",
 }
 UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted weights): T5's input length
 

@@ -376,3 +376,34 @@ def test_a_directory_the_platform_cannot_read_is_one_line_and_status_2(tmp_path,
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and "\n" not in err and message in err, err
     assert not out.exists()  # nothing half-written
+
+
+def test_the_exit_gate_is_reported_beside_speed_and_sequential(checkpoint, tmp_path, capsys):
+    """``--method exit_gate`` on an LM with an exit gate (lambda about 0.5 at initialisation, so Q-exit at 0.6 leaves
+    at loop 2 of 3 mostly): its quality, group passes per token and mean exit loop beside SPEED's on the same
+    text, SPEED still checked identical to sequential; the rule's flags are checked."""
+    _, _, tok = checkpoint
+    torch.manual_seed(0)
+    model = LoopedLM(lm_preset("tiny", vocab_size=tok.vocab_size, pattern="2x3", exit_gate=True))
+    directory = save_model(tmp_path / "gated", model, tok.path)
+    flags = ["--checkpoint", str(directory), "--task", "summarize", "--split", "validation", "--limit", "3"]
+    flags += ["--batch-size", "3", "--max-new-tokens", "5", "--max-source-len", "48", "--threads", "1"]
+    flags += ["--bootstrap-samples", "0", "--no-perplexity", "--out", str(tmp_path / "eval")]
+    summary = _job().main([*flags, "--method", "exit_gate", "--exit-kind", "threshold", "--exit-threshold", "0.6"])
+    decode = summary["decode"]
+    gate = decode["exit_gate"]
+    assert "exit gate (threshold, lossy)" in capsys.readouterr().out
+    assert decode["identical"] and gate["rule"] == {"kind": "threshold", "threshold": 0.6, "step": 0}
+    assert gate["gated_tokens"] == gate["tokens"] > 0 and set(gate["metrics"]) == {"rouge"}
+    assert 1.0 <= gate["mean_exit_loop"] < 3.0  # the gate asks for fewer loops than it runs
+    assert gate["group_passes_per_token"] == gate["group_passes"] / gate["tokens"]
+    assert decode["speed"]["group_passes_per_token"] == decode["speed"]["group_passes"] / decode["speed"]["tokens"]
+    assert 0.0 <= gate["prefix_agreement"] <= 1.0
+    assert "exit_gate" not in _job().main(flags)["decode"]  # method speed: no gated decoding
+    for bad, says in [
+        ({"exit_threshold": 0.0}, "threshold"),
+        ({"exit_kind": "first"}, "exit_kind"),
+        ({"method": "x"}, "method"),
+    ]:
+        with pytest.raises((ValueError, ConfigError), match=says):
+            from_dict(EvalConfig, bad)

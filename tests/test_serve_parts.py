@@ -56,7 +56,7 @@ from speed.storage import locate
         ({"prompt": "x", "max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1"),
         ({"prompt": "x", "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
         ({"prompt": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
-        ({"prompt": "x", "method": "fast"}, "method: Input should be 'speed' or 'sequential'"),
+        ({"prompt": "x", "method": "fast"}, "method: Input should be 'speed', 'sequential' or 'exit_gate'"),
         ({"prompt": "x", "best_of": 3}, "best_of: not supported by this server"),
         ({"prompt": "x", "bestof": 3}, "bestof: unknown field; the fields are: model, max_tokens"),
         ({}, "prompt: Field required"),

@@ -21,6 +21,7 @@ from speed.engine import (
     DecodeStats,
     Engine,
     EngineConfig,
+    ExitRule,
     Finished,
     Method,
     Request,
@@ -55,6 +56,7 @@ def generate(
     trace: bool = True,
     row_budget: int | None = None,
     stop_ids: Collection[int] | None = None,
+    exit_rule: ExitRule | None = None,
 ) -> GenerateResult:
     """Decode a batch of prompts (B, S) with a looped decoder: a model (``SpeedT5``'s encoder inputs,
     ``LoopedLM``'s contexts) or any ``speed.engine.Stepper``.
@@ -66,7 +68,10 @@ def generate(
     branches, no confidence gate); sequential decoding ignores it. ``oracle``
     (SPEED only) forces speculation to the given final tokens, isolating the
     engine's own overhead. ``row_budget`` caps the rows of a step
-    (``speed.engine.EngineConfig``). Both return identical tokens. Sequence b decodes
+    (``speed.engine.EngineConfig``). Both return identical tokens.
+    ``method="exit_gate"`` (a model with Ouro's exit gate) commits what ``exit_rule`` picks from the gate
+    (``speed.engine.ExitRule``), pipelined as ``speculation`` says: a lossy baseline, not sequential's tokens;
+    ``stats.mean_exit_loop`` is the loop passes per token the gate asks for. Sequence b decodes
     the tokens where ``attention_mask[b]`` is 1, encoded (or prefilled) on their own.
     ``sampling`` (default greedy) applies to every sequence with its one seed:
     the noise depends on (seed, output position) only, so two sequences of the
@@ -94,8 +99,16 @@ def generate(
     sampling = Sampling() if sampling is None else sampling
     stops = None if stop_ids is None else frozenset(stop_ids)
     requests = [
-        Request(ids, max_new_tokens, method, speculation, None if oracle is None else list(oracle[b]), sampling,
-                stop_ids=stops)
+        Request(
+            ids,
+            max_new_tokens,
+            method,
+            speculation,
+            None if oracle is None else list(oracle[b]),
+            sampling,
+            stop_ids=stops,
+            exit_rule=exit_rule,
+        )
         for b, ids in enumerate(sources)
     ]  # fmt: skip
     config = EngineConfig(
@@ -105,7 +118,7 @@ def generate(
         row_budget=row_budget,
         trace=trace,
         # side entries only for branches; a speculation that is none is the engine's add to refuse
-        branches=method == "speed" and isinstance(speculation, Speculation) and speculation.branches > 0,
+        branches=method != "sequential" and isinstance(speculation, Speculation) and speculation.branches > 0,
     )
     was_training = getattr(model, "training", False)
     if was_training:

@@ -116,6 +116,7 @@ Names, one per concept (M loops of N shared layers):
 from speed.engine.engine import Engine
 from speed.engine.policies import budget_rows, should_branch, should_flush, should_launch
 from speed.engine.types import (
+    EXIT_KINDS,
     INVALIDATIONS,
     LEVERS,
     METHODS,
@@ -124,6 +125,8 @@ from speed.engine.types import (
     Commit,
     DecodeStats,
     EngineConfig,
+    ExitKind,
+    ExitRule,
     Finished,
     Invalidation,
     Method,
@@ -137,6 +140,7 @@ from speed.engine.types import (
 )
 
 __all__ = [
+    "EXIT_KINDS",
     "INVALIDATIONS",
     "LEVERS",
     "METHODS",
@@ -146,6 +150,8 @@ __all__ = [
     "DecodeStats",
     "Engine",
     "EngineConfig",
+    "ExitKind",
+    "ExitRule",
     "Finished",
     "Invalidation",
     "Method",

@@ -29,6 +29,7 @@ from speed.engine.trace import TraceBuilder
 from speed.engine.types import (
     METHODS,
     EngineConfig,
+    ExitRule,
     Finished,
     Request,
     Speculation,
@@ -94,7 +95,7 @@ class Engine:
         seq_fields = {
             "request": request,
             "launch": LaunchRule(launch_loop, spec.min_confidence, stops, request.max_new_tokens),
-            "all_exits": request.method == "speed" or self.config.trace,
+            "all_exits": request.method != "sequential" or self.config.trace,
             "added": time.perf_counter(),
             "flips": [0] * M,
             "accepted": [0] * (M - 1),
@@ -133,27 +134,28 @@ class Engine:
                 return self._step()
 
     def _step(self) -> StepResult:
-        prefilled, exits = self._admit()
+        prefilled, exits, gates = self._admit()
         # output position 0 of a prefilled request was decided by admission: commit it, launch its successor
         now = time.perf_counter()
-        admitted = self._scheduler.admitted(prefilled, exits, now)
+        admitted = self._scheduler.admitted(prefilled, exits, now, gates)
         committed, done = admitted.committed, self._leave(admitted, now)
         if not self._active:
             return StepResult(committed, done, 0)
         plan = self._scheduler.select(self._active.values(), self._step_no)
         self._step_no += 1
-        logits = self._execute(plan)
+        logits, gates = self._execute(plan)
         now = time.perf_counter()
-        ran = self._scheduler.update(plan, logits, now)
+        ran = self._scheduler.update(plan, logits, now, gates)
         done += self._leave(ran, now)
         live = {t.key for seq in self._active.values() for t in seq.in_flight()}
         self._hidden = {key: h for key, h in self._hidden.items() if key in live}  # the others left the chains
         return StepResult(committed + ran.committed, done, len(plan.rows))
 
-    def _execute(self, plan: StepPlan) -> Tensor | None:
-        """Run the plan's rows through one group pass of the model (``Stepper.step``; embedding the tokens
-        launched since), keep each token's hidden state for its next loop, and return the rows' exit logits
-        (R, V) (None: no row needed them)."""
+    def _execute(self, plan: StepPlan) -> tuple[Tensor | None, Tensor | None]:
+        """Run the plan's rows through one group pass of the model (``Stepper.step``, or ``step_gated`` for a plan
+        with exit_gate rows; embedding the tokens launched since), keep each token's hidden state for its next
+        loop, and return the rows' exit logits (R, V) (None: no row needed them) and gate lambdas (R,) (None:
+        not asked for)."""
         fresh = [r for r in plan.rows if r.key not in self._hidden]
         if fresh:
             tokens = torch.tensor([r.token for r in fresh], device=self._device)
@@ -168,10 +170,14 @@ class Engine:
         )
         held = [self._hidden[r.key] for r in plan.rows]
         inputs = held[0][None] if len(held) == 1 else torch.stack(held)  # (R, d)
-        hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=plan.with_logits)
+        gates = None
+        if plan.with_gates:
+            hidden, logits, gates = self.model.step_gated(self._memory, self._cache, rows, inputs)  # type: ignore[attr-defined]
+        else:
+            hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=plan.with_logits)
         for r, h in zip(plan.rows, hidden.unbind(0)):
             self._hidden[r.key] = h
-        return logits
+        return logits, gates
 
     def _leave(self, scheduled: Scheduled, now: float) -> list[Finished]:
         """Release the requests the scheduler found done at ``now``, freeing their slots; what each gives back."""
@@ -220,6 +226,7 @@ class Engine:
             raise ValueError(f"stop_ids must be None or a non-empty set of token ids in [0, {V}), got {stops!r}")
         if request.oracle is not None and request.method != "speed":
             raise ValueError("an oracle needs method='speed'")
+        self._validate_exit_rule(request)
         if not isinstance(request.sampling, Sampling):
             got = type(request.sampling).__name__
             raise ValueError(f"sampling must be a speed.engine.sampling.Sampling, got {got}")
@@ -227,10 +234,25 @@ class Engine:
         if k is not None and (type(k) is not int or not 0 <= k <= min(MAX_LOGPROBS, V)):
             raise ValueError(f"logprobs must be None or an integer in 0..{min(MAX_LOGPROBS, V)}, got {k!r}")
 
-    def _admit(self) -> tuple[list[RequestState], list[Tensor]]:
+    def _validate_exit_rule(self, request: Request) -> None:
+        """An exit_gate request needs an ``ExitRule`` the model's loops allow and a model with an exit gate; no
+        other method takes one."""
+        rule = request.exit_rule
+        if request.method != "exit_gate":
+            if rule is not None:
+                raise ValueError(f"an exit_rule needs method='exit_gate', got method={request.method!r}")
+            return
+        if not isinstance(rule, ExitRule):
+            raise ValueError(f"method='exit_gate' needs an exit_rule (a speed.engine.ExitRule), got {rule!r}")
+        rule.check_loops(self.model.n_loops)
+        if not getattr(self.model, "gated", False):
+            raise ValueError("method='exit_gate' needs a model with an exit gate (Ouro's; LMConfig.exit_gate)")
+
+    def _admit(self) -> tuple[list[RequestState], list[Tensor], list[Tensor | None]]:
         """Move waiting requests into free slots and admit them there together (T5: encoding each prompt; a
         decoder-only LM: prefilling them in one pass), each one's result its own alone; return those whose
-        output position 0 the admission decided, with that row's logits of every loop (M, V) each."""
+        output position 0 the admission decided, with that row's logits of every loop (M, V) each and its exit
+        gate's lambdas (M,) (None: the stepper gave none)."""
         coming = []
         while self._free and self._waiting:
             with self._queue_lock:
@@ -239,10 +261,10 @@ class Engine:
             self._cache.reset(seq.slot)
             coming.append(seq)
         if not coming:
-            return [], []
+            return [], [], []
         prompts = [torch.tensor(list(seq.request.input_ids), device=self._device) for seq in coming]  # (P,) each
         admitted_all = self.model.admit(self._memory, self._cache, [seq.slot for seq in coming], prompts)
-        prefilled, exits = [], []
+        prefilled, exits, gates = [], [], []
         for seq, admitted in zip(coming, admitted_all):
             seq.chain.append(InFlight(0, admitted.token))
             seq.admitted = time.perf_counter()
@@ -250,7 +272,8 @@ class Engine:
             if admitted.exits is not None:  # the prefill ran the first row through every loop
                 prefilled.append(seq)
                 exits.append(admitted.exits)
-        return prefilled, exits
+                gates.append(admitted.gates)
+        return prefilled, exits, gates
 
     def _release(self, seq: RequestState) -> None:
         del self._active[seq.id]

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from speed.engine.gate import GateRun
 from speed.engine.sampling import exit_choices, exit_scores, token_logprob
 from speed.engine.state import Exit, InFlight, RequestState
 from speed.engine.types import NO_EXIT, Finished, RequestStats
 
 
-def record_exits(work: list[tuple[RequestState, InFlight]], logits: Tensor | None, n_loops: int) -> None:
+def record_exits(
+    work: list[tuple[RequestState, InFlight]], logits: Tensor | None, n_loops: int, gates: Tensor | None = None
+) -> None:
     """Append each row's ``Exit`` (its draw, runner-up, confidence, mode; its logprob after the last of the
-    ``n_loops`` loops) to its token, from the rows' logits (R, V); None: no exit was evaluated."""
+    ``n_loops`` loops) to its token, from the rows' logits (R, V); None: no exit was evaluated. An exit_gate
+    request's rows record what their gate's rule decides (``gate_logits``), from their lambdas ``gates`` (R,)."""
+    if logits is not None and gates is not None:
+        logits = gate_logits(work, logits, gates, n_loops)
     if logits is not None:
         choices = exit_choices(*exit_scores(logits, [s.draw(t) for s, t in work]))
         modes = choices.token if choices.mode is None else choices.mode
@@ -23,6 +29,20 @@ def record_exits(work: list[tuple[RequestState, InFlight]], logits: Tensor | Non
         t.exits.append(e)
         if len(t.exits) == n_loops and seq.request.logprobs is not None:
             t.logprob = token_logprob(logits[r], e.pred, seq.request.logprobs)
+
+
+def gate_logits(work: list[tuple[RequestState, InFlight]], logits: Tensor, gates: Tensor, n_loops: int) -> Tensor:
+    """The rows' logits (R, V), each exit_gate request's row replaced by what its token's ``GateRun`` records."""
+    out = None
+    for r, (seq, t) in enumerate(work):
+        rule = seq.request.exit_rule
+        if rule is None:
+            continue
+        if t.gate is None:
+            t.gate = GateRun(rule, n_loops)
+        out = logits.clone() if out is None else out
+        out[r] = t.gate.feed(logits[r], gates[r])
+    return logits if out is None else out
 
 
 def record_commit(seq: RequestState, t: InFlight, now: float) -> None:
@@ -40,6 +60,8 @@ def record_commit(seq: RequestState, t: InFlight, now: float) -> None:
         seq.trace.add_token(seq.id, t.pos, t.preds)
     if seq.logprobs is not None:
         seq.logprobs.append(t.logprob)
+    if t.gate is not None:
+        seq.exit_loops.append(t.gate.exit_loop + 1)
 
 
 def finished(seq: RequestState, now: float, cancelled: bool) -> Finished:
@@ -61,6 +83,7 @@ def finished(seq: RequestState, now: float, cancelled: bool) -> Finished:
         accepted_per_pos=list(seq.accepted),
         draft_tokens_per_pos=list(seq.draft_tokens),
         promotions=seq.promotions,
+        exit_loops=list(seq.exit_loops),
     )
     trace = seq.trace.table() if seq.trace is not None else None
     stopped = bool(seq.out) and seq.out[-1] in seq.launch.stop_ids

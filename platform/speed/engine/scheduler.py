@@ -52,6 +52,7 @@ class StepPlan:
     step_no: int
     rows: list[PlannedRow]
     with_logits: bool
+    with_gates: bool = False  # an exit_gate request's row is among them: the model's gate lambdas are needed too
 
 
 @dataclass
@@ -78,14 +79,16 @@ class Scheduler:
         self._work = work = self._choose(list(seqs), step_no)
         rows = [PlannedRow(t.key, t.token, s.slot, t.loops_done, t.pos, t.side, t.up) for s, t in work]
         with_logits = any(s.all_exits or t.loops_done == self.n_loops - 1 for s, t in work)
-        return StepPlan(step_no, rows, with_logits)
+        with_gates = any(s.request.exit_rule is not None for s, _ in work)
+        return StepPlan(step_no, rows, with_logits, with_gates)
 
-    def update(self, plan: StepPlan, logits: Tensor | None, now: float) -> Scheduled:
-        """After the executor ran ``plan``: record each row's exit from its logits (R, V) (None: none evaluated),
-        count the step, and schedule each request that ran (in admission order) at ``now`` (perf_counter)."""
+    def update(self, plan: StepPlan, logits: Tensor | None, now: float, gates: Tensor | None = None) -> Scheduled:
+        """After the executor ran ``plan``: record each row's exit from its logits (R, V) (None: none evaluated;
+        ``gates`` (R,): the exit-gate lambdas of a plan ``with_gates``), count the step, and schedule each request
+        that ran (in admission order) at ``now`` (perf_counter)."""
         work = self._work
         assert len(work) == len(plan.rows), "update takes the plan of the last select"
-        record_exits(work, logits, self.n_loops)
+        record_exits(work, logits, self.n_loops, gates)
         st = self.stats
         st.steps += 1
         st.group_passes += 1
@@ -98,12 +101,17 @@ class Scheduler:
             self._settle(seq, now, out)
         return out
 
-    def admitted(self, seqs: list[RequestState], exits: list[Tensor], now: float) -> Scheduled:
-        """After admission ran each request's first row through every loop (its logits (M, V) in ``exits``):
-        record them, and schedule the requests at ``now`` (commit output position 0, launch its successor)."""
-        for seq, logits in zip(seqs, exits):
+    def admitted(
+        self, seqs: list[RequestState], exits: list[Tensor], now: float, gates: list[Tensor | None] | None = None
+    ) -> Scheduled:
+        """After admission ran each request's first row through every loop (its logits (M, V) in ``exits``, its
+        exit-gate lambdas (M,) in ``gates`` where given): record them, and schedule the requests at ``now`` (commit
+        output position 0, launch its successor)."""
+        gates = [None] * len(seqs) if gates is None else gates
+        for seq, logits, lam in zip(seqs, exits, gates):
             for loop in range(self.n_loops):
-                record_exits([(seq, seq.chain[0])], logits[loop : loop + 1], self.n_loops)
+                at = slice(loop, loop + 1)
+                record_exits([(seq, seq.chain[0])], logits[at], self.n_loops, None if lam is None else lam[at])
         out = Scheduled()
         for seq in seqs:
             self._settle(seq, now, out)
@@ -174,6 +182,9 @@ class Scheduler:
         token = t.exits[-1].pred
         seq.out.append(token)
         self.stats.tokens += 1
+        if t.gate is not None:
+            self.stats.gated_tokens += 1
+            self.stats.exit_loops += t.gate.exit_loop + 1
         if token in seq.launch.stop_ids or len(seq.out) >= seq.request.max_new_tokens:
             t.lane = self._drop(seq, t.lane)
             self._flush(seq, ahead, mispredicted=False)

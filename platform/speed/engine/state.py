@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from speed.engine.gate import GateRun
 from speed.engine.policies import LaunchRule
 from speed.engine.sampling import Draw, TokenLogprob
 from speed.engine.trace import TraceBuilder
@@ -36,6 +37,7 @@ class InFlight:
     # branch's own successors at pos + 2, ...; empty: no branch
     side: int = -1  # a lane token's side entry in the cache (its own key/value); -1 on the chain
     up: tuple[tuple[int, int], ...] = ()  # a lane token's earlier lane tokens, (pos, side entry), oldest first
+    gate: GateRun | None = None  # an exit_gate request's token: its running exit pdf (``speed.engine.gate``)
     key: int = field(default_factory=itertools.count().__next__, compare=False, repr=False)  # unique for the
     # process: where the executor keeps its hidden state (never reused, so a new token never finds an old one's)
 
@@ -69,6 +71,7 @@ class RequestCounts:
     accepted: list[int] = field(default_factory=list)  # committed draft tokens by draft position - 1
     trace: TraceBuilder | None = None
     logprobs: list[TokenLogprob] | None = None  # per committed token, when the request asked for them
+    exit_loops: list[int] = field(default_factory=list)  # exit_gate: each committed token's exit loop (1-based)
 
 
 @dataclass

@@ -14,10 +14,12 @@ from speed.engine.cache import KVCache, Rows
 from speed.engine.memory import MemoryNeed
 from speed.engine.sampling import Sampling, TokenLogprob
 
-Method = Literal["sequential", "speed"]
+Method = Literal["sequential", "speed", "exit_gate"]  # exit_gate: Ouro's own exits, a lossy baseline (ExitRule)
 Invalidation = Literal["eager", "final"]
+ExitKind = Literal["threshold", "step", "mix"]
 METHODS: tuple[Method, ...] = get_args(Method)  # the names every layer checks against
 INVALIDATIONS: tuple[Invalidation, ...] = get_args(Invalidation)
+EXIT_KINDS: tuple[ExitKind, ...] = get_args(ExitKind)
 
 NO_EXIT = -1  # prediction of a loop whose early exit was not evaluated (sequential decoding without a trace)
 
@@ -28,6 +30,7 @@ class Admitted(NamedTuple):
     token: int  # the input of the row that predicts output position 0: T5's start token, an LM's last prompt token
     exits: Tensor | None  # (M, V) that row's logits of every loop, when admission computed them (a decoder-only
     # prefill); None: the engine runs the row through its M loops as any other
+    gates: Tensor | None = None  # (M,) that row's exit-gate lambdas beside ``exits``, from a gated model's stepper
 
 
 class Stepper(Protocol):
@@ -65,7 +68,12 @@ class Stepper(Protocol):
     ) -> tuple[Tensor, Tensor | None]:
         """One group pass, the model's call in a pipeline step: the shared N-layer group once over R rows, each at
         its own loop; ``hidden`` (R, d) the rows' inputs. Returns their outputs (R, d) and, if asked, their
-        early-exit logits (R, V). (The engine's own step is ``Engine.step``, which makes one such call.)"""
+        early-exit logits (R, V). (The engine's own step is ``Engine.step``, which makes one such call.)
+
+        A stepper whose model has an exit gate (Ouro's) says ``gated = True`` and offers ``step_gated(memory,
+        cache, rows, hidden)``: the same pass, returning (outputs (R, d), logits (R, V), lambdas (R,)), each row's
+        lambda = sigmoid(gate(its exit state)), row-invariant as the logits; its ``admit`` fills
+        ``Admitted.gates``. The engine asks for it only in steps holding ``exit_gate`` requests."""
         ...
 
 
@@ -170,6 +178,37 @@ class SpeculationFields:
 
 
 @dataclass(frozen=True)
+class ExitRule:
+    """How an ``exit_gate`` request picks each token's logits from Ouro's exit gate (``OuroForCausalLM.forward``'s
+    options). Every loop still runs: lambda_t = sigmoid(gate(h_t)), the exit pdf p_t = lambda_t * prod_{j<t}
+    (1 - lambda_j), the last loop taking the rest. A lossy baseline beside SPEED, never exact w.r.t. full depth.
+
+    ``threshold`` (Ouro's ``exit_threshold``): the logits of the first loop whose cumulative pdf reaches
+    ``threshold``, else the last's; ``step`` (``exit_at_step``): loop ``step``'s (0-based, as Ouro counts);
+    ``mix`` (``use_weighted_exit``): sum_t p_t * logits_t.
+    """
+
+    kind: ExitKind = "threshold"
+    threshold: float = 1.0  # kind "threshold": the cumulative exit probability to reach, in (0, 1]
+    step: int = 0  # kind "step": the 0-based loop whose logits decide (0..M-1)
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXIT_KINDS:
+            raise ValueError(f"exit rule kind must be one of {EXIT_KINDS}, got {self.kind!r}")
+        if not _number(self.threshold) or not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"exit rule threshold must be a number in (0, 1], got {self.threshold!r}")
+        if type(self.step) is not int or self.step < 0:
+            raise ValueError(f"exit rule step must be an integer >= 0, got {self.step!r}")
+
+    def check_loops(self, n_loops: int) -> None:
+        """``ValueError`` unless a model of ``n_loops`` loops (M) has the loop ``step`` names."""
+        if self.kind == "step" and self.step >= n_loops:
+            raise ValueError(
+                f"exit rule step must be in 0..{n_loops - 1} (the model's loops, 0-based), got {self.step}"
+            )
+
+
+@dataclass(frozen=True)
 class Request:
     """One decoding request."""
 
@@ -182,6 +221,7 @@ class Request:
     logprobs: int | None = None  # None: none; k in 0..20: each token's logprob and its k best alternatives
     stop_ids: frozenset[int] | None = None  # generation ends at any of these (an imported chat model's end of turn
     # besides its EOS: ``HFTokenizer.stop_ids``); None: at the model's ``eos_id``
+    exit_rule: ExitRule | None = None  # method "exit_gate" only (and required there): how the gate picks logits
 
 
 @dataclass
@@ -195,6 +235,13 @@ class DecodeStats:
     flushes: int = 0  # misprediction restarts (each may drop several in-flight tokens)
     wasted_rows: int = 0  # rows spent on tokens that were flushed, fell past EOS or were cancelled, branches dropped
     promotions: int = 0  # mispredictions whose runner-up branch took over the chain (no restart)
+    gated_tokens: int = 0  # committed tokens of exit_gate requests
+    exit_loops: int = 0  # their exit loops (1-based) summed: the loop passes the gate asks for
+
+    @property
+    def mean_exit_loop(self) -> float:
+        """The mean exit loop (1-based) of the exit_gate requests' tokens (nan if none)."""
+        return self.exit_loops / self.gated_tokens if self.gated_tokens else float("nan")
 
     @property
     def tokens_per_pass(self) -> float:
@@ -227,6 +274,7 @@ class RequestStats:
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted tokens by draft position 1..M-1
     draft_tokens_per_pos: list[int] = field(default_factory=list)  # draft tokens by draft position 1..M-1
     promotions: int = 0  # runner-up branches that became the chain
+    exit_loops: list[int] = field(default_factory=list)  # exit_gate: each committed token's exit loop (1-based)
 
 
 @dataclass

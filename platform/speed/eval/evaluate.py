@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -34,7 +34,7 @@ from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
 from speed.decode.exactness import LogitRecorder, top2_gap
 from speed.decode.generate import DecodeStats, GenerateResult, generate
-from speed.engine import Speculation, SpeculationFields
+from speed.engine import ExitKind, ExitRule, Speculation, SpeculationFields
 from speed.engine.sampling import Sampling
 from speed.engine.trace import TRACE_SCHEMA, flip_costs, flip_rates
 from speed.eval import metrics
@@ -97,9 +97,21 @@ class EvalConfig(SpeculationFields):
     seed: int = 0  # every sequence samples with this seed: its draws depend on (seed, output position) only
     bootstrap_samples: int = 1000  # resamples of the metrics' intervals (speed.eval.metrics.bootstrap); 0: none
     perplexity: bool = True  # every loop's teacher-forced perplexity of the references (cut to max_new_tokens)
+    # "exit_gate": also decode with Ouro's exit gate (the rule below, speed.engine.ExitRule), reported beside SPEED's
+    # and sequential's on the same text (quality, group passes per token, mean exit loop); lossy, never checked
+    method: Literal["speed", "exit_gate"] = "speed"
+    exit_kind: ExitKind = "threshold"
+    exit_threshold: float = 1.0
+    exit_step: int = 0  # 0-based, as Ouro's exit_at_step
 
     def __post_init__(self) -> None:
         super().__post_init__()  # SPEED's settings
+        if self.method not in ("speed", "exit_gate"):
+            raise ValueError(f"EvalConfig.method must be 'speed' or 'exit_gate', got {self.method!r}")
+        try:
+            _ = ExitRule(self.exit_kind, self.exit_threshold, self.exit_step)
+        except ValueError as err:
+            raise ValueError(f"EvalConfig: {err}") from None
         if self.task is not None and get_task(self.task).is_pretrain:
             raise ValueError(f"task {self.task!r} has no references to score; evaluate a source/target task")
         for name in ("batch_size", "max_new_tokens"):
@@ -117,6 +129,11 @@ class EvalConfig(SpeculationFields):
             _ = self.sampling  # Sampling checks its settings
         except ValueError as err:
             raise ValueError(f"EvalConfig: {err}") from None
+
+    @property
+    def exit_rule(self) -> ExitRule | None:
+        """The exit gate's rule the ``exit_gate`` decoding uses (None: method ``speed``, no gated decoding)."""
+        return ExitRule(self.exit_kind, self.exit_threshold, self.exit_step) if self.method == "exit_gate" else None
 
     @property
     def sampling(self) -> Sampling:
@@ -219,10 +236,10 @@ def evaluate(
     # an LM's: prompts in its chat template
     inputs = family.encode_sources(sources, tok, config.max_source_len, chat_renderer(tok))
 
-    methods = ("speed", "sequential") if config.check_sequential else ("speed",)
-    _warm_up(model, inputs[0], methods)
-    decoded, sequential, oracle, mismatches = _decode(model, inputs, config, progress, tok.stop_ids)
+    _warm_up(model, inputs[0], _methods(config), config.exit_rule)
+    decoded, sequential, oracle, mismatches, gated = _decode(model, inputs, config, progress, tok.stop_ids)
     hypotheses = tok.decode_batch(decoded.tokens)
+    scores = {name: METRICS[name] for name in get_task(config.task).metrics}
 
     out = locate(out_dir)
     out.makedirs()
@@ -249,13 +266,18 @@ def evaluate(
         "model": to_dict(model.config),
         "exit_adapters": _exits_summary(model),
         "tokenizer": str(tok.path),
-        "metrics": {name: METRICS[name](hypotheses, references) for name in get_task(config.task).metrics},
+        "metrics": {name: score(hypotheses, references) for name, score in scores.items()},
         "intervals": bootstrap(hypotheses, references, config.bootstrap_samples) if config.bootstrap_samples else {},
         "perplexity": perplexity,
         "flip_rates": flip_rates(decoded.trace).to_pylist(),
         "decode": _speed_summary(decoded, sequential, oracle, mismatches, config.bitwise, config.near_tie),
         "files": {name: (out / f).uri for name, f in _FILES.items()},
     }
+    if gated is not None:
+        gated_hypotheses = tok.decode_batch(gated.tokens)
+        summary["decode"]["exit_gate"] = _gate_summary(gated, decoded, config.exit_rule) | {
+            "metrics": {name: score(gated_hypotheses, references) for name, score in scores.items()}
+        }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     _fail_on_mismatch(mismatches, config.bitwise, config.near_tie, (out / SUMMARY_FILE).uri)
     return Evaluation(summary, inputs)
@@ -296,19 +318,30 @@ def _exits_summary(model: SpeedT5 | LoopedLM) -> dict[str, Any] | None:
     return config | {"loops": list(config["loops"])}
 
 
-def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...]) -> None:
+def _methods(config: EvalConfig) -> tuple[str, ...]:
+    """The methods an evaluation decodes with, timed: SPEED, sequential decoding if checked, the exit gate if asked."""
+    return (
+        "speed",
+        *(("sequential",) if config.check_sequential else ()),
+        *(("exit_gate",) if config.exit_rule else ()),
+    )
+
+
+def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...], exit_rule: ExitRule | None) -> None:
     """One short untimed call per method, so that one-off start-up costs stay out of the timings."""
     input_ids, attention_mask = pad_inputs([example])  # (1, S), (1, S)
     device = next(model.parameters()).device
     for method in methods:
-        generate(model, input_ids.to(device), attention_mask.to(device), method=method, max_new_tokens=2, trace=False)
+        rule = exit_rule if method == "exit_gate" else None
+        ids, mask = input_ids.to(device), attention_mask.to(device)
+        generate(model, ids, mask, method=method, max_new_tokens=2, trace=False, exit_rule=rule)
 
 
 def _decode(
     model: SpeedT5, inputs: list[list[int]], config: EvalConfig, progress: bool, stop_ids: frozenset[int]
-) -> tuple[_Decoded, _Decoded | None, _Decoded | None, list[Mismatch]]:
-    """Decode ``inputs`` in batches with SPEED (with its trace) and, if checked, sequentially, each output ending at
-    any of ``stop_ids``.
+) -> tuple[_Decoded, _Decoded | None, _Decoded | None, list[Mismatch], _Decoded | None]:
+    """Decode ``inputs`` in batches with SPEED (with its trace), if checked sequentially, and with the exit gate
+    if asked (``config.exit_rule``: returned last; None: not asked), each output ending at any of ``stop_ids``.
 
     The two methods run batch by batch, alternating which goes first, each
     timed on its own. With ``config.oracle`` each batch is decoded once more,
@@ -316,7 +349,7 @@ def _decode(
     invalidation, no branches): returned third, its steps are the oracle's.
     """
     device = next(model.parameters()).device
-    methods = ("speed", "sequential") if config.check_sequential else ("speed",)
+    methods = _methods(config)
     runs = {m: _Decoded([], DecodeStats(), 0.0, None) for m in methods}
     traces: list[pa.Table] = []
     mismatches: list[Mismatch] = []
@@ -332,6 +365,8 @@ def _decode(
         for method in methods if b % 2 == 0 else methods[::-1]:
             begin = time.perf_counter()
             timed = {"trace": True, "row_budget": config.row_budget} if method == "speed" else {"trace": False}
+            if method == "exit_gate":  # pipelined as SPEED is, its row budget too
+                timed = {"trace": False, "row_budget": config.row_budget, "exit_rule": config.exit_rule}
             results[method] = decode(method=method, speculation=config.speculation, **timed)
             runs[method].seconds += time.perf_counter() - begin
         if config.oracle:  # untimed: SPEED speculating its own final tokens (its launch loop, no branches)
@@ -348,14 +383,15 @@ def _decode(
         traces.append(pa.Table.from_arrays([example, *trace.columns], schema=EVAL_TRACE_SCHEMA))
         if "sequential" in results and results["speed"].tokens != results["sequential"].tokens:
             mismatches.extend(
-                _mismatches(model, input_ids, attention_mask, config, start, results["speed"], results["sequential"],
-                            stop_ids)  # fmt: skip
+                _mismatches(
+                    model, input_ids, attention_mask, config, start, results["speed"], results["sequential"], stop_ids
+                )  # fmt: skip
             )
         if bar is not None:
             rates = ", ".join(f"{m} {r.stats.tokens / r.seconds:.0f}" for m, r in runs.items() if r.seconds)
             bar.update(len(results["speed"].tokens), f"tokens/s {rates}")  # the oracle run is untimed
     runs["speed"].trace = pa.concat_tables(traces) if traces else None
-    return runs["speed"], runs.get("sequential"), runs.get("oracle"), mismatches
+    return runs["speed"], runs.get("sequential"), runs.get("oracle"), mismatches, runs.get("exit_gate")
 
 
 def _mismatches(
@@ -421,6 +457,37 @@ def _fail_on_mismatch(mismatches: list[Mismatch], bitwise: bool, near_tie: float
     )
 
 
+def _gate_summary(gated: _Decoded, speed: _Decoded, rule: ExitRule) -> dict[str, Any]:
+    """The exit gate's decoding beside SPEED's (whose tokens are sequential decoding's): its counts, the group
+    passes per token it ran, the mean exit loop its gate asked for, and how much of SPEED's output it reproduced
+    (``prefix_agreement``: the share of SPEED's tokens before each example's first difference)."""
+    st = gated.stats
+    same = sum(_common_prefix(a, b) for a, b in zip(gated.tokens, speed.tokens))
+    wanted = sum(len(t) for t in speed.tokens)
+    return {
+        "rule": dataclasses.asdict(rule),
+        **_decoded_summary(gated),
+        "mean_exit_loop": st.mean_exit_loop,
+        "identical_examples": sum(a == b for a, b in zip(gated.tokens, speed.tokens)),
+        "prefix_agreement": same / wanted if wanted else 0.0,
+    }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _decoded_summary(d: _Decoded) -> dict[str, Any]:
+    """One method's counters, with its rates per group pass and per second."""
+    return {
+        **dataclasses.asdict(d.stats),
+        "tokens_per_pass": d.stats.tokens_per_pass,
+        "group_passes_per_token": d.stats.group_passes / d.stats.tokens if d.stats.tokens else 0.0,
+        "seconds": d.seconds,
+        "tokens_per_s": d.stats.tokens / d.seconds if d.seconds else 0.0,
+    }
+
+
 def _speed_summary(
     speed: _Decoded,
     sequential: _Decoded | None,
@@ -429,13 +496,7 @@ def _speed_summary(
     bitwise: bool,
     near_tie: float,
 ) -> dict[str, Any]:
-    def one(d: _Decoded) -> dict[str, Any]:
-        return {
-            **dataclasses.asdict(d.stats),
-            "tokens_per_pass": d.stats.tokens_per_pass,
-            "seconds": d.seconds,
-            "tokens_per_s": d.stats.tokens / d.seconds if d.seconds else 0.0,
-        }
+    one = _decoded_summary
 
     def per_token(n: int) -> float:
         return n / speed.stats.tokens if speed.stats.tokens else 0.0
@@ -498,5 +559,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"  sequential: {decode['sequential']['tokens_per_s']:.1f} tokens/s; {same}; "
             f"SPEED speed-up {decode['speedup']:.2f}x"
+        )
+    if "exit_gate" in decode:
+        gate = decode["exit_gate"]
+        shown = ", ".join(f"{name} {r['score']:.2f}" for name, r in gate["metrics"].items() if "score" in r)
+        lines.append(
+            f"  exit gate ({gate['rule']['kind']}, lossy): {shown}; {gate['group_passes_per_token']:.3f} group passes "
+            f"per token (SPEED {decode['speed']['group_passes_per_token']:.3f}), mean exit loop "
+            f"{gate['mean_exit_loop']:.2f}, {gate['prefix_agreement']:.3f} of SPEED's tokens agree"
         )
     return "\n".join(lines)

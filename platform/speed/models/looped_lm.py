@@ -401,11 +401,18 @@ class LoopedLM(nn.Module):
         """``prefill_batch`` of one prompt (T,) into ``slot``: each loop's logits (M, V) at its last position."""
         return self.prefill_batch(cache, [slot], [input_ids])[0]
 
-    @torch.no_grad()
     def prefill_batch(self, cache: LMCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Tensor]:
+        """``prefill_gated``'s logits alone."""
+        return self.prefill_gated(cache, slots, prompts, gates=False)[0]
+
+    @torch.no_grad()
+    def prefill_gated(
+        self, cache: LMCache, slots: Sequence[int], prompts: Sequence[Tensor], gates: bool = True
+    ) -> tuple[list[Tensor], list[Tensor] | None]:
         """Run prompts (each (T_b,)) through every loop into their empty slots, together: their keys/values at
         positions 0..T_b-1 of every virtual layer; returns each prompt's loops' logits (M, V) at its last
-        position (its first new token's).
+        position (its first new token's), and with ``gates`` their loops' exit-gate lambdas (M,) there too (else
+        None; the model must have a gate).
 
         The prompts' tokens are the rows of one pass: every matmul runs on tiles of ``PREFILL_ROWS`` rows of
         them on the row-invariant kernels (``speed.engine.kernels.rows_linear``), attention runs on each prompt
@@ -433,7 +440,7 @@ class LoopedLM(nn.Module):
             e = block.prefill(e, cos, sin, segments, stores("prelude", 0, p))
         state = torch.zeros_like(e) if self.adapter is not None else e
         last = torch.tensor([s + T - 1 for s, T in segments], device=self.device)
-        logits = []
+        logits, lambdas = [], []
         for i in range(self.n_loops):
             h = self._inject(state, e, rows_linear) if self.adapter is not None else state  # (R, d)
             for j, block in enumerate(self.core):
@@ -442,11 +449,20 @@ class LoopedLM(nn.Module):
             for k, block in enumerate(self.coda):
                 y = block.prefill(y, cos, sin, segments, stores("loops", i, N + k))
             y = y.index_select(0, last)  # (B, d)
+            if gates:
+                lambdas.append(self._gate(self.norm(y), rows_linear))  # (B,)
             if self.exit_adapters is not None:
                 y = self.exit_adapters.adapt_rows(y, [i] * len(prompts))
             logits.append(rows_linear(self.lm_head, self.norm(y), TILE_ROWS))  # (B, V)
             state = self.norm(h) if c.loop_norm else h
-        return list(torch.stack(logits, dim=1))  # B x (M, V)
+        return list(torch.stack(logits, dim=1)), (list(torch.stack(lambdas, dim=1)) if gates else None)  # B x (M, V)
+
+    def _gate(self, state: Tensor, linear: Callable[[nn.Linear, Tensor], Tensor]) -> Tensor:
+        """Each row's exit-gate lambda (R,) from its normed exit state (R, d): sigmoid(exit_gate(state)), the gate
+        applied by ``linear`` (a row kernel, which takes bias-free layers: its bias is added after)."""
+        if self.exit_gate is None:
+            raise ValueError("this LoopedLM has no exit gate (LMConfig.exit_gate)")
+        return torch.sigmoid(linear(_BiasFree(self.exit_gate.weight), state)[:, 0] + self.exit_gate.bias)
 
     def stepper(self) -> LMStepper:
         """The engine's view of this model (``speed.engine.Stepper``)."""
@@ -475,8 +491,18 @@ class LoopedLM(nn.Module):
         """
         return in_tiles(lambda part, carry: self._pass_tile(cache, part, carry, with_logits), rows, hidden)
 
-    def _pass_tile(self, cache: LMCache, rows: Rows, carry: Tensor, with_logits: bool) -> tuple[Tensor, Tensor | None]:
-        """The group pass (``step``) for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W)."""
+    def step_gated(self, cache: LMCache, rows: Rows, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``step`` with its exit logits (R, V) and each row's exit-gate lambda (R,) beside them (``exit_lambdas``'
+        in the cached path: sigmoid(exit_gate(norm(y))), row-invariant as the logits)."""
+        V = self.vocab_size
+        carry, both = in_tiles(lambda part, c: self._pass_tile(cache, part, c, True, gates=True), rows, hidden)
+        return carry, both[:, :V].contiguous(), both[:, V]
+
+    def _pass_tile(
+        self, cache: LMCache, rows: Rows, carry: Tensor, with_logits: bool, gates: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """The group pass (``step``) for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W); with ``gates`` the
+        logits carry each row's gate lambda as one more column (n, V + 1), so that ``in_tiles`` joins both."""
         c, N, d = self.config, self.sharing.n_unique, self.config.d_model
         _, _, pos_t = rows.tensors(carry.device)
         # As in SpeedT5: attention over the fewest whole chunks that cover the tile's rows changes no row's result.
@@ -500,11 +526,22 @@ class LoopedLM(nn.Module):
         for k, block in enumerate(self.coda):
             y = block.decode(y, cos, sin, rows, cache.loops, N + k, bias)
         logits = None
+        lam = self._gate(self.norm(y), tile_linear)[:, None] if gates else None  # (n, 1): the gate reads norm(y)
         if with_logits:  # the exit adapters (speed.models.exits) change the exits' inputs only, never the carry
             y = y if self.exit_adapters is None else self.exit_adapters.adapt_rows(y, rows.loop)
             logits = tile_linear(self.lm_head, self.norm(y))  # (n, V)
+            logits = logits if lam is None else torch.cat([logits, lam.to(logits.dtype)], dim=-1)
         state = self.norm(h) if c.loop_norm else h  # (n, d)
         return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), logits
+
+
+class _BiasFree:
+    """A linear layer's weight alone, as the row kernels take it (no bias)."""
+
+    bias = None
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
 
 
 class PromptCache:
@@ -543,6 +580,11 @@ class LMStepper(ModelStepper):
 
     model: LoopedLM
 
+    @property
+    def gated(self) -> bool:
+        """Whether the model has an exit gate (``step_gated``; ``exit_gate`` requests need one)."""
+        return self.model.exit_gate is not None
+
     def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> PromptCache:
         """An empty cache for ``n_slots`` requests of a prompt of up to ``max_prompt_len`` tokens and
         ``max_len`` output positions each (output position 0's row is the prompt's last); with the runner-up
@@ -564,10 +606,11 @@ class LMStepper(ModelStepper):
         """Prefill the requests' prompts (each (P,)) together into their empty slots (``LoopedLM.prefill_batch``:
         row-invariant, so each prompt's result is its own alone); each last position's exits (M, V) are its
         output position 0's."""
-        exits = self.model.prefill_batch(cache.inner, slots, prompts)
+        exits, gates = self.model.prefill_gated(cache.inner, slots, prompts, gates=self.gated)
         for slot, prompt in zip(slots, prompts):
             cache.offset[slot] = prompt.shape[0] - 1
-        return [Admitted(int(prompt[-1]), x) for prompt, x in zip(prompts, exits)]
+        gates = [None] * len(prompts) if gates is None else gates
+        return [Admitted(int(prompt[-1]), x, g) for prompt, x, g in zip(prompts, exits, gates)]
 
     def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
         """Each token's carry into its first loop (R, W) (``LoopedLM.embed``)."""
@@ -578,6 +621,10 @@ class LMStepper(ModelStepper):
     ) -> tuple[Tensor, Tensor | None]:
         """One group pass over R rows at their output positions (``LoopedLM.step`` at cache positions)."""
         return self.model.step(cache.inner, cache.rows(rows), hidden, with_logits)
+
+    def step_gated(self, memory: None, cache: PromptCache, rows: Rows, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``step`` with each row's exit-gate lambda (R,) beside its logits (``LoopedLM.step_gated``)."""
+        return self.model.step_gated(cache.inner, cache.rows(rows), hidden)
 
 
 def next_token_labels(input_ids: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from typing import Any
 
 from speed.chat import CHAT_TEMPLATE, ChatRenderer
 from speed.data import get_task
-from speed.engine import LEVERS, Request
+from speed.engine import LEVERS, ExitRule, Request
 from speed.engine.sampling import Sampling, choice_seed
 from speed.models.family import DEFAULT_FAMILY, FAMILIES, Family
 from speed.serve.protocol import BadRequest, ChatRequest, CompletionRequest
@@ -111,6 +111,7 @@ def plan_request(
     speculation = replace(s.speculation, **given)  # the protocol checked the body's values as Speculation does
     method = body.method or s.method
     stops = getattr(tokenizer, "stop_ids", None)  # None (token-id prompts, no tokenizer): the model's EOS
+    exit_rule = _exit_rule(body, method)
     requests, prompt_of, seeds = [], [], []
     for p, ids in enumerate(inputs):
         for k in range(body.n):
@@ -127,20 +128,36 @@ def plan_request(
             except ValueError as err:
                 raise BadRequest(str(err)) from None
             requests.append(
-                Request(ids, max_tokens, method, speculation, sampling=sampling, logprobs=logprobs, stop_ids=stops)
+                Request(
+                    ids,
+                    max_tokens,
+                    method,
+                    speculation,
+                    sampling=sampling,
+                    logprobs=logprobs,
+                    stop_ids=stops,
+                    exit_rule=exit_rule,
+                )
             )
             prompt_of.append(p)
             seeds.append(sampling.seed)
     return Plan(requests, prompt_of, seeds, echoes, task, seed, body.stops(), logprobs, body.include_usage)
 
 
+def _exit_rule(body: CompletionRequest | ChatRequest, method: str) -> ExitRule | None:
+    """The exit gate's rule of an ``exit_gate`` request (``ExitRule``'s defaults for the fields left out; the
+    protocol allows them with that method only); None for another method."""
+    return ExitRule(**body.exit_fields()) if method == "exit_gate" else None  # bounds checked as ExitRule does
+
+
 # what an engine refusal can be about, in the request's words
-_PARAMS = ("max_tokens", "method", *LEVERS, "prompt")
+_PARAMS = ("max_tokens", "exit_step", "method", *LEVERS, "prompt")
 
 
 def engine_error(err: ValueError) -> BadRequest:
     """The engine's refusal of a planned request (its ``add`` checks what depends on the model and capacity) as a
     400 in the request's words (``max_tokens``, ``prompt[i]``), naming the field it is about."""
     message = str(err).replace("max_new_tokens", "max_tokens").replace("input_ids", "prompt")
+    message = message.replace("exit rule step", "exit_step")
     message = f"prompt{message}" if message.startswith("[") else message
     return BadRequest(message, next((p for p in _PARAMS if p in message), None))

@@ -6,7 +6,9 @@
 ``presence_penalty``, ``frequency_penalty``, ``user``, ``model``; vLLM's
 ``top_k``; and SPEED's own (``method``, ``launch_loop``, ``invalidation``,
 ``branches``, ``branch_depth``, ``branch_below``, ``min_confidence``,
-``task``). ``POST /v1/chat/completions`` takes the same decoding fields with
+``task``; with ``method: "exit_gate"``, Ouro's exit gate's rule: ``exit_kind``,
+``exit_threshold``, ``exit_step``, ``speed.engine.ExitRule``'s fields).
+``POST /v1/chat/completions`` takes the same decoding fields with
 ``messages``: for a T5 the last user message is the source text, under the request's
 ``task`` or the deployment's; a looped LM reads every message in its chat template
 (``speed.serve.planning``). A field OpenAI defines that this server does not
@@ -31,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 from pydantic_core import PydanticCustomError
 
 from speed.data.tasks import TASKS, get_task
-from speed.engine import Invalidation
+from speed.engine import ExitKind, Invalidation
 
 PROMPT_SHAPES = "a non-empty string, a list of strings, a list of token ids, or a list of token-id lists"
 MAX_N = 16  # choices per prompt
@@ -105,6 +107,14 @@ def _absent(field: str) -> dict[str, Any]:
 # schema (``allOf``) so that a generated client or a fuzzer knows the rules too, not only the server.
 STREAM_OPTIONS_RULE = {"if": _given("stream_options", "object"), "then": _is_true("stream")}
 ECHO_RULE = {"if": _is_true("echo"), "then": _absent("logprobs")}
+EXIT_RULE = {  # the exit gate's fields need its method, named in the request (whatever the deployment's default)
+    "if": {
+        "anyOf": [
+            _given(f, k) for f, k in (("exit_kind", "string"), ("exit_threshold", "number"), ("exit_step", "integer"))
+        ]
+    },
+    "then": {"required": ["method"], "properties": {"method": {"const": "exit_gate"}}},
+}
 TASK_RULE = {"if": _given("task", "string"), "then": {"properties": {"prompt": {"anyOf": [_TEXT, _TEXTS]}}}}
 TOP_LOGPROBS_RULE = {"if": _given("top_logprobs", "integer"), "then": _is_true("logprobs")}
 ONE_MAX_TOKENS_RULE = {"not": {"allOf": [_given("max_tokens", "integer"), _given("max_completion_tokens", "integer")]}}
@@ -134,7 +144,7 @@ class _Decoding(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish_rules)
     not_supported: ClassVar[dict[str, str]] = NOT_SUPPORTED
-    rules: ClassVar[list[dict[str, Any]]] = [STREAM_OPTIONS_RULE]  # the checks below, in JSON Schema
+    rules: ClassVar[list[dict[str, Any]]] = [STREAM_OPTIONS_RULE, EXIT_RULE]  # the checks below, in JSON Schema
 
     model: str | None = None  # must name the served model when given
     max_tokens: int | None = Field(default=None, ge=1)
@@ -149,7 +159,7 @@ class _Decoding(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None  # accepted for OpenAI clients, not used
-    method: Literal["speed", "sequential"] | None = None  # this order: the 400 names speed first
+    method: Literal["speed", "sequential", "exit_gate"] | None = None  # this order: the 400 names speed first
     # SPEED's settings (speed.engine.Speculation, its bounds; the upper ones are the model's loops): None, the server's
     launch_loop: int | None = Field(default=None, ge=1)
     invalidation: Invalidation | None = None
@@ -157,6 +167,10 @@ class _Decoding(BaseModel):
     branch_depth: int | None = Field(default=None, ge=1)
     branch_below: float | None = Field(default=None, gt=0, le=1)
     min_confidence: float | None = Field(default=None, ge=0, le=1)
+    # Ouro's exit gate (method "exit_gate" only; speed.engine.ExitRule, its defaults when left out): a lossy baseline
+    exit_kind: ExitKind | None = None
+    exit_threshold: float | None = Field(default=None, gt=0, le=1)
+    exit_step: int | None = Field(default=None, ge=0)  # 0-based loop, as Ouro's exit_at_step
     # A speed.data.tasks name whose prefix goes before each text prompt: the schema lists the registry's names.
     task: Literal[tuple(TASKS)] | None = None  # type: ignore[valid-type]
 
@@ -183,6 +197,19 @@ class _Decoding(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options applies to streamed answers only: set stream to true or leave it out")
         return self
+
+    @model_validator(mode="after")
+    def _exit_fields_need_exit_gate(self) -> _Decoding:
+        if self.method != "exit_gate" and self.exit_fields():
+            raise ValueError(
+                f"exit_kind, exit_threshold and exit_step need method exit_gate in the request, got {self.method}"
+            )
+        return self
+
+    def exit_fields(self) -> dict[str, Any]:
+        """The exit gate's rule fields given, by ``ExitRule``'s names (kind, threshold, step)."""
+        given = {"kind": self.exit_kind, "threshold": self.exit_threshold, "step": self.exit_step}
+        return {k: v for k, v in given.items() if v is not None}
 
     def stops(self) -> list[str]:
         """The stop strings as a list (empty: none)."""

@@ -62,6 +62,8 @@ def choice_stats(finished: Finished) -> dict[str, Any]:
         "queued_ms": st.queued_s * 1e3,
         "ttft_ms": None if st.ttft_s != st.ttft_s else st.ttft_s * 1e3,  # nan: no token committed
         "latency_ms": st.latency_s * 1e3,
+        # exit_gate: the loop passes per token its gate asked for (1-based mean exit loop); null for other methods
+        "mean_exit_loop": sum(st.exit_loops) / len(st.exit_loops) if st.exit_loops else None,
     }
 
 

@@ -37,7 +37,7 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("model", pa.string(), nullable=False),  # served model name
         pa.field("family", pa.string()),  # its family, "t5" or "lm"; null: a record written before the column
         pa.field("task", pa.string()),  # task whose prefix (an LM: instruction) the prompt was read under; null: none
-        pa.field("method", pa.string(), nullable=False),  # "speed" or "sequential"
+        pa.field("method", pa.string(), nullable=False),  # "speed", "sequential" or "exit_gate"
         pa.field("launch_loop", pa.int16(), nullable=False),
         pa.field("invalidation", pa.string(), nullable=False),  # "eager" or "final"
         # SPEED's runner-up branches and confidence gate (speed.engine.Speculation); null for sequential decoding
@@ -45,6 +45,10 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("branch_depth", pa.int16()),
         pa.field("branch_below", pa.float64()),
         pa.field("min_confidence", pa.float64()),
+        # Ouro's exit gate's rule (speed.engine.ExitRule), null but for method exit_gate (threshold, step: their kind's)
+        pa.field("exit_kind", pa.string()),
+        pa.field("exit_threshold", pa.float64()),
+        pa.field("exit_step", pa.int16()),
         pa.field("route", pa.string(), nullable=False),  # "completions" or "chat"
         pa.field("prompt", pa.int32(), nullable=False),  # index of its prompt (a prompt's n choices share it)
         pa.field("temperature", pa.float64(), nullable=False),  # 0: greedy
@@ -72,6 +76,7 @@ REQUEST_SCHEMA = pa.schema(
         pa.field("queued_ms", pa.float64(), nullable=False),  # engine queue, until it got a slot
         pa.field("ttft_ms", pa.float64()),  # until its first token was committed; null if none
         pa.field("latency_ms", pa.float64(), nullable=False),  # engine: from add to finish
+        pa.field("mean_exit_loop", pa.float64()),  # exit_gate: its tokens' mean exit loop (1-based); else null
         pa.field("itl_ms", pa.float64()),  # mean time between its committed tokens; null under two tokens
         pa.field("total_ms", pa.float64(), nullable=False),  # replica: from arrival to the last byte's hand-off
         pa.field("max_active", pa.int32(), nullable=False),  # the engine's capacity when it ran

@@ -158,17 +158,21 @@ def load_served_model(checkpoint: str, device: str, exits: bool = True) -> Serve
 def levers(request: Request) -> dict[str, Any]:
     """SPEED's settings of a request by name (``speed.engine.LEVERS``), as answers and statistics records give
     them: for a sequential request its launch loop and invalidation only, the rest null (they do not apply)."""
-    s, speed = request.speculation, request.method == "speed"
+    s, speed = request.speculation, request.method != "sequential"
     return {name: getattr(s, name) if speed or name in ("launch_loop", "invalidation") else None for name in LEVERS}
 
 
 def decoding(request: Request, seed: int) -> dict[str, Any]:
     """How a request is decoded, by name, as an answer's ``speed`` object and a statistics record give it: its
-    method, SPEED's settings (``levers``), the ``seed`` it was given and its sampling."""
-    s = request.sampling
+    method, SPEED's settings (``levers``), its exit gate's rule (null but for ``exit_gate``), the ``seed`` it was
+    given and its sampling."""
+    s, rule = request.sampling, request.exit_rule
     return {
         "method": request.method,
         **levers(request),
+        "exit_kind": None if rule is None else rule.kind,
+        "exit_threshold": None if rule is None or rule.kind != "threshold" else float(rule.threshold),
+        "exit_step": None if rule is None or rule.kind != "step" else rule.step,
         "seed": seed,
         "temperature": float(s.temperature),
         "top_p": float(s.top_p),
