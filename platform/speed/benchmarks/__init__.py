@@ -8,6 +8,8 @@
 - ``speed.benchmarks.data``: the data stage at scale (preparation time, per-worker peak memory); ``jobs/bench_data.py``.
 - ``speed.benchmarks.serving``: one request at a time vs continuous batching, sequential vs SPEED, over HTTP;
   ``jobs/bench_serve.py``.
+- ``speed.benchmarks.loading``: ``speed.from_pretrained`` at real sizes: load time and peak resident set over the
+  weights, in a fresh process.
 - ``speed.benchmarks.gpu``: the GPU check, every CUDA path once (training, CPU agreement, decode timing,
   pytest -m gpu) on a machine without Ray; ``jobs/gpu_check.py``.
 """
