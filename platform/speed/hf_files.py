@@ -160,8 +160,9 @@ def read_into(directory: str | Path, destinations: Mapping[str, torch.Tensor]) -
     adds one stored tensor at a time."""
     files = weight_files(directory)
     for path, names in _by_file({name: files[name] for name in destinations}).items():
-        for name, tensor in _read_tensors(path, names):
-            destinations[name].copy_(tensor)
+        for name, tensor in _read_tensors(path, names, destinations):
+            if tensor is not destinations[name]:  # another dtype (or not contiguous): converted as copied
+                destinations[name].copy_(tensor)
 
 
 def check_shapes(
@@ -212,17 +213,23 @@ def _header(path: Path) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def _read_tensors(path: Path, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each named tensor of the safetensors file ``path``, as stored, read into a fresh tensor with plain reads
-    (a memory map's touched pages would stay resident beside the tensors: a second copy while loading)."""
+def _read_tensors(
+    path: Path, names: Iterable[str], into: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each named tensor of the safetensors file ``path``, as stored, read with plain reads (a memory map's touched
+    pages would stay resident beside the tensors: a second copy while loading): straight into ``into[name]``
+    where that is a contiguous tensor of the stored dtype, else into a fresh tensor."""
     header, start = _header(path)
+    into = into or {}
     with open(path, "rb") as file:
         for name in names:
             entry = header[name]
             if entry["dtype"] not in DTYPES:
                 raise WeightsError(f"{path}: {name} is stored as {entry['dtype']}, which the platform does not read")
             begin, end = entry["data_offsets"]
-            tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+            stored, given = DTYPES[entry["dtype"]], into.get(name)
+            direct = given is not None and given.dtype == stored and given.is_contiguous() and not given.is_cuda
+            tensor = given if direct else torch.empty(entry["shape"], dtype=stored)
             file.seek(start + begin)
             if file.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - begin:
                 raise WeightsError(f"{path}: {name} is cut short (the file ends inside it)")
