@@ -47,7 +47,7 @@ bench: $(VENV)/.installed
 	$(PY) jobs/bench_decode.py
 
 # On a GPU machine, with that machine's own python3 and torch (no .venv, no Ray): every CUDA path once,
-# within 6 minutes; one JSON report ($$OUT/gpu_check.json when OUT is set, else results/) and a summary table.
+# within 8 minutes; one JSON report ($$OUT/gpu_check.json when OUT is set, else results/) and a summary table.
 gpu-check:
 	$(PYTHON) jobs/gpu_check.py
 

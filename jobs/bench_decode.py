@@ -4,6 +4,8 @@
     python jobs/bench_decode.py --pattern 3x4 --json  # one JSON object on stdout
     python jobs/bench_decode.py --device cuda         # on a GPU (jobs/gpu_check.py times batch 1 and 8 there)
     python jobs/bench_decode.py --family lm --batch 8 # the looped LM: 64-token prompts, TTFT apart
+    python jobs/bench_decode.py --shape ouro-1.4b     # a published model's shape, random bf16 weights, batch 1 and 4
+    python jobs/bench_decode.py --shape huginn-3.5b --recurrence 8 --json  # with oracle_speedup, sequential_vs_limit
 
 Speed-up is the baseline's ms/token divided by the variant's (baseline:
 sequential NxM; for ours_deep, transformers' generate of the same random
@@ -12,6 +14,11 @@ over the shallow Nx1's. The LM's rows time the prefill and first token (TTFT)
 apart from the decode time per later token. T5's speed_exits row is SPEED with
 fresh exit adapters of --exit-rank (speed.models.exits): the same schedule as plain
 SPEED's, so the difference is the adapters' cost.
+
+--shape (speed.benchmarks.shapes): a published model's real shape (ouro-1.4b, ouro-2.6b, huginn-3.5b at
+--recurrence loops, default 4 of its published 32; t5-large), random weights as --dtype, checked against the
+available memory first; sequential, oracle SPEED and SPEED at each --batches, the weights read per token, the GB/s
+that implies, the machine's read bandwidth measured in the same run (the limit) and the peak resident set.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.benchmarks.decode import BenchConfig, format_table, run_benchmark
 from speed.benchmarks.decode_lm import LMBenchConfig, run_lm_benchmark
+from speed.benchmarks.shapes import SHAPES, ShapeBenchConfig, format_shape_table, run_shape_benchmark
 from speed.cli import JobParser, add_report_flags, config_from_args, report_rows, user_errors
 from speed.config import lm_preset, preset
 
@@ -45,6 +53,16 @@ def _lm_benchmark(args: argparse.Namespace) -> Callable[[], pa.Table]:
     return lambda: run_lm_benchmark(cfg)
 
 
+def _shape_benchmark(args: argparse.Namespace) -> ShapeBenchConfig:
+    if args.shape not in SHAPES:
+        raise ValueError(f"--shape {args.shape!r}: known shapes are {', '.join(SHAPES)}")
+    model = SHAPES[args.shape].resolve(args.recurrence)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    return config_from_args(
+        ShapeBenchConfig, args, model=model, batches=batches, bandwidth_bytes=args.bandwidth_mib * 2**20
+    )
+
+
 # --family -> (the benchmark its flags set up, its default output)
 BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], Callable[[], pa.Table]], str]] = {
     "t5": (_t5_benchmark, "results/bench_decode.parquet"),
@@ -60,20 +78,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=16384)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--source-len", type=int, default=32, help="T5's encoder tokens")
-    p.add_argument("--prompt-len", type=int, default=64, help="the LM's prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--prompt-len", type=int, default=None, help="the LM's prompt tokens (default 64; --shape: 32)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64; --shape: 8")
+    p.add_argument("--reps", type=int, default=None, help="default 5; --shape: 3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="torch device every variant runs on, e.g. cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate comparison")
     p.add_argument("--exit-rank", type=int, default=64, help="T5: also time SPEED with exit adapters (0: not)")
-    add_report_flags(p, None, "default: results/bench_decode[_lm].parquet")
+    p.add_argument("--shape", default=None, help=f"a published model's shape: {', '.join(SHAPES)}")
+    p.add_argument("--recurrence", type=int, default=None, help="--shape: loops (Ouro's total_ut_steps, Huginn's)")
+    p.add_argument("--batches", default="1,4", help="--shape: the batches, comma-separated")
+    p.add_argument("--dtype", default="bfloat16", help="--shape: the weights' dtype")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="--shape: the read-bandwidth buffer")
+    add_report_flags(p, None, "default: results/bench_decode[_lm|_shapes].parquet")
     args = p.parse_args(argv)
+    shape = args.shape is not None
+    defaults = (32, 8, 3) if shape else (64, 64, 5)  # real shapes: short runs, each token takes seconds on a CPU
+    for name, value in zip(("prompt_len", "new_tokens", "reps"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if shape:
+        args.out = args.out or Path("results/bench_decode_shapes.parquet")
+        with user_errors():  # an unknown shape, or one that does not fit in memory: one line, status 2
+            cfg = _shape_benchmark(args)
+            table, summary = run_shape_benchmark(cfg)
+        report_rows(table, args, format_shape_table, summary)
+        return 0
     setup, default_out = BENCHMARKS[args.family]
     if args.out is None:
         args.out = Path(default_out)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     with user_errors():  # an unknown preset, a bad pattern or size: one line, status 2
         benchmark = setup(args)
     report_rows(benchmark(), args, format_table)

@@ -75,7 +75,7 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(report_file.read_text())
     stages = {s["name"]: s for s in report["stages"]}
-    assert list(stages) == ["training", "agreement", "timing", "exactness"]
+    assert list(stages) == ["training", "agreement", "timing", "shapes", "exactness"]
     assert all(s["ok"] and s["error"] is None for s in stages.values())
     training = stages["training"]["result"]
     assert training["state_on_device"] and training["state_restored"] and len(training["losses"]) == 2
@@ -86,10 +86,15 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
     assert [r["batch"] for r in timing["ratios"]] == [1, 2]
     variants = {r["variant"] for r in timing["rows"]}
     assert {"sequential", "speed", "speed_oracle", "shallow", "ours_deep"} <= variants
+    shapes = stages["shapes"]["result"]  # the real-shape benchmark at Ouro's form, tiny: exact, and a bandwidth
+    assert [(r["batch"], r["variant"]) for r in shapes["rows"]] == [
+        (b, v) for b in (1, 4) for v in ("sequential", "speed_oracle", "speed")
+    ]
+    assert shapes["summary"]["read_gb_per_s"] > 0 and shapes["summary"]["oracle_speedup"] > 0
     exactness = stages["exactness"]["result"]
     assert exactness["returncode"] == 0 and exactness["failed"] == []
     assert set(exactness["outcomes"]) == {"SKIPPED"}  # no CUDA here: every test skipped, with its reason
-    assert "4/4 stages ok" in out.stdout and "SPEED / sequential" in out.stdout
+    assert "5/5 stages ok" in out.stdout and "real shape" in out.stdout and "SPEED / sequential" in out.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")

@@ -69,16 +69,25 @@ def add_report_flags(parser: argparse.ArgumentParser, out: Path | None, out_help
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def report_rows(table: pa.Table, args: argparse.Namespace, format_table: Callable[[pa.Table], str]) -> None:
-    """A benchmark's rows written to ``args.out`` (Parquet), then printed: one JSON object of the flags and the
-    rows with ``args.json``, else ``format_table``'s table and where the rows went."""
+def report_rows(
+    table: pa.Table,
+    args: argparse.Namespace,
+    format_table: Callable[[pa.Table], str],
+    summary: dict[str, Any] | None = None,
+) -> None:
+    """A benchmark's rows written to ``args.out`` (Parquet), then printed: one JSON object of the flags, the rows
+    and ``summary`` (its named figures, when given) with ``args.json``, else ``format_table``'s table, the
+    summary and where the rows went."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out)
     if args.json:
-        print(json.dumps({"config": vars(args) | {"out": str(out)}, "rows": table.to_pylist()}, default=str))
+        report = {"config": vars(args) | {"out": str(out)}, "rows": table.to_pylist()}
+        print(json.dumps(report | ({"summary": summary} if summary else {}), default=str))
     else:
         print(format_table(table))
+        if summary:
+            print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
         print(f"rows written to {out}")
 
 

@@ -10,27 +10,28 @@ imports it.
   ``model_type`` (``FORMS``): ``"t5"`` (T5 v1.1: ``feed_forward_proj == "gated-gelu"``), ``"llama"``,
   ``"ouro"`` (ByteDance's Ouro) or ``"huginn"`` (``model_type == "huginn_raven"``: Huginn-0125).
 - ``tensor_shapes(dir)``: every tensor's name, shape and stored dtype, from the safetensors headers alone.
-- ``read_weights(dir, dtype, expected, optional)``: the tensors, memory-mapped and read one at a time
-  (``safetensors.safe_open``), floating-point ones converted to ``dtype``; checked against ``expected``
+- ``read_weights(dir, dtype, expected, optional)``: the tensors, read one at a time straight from the file
+  into each tensor's own memory, floating-point ones converted to ``dtype``; checked against ``expected``
   (name -> shape) before any is read, with a one-line ``WeightsError`` naming what is missing, unexpected
   or of the wrong shape.
+- ``read_into(dir, destinations)``: the same, copied into tensors the caller allocated (rows of fused ones).
 - ``weights_bytes(expected, dtype)``: what those tensors take in memory, before reading them.
 
 Weights are ``model.safetensors``, or shards named by ``model.safetensors.index.json`` (its
 ``weight_map``: tensor name -> shard file), as ``transformers`` looks for them (the single file first).
 Only safetensors are read: a directory with ``pytorch_model.bin`` alone is refused (a pickle can run
-code when loaded). Directories are local paths (memory-mapping needs a local file).
+code when loaded). Directories are local paths.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Iterable, Mapping
+import struct
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -42,6 +43,12 @@ MODEL_TYPES = {"t5": "t5", "llama": "llama", "ouro": "ouro", "huginn_raven": "hu
 FORMS = tuple(dict.fromkeys(MODEL_TYPES.values()))
 T5_FEED_FORWARD = "gated-gelu"
 NAMES_SHOWN = 5  # names listed in an error before "(+N more)"
+# safetensors' dtype names -> torch's (the formats a checkpoint of the platform's forms holds)
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
 
 
 class ModelFilesError(ValueError):
@@ -129,8 +136,9 @@ def read_weights(
 
     With ``expected`` (name -> shape), every name in it but those in ``optional`` must be present, no other
     name may be, and each shape must match; all of this is checked from the headers before any tensor is
-    read, and a failure is one ``WeightsError`` line naming the problem. Tensors are read one at a time
-    from memory-mapped files, each converted as it is read, so no second copy of the whole model is made.
+    read, and a failure is one ``WeightsError`` line naming the problem. Tensors are read one at a time,
+    each from the file straight into its own memory and converted as it is read: no memory map keeps the
+    file's pages resident beside them, so loading holds the model once (and one tensor in its stored dtype).
     """
     files = weight_files(directory)
     if expected is not None:
@@ -138,13 +146,23 @@ def read_weights(
         check_shapes(directory, found, expected, optional)
     weights: dict[str, torch.Tensor] = {}
     for path, names in _by_file(files).items():
-        with _open(path) as handle:
-            for name in names:
-                tensor = handle.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                    tensor = tensor.to(dtype)
-                weights[name] = tensor
+        for name, tensor in _read_tensors(path, names):
+            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            weights[name] = tensor
     return weights
+
+
+def read_into(directory: str | Path, destinations: Mapping[str, torch.Tensor]) -> None:
+    """Copy each named tensor of the directory into its destination (a tensor of the same shape: a parameter, or
+    rows of a fused one), converting to the destination's dtype as it is copied; names and shapes are the
+    caller's to check first (``check_shapes``). The model's memory is allocated once, by the caller: loading
+    adds one stored tensor at a time."""
+    files = weight_files(directory)
+    for path, names in _by_file({name: files[name] for name in destinations}).items():
+        for name, tensor in _read_tensors(path, names, destinations):
+            if tensor is not destinations[name]:  # another dtype (or not contiguous): converted as copied
+                destinations[name].copy_(tensor)
 
 
 def check_shapes(
@@ -180,26 +198,55 @@ def weights_bytes(expected: Mapping[str, tuple[int, ...]], dtype: torch.dtype = 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _open(path: Path):
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data offsets; ``__metadata__`` dropped) and
+    where its data starts: the file is an 8-byte little-endian header length, the JSON header, then the data."""
     try:
-        return safe_open(str(path), framework="pt")
-    except Exception as error:  # safetensors raises its own SafetensorError, or an OSError
+        with open(path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (OSError, struct.error, UnicodeDecodeError, ValueError) as error:
         raise WeightsError(f"{path}: not a readable safetensors file ({_one_line(error)})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def _read_tensors(
+    path: Path, names: Iterable[str], into: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each named tensor of the safetensors file ``path``, as stored, read with plain reads (a memory map's touched
+    pages would stay resident beside the tensors: a second copy while loading): straight into ``into[name]``
+    where that is a contiguous tensor of the stored dtype, else into a fresh tensor."""
+    header, start = _header(path)
+    into = into or {}
+    with open(path, "rb") as file:
+        for name in names:
+            entry = header[name]
+            if entry["dtype"] not in DTYPES:
+                raise WeightsError(f"{path}: {name} is stored as {entry['dtype']}, which the platform does not read")
+            begin, end = entry["data_offsets"]
+            stored, given = DTYPES[entry["dtype"]], into.get(name)
+            direct = given is not None and given.dtype == stored and given.is_contiguous() and not given.is_cuda
+            tensor = given if direct else torch.empty(entry["shape"], dtype=stored)
+            file.seek(start + begin)
+            if file.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - begin:
+                raise WeightsError(f"{path}: {name} is cut short (the file ends inside it)")
+            yield name, tensor
 
 
 def _shapes(files: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for path, names in _by_file(files).items():
-        with _open(path) as handle:
-            for name in names:
-                piece = handle.get_slice(name)
-                shapes[name] = (tuple(piece.get_shape()), piece.get_dtype())
+        header, _ = _header(path)
+        for name in names:
+            shapes[name] = (tuple(header[name]["shape"]), header[name]["dtype"])
     return shapes
 
 
 def _header_names(path: Path) -> list[str]:
-    with _open(path) as handle:
-        return list(handle.keys())
+    return list(_header(path)[0])
 
 
 def _indexed_files(index: Path) -> dict[str, Path]:

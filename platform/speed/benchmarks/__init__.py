@@ -2,12 +2,16 @@
 
 - ``speed.benchmarks.decode`` (T5, and what both families share), ``speed.benchmarks.decode_lm`` (the looped LM):
   decode latency, sequential vs SPEED vs the shallow decoder; ``jobs/bench_decode.py``.
+- ``speed.benchmarks.shapes``: decode latency at the published models' real shapes (random weights) against the
+  machine's read bandwidth measured in the same run; ``jobs/bench_decode.py --shape``.
 - ``speed.benchmarks.sampling``: SPEED under seeded sampling against sequential sampling; ``jobs/bench_sampling.py``.
 - ``speed.benchmarks.levers``: SPEED's levers on trained checkpoints, side by side; ``jobs/bench_levers.py``.
 - ``speed.benchmarks.heldout``: the trained-checkpoint benchmarks' workload (held-out inputs) and its scoring.
 - ``speed.benchmarks.data``: the data stage at scale (preparation time, per-worker peak memory); ``jobs/bench_data.py``.
 - ``speed.benchmarks.serving``: one request at a time vs continuous batching, sequential vs SPEED, over HTTP;
   ``jobs/bench_serve.py``.
+- ``speed.benchmarks.loading``: ``speed.from_pretrained`` at real sizes: load time and peak resident set over the
+  weights, in a fresh process.
 - ``speed.benchmarks.gpu``: the GPU check, every CUDA path once (training, CPU agreement, decode timing,
   pytest -m gpu) on a machine without Ray; ``jobs/gpu_check.py``.
 """

@@ -154,8 +154,8 @@ def variant_columns(
 ) -> dict[str, Any]:
     """A variant's row: its name, the timed model's pattern and resolved config (JSON), its decode time per token
     (of ``ms_per_token``, every variant's) and speed-up over its baseline (transformers' generate for our deep
-    decoder and itself, else sequential) and the shallow Nx1, and its decoding's tokens, steps and flushes
-    (``result``, None for transformers': then ``tokens``, and no steps)."""
+    decoder and itself, else sequential) and the shallow Nx1 (None where none ran), and its decoding's tokens,
+    steps and flushes (``result``, None for transformers': then ``tokens``, and no steps)."""
     baseline = "hf_generate" if name in ("ours_deep", "hf_generate") else "sequential"
     stats = result.stats if result is not None else None
     return {
@@ -165,7 +165,7 @@ def variant_columns(
         "ms_per_token": ms_per_token[name],
         "baseline": baseline,
         "speedup": ms_per_token[baseline] / ms_per_token[name],
-        "ratio_vs_shallow": ms_per_token[name] / ms_per_token["shallow"],
+        "ratio_vs_shallow": ms_per_token[name] / ms_per_token["shallow"] if "shallow" in ms_per_token else None,
         "tokens": stats.tokens if stats else tokens,
         "steps": stats.steps if stats else None,
         "flushes": stats.flushes if stats else None,

@@ -28,7 +28,6 @@ from speed.benchmarks.decode import (
 )
 from speed.config import LMConfig
 from speed.decode.generate import GenerateResult, generate
-from speed.models.looped_lm import LoopedLM
 
 LM_BENCH_SCHEMA = pa.schema(
     [
@@ -51,6 +50,15 @@ LM_BENCH_SCHEMA = pa.schema(
         pa.field("threads", pa.int32()),
         pa.field("torch", pa.string()),
         pa.field("machine", pa.string()),
+        # the real-shape rows' (speed.benchmarks.shapes; null in the tiny presets' rows)
+        pa.field("shape", pa.string()),  # the published model whose shape the random weights have
+        pa.field("dtype", pa.string()),
+        pa.field("weight_bytes_per_token", pa.float64()),  # weights read once per loop pass, over the batch
+        pa.field("gb_per_s", pa.float64()),  # weight_bytes_per_token over the time per token
+        pa.field("read_gb_per_s", pa.float64()),  # the machine's read bandwidth, measured in the same run
+        pa.field("limit_ms_per_token", pa.float64()),  # weight_bytes_per_token at read_gb_per_s
+        pa.field("ratio_vs_limit", pa.float64()),  # ms_per_token / limit_ms_per_token
+        pa.field("peak_rss_bytes", pa.int64()),  # the process's peak resident set after this batch's runs
     ]
 )
 
@@ -61,6 +69,25 @@ class LMBenchConfig(DecodeBenchConfig):
 
     model: LMConfig
     prompt_len: int = 64
+
+
+def decode_runs(
+    results: dict[str, GenerateResult], ids: torch.Tensor, n: int
+) -> Callable[..., Callable[[], int]]:
+    """``run(name, model, new, **generate's options)``: a run for ``interleave`` that decodes ``ids`` for ``new``
+    tokens (1: the time to first token; ``n``: all of them, its result kept in ``results[name]``) and returns 1,
+    so that its times stay per run."""
+
+    def run(name: str, model: torch.nn.Module, new: int, **kw) -> Callable[[], int]:
+        def go() -> int:
+            result = generate(model, ids, max_new_tokens=new, trace=False, **kw)
+            if new == n:
+                results[name] = result
+            return 1
+
+        return go
+
+    return run
 
 
 def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
@@ -74,15 +101,7 @@ def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
     results: dict[str, GenerateResult] = {}
     configs = bench.configs()
 
-    def run(name: str, m: LoopedLM, new: int, **kw) -> Callable[[], int]:
-        def go() -> int:
-            result = generate(m, ids, max_new_tokens=new, trace=False, **kw)
-            if new == n:
-                results[name] = result
-            return 1  # interleave divides by this: times stay per run
-
-        return go
-
+    run = decode_runs(results, ids, n)
     kinds = {
         "sequential": (model, {"method": "sequential"}),
         "speed": (model, {"method": "speed"}),

@@ -1,7 +1,7 @@
 """The GPU check (``jobs/gpu_check.py``, ``make gpu-check``): every CUDA path run once, in a few minutes, on a
 machine that has torch but no Ray.
 
-Four stages, each timed and caught, so that a failing one still leaves the others' results; the caller
+Five stages, each timed and caught, so that a failing one still leaves the others' results; the caller
 rewrites the report after every stage, so a run stopped early keeps what it measured:
 
 - ``training``: a few optimizer steps of the model on the device (forward, the weighted early-exit loss,
@@ -13,6 +13,9 @@ rewrites the report after every stage, so a run stopped early keeps what it meas
 - ``timing``: ``speed.benchmarks.decode.run_benchmark`` on the device at base dims, batch 1 and 8 (2x6
   sequential, SPEED with its own and with oracle speculation, the shallow 2x1, our 12x1 and transformers'
   ``generate`` of it): the paper's Fig. 3 latency axis on a GPU;
+- ``shapes``: ``speed.benchmarks.shapes`` at the smallest real shape (Ouro-1.4B, random bf16 weights, batch 1
+  and 4): sequential, oracle SPEED and SPEED against the device's read bandwidth measured in the same run (the
+  CPU's real-shape table, on the GPU); run only while enough of the budget is left;
 - ``exactness``: ``pytest -m gpu tests/test_gpu_decode.py`` in a subprocess (SPEED's logits bitwise equal to
   sequential decoding's on the device), within what is left of the budget.
 
@@ -43,11 +46,14 @@ import pyarrow as pa
 import torch
 
 from speed.benchmarks.decode import BENCH_SCHEMA, BenchConfig, format_table, random_model, run_benchmark
+from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA
+from speed.benchmarks.shapes import OURO_1_4B, SHAPES, Shape, ShapeBenchConfig, format_shape_table, run_shape_benchmark
 from speed.config import ModelConfig, preset
 from speed.decode.generate import generate
 from speed.engine.sampling import Sampling
 from speed.losses import loss_weights, shift_right
 from speed.models.checkpoint import load_model
+from speed.models.convert_ouro import config_from_ouro
 from speed.models.t5 import SpeedT5
 from speed.paths import repo_root
 from speed.train.optim import OptimConfig, build_optimizer, build_scheduler, follow_parameters
@@ -57,7 +63,7 @@ from speed.train.train_log import TRAIN_LOG_SCHEMA
 
 @dataclass(frozen=True)
 class CheckSize:
-    """How much each stage does: ``FULL`` fits the 6-minute budget on one GPU, ``TINY`` is a CPU dry run."""
+    """How much each stage does: ``FULL`` fits the 8-minute budget on one GPU, ``TINY`` is a CPU dry run."""
 
     preset: str = "base"
     vocab_size: int = 16384  # jobs/bench_decode.py's: the CPU table's
@@ -73,6 +79,9 @@ class CheckSize:
     train_batch: int = 8
     train_target_len: int = 32
     pytest_timeout_s: float = 200.0
+    shape: str | Shape = "ouro-1.4b"  # the real-shape stage's (a name of SHAPES, or a Shape)
+    shape_tokens: int = 16
+    shape_s: float = 120.0  # the real-shape stage runs only while this much of the budget (and pytest's 30 s) is left
 
     def model(self) -> ModelConfig:
         """The model every stage builds (random weights)."""
@@ -82,7 +91,12 @@ class CheckSize:
 FULL = CheckSize()
 TINY = CheckSize(
     preset="tiny", vocab_size=128, batches=(1, 2), source_len=6, new_tokens=6, reps=1, agree_batch=2,
-    agree_tokens=6, train_steps=2, train_batch=2, train_target_len=5,
+    agree_tokens=6, train_steps=2, train_batch=2, train_target_len=5, shape_tokens=4, shape_s=30.0,
+    shape=Shape(
+        OURO_1_4B | {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 128},
+        config_from_ouro,
+    ),  # Ouro's form at tiny size
 )  # fmt: skip
 
 
@@ -162,6 +176,14 @@ class TimingRun:
     ratios: list[Ratios]
     notes: list[str] = field(default_factory=list)  # batch sizes left out, comparisons dropped, and why
     errors: list[str] = field(default_factory=list)  # a batch size that failed: the error's last line
+
+
+@dataclass(frozen=True)
+class ShapeRun:
+    """The real-shape benchmark's rows (``LM_BENCH_SCHEMA``) and summary on the device."""
+
+    rows: list[dict]
+    summary: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -364,6 +386,19 @@ def timing_stage(size: CheckSize, device: str) -> TimingRun:
     return TimingRun(rows, found, notes, errors)
 
 
+def shape_stage(size: CheckSize, device: str) -> ShapeRun:
+    """``run_shape_benchmark`` at ``size.shape`` on ``device``: batch 1 and 4, 3 interleaved rounds, 1 GiB read for
+    the bandwidth."""
+    shape = SHAPES[size.shape] if isinstance(size.shape, str) else size.shape
+    name = size.shape if isinstance(size.shape, str) else "tiny"
+    cfg = ShapeBenchConfig(
+        name, shape.resolve(), new_tokens=size.shape_tokens, reps=3, device=device,
+        bandwidth_bytes=2**30 if isinstance(size.shape, str) else 2**24,
+    )  # fmt: skip
+    table, summary = run_shape_benchmark(cfg)
+    return ShapeRun(table.to_pylist(), summary)
+
+
 def _last_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
 
@@ -437,6 +472,12 @@ def run_check(
     for name, fn, verdict in plan:
         stages.append(run_stage(name, fn, verdict))
         on_stage(report())
+    left = budget_s - (time.perf_counter() - started)
+    if left < size.shape_s + 30:
+        stages.append(Stage("shapes", False, 0.0, error=f"not run: {max(left, 0):.0f} s of the budget left"))
+    else:
+        stages.append(run_stage("shapes", lambda: shape_stage(size, device), lambda r: bool(r.rows)))
+    on_stage(report())
     left = budget_s - (time.perf_counter() - started) - 5  # the report still has to be written
     timeout = min(size.pytest_timeout_s, left)
     if timeout < 30:
@@ -467,6 +508,9 @@ def format_report(report: GpuCheckReport) -> str:
     for s in report.stages:
         if isinstance(s.result, TimingRun):
             lines += _timing_tables(s.result)
+        if isinstance(s.result, ShapeRun):
+            table = pa.Table.from_pylist(s.result.rows, schema=LM_BENCH_SCHEMA)
+            lines += ["", "real shape (ms/token, medians of 3 interleaved rounds):", format_shape_table(table)]
     return "\n".join(lines)
 
 
@@ -490,6 +534,12 @@ def _describe(result: Any) -> str:
     if isinstance(result, TimingRun):
         timed = ", ".join(str(r.batch) for r in result.ratios)
         return f"batch {timed} timed (tables below)" + "".join(f"; {x}" for x in result.notes + result.errors)
+    if isinstance(result, ShapeRun):
+        x = result.summary
+        return (
+            f"{x['shape']}: oracle speed-up {x['oracle_speedup']:.2f}x, sequential {x['sequential_vs_limit']:.2f}x "
+            f"its bandwidth limit ({x['read_gb_per_s']:.0f} GB/s read; table below)"
+        )
     if isinstance(result, PytestRun):
         counts = ", ".join(f"{n} {k.lower()}" for k, n in sorted(result.outcomes.items()))
         stopped = f"stopped at its {result.timeout_s:.0f} s timeout; " if result.returncode is None else ""

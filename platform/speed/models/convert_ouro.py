@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from speed.config import LMConfig
-from speed.hf_files import read_config, read_weights
-from speed.models.hf_import import UnsupportedConfig, assemble, check_tied, expect, field, loop_count, single_eos
+from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
+from speed.models.hf_import import UnsupportedConfig, check_tied, expect, field, loop_count, single_eos
 from speed.models.looped_lm import LoopedLM
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -95,33 +95,55 @@ def ouro_shapes(config: LMConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def ouro_parameters(weights: Mapping[str, Tensor], config: LMConfig) -> dict[str, Tensor]:
-    """Our parameters (name -> tensor) from Ouro's published tensors (the module doc's mapping)."""
-    values = {
-        "embed_tokens.weight": weights[EMBEDDING],
-        "norm.weight": weights["model.norm.weight"],
-        "exit_gate.weight": weights["model.early_exit_gate.weight"],
-        "exit_gate.bias": weights["model.early_exit_gate.bias"],
+def ouro_destinations(model: LoopedLM) -> dict[str, Tensor]:
+    """Where each of Ouro's published tensors goes in ``model`` (the module doc's mapping): a parameter, or the
+    rows of a fused one (q;k;v, gate;up), so that loading writes the model's memory once and concatenates
+    nothing; a tied model's head is its embedding, and is not a destination."""
+    c = model.config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    found = {
+        EMBEDDING: model.embed_tokens.weight,
+        "model.norm.weight": model.norm.weight,
+        "model.early_exit_gate.weight": model.exit_gate.weight,
+        "model.early_exit_gate.bias": model.exit_gate.bias,
     }
-    if not config.tie_embeddings:
-        values["lm_head.weight"] = weights[HEAD]
-    for i in range(config.sharing.n_unique):
-        hf, ours = f"model.layers.{i}.", f"core.{i}."
-        attn, mlp = hf + "self_attn.", hf + "mlp."
-        values[ours + "attn.qkv.weight"] = torch.cat([weights[f"{attn}{x}_proj.weight"] for x in "qkv"])
-        values[ours + "attn.o.weight"] = weights[attn + "o_proj.weight"]
-        values[ours + "mlp.wi.weight"] = torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
-        values[ours + "mlp.wo.weight"] = weights[mlp + "down_proj.weight"]
-        values |= {f"{ours}{norm}.weight": weights[f"{hf}{theirs}.weight"] for theirs, norm in NORMS.items()}
-    return values
+    if not c.tie_embeddings:
+        found[HEAD] = model.lm_head.weight
+    for i, block in enumerate(model.core):
+        hf = f"model.layers.{i}."
+        qkv, wi = block.attn.qkv.weight, block.mlp.wi.weight
+        found |= {
+            hf + "self_attn.q_proj.weight": qkv[:q],
+            hf + "self_attn.k_proj.weight": qkv[q : q + kv],
+            hf + "self_attn.v_proj.weight": qkv[q + kv :],
+            hf + "self_attn.o_proj.weight": block.attn.o.weight,
+            hf + "mlp.gate_proj.weight": wi[: c.d_ff],
+            hf + "mlp.up_proj.weight": wi[c.d_ff :],
+            hf + "mlp.down_proj.weight": block.mlp.wo.weight,
+        }
+        found |= {f"{hf}{theirs}.weight": getattr(block, norm).weight for theirs, norm in NORMS.items()}
+    return found
 
 
 def load_ouro(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_loops: int | None = None) -> LoopedLM:
     """An Ouro directory (config.json and safetensors; its code is never run) as a ``LoopedLM`` (eval mode,
-    ``dtype``) looping ``n_loops`` times (Ouro's ``total_ut_steps``; default the checkpoint's own)."""
+    ``dtype``) looping ``n_loops`` times (Ouro's ``total_ut_steps``; default the checkpoint's own).
+
+    The model is allocated once, empty, and each published tensor copied into its place (``ouro_destinations``):
+    loading holds the weights once, plus one stored tensor."""
     config = config_from_ouro(read_config(directory), n_loops)
     optional = (HEAD,) if config.tie_embeddings else ()
-    weights = read_weights(directory, dtype, ouro_shapes(config), optional)
+    found = {name: shape for name, (shape, _) in tensor_shapes(directory).items()}
+    check_shapes(directory, found, ouro_shapes(config), optional)
+    with torch.device("meta"):
+        model = LoopedLM(config)
+    model = model.to(dtype).to_empty(device="cpu")
     if config.tie_embeddings:
-        check_tied(str(directory), weights, HEAD, EMBEDDING)
-    return assemble(config, ouro_parameters(weights, config))
+        model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():
+        read_into(directory, ouro_destinations(model))
+    if config.tie_embeddings and HEAD in found:
+        stored = {HEAD: torch.empty_like(model.embed_tokens.weight), EMBEDDING: model.embed_tokens.weight}
+        read_into(directory, {HEAD: stored[HEAD]})
+        check_tied(str(directory), stored, HEAD, EMBEDDING)
+    return model.eval()

@@ -73,6 +73,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     Dimension pairs (a, b) = (i, i + D/2) become (a cos - b sin, b cos + a sin).
     """
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # in x's dtype, as Llama's and Ouro's rotary embeddings
     first, second = x.chunk(2, dim=-1)  # 2 x (..., D/2)
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
@@ -81,7 +82,8 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``rotate`` in the ``pairs`` layout: dimension pairs (a, b) = (2i, 2i + 1) become (a cos - b sin,
     b cos + a sin)."""
     even, odd = x[..., 0::2], x[..., 1::2]  # 2 x (..., D/2)
-    return x * cos + torch.stack([-odd, even], dim=-1).flatten(-2) * sin
+    turned = x * cos + torch.stack([-odd, even], dim=-1).flatten(-2) * sin  # in float32, as Huginn's
+    return turned.to(x.dtype)
 
 
 def _call(layer: nn.Linear, x: Tensor) -> Tensor:

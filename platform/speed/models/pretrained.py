@@ -5,7 +5,7 @@ A Hugging Face directory (config.json and safetensors), its form read from confi
 (``convert_ouro``) or Huginn-0125 (``convert_huginn``); or a platform checkpoint (``model.pt`` beside a
 config.json with a ``model`` section, or a run directory of them; ``speed.models.checkpoint.load_model``).
 Either may be a local path or a URI (``s3://...``); a Hugging Face directory on object storage is copied to a
-temporary local folder first, since safetensors are memory-mapped from a local file.
+temporary local folder first, since safetensors are read from a local file.
 Code in the directory (config.json's ``auto_map``) is never imported or run: the weights are read from
 safetensors alone, the configs as data.
 
@@ -48,7 +48,7 @@ def from_pretrained(
         _no_loop_option(n_loops, "a platform checkpoint")
         return load_model(str(path)).model.to(dtype)
     where = locate(path)
-    if not where.local:  # read_weights memory-maps local files: the directory comes here first
+    if not where.local:  # safetensors are read from local files: the directory comes here first
         with tempfile.TemporaryDirectory(prefix="speed-pretrained-") as local:
             where.download(local)
             return from_pretrained(local, dtype=dtype, n_loops=n_loops)

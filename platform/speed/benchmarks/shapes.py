@@ -1,0 +1,306 @@
+"""Decode latency at the published models' real shapes, random weights (no download): sequential, SPEED with oracle
+speculation (the engine's ceiling) and SPEED's own, at batch 1 and 4, against the machine's own read bandwidth.
+
+Each shape is a published config.json (``SHAPES``, checked against the public configs) turned into our config by
+the importer that loads the real checkpoint (``config_from_ouro``, ``config_from_huginn``, T5's
+``config_from_hf``), so the engine runs exactly what an imported checkpoint runs. Before anything is allocated,
+the weights, the KV cache of the largest batch and the bandwidth buffer are checked against the available memory
+(``check_fits``: one line when they do not fit).
+
+Every variant decodes the same prompts twice per round, once for one token (TTFT: the prefill and first token)
+and once for all of them; the time per token is the difference over the tokens after the first, as the looped
+LM's benchmark computes it. A read of a buffer larger than the caches (``torch.sum``, best of several) runs
+interleaved with them: the machine's read bandwidth in the same run, and so the limit. A decoding step must read
+the weights of every loop pass at least once (``streamed_bytes``), so sequential decoding's time per token is at
+least that over the bandwidth; ``ratio_vs_limit`` is how far each variant is from it (SPEED, which reads the
+shared weights once for several tokens' loops, may go below 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from speed.benchmarks.decode import check_exact, interleave, run_columns, variant_columns
+from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, decode_runs
+from speed.benchmarks.loading import peak_rss
+from speed.config import LMConfig, ModelConfig
+from speed.decode.generate import GenerateResult, generate
+from speed.engine.memory import MemoryBudgetError, MemoryNeed, available_bytes, size
+from speed.models.convert_huginn import config_from_huginn
+from speed.models.convert_ouro import config_from_ouro
+from speed.models.family import build_model
+
+# The published config.json fields the importers read (ByteDance/Ouro-1.4B and -2.6B, tomg-group-umd/huginn-0125,
+# google/t5-v1_1-large); nothing else of them matters to the shapes.
+OURO_1_4B = {
+    "model_type": "ouro", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128, "vocab_size": 49152,
+    "total_ut_steps": 4, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "hidden_act": "silu", "eos_token_id": 0,
+}  # fmt: skip
+HUGINN_0125 = {
+    "model_type": "huginn_raven", "n_embd": 5280, "n_heads": 55, "num_key_value_heads": 55,
+    "intermediate_size": 17920, "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
+    "mean_recurrence": 32, "vocab_size": 65536, "padded_vocab_size": 65536, "rope_base": 50000.0,
+    "norm_eps": 1e-6, "qk_bias": True, "bias": False, "tie_embeddings": True, "block_size": 4096,
+    "injection_type": "linear", "eos_token_id": 65505,
+}  # fmt: skip
+T5_V1_1_LARGE = {
+    "model_type": "t5", "d_model": 1024, "d_ff": 2816, "d_kv": 64, "num_heads": 16, "num_layers": 24,
+    "num_decoder_layers": 24, "vocab_size": 32128, "feed_forward_proj": "gated-gelu", "layer_norm_epsilon": 1e-6,
+    "relative_attention_num_buckets": 32, "tie_word_embeddings": False, "eos_token_id": 1, "pad_token_id": 0,
+    "decoder_start_token_id": 0, "dropout_rate": 0.0,
+}  # fmt: skip
+
+
+def _t5(hf: dict, loops: int | None) -> ModelConfig:
+    from transformers import T5Config
+
+    from speed.models.convert_t5 import config_from_hf
+
+    layers = hf["num_decoder_layers"]
+    return config_from_hf(T5Config.from_dict(hf), None if loops is None else f"{layers}x{loops}")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A published model's shape: its config.json (``hf``) and the importer's function from it and a recurrence
+    count (None: the checkpoint's own) to our config."""
+
+    hf: dict
+    config: Callable[[dict, int | None], ModelConfig | LMConfig]
+    recurrence: int | None = None  # the count the benchmark runs by default (None: the published one)
+
+    def resolve(self, recurrence: int | None = None) -> ModelConfig | LMConfig:
+        """Our config at ``recurrence`` loops (default: the shape's)."""
+        return self.config(self.hf, recurrence if recurrence is not None else self.recurrence)
+
+
+SHAPES: dict[str, Shape] = {
+    "ouro-1.4b": Shape(OURO_1_4B, config_from_ouro),
+    "ouro-2.6b": Shape(OURO_1_4B | {"num_hidden_layers": 48}, config_from_ouro),
+    # published mean_recurrence 32; 4 keeps a CPU run short (--recurrence 32 for the published count)
+    "huginn-3.5b": Shape(HUGINN_0125, config_from_huginn, recurrence=4),
+    "t5-large": Shape(T5_V1_1_LARGE, _t5),
+}
+
+
+@dataclass(frozen=True)
+class ShapeBenchConfig:
+    """One real-shape run: the shape's name and resolved config, the batches, prompt and output lengths,
+    repetitions, the weights' dtype, the bandwidth buffer and where it all runs."""
+
+    shape: str
+    model: ModelConfig | LMConfig
+    batches: tuple[int, ...] = (1, 4)
+    prompt_len: int = 32  # the LM's prompt, T5's encoder input
+    new_tokens: int = 8
+    reps: int = 3
+    seed: int = 0
+    dtype: str = "bfloat16"  # the published checkpoints' own
+    bandwidth_bytes: int = 2**30  # the read-bandwidth buffer: well above any cache
+    device: str = "cpu"
+
+
+def empty_model(config: ModelConfig | LMConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """A model of ``config`` on the meta device as ``dtype``: its shapes, no memory."""
+    with torch.device("meta"):
+        return build_model(config).to(dtype)
+
+
+def random_weights(model: torch.nn.Module, seed: int, device: str, eos_id: int) -> torch.nn.Module:
+    """``model`` (on the meta device) allocated once on ``device`` and filled in place: matrices N(0, 0.02), biases
+    0, norm gains 1 (no float32 copy of a bfloat16 model is ever made); its EOS row of the head zeroed, so every
+    run decodes the full length."""
+    shared = _shared_parameters(model)
+    model = model.to_empty(device=device)
+    for owner, leaf, first in shared:  # to_empty gives each name its own tensor: tie them again
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=generator)
+            else:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+        model.lm_head.weight[eos_id].zero_()
+    return model.eval()
+
+
+def _shared_parameters(model: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """Each parameter name that holds the same parameter as an earlier name (a tied head): (its module, its leaf
+    name, the earlier name)."""
+    first: dict[int, str] = {}
+    shared = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            owner, _, leaf = name.rpartition(".")
+            shared.append((owner, leaf, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return shared
+
+
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """The weight bytes one token's decoding reads at least once: the looped block's (and the injection adapter's)
+    once per loop pass, the rest of the decoder (prelude, coda, norms, head) once; not the embedding (one row a
+    token) nor the encoder (once per request). A tensor named twice (a tied head) counts as its most-read name."""
+    looped, unread = ("core.", "adapter", "decoder_layers."), ("embed_tokens.", "shared.", "encoder_")
+    reads: dict[int, tuple[int, int]] = {}  # storage -> (bytes, passes)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        passes = model.n_loops if name.startswith(looped) else 0 if name.startswith(unread) else 1
+        key = id(p)
+        reads[key] = (p.numel() * p.element_size(), max(passes, reads.get(key, (0, 0))[1]))
+    return sum(nbytes * passes for nbytes, passes in reads.values())
+
+
+def check_fits(cfg: ShapeBenchConfig, model: torch.nn.Module) -> MemoryNeed:
+    """What the run needs (``model`` on the meta device): the weights and the KV cache of the largest batch (the
+    stepper's ``memory_need``), and the bandwidth buffer; a ``MemoryBudgetError`` (one line) unless it fits in
+    the device's available memory."""
+    need = model.stepper().memory_need(max(cfg.batches), cfg.prompt_len, cfg.new_tokens + 1)
+    need = MemoryNeed(need.weights, need.cache, need.side, need.memory + cfg.bandwidth_bytes)
+    available, source = available_bytes(torch.device(cfg.device))
+    if need.total > available:
+        raise MemoryBudgetError(
+            f"{cfg.shape} at batch {max(cfg.batches)} needs {need.describe()}, the memory including the "
+            f"{size(cfg.bandwidth_bytes)} bandwidth buffer, but {size(available)} is available ({source}): "
+            "choose a smaller shape, batch or --dtype"
+        )
+    return need
+
+
+def read_bandwidth(buffer: torch.Tensor, times: list[float]) -> Callable[[], int]:
+    """A run for ``interleave``: ``torch.sum`` over ``buffer`` three times, each one's seconds kept in ``times``
+    (the best of them, buffer bytes over seconds, is the read bandwidth)."""
+    sync = torch.cuda.synchronize if buffer.is_cuda else lambda: None
+
+    def go() -> int:
+        for _ in range(3):
+            start = time.perf_counter()
+            buffer.sum()
+            sync()
+            times.append(time.perf_counter() - start)
+        return 1
+
+    return go
+
+
+def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, float]]:
+    """Every batch's variants side by side (``LM_BENCH_SCHEMA`` rows, the real-shape columns filled) and the
+    summary: batch 1's ``oracle_speedup`` (sequential's time per token / oracle SPEED's) and
+    ``sequential_vs_limit`` (sequential's time per token / the time the measured bandwidth needs to read the
+    weights once per loop pass), the bandwidth and the random model's build time."""
+    dtype = getattr(torch, cfg.dtype)
+    shell = empty_model(cfg.model, dtype)
+    need = check_fits(cfg, shell)
+    start = time.perf_counter()
+    model = random_weights(shell, cfg.seed, cfg.device, cfg.model.eos_id)
+    build_s = time.perf_counter() - start
+    streamed = streamed_bytes(model)
+    buffer = torch.ones(cfg.bandwidth_bytes // 4, dtype=torch.float32, device=cfg.device)
+    print(
+        f"shape benchmark: {cfg.shape} {cfg.model.pattern} d_model={cfg.model.d_model} {cfg.dtype} "
+        f"weights {size(need.weights)} (built in {build_s:.1f} s), {size(streamed)} read per token, "
+        f"batches {list(cfg.batches)}, prompt={cfg.prompt_len} tokens={cfg.new_tokens} reps={cfg.reps} "
+        f"threads={torch.get_num_threads()} device={cfg.device}",
+        flush=True,
+    )
+    rows, bandwidth_times = [], []
+    for batch in cfg.batches:
+        rows += _batch_rows(cfg, model, batch, streamed, buffer, bandwidth_times)
+    read_gbps = cfg.bandwidth_bytes / min(bandwidth_times) / 1e9
+    limit_ms = streamed / (read_gbps * 1e9) * 1000
+    for row in rows:  # the bandwidth of the whole run: the best read of all rounds
+        per_token = streamed / row["batch"]
+        row |= {
+            "read_gb_per_s": read_gbps,
+            "limit_ms_per_token": limit_ms / row["batch"],
+            "ratio_vs_limit": row["ms_per_token"] / (limit_ms / row["batch"]),
+            "weight_bytes_per_token": per_token,
+            "gb_per_s": per_token / (row["ms_per_token"] / 1000) / 1e9,
+        }
+    first = {r["variant"]: r for r in rows if r["batch"] == cfg.batches[0]}
+    summary = {
+        "shape": cfg.shape,
+        "batch": cfg.batches[0],
+        "oracle_speedup": first["sequential"]["ms_per_token"] / first["speed_oracle"]["ms_per_token"],
+        "sequential_vs_limit": first["sequential"]["ratio_vs_limit"],
+        "read_gb_per_s": read_gbps,
+        "weights_bytes": need.weights,
+        "build_s": build_s,
+    }
+    return pa.Table.from_pylist(rows, schema=LM_BENCH_SCHEMA), summary
+
+
+def _batch_rows(
+    cfg: ShapeBenchConfig,
+    model: torch.nn.Module,
+    batch: int,
+    streamed: int,
+    buffer: torch.Tensor,
+    bandwidth_times: list[float],
+) -> list[dict]:
+    """One batch's rows: sequential, oracle SPEED and SPEED's own, timed interleaved with the bandwidth read."""
+    torch.manual_seed(cfg.seed + batch)
+    ids = torch.randint(3, cfg.model.vocab_size, (batch, cfg.prompt_len))  # no special token below 3
+    n = cfg.new_tokens
+    reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
+    results: dict[str, GenerateResult] = {}
+    run = decode_runs(results, ids, n)
+    kinds = {
+        "sequential": {"method": "sequential"},
+        "speed_oracle": {"method": "speed", "oracle": reference.tokens},
+        "speed": {"method": "speed"},
+    }
+    variants = {"sequential/first": run("sequential", model, 1, method="sequential")}
+    variants["speed/first"] = run("speed", model, 1, method="speed")  # one token: nothing to speculate, oracle or not
+    variants |= {name: run(name, model, n, **kw) for name, kw in kinds.items()}
+    variants["bandwidth"] = read_bandwidth(buffer, bandwidth_times)
+    print(f" batch {batch}:", flush=True)
+    times = interleave(variants, cfg.reps, cfg.device)  # ms per run
+    check_exact(results, reference, ("speed", "speed_oracle"))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    ttft = {"sequential": med["sequential/first"], "speed_oracle": med["speed/first"], "speed": med["speed/first"]}
+    per_token = {name: (med[name] - ttft[name]) / (batch * (n - 1)) for name in kinds}
+    run_cfg = _RunColumns(cfg.model, batch, cfg.reps, cfg.device)
+    shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": cfg.dtype}
+    peak = peak_rss()
+    return [
+        variant_columns(name, cfg.model, results[name], per_token, batch * n)
+        | shared
+        | {"ttft_ms": ttft[name], "peak_rss_bytes": peak}
+        for name in kinds
+    ]
+
+
+@dataclass(frozen=True)
+class _RunColumns:
+    """What ``run_columns`` reads of a run: its model, batch, repetitions and device."""
+
+    model: ModelConfig | LMConfig
+    batch: int
+    reps: int
+    device: str
+
+
+def format_shape_table(table: pa.Table) -> str:
+    """A fixed-width text table of the real-shape rows: times, ratios, bandwidths and peak memory."""
+    head = (
+        f"{'shape':<12}{'batch':>6} {'variant':<13}{'TTFT ms':>9}{'ms/token':>10}{'speed-up':>9}"
+        f"{'GB/token':>9}{'GB/s':>7}{'read GB/s':>10}{'vs limit':>10}{'peak RSS':>12}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in table.to_pylist():
+        lines.append(
+            f"{r['shape']:<12}{r['batch']:>6} {r['variant']:<13}{r['ttft_ms']:>9.1f}{r['ms_per_token']:>10.2f}"
+            f"{r['speedup']:>8.2f}x{r['weight_bytes_per_token'] / 1e9:>9.2f}{r['gb_per_s']:>7.1f}"
+            f"{r['read_gb_per_s']:>10.1f}{r['ratio_vs_limit']:>9.2f}x{size(r['peak_rss_bytes']):>12}"
+        )
+    return "\n".join(lines)

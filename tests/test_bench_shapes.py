@@ -1,0 +1,121 @@
+"""The real-shape decode benchmark (``speed.benchmarks.shapes``, ``jobs/bench_decode.py --shape``): the published
+shapes, the weights read per token, the memory check, and a tiny shape end to end through the job."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from speed.benchmarks import shapes
+from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA
+from speed.benchmarks.shapes import HUGINN_0125, OURO_1_4B, SHAPES, Shape, empty_model, random_weights, streamed_bytes
+from speed.models.convert_huginn import config_from_huginn
+from speed.models.convert_ouro import config_from_ouro
+from speed.models.family import parameter_count
+from speed.paths import repo_root
+
+TINY_OURO = Shape(
+    OURO_1_4B
+    | {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 128},
+    config_from_ouro,
+)  # fmt: skip
+TINY_HUGINN = Shape(
+    HUGINN_0125
+    | {"n_embd": 64, "n_heads": 4, "num_key_value_heads": 4, "intermediate_size": 96, "vocab_size": 128,
+       "padded_vocab_size": 128, "eos_token_id": 120},
+    config_from_huginn,
+    recurrence=3,
+)  # fmt: skip
+
+
+def _job():
+    spec = importlib.util.spec_from_file_location("bench_decode_job", repo_root() / "jobs" / "bench_decode.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job
+
+
+def test_the_shapes_are_the_published_models():
+    """Dimensions as the public config.json files state them, and parameter counts as the model cards do."""
+    ouro, ouro26 = SHAPES["ouro-1.4b"].resolve(), SHAPES["ouro-2.6b"].resolve()
+    assert (ouro.d_model, ouro.d_ff, ouro.n_heads, ouro.vocab_size, ouro.pattern) == (2048, 5632, 16, 49152, "24x4")
+    assert not ouro.tie_embeddings and ouro26.pattern == "48x4"
+    huginn = SHAPES["huginn-3.5b"].resolve()
+    assert (huginn.d_model, huginn.n_heads, huginn.d_ff, huginn.vocab_size) == (5280, 55, 17920, 65536)
+    assert huginn.pattern == "2+4x4+2" and huginn.tie_embeddings
+    assert SHAPES["huginn-3.5b"].resolve(32).pattern == "2+4x32+2"  # the published mean_recurrence
+    t5 = SHAPES["t5-large"].resolve()
+    assert (t5.d_model, t5.d_ff, t5.n_heads, t5.d_kv, t5.vocab_size, t5.pattern) == (1024, 2816, 16, 64, 32128, "24x1")
+    billions = {name: parameter_count(SHAPES[name].resolve()) / 1e9 for name in SHAPES}
+    assert 1.3 < billions["ouro-1.4b"] < 1.5 and 2.5 < billions["ouro-2.6b"] < 2.8
+    assert 3.4 < billions["huginn-3.5b"] < 3.7 and 0.7 < billions["t5-large"] < 0.8
+
+
+def test_the_weights_read_per_token_count_each_loop_pass():
+    """Ouro: its layers once per loop, the final norm, the exit gate and the head once, not the embedding;
+    Huginn: the core block and the adapter per recurrence, prelude, coda, norm and the tied head once."""
+    ouro = empty_model(TINY_OURO.resolve(), torch.bfloat16)
+    d, ff, layers, vocab = 64, 96, 2, 128
+    per_layer = 4 * d * d + 3 * d * ff + 4 * d  # q, k, v, o; gate, up, down; four norms
+    assert streamed_bytes(ouro) == 2 * (4 * layers * per_layer + d + (d + 1) + vocab * d)
+    huginn = empty_model(TINY_HUGINN.resolve(), torch.float32)
+    block = 4 * d * d + 3 * d * ff + 4 * d + 2 * d  # Wqkv, proj; fc, proj; four norms; q and k biases
+    loops = 3 * (4 * block + 2 * d * d)  # the core's 4 blocks and the adapter, per recurrence
+    assert streamed_bytes(huginn) == 4 * (loops + 4 * block + d + vocab * d)
+
+
+def test_a_tiny_shape_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    """Through the job: rows of sequential, oracle SPEED and SPEED at batch 1 and 4 (each checked exact against
+    sequential decoding in bfloat16 by the benchmark), the bandwidth and limit columns, the JSON summary."""
+    monkeypatch.setitem(SHAPES, "tiny-ouro", TINY_OURO)
+    out = tmp_path / "rows.parquet"
+    flags = ["--shape", "tiny-ouro", "--reps", "1", "--new-tokens", "4", "--prompt-len", "8", "--bandwidth-mib", "16"]
+    assert _job().main([*flags, "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = report["rows"]
+    assert [(r["batch"], r["variant"]) for r in rows] == [
+        (b, v) for b in (1, 4) for v in ("sequential", "speed_oracle", "speed")
+    ]
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(out).schema.equals(LM_BENCH_SCHEMA)
+    for r in rows:
+        assert r["shape"] == "tiny-ouro" and r["dtype"] == "bfloat16" and r["read_gb_per_s"] > 0
+        assert r["ratio_vs_limit"] == pytest.approx(r["ms_per_token"] / r["limit_ms_per_token"])
+        assert r["gb_per_s"] == pytest.approx(r["weight_bytes_per_token"] / r["ms_per_token"] / 1e6)
+        assert r["peak_rss_bytes"] > 0 and r["ttft_ms"] > 0
+    summary = report["summary"]
+    first = {r["variant"]: r for r in rows if r["batch"] == 1}
+    assert summary["oracle_speedup"] == pytest.approx(
+        first["sequential"]["ms_per_token"] / first["speed_oracle"]["ms_per_token"]
+    )
+    assert summary["sequential_vs_limit"] == pytest.approx(first["sequential"]["ratio_vs_limit"])
+
+
+def test_a_shape_that_does_not_fit_is_refused_in_one_line_before_allocating(capsys, monkeypatch):
+    monkeypatch.setattr(shapes, "available_bytes", lambda device: (2**30, "available host memory"))
+
+    def allocate(*args, **kwargs):
+        raise AssertionError("allocated before the memory check")
+
+    monkeypatch.setattr(shapes, "random_weights", allocate)
+    with pytest.raises(SystemExit) as exit_:
+        _job().main(["--shape", "ouro-1.4b"])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ouro-1.4b at batch 4 needs ") and "1.00 GiB is available" in line
+    assert "weights 2.67 GiB" in line  # 1.43e9 bf16 parameters
+
+
+def test_random_weights_are_made_in_place_and_seeded():
+    config = TINY_HUGINN.resolve()
+    a = random_weights(empty_model(config, torch.bfloat16), 0, "cpu", config.eos_id)
+    b = random_weights(empty_model(config, torch.bfloat16), 0, "cpu", config.eos_id)
+    assert all(p.dtype == torch.bfloat16 for p in a.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert a.lm_head.weight is a.embed_tokens.weight  # still tied
+    assert not a.lm_head.weight[config.eos_id].any()
