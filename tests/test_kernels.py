@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import speed.engine.kernels as kernels
 from speed.config import preset
 from speed.decode.generate import generate
+from speed.engine import native
 from speed.engine.cache import Rows
 from speed.engine.kernels import TILE_ROWS, tile_linear
 from speed.models.t5 import SpeedT5, T5Stepper
@@ -32,9 +33,16 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.fixture(params=["onednn", "fallback"])
+@pytest.fixture(params=["native", "onednn", "fallback"])
 def backend(request, monkeypatch):
-    """The kernels with oneDNN's packed linear (where this torch has it) and with it forced unavailable."""
+    """The kernels on the native kernel compiled for this CPU, on oneDNN's packed linear (where this torch has it),
+    and with both forced unavailable (the plain GEMM)."""
+    if request.param == "native":
+        if native.library() is None:
+            pytest.skip(f"no native kernel here: {native.unavailable_reason()}")
+        monkeypatch.setattr(kernels, "LINEAR", "native")
+        return request.param
+    monkeypatch.setattr(kernels, "LINEAR", "onednn")
     if request.param == "fallback":
         monkeypatch.setattr(kernels, "_ONEDNN", False)
     elif not kernels._onednn_available():
@@ -47,11 +55,11 @@ def test_tile_linear_rows_do_not_depend_on_company_or_position(threads, backend)
     torch.manual_seed(threads)
     # The plain GEMM of the fallback rounds rows alike for the shapes of real layers, but not for
     # tiny odd ones (measured: 7 -> 5 differs by row position), so it is not given those.
-    tiny = [7] if backend == "onednn" else []
+    tiny = [7] if backend != "fallback" else []
     # Inputs wider than 1024 (the MLP's output projection at base dims, d_ff 2048): oneDNN's one-row call rounds
     # differently from its calls on 2..8 rows there (measured, 1 and 2 threads); 1025 is the first such width.
     for _ in range(16):
-        inn = rng.choice([*tiny, 32, 48, 100, 768, 1025, 2048])
+        inn = rng.choice([*tiny, 32, 48, 100, 768, 1025, 2048, 5632])  # 5632: Ouro-1.4B's MLP width
         out = rng.choice([*[5] * bool(tiny), 64, 80, 130, 2304])
         layer = torch.nn.Linear(inn, out, bias=False)
         x = torch.randn(inn)
@@ -76,6 +84,7 @@ def test_fallback_is_plain_linear_on_the_tile(monkeypatch):
     def missing(*args, **kwargs):
         raise RuntimeError("no such op in this build")
 
+    monkeypatch.setattr(kernels, "LINEAR", "onednn")
     monkeypatch.setattr(kernels, "_ONEDNN", None)  # not probed yet
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", missing)
     assert not kernels._onednn_available()
@@ -164,7 +173,8 @@ def test_speed_equals_sequential_with_the_fallback_kernels(backend):
     assert got.tokens == ref.tokens and compare_logits(reference, candidate, ref.tokens, 3) == []
 
 
-def test_packed_weights_follow_in_place_updates_and_replacement():
+def test_weights_are_followed_through_in_place_updates_and_replacement(backend):
+    """oneDNN's packed copy follows an in-place update or a new tensor; the native kernel reads the weight as it is."""
     torch.manual_seed(3)
     layer = torch.nn.Linear(48, 80, bias=False)
     x = torch.randn(TILE_ROWS, 48)
@@ -294,3 +304,65 @@ def test_rows_linear_rows_do_not_depend_on_company_position_or_count(threads):
             rows[at] = x
             got = rows_linear(layer, rows)
             assert got.shape == (n, out) and torch.equal(got[at], alone), (inn, out, n, at)
+
+
+@pytest.fixture
+def native_kernel():
+    if native.library() is None:
+        pytest.skip(f"no native kernel here: {native.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("inn,out", [(48, 80), (2048, 2304), (5632, 130), (7, 5)])
+def test_native_kernel_is_row_and_thread_invariant_on_float32_and_bfloat16_weights(native_kernel, inn, out):
+    """One row's bits are the same alone, among 2..8 rows at any place, and on 1 or 2 threads (the threads split
+    the outputs, never a sum); bfloat16 weights are widened to float32, so their sums match float32's of the
+    widened weights to rounding."""
+    rng = random.Random(inn)
+    torch.manual_seed(inn)
+    before = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            weight = torch.randn(out, inn).to(dtype)
+            x = torch.randn(inn)
+            torch.set_num_threads(1)
+            alone = native.linear(weight, x[None])[0]
+            assert torch.allclose(alone, F.linear(x, weight.float()), atol=1e-3, rtol=1e-4)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for n in range(1, native.MAX_ROWS + 1):
+                    rows = torch.randn(n, inn)
+                    at = rng.randrange(n)
+                    rows[at] = x
+                    assert torch.equal(native.linear(weight, rows)[at], alone), (dtype, threads, n, at)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_without_the_native_kernel_the_decode_tiles_run_on_onednn(monkeypatch):
+    """No compiler or no AVX-512: ``library()`` is None with its reason, and a tile runs on oneDNN's (or the plain)
+    linear, nothing raised."""
+    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native, "_REASON", "no C++ compiler (g++ or $CXX) to build it with")
+    monkeypatch.setattr(kernels, "LINEAR", "native")
+    layer = torch.nn.Linear(16, 24, bias=False)
+    assert native.library() is None and "compiler" in native.unavailable_reason()
+    assert kernels.linear_in_use(layer.weight) in ("onednn", "plain")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        got = tile_linear(layer, x)
+        monkeypatch.setattr(kernels, "LINEAR", "onednn")
+        assert torch.equal(got, tile_linear(layer, x))
+
+
+def test_native_kernel_builds_once_into_its_cache(native_kernel, tmp_path, monkeypatch):
+    """The library is compiled into ``$SPEED_KERNEL_CACHE`` under a key of the source, compiler and CPU, and a
+    second build finds it there instead of compiling again."""
+    import shutil
+
+    monkeypatch.setenv("SPEED_KERNEL_CACHE", str(tmp_path))
+    compiler, flags = shutil.which("g++"), native._cpu_flags()
+    built = native._build(compiler, flags)
+    assert built.parent == tmp_path and built.is_file() and list(tmp_path.iterdir()) == [built]
+    stamp = built.stat().st_mtime_ns
+    assert native._build(compiler, flags) == built and built.stat().st_mtime_ns == stamp
+    assert native._build(compiler, flags | {"another_flag"}) != built  # another CPU: another library

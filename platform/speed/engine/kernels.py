@@ -7,8 +7,14 @@ shape it is given (MKL's GEMM rounds a 3-row product differently from an
 8-row one and takes a GEMV for one row; a reduction with one output splits
 across threads; attention's softmax is blocked by its key length). So:
 
-- Matmuls run on tiles of at most ``tile_rows`` rows, each one call of
-  oneDNN's linear with the weight packed once for ``tile_rows`` rows. Its
+- Matmuls run on tiles of at most ``tile_rows`` rows. Decode tiles (up to 8
+  rows) run on the kernel compiled for this CPU (``speed.engine.native``): it
+  streams each weight row once for all the tile's rows and sums every output in
+  one fixed order, so a row's bits depend on nothing else, and one row costs no
+  more than the weight read. Where it cannot be built (no compiler, no
+  AVX-512; ``SPEED_LINEAR=onednn`` asks for this path), and for prefill tiles,
+  each tile is one call of oneDNN's linear with the weight packed once for
+  ``tile_rows`` rows. Its
   blocking is fixed by the packed weight: a row's result does not depend on
   how many rows (2..tile_rows) the call holds, nor on where the row sits, and
   a call on n rows costs about what n rows need (one row about half a full
@@ -37,6 +43,7 @@ equal bit for bit (on the same device, dtype and thread count).
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -47,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speed.engine import native
 from speed.engine.rows import Rows
 
 TILE_ROWS = 8  # most rows per kernel call (oneDNN packs weights for it): at least M for one sequence
@@ -68,6 +76,12 @@ class _Packed:
 _LOCK = threading.Lock()
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, dict[int, _Packed]] = weakref.WeakKeyDictionary()  # by tile rows
 _ONEDNN: bool | None = None  # whether oneDNN's packed linear works here; probed once, on first use
+# The decode tiles' kernel: "native" (speed.engine.native, where it builds; else oneDNN's), "onednn" (oneDNN's packed
+# linear; else the plain one) or "plain" (F.linear on a padded tile, the GPU's path). A process decodes on one.
+LINEARS = ("native", "onednn", "plain")
+LINEAR = os.environ.get("SPEED_LINEAR", "native")
+if LINEAR not in LINEARS:
+    raise ValueError(f"SPEED_LINEAR={LINEAR!r}: choose one of {LINEARS}")
 
 
 def _onednn_available() -> bool:
@@ -90,10 +104,24 @@ def _version(weight: Tensor) -> int | None:
     return None if weight.is_inference() else weight._version
 
 
+def _no_grad(weight: Tensor, x: Tensor) -> bool:
+    """Nothing asks for a gradient through this call (the native kernel has no backward)."""
+    return not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad)
+
+
+def linear_in_use(weight: Tensor) -> str:
+    """The kernel a decode tile on ``weight`` runs on here: one of ``LINEARS``."""
+    if LINEAR == "native" and native.supports(weight, torch.empty(1, weight.shape[-1])):
+        return "native"
+    if LINEAR != "plain" and weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available():
+        return "onednn"
+    return "plain"
+
+
 def _packed_weight(layer: nn.Linear, tile_rows: int) -> Tensor | None:
     """``layer``'s weight packed by oneDNN for ``tile_rows`` rows, cached per module; None where unsupported."""
     weight = layer.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_available():
+    if LINEAR == "plain" or weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_available():
         return None
     version, ptr = _version(weight), weight.data_ptr()
     with _LOCK:  # decoding threads may share a model: pack each weight once, never read a half-built entry
@@ -118,6 +146,9 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
     if not 1 <= n <= tile_rows:
         raise ValueError(f"a tile holds 1..{tile_rows} rows, got {n}")
     x = x.contiguous()  # strides select kernels too (a stride-0 input takes another GEMM path)
+    if LINEAR == "native" and tile_rows <= native.MAX_ROWS and _no_grad(layer.weight, x):
+        if native.supports(layer.weight, x):
+            return native.linear(layer.weight, x)
     packed = _packed_weight(layer, tile_rows)
     if packed is not None:
         if n == 1:  # one row runs as two: oneDNN's one-row kernel rounds otherwise when the input is over 1024 wide

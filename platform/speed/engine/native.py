@@ -1,0 +1,142 @@
+"""The row-invariant decode linear compiled for this CPU (``native_linear.cpp``), loaded on first use.
+
+Decoding at real shapes is bound by memory bandwidth: a group pass reads every weight once, for 1 to
+``TILE_ROWS`` rows. oneDNN's GEMM and the plain GEMV stream at a quarter to a half of what the memory allows at
+these row counts (docs/benchmarks.md), and oneDNN's one-row call rounds unlike its multi-row calls, so the
+kernels ran one row as two. This kernel streams each weight row once for all the rows, sums every output in one
+fixed order whatever the row count or thread count, and takes float32 or bfloat16 weights (fp32 accumulation).
+
+It is C++ with AVX-512 intrinsics, compiled once per machine kind with the system's ``g++`` (``$CXX``) into a
+cache folder (``$SPEED_KERNEL_CACHE``, default ``~/.cache/speed/kernels``), keyed by the source, the compiler and
+the CPU's flags, so that nodes of a cluster on different CPUs each build their own. Where there is no compiler,
+no AVX-512, or the build fails, ``library()`` is None (the reason in ``unavailable_reason()``) and the decode
+kernels keep oneDNN's path: a decoder is exact on either, never across the two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("native_linear.cpp")
+MAX_ROWS = 8  # rows per call: the kernel keeps each row's sums in registers
+ABI = 1  # speed_linear_abi() of the source this module calls
+
+log = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_REASON: str | None = None  # why the library is unavailable; None: not tried yet, or loaded
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$SPEED_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/speed/kernels``, else
+    ``~/.cache/speed/kernels``."""
+    if os.environ.get("SPEED_KERNEL_CACHE"):
+        return Path(os.environ["SPEED_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "speed" / "kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build(compiler: str, flags: set[str]) -> Path:
+    """The compiled library for this source, compiler and CPU: from the cache, else built into it."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"speed_linear-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: a reader never sees half
+        built = Path(tmp) / target.name
+        command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
+        os.replace(built, target)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first use; None where it cannot be (see ``unavailable_reason``)."""
+    global _LIB, _REASON
+    if _LIB is not None or _REASON is not None:
+        return _LIB
+    with _LOCK:
+        if _LIB is None and _REASON is None:
+            try:
+                _LIB = _load()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                _REASON = str(err)
+                log.info("speed: the native decode kernel is unavailable (%s); using oneDNN's", _REASON)
+    return _LIB
+
+
+def _load() -> ctypes.CDLL:
+    flags = _cpu_flags()
+    if not {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        raise RuntimeError("this CPU lacks AVX-512 (avx512f, avx512bw, avx512vl)")
+    compiler = os.environ.get("CXX") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) to build it with")
+    lib = ctypes.CDLL(str(_build(compiler, flags)))
+    if lib.speed_linear_abi() != ABI:
+        raise RuntimeError(f"the compiled kernel's ABI {lib.speed_linear_abi()} is not {ABI}")
+    args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    for name in ("speed_linear_f32", "speed_linear_bf16"):
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why ``library()`` is None (after it was asked for); None while it is loaded or not yet tried."""
+    return _REASON
+
+
+def supports(weight: Tensor, x: Tensor) -> bool:
+    """Whether ``linear(weight, x)`` runs here: CPU, contiguous weights of float32 or bfloat16, float32 rows."""
+    return (
+        weight.device.type == "cpu"
+        and x.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and library() is not None
+    )
+
+
+def linear(weight: Tensor, x: Tensor) -> Tensor:
+    """``x @ weight.T`` (n, out) for 1..``MAX_ROWS`` float32 rows ``x`` (n, in), on the weight as it is stored
+    (float32 or bfloat16, no copy), row-invariant, on ``torch.get_num_threads()`` threads. Callers check
+    ``supports`` first."""
+    lib = library()
+    x = x.contiguous()
+    n, k = x.shape
+    out_features = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"rows of width {k} against a weight of input width {weight.shape[1]}")
+    out = torch.empty(n, out_features, dtype=torch.float32)
+    call = lib.speed_linear_f32 if weight.dtype == torch.float32 else lib.speed_linear_bf16
+    call(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, k, out_features, torch.get_num_threads())
+    return out
