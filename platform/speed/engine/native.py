@@ -16,6 +16,7 @@ kernels keep oneDNN's path: a decoder is exact on either, never across the two.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -65,13 +66,19 @@ def _build(compiler: str, flags: set[str]) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: a reader never sees half
-        built = Path(tmp) / target.name
-        command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
-        os.replace(built, target)
+    # One process builds while the others (a test session's workers, a node's Ray workers) wait for it; built
+    # aside, then renamed, so a reader never sees half a library.
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
+            os.replace(built, target)
     return target
 
 
