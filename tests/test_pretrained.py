@@ -94,3 +94,18 @@ def test_an_unknown_form_is_one_line(tmp_path):
     with pytest.raises(ModelFilesError) as error:
         speed.from_pretrained(tmp_path)
     assert "model_type 'gpt2' is not one the platform loads" in one_line(error)
+
+
+def test_the_docs_tiny_directories_load_with_their_tokenizers(tmp_path):
+    """``tests/write_tiny_models.py`` (the docs' worked commands run on its directories) writes one directory per
+    form that ``speed.from_pretrained`` and ``load_tokenizer`` read."""
+    from write_tiny_models import write_tiny_models
+
+    from speed.hf_tokenizer import load_tokenizer
+
+    made = write_tiny_models(tmp_path)
+    assert sorted(made) == ["Ouro-tiny", "huginn-tiny", "llama-tiny", "t5-tiny"]
+    for name, directory in made.items():
+        model, tok = speed.from_pretrained(directory), load_tokenizer(directory)
+        assert isinstance(model, SpeedT5 if name == "t5-tiny" else LoopedLM), name
+        assert tok.vocab_size <= model.config.vocab_size and tok.stop_ids, name
