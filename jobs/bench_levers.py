@@ -36,7 +36,10 @@ DEFAULT_LEVERS = "b6_rb8=branches:6,row_budget:8;lanes_rb8=branches:6,branch_dep
 def main(argv: list[str] | None = None) -> int:
     p = JobParser(prog="bench_levers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, action="append", metavar="[NAME=]PATH",
-                   help="a finetuned checkpoint or run (a local path or a URI); repeat, named, to compare")  # fmt: skip
+                   help="a finetuned checkpoint or run, or a Hugging Face directory (a local path or a URI); "
+                   "repeat, named, to compare")  # fmt: skip
+    p.add_argument("--task", default=None, help="the task whose split is decoded (default: the checkpoints' training "
+                   "task; a Hugging Face directory has none)")  # fmt: skip
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=30, help="sentences decoded")
     p.add_argument("--levers", default=DEFAULT_LEVERS, help="NAME=key:value,...;... (keys: speed.engine.Speculation's "
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with user_errors():  # a missing checkpoint, task or split, a misspelled lever: one line, status 2
         levers = parse_levers(args.levers)
-        works = {name: held_out(path, args.split, args.limit) for name, path in named(args.checkpoint).items()}
+        checkpoints = named(args.checkpoint)
+        works = {name: held_out(path, args.split, args.limit, args.task) for name, path in checkpoints.items()}
         work = same_workload(works)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     with torch.inference_mode():
         models = {name: w.model for name, w in works.items()}
-        run = run_lever_benchmark(models, work.inputs, levers, args.max_new_tokens, score_outputs(work))
+        quality, stops = score_outputs(work), work.tokenizer.stop_ids
+        run = run_lever_benchmark(models, work.inputs, levers, args.max_new_tokens, quality, stops)
     table = run.table
     report_rows(table, args, format_lever_table)
     if not args.json:

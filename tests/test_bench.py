@@ -268,3 +268,51 @@ def test_the_lever_benchmark_takes_a_looped_lm():
     assert list(rows) == ["sequential", "shallow", "speed", "lanes", "oracle"]
     assert all(rows[v]["identical"] for v in ("speed", "lanes", "oracle"))
     assert rows["oracle"]["passes_per_token"] <= rows["speed"]["passes_per_token"] < 3
+
+
+def test_the_lever_job_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, capsys):
+    """``jobs/bench_levers.py --checkpoint <Ouro directory> --task ...``: the task's sentences as user turns of the
+    directory's chat template, outputs ending at its stop ids (<|im_end|> too), every SPEED variant identical to
+    sequential decoding; the quality scores the sequential outputs against an independent decode."""
+    import pyarrow.parquet as pq
+    from imported_helpers import write_chat_ouro
+    from test_cli import _job
+
+    from speed.benchmarks.heldout import held_out
+    from speed.data import get_task, read_records
+    from speed.hf_tokenizer import load_tokenizer
+    from speed.models.family import family_of
+    from speed.models.pretrained import from_pretrained
+
+    directory = write_chat_ouro(tmp_path / "Ouro-tiny", end_of_turn_bias=0.36)
+    out = tmp_path / "levers.parquet"
+    argv = ["--checkpoint", str(directory), "--task", "translate_en_de", "--limit", "3", "--threads", "1"]
+    argv += ["--levers", "lanes=branches:2,branch_depth:2", "--max-new-tokens", "6", "--out", str(out)]
+    assert _job("bench_levers").main(argv) == 0
+    assert "model 2x3, 3 translate_en_de test sentences" in capsys.readouterr().out
+    rows = {r["variant"]: r for r in pq.read_table(out).to_pylist()}
+    assert set(rows) == {"sequential", "shallow", "speed", "lanes", "oracle"}
+    assert all(r["identical"] for v, r in rows.items() if v != "shallow") and rows["speed"]["metric"] == "bleu"
+    model, tok = from_pretrained(directory), load_tokenizer(directory)
+    work = held_out(str(directory), "test", 3, "translate_en_de")
+    task = family_of(model).read_task(get_task("translate_en_de"))  # an LM's: the instruction opens the source
+    sources = read_records(task, "test", None, 3).dataset["source"]
+    stopped = []
+    for source, ids in zip(sources, work.inputs):
+        assert ids == tok.encode_chat([{"role": "user", "content": source}])  # the directory's template
+        ref = generate(model, torch.tensor([ids]), method="sequential", max_new_tokens=6, stop_ids=tok.stop_ids)
+        stopped.append(ref.stopped[0])
+    assert any(stopped) and rows["sequential"]["tokens"] < 3 * 6  # some end at a stop id before the limit
+
+
+def test_the_lever_job_refuses_a_directory_it_cannot_read_in_one_line(tmp_path, capsys):
+    import json
+
+    from test_cli import _error_line
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    out = tmp_path / "levers.parquet"
+    message = _error_line(capsys, "bench_levers", ["--checkpoint", str(bad), "--task", "summarize", "--out", str(out)])
+    assert "model_type 'gpt2' is not one the platform loads" in message and not out.exists()

@@ -74,7 +74,7 @@ def test_a_request_body_becomes_one_speculation_over_the_deployments():
     from speed.serve.settings import ServeSettings
 
     body = CompletionRequest.model_validate({"prompt": [[5, 6, 1], [7, 1]], "n": 2, "branches": 2})
-    plan = plan_request(body, ServeSettings(launch_loop=2, min_confidence=0.25), None, "m")
+    plan = plan_request(body, ServeSettings(launch_loop=2, min_confidence=0.25, allow_branches=True), None, "m")
     first = plan.requests[0].speculation
     assert first == Speculation(launch_loop=2, branches=2, min_confidence=0.25)
     assert all(r.speculation is first for r in plan.requests)  # converted once

@@ -46,6 +46,7 @@ APP = "speed-test"
 SETTINGS = {"max_active": 4, "max_source_len": 48, "max_target_len": 400, "row_budget": 8, "max_tokens": 12}
 SETTINGS |= {"flush_rows": 3, "flush_s": 60}  # the size bound writes during the tests, __del__ the rest
 SETTINGS |= {"max_prompts": 8, "max_body_bytes": 16384}
+SETTINGS |= {"allow_branches": True}  # requests ask for runner-up branches (a CPU deploys without them by default)
 
 
 def _free_port() -> int:
@@ -128,6 +129,7 @@ def test_health_and_models(server):
     assert health["status"] == "ok" and health["replica"].startswith(APP)
     (card,) = requests.get(server.url + "/v1/models", timeout=30).json()["data"]
     assert (card["id"], card["pattern"], card["n_loops"], card["max_source_len"]) == ("tiny", "2x3", 3, 48)
+    assert card["allow_branches"] is True  # SETTINGS allows them
 
 
 def test_concurrent_answers_equal_offline_decoding(server):

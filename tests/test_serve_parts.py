@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from speed import SpeedT5, generate, preset
-from speed.engine import EngineConfig, Finished, Request, Speculation, as_stepper
+from speed.engine import Engine, EngineConfig, Finished, Request, Speculation, as_stepper
 from speed.engine.trace import TRACE_SCHEMA
 from speed.loadtest.loadgen import LoadConfig, arrival_times, summarize
 from speed.paths import repo_root
@@ -898,4 +898,43 @@ def test_a_replicas_settings_take_its_devices_defaults_where_user_config_sets_no
     assert (settings(gpu, {}).branches, settings(gpu, {}).branch_depth) == (3, 3)
     assert (settings(gpu, {"branches": 1}).branches, settings(gpu, {"branches": 1}).branch_depth) == (1, 3)
     assert settings(gpu, {"max_active": 4}).max_active == 4
+    assert settings(gpu, {}).allow_branches and not settings(cpu, {}).allow_branches  # side entries where they win
+    assert settings(gpu, {"allow_branches": False}).speculation == ServeSettings().speculation  # none of the GPU's
+    assert settings(cpu, {"branches": 2}).allow_branches  # a default asking for branches allocates them
     assert settings(cpu, None).speculation == settings(cpu, {}).speculation == ServeSettings().speculation
+
+
+def test_a_deployment_without_branches_holds_no_side_entries_and_refuses_a_branches_request():
+    """``allow_branches`` off (a CPU's default): the engine's memory need has no side entries and a request asking
+    for branches is a 400 naming the setting to deploy with; on: side entries, and branches decode the sequential
+    tokens bit for bit."""
+    from speed.serve.planning import plan_request
+    from speed.serve.protocol import BadRequest, CompletionRequest
+    from speed.serve.settings import ServeSettings
+
+    torch.manual_seed(0)
+    model = SpeedT5(preset("tiny", pattern="2x3", vocab_size=64)).eval()
+    size = {"max_active": 2, "max_source_len": 8, "max_target_len": 8, "max_tokens": 8}
+    off = ServeSettings.on_device("cpu", 3, size)
+    on = ServeSettings.on_device("cpu", 3, {**size, "allow_branches": True})
+    stepper = as_stepper(model)
+    for settings, allowed in ((off, False), (on, True)):
+        c = settings.engine_config()
+        assert c.branches is allowed and settings.allow_branches is allowed
+        need = stepper.memory_need(c.max_active, c.max_prompt_len, c.max_target_len, c.branches)
+        assert (need.side > 0) is allowed
+    body = CompletionRequest.model_validate({"prompt": [5, 6, 7, 1], "branches": 2, "branch_depth": 2})
+    with pytest.raises(BadRequest) as refused:
+        plan_request(body, off, None, "m")
+    err = refused.value
+    assert (err.status, err.param) == (400, "branches") and "\n" not in err.message
+    assert "deploy it with allow_branches: true" in err.message
+    sequential = CompletionRequest.model_validate({"prompt": [5, 6, 7, 1], "method": "sequential", "branches": 2})
+    assert plan_request(sequential, off, None, "m").requests[0].method == "sequential"  # no branches asked of it
+    engine = Engine(model, on.engine_config())
+    engine.add(plan_request(body, on, None, "m").requests[0])
+    finished = []
+    while engine.has_work:
+        finished += engine.step().finished
+    want = generate(model, torch.tensor([[5, 6, 7, 1]]), method="sequential", max_new_tokens=8).tokens[0]
+    assert finished[0].tokens == want

@@ -120,11 +120,42 @@ def test_exit_kl_is_zero_on_agreement_and_counts_agreement():
     assert kl.abs().max() < 1e-6 and agree.tolist() == [1.0]
 
 
-def test_the_job_refuses_the_last_loop(tiny_tokenizer, tmp_path, capsys):
-    checkpoint = _tiny_checkpoint(tmp_path / "ckpt", tiny_tokenizer)
+def _job():
     spec = importlib.util.spec_from_file_location("train_exits_job", repo_root() / "jobs" / "train_exits.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
+    return job
+
+
+def test_the_job_refuses_the_last_loop(tiny_tokenizer, tmp_path, capsys):
+    checkpoint = _tiny_checkpoint(tmp_path / "ckpt", tiny_tokenizer)
     with pytest.raises(SystemExit) as exit_:
-        job.main(["--checkpoint", checkpoint, "--loops", "3", "--storage-path", str(tmp_path)])
+        _job().main(["--checkpoint", checkpoint, "--loops", "3", "--storage-path", str(tmp_path)])
     assert exit_.value.code == 2 and "never adapted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("ouro", "is a Hugging Face ouro directory: exit adapters train on the split and with the spm.model"),
+        ("gpt2", "model_type 'gpt2' is not one the platform loads"),
+    ],
+)
+def test_the_job_refuses_a_hugging_face_directory_in_one_line(tmp_path, capsys, kind, message):
+    """A Hugging Face directory holds no training job (no split, no spm.model): one line, status 2, no run folder,
+    nothing written beside the model."""
+    from imported_helpers import write_chat_ouro
+
+    directory = tmp_path / kind
+    if kind == "ouro":
+        write_chat_ouro(directory)
+    else:
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({"model_type": kind}))
+    before = sorted(p.name for p in directory.iterdir())
+    runs = tmp_path / "runs"
+    with pytest.raises(SystemExit) as exit_:
+        _job().main(["--checkpoint", str(directory), "--storage-path", str(runs), "--no-tracking"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err and message in err, err
+    assert not runs.exists() and sorted(p.name for p in directory.iterdir()) == before

@@ -10,40 +10,43 @@ from typing import Any
 
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
+from speed.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
 class HeldOut:
-    """A trained checkpoint and its task's held-out sentences as its family reads them (the benchmarks' workload)."""
+    """A model and a task's held-out sentences as its family reads them (the benchmarks' workload)."""
 
     model: SpeedT5 | LoopedLM
     task: str
     inputs: list[list[int]]  # T5's encoder inputs, an LM's chat prompts
     references: list[str]  # the records' targets
-    tokenizer_path: str
+    tokenizer: TextTokenizer  # the model's: decodes its outputs, says where they end (``stop_ids``)
 
 
-def held_out(checkpoint: str, split: str, limit: int | None) -> HeldOut:
-    """Load ``checkpoint`` and encode the first ``limit`` records of its training task's ``split`` as its family
-    reads them (T5's encoder inputs, an LM's chat prompts), truncated as in training; a checkpoint without
-    tokenizer or task is a clear error."""
+def held_out(checkpoint: str, split: str, limit: int | None, task: str | None = None) -> HeldOut:
+    """Load ``checkpoint`` (a platform checkpoint or a Hugging Face directory: ``load_pretrained``) and encode the
+    first ``limit`` records of ``task``'s ``split`` (by default the checkpoint's training task) as its family reads
+    them (T5's encoder inputs, an LM's prompts in its tokenizer's chat template), truncated as in training; a
+    checkpoint without tokenizer or task is a one-line error."""
     from speed.data import get_task, read_records
-    from speed.models.checkpoint import load_model
+    from speed.hf_tokenizer import chat_renderer, load_tokenizer
     from speed.models.family import family_of
-    from speed.tokenizer import Tokenizer
+    from speed.models.pretrained import load_pretrained
 
-    loaded = load_model(checkpoint)
+    loaded = load_pretrained(checkpoint)
     if loaded.tokenizer_path is None:
-        raise FileNotFoundError(f"checkpoint {checkpoint} holds no spm.model")
+        raise FileNotFoundError(f"checkpoint {checkpoint} holds no spm.model nor tokenizer.json")
     data = loaded.config.get("job", {}).get("data", {})
-    if not data.get("task"):
-        raise ValueError(f"checkpoint {checkpoint} records no training task")
+    task = task or data.get("task")
+    if not task:
+        raise ValueError(f"checkpoint {checkpoint} records no training task; pass --task")
     family = family_of(loaded.model)
-    records = read_records(family.read_task(get_task(data["task"])), split, data.get("source"), limit)
+    records = read_records(family.read_task(get_task(task)), split, data.get("source"), limit)
     columns = records.dataset.to_dict()
-    tok = Tokenizer.load(loaded.tokenizer_path)
-    inputs = family.encode_sources(columns["source"], tok, data.get("max_source_len") or 512)
-    return HeldOut(loaded.model, data["task"], inputs, columns["target"], loaded.tokenizer_path)
+    tok = load_tokenizer(loaded.tokenizer_path)
+    inputs = family.encode_sources(columns["source"], tok, data.get("max_source_len") or 512, chat_renderer(tok))
+    return HeldOut(loaded.model, task, inputs, columns["target"], tok)
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,8 @@ class Quality:
 def _scoring(held: HeldOut) -> tuple[Any, str]:
     """The tokenizer that detokenizes ``held``'s outputs, and its task's metric (BLEU for translation, else ROUGE-L)."""
     from speed.data import get_task
-    from speed.tokenizer import Tokenizer
 
-    return Tokenizer.load(held.tokenizer_path), "bleu" if "bleu" in get_task(held.task).metrics else "rougeL"
+    return held.tokenizer, "bleu" if "bleu" in get_task(held.task).metrics else "rougeL"
 
 
 def score_outputs(held: HeldOut, samples: int = 1000) -> Callable[[list[list[int]]], Quality]:

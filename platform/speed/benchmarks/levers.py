@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -132,10 +132,12 @@ def run_lever_benchmark(
     levers: dict[str, LeverSetting],
     max_new_tokens: int,
     quality: Callable[[list[list[int]]], Quality] | None = None,
+    stop_ids: Collection[int] | None = None,
 ) -> LeverRun:
     """Batch 1, greedy: each input decoded by every model's variants (``_lever_variants``), which alternate per
     sentence in a rotating order, so that a loaded machine slows them alike. ``quality`` scores a model's
-    sequential outputs (every exact variant's too). One row per (model, variant) (``LEVER_BENCH_SCHEMA``)."""
+    sequential outputs (every exact variant's too); ``stop_ids``: where outputs end (None: the model's EOS). One row
+    per (model, variant) (``LEVER_BENCH_SCHEMA``)."""
     models = {"model": models} if isinstance(models, torch.nn.Module) else dict(models)
     variants = [v for name, model in models.items() for v in _lever_variants(name, model, levers)]
     keys = [(v.model, v.name) for v in variants]
@@ -160,6 +162,7 @@ def run_lever_benchmark(
                 trace=False,
                 oracle=known,
                 row_budget=v.setting.row_budget,
+                stop_ids=stop_ids,
             )
             seconds[v.model, v.name] += time.perf_counter() - t0
             cpu[v.model, v.name] += time.process_time() - c0

@@ -169,6 +169,7 @@ def _deploy(config: ServeBenchConfig, stats_path: str) -> dict[str, str]:
     biggest = max(config.concurrency)
     deploy |= {"max_ongoing_requests": biggest + 4, "max_queued_requests": 4 * biggest}
     batching = {**common, "max_active": config.max_active, "row_budget": config.row_budget}
+    batching["allow_branches"] = bool(config.levers() and config.levers().branches)  # variant d's side entries
     return {
         "one": start_app(AppConfig(config.checkpoint, settings={**common, "max_active": 1}, name="one",
                                    route_prefix="/one", **deploy)),

@@ -45,8 +45,8 @@ from pydantic import BaseModel
 from ray import serve
 from starlette.requests import Request as StarletteRequest
 
-from speed.config import coerce, from_dict
-from speed.engine.defaults import device_exit_adapters, device_levers
+from speed.config import coerce
+from speed.engine.defaults import device_exit_adapters
 from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import Answering, streamed_answer, whole_answer
 from speed.serve.metrics import ServeCounters, ServeMetrics, resident_bytes
@@ -158,9 +158,9 @@ class SpeedServer:
         self.settings = settings
 
     def _settings(self, user_config: dict[str, Any] | None) -> ServeSettings:
-        """``user_config`` as settings; SPEED's settings it leaves out take the device's defaults
-        (``speed.engine.defaults``: runner-up branches with lanes on a GPU, plain SPEED on a CPU)."""
-        return from_dict(ServeSettings, device_levers(self.device, self.model.n_loops) | dict(user_config or {}))
+        """``user_config`` as this replica's settings (``ServeSettings.on_device``: SPEED's settings it leaves out,
+        and whether branches are allocated, follow the device)."""
+        return ServeSettings.on_device(self.device, self.model.n_loops, user_config)
 
     def check_health(self) -> None:
         """Serve's health probe: the stepping loop must not have died."""
@@ -202,6 +202,7 @@ class SpeedServer:
             "n_loops": self.model.n_loops,
             "max_source_len": self.settings.max_source_len,
             "max_target_len": self.settings.max_target_len,
+            "allow_branches": self.settings.allow_branches,  # whether a request may ask for runner-up branches
         }
         return {"object": "list", "data": [card]}
 

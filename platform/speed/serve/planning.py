@@ -110,6 +110,12 @@ def plan_request(
     given = {name: getattr(body, name) for name in LEVERS if getattr(body, name) is not None}
     speculation = replace(s.speculation, **given)  # the protocol checked the body's values as Speculation does
     method = body.method or s.method
+    if method == "speed" and speculation.branches and not s.allow_branches:  # the cache has no side entries
+        raise BadRequest(
+            f"branches={speculation.branches}: this deployment allocates no runner-up branches; deploy it with "
+            "allow_branches: true (a ServeSettings key: jobs/serve.py --set allow_branches=true)",
+            "branches",
+        )
     stops = getattr(tokenizer, "stop_ids", None)  # None (token-id prompts, no tokenizer): the model's EOS
     exit_rule = _exit_rule(body, method)
     requests, prompt_of, seeds = [], [], []

@@ -21,6 +21,7 @@ from speed.chat import ChatRenderer
 from speed.config import from_dict
 from speed.data import get_task
 from speed.engine import LEVERS, METHODS, EngineConfig, Method, Request, SpeculationFields
+from speed.engine.defaults import device_levers
 from speed.hf_tokenizer import chat_renderer, load_tokenizer
 from speed.models.checkpoint import checkpoint_family
 from speed.models.family import Family, get_family
@@ -44,6 +45,10 @@ class ServeSettings(SpeculationFields):
     max_source_len: int = 128
     max_target_len: int = 128  # largest max_tokens
     row_budget: int | None = None  # rows per engine step; None: every in-flight row
+    # runner-up branches: the engine's cache holds their side entries (M^2 per slot, speed.engine.memory), and a
+    # request may ask for them; None: as the replica's device's default SPEED (a GPU's uses them, a CPU's does not),
+    # or on where ``branches`` (the requests' default) is set
+    allow_branches: bool | None = None
     method: Method = "speed"  # defaults for requests that leave them out (SPEED's settings: SpeculationFields)
     task: str | None = None  # the task of text prompts that name none (T5: its prefix; an LM: its instruction)
     max_tokens: int = 64
@@ -69,6 +74,12 @@ class ServeSettings(SpeculationFields):
             raise ValueError(f"ServeSettings.method must be one of {METHODS}, got {self.method!r}")
         if self.task is not None:
             get_task(self.task)
+        if self.allow_branches not in (None, True, False):
+            raise ValueError(f"ServeSettings.allow_branches must be true, false or null, got {self.allow_branches!r}")
+        if self.allow_branches is None and self.branches:  # the requests' default asks for them: allocated
+            object.__setattr__(self, "allow_branches", True)
+        if self.allow_branches is False and self.branches:
+            raise ValueError(f"ServeSettings: branches={self.branches} needs allow_branches: true")
         if self.max_tokens > self.max_target_len:
             raise ValueError(f"ServeSettings.max_tokens {self.max_tokens} exceeds max_target_len {self.max_target_len}")
         if type(self.trace) is not bool:
@@ -84,7 +95,22 @@ class ServeSettings(SpeculationFields):
             max_target_len=self.max_target_len,
             row_budget=self.row_budget,
             trace=self.trace,
+            branches=bool(self.allow_branches),  # None (no device resolved it): none
         )
+
+    @classmethod
+    def on_device(cls, device: str, n_loops: int, user_config: dict[str, Any] | None) -> ServeSettings:
+        """A replica's settings: ``user_config``, SPEED's settings it leaves out taking ``device``'s defaults
+        (``speed.engine.defaults.device_levers``: runner-up branches with lanes on a GPU, plain SPEED on a CPU),
+        and ``allow_branches`` left out on where those defaults or ``branches`` use branches; a deployment
+        without branches takes none of the device's branch settings."""
+        given = dict(user_config or {})
+        levers = device_levers(device, n_loops)
+        if given.get("allow_branches") is None:
+            given["allow_branches"] = bool(given.get("branches", levers.get("branches")))
+        if given["allow_branches"] is False:
+            levers = {k: v for k, v in levers.items() if k not in ("branches", "branch_depth")}
+        return from_dict(cls, levers | given)
 
     def check_model(self, n_loops: int) -> None:
         """``ValueError`` when a request default needs more loops than the served model's ``n_loops``."""

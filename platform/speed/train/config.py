@@ -156,6 +156,30 @@ class TrackingConfig:
         return (Path(storage_path).expanduser().resolve() / "mlruns").as_uri()
 
 
+HF_PREFIX = "hf:"  # ``--init-from hf:<name or path>``: a Hugging Face T5 v1.1 (a hub name, or a directory)
+
+
+def hub_origin(origin: str) -> str | None:
+    """The Hugging Face model that ``--init-from`` names (``hf:<name or path>``, or a directory whose config.json is a
+    Hugging Face one: ``speed.models.pretrained.model_source``), None for a platform checkpoint or run. Finetuning
+    tokenizes its data with a SentencePiece model (the platform's ``Tokenizer``), so a directory of another form
+    (Ouro, Huginn, Llama: a tokenizer.json) is a one-line ``ValueError``, as is one the platform cannot read."""
+    from speed.models.pretrained import model_source
+
+    name = origin.removeprefix(HF_PREFIX)
+    if origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists():
+        return name  # a hub name: T5Config.from_pretrained reads it
+    source = model_source(name)
+    if source == "platform":
+        return None
+    if source != "t5":
+        raise ValueError(
+            f"--init-from {origin}: a Hugging Face {source} directory; finetuning tokenizes its data with a "
+            "SentencePiece model (a T5 v1.1's spiece.model): the platform's data preparation takes no tokenizer.json"
+        )
+    return name
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """Everything a pretraining or finetuning job needs; travels inside every checkpoint."""
@@ -169,7 +193,7 @@ class JobConfig:
     run: RunSettings = field(default_factory=RunSettings)
     eval: EvalConfig | None = field(default_factory=EvalConfig)  # finetune: evaluated at the end; None: not
     tracking: TrackingConfig | None = field(default_factory=TrackingConfig)  # MLflow; None: no live tracking
-    init_from: str | None = None  # finetune: a speed checkpoint dir/URI, or "hf:<name or path>" (T5 v1.1 weights)
+    init_from: str | None = None  # finetune: a speed checkpoint dir/URI, or a T5 v1.1 (hf:<name or path>, a folder)
     resume: str | None = None  # continue a finished or interrupted run from this checkpoint (or run) dir/URI
 
     def __post_init__(self) -> None:
@@ -183,7 +207,7 @@ class JobConfig:
             )
         if self.kind == "finetune" and self.eval is not None:
             self.final_eval.check_complete()  # checked now, not after training: e.g. a task without references
-        if not self.family.hub_init and self.init_from is not None and self.init_from.startswith("hf:"):
+        if not self.family.hub_init and self.init_from is not None and self.init_from.startswith(HF_PREFIX):
             raise ValueError(f"--init-from {self.init_from}: Hugging Face T5 weights need --model t5")
 
     @property
@@ -358,7 +382,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--storage-path": ("run.storage_path", str, "local folder or URI (s3://...) for checkpoints and results"),
     "--name": ("run.name", str, "run name (default: deterministic from the config)"),
     "--max-failures": ("run.max_failures", int, "retries from the newest checkpoint (sweeps: of lost nodes)"),
-    "--init-from": ("init_from", str, "finetune from a speed checkpoint, or hf:<T5 v1.1 name or path>"),
+    "--init-from": ("init_from", str, "finetune from a speed checkpoint, or a T5 v1.1: hf:<name or path>, a directory"),
     "--resume": ("resume", str, "continue from a checkpoint or run directory"),
     "--eval-split": ("eval.split", str, "split evaluated after finetuning"),
     "--eval-limit": ("eval.limit", int, "first N records of the evaluation split"),

@@ -39,13 +39,13 @@ from speed.models.checkpoint import (
     checkpoint_family,
     latest_checkpoint,
     load_exits,
-    load_model,
     local_checkpoint,
     newest_complete_checkpoint,
     read_checkpoint_config,
     save_exits,
 )
 from speed.models.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach, exit_kl, exits_for
+from speed.models.pretrained import load_pretrained, model_source
 from speed.storage import absolute, locate
 from speed.train import tracking
 from speed.train.config import JobConfig, TrackingConfig, job_from_dict, job_to_dict
@@ -134,7 +134,14 @@ def source_job(checkpoint: str) -> JobConfig:
 
 def check_inputs(config: ExitTrainConfig) -> None:
     """Fail now on a checkpoint, loops, target or tracking store that cannot work (``ValueError``,
-    ``FileNotFoundError``)."""
+    ``FileNotFoundError``): a directory the platform cannot read, or a Hugging Face one (``model_source``), which
+    holds neither the training split nor the tokenizer of a platform job, is one line before anything starts."""
+    source = model_source(config.checkpoint)
+    if source != "platform":
+        raise ValueError(
+            f"{config.checkpoint} is a Hugging Face {source} directory: exit adapters train on the split and with the "
+            f"{TOKENIZER_FILE} of the platform job that made a checkpoint, and it holds neither"
+        )
     checkpoint = latest_checkpoint(absolute(config.checkpoint))
     job = source_job(checkpoint)
     if not (locate(checkpoint) / TOKENIZER_FILE).is_file():
@@ -224,7 +231,7 @@ def exits_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(config.cpus_per_worker)))
     device = ray.train.torch.get_device()
     with local_checkpoint(config.checkpoint) as directory:
-        model = load_model(directory, exits=False).model
+        model = load_pretrained(directory, exits=False).model
     model.requires_grad_(False)
     torch.manual_seed(config.seed)
     adapters = exits_for(model, config.rank, config.loops)

@@ -46,9 +46,7 @@ from speed.paths import data_dir
 from speed.storage import absolute, locate
 from speed.tokenizer import Tokenizer, train_tokenizer
 from speed.train import local_ray
-from speed.train.config import JobConfig, job_from_args, job_to_dict, run_name
-
-HF_PREFIX = "hf:"
+from speed.train.config import JobConfig, hub_origin, job_from_args, job_to_dict, run_name
 
 
 @dataclass(frozen=True)
@@ -156,8 +154,11 @@ def check_inputs(job: JobConfig) -> None:
         resolve_source(get_task(final.task), final.split, final.source)
     if job.data.tokenizer is not None and not Path(job.data.tokenizer).expanduser().is_file():
         raise FileNotFoundError(f"no tokenizer file at {job.data.tokenizer}")
-    for origin in (job.init_from, job.resume):
-        if origin is not None and not origin.startswith(HF_PREFIX):
+    hub = hub_origin(job.init_from) if job.init_from is not None else None  # an unreadable directory: its line
+    if hub is not None and not job.family.hub_init:
+        raise ValueError(f"--init-from {job.init_from}: Hugging Face T5 weights need --model t5")
+    for origin in (None if hub else job.init_from, job.resume):
+        if origin is not None:
             latest_checkpoint(origin)
     tracking.check(job)
 
@@ -176,7 +177,8 @@ def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
     is exactly the tokenizer's.
     """
     origin = job.resume or job.init_from
-    if origin and not origin.startswith(HF_PREFIX):
+    hub = hub_origin(origin) if origin and not job.resume else None
+    if origin and hub is None:
         with local_checkpoint(origin) as directory:
             saved = read_checkpoint_config(directory)
             if not (directory / TOKENIZER_FILE).is_file():
@@ -187,10 +189,9 @@ def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
         _note_replaced(job.model, model, origin)
         return ResolvedJob.of(replace(job, model=model), tokenizer_path)
     if origin:
-        name = origin[len(HF_PREFIX) :]
-        model = _hf_model_config(name, job.model.pattern)
+        model = _hf_model_config(hub, job.model.pattern)
         _note_replaced(job.model, model, origin)
-        return ResolvedJob.of(replace(job, model=model), _hf_tokenizer(name))
+        return ResolvedJob.of(replace(job, model=model), _hf_tokenizer(hub))
     tokenizer_path = Path(job.data.tokenizer) if job.data.tokenizer else _trained_tokenizer(job)
     # Exactly the tokenizer's size, unpadded: ids past it would be undecodable if an undertrained model chose them.
     vocab = Tokenizer.load(tokenizer_path).vocab_size

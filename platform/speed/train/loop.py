@@ -38,17 +38,17 @@ from speed.losses import loss_weights, settled_loss
 from speed.models.checkpoint import (
     MODEL_FILE,
     TOKENIZER_FILE,
-    load_model,
     local_checkpoint,
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
 from speed.models.family import build_model
 from speed.models.looped_lm import LoopedLM
+from speed.models.pretrained import load_pretrained
 from speed.models.t5 import SpeedT5
 from speed.train import tracking
 from speed.train.batches import BatchPlan
-from speed.train.config import JobConfig, job_from_dict, job_to_dict
+from speed.train.config import JobConfig, hub_origin, job_from_dict, job_to_dict
 from speed.train.optim import build_optimizer, build_scheduler, follow_parameters, lr_factor
 from speed.train.state import (
     TrainingState,
@@ -89,18 +89,19 @@ def _hang(rank: int, step: int) -> None:
 
 
 def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
-    """A fresh model of the job's family (seeded), or the weights of ``init_from`` (a speed checkpoint or
-    ``hf:`` T5 v1.1)."""
+    """A fresh model of the job's family (seeded), or the weights of ``init_from`` (a speed checkpoint, or a
+    T5 v1.1: ``hf:`` or a Hugging Face directory, ``speed.train.config.hub_origin``)."""
     torch.manual_seed(job.train.seed)
     if job.init_from is None or not load_init:
         return build_model(job.model)
-    if job.init_from.startswith("hf:"):
+    hub = hub_origin(job.init_from)
+    if hub is not None:  # the job's pattern, not the directory's: convert_t5 re-loops the layers
         from speed.models.convert_t5 import from_pretrained
 
-        model = from_pretrained(job.init_from[3:], pattern=job.model.pattern)
+        model = from_pretrained(hub, pattern=job.model.pattern)
     else:
         with local_checkpoint(job.init_from) as directory:
-            model = load_model(directory, exits=False).model  # its backbone: exit adapters are trained apart
+            model = load_pretrained(directory, exits=False).model  # its backbone: exit adapters are trained apart
     if model.config != job.model:
         raise ValueError(f"--init-from {job.init_from} holds model {model.config}, but the job resolved {job.model}")
     return model.train()
