@@ -5,6 +5,7 @@ native kernel and on the widened fallback; the logits close to float32's of the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -173,3 +174,54 @@ def test_evaluate_job_runs_in_bf16_weights(tmp_path):
     assert runs["bfloat16"]["decode"]["identical"]
     full, half = (runs[d]["perplexity"]["loss"] for d in ("float32", "bfloat16"))
     assert full != half and half == pytest.approx(full, rel=1e-2)
+
+
+def train_tiny_lm(root, steps: int = 200):
+    """A 2x3 looped LM (d_model 64) trained ``steps`` steps on the pretraining text (rows of 64 tokens, batch 16),
+    saved as a checkpoint with its tokenizer: the folder (one thread, ~30 s)."""
+    from speed.config import lm_preset
+    from speed.data import load_records
+    from speed.models.checkpoint import save_model
+    from speed.models.looped_lm import LoopedLM, next_token_labels
+    from speed.tokenizer import train_tokenizer
+
+    texts = [r["text"] for r in load_records("pretrain", "train", limit=400)]
+    tok = train_tokenizer(texts, root / "spm.model", vocab_size=500, num_extra=4)
+    stream = [t for ids in tok.encode_batch(texts) for t in ids]
+    rows = torch.tensor(stream[: len(stream) // 64 * 64]).view(-1, 64)
+    torch.manual_seed(0)
+    config = lm_preset("tiny", vocab_size=tok.vocab_size, d_model=64, n_heads=4, n_kv_heads=4, d_ff=128, pattern="2x3")
+    model = LoopedLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    order = random.Random(0)
+    for _ in range(steps):
+        batch = rows[order.sample(range(len(rows)), 16)]
+        loss = model(batch, labels=next_token_labels(batch)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 6.0, f"the model did not train (loss {loss.item():.2f})"
+    return save_model(root / "model", model.eval(), tok.path)
+
+
+@pytest.mark.slow
+def test_bf16_tokens_mostly_agree_with_float32s_on_a_trained_lm(tmp_path, capsys):
+    """``jobs/bench_decode.py --agreement`` on a trained tiny LM: its line (docs/benchmarks.md) and most tokens
+    agreeing at every loop."""
+    import importlib.util
+
+    from speed.paths import repo_root
+
+    directory = train_tiny_lm(tmp_path)
+    spec = importlib.util.spec_from_file_location("bench_decode_job", repo_root() / "jobs" / "bench_decode.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    flags = ["--agreement", str(directory), "--agreement-prompts", "8", "--prompt-len", "32", "--new-tokens", "64"]
+    assert job.main([*flags, "--threads", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert job.main([*flags, "--threads", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    with capsys.disabled():
+        print(f"\n{line}")
+    assert report["positions"] == 8 * 64 and line.startswith("token agreement: ")
+    assert all(a >= 0.9 * report["positions"] for a in report["agreeing"])
