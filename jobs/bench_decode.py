@@ -18,14 +18,20 @@ SPEED's, so the difference is the adapters' cost.
 --shape (speed.benchmarks.shapes): a published model's real shape (ouro-1.4b, ouro-2.6b, huginn-3.5b at
 --recurrence loops, default 4 of its published 32; t5-large), random weights as --dtype, checked against the
 available memory first; sequential, oracle SPEED and SPEED at each --batches, the weights read per token, the GB/s
-that implies, the machine's read bandwidth measured in the same run (the limit) and the peak resident set.
+that implies, the machine's read bandwidth measured in the same run (the limit) and the peak resident set;
+--dtype bfloat16 (the default) is bf16 weights (speed.models.precision), float32 the whole model in float32.
+
+--agreement CHECKPOINT (speed.benchmarks.precision): a trained looped LM's greedy tokens in bf16 weights against
+float32's, on --agreement-prompts validation documents' first --prompt-len tokens, --new-tokens each.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,9 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.benchmarks.decode import BenchConfig, format_table, run_benchmark
 from speed.benchmarks.decode_lm import LMBenchConfig, run_lm_benchmark
+from speed.benchmarks.precision import corpus_prompts, precision_agreement
 from speed.benchmarks.shapes import SHAPES, ShapeBenchConfig, format_shape_table, run_shape_benchmark
 from speed.cli import JobParser, add_report_flags, config_from_args, report_rows, user_errors
 from speed.config import lm_preset, preset
+from speed.hf_tokenizer import load_tokenizer
+from speed.models.pretrained import load_pretrained
 
 
 def _t5_benchmark(args: argparse.Namespace) -> Callable[[], pa.Table]:
@@ -61,6 +70,16 @@ def _shape_benchmark(args: argparse.Namespace) -> ShapeBenchConfig:
     return config_from_args(
         ShapeBenchConfig, args, model=model, batches=batches, bandwidth_bytes=args.bandwidth_mib * 2**20
     )
+
+
+def _agreement(args: argparse.Namespace) -> int:
+    """``--agreement``: the checkpoint's greedy tokens in bf16 weights against float32 (one line, or JSON)."""
+    with user_errors():
+        loaded = load_pretrained(args.agreement, exits=False)
+        prompts = corpus_prompts(load_tokenizer(loaded.tokenizer_path), args.agreement_prompts, args.prompt_len)
+    agreement = precision_agreement(loaded.model, prompts, args.new_tokens)
+    print(json.dumps(asdict(agreement)) if args.json else agreement.describe())
+    return 0
 
 
 # --family -> (the benchmark its flags set up, its default output)
@@ -90,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,4", help="--shape: the batches, comma-separated")
     p.add_argument("--dtype", default="bfloat16", help="--shape: the weights' dtype")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="--shape: the read-bandwidth buffer")
+    p.add_argument("--agreement", default=None, help="a looped LM checkpoint: bf16 weights' tokens against float32's")
+    p.add_argument("--agreement-prompts", type=int, default=16, help="--agreement: validation documents' prompts")
     add_report_flags(p, None, "default: results/bench_decode[_lm|_shapes].parquet")
     args = p.parse_args(argv)
     shape = args.shape is not None
@@ -99,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, value)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.agreement is not None:
+        return _agreement(args)
     if shape:
         args.out = args.out or Path("results/bench_decode_shapes.parquet")
         with user_errors():  # an unknown shape, or one that does not fit in memory: one line, status 2

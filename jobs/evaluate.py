@@ -17,6 +17,8 @@ either way, the steps per token and the time not.
 --checkpoint names a checkpoint or a run (its newest complete checkpoint), or a Hugging Face model directory
 (Ouro, Huginn, Llama, T5 v1.1: docs/models.md, "Bring your own looped LM"; its own tokenizer, chat template and
 stop tokens), a local path or a URI (s3://, gs://: docs/training.md, "Storage").
+--dtype bfloat16 evaluates it in bf16 weights (its linear weights bfloat16, everything else float32; SPEED still
+equals sequential decoding bit for bit: docs/decoding.md).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from speed.engine.memory import MemoryBudgetError
 from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
 from speed.hf_tokenizer import load_tokenizer
 from speed.models.exits import EXITS_CONFIG_FILE
+from speed.models.precision import with_dtype
 from speed.models.pretrained import load_pretrained
 from speed.storage import locate
 
@@ -75,6 +78,7 @@ SETTINGS = {
     "exit_threshold": "kind threshold: the cumulative exit probability to reach, in (0, 1] (default 1.0)",
     "exit_step": "kind step: the 0-based loop whose logits decide (default 0)",
 }
+DTYPES = ("float32", "bfloat16")  # --dtype: float32, or bf16 weights
 UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted weights): T5's input length
 
 
@@ -105,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output folder or URI (default: <checkpoint>/eval/<task>-<split>)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="bfloat16: bf16 weights, the linear weights bfloat16 and the rest float32 (speed.models.precision)",
+    )
     return p.parse_args(argv)
 
 
@@ -134,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plain = "-no-exit-adapters" if unused else ""  # beside the evaluation with them, not over it
     out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}{plain}"
     model = loaded.model.to(args.device)  # the loader fills a CPU-built model: move it where it should decode
+    model = with_dtype(model, getattr(torch, args.dtype))
     with user_errors((MemoryBudgetError,)):  # a batch the device cannot hold: one line saying what fits, status 2
         summary = run_evaluation(model, tokenizer, config, out)
     print(format_summary(summary))

@@ -285,19 +285,22 @@ def test_speed_equals_sequential_with_a_base_width_mlp(family, threads):
     assert got.tokens == ref.tokens and compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
 
 
-def test_rows_linear_rows_do_not_depend_on_company_position_or_count(threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_linear_rows_do_not_depend_on_company_position_or_count(threads, dtype):
     """A prefill's matmuls (``rows_linear``: tiles of ``PREFILL_ROWS``): a row's result is the same alone, among
     up to 150 rows at any place (so in any tile, with any tile size up to 64 rows), at the widths of real
-    layers (2048: base size's MLP output projection, whose one-row call oneDNN would round otherwise)."""
+    layers (2048: base size's MLP output projection, whose one-row call oneDNN would round otherwise); with
+    float32 weights and with bfloat16 ones (bf16 weights: float32 rows on the native kernel, or widened)."""
     from speed.engine.kernels import PREFILL_ROWS, rows_linear
 
     rng = random.Random(threads)
     torch.manual_seed(threads)
     for inn, out in ((32, 80), (768, 2304), (2048, 768), (100, 130)):
-        layer = torch.nn.Linear(inn, out, bias=False)
+        layer = torch.nn.Linear(inn, out, bias=False).to(dtype)
         x = torch.randn(inn)
         alone = rows_linear(layer, x[None])[0]
-        assert torch.allclose(alone, layer(x), atol=1e-4)
+        assert alone.dtype == torch.float32
+        assert torch.allclose(alone, F.linear(x, layer.weight.float()), atol=1e-4)
         for n in (2, 3, PREFILL_ROWS - 1, PREFILL_ROWS, PREFILL_ROWS + 1, 150):
             rows = torch.randn(n, inn)
             at = rng.randrange(n)

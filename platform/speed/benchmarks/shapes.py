@@ -35,6 +35,7 @@ from speed.engine.memory import MemoryBudgetError, MemoryNeed, available_bytes, 
 from speed.models.convert_huginn import config_from_huginn
 from speed.models.convert_ouro import config_from_ouro
 from speed.models.family import build_model
+from speed.models.precision import with_dtype
 
 # The published config.json fields the importers read (ByteDance/Ouro-1.4B and -2.6B, tomg-group-umd/huginn-0125,
 # google/t5-v1_1-large); nothing else of them matters to the shapes.
@@ -109,9 +110,10 @@ class ShapeBenchConfig:
 
 
 def empty_model(config: ModelConfig | LMConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """A model of ``config`` on the meta device as ``dtype``: its shapes, no memory."""
+    """A model of ``config`` on the meta device as ``dtype`` (``torch.bfloat16``: bf16 weights, the linear weights
+    bfloat16 and the rest float32, ``speed.models.precision``): its shapes, no memory."""
     with torch.device("meta"):
-        return build_model(config).to(dtype)
+        return with_dtype(build_model(config), dtype)
 
 
 def random_weights(model: torch.nn.Module, seed: int, device: str, eos_id: int) -> torch.nn.Module:

@@ -149,22 +149,50 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
     if LINEAR == "native" and tile_rows <= native.MAX_ROWS and _no_grad(layer.weight, x):
         if native.supports(layer.weight, x):
             return native.linear(layer.weight, x)
+    if layer.weight.dtype != x.dtype:  # bf16 weights off the native kernel: widened per call (exact, slow)
+        return _plain_tile(layer.weight.to(x.dtype), x, tile_rows)
     packed = _packed_weight(layer, tile_rows)
     if packed is not None:
         if n == 1:  # one row runs as two: oneDNN's one-row kernel rounds otherwise when the input is over 1024 wide
             return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), packed, None, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return _plain_tile(layer.weight, x, tile_rows)
+
+
+def _plain_tile(weight: Tensor, x: Tensor, tile_rows: int) -> Tensor:
+    """``F.linear`` of n <= ``tile_rows`` rows, always on a full tile (the rows padded by repeating the last): the
+    plain GEMM's kernel changes with the row count."""
+    n = x.shape[0]
     if n < tile_rows:
-        return F.linear(x[tile_index(n, tile_rows, x.device)], layer.weight)[:n]
-    return F.linear(x, layer.weight)
+        return F.linear(x[tile_index(n, tile_rows, x.device)], weight)[:n]
+    return F.linear(x, weight)
 
 
 def rows_linear(layer: nn.Linear, x: Tensor, tile_rows: int = PREFILL_ROWS) -> Tensor:
     """``layer(x)`` for any number of rows (R, in) -> (R, out), in tiles of ``tile_rows`` (``tile_linear``): a row's
-    result depends neither on the other rows nor on where it sits among them."""
+    result depends neither on the other rows nor on where it sits among them.
+
+    A weight narrower than the rows (bf16 weights, ``speed.models.precision``), which oneDNN's packed linear does
+    not take, runs on the native kernel in tiles of ``native.MAX_ROWS`` rows (row-invariant at any row count), or,
+    without it, is widened once for the call and runs on the plain tiles."""
+    if layer.weight.dtype != x.dtype:
+        if LINEAR == "native" and _no_grad(layer.weight, x) and native.supports(layer.weight, x[: native.MAX_ROWS]):
+            tile_rows = min(tile_rows, native.MAX_ROWS)
+        elif layer.bias is None:
+            layer = BiasFree(layer.weight.to(x.dtype))
     if x.shape[0] <= tile_rows:
         return tile_linear(layer, x, tile_rows)
     return torch.cat([tile_linear(layer, part, tile_rows) for part in x.split(tile_rows)])
+
+
+class BiasFree:
+    """A weight alone, as the row kernels take a layer (no bias): a layer with a bias has it added after, a weight
+    widened for one call has no layer."""
+
+    bias = None
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
 
 
 def chunk_span(length: int, chunk: int = ATTN_CHUNK) -> int:

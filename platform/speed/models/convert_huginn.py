@@ -41,6 +41,7 @@ from speed.config import LMConfig, SharingPattern
 from speed.hf_files import read_config, read_weights
 from speed.models.hf_import import UnsupportedConfig, assemble, check_tied, expect, field, loop_count, single_eos
 from speed.models.looped_lm import LoopedLM
+from speed.models.precision import WEIGHTS_DTYPE, with_dtype
 
 EMBEDDING, HEAD, FREQS = "transformer.wte.weight", "lm_head.weight", "freqs_cis"
 PARTS = {"prelude": "prelude", "core_block": "core", "coda": "coda"}  # published -> ours
@@ -143,10 +144,11 @@ def load_huginn(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_
     mode, ``dtype``) recurring ``n_loops`` times (Huginn's ``num_steps``; default its ``mean_recurrence``)."""
     hf = read_config(directory)
     config = config_from_huginn(hf, n_loops)
-    weights = read_weights(directory, dtype, huginn_shapes(config, field(hf, "block_size")), optional(config))
+    as_read = None if dtype == WEIGHTS_DTYPE else dtype  # bf16 weights: as stored, then each part to its own dtype
+    weights = read_weights(directory, as_read, huginn_shapes(config, field(hf, "block_size")), optional(config))
     if config.tie_embeddings:
         check_tied(str(directory), weights, HEAD, EMBEDDING)
-    return assemble(config, huginn_parameters(weights, config))
+    return with_dtype(assemble(config, huginn_parameters(weights, config)), dtype)
 
 
 def _blocks(config: LMConfig) -> list[tuple[str, str]]:

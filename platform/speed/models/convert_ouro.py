@@ -33,6 +33,7 @@ from speed.config import LMConfig
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
 from speed.models.hf_import import UnsupportedConfig, check_tied, expect, field, loop_count, single_eos
 from speed.models.looped_lm import LoopedLM
+from speed.models.precision import with_dtype
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # published sandwich norm -> ours, in each layer
@@ -137,7 +138,7 @@ def load_ouro(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_lo
     check_shapes(directory, found, ouro_shapes(config), optional)
     with torch.device("meta"):
         model = LoopedLM(config)
-    model = model.to(dtype).to_empty(device="cpu")
+    model = with_dtype(model, dtype).to_empty(device="cpu")  # each tensor read straight into its own dtype
     if config.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     with torch.no_grad():

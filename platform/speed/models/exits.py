@@ -140,10 +140,10 @@ class ExitAdapters(nn.Module):
 
 
 def exits_for(model: nn.Module, rank: int = 64, loops: Sequence[int] = ()) -> ExitAdapters:
-    """Fresh (identity) adapters for ``model``'s early exits, on its device and in its dtype."""
+    """Fresh (identity) adapters for ``model``'s early exits, on its device and in its compute dtype."""
     weight = model.lm_head.weight
     config = ExitConfig(model.n_loops, weight.shape[1], rank, tuple(loops))
-    return ExitAdapters(config).to(device=weight.device, dtype=weight.dtype)
+    return ExitAdapters(config).to(device=weight.device, dtype=model.compute_dtype)
 
 
 def attach(model: nn.Module, adapters: ExitAdapters | None) -> nn.Module:

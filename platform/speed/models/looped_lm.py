@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from speed.config import LMConfig, RopeLayout
 from speed.engine.cache import KVCache, Rows, kv_bytes
-from speed.engine.kernels import TILE_ROWS, attend, chunk_span, in_tiles, rows_linear, tile_linear
+from speed.engine.kernels import TILE_ROWS, BiasFree, attend, chunk_span, in_tiles, rows_linear, tile_linear
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
@@ -304,7 +304,7 @@ class LoopedLM(nn.Module):
 
     def _embed(self, ids: Tensor) -> Tensor:
         """The tokens' embeddings (..., d), times ``embed_scale`` (Huginn's sqrt(d))."""
-        x = self.embed_tokens(ids)
+        x = self.embed_tokens(ids).to(self.compute_dtype)  # a tied bfloat16 head's rows widened (precision.py)
         return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
 
     def _inject(self, state: Tensor, e: Tensor, linear: Callable[[nn.Linear, Tensor], Tensor]) -> Tensor:
@@ -372,23 +372,29 @@ class LoopedLM(nn.Module):
         """Where the weights live; the decode path creates every tensor here."""
         return self.lm_head.weight.device
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the activations, the KV cache and the logits: the norms' (float32 with bf16 weights, whose
+        linear weights alone are bfloat16: ``speed.models.precision``)."""
+        return self.norm.weight.dtype
+
     def cache(self, n_slots: int, max_len: int, side: bool = True) -> LMCache:
         """An empty cache for ``n_slots`` sequences of up to ``max_len`` positions (prompt included) each; with
         the runner-up branches' side entries if ``side`` (else none: a sequence decoded without branches)."""
-        c, p = self.config, self.lm_head.weight
+        c, dtype = self.config, self.compute_dtype
 
         def kv(n_loops: int, n_layers: int, n_side: int) -> KVCache | None:
             if n_layers == 0:
                 return None
-            return KVCache(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device, n_side)
+            return KVCache(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, dtype, self.device, n_side)
 
         return LMCache(*(kv(*part) for part in self._cache_parts(side)))
 
     def cache_bytes(self, n_slots: int, max_len: int, side: bool = True) -> tuple[int, int]:
         """Bytes ``cache`` of these arguments allocates: (its positions', its side entries'), without allocating."""
-        c, p = self.config, self.lm_head.weight
+        c, dtype = self.config, self.compute_dtype
         parts = [
-            kv_bytes(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, p.dtype, n_side)
+            kv_bytes(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, dtype, n_side)
             for n_loops, n_layers, n_side in self._cache_parts(side)
         ]
         return sum(kv for kv, _ in parts), sum(s for _, s in parts)
@@ -464,7 +470,7 @@ class LoopedLM(nn.Module):
         applied by ``linear`` (a row kernel, which takes bias-free layers: its bias is added after)."""
         if self.exit_gate is None:
             raise ValueError("this LoopedLM has no exit gate (LMConfig.exit_gate)")
-        return torch.sigmoid(linear(_BiasFree(self.exit_gate.weight), state)[:, 0] + self.exit_gate.bias)
+        return torch.sigmoid(linear(BiasFree(self.exit_gate.weight), state)[:, 0] + self.exit_gate.bias)
 
     def stepper(self) -> LMStepper:
         """The engine's view of this model (``speed.engine.Stepper``)."""
@@ -535,15 +541,6 @@ class LoopedLM(nn.Module):
             logits = logits if lam is None else torch.cat([logits, lam.to(logits.dtype)], dim=-1)
         state = self.norm(h) if c.loop_norm else h  # (n, d)
         return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), logits
-
-
-class _BiasFree:
-    """A linear layer's weight alone, as the row kernels take it (no bias)."""
-
-    bias = None
-
-    def __init__(self, weight: Tensor) -> None:
-        self.weight = weight
 
 
 class PromptCache:

@@ -30,6 +30,7 @@ from speed.models.convert_huginn import load_huginn
 from speed.models.convert_ouro import load_ouro
 from speed.models.family import family_of
 from speed.models.looped_lm import LoopedLM
+from speed.models.precision import with_dtype
 from speed.models.t5 import SpeedT5
 from speed.storage import absolute, locate
 
@@ -39,14 +40,15 @@ LOOPED = {"ouro": load_ouro, "huginn": load_huginn}  # form -> loader taking n_l
 def from_pretrained(
     path: str | Path, *, dtype: torch.dtype = torch.float32, n_loops: int | None = None
 ) -> SpeedT5 | LoopedLM:
-    """The model at ``path`` (a Hugging Face directory or a platform checkpoint), in eval mode, as ``dtype``.
+    """The model at ``path`` (a Hugging Face directory or a platform checkpoint), in eval mode, as ``dtype``
+    (``torch.bfloat16``: bf16 weights, the linear weights bfloat16 and the rest float32; ``speed.models.precision``).
 
     ``n_loops``: the recurrences of a published looped LM (Ouro's ``total_ut_steps``, Huginn's
     ``num_steps``), by default the checkpoint's own; other models loop as their pattern says, and refuse it.
     """
     if _is_platform_checkpoint(path):
         _no_loop_option(n_loops, "a platform checkpoint")
-        return load_model(str(path)).model.to(dtype)
+        return with_dtype(load_model(str(path)).model, dtype)
     where = locate(path)
     if not where.local:  # safetensors are read from local files: the directory comes here first
         with tempfile.TemporaryDirectory(prefix="speed-pretrained-") as local:
@@ -56,7 +58,7 @@ def from_pretrained(
     if form in LOOPED:
         return LOOPED[form](path, dtype=dtype, n_loops=n_loops)
     _no_loop_option(n_loops, f"a {form} checkpoint")
-    return (_load_t5 if form == "t5" else _load_llama)(path).to(dtype).eval()
+    return with_dtype((_load_t5 if form == "t5" else _load_llama)(path), dtype).eval()
 
 
 def load_pretrained(

@@ -377,6 +377,12 @@ class SpeedT5(nn.Module):
         """Where the weights live; the decode path creates every tensor here."""
         return self.lm_head.weight.device
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the activations, the KV cache, the encoder memory and the logits: the norms' (float32 with
+        bf16 weights, whose linear weights alone are bfloat16: ``speed.models.precision``)."""
+        return self.decoder_norm.weight.dtype
+
 
 @dataclass
 class Memory:
@@ -410,15 +416,15 @@ class T5Stepper(ModelStepper):
         """An empty KV cache for ``n_slots`` requests of up to ``max_len`` decoder positions each (the prompt
         is the encoder's: it takes no decoder position); with the runner-up branches' side entries if ``side``."""
         m, c = self.model, self.model.config
-        p = m.lm_head.weight
         n_side = None if side else 0
-        return KVCache(m.n_loops, len(m.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, p.dtype, p.device, n_side)
+        dtype = m.compute_dtype
+        return KVCache(m.n_loops, len(m.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, dtype, m.device, n_side)
 
     def memory_need(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> MemoryNeed:
         """What ``cache`` and ``memory`` of this capacity allocate, and the weights, without allocating."""
         m, c = self.model, self.model.config
-        dtype = m.lm_head.weight.dtype
-        item = m.lm_head.weight.element_size()
+        dtype = m.compute_dtype
+        item = torch.empty((), dtype=dtype).element_size()
         N = len(m.decoder_layers)
         cache, side_bytes = kv_bytes(m.n_loops, N, n_slots, c.n_heads, max_len, c.d_kv, dtype, None if side else 0)
         S, L = chunk_span(max_prompt_len), chunk_span(max_len)
@@ -432,7 +438,7 @@ class T5Stepper(ModelStepper):
         The decoder position bias for ``max_len`` positions is built here, once.
         """
         m, c = self.model, self.model.config
-        p = m.lm_head.weight
+        p = m.decoder_norm.weight  # of the compute dtype (``SpeedT5.compute_dtype``), on the model's device
         S, L = chunk_span(max_prompt_len), chunk_span(max_len)
         shape = (capacity, c.n_heads, S, c.d_kv)
         keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in m.decoder_layers]
