@@ -369,3 +369,16 @@ def test_native_kernel_builds_once_into_its_cache(native_kernel, tmp_path, monke
     stamp = built.stat().st_mtime_ns
     assert native._build(compiler, flags) == built and built.stat().st_mtime_ns == stamp
     assert native._build(compiler, flags | {"another_flag"}) != built  # another CPU: another library
+
+
+def test_by_default_float32_weights_run_on_onednn_and_bfloat16_ones_on_the_native_kernel(monkeypatch):
+    """``SPEED_LINEAR`` unset ("auto"): oneDNN keeps float32 weights (SPEED's several-row steps run faster on it here),
+    the native kernel takes bfloat16 ones (oneDNN has no packed path for them); "native" sends float32 there too."""
+    monkeypatch.setattr(kernels, "LINEAR", "auto")
+    fp32 = torch.nn.Linear(64, 32, bias=False).weight
+    if kernels._onednn_available():
+        assert kernels.linear_in_use(fp32) == "onednn"
+    if native.library() is not None:
+        assert kernels.linear_in_use(fp32.detach().to(torch.bfloat16)) == "native"
+        monkeypatch.setattr(kernels, "LINEAR", "native")
+        assert kernels.linear_in_use(fp32) == "native"

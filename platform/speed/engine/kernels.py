@@ -7,13 +7,8 @@ shape it is given (MKL's GEMM rounds a 3-row product differently from an
 8-row one and takes a GEMV for one row; a reduction with one output splits
 across threads; attention's softmax is blocked by its key length). So:
 
-- Matmuls run on tiles of at most ``tile_rows`` rows. Decode tiles (up to 8
-  rows) run on the kernel compiled for this CPU (``speed.engine.native``): it
-  streams each weight row once for all the tile's rows and sums every output in
-  one fixed order, so a row's bits depend on nothing else, and one row costs no
-  more than the weight read. Where it cannot be built (no compiler, no
-  AVX-512; ``SPEED_LINEAR=onednn`` asks for this path), and for prefill tiles,
-  each tile is one call of oneDNN's linear with the weight packed once for
+- Matmuls run on tiles of at most ``tile_rows`` rows. Tiles of float32 weights
+  are one call of oneDNN's linear with the weight packed once for
   ``tile_rows`` rows. Its
   blocking is fixed by the packed weight: a row's result does not depend on
   how many rows (2..tile_rows) the call holds, nor on where the row sits, and
@@ -24,7 +19,16 @@ across threads; attention's softmax is blocked by its key length). So:
   threads), so a single row runs as two copies of itself. Where oneDNN's private ops are missing (or not CPU
   float32), a plain ``F.linear`` runs instead, always on a full tile (the
   rows padded by repeating the last), since the plain GEMM's kernel changes
-  with the row count; that is also the GPU path.
+  with the row count; that is also the GPU path. Decode tiles (up to 8 rows)
+  of bfloat16 weights, and of every weight with ``SPEED_LINEAR=native``, run
+  on the kernel compiled for this CPU (``speed.engine.native``): it streams
+  each weight row once for all the tile's rows and sums every output in one
+  fixed order, so a row's bits depend on nothing else and one row costs no
+  more than the weight read. On this 2-vCPU machine it streams 1 to 4 float32
+  rows faster than oneDNN but 6 to 8 slower (docs/benchmarks.md, "Decode
+  kernels"), and SPEED's steps run several rows, so float32 stays on oneDNN
+  by default. A process decodes on one path per weight dtype: exact on
+  either, never across the two.
 - Attention is written as elementwise products and reductions that are per
   row and sum the key positions in fixed chunks of ``ATTN_CHUNK`` (see
   ``attend``), so its result does not depend on the number of masked positions
@@ -76,10 +80,11 @@ class _Packed:
 _LOCK = threading.Lock()
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, dict[int, _Packed]] = weakref.WeakKeyDictionary()  # by tile rows
 _ONEDNN: bool | None = None  # whether oneDNN's packed linear works here; probed once, on first use
-# The decode tiles' kernel: "native" (speed.engine.native, where it builds; else oneDNN's), "onednn" (oneDNN's packed
-# linear; else the plain one) or "plain" (F.linear on a padded tile, the GPU's path). A process decodes on one.
-LINEARS = ("native", "onednn", "plain")
-LINEAR = os.environ.get("SPEED_LINEAR", "native")
+# The decode tiles' kernel: "auto" (float32 weights on oneDNN's packed linear, bfloat16 ones on the native kernel),
+# "native" (speed.engine.native for every weight, where it builds; else as auto), "onednn" (oneDNN's packed linear,
+# else the plain one; bfloat16 weights widened) or "plain" (F.linear on a padded tile, the GPU's path).
+LINEARS = ("auto", "native", "onednn", "plain")
+LINEAR = os.environ.get("SPEED_LINEAR", "auto")
 if LINEAR not in LINEARS:
     raise ValueError(f"SPEED_LINEAR={LINEAR!r}: choose one of {LINEARS}")
 
@@ -109,9 +114,14 @@ def _no_grad(weight: Tensor, x: Tensor) -> bool:
     return not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad)
 
 
+def _wants_native(weight: Tensor) -> bool:
+    """Whether ``LINEAR`` sends a decode tile on ``weight`` to the native kernel (where it builds)."""
+    return LINEAR == "native" or (LINEAR == "auto" and weight.dtype != torch.float32)
+
+
 def linear_in_use(weight: Tensor) -> str:
-    """The kernel a decode tile on ``weight`` runs on here: one of ``LINEARS``."""
-    if LINEAR == "native" and native.supports(weight, torch.empty(1, weight.shape[-1])):
+    """The kernel a decode tile on ``weight`` runs on here: "native", "onednn" or "plain"."""
+    if _wants_native(weight) and native.supports(weight, torch.empty(1, weight.shape[-1])):
         return "native"
     if LINEAR != "plain" and weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available():
         return "onednn"
@@ -146,7 +156,7 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
     if not 1 <= n <= tile_rows:
         raise ValueError(f"a tile holds 1..{tile_rows} rows, got {n}")
     x = x.contiguous()  # strides select kernels too (a stride-0 input takes another GEMM path)
-    if LINEAR == "native" and tile_rows <= native.MAX_ROWS and _no_grad(layer.weight, x):
+    if _wants_native(layer.weight) and tile_rows <= native.MAX_ROWS and _no_grad(layer.weight, x):
         if native.supports(layer.weight, x):
             return native.linear(layer.weight, x)
     if layer.weight.dtype != x.dtype:  # bf16 weights off the native kernel: widened per call (exact, slow)
@@ -176,7 +186,8 @@ def rows_linear(layer: nn.Linear, x: Tensor, tile_rows: int = PREFILL_ROWS) -> T
     not take, runs on the native kernel in tiles of ``native.MAX_ROWS`` rows (row-invariant at any row count), or,
     without it, is widened once for the call and runs on the plain tiles."""
     if layer.weight.dtype != x.dtype:
-        if LINEAR == "native" and _no_grad(layer.weight, x) and native.supports(layer.weight, x[: native.MAX_ROWS]):
+        on_native = _wants_native(layer.weight) and _no_grad(layer.weight, x)
+        if on_native and native.supports(layer.weight, x[: native.MAX_ROWS]):
             tile_rows = min(tile_rows, native.MAX_ROWS)
         elif layer.bias is None:
             layer = BiasFree(layer.weight.to(x.dtype))
