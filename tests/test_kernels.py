@@ -371,14 +371,17 @@ def test_native_kernel_builds_once_into_its_cache(native_kernel, tmp_path, monke
     assert native._build(compiler, flags | {"another_flag"}) != built  # another CPU: another library
 
 
-def test_by_default_float32_weights_run_on_onednn_and_bfloat16_ones_on_the_native_kernel(monkeypatch):
-    """``SPEED_LINEAR`` unset ("auto"): oneDNN keeps float32 weights (SPEED's several-row steps run faster on it here),
-    the native kernel takes bfloat16 ones (oneDNN has no packed path for them); "native" sends float32 there too."""
+def test_by_default_small_float32_weights_run_on_onednn_and_the_rest_on_the_native_kernel(monkeypatch):
+    """``SPEED_LINEAR`` unset ("auto"): oneDNN keeps small float32 weights (SPEED's several-row steps run faster on it
+    here), the native kernel takes bfloat16 ones (oneDNN has no packed path for them) and float32 ones of a real
+    model's size (no packed copy); "native" sends every weight there."""
     monkeypatch.setattr(kernels, "LINEAR", "auto")
     fp32 = torch.nn.Linear(64, 32, bias=False).weight
+    large = torch.empty(kernels.NATIVE_MIN_BYTES // 4 // 1024, 1024)
     if kernels._onednn_available():
         assert kernels.linear_in_use(fp32) == "onednn"
     if native.library() is not None:
         assert kernels.linear_in_use(fp32.detach().to(torch.bfloat16)) == "native"
+        assert kernels.linear_in_use(large) == "native"
         monkeypatch.setattr(kernels, "LINEAR", "native")
         assert kernels.linear_in_use(fp32) == "native"

@@ -26,9 +26,10 @@ across threads; attention's softmax is blocked by its key length). So:
   fixed order, so a row's bits depend on nothing else and one row costs no
   more than the weight read. On this 2-vCPU machine it streams 1 to 4 float32
   rows faster than oneDNN but 6 to 8 slower (docs/benchmarks.md, "Decode
-  kernels"), and SPEED's steps run several rows, so float32 stays on oneDNN
-  by default. A process decodes on one path per weight dtype: exact on
-  either, never across the two.
+  kernels"), and keeps no packed copy: so float32 weights of
+  ``NATIVE_MIN_BYTES`` or more (a real model's) take it too, smaller ones stay
+  on oneDNN. The path is chosen per weight, never by row count: exact either
+  way.
 - Attention is written as elementwise products and reductions that are per
   row and sum the key positions in fixed chunks of ``ATTN_CHUNK`` (see
   ``attend``), so its result does not depend on the number of masked positions
@@ -80,7 +81,13 @@ class _Packed:
 _LOCK = threading.Lock()
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, dict[int, _Packed]] = weakref.WeakKeyDictionary()  # by tile rows
 _ONEDNN: bool | None = None  # whether oneDNN's packed linear works here; probed once, on first use
-# The decode tiles' kernel: "auto" (float32 weights on oneDNN's packed linear, bfloat16 ones on the native kernel),
+# Float32 weights of at least this many bytes take the native kernel under "auto": they stream from memory, where it
+# reads 1-4 rows close to the bandwidth, and oneDNN would hold a packed copy of each (per tile size: the decode's and
+# the prefill's), doubling or tripling a real model's memory. Smaller ones (T5-base's largest is 6 MiB) stay on oneDNN,
+# whose 6-8-row tiles run faster here. The choice is per weight, never per row count, so SPEED stays exact.
+NATIVE_MIN_BYTES = 8 * 2**20
+# The decode tiles' kernel: "auto" (bfloat16 weights and float32 ones of NATIVE_MIN_BYTES or more on the native
+# kernel, smaller float32 ones on oneDNN's packed linear),
 # "native" (speed.engine.native for every weight, where it builds; else as auto), "onednn" (oneDNN's packed linear,
 # else the plain one; bfloat16 weights widened) or "plain" (F.linear on a padded tile, the GPU's path).
 LINEARS = ("auto", "native", "onednn", "plain")
@@ -116,7 +123,9 @@ def _no_grad(weight: Tensor, x: Tensor) -> bool:
 
 def _wants_native(weight: Tensor) -> bool:
     """Whether ``LINEAR`` sends a decode tile on ``weight`` to the native kernel (where it builds)."""
-    return LINEAR == "native" or (LINEAR == "auto" and weight.dtype != torch.float32)
+    if LINEAR != "auto":
+        return LINEAR == "native"
+    return weight.dtype != torch.float32 or weight.numel() * weight.element_size() >= NATIVE_MIN_BYTES
 
 
 def linear_in_use(weight: Tensor) -> str:
