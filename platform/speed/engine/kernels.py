@@ -191,15 +191,15 @@ def rows_linear(layer: nn.Linear, x: Tensor, tile_rows: int = PREFILL_ROWS) -> T
     """``layer(x)`` for any number of rows (R, in) -> (R, out), in tiles of ``tile_rows`` (``tile_linear``): a row's
     result depends neither on the other rows nor on where it sits among them.
 
-    A weight narrower than the rows (bf16 weights, ``speed.models.precision``), which oneDNN's packed linear does
-    not take, runs on the native kernel in tiles of ``native.MAX_ROWS`` rows (row-invariant at any row count), or,
-    without it, is widened once for the call and runs on the plain tiles."""
-    if layer.weight.dtype != x.dtype:
-        on_native = _wants_native(layer.weight) and _no_grad(layer.weight, x)
-        if on_native and native.supports(layer.weight, x[: native.MAX_ROWS]):
-            tile_rows = min(tile_rows, native.MAX_ROWS)
-        elif layer.bias is None:
-            layer = BiasFree(layer.weight.to(x.dtype))
+    A weight the native kernel takes (bf16 weights, ``speed.models.precision``, which oneDNN's packed linear does
+    not take; float32 ones of ``NATIVE_MIN_BYTES`` or more, which it would copy) runs on it in tiles of
+    ``native.MAX_ROWS`` rows (row-invariant at any row count); a bf16 weight without it is widened once for the
+    call and runs on the plain tiles."""
+    on_native = _wants_native(layer.weight) and _no_grad(layer.weight, x)
+    if on_native and native.supports(layer.weight, x[: native.MAX_ROWS]):
+        tile_rows = min(tile_rows, native.MAX_ROWS)  # no packed copy of a real model's weights for the prefill
+    elif layer.weight.dtype != x.dtype and layer.bias is None:
+        layer = BiasFree(layer.weight.to(x.dtype))
     if x.shape[0] <= tile_rows:
         return tile_linear(layer, x, tile_rows)
     return torch.cat([tile_linear(layer, part, tile_rows) for part in x.split(tile_rows)])
