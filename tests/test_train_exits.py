@@ -137,7 +137,7 @@ def test_the_job_refuses_the_last_loop(tiny_tokenizer, tmp_path, capsys):
 @pytest.mark.parametrize(
     "kind, message",
     [
-        ("ouro", "is a Hugging Face ouro directory: exit adapters train on the split and with the spm.model"),
+        ("ouro", "is a Hugging Face ouro directory: exit adapters train on the split of the platform job"),
         ("gpt2", "model_type 'gpt2' is not one the platform loads"),
     ],
 )

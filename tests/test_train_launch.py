@@ -72,9 +72,10 @@ def test_finetuning_starts_from_a_t5_directory_named_with_or_without_hf(tiny_tok
         assert all(torch.equal(a, want[k]) for k, a in model.state_dict().items())
 
 
-def test_finetuning_refuses_a_directory_it_cannot_tokenize_or_read_in_one_line(tmp_path, capsys):
-    """An Ouro directory (tokenizer.json, which the data preparation does not take), with or without hf:, and a
-    directory the platform cannot read: one line, status 2, no run folder."""
+def test_finetuning_refuses_what_a_hugging_face_directory_cannot_train_in_one_line(tmp_path, capsys):
+    """An Ouro directory finetunes the looped LM (--model lm) with its own tokenizer; as a T5 (with or without hf:),
+    or its tokenizer for T5's span corruption or T5 pairs, and a directory the platform cannot read: one line,
+    status 2, no run folder."""
     import json
 
     from imported_helpers import write_chat_ouro
@@ -85,12 +86,39 @@ def test_finetuning_refuses_a_directory_it_cannot_tokenize_or_read_in_one_line(t
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     runs = tmp_path / "runs"
-    for origin, message in [
-        (str(ouro), "a Hugging Face ouro directory; finetuning tokenizes its data with a SentencePiece model"),
-        (f"hf:{ouro}", "a Hugging Face ouro directory; finetuning tokenizes its data with a SentencePiece model"),
-        (str(bad), "model_type 'gpt2' is not one the platform loads"),
+    for kind, argv, message in [
+        ("finetune", ["--init-from", str(ouro)], "a Hugging Face ouro directory is a looped LM: --model lm"),
+        ("finetune", ["--init-from", f"hf:{ouro}"], "a Hugging Face ouro directory is a looped LM: --model lm"),
+        ("finetune", ["--init-from", f"hf:{ouro}", "--model", "lm"], "Hugging Face T5 weights need --model t5"),
+        ("finetune", ["--init-from", str(bad)], "model_type 'gpt2' is not one the platform loads"),
+        ("pretrain", ["--tokenizer", str(ouro)], "trains the looped LM only (--model lm); span corruption needs T5"),
+        ("finetune", ["--tokenizer", str(ouro)], "trains the looped LM only (--model lm); T5 reads SentencePiece"),
+        ("pretrain", ["--tokenizer", str(bad), "--model", "lm"], "no tokenizer.json in"),
     ]:
-        argv = ["--init-from", origin, "--storage-path", str(runs), "--no-tracking"]
-        line = _error_line(capsys, "finetune", argv)
+        line = _error_line(capsys, kind, [*argv, "--storage-path", str(runs), "--no-tracking"])
         assert message in line, line
     assert not runs.exists()
+
+
+def test_an_ouro_directory_resolves_to_its_config_and_tokenizer_without_ray(tmp_path):
+    """``--model lm --init-from <Ouro directory>``: the converted config (read from config.json alone) is the loaded
+    model's, the tokenizer is the directory, shipped as its tokenizer files; the initial weights are the directory's
+    bit for bit."""
+    import torch
+    from imported_helpers import write_chat_ouro
+
+    from speed.hf_tokenizer import pack_tokenizer, tokenizer_files, unpack_tokenizer
+    from speed.models.pretrained import load_pretrained
+    from speed.train.launch import check_inputs
+    from speed.train.loop import initial_model
+
+    ouro = write_chat_ouro(tmp_path / "Ouro-tiny")
+    job = job_from_args("finetune", ["--model", "lm", "--init-from", str(ouro), "--no-tracking", "--limit", "4"])
+    check_inputs(job)
+    resolved = tokenizer_stage(job, tmp_path / "scratch")
+    want = load_pretrained(ouro).model
+    assert resolved.tokenizer_path == ouro and resolved.job.model == want.config
+    shipped = unpack_tokenizer(resolved.tokenizer, tmp_path / "worker", "spm.model")
+    assert tokenizer_files(shipped) == tokenizer_files(ouro) and pack_tokenizer(shipped) == resolved.tokenizer
+    model = initial_model(resolved.job)
+    assert all(torch.equal(a, want.state_dict()[k]) for k, a in model.state_dict().items())

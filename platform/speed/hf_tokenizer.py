@@ -548,6 +548,52 @@ def _with_reasoning_aliases(message: dict) -> dict:
     return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
+# ----- a tokenizer as one blob of bytes (what training ships to its workers and hashes) ---------------------
+
+_PACKED = b"speed-hf-tokenizer\n"  # opens a packed directory; a SentencePiece model (a protobuf) never does
+
+
+def tokenizer_files(directory: str | Path) -> dict[str, bytes]:
+    """The files of a model directory that ``HFTokenizer.load`` reads, by name relative to it: tokenizer.json,
+    its configs and chat templates, and of config.json only ``eos_token_id`` (the rest describes the model)."""
+    where = locate(directory)
+    names = [TOKENIZER_FILE, CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE, CHAT_TEMPLATE_FILE]
+    if (where / CHAT_TEMPLATE_DIR).is_dir():
+        extra = sorted(i.base_name for i in (where / CHAT_TEMPLATE_DIR).entries() if i.base_name.endswith(".jinja"))
+        names += [f"{CHAT_TEMPLATE_DIR}/{name}" for name in extra]
+    files = {name: (where / name).read_bytes() for name in names if (where / name).is_file()}
+    if TOKENIZER_FILE not in files:
+        HFTokenizer.load(directory)  # its one-line error
+    if GENERATION_CONFIG_FILE not in files and (where / MODEL_CONFIG_FILE).is_file():  # read for eos_token_id only
+        files[MODEL_CONFIG_FILE] = json.dumps({"eos_token_id": _generation_eos_ids(where)}).encode()
+    return files
+
+
+def pack_tokenizer(path: str | Path) -> bytes:
+    """The tokenizer at ``path`` as bytes: a SentencePiece ``.model`` file's own bytes (unchanged, so the cache
+    keys of prepared data stay what they were), or a directory's ``tokenizer_files`` behind a header.
+    ``unpack_tokenizer`` writes either back; equal bytes mean the same tokenizer."""
+    if not locate(path).is_dir():
+        return locate(path).read_bytes()
+    files = {name: data.hex() for name, data in sorted(tokenizer_files(path).items())}
+    return _PACKED + json.dumps(files, sort_keys=True).encode()
+
+
+def unpack_tokenizer(packed: bytes, directory: str | Path, spm_name: str) -> Path:
+    """Write ``pack_tokenizer``'s bytes into ``directory``: a SentencePiece model as ``spm_name`` (that file is
+    returned), a Hugging Face tokenizer's files into ``directory`` itself (returned: ``load_tokenizer`` reads
+    it)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not packed.startswith(_PACKED):
+        (directory / spm_name).write_bytes(packed)
+        return directory / spm_name
+    for name, data in json.loads(packed[len(_PACKED) :]).items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(bytes.fromhex(data))
+    return directory
+
+
 def load_tokenizer(path: str | Path) -> TextTokenizer:
     """The tokenizer at ``path`` (a local path or a URI): a directory holding ``tokenizer.json`` (an imported
     model's, ``HFTokenizer``) or a SentencePiece ``.model`` file (``Tokenizer``)."""

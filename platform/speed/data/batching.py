@@ -20,8 +20,9 @@ from torch import Tensor
 from speed.chat import CHAT_TEMPLATE, ChatRenderer, task_prompt
 from speed.data.spans import corruption_lengths, noise_rng, span_corruption, span_counts
 from speed.data.tasks import Task, get_task
+from speed.hf_tokenizer import chat_renderer
 from speed.losses import shift_right
-from speed.tokenizer import EOS_ID, LABEL_PAD, Tokenizer
+from speed.tokenizer import EOS_ID, LABEL_PAD, TextTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     import datasets
@@ -112,9 +113,9 @@ def _map(
     return ds.map(fn, desc=desc, num_proc=num_proc, **common)
 
 
-def truncate(ids: list[int], max_len: int) -> list[int]:
-    """``ids`` cut to ``max_len`` tokens, the last one EOS (as T5: trim, then append EOS)."""
-    return ids if len(ids) <= max_len else ids[: max_len - 1] + [EOS_ID]
+def truncate(ids: list[int], max_len: int, eos_id: int = EOS_ID) -> list[int]:
+    """``ids`` cut to ``max_len`` tokens, the last one ``eos_id`` (as T5: trim, then append EOS)."""
+    return ids if len(ids) <= max_len else ids[: max_len - 1] + [eos_id]
 
 
 def encode_pairs(
@@ -194,7 +195,7 @@ def cut_rows(documents: Sequence[Sequence[int]], row_len: int) -> list[list[int]
 
 
 def encode_prompts(
-    sources: Sequence[str], tokenizer: Tokenizer, max_len: int, template: ChatRenderer = CHAT_TEMPLATE
+    sources: Sequence[str], tokenizer: TextTokenizer, max_len: int, template: ChatRenderer = CHAT_TEMPLATE
 ) -> list[list[int]]:
     """Each source text (instruction included) as a chat prompt (``speed.chat.task_prompt`` in ``template``), no
     EOS, at most ``max_len`` tokens: an overlong prompt loses the end of its source, never what the template writes
@@ -211,14 +212,15 @@ _MARK = "\x00source\x00"  # a source text no template writes itself
 
 
 def encode_prompted(
-    batch: dict[str, list], tokenizer: Tokenizer, max_source_len: int, max_target_len: int
+    batch: dict[str, list], tokenizer: TextTokenizer, max_source_len: int, max_target_len: int
 ) -> dict[str, list]:
-    """Columns ``source``/``target`` -> ``input_ids`` (the prompt, ``encode_prompts``) and ``labels`` (the
-    answer, EOS last): ``collate_lm`` joins them and puts the loss on the answer only."""
+    """Columns ``source``/``target`` -> ``input_ids`` (the prompt, ``encode_prompts`` in the tokenizer's chat
+    template: an imported model's own, as evaluation writes its prompts) and ``labels`` (the answer, the
+    tokenizer's EOS last): ``collate_lm`` joins them and puts the loss on the answer only."""
     targets = tokenizer.encode_batch(batch["target"])
     return {
-        "input_ids": encode_prompts(batch["source"], tokenizer, max_source_len),
-        "labels": [truncate(ids, max_target_len) for ids in targets],
+        "input_ids": encode_prompts(batch["source"], tokenizer, max_source_len, chat_renderer(tokenizer)),
+        "labels": [truncate(ids, max_target_len, tokenizer.eos_id) for ids in targets],
     }
 
 

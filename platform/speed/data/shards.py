@@ -3,7 +3,7 @@
 ``prepare_corpus(spec, tokenizer_path, root)`` returns where the split lies
 (``<root>/<task>-<split>-<key>``, laid out as ``speed.data.corpus`` reads it).
 The key hashes the corpus (each file's path, size and modification time, or the
-hub name), the tokenizer's model bytes and every setting that changes the
+hub name), the tokenizer's bytes (``speed.hf_tokenizer.pack_tokenizer``) and every setting that changes the
 tokens, so a training job, every worker and every trial of a sweep share one
 preparation, and any change prepares anew. A folder without its completion
 marker is never trusted: it is rebuilt.
@@ -48,8 +48,9 @@ from speed.data.records import RecordCount, iter_records
 from speed.data.sources import PARQUET_SUFFIX, Source, resolve_source
 from speed.data.spans import corrupted_sizes
 from speed.data.tasks import Task, get_task, lm_task
+from speed.hf_tokenizer import load_tokenizer, pack_tokenizer
 from speed.storage import Location, locate
-from speed.tokenizer import Tokenizer
+from speed.tokenizer import TextTokenizer
 
 DOCS_PER_SHARD = 50_000  # source records per shard: a few tens of MB of tokens, cheap to map and to copy
 _PROGRESS_EVERY_S = 10.0
@@ -145,8 +146,8 @@ def prepare_corpus(
     """
     if docs_per_shard < 1 or docs_per_shard % MAP_BATCH:
         raise ValueError(f"docs_per_shard must be a positive multiple of {MAP_BATCH}, got {docs_per_shard}")
-    tokenizer_bytes = Path(tokenizer_path).read_bytes()
-    tokenizer = Tokenizer.load(tokenizer_path)
+    tokenizer_bytes = pack_tokenizer(tokenizer_path)  # a SentencePiece model's own bytes: its keys stay as they were
+    tokenizer = load_tokenizer(tokenizer_path)
     key = corpus_key(spec, tokenizer_bytes)
     name = f"{spec.task}-{spec.split}-{key}"
     top = locate(root)
@@ -240,7 +241,7 @@ class _PieceResult:
 
 def _build(
     spec: CorpusSpec,
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
     key: str,
     out: Path,
     docs_per_shard: int,
@@ -292,7 +293,12 @@ def _pieces(spec: CorpusSpec, src: Source) -> list[_Piece]:
 
 
 def _build_with_ray(
-    pieces: list[_Piece], spec: CorpusSpec, tokenizer: Tokenizer, out: Path, docs_per_shard: int, progress: _Progress
+    pieces: list[_Piece],
+    spec: CorpusSpec,
+    tokenizer: TextTokenizer,
+    out: Path,
+    docs_per_shard: int,
+    progress: _Progress,
 ) -> list[_PieceResult]:
     """One Ray task per piece, on this node (the files and the staging folder are local to it)."""
     import ray
@@ -316,7 +322,7 @@ def _build_with_ray(
 def _prepare_piece(
     piece: _Piece,
     spec: CorpusSpec,
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
     out: Path,
     docs_per_shard: int,
     on_shard: Callable[[Shard], None] | None,
@@ -360,7 +366,7 @@ class _PairsEncoder:
     kind = "pairs"
     encode_pairs = staticmethod(encode_pairs)
 
-    def __init__(self, spec: CorpusSpec, tokenizer: Tokenizer) -> None:
+    def __init__(self, spec: CorpusSpec, tokenizer: TextTokenizer) -> None:
         self.spec, self.tokenizer = spec, tokenizer
 
     def encode(self, chunk: pa.Table) -> dict[str, list]:
@@ -388,7 +394,7 @@ class _RowsEncoder:
 
     kind = "rows"
 
-    def __init__(self, spec: CorpusSpec, tokenizer: Tokenizer) -> None:
+    def __init__(self, spec: CorpusSpec, tokenizer: TextTokenizer) -> None:
         self.spec, self.tokenizer = spec, tokenizer
         self.pending: list[int] = []
 
@@ -417,7 +423,7 @@ class _RunsEncoder:
 
     kind = "runs"
 
-    def __init__(self, spec: CorpusSpec, tokenizer: Tokenizer) -> None:
+    def __init__(self, spec: CorpusSpec, tokenizer: TextTokenizer) -> None:
         self.spec, self.tokenizer = spec, tokenizer
         self.run = pretrain_run_length(
             tokenizer, spec.max_source_len, spec.max_target_len, spec.noise_density, spec.mean_span_length

@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 
 from speed.eval.compare import compare_evaluations
 from speed.eval.evaluate import PREDICTIONS_FILE, SUMMARY_FILE, EvalConfig, run_evaluation
+from speed.hf_tokenizer import load_tokenizer
 from speed.models.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, load_model, read_checkpoint_config
 from speed.paths import TRAIN_LOG_FILE
 from speed.storage import locate
-from speed.tokenizer import Tokenizer
 
 BUDGET_FILE = "budget.parquet"
 
@@ -181,7 +181,7 @@ def evaluate_budget(budget: Budget, config: EvalConfig, out: str, device: str = 
         return summary, True
     if loaded.tokenizer_path is None:
         raise FileNotFoundError(f"checkpoint {budget.checkpoint} holds no spm.model")
-    summary = run_evaluation(loaded.model.to(device), Tokenizer.load(loaded.tokenizer_path), config, out)
+    summary = run_evaluation(loaded.model.to(device), load_tokenizer(loaded.tokenizer_path), config, out)
     return summary, False
 
 

@@ -4,7 +4,9 @@ Layout (shared by training, evaluation and serving):
     model.pt     the model's state dict
     config.json  {"model": the model config's fields, "family": "t5" or "lm" (``speed.models.family``; absent: t5),
                   "chat_template": an LM's (``speed.chat``), ...any other resolved configs}
-    spm.model    the SentencePiece tokenizer, when one was given
+    spm.model    the SentencePiece tokenizer, when one was given, or
+    tokenizer/   an imported model's tokenizer files (``speed.hf_tokenizer.tokenizer_files``); config.json then
+                 says so: {"tokenizer": {"kind": "huggingface", "path": "tokenizer"}}
     exits.pt     the early exits' adapters (``speed.models.exits``), when trained (``jobs/train_exits.py``)
     exits.json   {"exits": which loops are adapted and the rank (``ExitConfig``), "job": ..., "step": ...};
                  written after exits.pt: a checkpoint has exit adapters when it holds exits.json
@@ -29,6 +31,7 @@ import pyarrow.fs as pafs
 import torch
 
 from speed.config import from_dict, to_dict
+from speed.hf_tokenizer import tokenizer_files
 from speed.models.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach
 from speed.models.family import DEFAULT_FAMILY, build_model, config_from_dict, family_of
 from speed.models.looped_lm import LoopedLM
@@ -38,6 +41,7 @@ from speed.storage import absolute, locate
 MODEL_FILE = "model.pt"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "spm.model"
+HF_TOKENIZER_DIR = "tokenizer"  # an imported model's tokenizer files, in place of spm.model
 CHECKPOINT_PREFIX = "checkpoint_"
 COMPLETE_FILE = "complete"  # written after every other file of a checkpoint is on storage (holds the step)
 
@@ -47,7 +51,7 @@ class LoadedModel:
     """A model restored from a checkpoint, with its tokenizer's location and full config."""
 
     model: SpeedT5 | LoopedLM
-    tokenizer_path: str | None  # the checkpoint's spm.model (a local path or a URI: ``Tokenizer.load`` reads both)
+    tokenizer_path: str | None  # spm.model, or the tokenizer/ folder (a local path or a URI: ``load_tokenizer``)
     config: dict[str, Any]
     checkpoint: str  # the checkpoint read (a local path made absolute, or a URI): the one named, or a run's newest
 
@@ -60,6 +64,9 @@ def save_model(
 ) -> Path:
     """Write weights, config (the family, plus ``extra_config`` sections) and tokenizer into ``directory``.
 
+    ``tokenizer_path``: a SentencePiece ``.model`` file (copied to spm.model) or a Hugging Face model directory
+    (its ``tokenizer_files`` copied to tokenizer/, and config.json's ``tokenizer`` section says so).
+
     The family adds its own sections (``Family.checkpoint_config``: an LM's chat template, ``speed.chat``). The
     model's exit adapters, if it has any, are written beside it (``save_exits``), never into model.pt.
     """
@@ -68,10 +75,18 @@ def save_model(
     family = family_of(model)
     config = {"model": to_dict(model.config), "family": family.name, **(extra_config or {})}
     config |= family.checkpoint_config()
+    imported = tokenizer_path is not None and Path(tokenizer_path).is_dir()
+    if imported:
+        config["tokenizer"] = {"kind": "huggingface", "path": HF_TOKENIZER_DIR}
+        files = tokenizer_files(tokenizer_path)  # read before writing: the folder may be this checkpoint's own
+        for name, data in files.items():
+            (directory / HF_TOKENIZER_DIR / name).parent.mkdir(parents=True, exist_ok=True)
+            (directory / HF_TOKENIZER_DIR / name).write_bytes(data)
     torch.save(backbone_state(model), directory / MODEL_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
-    if tokenizer_path is not None and Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():
-        shutil.copyfile(tokenizer_path, directory / TOKENIZER_FILE)
+    if tokenizer_path is not None and not imported:
+        if Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():
+            shutil.copyfile(tokenizer_path, directory / TOKENIZER_FILE)
     if model.exit_adapters is not None:
         save_exits(directory, model.exit_adapters)
     return directory
@@ -108,8 +123,8 @@ def load_exits(directory: str, map_location: str | torch.device = "cpu") -> Exit
 def load_model(where: str | Path, map_location: str | torch.device = "cpu", exits: bool = True) -> LoadedModel:
     """Rebuild the model of a checkpoint, or of a run's newest complete one, at a local path or a URI.
 
-    Reads ``config.json``, ``model.pt`` and (when there) ``spm.model`` where they are, downloading
-    nothing else; a missing file is named in the error. With ``exits`` the checkpoint's exit adapters
+    Reads ``config.json`` and ``model.pt`` where they are, and finds the tokenizer (``checkpoint_tokenizer``),
+    downloading nothing else; a missing file is named in the error. With ``exits`` the checkpoint's exit adapters
     (exits.pt, when it has them) are attached to the model (``speed.models.exits``); they never change its output.
     """
     directory = locate(latest_checkpoint(absolute(where)))
@@ -125,8 +140,16 @@ def load_model(where: str | Path, map_location: str | torch.device = "cpu", exit
     if exits:
         attach(model, load_exits(directory.uri, map_location))
     model.eval()
-    tok = directory / TOKENIZER_FILE
-    return LoadedModel(model, tok.uri if tok.is_file() else None, config, directory.uri)
+    return LoadedModel(model, checkpoint_tokenizer(directory.uri, config), config, directory.uri)
+
+
+def checkpoint_tokenizer(directory: str, config: dict[str, Any]) -> str | None:
+    """Where the tokenizer of the checkpoint at ``directory`` (its config.json dict ``config``) lies: spm.model,
+    or the folder config.json's ``tokenizer`` section names; None when it holds none."""
+    where = locate(directory)
+    section = config.get("tokenizer")
+    tok = where / (section["path"] if isinstance(section, dict) else TOKENIZER_FILE)
+    return tok.uri if tok.is_file() or (section and tok.is_dir()) else None
 
 
 def checkpoint_family(config: dict[str, Any]) -> str:

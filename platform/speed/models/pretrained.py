@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from speed.config import to_dict
+from speed.config import LMConfig, to_dict
 from speed.hf_files import model_form, read_config, read_weights
 from speed.hf_tokenizer import TOKENIZER_FILE
 from speed.models.checkpoint import MODEL_FILE, LoadedModel, latest_checkpoint, load_model, read_checkpoint_config
-from speed.models.convert_huginn import load_huginn
-from speed.models.convert_ouro import load_ouro
+from speed.models.convert_huginn import config_from_huginn, load_huginn
+from speed.models.convert_ouro import config_from_ouro, load_ouro
 from speed.models.family import family_of
 from speed.models.looped_lm import LoopedLM
 from speed.models.precision import with_dtype
@@ -78,6 +78,22 @@ def load_pretrained(
     config = {"model": to_dict(model.config), "family": family_of(model).name, "hf": {"form": form}}
     tokenizer = where.uri if (where / TOKENIZER_FILE).is_file() else None
     return LoadedModel(model, tokenizer, config, where.uri)
+
+
+def pretrained_config(path: str | Path) -> LMConfig:
+    """The ``LMConfig`` that ``from_pretrained`` gives an imported LM directory (Ouro, Huginn, Llama; a local path),
+    read from its config.json alone (no weights): what a job that finetunes it resolves on its driver."""
+    hf = read_config(path)
+    form = model_form(hf)
+    if form == "llama":
+        from transformers import LlamaConfig
+
+        from speed.models.convert_llama import config_from_llama
+
+        return config_from_llama(LlamaConfig.from_dict(hf))
+    if form not in LOOPED:
+        raise ValueError(f"{path} is a Hugging Face {form} directory, not an imported looped LM (Ouro, Huginn, Llama)")
+    return (config_from_ouro if form == "ouro" else config_from_huginn)(hf)
 
 
 def model_source(path: str | Path) -> str:

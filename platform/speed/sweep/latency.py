@@ -24,6 +24,7 @@ from speed.config import SharingPattern
 from speed.data import get_task, pad_inputs, read_records
 from speed.decode.generate import DecodeStats, generate
 from speed.engine import Speculation
+from speed.hf_tokenizer import chat_renderer, load_tokenizer
 from speed.models.checkpoint import load_model
 from speed.models.family import family_of
 from speed.models.looped_lm import LoopedLM
@@ -31,7 +32,6 @@ from speed.models.t5 import SpeedT5
 from speed.sweep.measure import PLAIN
 from speed.sweep.results import LATENCY_SCHEMA
 from speed.sweep.space import SWEPT_LEVERS
-from speed.tokenizer import Tokenizer
 
 
 def time_frontier(
@@ -53,11 +53,11 @@ def time_frontier(
     tokenizer = None
     for trial in timed:
         loaded = load_model(finished[trial]["checkpoint"], map_location=device)
-        tokenizer = tokenizer or Tokenizer.load(loaded.tokenizer_path)
+        tokenizer = tokenizer or load_tokenizer(loaded.tokenizer_path)
         models[trial] = loaded.model.to(device).eval()
     family = family_of(next(iter(models.values())))  # a sweep trains one family
     records = read_records(family.read_task(get_task(task)), "validation", source, limit).dataset.to_dict()
-    inputs = family.encode_sources(records["source"], tokenizer, max_source_len)
+    inputs = family.encode_sources(records["source"], tokenizer, max_source_len, chat_renderer(tokenizer))
 
     stats: dict[str, DecodeStats] = {}
     variants: dict[str, Callable[[], int]] = {}

@@ -46,7 +46,7 @@ class SweepSetup:
 
     sweep: str  # the sweep's name
     job: dict[str, Any]  # the base finetuning job, resolved (model vocabulary = the tokenizer's)
-    tokenizer: bytes  # the sweep's SentencePiece model, trained once
+    tokenizer: bytes  # the sweep's tokenizer (speed.hf_tokenizer.pack_tokenizer), resolved once
     data: PreparedData  # the training split and the validation split (periodic losses), tokenized once for all
     train_storage: str  # where the trials' Train runs live: <storage>/<sweep>/train
     measure_limit: int
@@ -143,9 +143,9 @@ def _measure(
 
     from speed.data.corpus import open_corpus
     from speed.eval.validation import validation_metrics
+    from speed.hf_tokenizer import load_tokenizer
     from speed.models.checkpoint import load_model
     from speed.sweep.measure import lever_settings, measure
-    from speed.tokenizer import Tokenizer
 
     job = job_from_dict(job_dict)
     device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")
@@ -155,7 +155,7 @@ def _measure(
         result = measure(
             loaded.model.to(device).eval(),
             job.family,
-            Tokenizer.load(loaded.tokenizer_path),
+            load_tokenizer(loaded.tokenizer_path),
             job.data.task,
             job.data.source,
             setup.measure_limit,

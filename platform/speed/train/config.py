@@ -46,7 +46,7 @@ class DataConfig:
     max_source_len: int = 128
     max_target_len: int = 64
     pack: bool = False  # pretraining: pack documents into full max_source_len inputs
-    tokenizer: str | None = None  # an existing SentencePiece .model; None = train one on tokenizer_tasks
+    tokenizer: str | None = None  # a SentencePiece .model, or (lm) a Hugging Face model folder; None = train one
     vocab_size: int = 8000  # SentencePiece pieces of a trained tokenizer (T5's 100 sentinels come on top)
     tokenizer_tasks: tuple[str, ...] = ()  # corpora (train splits) a new tokenizer learns from; () = (task,)
 
@@ -160,24 +160,30 @@ HF_PREFIX = "hf:"  # ``--init-from hf:<name or path>``: a Hugging Face T5 v1.1 (
 
 
 def hub_origin(origin: str) -> str | None:
-    """The Hugging Face model that ``--init-from`` names (``hf:<name or path>``, or a directory whose config.json is a
-    Hugging Face one: ``speed.models.pretrained.model_source``), None for a platform checkpoint or run. Finetuning
-    tokenizes its data with a SentencePiece model (the platform's ``Tokenizer``), so a directory of another form
-    (Ouro, Huginn, Llama: a tokenizer.json) is a one-line ``ValueError``, as is one the platform cannot read."""
-    from speed.models.pretrained import model_source
-
+    """The Hugging Face T5 that ``--init-from`` names (``hf:<name or path>``, or a directory whose config.json is a
+    T5 v1.1's: ``speed.models.pretrained.model_source``), None for a platform checkpoint or run, or for an imported
+    LM's directory (``imported_origin``); a directory the platform cannot read is a one-line ``ValueError``."""
     name = origin.removeprefix(HF_PREFIX)
     if origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists():
         return name  # a hub name: T5Config.from_pretrained reads it
-    source = model_source(name)
-    if source == "platform":
-        return None
-    if source != "t5":
-        raise ValueError(
-            f"--init-from {origin}: a Hugging Face {source} directory; finetuning tokenizes its data with a "
-            "SentencePiece model (a T5 v1.1's spiece.model): the platform's data preparation takes no tokenizer.json"
-        )
-    return name
+    return name if _source(name) == "t5" else None
+
+
+def imported_origin(origin: str) -> str | None:
+    """The form (ouro, huginn, llama) of the Hugging Face LM directory ``--init-from`` names, None for anything
+    else. Its weights start the run, and its own tokenizer (tokenizer.json, chat template, EOS) tokenizes the
+    data and goes into every checkpoint (``speed.models.checkpoint``)."""
+    name = origin.removeprefix(HF_PREFIX)
+    if origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists():
+        return None  # a hub name: a T5's
+    source = _source(name)
+    return None if source in ("platform", "t5") else source
+
+
+def _source(path: str) -> str:
+    from speed.models.pretrained import model_source
+
+    return model_source(path)
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,8 @@ class JobConfig:
     run: RunSettings = field(default_factory=RunSettings)
     eval: EvalConfig | None = field(default_factory=EvalConfig)  # finetune: evaluated at the end; None: not
     tracking: TrackingConfig | None = field(default_factory=TrackingConfig)  # MLflow; None: no live tracking
-    init_from: str | None = None  # finetune: a speed checkpoint dir/URI, or a T5 v1.1 (hf:<name or path>, a folder)
+    init_from: str | None = None  # finetune: a speed checkpoint dir/URI, a T5 v1.1 (hf:<name or path>, a folder) or
+    # an imported LM's folder (Ouro, Huginn, Llama: speed.models.pretrained), trained with its own tokenizer
     resume: str | None = None  # continue a finished or interrupted run from this checkpoint (or run) dir/URI
 
     def __post_init__(self) -> None:
@@ -355,7 +362,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--limit": ("data.limit", int, "use only the first N training records"),
     "--max-source-len": ("data.max_source_len", int, "encoder tokens per example (lm: prompt or packed row)"),
     "--max-target-len": ("data.max_target_len", int, "decoder tokens per example (lm: answer)"),
-    "--tokenizer": ("data.tokenizer", str, "an existing SentencePiece .model (default: train one)"),
+    "--tokenizer": ("data.tokenizer", str, "a SentencePiece .model, or (lm) a model folder's tokenizer.json"),
     "--vocab-size": ("data.vocab_size", int, "pieces of a newly trained tokenizer"),
     "--optimizer": ("optim.name", str, "adamw or adafactor"),
     "--lr": ("optim.lr", float, "peak learning rate"),
@@ -382,7 +389,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--storage-path": ("run.storage_path", str, "local folder or URI (s3://...) for checkpoints and results"),
     "--name": ("run.name", str, "run name (default: deterministic from the config)"),
     "--max-failures": ("run.max_failures", int, "retries from the newest checkpoint (sweeps: of lost nodes)"),
-    "--init-from": ("init_from", str, "finetune from a speed checkpoint, or a T5 v1.1: hf:<name or path>, a directory"),
+    "--init-from": ("init_from", str, "a speed checkpoint, a T5 v1.1 (hf:<name or path>), an Ouro/Huginn/Llama folder"),
     "--resume": ("resume", str, "continue from a checkpoint or run directory"),
     "--eval-split": ("eval.split", str, "split evaluated after finetuning"),
     "--eval-limit": ("eval.limit", int, "first N records of the evaluation split"),

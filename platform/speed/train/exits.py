@@ -37,6 +37,7 @@ from speed.config import from_dict, to_dict
 from speed.models.checkpoint import (
     TOKENIZER_FILE,
     checkpoint_family,
+    checkpoint_tokenizer,
     latest_checkpoint,
     load_exits,
     local_checkpoint,
@@ -139,12 +140,13 @@ def check_inputs(config: ExitTrainConfig) -> None:
     source = model_source(config.checkpoint)
     if source != "platform":
         raise ValueError(
-            f"{config.checkpoint} is a Hugging Face {source} directory: exit adapters train on the split and with the "
-            f"{TOKENIZER_FILE} of the platform job that made a checkpoint, and it holds neither"
+            f"{config.checkpoint} is a Hugging Face {source} directory: exit adapters train on the split of the "
+            "platform job that made a checkpoint and are written beside it for load_model, and it holds no job; "
+            f"finetune it first (jobs/finetune.py --model lm --init-from {config.checkpoint}), then train them there"
         )
     checkpoint = latest_checkpoint(absolute(config.checkpoint))
     job = source_job(checkpoint)
-    if not (locate(checkpoint) / TOKENIZER_FILE).is_file():
+    if checkpoint_tokenizer(checkpoint, read_checkpoint_config(checkpoint)) is None:
         raise FileNotFoundError(f"checkpoint {checkpoint} has no {TOKENIZER_FILE}: its training split cannot be read")
     if config.targets == "decoded" and not job.family.encoder_decoder:
         raise ValueError("targets 'decoded' decodes T5 sources; a looped LM trains on its split ('split')")
@@ -175,8 +177,8 @@ def run_exits(config: ExitTrainConfig) -> ExitOutcome:
     run_dir = f"{absolute(config.storage_path).rstrip('/')}/{config.name}"
     print(f"run {config.name}: exit adapters (rank {config.rank}) for {checkpoint} -> {run_dir}", flush=True)
     ensure_ray()
-    with local_checkpoint(checkpoint) as directory:
-        data = data_stage(job, Path(directory) / TOKENIZER_FILE)
+    with local_checkpoint(checkpoint) as directory:  # spm.model, or an imported model's tokenizer/ folder
+        data = data_stage(job, Path(checkpoint_tokenizer(str(directory), read_checkpoint_config(directory))))
     own = newest_complete_checkpoint(run_dir)
     if own is not None:
         print(f"resuming at step {_saved_step(own)} from {own}", flush=True)

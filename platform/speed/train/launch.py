@@ -33,20 +33,23 @@ from ray.train.torch import TorchTrainer
 from speed.cluster import code_runtime_env
 from speed.config import LMConfig, ModelConfig, to_dict
 from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
+from speed.hf_tokenizer import load_tokenizer, pack_tokenizer, unpack_tokenizer
 from speed.models.checkpoint import (
     TOKENIZER_FILE,
     checkpoint_family,
+    checkpoint_tokenizer,
     latest_checkpoint,
     local_checkpoint,
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
 from speed.models.family import config_from_dict
+from speed.models.pretrained import pretrained_config
 from speed.paths import data_dir
 from speed.storage import absolute, locate
-from speed.tokenizer import Tokenizer, train_tokenizer
+from speed.tokenizer import train_tokenizer
 from speed.train import local_ray
-from speed.train.config import JobConfig, hub_origin, job_from_args, job_to_dict, run_name
+from speed.train.config import JobConfig, hub_origin, imported_origin, job_from_args, job_to_dict, run_name
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,14 @@ class ResolvedJob:
     """The tokenizer stage's result."""
 
     job: JobConfig  # completed: the model config (vocabulary, or the checkpoint's or Hugging Face model's)
-    tokenizer_path: Path  # a local file (in the caller's scratch folder when taken from a checkpoint)
-    tokenizer: bytes  # its contents, which the workers receive
+    tokenizer_path: Path  # a local .model file, or a folder with tokenizer.json (in the caller's scratch folder
+    # when taken from a checkpoint)
+    tokenizer: bytes  # its contents (``speed.hf_tokenizer.pack_tokenizer``), which the workers receive
 
     @classmethod
     def of(cls, job: JobConfig, tokenizer_path: Path) -> ResolvedJob:
-        """``job`` with the tokenizer file (and its contents)."""
-        return cls(job, tokenizer_path, tokenizer_path.read_bytes())
+        """``job`` with the tokenizer (and its contents)."""
+        return cls(job, tokenizer_path, pack_tokenizer(tokenizer_path))
 
 
 @dataclass(frozen=True)
@@ -152,15 +156,33 @@ def check_inputs(job: JobConfig) -> None:
     if job.kind == "finetune" and job.eval is not None:
         final = job.final_eval
         resolve_source(get_task(final.task), final.split, final.source)
-    if job.data.tokenizer is not None and not Path(job.data.tokenizer).expanduser().is_file():
+    if job.data.tokenizer is not None and not Path(job.data.tokenizer).expanduser().exists():
         raise FileNotFoundError(f"no tokenizer file at {job.data.tokenizer}")
     hub = hub_origin(job.init_from) if job.init_from is not None else None  # an unreadable directory: its line
     if hub is not None and not job.family.hub_init:
         raise ValueError(f"--init-from {job.init_from}: Hugging Face T5 weights need --model t5")
-    for origin in (None if hub else job.init_from, job.resume):
+    imported = imported_origin(job.init_from) if job.init_from is not None and not job.resume else None
+    if imported is not None and job.family.encoder_decoder:
+        raise ValueError(f"--init-from {job.init_from}: a Hugging Face {imported} directory is a looped LM: --model lm")
+    if (job.data.tokenizer is not None and Path(job.data.tokenizer).expanduser().is_dir()) or imported is not None:
+        _check_imported_tokenizer(job)
+    for origin in (None if hub or imported else job.init_from, job.resume):
         if origin is not None:
             latest_checkpoint(origin)
     tracking.check(job)
+
+
+def _check_imported_tokenizer(job: JobConfig) -> None:
+    """A Hugging Face tokenizer (an imported LM's folder) trains the looped LM only: T5's encoder-decoder inputs,
+    decoder start and span corruption's sentinels follow the platform's SentencePiece conventions."""
+    where = job.data.tokenizer or job.init_from
+    if job.family.encoder_decoder:
+        what = "span corruption needs T5 sentinels" if job.data.task == "pretrain" else "T5 reads SentencePiece ids"
+        raise ValueError(
+            f"--tokenizer {where}: a Hugging Face tokenizer (tokenizer.json) trains the looped LM only (--model lm); "
+            f"{what} (a SentencePiece .model)"
+        )
+    load_tokenizer(where)  # a folder without tokenizer.json, or a broken one: its line
 
 
 # ----- 1. the tokenizer stage ---------------------------------------------------------------------------
@@ -178,13 +200,18 @@ def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
     """
     origin = job.resume or job.init_from
     hub = hub_origin(origin) if origin and not job.resume else None
+    imported = imported_origin(origin) if origin and not job.resume else None
+    if imported is not None:  # an Ouro, Huginn or Llama folder: its converted config, its own tokenizer
+        model = pretrained_config(origin)
+        _note_replaced(job.model, model, origin)
+        return ResolvedJob.of(replace(job, model=model), Path(origin).expanduser())
     if origin and hub is None:
         with local_checkpoint(origin) as directory:
             saved = read_checkpoint_config(directory)
-            if not (directory / TOKENIZER_FILE).is_file():
+            tokenizer = checkpoint_tokenizer(str(directory), saved)
+            if tokenizer is None:
                 raise FileNotFoundError(f"checkpoint {origin} has no {TOKENIZER_FILE}; cannot tokenize for it")
-            tokenizer_path = scratch / TOKENIZER_FILE
-            tokenizer_path.write_bytes((directory / TOKENIZER_FILE).read_bytes())
+            tokenizer_path = unpack_tokenizer(pack_tokenizer(tokenizer), scratch, TOKENIZER_FILE)
         model = config_from_dict(saved["model"], checkpoint_family(saved))
         _note_replaced(job.model, model, origin)
         return ResolvedJob.of(replace(job, model=model), tokenizer_path)
@@ -194,7 +221,7 @@ def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
         return ResolvedJob.of(replace(job, model=model), _hf_tokenizer(hub))
     tokenizer_path = Path(job.data.tokenizer) if job.data.tokenizer else _trained_tokenizer(job)
     # Exactly the tokenizer's size, unpadded: ids past it would be undecodable if an undertrained model chose them.
-    vocab = Tokenizer.load(tokenizer_path).vocab_size
+    vocab = load_tokenizer(tokenizer_path).vocab_size
     return ResolvedJob.of(replace(job, model=job.model.replace(vocab_size=vocab)), tokenizer_path)
 
 
@@ -307,7 +334,8 @@ def train_stage(
 ) -> Trained:
     """Train ``job`` (named: ``job.run.name``) on the prepared data; a rerun resumes its newest checkpoint.
 
-    ``tokenizer``: the .model file's bytes; ``deadline``: Unix time of the wall-clock budget;
+    ``tokenizer``: the tokenizer's bytes (``speed.hf_tokenizer.pack_tokenizer``); ``deadline``: Unix time of the
+    wall-clock budget;
     ``callbacks``: Ray Train callbacks (a sweep's ``TuneReportCallback``).
     """
     run_dir = run_directory(job)
@@ -362,7 +390,7 @@ def build_trainer(
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     loop_config = {
         "job": job_to_dict(job),
-        "tokenizer": tokenizer,  # the .model file's bytes, shipped so that workers on any node can read it
+        "tokenizer": tokenizer,  # pack_tokenizer's bytes, shipped so that workers on any node can read it
         "corpus": data.train,
         "deadline": deadline,
         "run_dir": run_dir,
@@ -415,7 +443,7 @@ def _evaluate(job_dict: dict[str, Any], checkpoint: str, out_uri: str) -> dict[s
     device = torch.device("cuda" if job.scale.use_gpu and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
     loaded = load_model(checkpoint, map_location=device)
-    return run_evaluation(loaded.model.to(device), Tokenizer.load(loaded.tokenizer_path), job.final_eval, out_uri)
+    return run_evaluation(loaded.model.to(device), load_tokenizer(loaded.tokenizer_path), job.final_eval, out_uri)
 
 
 # ----- the run directory ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from torch import nn
 
 from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.eval.validation import validation_metrics
+from speed.hf_tokenizer import unpack_tokenizer
 from speed.losses import loss_weights, settled_loss
 from speed.models.checkpoint import (
     MODEL_FILE,
@@ -89,8 +90,9 @@ def _hang(rank: int, step: int) -> None:
 
 
 def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
-    """A fresh model of the job's family (seeded), or the weights of ``init_from`` (a speed checkpoint, or a
-    T5 v1.1: ``hf:`` or a Hugging Face directory, ``speed.train.config.hub_origin``)."""
+    """A fresh model of the job's family (seeded), or the weights of ``init_from`` (a speed checkpoint, an imported
+    LM's directory read by ``load_pretrained``, or a T5 v1.1: ``hf:`` or a Hugging Face directory,
+    ``speed.train.config.hub_origin``)."""
     torch.manual_seed(job.train.seed)
     if job.init_from is None or not load_init:
         return build_model(job.model)
@@ -120,7 +122,7 @@ def _seed_worker(seed: int, rank: int) -> None:
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Train this worker's share of the job (in a scratch folder removed at the end, also on failure).
 
-    ``config``: ``job`` (a resolved JobConfig dict), ``tokenizer`` (the .model bytes),
+    ``config``: ``job`` (a resolved JobConfig dict), ``tokenizer`` (``speed.hf_tokenizer.pack_tokenizer``'s bytes),
     ``corpus`` (the prepared training split: a path or URI), ``deadline`` (Unix time or None) and
     ``run_dir`` (this run's directory on storage: its newest checkpoint there resumes it).
     """
@@ -142,7 +144,7 @@ class WorkerContext:
     plan: BatchPlan  # this rank's share of every global batch
     corpus: TokenizedCorpus  # the prepared training split
     validation: TokenizedCorpus | None  # rank 0 only, when the job has a prepared validation split (sweeps)
-    tokenizer_path: Path  # this worker's copy of the run's tokenizer, written into every checkpoint
+    tokenizer_path: Path  # this worker's copy of the run's tokenizer (spm.model or a folder), in every checkpoint
     tokenizer: bytes  # its contents: a checkpoint with another tokenizer cannot continue the run
     deadline: float | None  # Unix time of the wall-clock budget; None: no budget
 
@@ -152,8 +154,7 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
     ray_ctx = ray.train.get_context()
     rank, world = ray_ctx.get_world_rank(), ray_ctx.get_world_size()
     torch.set_num_threads(job.train.num_threads or max(1, int(job.scale.cpus_per_worker)))
-    tokenizer_path = workdir / TOKENIZER_FILE
-    tokenizer_path.write_bytes(config["tokenizer"])
+    tokenizer_path = unpack_tokenizer(config["tokenizer"], workdir / "tokenizer", TOKENIZER_FILE)
 
     corpus = open_corpus(config["corpus"])
     plan = BatchPlan(

@@ -1,7 +1,8 @@
 """Training checkpoints: the model part (``speed.models.checkpoint``) plus the state that resumes a run exactly.
 
 A training checkpoint directory holds
-    model.pt, config.json, spm.model   speed.models.checkpoint.save_model (config.json: {"model", "job", "step"})
+    model.pt, config.json, spm.model   speed.models.checkpoint.save_model (config.json: {"model", "job", "step"};
+                                       an imported model's tokenizer/ in place of spm.model)
     train_state.pt                     step, optimizer, scheduler, every rank's RNG states, world size
     train_log.parquet                  speed.train.train_log.TRAIN_LOG_SCHEMA, one row per step so far
     complete                           the step, written last (``mark_complete``): the checkpoint is whole
@@ -20,7 +21,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
-from speed.models.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, TOKENIZER_FILE, save_model
+from speed.hf_tokenizer import pack_tokenizer
+from speed.models.checkpoint import CHECKPOINT_PREFIX, COMPLETE_FILE, checkpoint_tokenizer, save_model
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
 from speed.paths import TRAIN_LOG_FILE
@@ -108,7 +110,8 @@ def load_training_state(directory: str | Path) -> TrainingState:
 def check_compatible(saved: dict[str, Any], job: dict[str, Any], tokenizer_bytes: bytes, where: str) -> None:
     """Refuse a checkpoint (config.json dict) whose model, task, optimizer or tokenizer differs from ``job``'s.
 
-    ``job`` is the resolved job of this run (``speed.train.config.job_to_dict``).
+    ``job`` is the resolved job of this run (``speed.train.config.job_to_dict``); ``tokenizer_bytes`` its
+    tokenizer (``speed.hf_tokenizer.pack_tokenizer``).
     """
     problems = []
     ours = {key: value for key, value in job["model"].items() if key != "family"}
@@ -123,9 +126,9 @@ def check_compatible(saved: dict[str, Any], job: dict[str, Any], tokenizer_bytes
         theirs, mine = saved_job.get(section, {}).get(key), job[section][key]
         if theirs != mine:
             problems.append(f"{section}.{key} is {theirs!r} there, {mine!r} here")
-    tokenizer = Path(where) / TOKENIZER_FILE
-    if tokenizer.is_file() and tokenizer.read_bytes() != tokenizer_bytes:
-        problems.append("its tokenizer (spm.model) differs from this run's")
+    tokenizer = checkpoint_tokenizer(where, saved)
+    if tokenizer is not None and pack_tokenizer(tokenizer) != tokenizer_bytes:
+        problems.append(f"its tokenizer ({Path(tokenizer).name}) differs from this run's")
     if problems:
         raise IncompatibleCheckpointError(f"checkpoint {where} cannot continue this run: " + "; ".join(problems))
 
