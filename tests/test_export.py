@@ -140,3 +140,27 @@ def test_the_job_on_a_bad_checkpoint_path_exits_2(tmp_path):
     )  # fmt: skip
     assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_of_an_imported_model_exports_with_its_own_tokenizer(tmp_path):
+    """A checkpoint finetuned from a Hugging Face directory keeps the directory's tokenizer in tokenizer/; export
+    writes those files (not the platform's SentencePiece), and the exported Ouro reads back with the same tokenizer
+    and the same logits."""
+    from imported_helpers import write_chat_ouro
+
+    from speed.hf_tokenizer import load_tokenizer
+
+    source = write_chat_ouro(tmp_path / "Ouro-tiny")
+    model = speed.from_pretrained(source)
+    save_model(tmp_path / "ckpt", model, source)  # as a finetuning run saves it: the tokenizer in tokenizer/
+    done = export(tmp_path / "ckpt", tmp_path / "out")
+    assert "tokenizer.json" in done.files and "spiece.model" not in done.files
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "ouro"
+    ours, theirs = load_tokenizer(tmp_path / "out"), load_tokenizer(source)
+    chat = [{"role": "user", "content": "Translate to German: A dog runs."}]
+    assert ours.encode_chat(chat) == theirs.encode_chat(chat) and ours.stop_ids == theirs.stop_ids
+    ids = torch.tensor([theirs.encode_chat(chat)])
+    with torch.no_grad():
+        got = speed.from_pretrained(tmp_path / "out")(ids, return_logits=True).loop_logits
+        want = model(ids, return_logits=True).loop_logits
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -20,7 +20,8 @@ Forms that would change the outputs are refused (``ExportError``, one line namin
 it). Exit adapters (``speed.models.exits``) are not exported: a checkpoint is read without them, a model
 holding them is refused. The weights keep the model's dtype, in ``model.safetensors``.
 
-Tokenizer (when the checkpoint holds its SentencePiece ``spm.model``, or one is given): ``spiece.model`` and a
+Tokenizer (an imported model's, finetuned from a Hugging Face directory: its own files, as the checkpoint keeps
+them in tokenizer/; when the checkpoint holds its SentencePiece ``spm.model``, or one is given): ``spiece.model`` and a
 ``tokenizer_config.json`` for ``T5Tokenizer``, whatever the form, since the platform's tokenizer is T5's
 conventions (a unigram SentencePiece model; pad 0, EOS 1, UNK 2, no BOS, EOS appended as ``Tokenizer.encode``
 appends it; ``extra_ids``: the sentinels the platform adds to a model without them), plus, for an LM whose
@@ -358,11 +359,19 @@ def _write_weights(directory: Path, weights: Mapping[str, Tensor]) -> None:
 
 
 def _write_tokenizer(directory: Path, path: str, form: str, chat_template: ChatTemplate | None) -> None:
-    """The SentencePiece model and a ``tokenizer_config.json`` (see the module doc)."""
+    """The SentencePiece model and a ``tokenizer_config.json`` (see the module doc); an imported model's tokenizer
+    (a checkpoint's tokenizer/ folder, finetuned from a Hugging Face directory) as its own files."""
     import sentencepiece as spm
 
+    from speed.hf_tokenizer import tokenizer_files
     from speed.tokenizer import Tokenizer
 
+    if locate(path).is_dir():
+        for name, data in tokenizer_files(path).items():
+            if name != "config.json":  # the model's: the exported one describes the model
+                (directory / name).parent.mkdir(parents=True, exist_ok=True)
+                (directory / name).write_bytes(data)
+        return
     raw = locate(path).read_bytes()
     plain = spm.SentencePieceProcessor(model_proto=raw)
     specials = {
