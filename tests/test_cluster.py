@@ -65,8 +65,14 @@ class _Stop(Exception):
 
 
 @pytest.mark.parametrize("name", ["serve", "bench_serve"])
-def test_serving_jobs_ship_their_speed_to_the_replicas(monkeypatch, name):
-    """Serve replicas import the driver's speed through the runtime environment, not through $PYTHONPATH."""
+def test_serving_jobs_ship_their_speed_to_the_replicas(monkeypatch, tmp_path, name):
+    """Serve replicas import the driver's speed through the runtime environment, not through $PYTHONPATH. (A real
+    checkpoint: jobs/serve.py checks it before it starts Ray.)"""
+    from speed.config import preset
+    from speed.models.checkpoint import save_model
+    from speed.models.t5 import SpeedT5
+
+    checkpoint = save_model(tmp_path / "ckpt", SpeedT5(preset("tiny")))
     spec = importlib.util.spec_from_file_location(f"{name}_job", repo_root() / "jobs" / f"{name}.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
@@ -79,7 +85,7 @@ def test_serving_jobs_ship_their_speed_to_the_replicas(monkeypatch, name):
     monkeypatch.setattr(job.ray, "init", init)
     monkeypatch.setenv("RAY_worker_niceness", "0")  # bench_serve sets it when unset; the test leaves it as it was
     with pytest.raises(_Stop):
-        job.main(["--checkpoint", "runs/x"])
+        job.main(["--checkpoint", str(checkpoint)])
     assert connected["runtime_env"] == code_runtime_env()
     assert connected["runtime_env"]["py_modules"] == [str(package_dir())]
 
