@@ -41,7 +41,7 @@ from speed.engine.memory import MemoryBudgetError
 from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
 from speed.hf_tokenizer import load_tokenizer
 from speed.models.exits import EXITS_CONFIG_FILE
-from speed.models.precision import with_dtype
+from speed.models.precision import DTYPES, dtype_named, with_dtype
 from speed.models.pretrained import load_pretrained
 from speed.storage import locate
 
@@ -78,7 +78,6 @@ SETTINGS = {
     "exit_threshold": "kind threshold: the cumulative exit probability to reach, in (0, 1] (default 1.0)",
     "exit_step": "kind step: the 0-based loop whose logits decide (default 0)",
 }
-DTYPES = ("float32", "bfloat16")  # --dtype: float32, or bf16 weights
 UNTRAINED_MAX_SOURCE_LEN = 512  # a checkpoint without a training job (converted weights): T5's input length
 
 
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plain = "-no-exit-adapters" if unused else ""  # beside the evaluation with them, not over it
     out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}{plain}"
     model = loaded.model.to(args.device)  # the loader fills a CPU-built model: move it where it should decode
-    model = with_dtype(model, getattr(torch, args.dtype))
+    model = with_dtype(model, dtype_named(args.dtype))
     with user_errors((MemoryBudgetError,)):  # a batch the device cannot hold: one line saying what fits, status 2
         summary = run_evaluation(model, tokenizer, config, out)
     print(format_summary(summary))

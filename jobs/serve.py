@@ -3,6 +3,7 @@
     python jobs/serve.py --checkpoint runs/demo/<finetune run>/checkpoint_000400 --port 8000 --replicas 2
     python jobs/serve.py --checkpoint ~/models/Ouro-1.4B-Thinking  # a Hugging Face directory: its own tokenizer,
                                                                    # chat template and stop tokens
+    python jobs/serve.py --checkpoint ~/models/Ouro-1.4B --dtype bfloat16  # bf16 weights: half the bytes a token reads
     curl -s 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
         -d '{"prompt": "A man rides a bike.", "task": "translate_en_de", "max_tokens": 48}'
 
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.cli import parse_set, user_errors
 from speed.cluster import code_runtime_env, local_ray_options
+from speed.models.precision import DTYPES
 from speed.models.pretrained import model_source
 from speed.serve.app import start_app
 from speed.serve.auth import API_KEY_ENV
@@ -73,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="draft with the checkpoint's exit adapters when it has them (speed.models.exits; answers unchanged); "
         "default: on a GPU yes, on a CPU no (speed.engine.defaults)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="bfloat16: bf16 weights, the linear weights bfloat16 and the rest float32 (speed.models.precision)",
     )
     p.add_argument(
         "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: open)"

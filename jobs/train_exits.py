@@ -8,9 +8,13 @@ output cannot change (loop M's exit is never adapted). Evaluation, Serve and the
     python jobs/train_exits.py --checkpoint <ckpt> --rank 64 --steps 600 --targets decoded
     python jobs/evaluate.py --checkpoint <ckpt> --oracle                               # with them
     python jobs/evaluate.py --checkpoint <ckpt> --oracle --no-exit-adapters            # without
+    python jobs/train_exits.py --checkpoint ~/models/Ouro-1.4B --task translate_en_de  # a Hugging Face directory
 
 The run (checkpoints of the adapters and the optimizer) lives in <storage-path>/exits-<ckpt>-r<rank>-<hash>; the
-same command again resumes it. Without $RAY_ADDRESS a local Ray starts in-process.
+same command again resumes it. A Hugging Face directory (Ouro, Huginn, Llama, T5 v1.1) records no training split:
+--task names it, and the run first writes the directory as a platform checkpoint into <run>/model (the converted
+model, the directory's tokenizer, a job naming the split), trains the adapters beside it and prints where: name
+that checkpoint to evaluate.py or serve.py to decode with them. Without $RAY_ADDRESS a local Ray starts in-process.
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ def parse(argv: list[str] | None = None) -> ExitTrainConfig:
     """The flags as an ``ExitTrainConfig``."""
     d = ExitTrainConfig
     parser = JobParser(prog="train_exits.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="the frozen model: a checkpoint, or a run's newest")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="the frozen model: a checkpoint, a run's newest, or a Hugging Face directory",
+    )
     parser.add_argument("--rank", type=int, default=d.rank, help="the adapters' bottleneck width")
     parser.add_argument("--loops", type=int, nargs="+", default=[], help="adapted loops (1-based, < M); default all")
     parser.add_argument(
@@ -45,6 +53,13 @@ def parse(argv: list[str] | None = None) -> ExitTrainConfig:
     parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--limit", type=int, default=None, help="first N training records")
+    parser.add_argument(
+        "--task",
+        default=None,
+        help="the training split's task (default: the checkpoint's; a Hugging Face directory needs it)",
+    )
+    parser.add_argument("--max-source-len", type=int, default=None, help="prompt tokens (default: the job's)")
+    parser.add_argument("--max-target-len", type=int, default=None, help="answer tokens (default: the job's)")
     parser.add_argument("--log-every", type=int, default=d.log_every)
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     parser.add_argument("--stop-at-step", type=int, default=None, help="stop cleanly here; the same command resumes")

@@ -271,3 +271,68 @@ def test_an_imported_ouro_serves_chat_and_completions_in_its_template_stopping_a
     rows = [r for r in read_requests(ouro.stats).to_pylist() if r["route"] == "chat"]
     assert {(r["model"], r["family"]) for r in rows} == {("Ouro-tiny", "lm")} and len(rows) == 3
     assert sorted(r["finish_reason"] for r in rows) == sorted(reasons)
+
+
+# bf16 weights (``jobs/serve.py --dtype bfloat16``): the tiny Ouro directory deployed in bf16 beside the others.
+@pytest.fixture(scope="module")
+def ouro_bf16(server, tmp_path_factory):
+    """A deployment of a tiny imported Ouro in bf16 weights, on the LM server's Serve: its Deployment (the model
+    ``from_pretrained`` in bfloat16, what the replica must decode with)."""
+    from ray import serve
+
+    from speed import from_pretrained
+    from speed.hf_tokenizer import load_tokenizer
+    from speed.serve.app import start_app
+    from speed.serve.settings import AppConfig
+
+    root = tmp_path_factory.mktemp("serve-ouro-bf16")
+    directory = write_chat_ouro(root / "Ouro-tiny", end_of_turn_bias=0.3)
+    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    options = {"stats_path": str(root / "stats"), "device": "cpu", "name": "speed-bf16-test", "api_key": KEY}
+    options |= {"port": port, "num_cpus": 0.5, "route_prefix": "/bf16", "dtype": "bfloat16"}
+    url = start_app(AppConfig(str(directory), settings=OURO_SETTINGS, **options))
+    model = from_pretrained(directory, dtype=torch.bfloat16)
+    deployment = Deployment(url, model, load_tokenizer(directory), options["stats_path"], _no_redeploy)
+    deployment.directory = directory  # the float32 model's too
+    yield deployment
+    if "speed-bf16-test" in serve.status().applications:
+        serve.delete("speed-bf16-test")
+
+
+def test_a_bf16_deployment_answers_as_offline_bf16_decoding_and_says_its_dtype(ouro_bf16, client):
+    """Greedy completions and chats of the bf16 deployment (SPEED on) equal offline sequential decoding of the same
+    directory in bf16 weights token for token, its logprobs bf16's (not float32's); its card and statistics say
+    bfloat16, a default one's float32."""
+    import openai
+
+    from speed import from_pretrained
+
+    bf16 = openai.OpenAI(base_url=ouro_bf16.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    (card,) = bf16.models.list().data
+    assert (card.id, card.dtype, client.models.list().data[0].dtype) == ("Ouro-tiny", "bfloat16", "float32")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert requests.get(ouro_bf16.url + "/v1/stats", headers=headers, timeout=30).json()["dtype"] == "bfloat16"
+    assert ouro_bf16.model.lm_head.weight.dtype == torch.bfloat16  # the reference is bf16 weights
+    tok = ouro_bf16.tokenizer
+    for prompt in ("A man in a blue shirt.", "Two dogs play in the snow.", "What is 12 + 30?"):
+        answer = bf16.completions.create(model="Ouro-tiny", prompt=prompt, max_tokens=12)
+        texts, finish, _, _ = _answers(ouro_bf16, answer)
+        assert (texts[0], finish[0]) == _ouro_offline(ouro_bf16, tok.encode(prompt, add_eos=False)), prompt
+        assert answer.speed["method"] == "speed"
+    messages = [{"role": "user", "content": "Translate to German: A dog runs."}]
+    answer = bf16.chat.completions.create(model="Ouro-tiny", messages=messages, max_tokens=12)
+    expected = _ouro_offline(ouro_bf16, tok.encode_chat(messages))
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == expected
+    # The tokens of these prompts are float32's too: the logprobs tell bf16 weights from float32 ones.
+    prompt = tok.encode("A girl reads a book.", add_eos=False)
+    answer = bf16.completions.create(model="Ouro-tiny", prompt=prompt, max_tokens=8, logprobs=1)
+    served = torch.tensor(answer.choices[0].logprobs.token_logprobs, dtype=torch.float64)
+    tokens = generate(ouro_bf16.model, torch.tensor([prompt]), method="sequential", max_new_tokens=8).tokens[0]
+    assert len(tokens) == len(served)
+    whole = torch.tensor([prompt + tokens])
+    offline = {}
+    for name, model in (("bfloat16", ouro_bf16.model), ("float32", from_pretrained(ouro_bf16.directory))):
+        logits = model(whole, return_logits=True).loop_logits[-1][0, len(prompt) - 1 : -1].double()
+        offline[name] = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(served, offline["bfloat16"], atol=1e-4, rtol=0)
+    assert (served - offline["float32"]).abs().max() > 1e-3

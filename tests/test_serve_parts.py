@@ -938,3 +938,24 @@ def test_a_deployment_without_branches_holds_no_side_entries_and_refuses_a_branc
         finished += engine.step().finished
     want = generate(model, torch.tensor([[5, 6, 7, 1]]), method="sequential", max_new_tokens=8).tokens[0]
     assert finished[0].tokens == want
+
+
+def test_the_dtype_option_reaches_the_deployment_and_names_only_what_it_can_load():
+    """``jobs/serve.py --dtype`` is ``AppConfig.dtype`` by name (float32 unless given); ``AppConfig`` and
+    ``build_app`` refuse a dtype other than float32 and bfloat16 before any replica starts."""
+    import importlib.util
+
+    from speed.serve.app import build_app
+    from speed.serve.settings import AppConfig
+
+    spec = importlib.util.spec_from_file_location("serve_job", repo_root() / "jobs" / "serve.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    assert job.parse_args(["--checkpoint", "x"]).dtype == "float32" == AppConfig("x").dtype
+    assert job.parse_args(["--checkpoint", "x", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        job.parse_args(["--checkpoint", "x", "--dtype", "float16"])
+    with pytest.raises(ValueError, match="AppConfig.dtype must be one of"):
+        AppConfig("x", dtype="float16")
+    with pytest.raises(ValueError, match="dtype='half': choose one of"):
+        build_app({"checkpoint": "x", "dtype": "half"})

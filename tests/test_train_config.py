@@ -181,3 +181,35 @@ def test_a_hang_drill_nobody_ends_fails_the_run(monkeypatch, capsys):
     with pytest.raises(loop.InjectedFailure, match=r"rank 0 hung before step 5 \(train.hang_at_step\)"):
         loop._hang(0, 4)
     assert "hanging before step 5 (train.hang_at_step)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("asked", [None, "lm", "t5"])
+def test_init_from_an_lm_checkpoint_finetunes_an_lm_whatever_model_says(tmp_path, tiny_tokenizer, capsys, asked):
+    """``--init-from`` a platform LM checkpoint (or its run): the checkpoint's family wins, with one line when
+    ``--model`` said otherwise; the job resolves to the checkpoint's model config, tokenizer and all."""
+    import torch
+
+    from speed.config import lm_preset
+    from speed.models.checkpoint import COMPLETE_FILE
+    from speed.models.looped_lm import LoopedLM
+    from speed.tokenizer import Tokenizer
+    from speed.train.launch import check_inputs, tokenizer_stage
+    from speed.train.state import save_job_model
+
+    torch.manual_seed(0)
+    model = LoopedLM(lm_preset("tiny", pattern="1+2x3+1", vocab_size=Tokenizer.load(tiny_tokenizer).vocab_size))
+    pretrain = job_from_args("pretrain", ["--model", "lm", "--pattern", "1+2x3+1"])
+    run = tmp_path / "pretrain-run"
+    save_job_model(run / "checkpoint_00000002", model, tiny_tokenizer, job_to_dict(pretrain), 2)
+    (run / "checkpoint_00000002" / COMPLETE_FILE).write_text("2\n")
+    flags = ["--init-from", str(run), "--task", "translate_en_de"] + (["--model", asked] if asked else [])
+    job = job_from_args("finetune", flags)
+    note = capsys.readouterr().out
+    assert job.family.name == "lm" and job.kind == "finetune" and job.data.task == "translate_en_de"
+    if asked == "t5":
+        assert note.strip() == f"--model t5 ignored: {run} is a 'lm' checkpoint, and the checkpoint's family wins"
+    else:
+        assert note == ""
+    check_inputs(job)
+    resolved = tokenizer_stage(job, tmp_path / "scratch")
+    assert resolved.job.model == model.config and resolved.job.family.name == "lm"

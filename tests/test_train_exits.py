@@ -135,15 +135,16 @@ def test_the_job_refuses_the_last_loop(tiny_tokenizer, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "kind, message",
+    "kind, flags, message",
     [
-        ("ouro", "is a Hugging Face ouro directory: exit adapters train on the split of the platform job"),
-        ("gpt2", "model_type 'gpt2' is not one the platform loads"),
+        ("ouro", [], "is a Hugging Face ouro directory: it records no task; pass --task"),
+        ("ouro", ["--task", "nope"], "unknown task 'nope'"),
+        ("gpt2", ["--task", "translate_en_de"], "model_type 'gpt2' is not one the platform loads"),
     ],
 )
-def test_the_job_refuses_a_hugging_face_directory_in_one_line(tmp_path, capsys, kind, message):
-    """A Hugging Face directory holds no training job (no split, no spm.model): one line, status 2, no run folder,
-    nothing written beside the model."""
+def test_the_job_refuses_a_directory_it_cannot_train_in_one_line(tmp_path, capsys, kind, flags, message):
+    """A Hugging Face directory without --task (it records no split), or one the platform cannot read: one line,
+    status 2, no run folder, nothing written beside the model."""
     from imported_helpers import write_chat_ouro
 
     directory = tmp_path / kind
@@ -155,7 +156,96 @@ def test_the_job_refuses_a_hugging_face_directory_in_one_line(tmp_path, capsys, 
     before = sorted(p.name for p in directory.iterdir())
     runs = tmp_path / "runs"
     with pytest.raises(SystemExit) as exit_:
-        _job().main(["--checkpoint", str(directory), "--storage-path", str(runs), "--no-tracking"])
+        _job().main(["--checkpoint", str(directory), *flags, "--storage-path", str(runs), "--no-tracking"])
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and "\n" not in err and message in err, err
     assert not runs.exists() and sorted(p.name for p in directory.iterdir()) == before
+
+
+def _ouro_flags(directory, runs) -> list[str]:
+    split = ["--task", "translate_en_de", "--limit", "8", "--max-source-len", "96", "--max-target-len", "24"]
+    loop = ["--rank", "4", "--steps", "2", "--batch-size", "4", "--warmup-steps", "1", "--checkpoint-every", "2"]
+    return ["--checkpoint", str(directory), *split, *loop, "--cpus-per-worker", "1", "--storage-path", str(runs)]
+
+
+def test_a_directory_is_written_once_as_a_platform_checkpoint_of_its_split(tmp_path, capsys):
+    """``import_checkpoint``: the converted model (the directory's weights), its tokenizer files in tokenizer/, a job
+    naming the split; complete, and kept by a relaunch; a failed conversion leaves nothing."""
+    from imported_helpers import write_chat_ouro
+
+    from speed.hf_tokenizer import tokenizer_files
+    from speed.models.checkpoint import HF_TOKENIZER_DIR, read_checkpoint_config
+    from speed.models.pretrained import from_pretrained
+    from speed.train.exits import import_checkpoint, source_job
+
+    directory = write_chat_ouro(tmp_path / "Ouro-tiny")
+    config = _job().parse(_ouro_flags(directory, tmp_path / "runs"))
+    target = import_checkpoint(config, str(tmp_path / "run"))
+    assert target == str(tmp_path / "run" / "model") and sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "model"
+    ]
+    assert tokenizer_files(Path(target) / HF_TOKENIZER_DIR) == tokenizer_files(directory)
+    saved = read_checkpoint_config(target)
+    assert saved["step"] == 0 and saved["tokenizer"] == {"kind": "huggingface", "path": HF_TOKENIZER_DIR}
+    job = source_job(target)
+    assert (job.kind, job.data.task, job.data.limit, job.data.max_source_len) == ("finetune", "translate_en_de", 8, 96)
+    assert job.family.name == "lm" and job.init_from == str(directory)
+    want, got = from_pretrained(directory).state_dict(), load_model(target).model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    stamp = (Path(target) / "model.pt").stat().st_mtime_ns
+    capsys.readouterr()
+    assert import_checkpoint(config, str(tmp_path / "run")) == target  # the relaunch: kept, not written again
+    assert (Path(target) / "model.pt").stat().st_mtime_ns == stamp and "earlier launch" in capsys.readouterr().out
+    (directory / "model.safetensors").write_bytes(b"broken")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        import_checkpoint(config, str(tmp_path / "other"))
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_conversion_that_fails_half_way_leaves_no_checkpoint(tmp_path, monkeypatch):
+    from imported_helpers import write_chat_ouro
+
+    import speed.train.exits as exits
+
+    def half(directory, *args):
+        Path(directory, "model.pt").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(exits, "save_job_model", half)
+    config = _job().parse(_ouro_flags(write_chat_ouro(tmp_path / "Ouro-tiny"), tmp_path / "runs"))
+    with pytest.raises(OSError, match="disk full"):
+        exits.import_checkpoint(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_adapters_train_on_a_hugging_face_directory_beside_its_platform_checkpoint(ray_session, tmp_path, capsys):
+    """``jobs/train_exits.py --checkpoint <a tiny Ouro> --task``: the directory written into the run's ``model/``,
+    said in the output; adapters trained there (a finite KL that the steps lowered) that the loader attaches, the
+    backbone the directory's, the directory untouched, and SPEED with them equals sequential decoding bit for bit."""
+    import math
+
+    from imported_helpers import assert_speed_exact, write_chat_ouro
+
+    from speed.models.pretrained import from_pretrained, load_pretrained
+    from speed.train.exits import check_inputs
+
+    directory = write_chat_ouro(tmp_path / "Ouro-tiny")
+    before = {p.name: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+    config = _job().parse([*_ouro_flags(directory, tmp_path / "runs"), "--no-tracking"])
+    check_inputs(config)
+    outcome = run_exits(config)
+    target = Path(outcome.run_dir) / "model"
+    assert Path(outcome.run_dir).name.startswith("exits-Ouro-tiny-r4-") and outcome.checkpoint == str(target)
+    assert f"into the platform checkpoint {target}" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in directory.rglob("*") if p.is_file()} == before
+    assert outcome.step == 2 and math.isfinite(outcome.metrics["kl"]) and outcome.metrics["kl"] > 0
+    stored = json.loads((target / EXITS_CONFIG_FILE).read_text())
+    assert stored["step"] == 2 and stored["run"] == outcome.run_dir
+    loaded = load_pretrained(str(target))
+    assert loaded.model.exit_adapters is not None and loaded.model.exit_adapters.config.loops == (1, 2)
+    assert all(head.up.weight.abs().sum() > 0 for head in loaded.model.exit_adapters.heads.values())
+    want = from_pretrained(directory).state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in backbone_state(loaded.model).items())
+    assert_speed_exact(loaded.model, seed=7)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 WEIGHTS_DTYPE = torch.bfloat16  # the linear weights' dtype in this mode
 COMPUTE_DTYPE = torch.float32  # everything else's
+DTYPES = ("float32", "bfloat16")  # what a job's or Serve's ``dtype`` may name: float32, or bf16 weights
 
 
 class WidenedLinear(nn.Linear):
@@ -59,3 +60,9 @@ def with_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     dtype the whole model in it (``model.to(dtype)``)."""
     return bf16_weights(model) if dtype == WEIGHTS_DTYPE else model.to(dtype)
 
+
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype a ``dtype`` option names (one of ``DTYPES``), for ``with_dtype``; another name is a ``ValueError``."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {DTYPES}")
+    return getattr(torch, name)

@@ -47,6 +47,7 @@ from starlette.requests import Request as StarletteRequest
 
 from speed.config import coerce
 from speed.engine.defaults import device_exit_adapters
+from speed.models.precision import DTYPES
 from speed.serve import auth, limits, protocol, responses
 from speed.serve.answers import Answering, streamed_answer, whole_answer
 from speed.serve.metrics import ServeCounters, ServeMetrics, resident_bytes
@@ -126,12 +127,14 @@ class SpeedServer:
         device: str = "auto",
         api_key: str | None = None,
         exit_adapters: bool | None = None,
+        dtype: str = "float32",
     ) -> None:
         api.state.api_key = auth.resolve(api_key)  # None: open (no key given, none in $SPEED_API_KEY)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         if exit_adapters is None:  # the device's default (speed.engine.defaults): on a GPU yes, on a CPU no
             exit_adapters = device_exit_adapters(device)
-        self.served = load_served_model(checkpoint, device, exits=exit_adapters)
+        self.served = load_served_model(checkpoint, device, exits=exit_adapters, dtype=dtype)
+        self.dtype = dtype
         self.model, self.tokenizer = self.served.model, self.served.tokenizer
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ValueError(f"{checkpoint}: tokenizer has more ids than the model's vocabulary")
@@ -200,6 +203,7 @@ class SpeedServer:
             "family": self.served.family.name,
             "pattern": str(c.pattern),
             "n_loops": self.model.n_loops,
+            "dtype": self.dtype,  # the weights': float32, or bfloat16 (bf16 weights)
             "max_source_len": self.settings.max_source_len,
             "max_target_len": self.settings.max_target_len,
             "allow_branches": self.settings.allow_branches,  # whether a request may ask for runner-up branches
@@ -210,7 +214,7 @@ class SpeedServer:
     def stats(self) -> dict[str, Any]:
         """This replica's totals since it started, its resident memory (bytes) and its settings."""
         counts = self.counters.snapshot(self.runner.active, self.runner.queued)
-        memory = {"rss_bytes": resident_bytes()}
+        memory = {"rss_bytes": resident_bytes(), "dtype": self.dtype}
         return {"replica": self.replica, **counts, **memory, "settings": dataclasses.asdict(self.settings)}
 
     @api.post("/v1/completions", openapi_extra=_openapi(CompletionRequest))
@@ -271,10 +275,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ``args``: ``checkpoint`` (a checkpoint or run directory, local or URI; default ``$SPEED_CHECKPOINT``),
     ``stats_path``, ``model_name``, ``device`` (``auto``, ``cpu``, ``cuda``), ``exit_adapters`` (``true``: the
     checkpoint's exit adapters when it has them; ``false``: plain exits; unset: the device's default, on a GPU
-    yes, on a CPU no). An API key comes from
+    yes, on a CPU no), ``dtype`` (``float32``, the default, or ``bfloat16``: bf16 weights). An API key comes from
     ``$SPEED_API_KEY`` in the replicas' environment, never from ``args`` (config files are not secret).
     """
-    known = {"checkpoint", "stats_path", "model_name", "device", "exit_adapters"}
+    known = {"checkpoint", "stats_path", "model_name", "device", "exit_adapters", "dtype"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown application argument(s) {unknown}; valid ones are {sorted(known)}")
@@ -282,6 +286,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     args.setdefault("checkpoint", os.environ.get(CHECKPOINT_ENV))
     if "exit_adapters" in args:  # `serve run ... exit_adapters=false` passes a string
         args["exit_adapters"] = coerce(args["exit_adapters"], bool, "exit_adapters")
+    if args.get("dtype", DTYPES[0]) not in DTYPES:
+        raise ValueError(f"dtype={args['dtype']!r}: choose one of {DTYPES}")
     if not args["checkpoint"]:
         raise ValueError(f"the application needs checkpoint=<checkpoint directory or URI> (or ${CHECKPOINT_ENV})")
     return SpeedServer.bind(**args)
@@ -302,7 +308,13 @@ def start_app(config: AppConfig) -> str:
             options[key] = getattr(c, key)
     deployment = SpeedServer.options(**options)
     app = deployment.bind(
-        c.checkpoint, c.stats_path, c.model_name, c.device, api_key=c.api_key, exit_adapters=c.exit_adapters
+        c.checkpoint,
+        c.stats_path,
+        c.model_name,
+        c.device,
+        api_key=c.api_key,
+        exit_adapters=c.exit_adapters,
+        dtype=c.dtype,
     )
     serve.run(app, name=c.name, route_prefix=c.route_prefix)
     return f"http://{c.host}:{c.port}{c.route_prefix.rstrip('/')}"

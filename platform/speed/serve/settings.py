@@ -25,6 +25,7 @@ from speed.engine.defaults import device_levers
 from speed.hf_tokenizer import chat_renderer, load_tokenizer
 from speed.models.checkpoint import checkpoint_family
 from speed.models.family import Family, get_family
+from speed.models.precision import DTYPES, dtype_named, with_dtype
 from speed.models.pretrained import load_pretrained
 from speed.paths import repo_root
 from speed.tokenizer import TextTokenizer
@@ -133,6 +134,7 @@ class AppConfig:
     model_name: str | None = None  # the id in /v1/models; None: the checkpoint's (or model directory's) folder name
     device: str = "auto"  # "auto", "cpu", "cuda"
     exit_adapters: bool | None = None  # draft with the checkpoint's exit adapters; None: on a GPU yes, on a CPU no
+    dtype: str = "float32"  # the weights': float32, or bfloat16 (bf16 weights: speed.models.precision)
     api_key: str | None = field(default=None, repr=False)  # every route but /healthz needs it; None: $SPEED_API_KEY
     # the deployment's
     name: str = "speed"
@@ -150,6 +152,8 @@ class AppConfig:
 
     def __post_init__(self) -> None:
         from_dict(ServeSettings, dict(self.settings))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"AppConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -165,8 +169,9 @@ class ServedModel:
     # config.json's ``chat_template`` (``speed.chat``'s when absent)
 
 
-def load_served_model(checkpoint: str, device: str, exits: bool = True) -> ServedModel:
-    """The served model of a checkpoint path or URI (or a run's newest) or of a Hugging Face model directory; one
+def load_served_model(checkpoint: str, device: str, exits: bool = True, dtype: str = "float32") -> ServedModel:
+    """The served model of a checkpoint path or URI (or a run's newest) or of a Hugging Face model directory, in
+    ``dtype`` (``bfloat16``: bf16 weights, ``speed.models.precision.with_dtype``, as ``jobs/evaluate.py --dtype``); one
     without its tokenizer (spm.model, tokenizer.json) is an error.
 
     With ``exits`` the checkpoint's exit adapters (``speed.models.exits``), when it has them, adapt the drafts; the
@@ -178,7 +183,8 @@ def load_served_model(checkpoint: str, device: str, exits: bool = True) -> Serve
     family = get_family(checkpoint_family(loaded.config))
     template = family.chat_template(loaded.config)
     template = template if template is None else chat_renderer(tokenizer, template)
-    return ServedModel(loaded.model.to(device).eval(), tokenizer, family, template)
+    model = with_dtype(loaded.model.to(device), dtype_named(dtype))
+    return ServedModel(model.eval(), tokenizer, family, template)
 
 
 def levers(request: Request) -> dict[str, Any]:

@@ -28,8 +28,9 @@ from speed.config import ConfigError, LMConfig, ModelConfig, from_dict, require_
 from speed.data.tasks import TASKS
 from speed.eval.evaluate import EvalConfig
 from speed.losses import SCHEMES, SettleConfig, check_scheme
-from speed.models.checkpoint import checkpoint_family, local_checkpoint, read_checkpoint_config
+from speed.models.checkpoint import checkpoint_family, latest_checkpoint, local_checkpoint, read_checkpoint_config
 from speed.models.family import DEFAULT_FAMILY, Family, family_of, get_family
+from speed.storage import absolute
 from speed.train.optim import SCHEDULES, OptimConfig
 from speed.train.state import IncompatibleCheckpointError
 
@@ -440,12 +441,36 @@ def job_from_layers(kind: str, config_path: str | Path | None, sets: list[str], 
         user = merge(user, _dotted(key, value))
     for key, value in flags.items():
         user = merge(user, _dotted(key, value))
+    user = _origin_family(user)
     base = merge(DEFAULTS[kind], {"kind": kind})
     if user.get("resume"):
         base = resumable_job(user["resume"])
         if base.get("kind") != kind:
             raise ValueError(f"--resume {user['resume']} is a {base.get('kind')!r} run, not {kind!r}")
     return job_from_dict(merge(base, user))
+
+
+def _origin_family(user: dict[str, Any]) -> dict[str, Any]:
+    """``user`` with the family of the platform checkpoint (or run) ``init_from`` names: the checkpoint's family
+    wins, its model config replacing the job's anyway (``speed.train.launch.tokenizer_stage``), with a note when
+    ``--model`` said otherwise. A resumed run, a Hugging Face origin, or one that cannot be read (``check_inputs``
+    names it) leaves ``user`` as it is."""
+    origin = user.get("init_from")
+    if not origin or user.get("resume") or origin.startswith(HF_PREFIX):
+        return user
+    try:
+        if _source(origin) != "platform":
+            return user
+        family = checkpoint_family(read_checkpoint_config(latest_checkpoint(absolute(origin))))
+    except (FileNotFoundError, ValueError):
+        return user
+    section = user.get("model") or {}
+    asked = section.get("family", DEFAULT_FAMILY)
+    if asked == family:
+        return user
+    if "family" in section:
+        print(f"--model {asked} ignored: {origin} is a '{family}' checkpoint, and the checkpoint's family wins")
+    return {**user, "model": {"family": family}}  # the rest of the section: the checkpoint's config replaces it
 
 
 def _dotted(key: str, value: Any) -> dict[str, Any]:

@@ -13,6 +13,11 @@ adapters (exits.pt, exits.json) and the optimizer state (exits_state.pt), each c
 every adapted loop's KL and agreement to MLflow (``speed.train.tracking``). When the run ends, its adapters are
 written beside the checkpoint they were trained for (``speed.models.checkpoint.save_exits``): evaluation, Serve and
 the sweep load them from there.
+
+A Hugging Face directory (Ouro, Huginn, Llama, T5 v1.1: ``speed.models.pretrained``) records no job: ``task`` names
+the split, and the run first writes a platform checkpoint of it into its own folder, ``<run>/model``
+(``import_checkpoint``: the converted model, the directory's tokenizer and a job naming that split, as a run
+finetuned from the directory writes its checkpoints), then trains the adapters beside that one.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -33,8 +40,9 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from speed.config import from_dict, to_dict
+from speed.config import LMConfig, ModelConfig, from_dict, to_dict
 from speed.models.checkpoint import (
+    COMPLETE_FILE,
     TOKENIZER_FILE,
     checkpoint_family,
     checkpoint_tokenizer,
@@ -46,14 +54,18 @@ from speed.models.checkpoint import (
     save_exits,
 )
 from speed.models.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach, exit_kl, exits_for
-from speed.models.pretrained import load_pretrained, model_source
+from speed.models.family import family_of
+from speed.models.pretrained import load_pretrained, model_source, pretrained_config
 from speed.storage import absolute, locate
 from speed.train import tracking
-from speed.train.config import JobConfig, TrackingConfig, job_from_dict, job_to_dict
+from speed.train.config import DEFAULTS, JobConfig, TrackingConfig, job_from_dict, job_to_dict, merge
+from speed.train.state import mark_complete, save_job_model
 
 Targets = Literal["split", "decoded"]
 TARGETS: tuple[Targets, ...] = get_args(Targets)
 STATE_FILE = "exits_state.pt"  # step, optimizer, RNG: what resumes an adapter run exactly
+IMPORTED_DIR = "model"  # <run>/model: the platform checkpoint of a Hugging Face directory, adapters beside it
+T5_TOKENIZER_FILE = "spiece.model"  # a T5 v1.1 directory's SentencePiece model
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,11 @@ class ExitTrainConfig:
     warmup_steps: int = 20
     seed: int = 0  # adapter init and data order
     limit: int | None = None  # first N training records (None: as the checkpoint's job had it)
+    # the split's task and lengths; None: the checkpoint's job's (a Hugging Face directory, which has none, needs
+    # the task, and takes the lengths of a job finetuning it: speed.train.config.DEFAULTS)
+    task: str | None = None
+    max_source_len: int | None = None
+    max_target_len: int | None = None
     log_every: int = 20
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
@@ -95,18 +112,29 @@ class ExitTrainConfig:
             raise ValueError(f"batch_size={self.batch_size} must divide evenly into num_workers={self.num_workers}")
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.steps:
             raise ValueError(f"stop_at_step={self.stop_at_step} must be in [1, steps={self.steps}]")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be positive or None, got {self.limit}")
+        for name in ("limit", "max_source_len", "max_target_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive or None, got {getattr(self, name)}")
+        if self.task is not None:
+            from speed.data import get_task
+
+            get_task(self.task)  # an unknown task: its line
 
 
 _LAUNCH_ONLY = ("stop_at_step", "log_every", "num_workers", "cpus_per_worker", "use_gpu", "storage_path", "name",
                 "max_failures", "tracking", "keep_checkpoints")  # fmt: skip
 
 
+_SPLIT = ("task", "max_source_len", "max_target_len")  # the split's settings a run may name (None: the job's)
+
+
 def exits_run_name(config: ExitTrainConfig) -> str:
     """A deterministic name: ``exits-<checkpoint folder>-r<rank>-<hash of what changes the result>``; launch-only
     settings are left out, so that relaunching the same command resumes the same run."""
     d = {k: v for k, v in to_dict(config).items() if k not in _LAUNCH_ONLY}
+    for key in _SPLIT:
+        if d[key] is None:
+            del d[key]  # runs named before these settings existed keep their names
     d["checkpoint"] = absolute(config.checkpoint)
     digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
     folder = config.checkpoint.rstrip("/").rsplit("/", 1)[-1]
@@ -124,34 +152,111 @@ class ExitOutcome:
     metrics: dict[str, Any]  # the last report of this launch (empty if it trained no step)
 
 
-def source_job(checkpoint: str) -> JobConfig:
+def source_job(checkpoint: str, config: ExitTrainConfig | None = None) -> JobConfig:
     """The training job that made ``checkpoint`` (config.json's ``job`` and ``model``): its data is the split the
-    adapters train on."""
+    adapters train on, with ``config``'s split settings (``limit``, ``task``, the lengths) in place of its own."""
     saved = read_checkpoint_config(checkpoint)
     if "job" not in saved:
         raise ValueError(f"{checkpoint} holds no training job (config.json has no 'job'): no training split to use")
-    return job_from_dict({**saved["job"], "model": {**saved["model"], "family": checkpoint_family(saved)}})
+    job = job_from_dict({**saved["job"], "model": {**saved["model"], "family": checkpoint_family(saved)}})
+    return job if config is None else _with_split(job, config)
+
+
+def _with_split(job: JobConfig, config: ExitTrainConfig) -> JobConfig:
+    given = {k: getattr(config, k) for k in ("limit", *_SPLIT) if getattr(config, k) is not None}
+    return replace(job, data=replace(job.data, **given)) if given else job
+
+
+def imported_job(config: ExitTrainConfig, model: ModelConfig | LMConfig, source: str) -> JobConfig:
+    """The job whose split a Hugging Face directory's adapters train on: a job finetuning it (pretraining, for the
+    ``pretrain`` task) as ``speed.train.config.DEFAULTS`` has one, on ``config.task``, its model the converted
+    ``model``'s config, its data prepared under ``config.storage_path``."""
+    from speed.data import get_task
+
+    if config.task is None:
+        raise ValueError(f"{config.checkpoint} is a Hugging Face {source} directory: it records no task; pass --task")
+    kind = "pretrain" if get_task(config.task).is_pretrain else "finetune"
+    given = {"kind": kind, "eval": None, "tracking": None, "init_from": absolute(config.checkpoint),
+             "run": {"storage_path": config.storage_path}}  # fmt: skip
+    job = merge(DEFAULTS[kind], given) | {"model": {**to_dict(model), "family": family_of(model).name}}
+    return _with_split(job_from_dict(job), config)
+
+
+def directory_tokenizer(directory: str, source: str) -> Path:
+    """The tokenizer of a (local) Hugging Face directory: a T5 v1.1's ``spiece.model`` (T5 reads SentencePiece
+    ids), an LM's own folder (its tokenizer.json); one it lacks is a ``FileNotFoundError``."""
+    from speed.hf_tokenizer import load_tokenizer
+
+    where = Path(directory).expanduser()
+    if source == "t5":
+        if not (where / T5_TOKENIZER_FILE).is_file():
+            raise FileNotFoundError(f"{directory} holds no {T5_TOKENIZER_FILE}: a T5's split needs its SentencePiece")
+        return where / T5_TOKENIZER_FILE
+    load_tokenizer(where)  # no tokenizer.json, or a broken one: its line
+    return where
+
+
+def _directory_config(directory: str, source: str) -> ModelConfig | LMConfig:
+    """The converted model config of a Hugging Face directory, from its config.json alone (no weights)."""
+    if source != "t5":
+        return pretrained_config(directory)
+    from transformers import T5Config
+
+    from speed.hf_files import read_config
+    from speed.models.convert_t5 import config_from_hf
+
+    return config_from_hf(T5Config.from_dict(read_config(directory)))
 
 
 def check_inputs(config: ExitTrainConfig) -> None:
-    """Fail now on a checkpoint, loops, target or tracking store that cannot work (``ValueError``,
-    ``FileNotFoundError``): a directory the platform cannot read, or a Hugging Face one (``model_source``), which
-    holds neither the training split nor the tokenizer of a platform job, is one line before anything starts."""
+    """Fail now on a checkpoint, task, loops, target or tracking store that cannot work (``ValueError``,
+    ``FileNotFoundError``): a directory the platform cannot read (``model_source``), a Hugging Face one without
+    ``task`` or its tokenizer, a split that is not there: one line before anything is written."""
+    from speed.data import get_task, resolve_source
+
     source = model_source(config.checkpoint)
-    if source != "platform":
-        raise ValueError(
-            f"{config.checkpoint} is a Hugging Face {source} directory: exit adapters train on the split of the "
-            "platform job that made a checkpoint and are written beside it for load_model, and it holds no job; "
-            f"finetune it first (jobs/finetune.py --model lm --init-from {config.checkpoint}), then train them there"
-        )
-    checkpoint = latest_checkpoint(absolute(config.checkpoint))
-    job = source_job(checkpoint)
-    if checkpoint_tokenizer(checkpoint, read_checkpoint_config(checkpoint)) is None:
-        raise FileNotFoundError(f"checkpoint {checkpoint} has no {TOKENIZER_FILE}: its training split cannot be read")
+    if source == "platform":
+        checkpoint = latest_checkpoint(absolute(config.checkpoint))
+        job = source_job(checkpoint, config)
+        if checkpoint_tokenizer(checkpoint, read_checkpoint_config(checkpoint)) is None:
+            raise FileNotFoundError(f"checkpoint {checkpoint} has no {TOKENIZER_FILE}: its split cannot be read")
+    else:
+        if not locate(config.checkpoint).local:
+            raise ValueError(f"{config.checkpoint}: a Hugging Face directory trains adapters from a local folder")
+        job = imported_job(config, _directory_config(config.checkpoint, source), source)
+        directory_tokenizer(config.checkpoint, source)
+    resolve_source(get_task(job.data.task), "train", job.data.source)  # the split is there
     if config.targets == "decoded" and not job.family.encoder_decoder:
         raise ValueError("targets 'decoded' decodes T5 sources; a looped LM trains on its split ('split')")
     ExitConfig(job.model.sharing.n_loops, job.model.d_model, config.rank, config.loops)  # the loops fit the model
     tracking.check(_tracked_job(config))
+
+
+def import_checkpoint(config: ExitTrainConfig, run_dir: str) -> str:
+    """The platform checkpoint of the Hugging Face directory ``config.checkpoint`` in ``<run_dir>/model``, written
+    unless a complete one is there (``speed.train.state.save_job_model``: the converted model, the directory's
+    tokenizer, ``imported_job``; an LM's tokenizer files in tokenizer/, a T5's spiece.model as spm.model). It
+    appears whole or not at all: written in a scratch folder, moved (or uploaded) there, marked ``complete``."""
+    target = f"{run_dir}/{IMPORTED_DIR}"
+    where = locate(target)
+    if (where / COMPLETE_FILE).is_file():
+        print(f"the platform checkpoint of {config.checkpoint}: {target} (written by an earlier launch)", flush=True)
+        return target
+    source = model_source(config.checkpoint)
+    loaded = load_pretrained(config.checkpoint, exits=False)
+    job = imported_job(config, loaded.model.config, source)
+    where.delete()  # an earlier launch's, stopped before it was complete
+    with tempfile.TemporaryDirectory(prefix="speed-import-") as scratch:
+        save_job_model(scratch, loaded.model, directory_tokenizer(config.checkpoint, source), job_to_dict(job), 0)
+        if where.local:  # a rename: the folder appears whole
+            partial = f"{run_dir}/.{IMPORTED_DIR}-{uuid.uuid4().hex[:8]}"
+            shutil.copytree(scratch, partial)
+            os.replace(partial, where.path)
+        else:
+            where.upload(scratch)
+    mark_complete(target, 0)
+    print(f"converted {config.checkpoint} ({source}) into the platform checkpoint {target}", flush=True)
+    return target
 
 
 def _tracked_job(config: ExitTrainConfig) -> JobConfig:
@@ -168,13 +273,15 @@ def run_exits(config: ExitTrainConfig) -> ExitOutcome:
     from speed.train.launch import data_stage, ensure_ray
 
     started = time.time()
-    checkpoint = latest_checkpoint(absolute(config.checkpoint))  # a run's newest: the adapters belong to that one
-    config = replace(config, checkpoint=checkpoint)
+    imported = model_source(config.checkpoint) != "platform"
+    if not imported:  # a run's newest: the adapters belong to that one
+        config = replace(config, checkpoint=latest_checkpoint(absolute(config.checkpoint)))
     config = replace(config, name=config.name or exits_run_name(config))
-    job = source_job(checkpoint)
-    if config.limit is not None:
-        job = replace(job, data=replace(job.data, limit=config.limit))
     run_dir = f"{absolute(config.storage_path).rstrip('/')}/{config.name}"
+    if imported:  # the run's own platform checkpoint of the directory: the adapters go beside it
+        config = replace(config, checkpoint=import_checkpoint(config, run_dir))
+    checkpoint = config.checkpoint
+    job = source_job(checkpoint, config)
     print(f"run {config.name}: exit adapters (rank {config.rank}) for {checkpoint} -> {run_dir}", flush=True)
     ensure_ray()
     with local_checkpoint(checkpoint) as directory:  # spm.model, or an imported model's tokenizer/ folder

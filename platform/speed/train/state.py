@@ -81,15 +81,23 @@ def save_training_checkpoint(
     ``job`` is the resolved job (``speed.train.config.job_to_dict``); without ``tokenizer_path`` the
     checkpoint holds no tokenizer (the GPU check's throwaway one, ``speed.benchmarks.gpu``).
     """
-    directory = Path(directory)
-    job_dict = {key: value for key, value in job.items() if key != "model"}  # the model: config.json's "model"
-    save_model(directory, model, tokenizer_path, {"job": job_dict, "step": state.step})
+    directory = save_job_model(directory, model, tokenizer_path, job, state.step)
     torch.save(
         {"step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler, "rng": state.rng},
         directory / TRAIN_STATE_FILE,
     )
     pq.write_table(state.log.cast(TRAIN_LOG_SCHEMA), directory / TRAIN_LOG_FILE)
     return directory
+
+
+def save_job_model(
+    directory: str | Path, model: SpeedT5 | LoopedLM, tokenizer_path: str | Path | None, job: dict[str, Any], step: int
+) -> Path:
+    """The model part of a job's checkpoint (``speed.models.checkpoint.save_model``): weights, the tokenizer (an
+    imported model's directory: its files in tokenizer/) and config.json ``{"model", "job", "step"}``, ``job`` the
+    resolved job (``speed.train.config.job_to_dict``) whose split ``speed.train.exits`` trains adapters on."""
+    job_dict = {key: value for key, value in job.items() if key != "model"}  # the model: config.json's "model"
+    return save_model(Path(directory), model, tokenizer_path, {"job": job_dict, "step": step})
 
 
 def load_training_state(directory: str | Path) -> TrainingState:
