@@ -55,7 +55,7 @@ def record_commit(seq: RequestState, t: InFlight, now: float) -> None:
         seq.accepted[t.ahead - 1] += 1
     if seq.all_exits:
         for loop, e in enumerate(t.exits):
-            seq.flips[loop] += e.pred != token
+            seq.flips[loop] += e.pred not in (token, NO_EXIT)  # an exit a closed step skipped is no flip
     if seq.trace is not None:
         seq.trace.add_token(seq.id, t.pos, t.preds)
     if seq.logprobs is not None:
