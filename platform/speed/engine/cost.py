@@ -1,8 +1,9 @@
 """The device's cost of a group pass by its row count (``RowCost``): what the engine's cost model decides from.
 
-``measure_row_cost`` times the stepper's own group pass (``Stepper.step``, exit logits on, as a SPEED step runs
-it) on a dummy plan in a cache and memory of its own: 1 to ``TILE_ROWS`` rows, then whole tiles up to the most
-rows a step of the engine can hold, each the least of a few runs (a shared machine's noise only ever adds time).
+``measure_row_cost`` times the stepper's own group pass (``Stepper.step``, with exit logits as a SPEED step runs
+it, and without as sequential decoding's early loops do) on dummy plans in a cache and memory of its own: 1 to
+``TILE_ROWS`` rows, then whole tiles up to the engine's full pipelines (at most ``MEASURED_ROWS``), each the least
+of a few rounds (a shared machine's noise only ever adds time), then made never to fall as rows are added.
 It runs once per process for a (model shape, device, dtype, threads): ``row_cost`` keeps what it measured, so a
 second engine on the same model (``generate``'s every batch, an evaluation's every method) pays nothing. Measured
 rather than fitted from the engine's own steps, since a cost model that never runs a row count could never learn
@@ -25,7 +26,7 @@ from speed.engine.rows import Rows
 
 PROMPT_TOKENS = 16  # the dummy requests' prompt length (each row attends over one chunk, as a short sentence's)
 MEASURED_ROWS = 64  # the most rows measured (8 tiles): an engine's larger steps extrapolate the last tile's slope
-REPEATS = 3  # timed runs per row count after one warm-up; the least is kept
+REPEATS = 3  # timed rounds over the row counts after one warm-up round; each count's least is kept
 
 
 @dataclass(frozen=True)
@@ -108,20 +109,19 @@ def measure_row_cost(stepper: Any, most: int, label: str = "") -> RowCost:
         tokens = torch.full((most,), admitted[0].token, device=device)
         hidden_all = stepper.embed(tokens)  # (most, d)
         counts = measured_counts(most)
-        seconds = {True: [], False: []}
-        for n in counts:
-            # a request's M rows at its M loops, as a full pipeline holds them; slot by slot
-            rows = Rows.build([r // M for r in range(n)], [r % M for r in range(n)], [pos] * n)
-            for with_logits, timed in seconds.items():
-                best = float("inf")
-                for k in range(REPEATS + 1):
+        plans = [Rows.build([r // M for r in range(n)], [r % M for r in range(n)], [pos] * n) for n in counts]
+        seconds = {True: [float("inf")] * len(counts), False: [float("inf")] * len(counts)}
+        # rounds over every count, so that a burst of another process's load spoils one run of each, not all of one
+        for k in range(REPEATS + 1):
+            for i, (n, rows) in enumerate(zip(counts, plans)):  # a request's M rows at its M loops, slot by slot
+                for with_logits, timed in seconds.items():
                     t0 = time.perf_counter()
                     stepper.step(memory, cache, rows, hidden_all[:n], with_logits=with_logits)
                     took = time.perf_counter() - t0
-                    best = best if k == 0 else min(best, took)  # the first run warms up
+                    if k:  # the first round warms up
+                        timed[i] = min(timed[i], took)
                     for s in range(-(-n // M)):
                         cache.invalidate(s, pos)
-                timed.append(best)
     took = time.perf_counter() - begin
     return RowCost(counts, _never_less(seconds[True]), _never_less(seconds[False]), took, label)
 
