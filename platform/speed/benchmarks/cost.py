@@ -84,6 +84,8 @@ def run_cost_benchmark(
             for v in VARIANTS:
                 identical[v] &= out[v] == out["sequential"]
         per_token = {v: seconds[v] / counts[v][0] * 1e3 for v in VARIANTS}
+        shown = ", ".join(f"{v} {per_token[v]:.2f}" for v in VARIANTS)
+        print(f"  {case.name}: ms per token {shown}", flush=True)
         for v in VARIANTS:
             tokens, passes, n_rows, closed = counts[v]
             rows.append(
