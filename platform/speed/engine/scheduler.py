@@ -11,6 +11,7 @@ in step with its decisions; it never runs the model.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -102,8 +103,12 @@ class Scheduler:
         that ran (in admission order) at ``now`` (perf_counter)."""
         work = self._work
         assert len(work) == len(plan.rows), "update takes the plan of the last select"
+        begin = time.perf_counter()
         record_exits(work, logits, self.n_loops, gates)
         st = self.stats
+        if logits is not None:
+            st.exit_seconds += time.perf_counter() - begin
+            st.exit_rows += len(work)
         st.steps += 1
         st.group_passes += 1
         st.rows += len(work)
@@ -190,13 +195,19 @@ class Scheduler:
         requests without a trace) unless some speculative rows, one per chain position each request could fill
         with its measured acceptance there, would save more than they and the step's exits cost, a surviving row
         saving what a row of the committed path's pass costs without exits (sequential decoding's). Open, the
-        chain's and then the branches' candidate rows run as many as ``worth_rows`` finds worth it.
+        chain's and then the branches' candidate rows run as many as ``worth_rows`` finds worth it. A row's exit
+        costs its share of the pass's logits (the measured curve) and what turning them into an exit (its draw,
+        its runner-up) has cost per row in this engine's steps so far (``DecodeStats.exit_seconds``).
         """
-        cost, M = self.row_cost, self.n_loops
+        cost, M, st = self.row_cost, self.n_loops, self.stats
         assert cost is not None
         required = sum(1 for s in order if s.chain)
         plain = cost(required, with_logits=False)
         value = plain / max(required, 1)  # seconds a surviving row saves: a committed-path row's share
+        per_exit = st.exit_seconds / st.exit_rows if st.exit_rows else 0.0
+
+        def with_exits(n: int) -> float:
+            return cost(n) + per_exit * n
 
         def rate(s: RequestState, level: int) -> float:
             if s.request.oracle is not None:
@@ -204,22 +215,22 @@ class Scheduler:
             return survival_rate(s.accepted[level - 1], s.draft_tokens[level - 1])
 
         def worth(base_rows: int, base: float, survival: list[float]) -> int:
-            seconds = [cost(base_rows + k) for k in range(len(survival) + 1)]
+            seconds = [with_exits(base_rows + k) for k in range(len(survival) + 1)]
             return worth_rows(seconds, base, survival, value)
 
         speeds = [s for s in order if s.launch.launch_loop < M]
         potential = [rate(s, level) for level in range(1, M) for s in speeds]
         if not worth(required, plain, potential):
             self._closed = True
-            self.stats.closed_steps += 1
+            st.closed_steps += 1
             return required, 0
         chains = [[1.0] + [rate(s, level) for level in range(1, len(s.chain))] if s.chain else [] for s in order]
-        chain_rows = required + worth(required, cost(required), in_budget_order(chains)[required:])
+        chain_rows = required + worth(required, with_exits(required), in_budget_order(chains)[required:])
         take = budget_rows([len(s.chain) for s in order], chain_rows)
         # a lane token survives only if its branch's runner-up becomes the prediction: at most 1 - p_top
         lanes = [[1.0 - _p(c) for c in s.chain[:n] for _ in c.lane] for s, n in zip(order, take)]
         branch_survival = in_budget_order(lanes)
-        return chain_rows, worth(chain_rows, cost(chain_rows), branch_survival)
+        return chain_rows, worth(chain_rows, with_exits(chain_rows), branch_survival)
 
     def schedule(self, seq: RequestState) -> InFlight | None:
         """After a step: commit the oldest token if it finished its last loop (returned; it ends ``seq`` at EOS or

@@ -242,7 +242,11 @@ class DecodeStats:
     exit_loops: int = 0  # their exit loops (1-based) summed: the loop passes the gate asks for
     held_rows: int = 0  # in-flight rows a step left out (the row budget's or the cost model's choice)
     closed_steps: int = 0  # steps the cost model ran as sequential decoding: no speculative row, no early exits
-    row_cost: RowCost | None = None  # the cost model's measured pass cost by rows (None: no cost model)
+    exit_rows: int = 0  # rows whose exit logits became exits (scores, draws, runner-ups) ...
+    # measurements, not counts (two equal runs' stats compare equal without them):
+    exit_seconds: float = field(default=0.0, compare=False)  # ... and the time that took: the cost model's per-row
+    # price of an exit beside the pass's
+    row_cost: RowCost | None = field(default=None, compare=False)  # the cost model's pass cost by rows (None: none)
 
     @property
     def mean_exit_loop(self) -> float:
