@@ -24,7 +24,7 @@ from speed.benchmarks.cost import CostCase, format_cost_table, run_cost_benchmar
 from speed.benchmarks.heldout import held_out
 from speed.cli import JobParser, add_report_flags, report_rows, user_errors
 from speed.engine import Speculation
-from speed.engine.cost import MEASURED_ROWS, row_cost
+from speed.engine.cost import row_cost
 from speed.engine.sampling import Sampling
 
 
@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [CostCase(f"b{b} greedy", b) for b in (1, 4, 8)]
     cases.append(CostCase(f"b4 sampled branches={args.branches}", 4, sampled, Speculation(branches=args.branches)))
     with torch.inference_mode():
-        cost = row_cost(model.stepper(), MEASURED_ROWS)
+        cost = row_cost(model.stepper())
         print(f"cost model: {cost.key}, measured in {cost.measure_s:.2f} s; ms by rows: "
-              + ", ".join(f"{r}: {s * 1e3:.2f}" for r, s in zip(cost.rows, cost.seconds)), flush=True)  # fmt: skip
+              + ", ".join(f"{r}: {s * 1e3:.2f}" for r, s in enumerate(cost.seconds, start=1)), flush=True)  # fmt: skip
         pad = getattr(model.config, "pad_id", 0)
         table = run_cost_benchmark(model, work.inputs, cases, args.max_new_tokens, pad, work.tokenizer.stop_ids)
     report_rows(table, args, format_cost_table)

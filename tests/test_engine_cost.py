@@ -10,7 +10,8 @@ from speed.config import preset
 from speed.decode.exactness import LogitRecorder, compare_logits
 from speed.decode.generate import generate
 from speed.engine import Speculation
-from speed.engine.cost import RowCost, measured_counts, row_cost
+from speed.engine.cost import RowCost, row_cost
+from speed.engine.kernels import TILE_ROWS
 from speed.engine.policies import budget_order, budget_rows, in_budget_order, survival_rate, worth_rows
 from speed.engine.sampling import Sampling
 from speed.models.t5 import SpeedT5
@@ -44,11 +45,10 @@ def test_budget_order_is_budget_rows_order():
     assert survival_rate(0, 0) == 0.5 and survival_rate(9, 10) == pytest.approx(10 / 12)
 
 
-def test_row_cost_interpolates_and_extrapolates():
-    cost = RowCost((1, 2, 8, 16), (1.0, 1.0, 2.0, 4.0), (0.5, 0.5, 1.0, 2.0), 0.0, "stub")
-    assert cost(0) == 0.0 and cost(1) == 1.0 and cost(5) == pytest.approx(1.5) and cost(24) == pytest.approx(6.0)
-    assert cost(8, with_logits=False) == 1.0 and cost.curve(2) == [0.0, 1.0, 1.0]
-    assert measured_counts(3) == (1, 2, 3) and measured_counts(20) == (*range(1, 9), 16, 20)
+def test_row_cost_adds_up_tiles():
+    cost = RowCost((1.0, 1.0, 1.5, 2.0), (0.5, 0.5, 0.75, 1.0), 0.0, "stub")  # tiles of 4 rows
+    assert cost(0) == 0.0 and cost(1) == 1.0 and cost(4) == 2.0 and cost(5) == 3.0 and cost(11) == 5.5
+    assert cost(7, with_logits=False) == 1.75 and cost.curve(2) == [0.0, 1.0, 1.0]
 
 
 @pytest.fixture(scope="module")
@@ -58,20 +58,17 @@ def model():
 
 
 def test_row_cost_is_measured_once_per_shape(model):
-    first = row_cost(model.stepper(), 8)
-    again = row_cost(LogitRecorder(model), 8)  # another stepper of the same model: what was measured
-    assert again is first and first.rows == measured_counts(8) and all(s > 0 for s in first.seconds)
+    first = row_cost(model.stepper())
+    again = row_cost(LogitRecorder(model))  # another stepper of the same model: what was measured
+    assert again is first and len(first.seconds) == len(first.plain) == TILE_ROWS and min(first.seconds) > 0
     assert list(first.seconds) == sorted(first.seconds) and first.measure_s > 0
     assert "SpeedT5" in first.key and f"{torch.get_num_threads()} threads" in first.key
 
 
 def _forced(monkeypatch, per_row: float) -> None:
-    """The engine's cost model on a made-up curve: a pass costs 1 + per_row per row beyond the first."""
-    counts = tuple(range(1, 65))
-    seconds = tuple(1.0 + per_row * (n - 1) for n in counts)
-    monkeypatch.setattr(
-        "speed.engine.engine.measured_row_cost", lambda stepper, most: RowCost(counts, seconds, seconds, 0.0, "made")
-    )
+    """The engine's cost model on a made-up curve: a tile costs 1 + per_row per row beyond the first."""
+    seconds = tuple(1.0 + per_row * n for n in range(TILE_ROWS))
+    monkeypatch.setattr("speed.engine.engine.measured_row_cost", lambda stepper: RowCost(seconds, seconds, 0.0, "made"))
 
 
 CASES = [

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from speed.engine.cache import Rows
-from speed.engine.cost import MEASURED_ROWS
 from speed.engine.cost import row_cost as measured_row_cost
 from speed.engine.memory import check_memory
 from speed.engine.outputs import finished
@@ -68,9 +67,7 @@ class Engine:
         self._lock = threading.Lock()  # the decoding state: step and cancel
         self._queue_lock = threading.Lock()  # the waiting queue and ids: add
         self._hidden: dict[int, Tensor] = {}  # the executor's: each in-flight token's hidden state (d,), by key
-        row_cost = None
-        if config.cost_model:  # every slot's pipeline full, at most MEASURED_ROWS (beyond: the last tile's slope)
-            row_cost = measured_row_cost(self.model, min(config.max_active * self.model.n_loops, MEASURED_ROWS))
+        row_cost = measured_row_cost(self.model) if config.cost_model else None  # once per process and model shape
         self._scheduler = Scheduler(self._cache, self.model.n_loops, config.row_budget, row_cost=row_cost)
         self.stats = self._scheduler.stats  # totals over the engine's life (the scheduler's update writes them)
 

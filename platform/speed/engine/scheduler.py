@@ -87,13 +87,15 @@ class Scheduler:
         self.stats.row_cost = row_cost
         self._work: list[tuple[RequestState, InFlight]] = []  # the last plan's rows, as decoding state
         self._closed = False  # the last plan's: the cost model found no speculation worth its exits
+        self._wanted: list[bool] = []  # the last plan's rows whose exits are scored (``_wants_exit``)
 
     def select(self, seqs: Iterable[RequestState], step_no: int) -> StepPlan:
         """Step ``step_no``'s plan (kept for ``update``): its rows are all in-flight rows, or the row budget's
         choice, in the order of ``seqs`` (admission order)."""
         self._work = work = self._choose(list(seqs), step_no)
         rows = [PlannedRow(t.key, t.token, s.slot, t.loops_done, t.pos, t.side, t.up) for s, t in work]
-        with_logits = any(self._wants_exit(s, t) for s, t in work)
+        self._wanted = [self._wants_exit(s, t) for s, t in work]
+        with_logits = any(self._wanted)
         with_gates = any(s.request.exit_rule is not None for s, _ in work)
         return StepPlan(step_no, rows, with_logits, with_gates)
 
@@ -104,11 +106,11 @@ class Scheduler:
         work = self._work
         assert len(work) == len(plan.rows), "update takes the plan of the last select"
         begin = time.perf_counter()
-        record_exits(work, logits, self.n_loops, gates)
+        record_exits(work, logits, self.n_loops, gates, self._wanted)
         st = self.stats
         if logits is not None:
             st.exit_seconds += time.perf_counter() - begin
-            st.exit_rows += len(work)
+            st.exit_rows += sum(self._wanted)
         st.steps += 1
         st.group_passes += 1
         st.rows += len(work)
