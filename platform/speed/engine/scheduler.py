@@ -88,6 +88,7 @@ class Scheduler:
         self._work: list[tuple[RequestState, InFlight]] = []  # the last plan's rows, as decoding state
         self._closed = False  # the last plan's: the cost model found no speculation worth its exits
         self._wanted: list[bool] = []  # the last plan's rows whose exits are scored (``_wants_exit``)
+        self._curve: list[float] = []  # row_cost(n) with exit logits, by n, as far as a step has needed
 
     def select(self, seqs: Iterable[RequestState], step_no: int) -> StepPlan:
         """Step ``step_no``'s plan (kept for ``update``): its rows are all in-flight rows, or the row budget's
@@ -195,44 +196,46 @@ class Scheduler:
 
         Every request's oldest token runs. Speculation is closed (no speculative row, no early exits of SPEED
         requests without a trace) unless some speculative rows, one per chain position each request could fill
-        with its measured acceptance there, would save more than they and the step's exits cost, a surviving row
-        saving what a row of the committed path's pass costs without exits (sequential decoding's). Open, the
-        chain's and then the branches' candidate rows run as many as ``worth_rows`` finds worth it. A row's exit
-        costs its share of the pass's logits (the measured curve) and what turning them into an exit (its draw,
-        its runner-up) has cost per row in this engine's steps so far (``DecodeStats.exit_seconds``).
+        with its measured acceptance there (the likeliest first), would save more than they and the step's exits
+        cost, a surviving row saving what a row of the committed path's pass costs without exits (sequential
+        decoding's). Open, the chain's and then the branches' candidate rows run as many as ``worth_rows`` finds
+        worth it. A row's exit costs its share of the pass's logits (the measured curve) and what turning them
+        into an exit (its draw, its runner-up) has cost per row in this engine's steps so far
+        (``DecodeStats.exit_seconds``).
         """
-        cost, M, st = self.row_cost, self.n_loops, self.stats
+        cost, M, st, curve = self.row_cost, self.n_loops, self.stats, self._curve
         assert cost is not None
         required = sum(1 for s in order if s.chain)
         plain = cost(required, with_logits=False)
         value = plain / max(required, 1)  # seconds a surviving row saves: a committed-path row's share
         per_exit = st.exit_seconds / st.exit_rows if st.exit_rows else 0.0
 
-        def with_exits(n: int) -> float:
-            return cost(n) + per_exit * n
-
-        def rate(s: RequestState, level: int) -> float:
-            if s.request.oracle is not None:
-                return 1.0
-            return survival_rate(s.accepted[level - 1], s.draft_tokens[level - 1])
-
         def worth(base_rows: int, base: float, survival: list[float]) -> int:
-            seconds = [with_exits(base_rows + k) for k in range(len(survival) + 1)]
+            while len(curve) <= base_rows + len(survival):
+                curve.append(cost(len(curve)))
+            top = base_rows + len(survival) + 1
+            seconds = [c + per_exit * n for n, c in zip(range(base_rows, top), curve[base_rows:top])]
             return worth_rows(seconds, base, survival, value)
 
-        speeds = [s for s in order if s.launch.launch_loop < M]
-        potential = [rate(s, level) for level in range(1, M) for s in speeds]
+        sure = [1.0] * (M - 1)  # an oracle's tokens
+        rates = {  # each request's chance of a token surviving at draft position 1..M-1
+            s.id: sure if s.request.oracle is not None else list(map(survival_rate, s.accepted, s.draft_tokens))
+            for s in order
+        }
+        potential = sorted((p for s in order if s.launch.launch_loop < M for p in rates[s.id]), reverse=True)
         if not worth(required, plain, potential):
             self._closed = True
             st.closed_steps += 1
             return required, 0
-        chains = [[1.0] + [rate(s, level) for level in range(1, len(s.chain))] if s.chain else [] for s in order]
-        chain_rows = required + worth(required, with_exits(required), in_budget_order(chains)[required:])
+        chains = [[1.0, *rates[s.id][: len(s.chain) - 1]] if s.chain else [] for s in order]
+        chain_rows = required + worth(
+            required, curve[required] + per_exit * required, in_budget_order(chains)[required:]
+        )
         take = budget_rows([len(s.chain) for s in order], chain_rows)
         # a lane token survives only if its branch's runner-up becomes the prediction: at most 1 - p_top
         lanes = [[1.0 - _p(c) for c in s.chain[:n] for _ in c.lane] for s, n in zip(order, take)]
         branch_survival = in_budget_order(lanes)
-        return chain_rows, worth(chain_rows, with_exits(chain_rows), branch_survival)
+        return chain_rows, worth(chain_rows, curve[chain_rows] + per_exit * chain_rows, branch_survival)
 
     def schedule(self, seq: RequestState) -> InFlight | None:
         """After a step: commit the oldest token if it finished its last loop (returned; it ends ``seq`` at EOS or
