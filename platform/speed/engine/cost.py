@@ -45,10 +45,6 @@ class RowCost:
         tiles, rest = divmod(n, len(secs))
         return tiles * secs[-1] + (secs[rest - 1] if rest else 0.0)
 
-    def curve(self, most: int) -> list[float]:
-        """Seconds of a pass of 0..``most`` rows."""
-        return [self(n) for n in range(most + 1)]
-
     def summary(self) -> dict[str, Any]:
         """What a decode summary states of it: the measured points in milliseconds and the time measuring took."""
         return {

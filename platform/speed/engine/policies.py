@@ -123,7 +123,7 @@ def worth_rows(seconds: list[float], base: float, survival: list[float], row_val
     largest expected saving ``row_value * sum(survival[:k]) - (seconds[k] - base)``, the fewest on a tie, none
     unless it saves more than nothing.
 
-    ``seconds[k]``: a group pass with the step's required rows and the first ``k`` candidates (``RowCost.curve``
+    ``seconds[k]``: a group pass with the step's required rows and the first ``k`` candidates (``RowCost``
     from the required row count on); ``base``: the pass the step runs anyway; ``survival[i]``: candidate i's chance
     of being committed unchanged, in the order a budget serves them; ``row_value``: the seconds a surviving row
     saves (a row of the committed path's pass: ``seconds of the required rows / their count``).
