@@ -60,6 +60,8 @@ SETTINGS = {
     "branches": "SPEED's runner-up branches in flight per sequence (0: none; up to the model's loops)",
     "branch_depth": "tokens a branch's lane may hold (1: the branch launches no successor)",
     "row_budget": "SPEED's rows per step at most (default: all in flight)",
+    "cost_model": "SPEED runs the speculative rows this device's measured group-pass cost says pay (default; "
+    "--no-cost-model: every in-flight row, or --row-budget's)",
     "branch_below": "a token carries a branch only while its exit's top-1 probability is below this",
     "min_confidence": "a successor launches only from an exit whose top-1 probability is at least this",
     "oracle": "also decode with oracle speculation (untimed): the summary's oracle_steps_per_token",
@@ -89,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     settings = p.add_argument_group("evaluation (speed.eval.evaluate.EvalConfig)")
     for name, help_ in SETTINGS.items():
         flag = f"--{name.replace('_', '-')}"
-        if name in ("check_sequential", "bitwise", "oracle", "perplexity"):
+        if name in ("check_sequential", "bitwise", "oracle", "perplexity", "cost_model"):
             settings.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
         else:
             settings.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_)

@@ -55,6 +55,7 @@ def generate(
     oracle: list[list[int]] | None = None,
     trace: bool = True,
     row_budget: int | None = None,
+    cost_model: bool = False,
     stop_ids: Collection[int] | None = None,
     exit_rule: ExitRule | None = None,
 ) -> GenerateResult:
@@ -67,8 +68,8 @@ def generate(
     default ``Speculation()``: launch after loop 1, eager invalidation, no
     branches, no confidence gate); sequential decoding ignores it. ``oracle``
     (SPEED only) forces speculation to the given final tokens, isolating the
-    engine's own overhead. ``row_budget`` caps the rows of a step
-    (``speed.engine.EngineConfig``). Both return identical tokens.
+    engine's own overhead. ``row_budget`` caps the rows of a step, ``cost_model`` runs the speculative rows this
+    device's measured pass cost says pay (``speed.engine.EngineConfig``). Both return identical tokens.
     ``method="exit_gate"`` (a model with Ouro's exit gate) commits what ``exit_rule`` picks from the gate
     (``speed.engine.ExitRule``), pipelined as ``speculation`` says: a lossy baseline, not sequential's tokens;
     ``stats.mean_exit_loop`` is the loop passes per token the gate asks for. Sequence b decodes
@@ -116,6 +117,7 @@ def generate(
         max_prompt_len=length,
         max_target_len=max_new_tokens,
         row_budget=row_budget,
+        cost_model=cost_model,
         trace=trace,
         # side entries only for branches; a speculation that is none is the engine's add to refuse
         branches=method != "sequential" and isinstance(speculation, Speculation) and speculation.branches > 0,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from speed.engine.cache import Rows
+from speed.engine.cost import row_cost as measured_row_cost
 from speed.engine.memory import check_memory
 from speed.engine.outputs import finished
 from speed.engine.policies import LaunchRule
@@ -66,7 +67,8 @@ class Engine:
         self._lock = threading.Lock()  # the decoding state: step and cancel
         self._queue_lock = threading.Lock()  # the waiting queue and ids: add
         self._hidden: dict[int, Tensor] = {}  # the executor's: each in-flight token's hidden state (d,), by key
-        self._scheduler = Scheduler(self._cache, self.model.n_loops, config.row_budget)
+        row_cost = measured_row_cost(self.model) if config.cost_model else None  # once per process and model shape
+        self._scheduler = Scheduler(self._cache, self.model.n_loops, config.row_budget, row_cost=row_cost)
         self.stats = self._scheduler.stats  # totals over the engine's life (the scheduler's update writes them)
 
     # ----- public API ----------------------------------------------------------------------

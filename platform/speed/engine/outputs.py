@@ -12,19 +12,26 @@ from speed.engine.types import NO_EXIT, Finished, RequestStats
 
 
 def record_exits(
-    work: list[tuple[RequestState, InFlight]], logits: Tensor | None, n_loops: int, gates: Tensor | None = None
+    work: list[tuple[RequestState, InFlight]],
+    logits: Tensor | None,
+    n_loops: int,
+    gates: Tensor | None = None,
+    wanted: list[bool] | None = None,
 ) -> None:
     """Append each row's ``Exit`` (its draw, runner-up, confidence, mode; its logprob after the last of the
-    ``n_loops`` loops) to its token, from the rows' logits (R, V); None: no exit was evaluated. An exit_gate
-    request's rows record what their gate's rule decides (``gate_logits``), from their lambdas ``gates`` (R,)."""
+    ``n_loops`` loops) to its token, from the rows' logits (R, V); None: no exit was evaluated. Only the rows
+    ``wanted`` marks (None: all) are scored, the others record none. An exit_gate request's rows record what their
+    gate's rule decides (``gate_logits``), from their lambdas ``gates`` (R,)."""
     if logits is not None and gates is not None:
         logits = gate_logits(work, logits, gates, n_loops)
+    exits = [Exit(NO_EXIT, NO_EXIT, float("nan"), NO_EXIT)] * len(work)
     if logits is not None:
-        choices = exit_choices(*exit_scores(logits, [s.draw(t) for s, t in work]))
+        scored = [r for r in range(len(work)) if wanted is None or wanted[r]]
+        part = logits if len(scored) == len(work) else logits[scored]  # each row is scored alone: no change
+        choices = exit_choices(*exit_scores(part, [work[r][0].draw(work[r][1]) for r in scored]))
         modes = choices.token if choices.mode is None else choices.mode
-        exits = map(Exit, choices.token, choices.runner_up, choices.p_top, modes)
-    else:
-        exits = [Exit(NO_EXIT, NO_EXIT, float("nan"), NO_EXIT)] * len(work)
+        for r, e in zip(scored, map(Exit, choices.token, choices.runner_up, choices.p_top, modes)):
+            exits[r] = e
     for r, ((seq, t), e) in enumerate(zip(work, exits)):
         t.exits.append(e)
         if len(t.exits) == n_loops and seq.request.logprobs is not None:
@@ -55,7 +62,7 @@ def record_commit(seq: RequestState, t: InFlight, now: float) -> None:
         seq.accepted[t.ahead - 1] += 1
     if seq.all_exits:
         for loop, e in enumerate(t.exits):
-            seq.flips[loop] += e.pred != token
+            seq.flips[loop] += e.pred not in (token, NO_EXIT)  # an exit a closed step skipped is no flip
     if seq.trace is not None:
         seq.trace.add_token(seq.id, t.pos, t.preds)
     if seq.logprobs is not None:

@@ -88,20 +88,56 @@ def should_flush(invalidation: Invalidation, loops_done: int, n_loops: int) -> b
     return invalidation == "eager" or loops_done == n_loops
 
 
-def budget_rows(in_flight: list[int], budget: int) -> list[int]:
-    """Rows each request may compute this step: one per request in order (its committed path) while
-    the budget lasts, then speculative rows, one level deeper at a time across requests.
+def budget_order(in_flight: list[int]) -> list[int]:
+    """The order a row budget serves rows in: each entry the request index of the next row, one per request (its
+    committed path) first, then speculative rows one level deeper at a time across requests.
 
-    ``in_flight[i]`` is request i's in-flight token count; the result is a prefix length per
-    request, so a speculative token never runs while its predecessor waits.
+    ``in_flight[i]`` is request i's in-flight token count; a request's rows come in its chain's order, so a
+    speculative token never runs while its predecessor waits.
     """
+    return [i for level in range(max(in_flight, default=0)) for i, n in enumerate(in_flight) if n > level]
+
+
+def budget_rows(in_flight: list[int], budget: int) -> list[int]:
+    """Rows each request may compute this step: the first ``budget`` rows of ``budget_order``, as a prefix length
+    per request."""
     take = [0] * len(in_flight)
-    left = budget
-    for level in range(max(in_flight, default=0)):
-        for i, n in enumerate(in_flight):
-            if left == 0:
-                return take
-            if n > level and take[i] == level:
-                take[i] += 1
-                left -= 1
+    for i in budget_order(in_flight)[:budget]:
+        take[i] += 1
     return take
+
+
+def in_budget_order(values: list[list[float]]) -> list[float]:
+    """Per-request values of their rows (``values[i][j]``: request i's row j, in its own order) in the order a
+    row budget serves the rows (``budget_order``)."""
+    seen = [0] * len(values)
+    out = []
+    for i in budget_order([len(v) for v in values]):
+        out.append(values[i][seen[i]])
+        seen[i] += 1
+    return out
+
+
+def worth_rows(seconds: list[float], base: float, survival: list[float], row_value: float) -> int:
+    """How many of the speculative rows a step may add pay for themselves: the ``k`` (0..len(survival)) with the
+    largest expected saving ``row_value * sum(survival[:k]) - (seconds[k] - base)``, the fewest on a tie, none
+    unless it saves more than nothing.
+
+    ``seconds[k]``: a group pass with the step's required rows and the first ``k`` candidates (``RowCost``
+    from the required row count on); ``base``: the pass the step runs anyway; ``survival[i]``: candidate i's chance
+    of being committed unchanged, in the order a budget serves them; ``row_value``: the seconds a surviving row
+    saves (a row of the committed path's pass: ``seconds of the required rows / their count``).
+    """
+    best, best_k, gain = 0.0, 0, 0.0
+    for k, p in enumerate(survival, start=1):
+        gain += row_value * p
+        net = gain - (seconds[k] - base)
+        if net > best:
+            best, best_k = net, k
+    return best_k
+
+
+def survival_rate(accepted: int, drafted: int) -> float:
+    """A draft position's chance that a token launched there is committed: its accepted share so far, with one
+    accepted and one flushed token as the prior (0.5 before any draft)."""
+    return (accepted + 1) / (drafted + 2)

@@ -11,6 +11,7 @@ in step with its decisions; it never runs the model.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -18,18 +19,22 @@ from typing import NamedTuple
 from torch import Tensor
 
 from speed.engine.cache import KVCache
+from speed.engine.cost import RowCost
 from speed.engine.outputs import record_commit, record_exits
 from speed.engine.policies import (
     Successor,
     budget_rows,
     choose_successor,
+    in_budget_order,
     keeps_branch,
     may_branch,
     may_launch,
     should_flush,
+    survival_rate,
+    worth_rows,
 )
 from speed.engine.state import InFlight, RequestState
-from speed.engine.types import Commit, DecodeStats
+from speed.engine.types import NO_EXIT, Commit, DecodeStats
 
 
 class PlannedRow(NamedTuple):
@@ -66,19 +71,32 @@ class Scheduled:
 class Scheduler:
     """Row selection and the schedule between steps for the requests of one engine (its cache, its totals)."""
 
-    def __init__(self, cache: KVCache, n_loops: int, row_budget: int | None, stats: DecodeStats | None = None) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        n_loops: int,
+        row_budget: int | None,
+        stats: DecodeStats | None = None,
+        row_cost: RowCost | None = None,
+    ) -> None:
         self.cache = cache
         self.n_loops = n_loops
         self.row_budget = row_budget
+        self.row_cost = row_cost  # the cost model's device curve (None: no cost model)
         self.stats = DecodeStats() if stats is None else stats  # the engine's totals; only the scheduler writes them
+        self.stats.row_cost = row_cost
         self._work: list[tuple[RequestState, InFlight]] = []  # the last plan's rows, as decoding state
+        self._closed = False  # the last plan's: the cost model found no speculation worth its exits
+        self._wanted: list[bool] = []  # the last plan's rows whose exits are scored (``_wants_exit``)
+        self._curve: list[float] = []  # row_cost(n) with exit logits, by n, as far as a step has needed
 
     def select(self, seqs: Iterable[RequestState], step_no: int) -> StepPlan:
         """Step ``step_no``'s plan (kept for ``update``): its rows are all in-flight rows, or the row budget's
         choice, in the order of ``seqs`` (admission order)."""
         self._work = work = self._choose(list(seqs), step_no)
         rows = [PlannedRow(t.key, t.token, s.slot, t.loops_done, t.pos, t.side, t.up) for s, t in work]
-        with_logits = any(s.all_exits or t.loops_done == self.n_loops - 1 for s, t in work)
+        self._wanted = [self._wants_exit(s, t) for s, t in work]
+        with_logits = any(self._wanted)
         with_gates = any(s.request.exit_rule is not None for s, _ in work)
         return StepPlan(step_no, rows, with_logits, with_gates)
 
@@ -88,8 +106,12 @@ class Scheduler:
         that ran (in admission order) at ``now`` (perf_counter)."""
         work = self._work
         assert len(work) == len(plan.rows), "update takes the plan of the last select"
-        record_exits(work, logits, self.n_loops, gates)
+        begin = time.perf_counter()
+        record_exits(work, logits, self.n_loops, gates, self._wanted)
         st = self.stats
+        if logits is not None:
+            st.exit_seconds += time.perf_counter() - begin
+            st.exit_rows += sum(self._wanted)
         st.steps += 1
         st.group_passes += 1
         st.rows += len(work)
@@ -127,30 +149,93 @@ class Scheduler:
         if seq.done:
             out.done.append(seq)
 
+    def _wants_exit(self, seq: RequestState, t: InFlight) -> bool:
+        """Whether the row of ``t`` needs its exit: its last loop always; any loop of a request that evaluates every
+        exit, but for a SPEED request's early loops in a step the cost model closed (no trace, no gate to feed)."""
+        if t.loops_done == self.n_loops - 1:
+            return True
+        if self._closed and seq.trace is None and seq.request.exit_rule is None:
+            return False
+        return seq.all_exits
+
     def _choose(self, seqs: list[RequestState], step_no: int) -> list[tuple[RequestState, InFlight]]:
-        """Step ``step_no``'s rows, in the order of ``seqs``: all in-flight rows, or the row budget's choice.
+        """Step ``step_no``'s rows, in the order of ``seqs``: all in-flight rows, or the row budget's choice, or the
+        cost model's (``_cost_budgets``; capped by a row budget when both are set).
 
         The budget serves each request's committed path, then chain speculation, then branches; a branch
         runs only in a step that runs its parent, so it never catches up with the keys it reads.
         """
         budget = self.row_budget
         flying = {s.id: s.in_flight() for s in seqs}
-        if budget is None or sum(map(len, flying.values())) <= budget:
+        total = sum(map(len, flying.values()))
+        self._closed = False
+        if self.row_cost is None and (budget is None or total <= budget):
             if budget is not None:
                 for s in seqs:
                     s.last_served = step_no
             return [(s, t) for s in seqs for t in flying[s.id]]
         order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
-        take = budget_rows([len(s.chain) for s in order], budget)
+        chain_budget, branch_budget = (total, total) if budget is None else (budget, budget)
+        if self.row_cost is not None:
+            chain_cost, branch_cost = self._cost_budgets(order)
+            chain_budget, branch_budget = min(chain_budget, chain_cost), min(branch_budget, branch_cost)
+        take = budget_rows([len(s.chain) for s in order], chain_budget)
         branches = [[t for c in s.chain[:n] for t in c.lane] for s, n in zip(order, take)]  # a lane's own order
-        branch_take = budget_rows([len(b) for b in branches], budget - sum(take))
+        branch_take = budget_rows([len(b) for b in branches], min(branch_budget, (budget or total) - sum(take)))
         chosen = {s.id: [*s.chain[:n], *b[:m]] for s, n, b, m in zip(order, take, branches, branch_take)}
         work = []
         for s in seqs:
             if chosen[s.id]:
                 s.last_served = step_no
                 work.extend((s, t) for t in chosen[s.id])
+        self.stats.held_rows += total - len(work)
         return work
+
+    def _cost_budgets(self, order: list[RequestState]) -> tuple[int, int]:
+        """The cost model's chain and branch budgets for a step over ``order`` (the budget's order of requests).
+
+        Every request's oldest token runs. Speculation is closed (no speculative row, no early exits of SPEED
+        requests without a trace) unless some speculative rows, one per chain position each request could fill
+        with its measured acceptance there (the likeliest first), would save more than they and the step's exits
+        cost, a surviving row saving what a row of the committed path's pass costs without exits (sequential
+        decoding's). Open, the chain's and then the branches' candidate rows run as many as ``worth_rows`` finds
+        worth it. A row's exit costs its share of the pass's logits (the measured curve) and what turning them
+        into an exit (its draw, its runner-up) has cost per row in this engine's steps so far
+        (``DecodeStats.exit_seconds``).
+        """
+        cost, M, st, curve = self.row_cost, self.n_loops, self.stats, self._curve
+        assert cost is not None
+        required = sum(1 for s in order if s.chain)
+        plain = cost(required, with_logits=False)
+        value = plain / max(required, 1)  # seconds a surviving row saves: a committed-path row's share
+        per_exit = st.exit_seconds / st.exit_rows if st.exit_rows else 0.0
+
+        def worth(base_rows: int, base: float, survival: list[float]) -> int:
+            while len(curve) <= base_rows + len(survival):
+                curve.append(cost(len(curve)))
+            top = base_rows + len(survival) + 1
+            seconds = [c + per_exit * n for n, c in zip(range(base_rows, top), curve[base_rows:top])]
+            return worth_rows(seconds, base, survival, value)
+
+        sure = [1.0] * (M - 1)  # an oracle's tokens
+        rates = {  # each request's chance of a token surviving at draft position 1..M-1
+            s.id: sure if s.request.oracle is not None else list(map(survival_rate, s.accepted, s.draft_tokens))
+            for s in order
+        }
+        potential = sorted((p for s in order if s.launch.launch_loop < M for p in rates[s.id]), reverse=True)
+        if not worth(required, plain, potential):
+            self._closed = True
+            st.closed_steps += 1
+            return required, 0
+        chains = [[1.0, *rates[s.id][: len(s.chain) - 1]] if s.chain else [] for s in order]
+        chain_rows = required + worth(
+            required, curve[required] + per_exit * required, in_budget_order(chains)[required:]
+        )
+        take = budget_rows([len(s.chain) for s in order], chain_rows)
+        # a lane token survives only if its branch's runner-up becomes the prediction: at most 1 - p_top
+        lanes = [[1.0 - _p(c) for c in s.chain[:n] for _ in c.lane] for s, n in zip(order, take)]
+        branch_survival = in_budget_order(lanes)
+        return chain_rows, worth(chain_rows, curve[chain_rows] + per_exit * chain_rows, branch_survival)
 
     def schedule(self, seq: RequestState) -> InFlight | None:
         """After a step: commit the oldest token if it finished its last loop (returned; it ends ``seq`` at EOS or
@@ -197,7 +282,10 @@ class Scheduler:
     def _advance(self, seq: RequestState, t: InFlight, ahead: list[InFlight], chain: list[InFlight]) -> list[InFlight]:
         """Decide what follows the chain token ``t`` (``ahead``: its successors; ``chain``: the walked tokens, ``t``
         last) from its latest exit: flush or promote on a misprediction, launch a successor, keep its branch."""
-        latest, guess = t.exits[-1], seq.guess(t)
+        latest = t.exits[-1]
+        if latest.pred == NO_EXIT:  # not evaluated (a step the cost model closed): nothing to decide from
+            return ahead
+        guess = seq.guess(t)
         if should_flush(seq.request.speculation.invalidation, t.loops_done, self.n_loops):
             ahead = self._follow(seq, t, ahead, guess)
         if not ahead and may_launch(seq.launch, t.loops_done, latest.p_top, guess, t.pos + 1):
@@ -302,3 +390,9 @@ class Scheduler:
     def _waste(self, seq: RequestState, rows: int) -> None:
         seq.wasted_rows += rows
         self.stats.wasted_rows += rows
+
+
+def _p(t: InFlight) -> float:
+    """The top-1 probability of ``t``'s latest exit (0 when it was not evaluated)."""
+    p = t.exits[-1].p_top if t.exits else float("nan")
+    return 0.0 if p != p else p

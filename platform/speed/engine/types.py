@@ -11,6 +11,7 @@ import pyarrow as pa
 from torch import Tensor
 
 from speed.engine.cache import KVCache, Rows
+from speed.engine.cost import RowCost
 from speed.engine.memory import MemoryNeed
 from speed.engine.sampling import Sampling, TokenLogprob
 
@@ -92,6 +93,8 @@ class EngineConfig:
     max_prompt_len: int = 128  # prompt tokens per request (T5: encoder tokens; an LM: its context); longer: an error
     max_target_len: int = 128  # output positions per request (max_new_tokens <= this)
     row_budget: int | None = None  # rows per step; None: every in-flight row. Committed-path rows go first
+    cost_model: bool = False  # each step runs the speculative rows this device's measured pass cost says pay
+    # (speed.engine.cost; the row budget still caps them); False: every in-flight row, or the row budget's
     trace: bool = True  # per-request flip traces (sequential requests then evaluate every loop's exit)
     branches: bool = True  # runner-up branches allowed: the cache holds their side entries (False: none, smaller)
     max_source_len: InitVar[int | None] = None  # max_prompt_len's T5 name, still accepted (it wins when given)
@@ -237,6 +240,13 @@ class DecodeStats:
     promotions: int = 0  # mispredictions whose runner-up branch took over the chain (no restart)
     gated_tokens: int = 0  # committed tokens of exit_gate requests
     exit_loops: int = 0  # their exit loops (1-based) summed: the loop passes the gate asks for
+    held_rows: int = 0  # in-flight rows a step left out (the row budget's or the cost model's choice)
+    closed_steps: int = 0  # steps the cost model ran as sequential decoding: no speculative row, no early exits
+    exit_rows: int = 0  # rows whose exit logits became exits (scores, draws, runner-ups) ...
+    # measurements, not counts (two equal runs' stats compare equal without them):
+    exit_seconds: float = field(default=0.0, compare=False)  # ... and the time that took: the cost model's per-row
+    # price of an exit beside the pass's
+    row_cost: RowCost | None = field(default=None, compare=False)  # the cost model's pass cost by rows (None: none)
 
     @property
     def mean_exit_loop(self) -> float:

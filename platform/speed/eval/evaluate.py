@@ -87,6 +87,8 @@ class EvalConfig(SpeculationFields):
     max_new_tokens: int = 64
     max_source_len: int | None = None  # encoder inputs are truncated to this many tokens; None: the training data's
     row_budget: int | None = None  # SPEED's rows per step at most (speed.engine.EngineConfig); None: all in flight
+    cost_model: bool = True  # SPEED runs the speculative rows this device's measured pass cost says pay (False:
+    # every in-flight row, or the row budget's)
     oracle: bool = True  # also decode (untimed) with oracle speculation: the steps SPEED needs if every exit agreed
     check_sequential: bool = True  # also decode sequentially, require identical output, report the speed-up
     bitwise: bool = True  # with check_sequential: any difference fails (else only differences beyond near_tie)
@@ -364,7 +366,9 @@ def _decode(
         results: dict[str, GenerateResult] = {}
         for method in methods if b % 2 == 0 else methods[::-1]:
             begin = time.perf_counter()
-            timed = {"trace": True, "row_budget": config.row_budget} if method == "speed" else {"trace": False}
+            timed = {"trace": False}
+            if method == "speed":
+                timed = {"trace": True, "row_budget": config.row_budget, "cost_model": config.cost_model}
             if method == "exit_gate":  # pipelined as SPEED is, its row budget too
                 timed = {"trace": False, "row_budget": config.row_budget, "exit_rule": config.exit_rule}
             results[method] = decode(method=method, speculation=config.speculation, **timed)
@@ -377,7 +381,10 @@ def _decode(
             run.tokens.extend(result.tokens)
             run.stopped.extend(result.stopped)
             for f in dataclasses.fields(DecodeStats):
-                setattr(run.stats, f.name, getattr(run.stats, f.name) + getattr(result.stats, f.name))
+                if f.name == "row_cost":  # the one curve the process measured for this model
+                    run.stats.row_cost = result.stats.row_cost
+                else:
+                    setattr(run.stats, f.name, getattr(run.stats, f.name) + getattr(result.stats, f.name))
         trace = results["speed"].trace
         example = pc.add(trace.column("sequence"), pa.scalar(start, pa.int32()))
         traces.append(pa.Table.from_arrays([example, *trace.columns], schema=EVAL_TRACE_SCHEMA))
@@ -479,8 +486,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def _decoded_summary(d: _Decoded) -> dict[str, Any]:
     """One method's counters, with its rates per group pass and per second."""
+    counts = {f.name: getattr(d.stats, f.name) for f in dataclasses.fields(DecodeStats) if f.name != "row_cost"}
     return {
-        **dataclasses.asdict(d.stats),
+        **counts,
+        **({} if d.stats.row_cost is None else d.stats.row_cost.summary()),  # the cost model's curve, its time
         "tokens_per_pass": d.stats.tokens_per_pass,
         "group_passes_per_token": d.stats.group_passes / d.stats.tokens if d.stats.tokens else 0.0,
         "seconds": d.seconds,
@@ -559,6 +568,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"  sequential: {decode['sequential']['tokens_per_s']:.1f} tokens/s; {same}; "
             f"SPEED speed-up {decode['speedup']:.2f}x"
+        )
+    speed = decode.get("speed", {})
+    if "row_cost_ms" in speed:
+        shown = ", ".join(f"{n}: {ms:.2f}" for n, ms in speed["row_cost_ms"].items())
+        lines.append(
+            f"  cost model ({speed['row_cost_key']}, measured in {speed['row_cost_measure_s']:.2f} s): group pass "
+            f"ms by rows {shown}; {speed['closed_steps']} steps as sequential decoding"
         )
     if "exit_gate" in decode:
         gate = decode["exit_gate"]

@@ -46,6 +46,8 @@ class ServeSettings(SpeculationFields):
     max_source_len: int = 128
     max_target_len: int = 128  # largest max_tokens
     row_budget: int | None = None  # rows per engine step; None: every in-flight row
+    cost_model: bool = True  # the engine runs the speculative rows the device's measured pass cost says pay
+    # (speed.engine.cost, measured as the replica starts; capped by row_budget); False: every row, or the budget's
     # runner-up branches: the engine's cache holds their side entries (M^2 per slot, speed.engine.memory), and a
     # request may ask for them; None: as the replica's device's default SPEED (a GPU's uses them, a CPU's does not),
     # or on where ``branches`` (the requests' default) is set
@@ -83,8 +85,9 @@ class ServeSettings(SpeculationFields):
             raise ValueError(f"ServeSettings: branches={self.branches} needs allow_branches: true")
         if self.max_tokens > self.max_target_len:
             raise ValueError(f"ServeSettings.max_tokens {self.max_tokens} exceeds max_target_len {self.max_target_len}")
-        if type(self.trace) is not bool:
-            raise ValueError(f"ServeSettings.trace must be true or false, got {self.trace!r}")
+        for name in ("trace", "cost_model"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"ServeSettings.{name} must be true or false, got {getattr(self, name)!r}")
         if not _number(self.flush_s) or self.flush_s <= 0:
             raise ValueError(f"ServeSettings.flush_s must be a positive number, got {self.flush_s!r}")
 
@@ -95,6 +98,7 @@ class ServeSettings(SpeculationFields):
             max_source_len=self.max_source_len,
             max_target_len=self.max_target_len,
             row_budget=self.row_budget,
+            cost_model=self.cost_model,
             trace=self.trace,
             branches=bool(self.allow_branches),  # None (no device resolved it): none
         )

@@ -1,0 +1,119 @@
+"""The engine's cost model on a trained checkpoint's held-out text (``jobs/bench_cost.py``): sequential decoding,
+SPEED on every in-flight row and SPEED under the cost model, side by side at several batch sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from speed.data import pad_inputs
+from speed.decode.generate import generate
+from speed.engine import Speculation
+from speed.engine.sampling import Sampling
+
+COST_BENCH_SCHEMA = pa.schema(
+    [
+        pa.field("case", pa.string()),  # e.g. "b8 greedy", "b4 sampled branches"
+        pa.field("batch", pa.int64()),
+        pa.field("variant", pa.string()),  # sequential | speed | speed_cost
+        pa.field("tokens", pa.int64()),
+        pa.field("passes_per_token", pa.float64()),  # group passes (steps) per token, the batch's together
+        pa.field("rows_per_token", pa.float64()),
+        pa.field("closed_steps", pa.int64()),  # steps the cost model ran as sequential decoding
+        pa.field("ms_per_token", pa.float64()),  # wall time over every token of the case
+        pa.field("vs_sequential", pa.float64()),  # sequential's ms per token / this variant's: > 1 is faster
+        pa.field("identical", pa.bool_()),  # every output equals sequential decoding's
+    ]
+)
+VARIANTS = ("sequential", "speed", "speed_cost")
+
+
+@dataclass(frozen=True)
+class CostCase:
+    """One workload: a batch size, a sampling and SPEED's settings."""
+
+    name: str
+    batch: int
+    sampling: Sampling = Sampling()
+    speculation: Speculation = Speculation()
+
+
+def run_cost_benchmark(
+    model: torch.nn.Module,
+    inputs: list[list[int]],
+    cases: list[CostCase],
+    max_new_tokens: int,
+    pad_id: int,
+    stop_ids: Collection[int] | None = None,
+) -> pa.Table:
+    """Each case's inputs in batches of its size, each batch decoded by every variant in a rotating order (so a
+    loaded machine slows them alike); one row per (case, variant) (``COST_BENCH_SCHEMA``). ``trace`` is off, as in
+    a server's or a benchmark's decoding."""
+    rows = []
+    for case in cases:
+        seconds = dict.fromkeys(VARIANTS, 0.0)
+        counts = {v: [0, 0, 0, 0] for v in VARIANTS}  # tokens, passes, rows, closed steps
+        identical = dict.fromkeys(VARIANTS, True)
+        for k, start in enumerate(range(0, len(inputs), case.batch)):
+            ids, mask = pad_inputs(inputs[start : start + case.batch], pad_id)
+            out = {}
+            for v in [VARIANTS[(k + j) % len(VARIANTS)] for j in range(len(VARIANTS))]:
+                t0 = time.perf_counter()
+                result = generate(
+                    model,
+                    ids,
+                    mask,
+                    method="sequential" if v == "sequential" else "speed",
+                    max_new_tokens=max_new_tokens,
+                    speculation=case.speculation,
+                    sampling=case.sampling,
+                    trace=False,
+                    cost_model=v == "speed_cost",
+                    stop_ids=stop_ids,
+                )
+                seconds[v] += time.perf_counter() - t0
+                st = result.stats
+                for i, n in enumerate((st.tokens, st.group_passes, st.rows, st.closed_steps)):
+                    counts[v][i] += n
+                out[v] = result.tokens
+            for v in VARIANTS:
+                identical[v] &= out[v] == out["sequential"]
+        per_token = {v: seconds[v] / counts[v][0] * 1e3 for v in VARIANTS}
+        shown = ", ".join(f"{v} {per_token[v]:.2f}" for v in VARIANTS)
+        print(f"  {case.name}: ms per token {shown}", flush=True)
+        for v in VARIANTS:
+            tokens, passes, n_rows, closed = counts[v]
+            rows.append(
+                {
+                    "case": case.name,
+                    "batch": case.batch,
+                    "variant": v,
+                    "tokens": tokens,
+                    "passes_per_token": passes / tokens,
+                    "rows_per_token": n_rows / tokens,
+                    "closed_steps": closed,
+                    "ms_per_token": per_token[v],
+                    "vs_sequential": per_token["sequential"] / per_token[v],
+                    "identical": identical[v],
+                }
+            )
+    return pa.Table.from_pylist(rows, schema=COST_BENCH_SCHEMA)
+
+
+def format_cost_table(table: pa.Table) -> str:
+    """A fixed-width text table of the cost benchmark's rows."""
+    head = f"{'case':<22}{'variant':<12}{'tokens':>7}{'passes/tok':>11}{'rows/tok':>9}{'closed':>8}"
+    head += f"{'ms/token':>10}{'vs seq':>8}  identical"
+    lines = [head, "-" * len(head)]
+    for r in table.to_pylist():
+        lines.append(
+            f"{r['case']:<22}{r['variant']:<12}{r['tokens']:>7}{r['passes_per_token']:>11.3f}"
+            f"{r['rows_per_token']:>9.2f}{r['closed_steps']:>8}{r['ms_per_token']:>10.3f}"
+            f"{r['vs_sequential']:>7.2f}x  {r['identical']}"
+        )
+    return "\n".join(lines)

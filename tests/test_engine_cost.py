@@ -1,0 +1,118 @@
+"""The engine's cost model: the pure decision (``worth_rows``), the measured curve (``speed.engine.cost``), and
+SPEED under it equal to sequential decoding bit for bit, greedy and seeded sampling, with branches, batch 1 and 8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speed.config import preset
+from speed.decode.exactness import LogitRecorder, compare_logits
+from speed.decode.generate import generate
+from speed.engine import Speculation
+from speed.engine.cost import RowCost, row_cost
+from speed.engine.kernels import TILE_ROWS
+from speed.engine.policies import budget_order, budget_rows, in_budget_order, survival_rate, worth_rows
+from speed.engine.sampling import Sampling
+from speed.models.t5 import SpeedT5
+
+M = 3
+
+
+def test_worth_rows_takes_the_rows_that_pay():
+    flat = [1.0] * 6  # extra rows cost nothing: every row with any chance pays
+    assert worth_rows(flat, 1.0, [0.9, 0.5, 0.1, 0.0, 0.0], row_value=1.0) == 3
+    steep = [1.0 + k for k in range(6)]  # each row costs a whole row's value: none pays, even sure ones
+    assert worth_rows(steep, 1.0, [1.0] * 5, row_value=1.0) == 0
+    # a new tile costs 2 at its first row and nothing after: one row does not pay, four do
+    tile = [1.0, 3.0, 3.0, 3.0, 3.0]
+    assert worth_rows(tile, 1.0, [0.8] * 4, row_value=1.0) == 4
+    assert worth_rows(tile, 1.0, [0.8], row_value=1.0) == 0
+    # the base counts: a step whose exits alone cost 0.5 more than sequential's needs rows that save more
+    assert worth_rows([1.5, 1.5], 1.0, [0.4], row_value=1.0) == 0
+    assert worth_rows([1.5, 1.5], 1.0, [0.6], row_value=1.0) == 1
+    assert worth_rows([1.0], 1.0, [], row_value=1.0) == 0
+
+
+def test_budget_order_is_budget_rows_order():
+    in_flight = [3, 1, 0, 2]
+    order = budget_order(in_flight)
+    assert order == [0, 1, 3, 0, 3, 0]
+    for budget in range(len(order) + 2):
+        take = budget_rows(in_flight, budget)
+        assert take == [order[:budget].count(i) for i in range(len(in_flight))]
+    assert in_budget_order([[1, 2, 3], [4], [], [5, 6]]) == [1, 4, 5, 2, 6, 3]
+    assert survival_rate(0, 0) == 0.5 and survival_rate(9, 10) == pytest.approx(10 / 12)
+
+
+def test_row_cost_adds_up_tiles():
+    cost = RowCost((1.0, 1.0, 1.5, 2.0), (0.5, 0.5, 0.75, 1.0), 0.0, "stub")  # tiles of 4 rows
+    assert cost(0) == 0.0 and cost(1) == 1.0 and cost(4) == 2.0 and cost(5) == 3.0 and cost(11) == 5.5
+    assert cost(7, with_logits=False) == 1.75
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return SpeedT5(preset("tiny", pattern=f"2x{M}")).eval()
+
+
+def test_row_cost_is_measured_once_per_shape(model):
+    first = row_cost(model.stepper())
+    again = row_cost(LogitRecorder(model))  # another stepper of the same model: what was measured
+    assert again is first and len(first.seconds) == len(first.plain) == TILE_ROWS and min(first.seconds) > 0
+    assert list(first.seconds) == sorted(first.seconds) and first.measure_s > 0
+    assert "SpeedT5" in first.key and f"{torch.get_num_threads()} threads" in first.key
+
+
+def _forced(monkeypatch, per_row: float) -> None:
+    """The engine's cost model on a made-up curve: a tile costs 1 + per_row per row beyond the first."""
+    seconds = tuple(1.0 + per_row * n for n in range(TILE_ROWS))
+    monkeypatch.setattr("speed.engine.engine.measured_row_cost", lambda stepper: RowCost(seconds, seconds, 0.0, "made"))
+
+
+CASES = [
+    pytest.param(Sampling(), Speculation(), id="greedy"),
+    pytest.param(Sampling(), Speculation(branches=2), id="greedy-branches"),
+    pytest.param(Sampling(temperature=0.8, top_k=20, seed=5), Speculation(branches=2, branch_depth=2), id="sampled"),
+]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize(("sampling", "spec"), CASES)
+@pytest.mark.parametrize("per_row", [None, 0.0, 0.3, 2.0], ids=["measured", "free", "some", "dear"])
+def test_speed_with_cost_model_equals_sequential(model, monkeypatch, batch, sampling, spec, per_row):
+    if per_row is not None:
+        _forced(monkeypatch, per_row)
+    ids = torch.randint(3, 100, (batch, 6), generator=torch.Generator().manual_seed(batch))
+    reference, candidate = LogitRecorder(model), LogitRecorder(model)
+    ref = generate(reference, ids, method="sequential", max_new_tokens=10, sampling=sampling)
+    out = generate(candidate, ids, max_new_tokens=10, sampling=sampling, speculation=spec, cost_model=True)
+    assert out.tokens == ref.tokens
+    assert compare_logits(reference, candidate, ref.tokens, M) == []  # traced: every loop's logits are compared
+    # untraced, a closed step skips the early exits: the tokens and the last loop's logits still equal
+    plain = LogitRecorder(model)
+    quiet = generate(plain, ids, max_new_tokens=10, sampling=sampling, speculation=spec, trace=False, cost_model=True)
+    assert quiet.tokens == ref.tokens
+    for b, tokens in enumerate(ref.tokens):
+        for pos in range(len(tokens)):
+            assert torch.equal(plain.logits[(b, M - 1, pos)], reference.logits[(b, M - 1, pos)])
+    assert quiet.stats.row_cost is not None
+
+
+def test_dear_rows_run_as_sequential_decoding(model, monkeypatch):
+    """Where every extra row costs more than it can save, SPEED runs sequential decoding's rows and passes and
+    evaluates no early exit; where rows are free, it runs its whole pipeline as without the cost model."""
+    ids = torch.randint(3, 100, (8, 6), generator=torch.Generator().manual_seed(1))
+    seq = generate(model, ids, method="sequential", max_new_tokens=10, trace=False)
+    _forced(monkeypatch, 2.0)
+    recorder = LogitRecorder(model)
+    dear = generate(recorder, ids, max_new_tokens=10, trace=False, cost_model=True)
+    assert dear.tokens == seq.tokens
+    assert (dear.stats.rows, dear.stats.group_passes) == (seq.stats.rows, seq.stats.group_passes)
+    assert dear.stats.closed_steps == dear.stats.steps and dear.stats.flushes == 0
+    assert {loop for _, loop, _ in recorder.logits} == {M - 1}  # only the last loop's exits were computed
+    _forced(monkeypatch, 0.0)
+    free = generate(model, ids[:1], max_new_tokens=10, trace=False, cost_model=True)
+    plain = generate(model, ids[:1], max_new_tokens=10, trace=False)
+    assert (free.stats.rows, free.stats.steps, free.stats.closed_steps) == (plain.stats.rows, plain.stats.steps, 0)
