@@ -44,7 +44,7 @@ def long_request(r: random.Random, model, counter) -> Request:
     return Request(prompt, r.randint(1, MAX_NEW), request.method, request.speculation, sampling=request.sampling)
 
 
-@pytest.mark.parametrize("pool", ["small", "big"])
+@pytest.mark.parametrize("pool", ["small", pytest.param("big", marks=pytest.mark.slow)])
 def test_churn_in_a_small_and_a_big_pool_equals_sequential_alone(pool):
     """Random arrivals and cancellations, SPEED with branches and sequential, greedy and sampled, in a pool of
     a few requests' blocks (requests wait for theirs, and get blocks others freed, scattered) or of many: each
