@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import drive
-from test_lm_decoding import PromptKeyed, assert_same_logits, churn_request, random_model
+from test_lm_decoding import PromptKeyed, assert_same_logits, churn_request, equals_sequential_alone, random_model
 
 from speed.config import ModelConfig
 from speed.decode.generate import generate
@@ -71,16 +71,7 @@ def test_churn_in_a_small_and_a_big_pool_equals_sequential_alone(pool):
         assert engine.blocks == (0, 0, blocks)  # every block back in the pool
         scattered += recorder.scattered
         for f in finished:
-            request = requests[f.id]
-            reference = PromptKeyed(model)
-            ref = generate(
-                reference, torch.tensor([request.input_ids]), method="sequential",
-                max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-            )  # fmt: skip
-            assert f.tokens == ref.tokens[0][: len(f.tokens)]
-            if not f.cancelled:
-                assert f.tokens == ref.tokens[0], (seed, request)
-                assert_same_logits(recorder, reference, tuple(request.input_ids), len(f.tokens), model.n_loops)
+            equals_sequential_alone(recorder, model, requests[f.id], f)
     if pool == "small":
         assert waited > 0 and scattered > 0  # the pool was the limit, and blocks came back out of order
 
