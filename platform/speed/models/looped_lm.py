@@ -230,7 +230,7 @@ class Block(nn.Module):
 
 @dataclass
 class LMCache:
-    """Keys/values of every virtual layer for ``n_slots`` sequences, preallocated (see ``KVCache``).
+    """Keys/values of every virtual layer for ``n_slots`` sequences, in pools of blocks (see ``KVCache``).
 
     ``loops``: one entry per (loop, layer) of the looped layers, layer j < N
     the core's layer j and layer N + c the coda's layer c (the coda runs in
