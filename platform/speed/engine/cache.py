@@ -108,6 +108,7 @@ class KVCache:
         self._free = list(range(1, self.n_blocks + 1))  # a heap: the lowest free block is taken first
         self._version = 0  # bumped whenever the table changes (the read's gather index is kept until then)
         self._index: tuple | None = None  # (rows, span, version, index) of the last read
+        self._written: tuple | None = None  # (rows, version, (blocks, places)) of the last write
         self.lengths = np.zeros((n_loops, n_layers, n_slots), dtype=np.int64)
         # side entries per slot: a lane of < M tokens per in-flight token, M = n_loops unless the layers run
         # in fewer loops than the model has (a looped LM's prelude: one loop, the model's M lanes)
@@ -194,8 +195,7 @@ class KVCache:
         self._take(rows.slot, chunk)
         self.lengths[rows.loop, layer, rows.slot] = rows.pos + 1
         _, loop_t, _ = rows.tensors(self.device)
-        block, within = self.table[rows.slot, chunk], rows.pos % ATTN_CHUNK
-        block, within = torch.as_tensor(block, device=self.device), torch.as_tensor(within, device=self.device)
+        block, within = self._places(rows, chunk)
         self.keys[layer][loop_t, :, block, within] = k
         self.values[layer][loop_t, :, block, within] = v
 
@@ -236,6 +236,17 @@ class KVCache:
         loop_t, flat_t = (torch.as_tensor(a, device=self.device) for a in (loop, slot * self.n_side + side))
         self.side_keys[layer][loop_t, flat_t] = k
         self.side_values[layer][loop_t, flat_t] = v
+
+    def _places(self, rows: Rows, chunk: np.ndarray) -> tuple[Tensor, Tensor]:
+        """(R,) each chain row's block and place in it, as tensors; kept for the tile's next layers, as the read's
+        index."""
+        memo = self._written
+        if memo is not None and memo[0] is rows and memo[1] == self._version:
+            return memo[2]
+        block, within = self.table[rows.slot, chunk], rows.pos % ATTN_CHUNK
+        places = torch.as_tensor(block, device=self.device), torch.as_tensor(within, device=self.device)
+        self._written = (rows, self._version, places)
+        return places
 
     def _gather_index(self, rows: Rows, span: int) -> Tensor:
         """(R * H * span / ATTN_CHUNK,) each row's blocks per head in the flattened pool (loop, head, block), in
