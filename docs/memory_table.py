@@ -69,7 +69,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             stepper = model.to(dtype).stepper()
             one = stepper.memory_need(1, 1, 32, side=True)  # 32 positions: one attention chunk
-            per_token = one.cache // 32
+            per_token = one.per_block // 32  # a block of the pool: 32 positions of every virtual layer
             big = stepper.memory_need(16, 1, 4096, side=True)
             print(
                 f"| {name} ({config.pattern}) | {str(dtype).removeprefix('torch.')} | {gb(one.weights)} "

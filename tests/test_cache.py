@@ -6,6 +6,21 @@ from speed.engine.cache import CacheError, KVCache, Rows
 from speed.engine.kernels import ATTN_CHUNK
 
 
+def _slot(store: torch.Tensor, cache: KVCache, loop: int, slot: int, span: int) -> torch.Tensor:
+    """(H, span, D) a slot's first ``span`` positions at one loop of ``store`` (a layer's keys or values), block by
+    block through its block table: the reference a read must equal."""
+    return torch.cat([store[loop, :, b] for b in cache.table[slot, : span // ATTN_CHUNK].tolist()], dim=1)
+
+
+def test_slot_entries_are_a_slots_positions_in_order():
+    cache = KVCache(n_loops=2, n_layers=1, n_slots=2, n_heads=1, max_len=2 * ATTN_CHUNK, d_kv=1)
+    k = torch.arange(40.0).view(1, 40, 1)
+    cache.write_span(0, 1, 1, 0, k[:, :3], -k[:, :3])  # slot 1 takes block 1 first
+    cache.write_span(0, 1, 0, 0, k, -k)  # slot 0: blocks 2 and 3
+    keys, values = cache.slot_entries(0, 0, 40)
+    assert keys.shape == (2, 1, 40, 1) and torch.equal(keys[1], k) and torch.equal(values[1], -k)
+
+
 def test_write_read_and_invalidate_copies_nothing():
     cache = KVCache(n_loops=3, n_layers=2, n_slots=2, n_heads=1, max_len=8, d_kv=1)
     for pos in range(4):
@@ -19,13 +34,13 @@ def test_write_read_and_invalidate_copies_nothing():
     assert cache.lengths[0, 1].tolist() == [4, 4]
     assert cache.lengths[0, 0].tolist() == [0, 0]  # another virtual layer: untouched
     storage = cache.keys[1].data_ptr()
-    before = cache.keys[1].clone()
+    before = cache.read(1, rows, ATTN_CHUNK)[0]
     cache.invalidate(slot=1, from_pos=2)
     assert cache.lengths[0, 1].tolist() == [4, 2]
-    assert cache.keys[1].data_ptr() == storage and torch.equal(cache.keys[1], before)
+    assert cache.keys[1].data_ptr() == storage and torch.equal(cache.read(1, rows, ATTN_CHUNK)[0], before)
     # the next write at position 2 overwrites the stale entry
     cache.write(1, Rows.build([1], [0], [2]), torch.full((1, 1, 1), 9.0), torch.zeros(1, 1, 1))
-    assert cache.keys[1][0, 1, 0, 2, 0].item() == 9.0
+    assert cache.read(1, Rows.build([1], [0], [2]), ATTN_CHUNK)[0][0, 0, 2, 0].item() == 9.0
 
 
 def test_gaps_and_overwrites_are_errors():
@@ -66,14 +81,17 @@ def test_read_spans_whole_chunks_of_the_rows_virtual_layers():
     """Storage is ``max_len`` rounded up to whole chunks; a read copies only the asked span, row by row from its
     own (loop, slot) pair."""
     cache = KVCache(n_loops=2, n_layers=1, n_slots=3, n_heads=2, max_len=ATTN_CHUNK + 3, d_kv=4)
-    assert cache.n_positions == 2 * ATTN_CHUNK and cache.keys[0].shape == (2, 3, 2, 2 * ATTN_CHUNK, 4)
+    # a pool of (n_loops, n_heads, blocks + the zero block, ATTN_CHUNK, d_kv): every slot at max_len by default
+    assert cache.n_positions == 2 * ATTN_CHUNK and cache.keys[0].shape == (2, 2, 3 * 2 + 1, ATTN_CHUNK, 4)
+    for slot in range(3):  # every slot's two chunks, in scattered blocks
+        cache.write_span(0, 0, slot, 0, torch.zeros(2, 35, 4), torch.zeros(2, 35, 4))
     cache.keys[0].copy_(torch.randn_like(cache.keys[0]))
     rows = Rows.build([2, 0, 2], [1, 0, 0], [0, 0, 0])
     for span in (ATTN_CHUNK, 2 * ATTN_CHUNK):
         keys, _ = cache.read(0, rows, span)
         assert keys.shape == (3, 2, span, 4)
         for r, (s, lo) in enumerate(zip(rows.slot, rows.loop)):
-            assert torch.equal(keys[r], cache.keys[0][lo, s, :, :span])
+            assert torch.equal(keys[r], _slot(cache.keys[0], cache, lo, s, span))
     for bad in (0, ATTN_CHUNK - 1, 3 * ATTN_CHUNK):
         with pytest.raises(ValueError, match="span must be a multiple"):
             cache.read(0, rows, bad)
@@ -96,7 +114,7 @@ def test_branch_rows_keep_their_own_entry_and_read_the_prefix():
     assert keys[0, 0, :5, 0].tolist() == [1.0, 2.0, 3.0, 7.0, 0.0]
     assert keys[1, 0, :5, 0].tolist() == [1.0, 2.0, 3.0, 9.0, 0.0]  # its own key at 3, the prefix before it
     assert values[1, 0, 3, 0].item() == -9.0
-    assert cache.keys[0][0, 1, 0, 3, 0].item() == 7.0  # the chain's entry is untouched
+    assert _slot(cache.keys[0], cache, 0, 1, ATTN_CHUNK)[0, 3, 0].item() == 7.0  # the chain's entry is untouched
     # a lane: the branch's successor at 4 reads the branch's entry at 3 (side 1, not the chain's), its own at 4
     cache.write(0, Rows.build([1], [0], [4], side=[2], up=[((3, 1),)]), torch.full((1, 1, 1), 5.0), k[:1])
     lane = Rows.build([1], [0], [4], side=[2], up=[((3, 1),)])
@@ -108,8 +126,8 @@ def test_branch_rows_keep_their_own_entry_and_read_the_prefix():
         cache.promote(1, 1, 3, 1)  # position 3 is still the chain's
     cache.invalidate(1, 3)
     cache.promote(1, 1, 3, 1)
-    assert cache.lengths[0, 0].tolist() == [0, 4] and cache.keys[0][0, 1, 0, 3, 0].item() == 9.0
-    assert cache.values[0][0, 1, 0, 3, 0].item() == -9.0
+    assert cache.lengths[0, 0].tolist() == [0, 4] and _slot(cache.keys[0], cache, 0, 1, ATTN_CHUNK)[0, 3, 0] == 9.0
+    assert _slot(cache.values[0], cache, 0, 1, ATTN_CHUNK)[0, 3, 0].item() == -9.0
     chain_only = Rows.build([0], [0], [0], side=[-1])
     assert chain_only.side is None and rows.take(np.array([0, 0])).side is None  # no branch rows: the plain path
 
@@ -119,7 +137,7 @@ def test_a_span_write_fills_positions_of_one_slot_at_one_virtual_layer():
     k = torch.arange(4.0).view(1, 4, 1)  # (H, T, D)
     cache.write_span(1, 1, 0, 0, k, -k)
     assert cache.lengths[1, 1].tolist() == [4, 0] and cache.lengths.sum() == 4  # only (loop 1, layer 1), slot 0
-    assert cache.keys[1][1, 0, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert _slot(cache.keys[1], cache, 1, 0, ATTN_CHUNK)[0, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
     cache.write(1, Rows.build([0], [1], [4]), torch.full((1, 1, 1), 7.0), torch.zeros(1, 1, 1))  # rows go on
     with pytest.raises(CacheError, match="from position 0, but its valid length is 5"):
         cache.write_span(1, 1, 0, 0, k, k)

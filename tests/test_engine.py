@@ -179,7 +179,8 @@ def test_cancel_frees_the_slot_for_a_waiting_request():
     assert gone.stats.wasted_rows == 2 + 1  # its two speculative tokens in flight
     assert (engine.active, engine.queued) == (0, 1)
     assert engine.cancel(first) is None and engine.cancel(99) is None
-    assert engine._cache.lengths[:, 0, 0].tolist() == [5, 4, 3]  # nothing copied or cleared yet
+    assert engine._cache.lengths[:, 0, 0].tolist() == [0, 0, 0]  # emptied: its blocks went back to the pool
+    assert engine.blocks == (0, 0, engine._cache.n_blocks)
     result = engine.step()
     assert model.steps[-1] == [(0, 0, 0)]  # the waiting request took slot 0 from position 0
     assert result.rows == 1

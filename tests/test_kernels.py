@@ -8,6 +8,7 @@ companions, random positions in the tile, 1..8 rows, one and several tiles,
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 
@@ -122,6 +123,9 @@ def random_step_case(seed: int):
     cache = model.cache(batch, max(lengths), max_len)
     for b, n in enumerate(lengths):
         model.admit(memory, cache, [b], [ids[b, :n]])
+    zeros = torch.zeros(config.n_heads, max_len, config.d_kv)
+    for j, lo, b in itertools.product(range(len(cache.keys)), range(model.n_loops), range(batch)):
+        cache.write_span(j, lo, b, 0, zeros, zeros)  # every slot's blocks taken, so every call reads the same
     for keys, values in zip(cache.keys, cache.values):
         keys.normal_()  # stale positions hold garbage: masking must make it irrelevant
         values.normal_()

@@ -232,9 +232,9 @@ def test_a_prompt_prefills_bit_identically_alone_or_in_a_batch(variant: str) -> 
             if mine is None:
                 continue
             assert (theirs.lengths[:, :, slot] == T).all()
-            for j in range(len(mine.keys)):
-                for a, c in ((mine.keys[j], theirs.keys[j]), (mine.values[j], theirs.values[j])):
-                    assert torch.equal(a[:, 0, :, :T], c[:, slot, :, :T]), (variant, part, j)
+            for j in range(len(mine.keys)):  # through each slot's block table: the blocks differ
+                for a, c in zip(mine.slot_entries(j, 0, T), theirs.slot_entries(j, slot, T)):
+                    assert torch.equal(a, c), (variant, part, j)
 
 
 def test_prefill_batch_checks_its_input() -> None:
@@ -291,7 +291,7 @@ def test_embed_and_cache_shapes() -> None:
     carry = model.embed([1, 2, 3])
     assert carry.shape == (3, 64) and not carry[:, :32].any()  # [zero state, embedding]
     cache = model.cache(n_slots=5, max_len=20)
-    assert cache.loops.keys[0].shape[:3] == (4, 5, 2)  # loops, slots, key/value heads
+    assert cache.loops.keys[0].shape[:3] == (4, 2, 5 + 1)  # loops, key/value heads, a block a slot + the zero one
     assert len(cache.loops.keys) == 3 + 1 and len(cache.prelude.keys) == 2 and cache.prelude.lengths.shape[0] == 1
     assert LoopedLM(lm_preset("tiny")).cache(1, 4).prelude is None
 

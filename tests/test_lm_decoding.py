@@ -165,6 +165,21 @@ def assert_same_logits(a: LogitRecorder, b: LogitRecorder, prompt: tuple[int, ..
             assert key in a.logits and key in b.logits and torch.equal(a.logits[key], b.logits[key]), key
 
 
+def equals_sequential_alone(recorder: PromptKeyed, model: LoopedLM, request: Request, f):
+    """Assert that a finished request's tokens (a cancelled one's: a prefix) and, unless cancelled, every loop's
+    logits in ``recorder`` equal its sequential decoding alone; that decoding's result."""
+    reference = PromptKeyed(model)
+    ref = generate(
+        reference, torch.tensor([request.input_ids]), method="sequential",
+        max_new_tokens=request.max_new_tokens, sampling=request.sampling,
+    )  # fmt: skip
+    assert f.tokens == ref.tokens[0][: len(f.tokens)]
+    if not f.cancelled:
+        assert f.tokens == ref.tokens[0], request
+        assert_same_logits(recorder, reference, tuple(request.input_ids), len(f.tokens), model.n_loops)
+    return ref
+
+
 def churn_request(r: random.Random, model: LoopedLM, counter) -> Request:
     """A random request of the churn tests: a distinct prompt (its first token from ``counter``), SPEED or
     sequential, random policies and levers, greedy or sampled."""
@@ -195,18 +210,10 @@ def test_lm_churn_equals_sequential_alone(block):
         make = functools.partial(churn_request, rng, model, counter)
         requests, finished = drive(engine, rng, [rng.randrange(0, 30) for _ in range(6)], make, 0.25, 10)
         for f in finished:
-            request = requests[f.id]
-            reference = PromptKeyed(model)
-            ref = generate(
-                reference, torch.tensor([request.input_ids]), method="sequential",
-                max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-            )  # fmt: skip
-            assert f.tokens == ref.tokens[0][: len(f.tokens)]
+            ref = equals_sequential_alone(recorder, model, requests[f.id], f)
             if f.cancelled:
                 cancelled += 1
                 continue
-            assert f.tokens == ref.tokens[0], (seed, request)
-            assert_same_logits(recorder, reference, tuple(request.input_ids), len(f.tokens), m)
             assert f.trace.drop_columns(["sequence"]).equals(ref.trace.drop_columns(["sequence"]))
             assert f.stats.rows == (f.stats.tokens - 1) * m + f.stats.wasted_rows  # token 0: the prefill's
             assert 0 <= f.stats.queued_s <= f.stats.ttft_s <= f.stats.latency_s

@@ -1,7 +1,10 @@
 """Memory said before it fails: a stepper's ``memory_need`` equals what its cache and memory allocate, an engine
-refuses a capacity that does not fit in one line saying what fits, side entries only with branches."""
+caps its default key/value pool by what is available and refuses one that cannot hold a request in one line saying
+what fits, side entries only with branches."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -60,24 +63,40 @@ def test_lm_cache_without_side_entries_has_no_side_tensors():
 
 
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
-def test_refusal_says_what_fits(model, monkeypatch):
+def test_the_default_pool_is_capped_by_what_is_available(model, monkeypatch):
+    """An engine whose requests at their longest do not all fit gets the largest pool that does (it admits fewer
+    at once), exactly as ``memory_need`` counts it."""
     stepper = model.stepper()
     asked = EngineConfig(max_active=8, max_prompt_len=16, max_target_len=64)
-    # between the need at 32 and at 64 output positions (a cache holds whole chunks of 32 positions)
-    limit = (stepper.memory_need(8, 16, 32).allocated + stepper.memory_need(8, 16, 64).allocated) // 2
+    full = stepper.memory_need(8, 16, 64)
+    limit = (stepper.memory_need(8, 16, 32).allocated + full.allocated) // 2
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(limit))
+    blocks = Engine(model, asked).blocks[2]
+    assert 0 < blocks < full.blocks
+    assert stepper.memory_need(8, 16, 64, blocks=blocks).allocated <= limit
+    assert stepper.memory_need(8, 16, 64, blocks=blocks + 1).allocated > limit
+
+
+@pytest.mark.parametrize("model", MODELS, ids=IDS)
+def test_refusal_says_what_fits(model, monkeypatch):
+    """Below one request at its longest, or a kv_blocks that does not fit: one line, in the pool's terms, with the
+    most blocks that fit."""
+    stepper = model.stepper()
+    asked = EngineConfig(max_active=8, max_prompt_len=16, max_target_len=64)
+    longest = stepper.memory_need(1, 16, 64).blocks
+    limit = stepper.memory_need(8, 16, 64, blocks=longest).allocated - 1
     monkeypatch.setenv(MEMORY_LIMIT_ENV, str(limit))
     with pytest.raises(MemoryBudgetError) as err:
         Engine(model, asked)
     line = str(err.value)
     assert "\n" not in line and "max_active=8, max_prompt_len=16, max_target_len=64 needs" in line, line
-    assert MEMORY_LIMIT_ENV in line and isinstance(err.value, ValueError)
-    slots = int(line.split("fits: max_active=")[1].split()[0])
-    length = int(line.split("max_target_len=")[-1].split()[0])
-    # the figures are the largest that fit: an engine of each is accepted under the same limit, one more is not
-    assert stepper.memory_need(slots, 16, 64).allocated <= limit < stepper.memory_need(slots + 1, 16, 64).allocated
-    assert stepper.memory_need(8, 16, length).allocated <= limit < stepper.memory_need(8, 16, length + 1).allocated
-    Engine(model, EngineConfig(max_active=slots, max_prompt_len=16, max_target_len=64))
-    Engine(model, EngineConfig(max_active=8, max_prompt_len=16, max_target_len=length))
+    assert MEMORY_LIMIT_ENV in line and isinstance(err.value, ValueError) and "blocks of" in line
+    fits = int(line.split("fits: kv_blocks=")[1].split()[0])
+    assert fits == longest - 1 and f"takes {longest})" in line
+    # the figure is the largest that fits: an engine of it is accepted under the same limit, one more is not
+    Engine(model, EngineConfig(max_active=8, max_prompt_len=16, max_target_len=64, kv_blocks=fits))
+    with pytest.raises(MemoryBudgetError):
+        Engine(model, EngineConfig(max_active=8, max_prompt_len=16, max_target_len=64, kv_blocks=fits + 1))
 
 
 def test_side_entries_are_counted_and_dropped_without_branches(monkeypatch):
@@ -86,9 +105,10 @@ def test_side_entries_are_counted_and_dropped_without_branches(monkeypatch):
     with_side, without = stepper.memory_need(4, 8, 16, True), stepper.memory_need(4, 8, 16, False)
     assert with_side.side > 0 and without.side == 0 and with_side.cache == without.cache
     monkeypatch.setenv(MEMORY_LIMIT_ENV, str(without.allocated))  # fits only without side entries
+    pool = EngineConfig(max_active=4, max_prompt_len=8, max_target_len=16, kv_blocks=without.blocks)
     with pytest.raises(MemoryBudgetError):
-        Engine(model, EngineConfig(max_active=4, max_prompt_len=8, max_target_len=16))
-    Engine(model, EngineConfig(max_active=4, max_prompt_len=8, max_target_len=16, branches=False))
+        Engine(model, pool)
+    Engine(model, dataclasses.replace(pool, branches=False))
 
 
 def test_branches_refused_by_an_engine_without_side_entries():
@@ -104,3 +124,6 @@ def test_need_names_its_parts():
     need = MemoryNeed(weights=2**30, cache=3 * 2**20, side=0, memory=512)
     assert need.total == 2**30 + 3 * 2**20 + 512 and need.allocated == 3 * 2**20 + 512
     assert need.describe() == "1.00 GiB (weights 1.00 GiB, cache 3.00 MiB, side entries 0 B, memory 512 B)"
+    pool = MemoryNeed(weights=2**30, cache=4 * 2**20, side=0, memory=512, blocks=3)  # and the zero block
+    assert pool.per_block == 2**20
+    assert "cache 4.00 MiB: 3 blocks of 1.00 MiB, 32.00 KiB per token," in pool.describe()

@@ -46,9 +46,10 @@ class LogitRecorder:
         """The record's key (subclasses may name slots otherwise, e.g. by the request holding it)."""
         return (slot, loop, pos)
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> KVCache:
-        """The model's cache, whose branch promotions also move the branch's records into the chain's."""
-        cache = self.model.cache(n_slots, max_prompt_len, max_len, side)
+    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, **pool: int) -> KVCache:
+        """The model's cache (``pool``: its ``blocks``, if asked), whose branch promotions also move the branch's
+        records into the chain's."""
+        cache = self.model.cache(n_slots, max_prompt_len, max_len, side, **pool)
         promote = cache.promote
 
         def promote_and_record(slot: int, side: int, pos: int, loops_done: int) -> None:

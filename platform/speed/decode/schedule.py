@@ -42,9 +42,17 @@ class TableModel:
         self.snapshots: list[np.ndarray] = []
         self.calls: list[list[tuple[int, int, int, int, int]]] = []
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> KVCache:
-        # kept to read its lengths after the last step
-        self.kv = KVCache(self.n_loops, 1, n_slots, 1, max_len, 1, n_side=None if side else 0)
+    def cache(
+        self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, blocks: int | None = None
+    ) -> KVCache:
+        self.kv = KVCache(self.n_loops, 1, n_slots, 1, max_len, 1, n_side=None if side else 0, n_blocks=blocks)
+        reset = self.kv.reset
+
+        def keep_and_reset(slot: int) -> None:  # the engine empties a slot as its request leaves: keep its lengths
+            self.released = self.kv.lengths[:, 0, slot].copy()
+            reset(slot)
+
+        self.kv.reset = keep_and_reset  # type: ignore[method-assign]
         return self.kv
 
     @property
@@ -108,7 +116,7 @@ def schedule(
     committed = []
     while engine.has_work:
         committed.append([c.token for c in engine.step().committed])
-    lengths = [s[:, 0].tolist() for s in model.snapshots[1:]] + [model.kv.lengths[:, 0, 0].tolist()]
+    lengths = [s[:, 0].tolist() for s in model.snapshots[1:]] + [model.released.tolist()]
     steps = []
     for i, calls in enumerate(model.calls):
         rows = [ScheduleRow(p, lo + 1, tok, pred) for _, p, lo, tok, pred in calls]

@@ -1,29 +1,50 @@
-"""The decoder's key/value cache, keyed by virtual layer (loop, layer).
+"""The decoder's key/value cache, keyed by virtual layer (loop, layer), paged in blocks of ``ATTN_CHUNK`` positions.
 
 A looped decoder runs each unique layer M times, once per loop, so one
 physical layer owns M separate caches: keys written by loop 1 of layer 2 are
-never read by loop 3 of layer 2. The cache is preallocated; rows are written
-at explicit positions (as in gpt-fast), and invalidating speculative tokens
-only lowers per-virtual-layer valid lengths: it copies nothing, and the next
-write at that position overwrites the stale entry.
+never read by loop 3 of layer 2. Rows are written at explicit positions (as in
+gpt-fast), and invalidating speculative tokens only lowers per-virtual-layer
+valid lengths: it copies nothing, and the next write at that position
+overwrites the stale entry.
+
+Paging (vLLM's PagedAttention habit): keys and values live in a pool of
+blocks, each ``ATTN_CHUNK`` positions of one slot at every virtual layer, taken
+from the pool when a position in them is first written and given back when the
+slot is reset or invalidated past them. A slot's block table maps its
+positions' chunks onto pool blocks. One table per slot rather than per virtual
+layer: a token is written at every virtual layer within a few steps of its
+first, so the virtual layers of a slot fill their chunks together; per-layer
+tables would multiply the bookkeeping and the gather's index by loops x layers
+and save nothing. Since a block is exactly one of the attention's fixed chunks
+(``speed.engine.kernels.attend``), a read gathers whole chunks in position
+order into the same (R, H, span, D) tensor an unpaged cache would hand out, so
+a row's logits do not depend on which blocks it got nor on what the pool holds
+(entries past a row's position are masked, and attention gives them weight
+exactly zero; unallocated chunks read block 0, kept zero).
 
 The cache holds ``n_slots`` requests at once, one per engine slot; a slot
-keeps up to ``max_len`` key positions per virtual layer.
+keeps up to ``max_len`` key positions per virtual layer, and the pool
+``n_blocks`` blocks over all slots (default: every slot at ``max_len``, what an
+unpaged cache holds). The engine reserves a request's worst case in blocks at
+admission (``blocks_needed``), so a running request always finds its blocks.
 
 Runner-up branches (tree speculation): a branch is a second token at the same
 position p as a speculative chain token, so it cannot share the chain's
 position; it may grow its own chain (a lane) at p+1, p+2, ... Each slot has
-side entries per virtual layer, one key/value each: a branch row writes its
-key/value there, and a read gathers the row's prefix up to the fork from its
-slot's positions and the lane's positions from their side entries, in
-position order, so attention sums exactly the keys a chain token with the
-same prefix would see. Promoting a lane copies each token's entries (one per loop it ran) into
-its positions of the slot. A cache built for an engine without branches has no side entries (``n_side=0``).
+side entries per virtual layer, one key/value each (not paged: a few per
+slot): a branch row writes its key/value there, and a read gathers the row's
+prefix up to the fork from its slot's blocks and the lane's positions from
+their side entries, in position order, so attention sums exactly the keys a
+chain token with the same prefix would see. Promoting a lane copies each
+token's entries (one per loop it ran) into its positions of the slot. A cache
+built for an engine without branches has no side entries (``n_side=0``).
 
 ``kv_bytes`` is what a cache of a given size allocates, so an engine can say before allocating whether it fits.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 import torch
@@ -32,24 +53,33 @@ from torch import Tensor
 from speed.engine.kernels import ATTN_CHUNK, chunk_span
 from speed.engine.rows import Rows
 
-__all__ = ["CacheError", "KVCache", "Rows", "kv_bytes"]
+__all__ = ["CacheError", "KVCache", "Rows", "kv_bytes", "pool_blocks"]
+
+ZERO_BLOCK = 0  # the pool's block that unallocated table entries point to: never written, always zero
 
 
 class CacheError(RuntimeError):
-    """A write that would leave a gap in, or overwrite, a valid cache prefix."""
+    """A write that would leave a gap in, or overwrite, a valid cache prefix, or find the pool empty."""
+
+
+def pool_blocks(n_slots: int, max_len: int, n_blocks: int | None = None) -> int:
+    """Blocks in a pool: ``n_blocks``, or by default enough for every slot at ``max_len`` positions."""
+    return n_slots * (chunk_span(max_len) // ATTN_CHUNK) if n_blocks is None else n_blocks
 
 
 class KVCache:
-    """Preallocated self-attention keys/values for every virtual layer (loop, layer).
+    """Self-attention keys/values for every virtual layer (loop, layer), in blocks of ``ATTN_CHUNK`` positions.
 
     Storage per physical layer j: ``keys[j]`` and ``values[j]`` of shape
-    (n_loops, n_slots, n_heads, n_positions, d_kv), where ``n_positions`` is
-    ``max_len`` rounded up to whole attention chunks (the tail is never
-    written and always masked). ``lengths[loop, layer, slot]`` is the valid
-    prefix length at that virtual layer for that slot. Branch rows keep their
-    key/value in ``side_keys[j]``/``side_values[j]`` (n_loops, n_slots *
-    n_side, n_heads, d_kv): side entry b of slot s is index ``s * n_side + b``
-    (``n_side``: n_loops**2 by default; 0: no side tensors at all, for an engine without branches).
+    (n_loops, n_heads, n_blocks + 1, ATTN_CHUNK, d_kv), block 0 the zero block
+    (``ZERO_BLOCK``); allocated empty, so the host's memory is touched only
+    by the blocks taken (each is zeroed when taken). ``table[slot, c]`` is the
+    pool block holding chunk c (positions c*ATTN_CHUNK ...) of ``slot``, 0
+    while none. ``lengths[loop, layer, slot]`` is the valid prefix length at
+    that virtual layer for that slot. Branch rows keep their key/value in
+    ``side_keys[j]``/``side_values[j]`` (n_loops, n_slots * n_side, n_heads,
+    d_kv): side entry b of slot s is index ``s * n_side + b`` (``n_side``:
+    n_loops**2 by default; 0: no side tensors at all, for an engine without branches).
     """
 
     def __init__(
@@ -63,11 +93,22 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         n_side: int | None = None,
+        n_blocks: int | None = None,
     ) -> None:
         self.n_positions = chunk_span(max_len)
-        shape = (n_loops, n_slots, n_heads, self.n_positions, d_kv)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.n_blocks = pool_blocks(n_slots, max_len, n_blocks)
+        if self.n_blocks < 0:
+            raise ValueError(f"n_blocks must be >= 0, got {self.n_blocks}")
+        shape = (n_loops, n_heads, self.n_blocks + 1, ATTN_CHUNK, d_kv)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        for t in (*self.keys, *self.values):
+            t[:, :, ZERO_BLOCK].zero_()
+        self.table = np.zeros((n_slots, self.n_positions // ATTN_CHUNK), dtype=np.int64)
+        self._free = list(range(1, self.n_blocks + 1))  # a heap: the lowest free block is taken first
+        self._version = 0  # bumped whenever the table changes (the read's gather index is kept until then)
+        self._index: tuple | None = None  # (rows, span, version, index) of the last read
+        self._written: tuple | None = None  # (rows, version, (blocks, places)) of the last write
         self.lengths = np.zeros((n_loops, n_layers, n_slots), dtype=np.int64)
         # side entries per slot: a lane of < M tokens per in-flight token, M = n_loops unless the layers run
         # in fewer loops than the model has (a looped LM's prelude: one loop, the model's M lanes)
@@ -78,12 +119,51 @@ class KVCache:
         self.side_values = [torch.zeros(side_shape, dtype=dtype, device=device) for _ in range(n_sided)]
         self.max_len = max_len
         self.n_slots = n_slots
+        self.n_heads = n_heads
         self.device = torch.device(device)
 
     @property
     def tensors(self) -> list[Tensor]:
         """Every tensor this cache allocated (what ``kv_bytes`` counts)."""
         return [*self.keys, *self.values, *self.side_keys, *self.side_values]
+
+    @property
+    def blocks_used(self) -> int:
+        """Pool blocks taken now (by every slot)."""
+        return self.n_blocks - len(self._free)
+
+    def blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Blocks a request reserves: one per chunk of its ``max_new_tokens`` output positions (its prompt takes
+        none here: a T5 prompt is the encoder's)."""
+        return chunk_span(max_new_tokens) // ATTN_CHUNK
+
+    def _take(self, slot: np.ndarray, chunk: np.ndarray) -> None:
+        """Give each (slot, chunk) pair without a block one from the pool (zeroed)."""
+        missing = self.table[slot, chunk] == ZERO_BLOCK
+        if not missing.any():
+            return
+        pairs = np.unique(np.stack([slot[missing], chunk[missing]]), axis=1)
+        if pairs.shape[1] > len(self._free):
+            raise CacheError(
+                f"the pool's {self.n_blocks} blocks are all taken ({pairs.shape[1]} more wanted): the engine reserves "
+                "a request's blocks at admission, so this is a scheduling bug"
+            )
+        blocks = [heapq.heappop(self._free) for _ in range(pairs.shape[1])]
+        self.table[pairs[0], pairs[1]] = blocks
+        b = torch.as_tensor(blocks, device=self.device)
+        for t in (*self.keys, *self.values):
+            t.index_fill_(2, b, 0.0)  # finite: a masked entry must still give exactly zero weight times it
+        self._version += 1
+
+    def _give_back(self, slot: int, from_chunk: int) -> None:
+        """Return the blocks of ``slot``'s chunks from ``from_chunk`` on to the pool."""
+        held = self.table[slot, from_chunk:]
+        taken = held[held != ZERO_BLOCK]
+        if len(taken):
+            for b in taken.tolist():
+                heapq.heappush(self._free, b)
+            held[:] = ZERO_BLOCK
+            self._version += 1
 
     def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
         """Append each row's key/value (R, H, D) at its virtual layer (its loop, ``layer``).
@@ -111,10 +191,13 @@ class KVCache:
             )
         if int(rows.pos.max()) >= self.max_len:
             raise CacheError(f"position {int(rows.pos.max())} beyond the cache's max_len {self.max_len}")
+        chunk = rows.pos // ATTN_CHUNK
+        self._take(rows.slot, chunk)
         self.lengths[rows.loop, layer, rows.slot] = rows.pos + 1
-        slot_t, loop_t, pos_t = rows.tensors(self.device)
-        self.keys[layer][loop_t, slot_t, :, pos_t] = k
-        self.values[layer][loop_t, slot_t, :, pos_t] = v
+        _, loop_t, _ = rows.tensors(self.device)
+        block, within = self._places(rows, chunk)
+        self.keys[layer][loop_t, :, block, within] = k
+        self.values[layer][loop_t, :, block, within] = v
 
     def write_span(self, layer: int, loop: int, slot: int, start: int, k: Tensor, v: Tensor) -> None:
         """Write positions start..start+T-1 of one slot at virtual layer (``loop``, ``layer``): k, v (H, T, D).
@@ -129,8 +212,13 @@ class KVCache:
             )
         if start + T > self.max_len:
             raise CacheError(f"positions up to {start + T - 1} beyond the cache's max_len {self.max_len}")
-        self.keys[layer][loop, slot, :, start : start + T] = k
-        self.values[layer][loop, slot, :, start : start + T] = v
+        chunks = np.arange(start // ATTN_CHUNK, -(-(start + T) // ATTN_CHUNK))
+        self._take(np.full(len(chunks), slot), chunks)
+        for c in chunks.tolist():  # the span's piece in each of its blocks
+            lo, hi = max(start, c * ATTN_CHUNK), min(start + T, (c + 1) * ATTN_CHUNK)
+            at, b = slice(lo - c * ATTN_CHUNK, hi - c * ATTN_CHUNK), int(self.table[slot, c])
+            self.keys[layer][loop, :, b, at] = k[:, lo - start : hi - start]
+            self.values[layer][loop, :, b, at] = v[:, lo - start : hi - start]
         self.lengths[loop, layer, slot] = start + T
 
     def _write_side(self, layer: int, rows: Rows, k: Tensor, v: Tensor, branch: np.ndarray) -> None:
@@ -149,20 +237,44 @@ class KVCache:
         self.side_keys[layer][loop_t, flat_t] = k
         self.side_values[layer][loop_t, flat_t] = v
 
+    def _places(self, rows: Rows, chunk: np.ndarray) -> tuple[Tensor, Tensor]:
+        """(R,) each chain row's block and place in it, as tensors; kept for the tile's next layers, as the read's
+        index."""
+        memo = self._written
+        if memo is not None and memo[0] is rows and memo[1] == self._version:
+            return memo[2]
+        block, within = self.table[rows.slot, chunk], rows.pos % ATTN_CHUNK
+        places = torch.as_tensor(block, device=self.device), torch.as_tensor(within, device=self.device)
+        self._written = (rows, self._version, places)
+        return places
+
+    def _gather_index(self, rows: Rows, span: int) -> Tensor:
+        """(R * H * span / ATTN_CHUNK,) each row's blocks per head in the flattened pool (loop, head, block), in
+        position order; the same for every layer until the table changes (kept for the tile's next layers)."""
+        memo = self._index
+        if memo is not None and memo[0] is rows and memo[1] == span and memo[2] == self._version:
+            return memo[3]
+        n_chunks, H = span // ATTN_CHUNK, self.n_heads
+        blocks = self.table[rows.slot, :n_chunks]  # (R, n_chunks)
+        base = (rows.loop[:, None] * H + np.arange(H)[None, :]) * (self.n_blocks + 1)  # (R, H)
+        index = torch.as_tensor((base[:, :, None] + blocks[:, None, :]).reshape(-1), device=self.device)
+        self._index = (rows, span, self._version, index)
+        return index
+
     def read(self, layer: int, rows: Rows, span: int) -> tuple[Tensor, Tensor]:
         """Keys and values (R, H, span, D) each row attends to: the first ``span`` positions of its virtual layer.
 
         ``span`` is a whole number of attention chunks covering every row's
         position (``chunk_span``); positions past a row's own are stale or
         empty and must be masked. One ``index_select`` per tensor over the
-        flattened (loop, slot) pairs, copying only the span.
+        flattened pool's blocks (the rows' block tables, per head), copying only the span.
         """
         if span % ATTN_CHUNK or not 0 < span <= self.n_positions:
             raise ValueError(f"span must be a multiple of {ATTN_CHUNK} in 1..{self.n_positions}, got {span}")
-        slot_t, loop_t, _ = rows.tensors(self.device)
-        flat = loop_t * self.n_slots + slot_t
-        keys, values = (t[layer].flatten(0, 1)[:, :, :span] for t in (self.keys, self.values))
-        keys, values = keys.index_select(0, flat), values.index_select(0, flat)  # (R, H, span, D), copies
+        index, R = self._gather_index(rows, span), len(rows)
+        keys, values = (t[layer].flatten(0, 2).index_select(0, index) for t in (self.keys, self.values))
+        D = keys.shape[-1]
+        keys, values = keys.view(R, self.n_heads, span, D), values.view(R, self.n_heads, span, D)  # copies
         if rows.side is not None:  # a branch row sees its lane's keys/values from the fork on, the chain's before
             r, pos, side = rows.lane_entries()
             r_t, pos_t, lo_t, flat_t = (
@@ -172,6 +284,13 @@ class KVCache:
             keys[r_t, :, pos_t] = self.side_keys[layer][lo_t, flat_t]
             values[r_t, :, pos_t] = self.side_values[layer][lo_t, flat_t]
         return keys, values
+
+    def slot_entries(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """Keys and values (n_loops, H, length, D) of ``slot``'s first ``length`` positions at physical layer
+        ``layer``, chunk by chunk through its block table (copies; for checks, not the decode path)."""
+        chunks = self.table[slot, : chunk_span(length) // ATTN_CHUNK].tolist()
+        keys, values = (torch.cat([t[layer][:, :, b] for b in chunks], dim=2) for t in (self.keys, self.values))
+        return keys[:, :, :length], values[:, :, :length]
 
     def promote(self, slot: int, side: int, pos: int, loops_done: int) -> None:
         """Make the branch in side entry ``side`` of ``slot`` the token at ``pos``: copy its first ``loops_done`` loops.
@@ -184,18 +303,24 @@ class KVCache:
         have = self.lengths[:loops_done, :, slot]
         if (have != pos).any():
             raise CacheError(f"promotion to position {pos} of slot {slot}, but its valid lengths are {have.tolist()}")
+        chunk = pos // ATTN_CHUNK
+        self._take(np.array([slot]), np.array([chunk]))
+        b, at, entry = int(self.table[slot, chunk]), pos % ATTN_CHUNK, slot * self.n_side + side
         for j in range(len(self.keys)):
-            self.keys[j][:loops_done, slot, :, pos] = self.side_keys[j][:loops_done, slot * self.n_side + side]
-            self.values[j][:loops_done, slot, :, pos] = self.side_values[j][:loops_done, slot * self.n_side + side]
+            self.keys[j][:loops_done, :, b, at] = self.side_keys[j][:loops_done, entry]
+            self.values[j][:loops_done, :, b, at] = self.side_values[j][:loops_done, entry]
         self.lengths[:loops_done, :, slot] = pos + 1
 
     def invalidate(self, slot: int, from_pos: int) -> None:
-        """Drop positions >= ``from_pos`` of ``slot`` at every virtual layer (no copy)."""
+        """Drop positions >= ``from_pos`` of ``slot`` at every virtual layer (no copy); the blocks wholly past them
+        go back to the pool."""
         np.minimum(self.lengths[:, :, slot], from_pos, out=self.lengths[:, :, slot])
+        self._give_back(slot, -(-from_pos // ATTN_CHUNK))
 
     def reset(self, slot: int) -> None:
-        """Empty ``slot``, e.g. when a new request takes it over."""
+        """Empty ``slot`` and return its blocks, e.g. when its request leaves or a new one takes it over."""
         self.lengths[:, :, slot] = 0
+        self._give_back(slot, 0)
 
 
 def kv_bytes(
@@ -207,9 +332,11 @@ def kv_bytes(
     d_kv: int,
     dtype: torch.dtype = torch.float32,
     n_side: int | None = None,
+    n_blocks: int | None = None,
 ) -> tuple[int, int]:
-    """Bytes a ``KVCache`` of these arguments allocates: (its positions' keys/values, its side entries')."""
+    """Bytes a ``KVCache`` of these arguments allocates: (its pool's keys/values, the zero block's included; its
+    side entries')."""
     n_side = n_loops * n_loops if n_side is None else n_side
     item = torch.empty((), dtype=dtype).element_size()
-    entry = 2 * n_layers * n_loops * n_slots * n_heads * d_kv * item  # a key and a value per (loop, layer, slot)
-    return entry * chunk_span(max_len), entry * n_side
+    entry = 2 * n_layers * n_loops * n_heads * d_kv * item  # a key and a value per (loop, layer) of one position
+    return entry * ATTN_CHUNK * (pool_blocks(n_slots, max_len, n_blocks) + 1), entry * n_slots * n_side

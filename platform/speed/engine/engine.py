@@ -49,17 +49,18 @@ class Engine:
             raise ValueError("the engine decodes with the model in eval mode: call model.eval() first")
         self.model: Stepper = as_stepper(model)
         self.config = config
+        c, blocks = config, config.kv_blocks
         need = getattr(self.model, "memory_need", None)
         if need is not None:  # a model's stepper says what it needs: refuse before allocating what does not fit
-            c, device = config, self.model.device
-            check_memory(partial(need, side=c.branches), c.max_active, c.max_prompt_len, c.max_target_len, device)
+            capacity = (c.max_active, c.max_prompt_len, c.max_target_len, self.model.device)
+            blocks = check_memory(partial(need, side=c.branches), *capacity, blocks=blocks).blocks
+        pool = {} if blocks is None else {"blocks": blocks}  # a stub's cache sizes its own pool
         with torch.inference_mode():
-            self._cache = self.model.cache(
-                config.max_active, config.max_prompt_len, config.max_target_len, side=config.branches
-            )
+            self._cache = self.model.cache(c.max_active, c.max_prompt_len, c.max_target_len, side=c.branches, **pool)
             self._memory = self.model.memory(config.max_active, config.max_prompt_len, config.max_target_len)
         self._device = self._cache.device
         self._free = list(range(config.max_active))  # a heap: the lowest free slot is taken first
+        self._reserved: dict[int, int] = {}  # the cache's blocks each active request reserved, by id
         self._waiting: deque[RequestState] = deque()
         self._active: dict[int, RequestState] = {}  # by id, in admission order
         self._next_id = 0
@@ -82,6 +83,11 @@ class Engine:
     def queued(self) -> int:
         """Requests waiting for a slot."""
         return len(self._waiting)
+
+    @property
+    def blocks(self) -> tuple[int, int, int]:
+        """The cache's pool: (blocks taken now, blocks the active requests reserved, blocks in the pool)."""
+        return self._cache.blocks_used, sum(self._reserved.values()), self._cache.n_blocks
 
     @property
     def has_work(self) -> bool:
@@ -217,6 +223,13 @@ class Engine:
                 f"input_ids has {len(ids)} tokens, more than {c.max_prompt_len} "
                 "(the engine's max_source_len, or max_prompt_len: the longest prompt)"
             )
+        blocks = self._cache.blocks_needed(len(ids), n)
+        if blocks > self._cache.n_blocks:
+            raise ValueError(
+                f"a prompt of {len(ids)} tokens and max_new_tokens={n} need {blocks} key/value blocks, but the "
+                f"engine's cache holds {self._cache.n_blocks} (EngineConfig.kv_blocks, or what the memory allows): "
+                "shorten the prompt or max_new_tokens"
+            )
         V = self.model.vocab_size
         bad = next((t for t in ids if type(t) is not int or not 0 <= t < V), None)
         if bad is not None:
@@ -257,8 +270,13 @@ class Engine:
         gate's lambdas (M,) (None: the stepper gave none)."""
         coming = []
         while self._free and self._waiting:
-            with self._queue_lock:
-                seq = self._waiting.popleft()
+            with self._queue_lock:  # first come, first served: the head waits until its worst case is free
+                seq = self._waiting[0]
+                blocks = self._cache.blocks_needed(len(seq.request.input_ids), seq.request.max_new_tokens)
+                if sum(self._reserved.values()) + blocks > self._cache.n_blocks:
+                    break
+                self._waiting.popleft()
+            self._reserved[seq.id] = blocks
             seq.slot = heapq.heappop(self._free)
             self._cache.reset(seq.slot)
             coming.append(seq)
@@ -278,5 +296,6 @@ class Engine:
         return prefilled, exits, gates
 
     def _release(self, seq: RequestState) -> None:
-        del self._active[seq.id]
+        del self._active[seq.id], self._reserved[seq.id]
+        self._cache.reset(seq.slot)  # its blocks go back to the pool
         heapq.heappush(self._free, seq.slot)

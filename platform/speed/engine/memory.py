@@ -5,7 +5,10 @@ A model's stepper says what a capacity needs (``Stepper.memory_need``: a ``Memor
 alone, equal to what its ``cache`` and ``memory`` then allocate). ``check_memory`` compares what the engine is
 about to allocate with what the device has free (``available_bytes``: ``SPEED_MEMORY_LIMIT`` bytes when set, else
 CUDA's free memory or the host's available memory) and raises ``MemoryBudgetError``, one line saying what was
-asked, what it needs, what is available and what fits, before a single tensor is made.
+asked, what it needs, what is available and what fits, before a single tensor is made. The key/value cache is a pool
+of blocks (``speed.engine.cache``): by default as many as ``max_active`` requests at their longest take, fewer where
+those do not fit (an engine then admits fewer requests at once, never fails mid-decode), and ``EngineConfig.kv_blocks``
+sets it outright.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from speed.engine.kernels import ATTN_CHUNK
+
 MEMORY_LIMIT_ENV = "SPEED_MEMORY_LIMIT"  # bytes the engine may allocate, instead of what the device has free
 
 
@@ -25,9 +30,15 @@ class MemoryNeed:
     """Bytes a model needs to decode at one capacity (``Stepper.memory_need``)."""
 
     weights: int  # the model's parameters and buffers (already loaded when an engine is built)
-    cache: int  # key/value positions of every virtual layer, the prompt's included (an LM's)
+    cache: int  # the key/value pool: its blocks and the zero block (``speed.engine.cache``), prompts' positions too
     side: int  # runner-up branches' side entries (0: an engine without branches)
     memory: int  # the rest the engine allocates per capacity (T5: cross-attention keys/values, masks, position bias)
+    blocks: int = 0  # blocks in the pool, each ATTN_CHUNK positions of one request at every virtual layer
+
+    @property
+    def per_block(self) -> int:
+        """Bytes one block of the pool holds (``ATTN_CHUNK`` positions of every virtual layer)."""
+        return self.cache // (self.blocks + 1)
 
     @property
     def allocated(self) -> int:
@@ -41,9 +52,16 @@ class MemoryNeed:
     def describe(self) -> str:
         """One line: the total and its parts."""
         return (
-            f"{size(self.total)} (weights {size(self.weights)}, cache {size(self.cache)}, "
+            f"{size(self.total)} (weights {size(self.weights)}, cache {size(self.cache)}{self._pool()}, "
             f"side entries {size(self.side)}, memory {size(self.memory)})"
         )
+
+    def _pool(self) -> str:
+        """The cache in the pool's terms: its blocks, and what one holds (and one position of it)."""
+        if not self.blocks:
+            return ""
+        per = self.per_block
+        return f": {self.blocks} blocks of {size(per)}, {size(per // ATTN_CHUNK)} per token"
 
 
 class MemoryBudgetError(ValueError):
@@ -71,41 +89,37 @@ def available_bytes(device: torch.device) -> tuple[int, str]:
     return psutil.virtual_memory().available, "available host memory"
 
 
-def _largest(low: int, high: int, ok: Callable[[int], bool]) -> int:
-    """The largest n in low..high with ``ok(n)`` (``ok`` true up to some n, false after); low - 1 if none."""
-    while low <= high:
-        mid = (low + high) // 2
-        if ok(mid):
-            low = mid + 1
-        else:
-            high = mid - 1
-    return high
-
-
 def check_memory(
-    need: Callable[[int, int, int], MemoryNeed],
+    need: Callable[..., MemoryNeed],
     max_active: int,
     max_prompt_len: int,
     max_target_len: int,
     device: torch.device,
+    blocks: int | None = None,
 ) -> MemoryNeed:
-    """``need(max_active, max_prompt_len, max_target_len)`` if what it allocates fits on ``device``, else
-    ``MemoryBudgetError``: what was asked, what it needs, what is available, and what fits (the most slots at
-    this length, the longest output at these slots)."""
-    asked = need(max_active, max_prompt_len, max_target_len)
+    """``need(max_active, max_prompt_len, max_target_len, blocks=blocks)``, the engine's allocation with a key/value
+    pool of ``blocks`` blocks (None: enough for ``max_active`` requests at their longest, or, where that does not
+    fit on ``device``, the most blocks that do), if it fits; else ``MemoryBudgetError``: what was asked, what it
+    needs, what is available, and what fits (the most blocks; one request at its longest needs
+    ``need(1, ...).blocks``)."""
+    asked = need(max_active, max_prompt_len, max_target_len, blocks=blocks)
     available, source = available_bytes(device)
     if asked.allocated <= available:
         return asked
-    slots = _largest(1, max_active, lambda n: need(n, max_prompt_len, max_target_len).allocated <= available)
-    length = _largest(1, max_target_len, lambda n: need(max_active, max_prompt_len, n).allocated <= available)
-    fits = [
-        f"max_active={slots} at this length" if slots else "",
-        f"max_target_len={length} at max_active={max_active}" if length else "",
-    ]
-    fits_text = " or ".join(f for f in fits if f) or "nothing at this max_prompt_len"
+    longest = need(1, max_prompt_len, max_target_len).blocks  # one request of the longest prompt and output
+    rest = need(max_active, max_prompt_len, max_target_len, blocks=0).allocated  # all but the pool's blocks
+    fits = max(-1, (available - rest) // asked.per_block) if asked.per_block else -1
+    if blocks is None and fits >= longest:  # the default pool, capped by what is available
+        return need(max_active, max_prompt_len, max_target_len, blocks=fits)
+    fits_text = (
+        f"kv_blocks={fits} (a request of max_prompt_len + max_target_len positions takes {longest})"
+        if fits >= 1
+        else f"no block at max_active={max_active} (side entries and memory alone need {size(rest)})"
+    )
     raise MemoryBudgetError(
         f"max_active={max_active}, max_prompt_len={max_prompt_len}, max_target_len={max_target_len} needs "
-        f"{size(asked.allocated)} for its cache (cache {size(asked.cache)}, side entries {size(asked.side)}, "
-        f"memory {size(asked.memory)}; weights {size(asked.weights)} already loaded), but {size(available)} is "
-        f"available ({source}); fits: {fits_text}"
+        f"{size(asked.allocated)} for its cache (a pool of {asked.blocks} blocks of {size(asked.per_block)}, "
+        f"{ATTN_CHUNK} positions of every virtual layer each: {size(asked.cache)}; side entries "
+        f"{size(asked.side)}, memory {size(asked.memory)}; weights {size(asked.weights)} already loaded), but "
+        f"{size(available)} is available ({source}); fits: {fits_text}"
     )

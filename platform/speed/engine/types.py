@@ -46,11 +46,18 @@ class Stepper(Protocol):
     eos_id: int
     vocab_size: int
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> KVCache:
-        """An empty cache for ``n_slots`` requests; the runner-up branches' side entries only if ``side``."""
+    def cache(
+        self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, blocks: int | None = None
+    ) -> KVCache:
+        """An empty cache for ``n_slots`` requests; the runner-up branches' side entries only if ``side``; a pool of
+        ``blocks`` blocks (None: every slot at its longest). What it returns offers ``n_blocks`` and
+        ``blocks_needed(prompt_len, max_new_tokens)`` (a request's worst case, reserved at admission) besides the
+        ``KVCache`` methods the scheduler calls; the engine passes ``blocks`` only when it has one to ask for."""
         ...
 
-    def memory_need(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> MemoryNeed:
+    def memory_need(
+        self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, blocks: int | None = None
+    ) -> MemoryNeed:
         """What ``cache`` and ``memory`` of this capacity allocate, and the weights, computed without allocating.
         Optional: the engine checks the memory of a stepper that has it (a model's), and builds a stub's as asked."""
         ...
@@ -97,6 +104,10 @@ class EngineConfig:
     # (speed.engine.cost; the row budget still caps them); False: every in-flight row, or the row budget's
     trace: bool = True  # per-request flip traces (sequential requests then evaluate every loop's exit)
     branches: bool = True  # runner-up branches allowed: the cache holds their side entries (False: none, smaller)
+    # key/value blocks in the cache's pool (ATTN_CHUNK positions of one request at every virtual layer each); None:
+    # max_active requests at their longest, capped by the memory available. A request waits until its worst case
+    # (prompt + max_new_tokens positions) is free, and one that could never fit is refused at add
+    kv_blocks: int | None = None
     max_source_len: InitVar[int | None] = None  # max_prompt_len's T5 name, still accepted (it wins when given)
 
     def __post_init__(self, max_source_len: int | None) -> None:
@@ -105,6 +116,8 @@ class EngineConfig:
         for name in ("max_active", "max_prompt_len", "max_target_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_blocks is not None and (type(self.kv_blocks) is not int or self.kv_blocks < 1):
+            raise ValueError(f"EngineConfig.kv_blocks must be at least 1 or None, got {self.kv_blocks!r}")
         if self.row_budget is not None and self.row_budget < 1:
             raise ValueError(f"EngineConfig.row_budget must be at least 1 or None, got {self.row_budget}")
 

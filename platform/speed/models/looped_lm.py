@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.config import LMConfig, RopeLayout
-from speed.engine.cache import KVCache, Rows, kv_bytes
-from speed.engine.kernels import TILE_ROWS, BiasFree, attend, chunk_span, in_tiles, rows_linear, tile_linear
+from speed.engine.cache import KVCache, Rows, kv_bytes, pool_blocks
+from speed.engine.kernels import ATTN_CHUNK, TILE_ROWS, BiasFree, attend, chunk_span, in_tiles, rows_linear, tile_linear
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
@@ -230,7 +230,7 @@ class Block(nn.Module):
 
 @dataclass
 class LMCache:
-    """Keys/values of every virtual layer for ``n_slots`` sequences, preallocated (see ``KVCache``).
+    """Keys/values of every virtual layer for ``n_slots`` sequences, in pools of blocks (see ``KVCache``).
 
     ``loops``: one entry per (loop, layer) of the looped layers, layer j < N
     the core's layer j and layer N + c the coda's layer c (the coda runs in
@@ -246,6 +246,16 @@ class LMCache:
     @property
     def device(self) -> torch.device:
         return self.loops.device
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks in each part's pool (the parts take the same blocks per slot, so they run out together)."""
+        return self.loops.n_blocks
+
+    @property
+    def blocks_used(self) -> int:
+        """Blocks taken now in the looped layers' pool (the prelude's takes the same)."""
+        return self.loops.blocks_used
 
     def _parts(self) -> list[KVCache]:
         return [self.loops] if self.prelude is None else [self.prelude, self.loops]
@@ -378,24 +388,27 @@ class LoopedLM(nn.Module):
         linear weights alone are bfloat16: ``speed.models.precision``)."""
         return self.norm.weight.dtype
 
-    def cache(self, n_slots: int, max_len: int, side: bool = True) -> LMCache:
+    def cache(self, n_slots: int, max_len: int, side: bool = True, blocks: int | None = None) -> LMCache:
         """An empty cache for ``n_slots`` sequences of up to ``max_len`` positions (prompt included) each; with
-        the runner-up branches' side entries if ``side`` (else none: a sequence decoded without branches)."""
+        the runner-up branches' side entries if ``side`` (else none: a sequence decoded without branches); a pool
+        of ``blocks`` blocks of ``ATTN_CHUNK`` positions (None: every slot at ``max_len``; see ``KVCache``)."""
         c, dtype = self.config, self.compute_dtype
 
         def kv(n_loops: int, n_layers: int, n_side: int) -> KVCache | None:
             if n_layers == 0:
                 return None
-            return KVCache(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, dtype, self.device, n_side)
+            shape = (n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim)
+            return KVCache(*shape, dtype, self.device, n_side, blocks)
 
         return LMCache(*(kv(*part) for part in self._cache_parts(side)))
 
-    def cache_bytes(self, n_slots: int, max_len: int, side: bool = True) -> tuple[int, int]:
-        """Bytes ``cache`` of these arguments allocates: (its positions', its side entries'), without allocating."""
+    def cache_bytes(self, n_slots: int, max_len: int, side: bool = True, blocks: int | None = None) -> tuple[int, int]:
+        """Bytes ``cache`` of these arguments allocates: (its pools', its side entries'), without allocating."""
         c, dtype = self.config, self.compute_dtype
         parts = [
-            kv_bytes(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, dtype, n_side)
+            kv_bytes(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, dtype, n_side, blocks)
             for n_loops, n_layers, n_side in self._cache_parts(side)
+            if n_layers
         ]
         return sum(kv for kv, _ in parts), sum(s for _, s in parts)
 
@@ -555,6 +568,21 @@ class PromptCache:
     def device(self) -> torch.device:
         return self.inner.device
 
+    @property
+    def n_blocks(self) -> int:
+        """Blocks in the pool (``LMCache.n_blocks``)."""
+        return self.inner.n_blocks
+
+    @property
+    def blocks_used(self) -> int:
+        """Blocks taken now (``LMCache.blocks_used``)."""
+        return self.inner.blocks_used
+
+    def blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Blocks a request reserves: one per chunk of its cache positions, its prompt's but the last (that one
+        is output position 0's row) and its ``max_new_tokens`` output positions."""
+        return chunk_span(prompt_len - 1 + max_new_tokens) // ATTN_CHUNK
+
     def reset(self, slot: int) -> None:
         self.inner.reset(slot)
         self.offset[slot] = 0
@@ -584,16 +612,21 @@ class LMStepper(ModelStepper):
         """Whether the model has an exit gate (``step_gated``; ``exit_gate`` requests need one)."""
         return self.model.exit_gate is not None
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> PromptCache:
+    def cache(
+        self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, blocks: int | None = None
+    ) -> PromptCache:
         """An empty cache for ``n_slots`` requests of a prompt of up to ``max_prompt_len`` tokens and
         ``max_len`` output positions each (output position 0's row is the prompt's last); with the runner-up
-        branches' side entries if ``side``."""
-        return PromptCache(self.model.cache(n_slots, max_prompt_len + max_len - 1, side))
+        branches' side entries if ``side``; a pool of ``blocks`` blocks (None: every slot at its longest)."""
+        return PromptCache(self.model.cache(n_slots, max_prompt_len + max_len - 1, side, blocks))
 
-    def memory_need(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> MemoryNeed:
+    def memory_need(
+        self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, blocks: int | None = None
+    ) -> MemoryNeed:
         """What ``cache`` of this capacity allocates (the prompt's positions included), and the weights."""
-        cache, side_bytes = self.model.cache_bytes(n_slots, max_prompt_len + max_len - 1, side)
-        return MemoryNeed(self.weights_bytes(), cache, side_bytes, 0)
+        positions = max_prompt_len + max_len - 1
+        cache, side_bytes = self.model.cache_bytes(n_slots, positions, side, blocks)
+        return MemoryNeed(self.weights_bytes(), cache, side_bytes, 0, pool_blocks(n_slots, positions, blocks))
 
     def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> None:
         """None: everything a request keeps is in the cache."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.config import ModelConfig
-from speed.engine.cache import KVCache, Rows, kv_bytes
+from speed.engine.cache import KVCache, Rows, kv_bytes, pool_blocks
 from speed.engine.kernels import attend, chunk_span, in_tiles, tile_linear
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
@@ -412,25 +412,31 @@ class T5Stepper(ModelStepper):
 
     model: SpeedT5
 
-    def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> KVCache:
+    def cache(
+        self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, blocks: int | None = None
+    ) -> KVCache:
         """An empty KV cache for ``n_slots`` requests of up to ``max_len`` decoder positions each (the prompt
-        is the encoder's: it takes no decoder position); with the runner-up branches' side entries if ``side``."""
+        is the encoder's: it takes no decoder position); with the runner-up branches' side entries if ``side``;
+        a pool of ``blocks`` blocks (None: every slot at ``max_len``)."""
         m, c = self.model, self.model.config
-        n_side = None if side else 0
-        dtype = m.compute_dtype
-        return KVCache(m.n_loops, len(m.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv, dtype, m.device, n_side)
+        shape = (m.n_loops, len(m.decoder_layers), n_slots, c.n_heads, max_len, c.d_kv)
+        return KVCache(*shape, m.compute_dtype, m.device, None if side else 0, blocks)
 
-    def memory_need(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True) -> MemoryNeed:
+    def memory_need(
+        self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, blocks: int | None = None
+    ) -> MemoryNeed:
         """What ``cache`` and ``memory`` of this capacity allocate, and the weights, without allocating."""
         m, c = self.model, self.model.config
         dtype = m.compute_dtype
         item = torch.empty((), dtype=dtype).element_size()
         N = len(m.decoder_layers)
-        cache, side_bytes = kv_bytes(m.n_loops, N, n_slots, c.n_heads, max_len, c.d_kv, dtype, None if side else 0)
+        shape = (m.n_loops, N, n_slots, c.n_heads, max_len, c.d_kv)
+        cache, side_bytes = kv_bytes(*shape, dtype, None if side else 0, blocks)
         S, L = chunk_span(max_prompt_len), chunk_span(max_len)
         cross = 2 * N * n_slots * c.n_heads * S * c.d_kv  # encoder keys/values per slot
         masks = n_slots * S + max_len * c.n_heads * L  # cross_bias, self_bias
-        return MemoryNeed(self.weights_bytes(), cache, side_bytes, (cross + masks) * item)
+        memory = (cross + masks) * item
+        return MemoryNeed(self.weights_bytes(), cache, side_bytes, memory, pool_blocks(n_slots, max_len, blocks))
 
     def memory(self, capacity: int, max_prompt_len: int, max_len: int) -> Memory:
         """Empty decoding memory: ``capacity`` slots of up to ``max_prompt_len`` encoder tokens.
