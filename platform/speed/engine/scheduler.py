@@ -51,13 +51,15 @@ class PlannedRow(NamedTuple):
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one pipeline step computes, for the executor: its rows in order, and whether any row's exit logits are
-    needed (every loop's for a request that evaluates all exits, else the last loop's)."""
+    """What one pipeline step computes, for the executor: its rows in order, and which rows' exit logits are
+    needed (a last-loop row's always; an early one's for a request that evaluates all exits, unless the cost model
+    closed the step)."""
 
     step_no: int
     rows: list[PlannedRow]
-    with_logits: bool
+    with_logits: bool  # some row needs its exit logits
     with_gates: bool = False  # an exit_gate request's row is among them: the model's gate lambdas are needed too
+    logit_rows: tuple[int, ...] | None = None  # the rows (ascending) that need them, when not all; None: all
 
 
 @dataclass
@@ -95,15 +97,16 @@ class Scheduler:
         choice, in the order of ``seqs`` (admission order)."""
         self._work = work = self._choose(list(seqs), step_no)
         rows = [PlannedRow(t.key, t.token, s.slot, t.loops_done, t.pos, t.side, t.up) for s, t in work]
-        self._wanted = [self._wants_exit(s, t) for s, t in work]
-        with_logits = any(self._wanted)
+        self._wanted = wanted = [self._wants_exit(s, t) for s, t in work]
         with_gates = any(s.request.exit_rule is not None for s, _ in work)
-        return StepPlan(step_no, rows, with_logits, with_gates)
+        some = any(wanted) and not all(wanted)  # a stepper is asked for a part of its rows' logits only then
+        logit_rows = tuple(r for r, w in enumerate(wanted) if w) if some else None
+        return StepPlan(step_no, rows, any(wanted), with_gates, logit_rows)
 
     def update(self, plan: StepPlan, logits: Tensor | None, now: float, gates: Tensor | None = None) -> Scheduled:
-        """After the executor ran ``plan``: record each row's exit from its logits (R, V) (None: none evaluated;
-        ``gates`` (R,): the exit-gate lambdas of a plan ``with_gates``), count the step, and schedule each request
-        that ran (in admission order) at ``now`` (perf_counter)."""
+        """After the executor ran ``plan``: record each row's exit from its logits (K, V), those of the plan's
+        ``logit_rows`` (None: none evaluated; ``gates`` (R,): the exit-gate lambdas of a plan ``with_gates``), count
+        the step, and schedule each request that ran (in admission order) at ``now`` (perf_counter)."""
         work = self._work
         assert len(work) == len(plan.rows), "update takes the plan of the last select"
         begin = time.perf_counter()
