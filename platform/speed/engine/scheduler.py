@@ -198,20 +198,23 @@ class Scheduler:
         """The cost model's chain and branch budgets for a step over ``order`` (the budget's order of requests).
 
         Every request's oldest token runs. Speculation is closed (no speculative row, no early exits of SPEED
-        requests without a trace) unless some speculative rows, one per chain position each request could fill
-        with its measured acceptance there (the likeliest first), would save more than they and the step's exits
-        cost, a surviving row saving what a row of the committed path's pass costs without exits (sequential
-        decoding's). Open, the chain's and then the branches' candidate rows run as many as ``worth_rows`` finds
-        worth it. A row's exit costs its share of the pass's logits (the measured curve) and what turning them
-        into an exit (its draw, its runner-up) has cost per row in this engine's steps so far
+        requests without a trace: the step scores its last-loop rows only) unless some speculative rows, one per
+        chain position each request could fill with its measured acceptance there (the likeliest first,
+        ``survival_rate``, decayed toward its prior while the request stays closed), would save more than they and
+        the step's exits cost, a surviving row saving what a row of the committed path's pass costs without exits
+        (sequential decoding's). Open, the chain's and then the branches' candidate rows run as many as
+        ``worth_rows`` finds worth it. A row's exit costs its share of the pass's logits (``RowCost.exits``) and
+        what turning them into an exit (its draw, its runner-up) has cost per row in this engine's steps so far
         (``DecodeStats.exit_seconds``).
         """
         cost, M, st, curve = self.row_cost, self.n_loops, self.stats, self._curve
         assert cost is not None
         required = sum(1 for s in order if s.chain)
+        last = sum(1 for s in order if s.chain and s.chain[0].loops_done == M - 1)  # scored even when closed
         plain = cost(required, with_logits=False)
         value = plain / max(required, 1)  # seconds a surviving row saves: a committed-path row's share
         per_exit = st.exit_seconds / st.exit_rows if st.exit_rows else 0.0
+        closed = plain + cost.exits(last) + per_exit * last  # what the step costs closed
 
         def worth(base_rows: int, base: float, survival: list[float]) -> int:
             while len(curve) <= base_rows + len(survival):
@@ -222,13 +225,17 @@ class Scheduler:
 
         sure = [1.0] * (M - 1)  # an oracle's tokens
         rates = {  # each request's chance of a token surviving at draft position 1..M-1
-            s.id: sure if s.request.oracle is not None else list(map(survival_rate, s.accepted, s.draft_tokens))
+            s.id: sure
+            if s.request.oracle is not None
+            else [survival_rate(a, d, s.idle) for a, d in zip(s.accepted, s.draft_tokens)]
             for s in order
         }
         potential = sorted((p for s in order if s.launch.launch_loop < M for p in rates[s.id]), reverse=True)
-        if not worth(required, plain, potential):
+        if not worth(required, closed, potential):
             self._closed = True
             st.closed_steps += 1
+            for s in order:
+                s.idle += 1
             return required, 0
         chains = [[1.0, *rates[s.id][: len(s.chain) - 1]] if s.chain else [] for s in order]
         chain_rows = required + worth(
@@ -370,6 +377,7 @@ class Scheduler:
         ahead = pos - len(seq.out)  # the committed path is at len(seq.out); every position up to pos is in flight
         seq.draft_tokens[ahead - 1] += 1
         seq.drafts += ahead == 1
+        seq.idle = 0  # its acceptance is evidence at full weight again
         return InFlight(pos, token, ahead=ahead, side=side, up=up)
 
     def _drop(self, seq: RequestState, lane: list[InFlight]) -> list[InFlight]:
