@@ -154,3 +154,30 @@ def test_a_closed_request_reopens(monkeypatch):
     assert decayed.tokens == kept.tokens
     assert kept.stats.closed_steps > 100 and kept.stats.steps >= 2 * 60 - 4  # closed for good: no gain at all
     assert 0 < decayed.stats.closed_steps < kept.stats.closed_steps / 2 and decayed.stats.steps < kept.stats.steps - 30
+
+
+def _one_good_slot(slot: int, pos: int, loop: int) -> int:
+    """A 2-loop stub's table: slot 1's loop-1 exits always right, slot 0's always wrong (99); loop 2 right."""
+    from test_decoding_schedule import target
+
+    return target(pos) if loop == 2 or slot == 1 else 99
+
+
+def test_a_request_closes_alone(monkeypatch):
+    """Beside a request whose drafts pay, one whose drafts fail is closed alone: it evaluates early exits only in
+    its first steps and its rare probes, while the other speculates; the tokens are sequential decoding's."""
+    from test_decoding_schedule import StubModel
+
+    class Stub(StubModel):  # the schedule tests' stub, with no logits where none were asked for
+        def step(self, memory, cache, rows, hidden, with_logits=True, logit_rows=None):
+            hidden, logits = super().step(memory, cache, rows, hidden, with_logits, logit_rows)
+            return hidden, logits if with_logits else None
+
+    _forced(monkeypatch, 0.3)  # at batch 2 a row saves 0.65 if it survives: the prior pays, one failure not
+    ids = torch.ones(2, 3, dtype=torch.long)
+    seq = generate(StubModel(2, _one_good_slot), ids, method="sequential", max_new_tokens=60, trace=False)
+    recorder = LogitRecorder(Stub(2, _one_good_slot))
+    out = generate(recorder, ids, max_new_tokens=60, trace=False, cost_model=True)
+    assert out.tokens == seq.tokens
+    early = [sum(1 for s, loop, _ in recorder.logits if s == slot and loop == 0) for slot in (0, 1)]
+    assert early[1] > 50 and early[0] < 12, early  # slot 1 speculates at every token, slot 0 probes now and then

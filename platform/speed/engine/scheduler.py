@@ -89,6 +89,7 @@ class Scheduler:
         self.stats.row_cost = row_cost
         self._work: list[tuple[RequestState, InFlight]] = []  # the last plan's rows, as decoding state
         self._closed = False  # the last plan's: the cost model found no speculation worth its exits
+        self._closed_ids: set[int] = set()  # the last plan's requests whose own speculation was not worth it
         self._wanted: list[bool] = []  # the last plan's rows whose exits are scored (``_wants_exit``)
         self._curve: list[float] = []  # row_cost(n) with exit logits, by n, as far as a step has needed
 
@@ -157,7 +158,7 @@ class Scheduler:
         exit, but for a SPEED request's early loops in a step the cost model closed (no trace, no gate to feed)."""
         if t.loops_done == self.n_loops - 1:
             return True
-        if self._closed and seq.trace is None and seq.request.exit_rule is None:
+        if (self._closed or seq.id in self._closed_ids) and seq.trace is None and seq.request.exit_rule is None:
             return False
         return seq.all_exits
 
@@ -171,7 +172,7 @@ class Scheduler:
         budget = self.row_budget
         flying = {s.id: s.in_flight() for s in seqs}
         total = sum(map(len, flying.values()))
-        self._closed = False
+        self._closed, self._closed_ids = False, set()
         if self.row_cost is None and (budget is None or total <= budget):
             if budget is not None:
                 for s in seqs:
@@ -230,13 +231,21 @@ class Scheduler:
             else [survival_rate(a, d, s.idle) for a, d in zip(s.accepted, s.draft_tokens)]
             for s in order
         }
-        potential = sorted((p for s in order if s.launch.launch_loop < M for p in rates[s.id]), reverse=True)
+        # a request whose own rows would not pay is closed alone: no early exits, no speculative rows (its rates
+        # 0), and its evidence decays, while others speculate
+        shut = [s for s in order if s.launch.launch_loop >= M or not worth(required, closed, sorted(rates[s.id])[::-1])]
+        self._closed_ids = {s.id for s in shut}
+        for s in shut:
+            rates[s.id] = [0.0] * (M - 1)
+        potential = sorted((p for s in order if s.id not in self._closed_ids for p in rates[s.id]), reverse=True)
         if not worth(required, closed, potential):
             self._closed = True
             st.closed_steps += 1
             for s in order:
                 s.idle += 1
             return required, 0
+        for s in shut:
+            s.idle += 1
         chains = [[1.0, *rates[s.id][: len(s.chain) - 1]] if s.chain else [] for s in order]
         chain_rows = required + worth(
             required, curve[required] + per_exit * required, in_budget_order(chains)[required:]
