@@ -116,3 +116,68 @@ def test_dear_rows_run_as_sequential_decoding(model, monkeypatch):
     free = generate(model, ids[:1], max_new_tokens=10, trace=False, cost_model=True)
     plain = generate(model, ids[:1], max_new_tokens=10, trace=False)
     assert (free.stats.rows, free.stats.steps, free.stats.closed_steps) == (plain.stats.rows, plain.stats.steps, 0)
+
+
+def test_idle_evidence_decays_toward_the_prior():
+    """A closed request's acceptance weighs less with every closed step: half at ``half_life``, the prior 0.5 in
+    the end, from below and from above, never past it; no idle steps: the plain accepted share with its prior."""
+    assert survival_rate(3, 10, idle=0) == survival_rate(3, 10) == 4 / 12
+    assert survival_rate(3, 10, idle=8, half_life=8) == pytest.approx(2.5 / 7)  # the evidence halved: 1.5 of 5
+    low = [survival_rate(0, 20, idle=k, half_life=8) for k in range(0, 400, 8)]
+    high = [survival_rate(20, 20, idle=k, half_life=8) for k in range(0, 400, 8)]
+    assert low == sorted(low) and high == sorted(high, reverse=True)
+    assert low[-1] < 0.5 < high[-1] and low[-1] == pytest.approx(0.5) and high[-1] == pytest.approx(0.5)
+
+
+def _late_agreement(slot: int, pos: int, loop: int) -> int:
+    """A 2-loop stub's table: loop 1's exit wrong (99) before position 8, right from there; loop 2 always right."""
+    from test_decoding_schedule import target
+
+    return target(pos) if loop == 2 or pos >= 8 else 99
+
+
+def test_a_closed_request_reopens(monkeypatch):
+    """A request whose early drafts all failed is closed; while closed it learns nothing, so with its evidence
+    kept at full weight it stays closed for good, and misses the later positions where its exits agree. Decayed
+    (``survival_rate``'s ``idle``), it drafts again, finds them, and decodes in fewer steps; the same tokens."""
+    from test_decoding_schedule import StubModel
+
+    _forced(monkeypatch, 0.45)  # a row pays at a survival rate over 0.45: the prior 0.5 does, one failure not
+    ids = torch.ones(1, 3, dtype=torch.long)
+
+    def decode():
+        return generate(StubModel(2, _late_agreement), ids, max_new_tokens=60, trace=False, cost_model=True)
+
+    decayed = decode()
+    monkeypatch.setattr("speed.engine.scheduler.survival_rate", lambda a, d, idle: survival_rate(a, d))
+    kept = decode()
+    assert decayed.tokens == kept.tokens
+    assert kept.stats.closed_steps > 100 and kept.stats.steps >= 2 * 60 - 4  # closed for good: no gain at all
+    assert 0 < decayed.stats.closed_steps < kept.stats.closed_steps / 2 and decayed.stats.steps < kept.stats.steps - 30
+
+
+def _one_good_slot(slot: int, pos: int, loop: int) -> int:
+    """A 2-loop stub's table: slot 1's loop-1 exits always right, slot 0's always wrong (99); loop 2 right."""
+    from test_decoding_schedule import target
+
+    return target(pos) if loop == 2 or slot == 1 else 99
+
+
+def test_a_request_closes_alone(monkeypatch):
+    """Beside a request whose drafts pay, one whose drafts fail is closed alone: it evaluates early exits only in
+    its first steps and its rare probes, while the other speculates; the tokens are sequential decoding's."""
+    from test_decoding_schedule import StubModel
+
+    class Stub(StubModel):  # the schedule tests' stub, with no logits where none were asked for
+        def step(self, memory, cache, rows, hidden, with_logits=True, logit_rows=None):
+            hidden, logits = super().step(memory, cache, rows, hidden, with_logits, logit_rows)
+            return hidden, logits if with_logits else None
+
+    _forced(monkeypatch, 0.3)  # at batch 2 a row saves 0.65 if it survives: the prior pays, one failure not
+    ids = torch.ones(2, 3, dtype=torch.long)
+    seq = generate(StubModel(2, _one_good_slot), ids, method="sequential", max_new_tokens=60, trace=False)
+    recorder = LogitRecorder(Stub(2, _one_good_slot))
+    out = generate(recorder, ids, max_new_tokens=60, trace=False, cost_model=True)
+    assert out.tokens == seq.tokens
+    early = [sum(1 for s, loop, _ in recorder.logits if s == slot and loop == 0) for slot in (0, 1)]
+    assert early[1] > 50 and early[0] < 12, early  # slot 1 speculates at every token, slot 0 probes now and then

@@ -70,15 +70,23 @@ class LogitRecorder:
         return admitted
 
     def step(
-        self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+        self,
+        memory: Any,
+        cache: KVCache,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """The model's group pass, its rows' exit logits recorded."""
-        out, logits = self.model.step(memory, cache, rows, hidden, with_logits)
+        """The model's group pass, the exit logits of its rows ``logit_rows`` names (None: all) recorded."""
+        picked = {} if logit_rows is None else {"logit_rows": logit_rows}
+        out, logits = self.model.step(memory, cache, rows, hidden, with_logits, **picked)
         if logits is not None:
             side = rows.side.tolist() if rows.side is not None else [-1] * len(rows)
-            for r, (slot, loop, pos, b) in enumerate(
-                zip(rows.slot.tolist(), rows.loop.tolist(), rows.pos.tolist(), side)
-            ):
+            where = zip(rows.slot.tolist(), rows.loop.tolist(), rows.pos.tolist(), side)
+            where = list(where)
+            rows_at = where if logit_rows is None else [where[r] for r in logit_rows]
+            for r, (slot, loop, pos, b) in enumerate(rows_at):
                 if b < 0:
                     self.logits[self.key(slot, loop, pos)] = logits[r]
                 else:

@@ -13,7 +13,7 @@ markdown; ``python -m speed.decode.schedule`` prints the worked example of
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,7 +68,15 @@ class TableModel:
     def embed(self, tokens: Tensor) -> Tensor:
         return tokens.float()[:, None]  # (R, 1): the token itself
 
-    def step(self, memory: None, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True):
+    def step(
+        self,
+        memory: None,
+        cache: KVCache,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
+    ):
         self.snapshots.append(cache.lengths[:, 0, :].copy())
         z = torch.zeros(len(rows), 1, 1)
         cache.write(0, rows, z, z)
@@ -76,7 +84,7 @@ class TableModel:
         inputs = [int(h) for h in hidden[:, 0].tolist()]
         self.calls.append(list(zip(rows.slot.tolist(), rows.pos.tolist(), rows.loop.tolist(), inputs, preds)))
         logits = torch.nn.functional.one_hot(torch.tensor(preds), self.vocab).float()
-        return hidden, logits
+        return hidden, logits if logit_rows is None else logits[list(logit_rows)]
 
 
 @dataclass(frozen=True)

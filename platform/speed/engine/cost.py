@@ -45,6 +45,11 @@ class RowCost:
         tiles, rest = divmod(n, len(secs))
         return tiles * secs[-1] + (secs[rest - 1] if rest else 0.0)
 
+    def exits(self, n: int) -> float:
+        """The exit logits' share of a pass of ``n`` rows (the head and the adapters: what a pass that scores
+        ``n`` rows adds to one that scores none; ``Stepper.step``'s ``logit_rows`` runs them in tiles of their own)."""
+        return max(0.0, self(n) - self(n, with_logits=False))
+
     def summary(self) -> dict[str, Any]:
         """What a decode summary states of it: the measured points in milliseconds and the time measuring took."""
         return {

@@ -162,8 +162,8 @@ class Engine:
     def _execute(self, plan: StepPlan) -> tuple[Tensor | None, Tensor | None]:
         """Run the plan's rows through one group pass of the model (``Stepper.step``, or ``step_gated`` for a plan
         with exit_gate rows; embedding the tokens launched since), keep each token's hidden state for its next
-        loop, and return the rows' exit logits (R, V) (None: no row needed them) and gate lambdas (R,) (None:
-        not asked for)."""
+        loop, and return the exit logits (K, V) of the plan's ``logit_rows`` (None: no row needed them) and every
+        row's gate lambda (R,) (None: not asked for)."""
         fresh = [r for r in plan.rows if r.key not in self._hidden]
         if fresh:
             tokens = torch.tensor([r.token for r in fresh], device=self._device)
@@ -178,11 +178,11 @@ class Engine:
         )
         held = [self._hidden[r.key] for r in plan.rows]
         inputs = held[0][None] if len(held) == 1 else torch.stack(held)  # (R, d)
-        gates = None
+        gates, picked = None, {} if plan.logit_rows is None else {"logit_rows": plan.logit_rows}
         if plan.with_gates:
-            hidden, logits, gates = self.model.step_gated(self._memory, self._cache, rows, inputs)  # type: ignore[attr-defined]
+            hidden, logits, gates = self.model.step_gated(self._memory, self._cache, rows, inputs, **picked)  # type: ignore[attr-defined]
         else:
-            hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, with_logits=plan.with_logits)
+            hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, plan.with_logits, **picked)
         for r, h in zip(plan.rows, hidden.unbind(0)):
             self._hidden[r.key] = h
         return logits, gates

@@ -19,27 +19,30 @@ def record_exits(
     wanted: list[bool] | None = None,
 ) -> None:
     """Append each row's ``Exit`` (its draw, runner-up, confidence, mode; its logprob after the last of the
-    ``n_loops`` loops) to its token, from the rows' logits (R, V); None: no exit was evaluated. Only the rows
-    ``wanted`` marks (None: all) are scored, the others record none. An exit_gate request's rows record what their
-    gate's rule decides (``gate_logits``), from their lambdas ``gates`` (R,)."""
+    ``n_loops`` loops) to its token, from the logits (K, V) of the rows ``wanted`` marks (None: all), in row order;
+    None: no exit was evaluated. The other rows record none. An exit_gate request's rows record what their gate's
+    rule decides (``gate_logits``), from every row's lambda ``gates`` (R,)."""
+    scored = [r for r in range(len(work)) if wanted is None or wanted[r]]
+    logits = logits if scored else None  # (a stub's logits of a step that wanted none)
+    assert logits is None or logits.shape[0] == len(scored), "a stepper returns the logits of the rows asked for"
     if logits is not None and gates is not None:
-        logits = gate_logits(work, logits, gates, n_loops)
+        logits = gate_logits([work[r] for r in scored], logits, gates[scored], n_loops)
     exits = [Exit(NO_EXIT, NO_EXIT, float("nan"), NO_EXIT)] * len(work)
+    at = {r: k for k, r in enumerate(scored)}  # a scored row's place in the logits
     if logits is not None:
-        scored = [r for r in range(len(work)) if wanted is None or wanted[r]]
-        part = logits if len(scored) == len(work) else logits[scored]  # each row is scored alone: no change
-        choices = exit_choices(*exit_scores(part, [work[r][0].draw(work[r][1]) for r in scored]))
+        choices = exit_choices(*exit_scores(logits, [work[r][0].draw(work[r][1]) for r in scored]))
         modes = choices.token if choices.mode is None else choices.mode
         for r, e in zip(scored, map(Exit, choices.token, choices.runner_up, choices.p_top, modes)):
             exits[r] = e
     for r, ((seq, t), e) in enumerate(zip(work, exits)):
         t.exits.append(e)
         if len(t.exits) == n_loops and seq.request.logprobs is not None:
-            t.logprob = token_logprob(logits[r], e.pred, seq.request.logprobs)
+            t.logprob = token_logprob(logits[at[r]], e.pred, seq.request.logprobs)
 
 
 def gate_logits(work: list[tuple[RequestState, InFlight]], logits: Tensor, gates: Tensor, n_loops: int) -> Tensor:
-    """The rows' logits (R, V), each exit_gate request's row replaced by what its token's ``GateRun`` records."""
+    """The rows' logits (K, V), each exit_gate request's row replaced by what its token's ``GateRun`` records
+    (``gates`` (K,): the rows' lambdas)."""
     out = None
     for r, (seq, t) in enumerate(work):
         rule = seq.request.exit_rule

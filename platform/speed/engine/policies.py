@@ -137,7 +137,17 @@ def worth_rows(seconds: list[float], base: float, survival: list[float], row_val
     return best_k
 
 
-def survival_rate(accepted: int, drafted: int) -> float:
+IDLE_HALF_LIFE = 16  # closed steps that halve the weight of a request's acceptance evidence (``survival_rate``)
+
+
+def survival_rate(accepted: int, drafted: int, idle: int = 0, half_life: float = IDLE_HALF_LIFE) -> float:
     """A draft position's chance that a token launched there is committed: its accepted share so far, with one
-    accepted and one flushed token as the prior (0.5 before any draft)."""
-    return (accepted + 1) / (drafted + 2)
+    accepted and one flushed token as the prior (0.5 before any draft).
+
+    ``idle``: the steps its request has run closed since it last drafted (a closed step launches nothing, so
+    learns nothing). The evidence weighs ``0.5 ** (idle / half_life)``, so a request that the cost model closed
+    drifts back toward the prior and reopens to draft again: once in about ``half_life`` steps or more (the lower
+    its acceptance, the longer), a probe whose outcome is evidence at full weight again.
+    """
+    w = 0.5 ** (idle / half_life)
+    return (accepted * w + 1) / (drafted * w + 2)

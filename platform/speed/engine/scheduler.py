@@ -51,13 +51,15 @@ class PlannedRow(NamedTuple):
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one pipeline step computes, for the executor: its rows in order, and whether any row's exit logits are
-    needed (every loop's for a request that evaluates all exits, else the last loop's)."""
+    """What one pipeline step computes, for the executor: its rows in order, and which rows' exit logits are
+    needed (a last-loop row's always; an early one's for a request that evaluates all exits, unless the cost model
+    closed the step)."""
 
     step_no: int
     rows: list[PlannedRow]
-    with_logits: bool
+    with_logits: bool  # some row needs its exit logits
     with_gates: bool = False  # an exit_gate request's row is among them: the model's gate lambdas are needed too
+    logit_rows: tuple[int, ...] | None = None  # the rows (ascending) that need them, when not all; None: all
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Scheduler:
         self.stats.row_cost = row_cost
         self._work: list[tuple[RequestState, InFlight]] = []  # the last plan's rows, as decoding state
         self._closed = False  # the last plan's: the cost model found no speculation worth its exits
+        self._closed_ids: set[int] = set()  # the last plan's requests whose own speculation was not worth it
         self._wanted: list[bool] = []  # the last plan's rows whose exits are scored (``_wants_exit``)
         self._curve: list[float] = []  # row_cost(n) with exit logits, by n, as far as a step has needed
 
@@ -95,15 +98,16 @@ class Scheduler:
         choice, in the order of ``seqs`` (admission order)."""
         self._work = work = self._choose(list(seqs), step_no)
         rows = [PlannedRow(t.key, t.token, s.slot, t.loops_done, t.pos, t.side, t.up) for s, t in work]
-        self._wanted = [self._wants_exit(s, t) for s, t in work]
-        with_logits = any(self._wanted)
+        self._wanted = wanted = [self._wants_exit(s, t) for s, t in work]
         with_gates = any(s.request.exit_rule is not None for s, _ in work)
-        return StepPlan(step_no, rows, with_logits, with_gates)
+        some = any(wanted) and not all(wanted)  # a stepper is asked for a part of its rows' logits only then
+        logit_rows = tuple(r for r, w in enumerate(wanted) if w) if some else None
+        return StepPlan(step_no, rows, any(wanted), with_gates, logit_rows)
 
     def update(self, plan: StepPlan, logits: Tensor | None, now: float, gates: Tensor | None = None) -> Scheduled:
-        """After the executor ran ``plan``: record each row's exit from its logits (R, V) (None: none evaluated;
-        ``gates`` (R,): the exit-gate lambdas of a plan ``with_gates``), count the step, and schedule each request
-        that ran (in admission order) at ``now`` (perf_counter)."""
+        """After the executor ran ``plan``: record each row's exit from its logits (K, V), those of the plan's
+        ``logit_rows`` (None: none evaluated; ``gates`` (R,): the exit-gate lambdas of a plan ``with_gates``), count
+        the step, and schedule each request that ran (in admission order) at ``now`` (perf_counter)."""
         work = self._work
         assert len(work) == len(plan.rows), "update takes the plan of the last select"
         begin = time.perf_counter()
@@ -154,7 +158,7 @@ class Scheduler:
         exit, but for a SPEED request's early loops in a step the cost model closed (no trace, no gate to feed)."""
         if t.loops_done == self.n_loops - 1:
             return True
-        if self._closed and seq.trace is None and seq.request.exit_rule is None:
+        if (self._closed or seq.id in self._closed_ids) and seq.trace is None and seq.request.exit_rule is None:
             return False
         return seq.all_exits
 
@@ -168,7 +172,7 @@ class Scheduler:
         budget = self.row_budget
         flying = {s.id: s.in_flight() for s in seqs}
         total = sum(map(len, flying.values()))
-        self._closed = False
+        self._closed, self._closed_ids = False, set()
         if self.row_cost is None and (budget is None or total <= budget):
             if budget is not None:
                 for s in seqs:
@@ -195,20 +199,23 @@ class Scheduler:
         """The cost model's chain and branch budgets for a step over ``order`` (the budget's order of requests).
 
         Every request's oldest token runs. Speculation is closed (no speculative row, no early exits of SPEED
-        requests without a trace) unless some speculative rows, one per chain position each request could fill
-        with its measured acceptance there (the likeliest first), would save more than they and the step's exits
-        cost, a surviving row saving what a row of the committed path's pass costs without exits (sequential
-        decoding's). Open, the chain's and then the branches' candidate rows run as many as ``worth_rows`` finds
-        worth it. A row's exit costs its share of the pass's logits (the measured curve) and what turning them
-        into an exit (its draw, its runner-up) has cost per row in this engine's steps so far
+        requests without a trace: the step scores its last-loop rows only) unless some speculative rows, one per
+        chain position each request could fill with its measured acceptance there (the likeliest first,
+        ``survival_rate``, decayed toward its prior while the request stays closed), would save more than they and
+        the step's exits cost, a surviving row saving what a row of the committed path's pass costs without exits
+        (sequential decoding's). Open, the chain's and then the branches' candidate rows run as many as
+        ``worth_rows`` finds worth it. A row's exit costs its share of the pass's logits (``RowCost.exits``) and
+        what turning them into an exit (its draw, its runner-up) has cost per row in this engine's steps so far
         (``DecodeStats.exit_seconds``).
         """
         cost, M, st, curve = self.row_cost, self.n_loops, self.stats, self._curve
         assert cost is not None
         required = sum(1 for s in order if s.chain)
+        last = sum(1 for s in order if s.chain and s.chain[0].loops_done == M - 1)  # scored even when closed
         plain = cost(required, with_logits=False)
         value = plain / max(required, 1)  # seconds a surviving row saves: a committed-path row's share
         per_exit = st.exit_seconds / st.exit_rows if st.exit_rows else 0.0
+        closed = plain + cost.exits(last) + per_exit * last  # what the step costs closed
 
         def worth(base_rows: int, base: float, survival: list[float]) -> int:
             while len(curve) <= base_rows + len(survival):
@@ -219,14 +226,26 @@ class Scheduler:
 
         sure = [1.0] * (M - 1)  # an oracle's tokens
         rates = {  # each request's chance of a token surviving at draft position 1..M-1
-            s.id: sure if s.request.oracle is not None else list(map(survival_rate, s.accepted, s.draft_tokens))
+            s.id: sure
+            if s.request.oracle is not None
+            else [survival_rate(a, d, s.idle) for a, d in zip(s.accepted, s.draft_tokens)]
             for s in order
         }
-        potential = sorted((p for s in order if s.launch.launch_loop < M for p in rates[s.id]), reverse=True)
-        if not worth(required, plain, potential):
+        # a request whose own rows would not pay is closed alone: no early exits, no speculative rows (its rates
+        # 0), and its evidence decays, while others speculate
+        shut = [s for s in order if s.launch.launch_loop >= M or not worth(required, closed, sorted(rates[s.id])[::-1])]
+        self._closed_ids = {s.id for s in shut}
+        for s in shut:
+            rates[s.id] = [0.0] * (M - 1)
+        potential = sorted((p for s in order if s.id not in self._closed_ids for p in rates[s.id]), reverse=True)
+        if not worth(required, closed, potential):
             self._closed = True
             st.closed_steps += 1
+            for s in order:
+                s.idle += 1
             return required, 0
+        for s in shut:
+            s.idle += 1
         chains = [[1.0, *rates[s.id][: len(s.chain) - 1]] if s.chain else [] for s in order]
         chain_rows = required + worth(
             required, curve[required] + per_exit * required, in_budget_order(chains)[required:]
@@ -367,6 +386,7 @@ class Scheduler:
         ahead = pos - len(seq.out)  # the committed path is at len(seq.out); every position up to pos is in flight
         seq.draft_tokens[ahead - 1] += 1
         seq.drafts += ahead == 1
+        seq.idle = 0  # its acceptance is evidence at full weight again
         return InFlight(pos, token, ahead=ahead, side=side, up=up)
 
     def _drop(self, seq: RequestState, lane: list[InFlight]) -> list[InFlight]:

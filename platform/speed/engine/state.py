@@ -89,6 +89,7 @@ class RequestState(RequestCounts):
     side_free: list[int] = field(default_factory=list)  # a heap of its slot's side entries its branches may take
     done: bool = False
     last_served: int = -1  # the last step that computed its committed-path row (budget fairness)
+    idle: int = 0  # steps it ran closed since it last drafted (the cost model's evidence decays: survival_rate)
 
     def guess(self, t: InFlight) -> int:
         """The prediction to speculate from (its successor's token): the oracle's token if forced, else the latest

@@ -72,15 +72,24 @@ class Stepper(Protocol):
     def embed(self, tokens: Tensor) -> Tensor: ...
 
     def step(
-        self, memory: Any, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+        self,
+        memory: Any,
+        cache: KVCache,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """One group pass, the model's call in a pipeline step: the shared N-layer group once over R rows, each at
-        its own loop; ``hidden`` (R, d) the rows' inputs. Returns their outputs (R, d) and, if asked, their
-        early-exit logits (R, V). (The engine's own step is ``Engine.step``, which makes one such call.)
+        its own loop; ``hidden`` (R, d) the rows' inputs. Returns their outputs (R, d) and, if asked, the
+        early-exit logits (K, V) of the rows ``logit_rows`` names (ascending indices; None: all R), each row's the
+        same bits whichever rows are scored. The engine passes ``logit_rows`` only when some rows but not all need
+        their exits (a stub that never gets a part may leave it out). (The engine's own step is ``Engine.step``,
+        which makes one such call.)
 
         A stepper whose model has an exit gate (Ouro's) says ``gated = True`` and offers ``step_gated(memory,
-        cache, rows, hidden)``: the same pass, returning (outputs (R, d), logits (R, V), lambdas (R,)), each row's
-        lambda = sigmoid(gate(its exit state)), row-invariant as the logits; its ``admit`` fills
+        cache, rows, hidden, logit_rows=None)``: the same pass, returning (outputs (R, d), logits (K, V), lambdas
+        (R,)), each row's lambda = sigmoid(gate(its exit state)), row-invariant as the logits; its ``admit`` fills
         ``Admitted.gates``. The engine asks for it only in steps holding ``exit_gate`` requests."""
         ...
 

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.engine.kernels import TILE_ROWS, rows_linear
+from speed.engine.kernels import TILE_ROWS, rows_linear, tile_linear
 
 EXITS_FILE = "exits.pt"  # the adapters' state dict, beside a checkpoint's model.pt
 EXITS_CONFIG_FILE = "exits.json"  # {"exits": ExitConfig's fields, "job": the training job's config, "step": ...}
@@ -137,6 +137,32 @@ class ExitAdapters(nn.Module):
             up.weight = nn.Parameter(torch.cat(weights[1::2], dim=1).detach(), requires_grad=False)  # (d, K r)
             self._stack, self._stack_key = (down, up), key  # a tuple: no submodules, nothing in the state dict
         return self._stack
+
+
+def exit_logits(
+    y: Tensor,
+    loops: np.ndarray,
+    logit_rows: Sequence[int] | None,
+    adapters: ExitAdapters | None,
+    norm: nn.Module,
+    head: nn.Linear,
+) -> Tensor:
+    """The decode path's exit logits (K, V) of the rows ``logit_rows`` picks (ascending indices; None: all R) of
+    the exit inputs ``y`` (R, d), row r at loop ``loops[r]``: each adapted (``adapters``), normed, through ``head``.
+
+    The picked rows run in tiles of ``TILE_ROWS`` on the row-invariant kernels whatever tiles the group pass ran,
+    so a row's logits are the same bits whichever other rows are scored, and a step pays the head (and the
+    adapters) for the rows that need an exit only: one tile for up to ``TILE_ROWS`` of them.
+    """
+    if logit_rows is not None and len(logit_rows) < y.shape[0]:
+        y = y.index_select(0, torch.as_tensor(logit_rows, dtype=torch.long, device=y.device))
+        loops = np.asarray(loops)[np.asarray(logit_rows, dtype=np.int64)]
+    out = []
+    for start in range(0, y.shape[0], TILE_ROWS):
+        part = y[start : start + TILE_ROWS]
+        part = part if adapters is None else adapters.adapt_rows(part, loops[start : start + TILE_ROWS])
+        out.append(tile_linear(head, norm(part)))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def exits_for(model: nn.Module, rank: int = 64, loops: Sequence[int] = ()) -> ExitAdapters:

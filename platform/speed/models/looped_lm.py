@@ -47,7 +47,7 @@ from speed.engine.kernels import ATTN_CHUNK, TILE_ROWS, BiasFree, attend, chunk_
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
-from speed.models.exits import ExitAdapters
+from speed.models.exits import ExitAdapters, exit_logits
 from speed.models.steppers import ModelStepper
 
 Store = Callable[[Tensor, Tensor], None]  # receives one prompt's keys and values at a virtual layer (1, K, T, D)
@@ -495,7 +495,12 @@ class LoopedLM(nn.Module):
         return torch.cat([torch.zeros_like(x), x], dim=-1) if self.adapter is not None else x
 
     def step(
-        self, cache: LMCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+        self,
+        cache: LMCache,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """One group pass of the loop over R rows, each at its own loop and position (the model's call in a
         pipeline step of ``speed.engine``).
@@ -505,25 +510,36 @@ class LoopedLM(nn.Module):
         injection the carry is the loop's input; with it, [state, e]. A row at
         loop 0 first runs the prelude (e = prelude(embedding)); every row then
         runs the core and its exit (the coda, the final norm and, if asked,
-        the LM head). Returns the carries into the next loop (R, W) and the
-        exit logits (R, V). Each row's results are bit-identical whatever
+        the LM head) for the rows ``logit_rows`` names (ascending; None: all).
+        Returns the carries into the next loop (R, W) and those rows' exit
+        logits (K, V). Each row's results are bit-identical whatever
         other rows share the pass (tiles of ``TILE_ROWS`` rows on the
-        row-invariant kernels of ``speed.engine.kernels``).
+        row-invariant kernels of ``speed.engine.kernels``; the exits in tiles
+        of their own, ``speed.models.exits.exit_logits``).
         """
-        return in_tiles(lambda part, carry: self._pass_tile(cache, part, carry, with_logits), rows, hidden)
+        carry, y = in_tiles(lambda part, c: self._pass_tile(cache, part, c, with_logits), rows, hidden)
+        return carry, (self._exit_logits(y, rows, logit_rows) if with_logits else None)
 
-    def step_gated(self, cache: LMCache, rows: Rows, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``step`` with its exit logits (R, V) and each row's exit-gate lambda (R,) beside them (``exit_lambdas``'
-        in the cached path: sigmoid(exit_gate(norm(y))), row-invariant as the logits)."""
-        V = self.vocab_size
+    def step_gated(
+        self, cache: LMCache, rows: Rows, hidden: Tensor, logit_rows: Sequence[int] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``step`` with the exit logits (K, V) of the rows ``logit_rows`` names and every row's exit-gate lambda
+        (R,) beside them (``exit_lambdas``' in the cached path: sigmoid(exit_gate(norm(y))), row-invariant as the
+        logits)."""
+        d = self.config.d_model
         carry, both = in_tiles(lambda part, c: self._pass_tile(cache, part, c, True, gates=True), rows, hidden)
-        return carry, both[:, :V].contiguous(), both[:, V]
+        return carry, self._exit_logits(both[:, :d], rows, logit_rows), both[:, d]
+
+    def _exit_logits(self, y: Tensor, rows: Rows, logit_rows: Sequence[int] | None) -> Tensor:
+        """The exit logits (K, V) of the picked rows of the coda's outputs ``y`` (R, d) (adapted, normed, the head)."""
+        return exit_logits(y, rows.loop, logit_rows, self.exit_adapters, self.norm, self.lm_head)
 
     def _pass_tile(
-        self, cache: LMCache, rows: Rows, carry: Tensor, with_logits: bool, gates: bool = False
+        self, cache: LMCache, rows: Rows, carry: Tensor, with_exits: bool, gates: bool = False
     ) -> tuple[Tensor, Tensor | None]:
-        """The group pass (``step``) for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W); with ``gates`` the
-        logits carry each row's gate lambda as one more column (n, V + 1), so that ``in_tiles`` joins both."""
+        """The group pass (``step``) for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W): the carries into
+        the next loop and, ``with_exits``, the exits' inputs (the coda's outputs, (n, d)); with ``gates`` each
+        row's gate lambda as one more column of them (n, d + 1), so that ``in_tiles`` joins both."""
         c, N, d = self.config, self.sharing.n_unique, self.config.d_model
         _, _, pos_t = rows.tensors(carry.device)
         # As in SpeedT5: attention over the fewest whole chunks that cover the tile's rows changes no row's result.
@@ -546,14 +562,12 @@ class LoopedLM(nn.Module):
         y = self.norm(h) if c.coda_norm else h
         for k, block in enumerate(self.coda):
             y = block.decode(y, cos, sin, rows, cache.loops, N + k, bias)
-        logits = None
-        lam = self._gate(self.norm(y), tile_linear)[:, None] if gates else None  # (n, 1): the gate reads norm(y)
-        if with_logits:  # the exit adapters (speed.models.exits) change the exits' inputs only, never the carry
-            y = y if self.exit_adapters is None else self.exit_adapters.adapt_rows(y, rows.loop)
-            logits = tile_linear(self.lm_head, self.norm(y))  # (n, V)
-            logits = logits if lam is None else torch.cat([logits, lam.to(logits.dtype)], dim=-1)
+        exits = None
+        if with_exits:  # the exit adapters (speed.models.exits) change the exits' inputs only, never the carry
+            lam = self._gate(self.norm(y), tile_linear)[:, None] if gates else None  # (n, 1): it reads norm(y)
+            exits = y if lam is None else torch.cat([y, lam.to(y.dtype)], dim=-1)
         state = self.norm(h) if c.loop_norm else h  # (n, d)
-        return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), logits
+        return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), exits
 
 
 class PromptCache:
@@ -649,14 +663,23 @@ class LMStepper(ModelStepper):
         return self.model.embed(tokens)
 
     def step(
-        self, memory: None, cache: PromptCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+        self,
+        memory: None,
+        cache: PromptCache,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """One group pass over R rows at their output positions (``LoopedLM.step`` at cache positions)."""
-        return self.model.step(cache.inner, cache.rows(rows), hidden, with_logits)
+        """One group pass over R rows at their output positions (``LoopedLM.step`` at cache positions), exit
+        logits for the rows ``logit_rows`` names."""
+        return self.model.step(cache.inner, cache.rows(rows), hidden, with_logits, logit_rows)
 
-    def step_gated(self, memory: None, cache: PromptCache, rows: Rows, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``step`` with each row's exit-gate lambda (R,) beside its logits (``LoopedLM.step_gated``)."""
-        return self.model.step_gated(cache.inner, cache.rows(rows), hidden)
+    def step_gated(
+        self, memory: None, cache: PromptCache, rows: Rows, hidden: Tensor, logit_rows: Sequence[int] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``step`` with each row's exit-gate lambda (R,) beside the picked rows' logits (``LoopedLM.step_gated``)."""
+        return self.model.step_gated(cache.inner, cache.rows(rows), hidden, logit_rows)
 
 
 def next_token_labels(input_ids: Tensor) -> Tensor:

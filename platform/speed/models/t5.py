@@ -25,7 +25,7 @@ from speed.engine.kernels import attend, chunk_span, in_tiles, tile_linear
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
-from speed.models.exits import ExitAdapters
+from speed.models.exits import ExitAdapters, exit_logits
 from speed.models.steppers import ModelStepper
 
 
@@ -327,21 +327,31 @@ class SpeedT5(nn.Module):
         return T5Stepper(self)
 
     def step(
-        self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+        self,
+        memory: Memory,
+        cache: KVCache,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """One group pass (the model's call in a pipeline step of ``speed.engine``): the shared N-layer group over
         R rows, each at its own loop, reading the slots' encoder ``memory`` (``T5Stepper.memory``).
 
         ``hidden`` (R, d) is each row's input to this loop; returns its output
-        (R, d) and, if asked, the early-exit logits (R, V). Each row's results
+        (R, d) and, if asked, the early-exit logits (K, V) of the rows ``logit_rows`` names (ascending; None:
+        all R). Each row's results
         are bit-identical whatever other rows share the pass: the rows run in
-        tiles of up to ``TILE_ROWS`` on row-invariant kernels (see ``speed.engine.kernels``).
+        tiles of up to ``TILE_ROWS`` on row-invariant kernels (see ``speed.engine.kernels``), and the exits
+        in tiles of their own (``speed.models.exits.exit_logits``).
         """
-        return in_tiles(lambda part, x: self._pass_tile(memory, cache, part, x, with_logits), rows, hidden)
+        out, _ = in_tiles(lambda part, x: self._pass_tile(memory, cache, part, x), rows, hidden)
+        if not with_logits:
+            return out, None
+        # The exit adapters (speed.models.exits) change the early exits' inputs only: out, the carry, stays as it is
+        return out, exit_logits(out, rows.loop, logit_rows, self.exit_adapters, self.decoder_norm, self.lm_head)
 
-    def _pass_tile(
-        self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor, with_logits: bool
-    ) -> tuple[Tensor, Tensor | None]:
+    def _pass_tile(self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor) -> tuple[Tensor, None]:
         """The group pass for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
         m = self
         # Attention runs over the fewest whole chunks that cover the tile's rows: the kernels' results do not
@@ -360,11 +370,7 @@ class SpeedT5(nn.Module):
         for j, layer in enumerate(m.decoder_layers):
             keys, values = source(memory.keys[j][:, :, :S]), source(memory.values[j][:, :, :S])  # (n, H, S, D)
             x = layer.decode(x, rows, cache, j, self_bias, keys, values, cross_bias)  # (n, d)
-        if not with_logits:
-            return x, None
-        # The exit adapters (speed.models.exits) change the early exits' inputs only: x, the carry, stays as it is
-        y = x if m.exit_adapters is None else m.exit_adapters.adapt_rows(x, rows.loop)
-        return x, tile_linear(m.lm_head, m.decoder_norm(y))
+        return x, None
 
 
     @property
@@ -481,10 +487,16 @@ class T5Stepper(ModelStepper):
         return self.model.shared(torch.as_tensor(tokens, dtype=torch.long, device=self.device))
 
     def step(
-        self, memory: Memory, cache: KVCache, rows: Rows, hidden: Tensor, with_logits: bool = True
+        self,
+        memory: Memory,
+        cache: KVCache,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """One group pass over R rows (``SpeedT5.step``)."""
-        return self.model.step(memory, cache, rows, hidden, with_logits)
+        """One group pass over R rows (``SpeedT5.step``), exit logits for the rows ``logit_rows`` names."""
+        return self.model.step(memory, cache, rows, hidden, with_logits, logit_rows)
 
 
 def count_parameters(model: nn.Module) -> int:
