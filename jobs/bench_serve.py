@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=d.temperature, help="sample at this temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=d.seed, help="every request's sampling seed")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per replica")
+    p.add_argument(
+        "--no-cost-model", dest="cost_model", action="store_false", help="replicas run every in-flight row"
+    )
     p.add_argument("--out", default=str(repo_root() / "results" / "bench_serve.parquet"))
     p.add_argument("--json", action="store_true", help="also print the summary and ratios as one JSON object")
     return p.parse_args(argv)

@@ -71,6 +71,7 @@ class ServeBenchConfig:
     threads: int = 1  # torch threads of each replica (one: spinning OpenMP threads stall on a busy machine)
     warmup: int = 4  # untimed requests per variant first
     stats_path: str | None = None  # where the replicas write their statistics (None: a temporary folder)
+    cost_model: bool = True  # replicas pick speculative rows by the device's measured cost (Serve's default)
 
     def requests_at(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_client * concurrency)
@@ -164,6 +165,7 @@ def _deploy(config: ServeBenchConfig, stats_path: str) -> dict[str, str]:
     from speed.serve.settings import AppConfig
 
     common = {"task": config.task, "max_tokens": config.max_tokens, "threads": config.threads, "trace": False}
+    common |= {"cost_model": config.cost_model}
     common |= {"max_target_len": max(config.max_tokens, 64)}
     deploy = {"port": _free_port(), "stats_path": stats_path, "device": "cpu", "num_cpus": 0}
     biggest = max(config.concurrency)
