@@ -50,7 +50,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from speed.engine.kernels import ATTN_CHUNK, chunk_span
+from speed.engine import native
+from speed.engine.kernels import ATTN_CHUNK, attend, attention_native, chunk_span
 from speed.engine.rows import Rows
 
 __all__ = ["CacheError", "KVCache", "Rows", "kv_bytes", "pool_blocks"]
@@ -109,6 +110,7 @@ class KVCache:
         self._version = 0  # bumped whenever the table changes (the read's gather index is kept until then)
         self._index: tuple | None = None  # (rows, span, version, index) of the last read
         self._written: tuple | None = None  # (rows, version, (blocks, places)) of the last write
+        self._offsets: tuple | None = None  # (rows, version, (offsets, lengths)) of the last native attention
         self.lengths = np.zeros((n_loops, n_layers, n_slots), dtype=np.int64)
         # side entries per slot: a lane of < M tokens per in-flight token, M = n_loops unless the layers run
         # in fewer loops than the model has (a looped LM's prelude: one loop, the model's M lanes)
@@ -121,6 +123,8 @@ class KVCache:
         self.n_slots = n_slots
         self.n_heads = n_heads
         self.device = torch.device(device)
+        # which attention ``attend`` runs: a property of the cache (its dtype and device), never of the rows
+        self.native_attention = attention_native(dtype, self.device)
 
     @property
     def tensors(self) -> list[Tensor]:
@@ -284,6 +288,52 @@ class KVCache:
             keys[r_t, :, pos_t] = self.side_keys[layer][lo_t, flat_t]
             values[r_t, :, pos_t] = self.side_values[layer][lo_t, flat_t]
         return keys, values
+
+    def attend(self, layer: int, rows: Rows, q: Tensor) -> Tensor:
+        """Each row's self-attention (R, H_q, D) at its virtual layer (its loop, ``layer``): its query q (R, H_q,
+        D), already scaled, against the keys and values of its positions 0..pos (its own written first), the
+        query heads sharing each of the cache's H heads in groups of H_q / H.
+
+        On the native kernel (``native_attention``) the entries are read in place through the block table (a
+        branch row's lane from its side entries), each row over its own positions only; else ``read`` gathers
+        the fewest whole chunks covering the rows and ``speed.engine.kernels.attend`` masks the positions past
+        each row's. Either way a row's result depends on nothing but its own query and entries.
+        """
+        if self.native_attention:
+            offsets, lengths = self._attend_offsets(rows)
+            D = q.shape[-1]
+            sides = (self.side_keys[layer], self.side_values[layer]) if self.n_side else (None, None)
+            pool_head_stride = (self.n_blocks + 1) * ATTN_CHUNK * D
+            return native.attend(q, self.keys[layer], self.values[layer], *sides, offsets, lengths, pool_head_stride, D)
+        span = chunk_span(int(rows.pos.max()) + 1)
+        keys, values = self.read(layer, rows, span)  # 2 x (R, H, span, D)
+        group = q.shape[1] // self.n_heads
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        _, _, pos_t = rows.tensors(self.device)
+        visible = torch.arange(span, device=self.device)[None, :] <= pos_t[:, None]  # (R, span)
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=self.device)
+        bias = bias.masked_fill(~visible, torch.finfo(q.dtype).min)[:, None, None]  # (R, 1, 1, span)
+        return attend(q, keys, values, bias)
+
+    def _attend_offsets(self, rows: Rows) -> tuple[Tensor, Tensor]:
+        """The native attention's index: (R, L) each row's positions' element offsets in the pool of a layer (kv
+        head 0), a branch row's lane positions as ``-(1 + offset)`` in the side entries; (R,) its positions to
+        attend (pos + 1). The same for every layer until the table changes (kept for the tile's next layers)."""
+        memo = self._offsets
+        if memo is not None and memo[0] is rows and memo[1] == self._version:
+            return memo[2]
+        H, D = self.n_heads, self.keys[0].shape[-1]
+        p = np.arange(int(rows.pos.max()) + 1)
+        blocks = self.table[rows.slot][:, p // ATTN_CHUNK]  # (R, L)
+        offsets = ((rows.loop[:, None] * H) * (self.n_blocks + 1) + blocks) * (ATTN_CHUNK * D) + (p % ATTN_CHUNK) * D
+        if rows.side is not None:
+            r, pos, side = rows.lane_entries()
+            entry = rows.loop[r] * (self.n_slots * self.n_side) + rows.slot[r] * self.n_side + side
+            offsets[r, pos] = -(1 + entry * H * D)
+        index = torch.from_numpy(np.ascontiguousarray(offsets)), torch.from_numpy(rows.pos + 1)
+        self._offsets = (rows, self._version, index)
+        return index
 
     def slot_entries(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """Keys and values (n_loops, H, length, D) of ``slot``'s first ``length`` positions at physical layer

@@ -96,6 +96,19 @@ if LINEAR not in LINEARS:
     raise ValueError(f"SPEED_LINEAR={LINEAR!r}: choose one of {LINEARS}")
 
 
+# The decode attention over the KV cache: "auto" (the native kernel on CPU float32 caches where it builds, else
+# ``attend``) or "torch" (always ``attend``, on the cache's gathered copy). Chosen per cache, never per pass.
+ATTENTIONS = ("auto", "torch")
+ATTENTION = os.environ.get("SPEED_ATTENTION", "auto")
+if ATTENTION not in ATTENTIONS:
+    raise ValueError(f"SPEED_ATTENTION={ATTENTION!r}: choose one of {ATTENTIONS}")
+
+
+def attention_native(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a KV cache of this dtype on this device attends on the native kernel (``ATTENTION``)."""
+    return ATTENTION == "auto" and native.supports_attention(dtype, device)
+
+
 def _onednn_available() -> bool:
     """Probe oneDNN's private linear ops once (some torch builds lack them); never raises."""
     global _ONEDNN

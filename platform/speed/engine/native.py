@@ -1,10 +1,14 @@
-"""The row-invariant decode linear compiled for this CPU (``native_linear.cpp``), loaded on first use.
+"""The row-invariant decode kernels compiled for this CPU (``native_kernels.cpp``), loaded on first use: the linear
+of 1..8 rows and the attention of one query per row over the paged KV cache.
 
 Decoding at real shapes is bound by memory bandwidth: a group pass reads every weight once, for 1 to
 ``TILE_ROWS`` rows. oneDNN's GEMM and the plain GEMV stream at a quarter to a half of what the memory allows at
 these row counts (docs/benchmarks.md), and oneDNN's one-row call rounds unlike its multi-row calls, so the
 kernels ran one row as two. This kernel streams each weight row once for all the rows, sums every output in one
 fixed order whatever the row count or thread count, and takes float32 or bfloat16 weights (fp32 accumulation).
+The attention (``attend``) reads each row's keys and values in place from the paged cache's pool (no gathered
+copy, no (rows, heads, positions, d) temporaries), one (row, head) per thread in one fixed order over that row's
+own positions only, so its result depends on nothing but the row's query and cache entries.
 
 It is C++ with AVX-512 intrinsics, compiled once per machine kind with the system's ``g++`` (``$CXX``) into a
 cache folder (``$SPEED_KERNEL_CACHE``, default ``~/.cache/speed/kernels``), keyed by the source, the compiler and
@@ -29,9 +33,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("native_linear.cpp")
+SOURCE = Path(__file__).with_name("native_kernels.cpp")
 MAX_ROWS = 8  # rows per call: the kernel keeps each row's sums in registers
-ABI = 1  # speed_linear_abi() of the source this module calls
+ABI = 2  # speed_linear_abi() of the source this module calls
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -111,6 +115,8 @@ def _load() -> ctypes.CDLL:
     for name in ("speed_linear_f32", "speed_linear_bf16"):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
+    lib.speed_attend_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int]
+    lib.speed_attend_f32.restype = None
     return lib
 
 
@@ -146,4 +152,62 @@ def linear(weight: Tensor, x: Tensor) -> Tensor:
     out = torch.empty(n, out_features, dtype=torch.float32)
     call = lib.speed_linear_f32 if weight.dtype == torch.float32 else lib.speed_linear_bf16
     call(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, k, out_features, torch.get_num_threads())
+    return out
+
+
+def supports_attention(cache_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``attend`` runs for a cache of this dtype on this device (float32, CPU, the library loaded): a
+    property of the cache, never of the rows, so every pass over it takes the same path."""
+    return device.type == "cpu" and cache_dtype == torch.float32 and library() is not None
+
+
+def attend(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    side_keys: Tensor | None,
+    side_values: Tensor | None,
+    offsets: Tensor,
+    lengths: Tensor,
+    pool_head_stride: int,
+    side_head_stride: int,
+) -> Tensor:
+    """Attention of one query per row, q (R, H, D) float32 (scaled by the caller), over the first ``lengths[r]``
+    positions of row r: position p's key and value (kv head 0) sit at element ``offsets[r, p]`` of ``keys`` /
+    ``values`` (kv head g ``g * pool_head_stride`` further), or, where the offset is ``-(1 + o)``, at element o of
+    ``side_keys`` / ``side_values`` (stride ``side_head_stride``); query head h reads kv head h // (H / K).
+    Returns (R, H, D) float32. ``offsets`` (R, L) and ``lengths`` (R,) are int64; ``keys`` and ``values``
+    contiguous float32 (callers check ``supports_attention``)."""
+    lib = library()
+    q = q.contiguous()
+    R, H, D = q.shape
+    L = offsets.shape[1]
+    if offsets.dtype != torch.int64 or lengths.dtype != torch.int64 or not offsets.is_contiguous():
+        raise ValueError("offsets and lengths must be contiguous int64")
+    if int(lengths.max()) > L or int(lengths.min()) < 1:
+        raise ValueError(f"lengths must be in 1..{L}")
+    if not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError("the pool's keys and values must be contiguous")
+    side_k = side_keys.data_ptr() if side_keys is not None else keys.data_ptr()
+    side_v = side_values.data_ptr() if side_values is not None else values.data_ptr()
+    group = H // keys.shape[1]  # query heads per kv head: the pool is (loops, K, blocks, chunk, D)
+    out = torch.empty(R, H, D, dtype=torch.float32)
+    lib.speed_attend_f32(
+        q.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        side_k,
+        side_v,
+        offsets.data_ptr(),
+        lengths.data_ptr(),
+        R,
+        H,
+        D,
+        L,
+        pool_head_stride,
+        side_head_stride,
+        group,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from speed.config import LMConfig, RopeLayout
 from speed.engine.cache import KVCache, Rows, kv_bytes, pool_blocks
-from speed.engine.kernels import ATTN_CHUNK, TILE_ROWS, BiasFree, attend, chunk_span, in_tiles, rows_linear, tile_linear
+from speed.engine.kernels import ATTN_CHUNK, TILE_ROWS, BiasFree, chunk_span, in_tiles, rows_linear, tile_linear
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
@@ -89,10 +89,6 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _call(layer: nn.Linear, x: Tensor) -> Tensor:
     """``layer(x)``: the whole-sequence path's way of applying a layer (the cached path's: the row kernels)."""
     return layer(x)
-
-
-def _mask_value(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).min
 
 
 class Attention(nn.Module):
@@ -149,21 +145,16 @@ class Attention(nn.Module):
             out.append(y[0].transpose(0, 1).reshape(T, -1))
         return rows_linear(self.o, torch.cat(out))
 
-    def decode(
-        self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor
-    ) -> Tensor:
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
         """One new token per row of a tile (n, d) at its own position (angles cos/sin (n, D)).
 
         Writes the rows' keys/values at their virtual layers (their loop,
-        ``layer``), then attends over the first L positions there; ``bias``
-        (n, 1, 1, L) masks the positions past each row's own.
+        ``layer``), then attends over each row's positions there (``KVCache.attend``).
         """
         n = x.shape[0]
         q, k, v = self._split(tile_linear(self.qkv, x), cos, sin)  # (n, H, D), 2 x (n, K, D)
         cache.write(layer, rows, k, v)
-        keys, values = cache.read(layer, rows, bias.shape[-1])  # 2 x (n, K, L, D)
-        keys, values = self._share(keys), self._share(values)  # (n, H, L, D)
-        y = attend(q * self.head_dim**-0.5, keys, values, bias)  # (n, H, D)
+        y = cache.attend(layer, rows, q * self.head_dim**-0.5)  # (n, H, D)
         return tile_linear(self.o, y.reshape(n, -1))
 
 
@@ -220,11 +211,9 @@ class Block(nn.Module):
         x = self._add(x, self.attn.prefill(self.attn_norm(x), cos, sin, segments, stores), self.attn_out_norm)
         return self._add(x, self.mlp.prefill(self.mlp_norm(x)), self.mlp_out_norm)
 
-    def decode(
-        self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor
-    ) -> Tensor:
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
         """One tile of decode rows (n, d) through this block (see ``Attention.decode``)."""
-        x = self._add(x, self.attn.decode(self.attn_norm(x), cos, sin, rows, cache, layer, bias), self.attn_out_norm)
+        x = self._add(x, self.attn.decode(self.attn_norm(x), cos, sin, rows, cache, layer), self.attn_out_norm)
         return self._add(x, self.mlp.decode(self.mlp_norm(x)), self.mlp_out_norm)
 
 
@@ -542,11 +531,6 @@ class LoopedLM(nn.Module):
         row's gate lambda as one more column of them (n, d + 1), so that ``in_tiles`` joins both."""
         c, N, d = self.config, self.sharing.n_unique, self.config.d_model
         _, _, pos_t = rows.tensors(carry.device)
-        # As in SpeedT5: attention over the fewest whole chunks that cover the tile's rows changes no row's result.
-        L = chunk_span(int(rows.pos.max()) + 1)
-        visible = torch.arange(L, device=carry.device)[None, :] <= pos_t[:, None]  # (n, L)
-        bias = torch.zeros(visible.shape, dtype=carry.dtype, device=carry.device)
-        bias = bias.masked_fill(~visible, _mask_value(carry.dtype))[:, None, None]  # (n, 1, 1, L)
         cos, sin = rotary(pos_t, c.head_dim, c.rope_theta, c.rope_layout)  # 2 x (n, D)
         x = carry[:, -d:]  # (n, d): the embedding at loop 0; then e with injection, else the loop's input
         first = np.flatnonzero(rows.loop == 0)
@@ -554,14 +538,14 @@ class LoopedLM(nn.Module):
             at = torch.as_tensor(first, device=carry.device)
             e, part = x.index_select(0, at), rows.take(first)  # the rows at loop 0
             for p, block in enumerate(self.prelude):
-                e = block.decode(e, cos[at], sin[at], part, cache.prelude, p, bias[at])
+                e = block.decode(e, cos[at], sin[at], part, cache.prelude, p)
             x = x.index_copy(0, at, e)
         h = self._inject(carry[:, :d], x, tile_linear) if self.adapter is not None else x  # (n, d)
         for j, block in enumerate(self.core):
-            h = block.decode(h, cos, sin, rows, cache.loops, j, bias)
+            h = block.decode(h, cos, sin, rows, cache.loops, j)
         y = self.norm(h) if c.coda_norm else h
         for k, block in enumerate(self.coda):
-            y = block.decode(y, cos, sin, rows, cache.loops, N + k, bias)
+            y = block.decode(y, cos, sin, rows, cache.loops, N + k)
         exits = None
         if with_exits:  # the exit adapters (speed.models.exits) change the exits' inputs only, never the carry
             lam = self._gate(self.norm(y), tile_linear)[:, None] if gates else None  # (n, 1): it reads norm(y)

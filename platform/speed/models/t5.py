@@ -372,7 +372,6 @@ class SpeedT5(nn.Module):
             x = layer.decode(x, rows, cache, j, self_bias, keys, values, cross_bias)  # (n, d)
         return x, None
 
-
     @property
     def start_id(self) -> int:
         """T5 starts decoding from the pad token."""

@@ -1,4 +1,7 @@
-// Row-invariant decode linear for CPUs with AVX-512: out[r, j] = dot(x[r, :], w[j, :]) for 1..8 rows.
+// Row-invariant decode kernels for CPUs with AVX-512: the linear of 1..8 rows and the attention of one query per row
+// over its positions of the paged KV cache (speed.engine.native).
+//
+// Linear: out[r, j] = dot(x[r, :], w[j, :]) for 1..8 rows.
 //
 // Decoding reads every weight once per group pass whatever the row count, so a pass is bound by memory
 // bandwidth: the kernel streams each weight row once for all R rows (R <= 8) and keeps the rows' partial sums in
@@ -7,7 +10,10 @@
 // outputs, never the reduction. So a row's result never depends on its company, its position or the row count.
 // Weights are float32 or bfloat16 (widened to float32 in registers: fp32 accumulation either way).
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+
+#include <vector>
 
 namespace {
 
@@ -83,10 +89,73 @@ void linear(const float *x, const W *w, float *out, int64_t R, int64_t K, int64_
     }
 }
 
+// Attention: one query per row against the keys/values of its positions 0..len[r]-1, read in place from the
+// paged cache (speed.engine.cache.KVCache): off[r, p] is the element offset of position p's key (and value) for
+// kv head 0 in the pool (>= 0; kv head g at + g * pool_hs) or, encoded as -(1 + o), in the side entries (kv head g
+// at + g * side_hs). Query head h reads kv head h / group. Each (row, head) is computed by one thread in one fixed
+// order: scores q.k (16-lane partial sums over d in order, then _mm512_reduce_add_ps), their max, exp(s - max)
+// (libm's expf), the total summed over positions in order, the values mixed over positions in order, divided by
+// the total. So a row's result depends only on its own query and positions: not on its company, the other rows'
+// lengths, the thread count or what the pool holds beyond its positions. q is pre-scaled by the caller.
+void attend_one(const float *q, const float *kp, const float *vp, const float *ks, const float *vs, const int64_t *off,
+                int64_t len, int64_t D, int64_t kv_head, int64_t pool_hs, int64_t side_hs, float *score, float *acc,
+                float *out) {
+    const int64_t dv = D & ~int64_t(15);
+    const __mmask16 tail = (__mmask16)((1u << (D - dv)) - 1u);
+    float top = -INFINITY;
+    for (int64_t p = 0; p < len; p++) {
+        const int64_t o = off[p];
+        const float *k = o >= 0 ? kp + o + kv_head * pool_hs : ks + (-o - 1) + kv_head * side_hs;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dv; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), a);
+        if (tail) a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + dv), _mm512_maskz_loadu_ps(tail, k + dv), a);
+        score[p] = _mm512_reduce_add_ps(a);
+        top = score[p] > top ? score[p] : top;
+    }
+    float total = 0.0f;
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        const float w = expf(score[p] - top);
+        total += w;
+        const int64_t o = off[p];
+        const float *v = o >= 0 ? vp + o + kv_head * pool_hs : vs + (-o - 1) + kv_head * side_hs;
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int64_t d = 0; d < dv; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
+        if (tail)
+            _mm512_mask_storeu_ps(acc + dv, tail,
+                                  _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, v + dv), _mm512_maskz_loadu_ps(tail, acc + dv)));
+    }
+    for (int64_t d = 0; d < D; d++) out[d] = acc[d] / total;
+}
+
+void attend(const float *q, const float *kp, const float *vp, const float *ks, const float *vs, const int64_t *off,
+            const int64_t *len, int64_t R, int64_t H, int64_t D, int64_t L, int64_t pool_hs, int64_t side_hs,
+            int64_t group, float *out, int threads) {
+    int64_t work = 0;
+    for (int64_t r = 0; r < R; r++) work += len[r];
+    if (work * H * D < (int64_t(1) << 15)) threads = 1;  // small: a second thread costs more than it saves
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        std::vector<float> score(L > 0 ? L : 1), acc(D);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < R * H; i++) {
+            const int64_t r = i / H, h = i % H;
+            attend_one(q + i * D, kp, vp, ks, vs, off + r * L, len[r], D, h / group, pool_hs, side_hs, score.data(),
+                       acc.data(), out + i * D);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
-int speed_linear_abi() { return 1; }
+int speed_linear_abi() { return 2; }
+void speed_attend_f32(const float *q, const float *kp, const float *vp, const float *ks, const float *vs,
+                      const int64_t *off, const int64_t *len, int64_t R, int64_t H, int64_t D, int64_t L,
+                      int64_t pool_hs, int64_t side_hs, int64_t group, float *out, int threads) {
+    attend(q, kp, vp, ks, vs, off, len, R, H, D, L, pool_hs, side_hs, group, out, threads);
+}
 void speed_linear_f32(const float *x, const float *w, float *out, int64_t R, int64_t K, int64_t N, int threads) {
     linear(x, w, out, R, K, N, threads);
 }
