@@ -3,6 +3,8 @@ SPEED under it equal to sequential decoding bit for bit, greedy and seeded sampl
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from speed.config import preset
 from speed.decode.exactness import LogitRecorder, compare_logits
 from speed.decode.generate import generate
 from speed.engine import Speculation
-from speed.engine.cost import RowCost, row_cost
+from speed.engine.cost import RowCost, clock, row_cost
 from speed.engine.kernels import TILE_ROWS
 from speed.engine.policies import budget_order, budget_rows, in_budget_order, survival_rate, worth_rows
 from speed.engine.sampling import Sampling
@@ -62,7 +64,21 @@ def test_row_cost_is_measured_once_per_shape(model):
     again = row_cost(LogitRecorder(model))  # another stepper of the same model: what was measured
     assert again is first and len(first.seconds) == len(first.plain) == TILE_ROWS and min(first.seconds) > 0
     assert list(first.seconds) == sorted(first.seconds) and first.measure_s > 0
+    assert list(first.plain) == sorted(first.plain) and all(p <= s for p, s in zip(first.plain, first.seconds))
     assert "SpeedT5" in first.key and f"{torch.get_num_threads()} threads" in first.key
+
+
+def test_clock_counts_only_this_threads_work():
+    """On one thread the cost model's clock is the thread's CPU time: time off the CPU (here a sleep; on a shared
+    machine, another process's slice) does not count, so it cannot make a row count look dear."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c0, w0 = clock(), time.perf_counter()
+        time.sleep(0.05)
+        assert time.perf_counter() - w0 >= 0.05 and clock() - c0 < 0.01
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _forced(monkeypatch, per_row: float) -> None:
