@@ -197,3 +197,17 @@ def test_a_request_closes_alone(monkeypatch):
     assert out.tokens == seq.tokens
     early = [sum(1 for s, loop, _ in recorder.logits if s == slot and loop == 0) for slot in (0, 1)]
     assert early[1] > 50 and early[0] < 12, early  # slot 1 speculates at every token, slot 0 probes now and then
+
+
+def test_cost_benchmark_rows(model):
+    """``jobs/bench_cost.py``'s table: a row per (case, variant) in its schema, every output sequential's, the
+    ratios to sequential decoding on the wall clock and on CPU time (1 for sequential itself)."""
+    from speed.benchmarks.cost import COST_BENCH_SCHEMA, VARIANTS, CostCase, format_cost_table, run_cost_benchmark
+
+    inputs = torch.randint(3, 100, (3, 5), generator=torch.Generator().manual_seed(2)).tolist()
+    table = run_cost_benchmark(model, inputs, [CostCase("b2 greedy", 2)], max_new_tokens=6, pad_id=0)
+    assert table.schema == COST_BENCH_SCHEMA and table.column("variant").to_pylist() == list(VARIANTS)
+    rows = table.to_pylist()
+    assert all(r["identical"] and r["tokens"] == rows[0]["tokens"] for r in rows)
+    assert rows[0]["vs_sequential"] == rows[0]["cpu_vs_sequential"] == 1.0 and rows[0]["rows_per_token"] == M
+    assert all(r["cpu_ms_per_token"] > 0 for r in rows) and "cpu vs seq" in format_cost_table(table)
