@@ -6,8 +6,8 @@ tile of 1 to ``TILE_ROWS`` rows, each count the least of a few rounds (a shared 
 time), then made never to fall as rows are added, and never to cost more without exit logits than with them.
 Times are read on the cost model's ``clock``: on one thread, the thread's own CPU time, so that another process
 taking the core mid-pass adds nothing (its slices can fall at the same point of every round: on the wall clock,
-under one busy neighbour, a pass of 8 rows without exit logits read 6.6 ms against 2.8 ms with them, and the cost
-model, pricing the closed step at that, opened nearly every step of batch 8).
+under one busy neighbour, a pass of 8 rows without exit logits read 6.6 ms against 2.8 ms with them: a curve that
+prices the closed step dear, and under that load the cost model closed only 16 of batch 8's steps in one run).
 More rows are whole tiles run one after the other
 (``speed.engine.kernels.in_tiles``), so their cost is the tiles' sum: measuring them too took three times as long
 and, on this loaded machine, gave multi-tile times 2-5x apart from run to run.
