@@ -5,7 +5,8 @@ cost model, side by side at batch 1, 4 and 8 (greedy) and batch 4 sampled with r
 
 Decodes the checkpoint task's held-out test sentences in batches of each case's size, every batch by the three
 variants in a rotating order; reports group passes and rows per token (exact), the steps the cost model ran as
-sequential decoding, ms per token and the ratio to sequential decoding measured side by side, and whether every
+sequential decoding, ms per token and the ratio to sequential decoding measured side by side (on the wall clock, and
+on the process's CPU time, which another process's load on a shared machine does not inflate), and whether every
 output equals sequential decoding's. The cost model's curve is measured once before the timing (its time printed).
 Writes the rows (speed.benchmarks.cost.COST_BENCH_SCHEMA) to --out; exits 1 if an output differs.
 """

@@ -3,6 +3,8 @@ SPEED under it equal to sequential decoding bit for bit, greedy and seeded sampl
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from speed.config import preset
 from speed.decode.exactness import LogitRecorder, compare_logits
 from speed.decode.generate import generate
 from speed.engine import Speculation
-from speed.engine.cost import RowCost, row_cost
+from speed.engine.cost import RowCost, clock, row_cost
 from speed.engine.kernels import TILE_ROWS
 from speed.engine.policies import budget_order, budget_rows, in_budget_order, survival_rate, worth_rows
 from speed.engine.sampling import Sampling
@@ -62,7 +64,21 @@ def test_row_cost_is_measured_once_per_shape(model):
     again = row_cost(LogitRecorder(model))  # another stepper of the same model: what was measured
     assert again is first and len(first.seconds) == len(first.plain) == TILE_ROWS and min(first.seconds) > 0
     assert list(first.seconds) == sorted(first.seconds) and first.measure_s > 0
+    assert list(first.plain) == sorted(first.plain) and all(p <= s for p, s in zip(first.plain, first.seconds))
     assert "SpeedT5" in first.key and f"{torch.get_num_threads()} threads" in first.key
+
+
+def test_clock_counts_only_this_threads_work():
+    """On one thread the cost model's clock is the thread's CPU time: time off the CPU (here a sleep; on a shared
+    machine, another process's slice) does not count, so it cannot make a row count look dear."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c0, w0 = clock(), time.perf_counter()
+        time.sleep(0.05)
+        assert time.perf_counter() - w0 >= 0.05 and clock() - c0 < 0.01
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _forced(monkeypatch, per_row: float) -> None:
@@ -181,3 +197,17 @@ def test_a_request_closes_alone(monkeypatch):
     assert out.tokens == seq.tokens
     early = [sum(1 for s, loop, _ in recorder.logits if s == slot and loop == 0) for slot in (0, 1)]
     assert early[1] > 50 and early[0] < 12, early  # slot 1 speculates at every token, slot 0 probes now and then
+
+
+def test_cost_benchmark_rows(model):
+    """``jobs/bench_cost.py``'s table: a row per (case, variant) in its schema, every output sequential's, the
+    ratios to sequential decoding on the wall clock and on CPU time (1 for sequential itself)."""
+    from speed.benchmarks.cost import COST_BENCH_SCHEMA, VARIANTS, CostCase, format_cost_table, run_cost_benchmark
+
+    inputs = torch.randint(3, 100, (3, 5), generator=torch.Generator().manual_seed(2)).tolist()
+    table = run_cost_benchmark(model, inputs, [CostCase("b2 greedy", 2)], max_new_tokens=6, pad_id=0)
+    assert table.schema == COST_BENCH_SCHEMA and table.column("variant").to_pylist() == list(VARIANTS)
+    rows = table.to_pylist()
+    assert all(r["identical"] and r["tokens"] == rows[0]["tokens"] for r in rows)
+    assert rows[0]["vs_sequential"] == rows[0]["cpu_vs_sequential"] == 1.0 and rows[0]["rows_per_token"] == M
+    assert all(r["cpu_ms_per_token"] > 0 for r in rows) and "cpu vs seq" in format_cost_table(table)

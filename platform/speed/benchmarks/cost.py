@@ -27,6 +27,8 @@ COST_BENCH_SCHEMA = pa.schema(
         pa.field("closed_steps", pa.int64()),  # steps the cost model ran as sequential decoding
         pa.field("ms_per_token", pa.float64()),  # wall time over every token of the case
         pa.field("vs_sequential", pa.float64()),  # sequential's ms per token / this variant's: > 1 is faster
+        pa.field("cpu_ms_per_token", pa.float64()),  # the process's CPU time over every token (others' load aside)
+        pa.field("cpu_vs_sequential", pa.float64()),  # the same ratio on CPU time
         pa.field("identical", pa.bool_()),  # every output equals sequential decoding's
     ]
 )
@@ -57,13 +59,14 @@ def run_cost_benchmark(
     rows = []
     for case in cases:
         seconds = dict.fromkeys(VARIANTS, 0.0)
+        cpu = dict.fromkeys(VARIANTS, 0.0)
         counts = {v: [0, 0, 0, 0] for v in VARIANTS}  # tokens, passes, rows, closed steps
         identical = dict.fromkeys(VARIANTS, True)
         for k, start in enumerate(range(0, len(inputs), case.batch)):
             ids, mask = pad_inputs(inputs[start : start + case.batch], pad_id)
             out = {}
             for v in [VARIANTS[(k + j) % len(VARIANTS)] for j in range(len(VARIANTS))]:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 result = generate(
                     model,
                     ids,
@@ -77,6 +80,7 @@ def run_cost_benchmark(
                     stop_ids=stop_ids,
                 )
                 seconds[v] += time.perf_counter() - t0
+                cpu[v] += time.process_time() - c0
                 st = result.stats
                 for i, n in enumerate((st.tokens, st.group_passes, st.rows, st.closed_steps)):
                     counts[v][i] += n
@@ -84,6 +88,7 @@ def run_cost_benchmark(
             for v in VARIANTS:
                 identical[v] &= out[v] == out["sequential"]
         per_token = {v: seconds[v] / counts[v][0] * 1e3 for v in VARIANTS}
+        cpu_per_token = {v: cpu[v] / counts[v][0] * 1e3 for v in VARIANTS}
         shown = ", ".join(f"{v} {per_token[v]:.2f}" for v in VARIANTS)
         print(f"  {case.name}: ms per token {shown}", flush=True)
         for v in VARIANTS:
@@ -99,6 +104,8 @@ def run_cost_benchmark(
                     "closed_steps": closed,
                     "ms_per_token": per_token[v],
                     "vs_sequential": per_token["sequential"] / per_token[v],
+                    "cpu_ms_per_token": cpu_per_token[v],
+                    "cpu_vs_sequential": cpu_per_token["sequential"] / cpu_per_token[v],
                     "identical": identical[v],
                 }
             )
@@ -108,12 +115,12 @@ def run_cost_benchmark(
 def format_cost_table(table: pa.Table) -> str:
     """A fixed-width text table of the cost benchmark's rows."""
     head = f"{'case':<22}{'variant':<12}{'tokens':>7}{'passes/tok':>11}{'rows/tok':>9}{'closed':>8}"
-    head += f"{'ms/token':>10}{'vs seq':>8}  identical"
+    head += f"{'ms/token':>10}{'vs seq':>8}{'cpu vs seq':>11}  identical"
     lines = [head, "-" * len(head)]
     for r in table.to_pylist():
         lines.append(
             f"{r['case']:<22}{r['variant']:<12}{r['tokens']:>7}{r['passes_per_token']:>11.3f}"
             f"{r['rows_per_token']:>9.2f}{r['closed_steps']:>8}{r['ms_per_token']:>10.3f}"
-            f"{r['vs_sequential']:>7.2f}x  {r['identical']}"
+            f"{r['vs_sequential']:>7.2f}x{r['cpu_vs_sequential']:>10.2f}x  {r['identical']}"
         )
     return "\n".join(lines)

@@ -3,7 +3,12 @@
 ``measure_row_cost`` times the stepper's own group pass (``Stepper.step``, with exit logits as a SPEED step runs
 it, and without as sequential decoding's early loops do) on dummy plans in a cache and memory of its own: one
 tile of 1 to ``TILE_ROWS`` rows, each count the least of a few rounds (a shared machine's noise only ever adds
-time), then made never to fall as rows are added. More rows are whole tiles run one after the other
+time), then made never to fall as rows are added, and never to cost more without exit logits than with them.
+Times are read on the cost model's ``clock``: on one thread, the thread's own CPU time, so that another process
+taking the core mid-pass adds nothing (its slices can fall at the same point of every round: on the wall clock,
+under one busy neighbour, a pass of 8 rows without exit logits read 6.6 ms against 2.8 ms with them: a curve that
+prices the closed step dear, and under that load the cost model closed only 16 of batch 8's steps in one run).
+More rows are whole tiles run one after the other
 (``speed.engine.kernels.in_tiles``), so their cost is the tiles' sum: measuring them too took three times as long
 and, on this loaded machine, gave multi-tile times 2-5x apart from run to run.
 It runs once per process for a (model shape, device, dtype, threads): ``row_cost`` keeps what it measured, so a
@@ -31,8 +36,9 @@ REPEATS = 5  # timed rounds over the row counts after one warm-up round; each co
 
 @dataclass(frozen=True)
 class RowCost:
-    """Seconds of one group pass by its row count, measured for one tile of 1..``TILE_ROWS`` rows on this device;
-    more rows run as several tiles one after the other (``speed.engine.kernels.in_tiles``), so cost their sum."""
+    """Seconds of one group pass by its row count (on the cost model's ``clock``), measured for one tile of
+    1..``TILE_ROWS`` rows on this device; more rows run as several tiles one after the other
+    (``speed.engine.kernels.in_tiles``), so cost their sum."""
 
     seconds: tuple[float, ...]  # a pass of 1..TILE_ROWS rows (index n - 1), exit logits on (a SPEED step's)
     plain: tuple[float, ...]  # the same without exit logits (a sequential step's, but for its last loop)
@@ -58,6 +64,12 @@ class RowCost:
             "row_cost_measure_s": round(self.measure_s, 3),
             "row_cost_key": self.key,
         }
+
+
+def clock() -> float:
+    """The cost model's clock, in seconds: this thread's CPU time when torch runs on one thread (what a pass costs,
+    without the time other processes take the core from it), else the wall clock (other threads' work counts too)."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
 
 
 _MEASURED: dict[Hashable, RowCost] = {}
@@ -97,15 +109,17 @@ def measure_row_cost(stepper: Any, label: str = "", tile: int = TILE_ROWS) -> Ro
         for k in range(REPEATS + 1):
             for i, (n, rows) in enumerate(zip(counts, plans)):  # a request's M rows at its M loops, slot by slot
                 for with_logits, timed in seconds.items():
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     stepper.step(memory, cache, rows, hidden_all[:n], with_logits=with_logits)
-                    took = time.perf_counter() - t0
+                    took = clock() - t0
                     if k:  # the first round warms up
                         timed[i] = min(timed[i], took)
                     for s in range(-(-n // M)):
                         cache.invalidate(s, pos)
     took = time.perf_counter() - begin
-    return RowCost(_never_less(seconds[True]), _never_less(seconds[False]), took, label)
+    with_logits = _never_less(seconds[True])
+    plain = tuple(min(p, w) for p, w in zip(_never_less(seconds[False]), with_logits))  # the head only adds
+    return RowCost(with_logits, plain, took, label)
 
 
 def _never_less(seconds: list[float]) -> tuple[float, ...]:

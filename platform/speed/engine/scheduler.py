@@ -11,7 +11,6 @@ in step with its decisions; it never runs the model.
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -19,7 +18,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from speed.engine.cache import KVCache
-from speed.engine.cost import RowCost
+from speed.engine.cost import RowCost, clock
 from speed.engine.outputs import record_commit, record_exits
 from speed.engine.policies import (
     Successor,
@@ -110,11 +109,11 @@ class Scheduler:
         the step, and schedule each request that ran (in admission order) at ``now`` (perf_counter)."""
         work = self._work
         assert len(work) == len(plan.rows), "update takes the plan of the last select"
-        begin = time.perf_counter()
+        begin = clock()  # the cost model's, as its curve was measured on
         record_exits(work, logits, self.n_loops, gates, self._wanted)
         st = self.stats
         if logits is not None:
-            st.exit_seconds += time.perf_counter() - begin
+            st.exit_seconds += clock() - begin
             st.exit_rows += sum(self._wanted)
         st.steps += 1
         st.group_passes += 1
