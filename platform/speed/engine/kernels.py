@@ -96,17 +96,35 @@ if LINEAR not in LINEARS:
     raise ValueError(f"SPEED_LINEAR={LINEAR!r}: choose one of {LINEARS}")
 
 
-# The decode attention over the KV cache: "auto" (the native kernel on CPU float32 caches where it builds, else
-# ``attend``) or "torch" (always ``attend``, on the cache's gathered copy). Chosen per cache, never per pass.
-ATTENTIONS = ("auto", "torch")
-ATTENTION = os.environ.get("SPEED_ATTENTION", "auto")
-if ATTENTION not in ATTENTIONS:
-    raise ValueError(f"SPEED_ATTENTION={ATTENTION!r}: choose one of {ATTENTIONS}")
+# The decode's other row ops (the attention over the KV cache, RMS norms, SwiGLU's gate): "auto" (the native
+# kernels on CPU float32 rows and caches where they build, else torch's) or "torch" (always torch's: ``attend`` on
+# the cache's gathered copy, ``nn.RMSNorm``, ``silu(gate) * up``). Chosen by dtype and device, never per pass.
+DECODE_OPS_CHOICES = ("auto", "torch")
+DECODE_OPS = os.environ.get("SPEED_DECODE_OPS", "auto")
+if DECODE_OPS not in DECODE_OPS_CHOICES:
+    raise ValueError(f"SPEED_DECODE_OPS={DECODE_OPS!r}: choose one of {DECODE_OPS_CHOICES}")
 
 
 def attention_native(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a KV cache of this dtype on this device attends on the native kernel (``ATTENTION``)."""
-    return ATTENTION == "auto" and native.supports_attention(dtype, device)
+    """Whether a KV cache of this dtype on this device attends on the native kernel (``DECODE_OPS``)."""
+    return DECODE_OPS == "auto" and native.supports_attention(dtype, device)
+
+
+def tile_rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """``norm(x)`` for decode rows (n, d): an ``nn.RMSNorm`` on the native kernel (``DECODE_OPS``; each row alone,
+    one fixed order), else the module itself (``nn.Identity`` too)."""
+    if isinstance(norm, nn.RMSNorm) and DECODE_OPS == "auto" and native.supports_rows(x) and _no_grad(norm.weight, x):
+        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+        return native.rms_norm(x, norm.weight, eps)
+    return norm(x)
+
+
+def tile_swiglu(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` of decode rows (n, 2F) holding [gate; up]: native (``DECODE_OPS``) or torch's."""
+    if DECODE_OPS == "auto" and native.supports_rows(gate_up) and _no_grad(gate_up, gate_up):
+        return native.swiglu(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _onednn_available() -> bool:

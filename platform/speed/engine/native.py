@@ -35,7 +35,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 MAX_ROWS = 8  # rows per call: the kernel keeps each row's sums in registers
-ABI = 2  # speed_linear_abi() of the source this module calls
+ABI = 3  # speed_linear_abi() of the source this module calls
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -117,6 +117,10 @@ def _load() -> ctypes.CDLL:
         getattr(lib, name).restype = None
     lib.speed_attend_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int]
     lib.speed_attend_f32.restype = None
+    lib.speed_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    lib.speed_rms_norm_f32.restype = None
+    lib.speed_swiglu_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.speed_swiglu_f32.restype = None
     return lib
 
 
@@ -210,4 +214,30 @@ def attend(
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    return out
+
+
+def supports_rows(x: Tensor) -> bool:
+    """Whether ``rms_norm`` and ``swiglu`` run on rows like ``x``: float32 on the CPU, the library loaded (a
+    property of the model's dtype and device, never of the row count)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and library() is not None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * weight`` of float32 rows (R, D), each row alone in one fixed order."""
+    x, weight = x.contiguous(), weight.contiguous()
+    if weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"a float32 weight of shape ({x.shape[-1]},) is needed, got {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    R = x.numel() // x.shape[-1]
+    library().speed_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), R, x.shape[-1], eps)
+    return out
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """``silu(gate) * up`` of float32 rows (R, 2F) holding [gate; up]: (R, F), elementwise."""
+    x = x.contiguous()
+    R, F = x.shape[0], x.shape[-1] // 2
+    out = torch.empty(R, F, dtype=torch.float32)
+    library().speed_swiglu_f32(x.data_ptr(), out.data_ptr(), R, F)
     return out

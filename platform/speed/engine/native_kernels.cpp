@@ -147,10 +147,48 @@ void attend(const float *q, const float *kp, const float *vp, const float *ks, c
     }
 }
 
+// RMS norm of each row: out = x / sqrt(mean(x^2) + eps) * w, the squares summed in 16-lane partial sums over
+// the row in order (masked tail last), then _mm512_reduce_add_ps: each row alone, in one fixed order.
+void rms_norm(const float *x, const float *w, float *out, int64_t R, int64_t D, float eps) {
+    const int64_t dv = D & ~int64_t(15);
+    const __mmask16 tail = (__mmask16)((1u << (D - dv)) - 1u);
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * D;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dv; d += 16) {
+            const __m512 v = _mm512_loadu_ps(xr + d);
+            a = _mm512_fmadd_ps(v, v, a);
+        }
+        if (tail) {
+            const __m512 v = _mm512_maskz_loadu_ps(tail, xr + dv);
+            a = _mm512_fmadd_ps(v, v, a);
+        }
+        const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(a) / (float)D + eps);
+        const __m512 sv = _mm512_set1_ps(scale);
+        float *o = out + r * D;
+        for (int64_t d = 0; d < dv; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + d), sv), _mm512_loadu_ps(w + d)));
+        for (int64_t d = dv; d < D; d++) o[d] = xr[d] * scale * w[d];
+    }
+}
+
+// SwiGLU's gate: out[r, j] = silu(g) * u with g = x[r, j], u = x[r, F + j] (x: (R, 2F)), silu(g) = g / (1 + exp(-g)).
+void swiglu(const float *x, float *out, int64_t R, int64_t F) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < F; j++) {
+            const float g = x[r * 2 * F + j];
+            out[r * F + j] = g / (1.0f + expf(-g)) * x[r * 2 * F + F + j];
+        }
+}
+
 }  // namespace
 
 extern "C" {
-int speed_linear_abi() { return 2; }
+int speed_linear_abi() { return 3; }
+void speed_rms_norm_f32(const float *x, const float *w, float *out, int64_t R, int64_t D, float eps) {
+    rms_norm(x, w, out, R, D, eps);
+}
+void speed_swiglu_f32(const float *x, float *out, int64_t R, int64_t F) { swiglu(x, out, R, F); }
 void speed_attend_f32(const float *q, const float *kp, const float *vp, const float *ks, const float *vs,
                       const int64_t *off, const int64_t *len, int64_t R, int64_t H, int64_t D, int64_t L,
                       int64_t pool_hs, int64_t side_hs, int64_t group, float *out, int threads) {

@@ -266,7 +266,8 @@ class DecodeStats:
     closed_steps: int = 0  # steps the cost model ran as sequential decoding: no speculative row, no early exits
     exit_rows: int = 0  # rows whose exit logits became exits (scores, draws, runner-ups) ...
     # measurements, not counts (two equal runs' stats compare equal without them):
-    exit_seconds: float = field(default=0.0, compare=False)  # ... and the time that took: the cost model's per-row
+    exit_seconds: float = field(default=0.0, compare=False)  # ... and the time that took (the cost model's clock:
+    # CPU time on one thread, else the wall clock): the cost model's per-row
     # price of an exit beside the pass's
     row_cost: RowCost | None = field(default=None, compare=False)  # the cost model's pass cost by rows (None: none)
 

@@ -43,7 +43,17 @@ from torch import Tensor, nn
 
 from speed.config import LMConfig, RopeLayout
 from speed.engine.cache import KVCache, Rows, kv_bytes, pool_blocks
-from speed.engine.kernels import ATTN_CHUNK, TILE_ROWS, BiasFree, chunk_span, in_tiles, rows_linear, tile_linear
+from speed.engine.kernels import (
+    ATTN_CHUNK,
+    TILE_ROWS,
+    BiasFree,
+    chunk_span,
+    in_tiles,
+    rows_linear,
+    tile_linear,
+    tile_rms_norm,
+    tile_swiglu,
+)
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
@@ -172,8 +182,7 @@ class SwiGLU(nn.Module):
 
     def decode(self, x: Tensor) -> Tensor:
         """The same for one tile of decode rows (n, d)."""
-        gate, up = tile_linear(self.wi, x).chunk(2, dim=-1)  # 2 x (n, F)
-        return tile_linear(self.wo, F.silu(gate) * up)
+        return tile_linear(self.wo, tile_swiglu(tile_linear(self.wi, x)))  # (n, 2F) -> (n, F) -> (n, d)
 
     def prefill(self, x: Tensor) -> Tensor:
         """The same for a prefill's rows (R, d), on row tiles."""
@@ -196,9 +205,10 @@ class Block(nn.Module):
         self.attn_norm, self.attn, self.attn_out_norm = nn.RMSNorm(d, eps=eps), Attention(config), out_norm()
         self.mlp_norm, self.mlp, self.mlp_out_norm = nn.RMSNorm(d, eps=eps), SwiGLU(config), out_norm()
 
-    def _add(self, x: Tensor, y: Tensor, out_norm: nn.Module) -> Tensor:
-        """The residual stream x plus a sublayer's output y, ``out_norm`` on y or on the sum."""
-        return out_norm(x + y) if self.norm_sum else x + out_norm(y)
+    def _add(self, x: Tensor, y: Tensor, out_norm: nn.Module, norm: Callable = nn.Module.__call__) -> Tensor:
+        """The residual stream x plus a sublayer's output y, ``out_norm`` on y or on the sum (applied by ``norm``:
+        the module's call, or the decode rows' ``tile_rms_norm``)."""
+        return norm(out_norm, x + y) if self.norm_sum else x + norm(out_norm, y)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = self._add(x, self.attn(self.attn_norm(x), cos, sin), self.attn_out_norm)
@@ -212,9 +222,11 @@ class Block(nn.Module):
         return self._add(x, self.mlp.prefill(self.mlp_norm(x)), self.mlp_out_norm)
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
-        """One tile of decode rows (n, d) through this block (see ``Attention.decode``)."""
-        x = self._add(x, self.attn.decode(self.attn_norm(x), cos, sin, rows, cache, layer), self.attn_out_norm)
-        return self._add(x, self.mlp.decode(self.mlp_norm(x)), self.mlp_out_norm)
+        """One tile of decode rows (n, d) through this block (see ``Attention.decode``), the norms on the decode
+        rows' kernel (``tile_rms_norm``)."""
+        y = self.attn.decode(tile_rms_norm(self.attn_norm, x), cos, sin, rows, cache, layer)
+        x = self._add(x, y, self.attn_out_norm, tile_rms_norm)
+        return self._add(x, self.mlp.decode(tile_rms_norm(self.mlp_norm, x)), self.mlp_out_norm, tile_rms_norm)
 
 
 @dataclass
@@ -326,7 +338,7 @@ class LoopedLM(nn.Module):
             h = self._inject(state, e, _call) if self.adapter is not None else state  # (B, T, d)
             for block in self.core:
                 h = block(h, cos, sin)
-            y = self.norm(h) if c.coda_norm else h
+            y = tile_rms_norm(self.norm, h) if c.coda_norm else h
             for block in self.coda:
                 y = block(y, cos, sin)
             exits.append(y)
@@ -455,7 +467,7 @@ class LoopedLM(nn.Module):
             h = self._inject(state, e, rows_linear) if self.adapter is not None else state  # (R, d)
             for j, block in enumerate(self.core):
                 h = block.prefill(h, cos, sin, segments, stores("loops", i, j))
-            y = self.norm(h) if c.coda_norm else h
+            y = tile_rms_norm(self.norm, h) if c.coda_norm else h
             for k, block in enumerate(self.coda):
                 y = block.prefill(y, cos, sin, segments, stores("loops", i, N + k))
             y = y.index_select(0, last)  # (B, d)
@@ -543,14 +555,14 @@ class LoopedLM(nn.Module):
         h = self._inject(carry[:, :d], x, tile_linear) if self.adapter is not None else x  # (n, d)
         for j, block in enumerate(self.core):
             h = block.decode(h, cos, sin, rows, cache.loops, j)
-        y = self.norm(h) if c.coda_norm else h
+        y = tile_rms_norm(self.norm, h) if c.coda_norm else h
         for k, block in enumerate(self.coda):
             y = block.decode(y, cos, sin, rows, cache.loops, N + k)
         exits = None
         if with_exits:  # the exit adapters (speed.models.exits) change the exits' inputs only, never the carry
             lam = self._gate(self.norm(y), tile_linear)[:, None] if gates else None  # (n, 1): it reads norm(y)
             exits = y if lam is None else torch.cat([y, lam.to(y.dtype)], dim=-1)
-        state = self.norm(h) if c.loop_norm else h  # (n, d)
+        state = tile_rms_norm(self.norm, h) if c.loop_norm else h  # (n, d)
         return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), exits
 
 

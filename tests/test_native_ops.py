@@ -1,9 +1,12 @@
-"""The native decode attention over the paged KV cache (``KVCache.attend`` on ``speed.engine.native.attend``).
+"""The native decode ops: the attention over the paged KV cache (``KVCache.attend`` on
+``speed.engine.native.attend``), the RMS norm and SwiGLU's gate of the decode rows (``tile_rms_norm``,
+``tile_swiglu``).
 
 A row's result must be bit-identical alone or in any company, in any order, on 1 or 2 threads, whichever blocks
 its positions got, and whatever the pool holds past its position; a branch row reading its lane from side entries
 must equal a chain row over the same keys; and its values must be attention's (checked against an independent
-softmax in float64). The looped LM decodes exactly (SPEED equals sequential) on it and on the torch path.
+softmax in float64). The norm and the gate are torch's to float32 rounding and a row's bits do not depend on its
+company. The looped LM decodes exactly (SPEED equals sequential) on them and on the torch path.
 """
 
 from __future__ import annotations
@@ -126,11 +129,30 @@ def test_a_branch_row_reading_side_entries_equals_a_chain_row_over_the_same_keys
     assert torch.equal(cache.attend(layer, second, q), cache.attend(layer, Rows.build([1], [loop], [41]), q))
 
 
-@pytest.mark.parametrize("attention", ["auto", "torch"])
-def test_lm_speed_equals_sequential_on_either_attention(attention, monkeypatch):
-    """The looped LM decodes with SPEED bit-identical to sequential decoding on the native attention and on the
-    torch path (``SPEED_ATTENTION=torch``), each on its own."""
-    monkeypatch.setattr(kernels, "ATTENTION", attention)
-    assert random_model(0).cache(1, 8).loops.native_attention == (attention == "auto")
+@pytest.mark.parametrize("d", [8, 20, 2048])
+def test_rms_norm_and_swiglu_are_torchs_and_per_row(d):
+    torch.manual_seed(d)
+    norm = torch.nn.RMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, gate_up = torch.randn(8, d) * 3, torch.randn(8, 2 * d) * 4
+    with torch.no_grad():
+        fast, gated = kernels.tile_rms_norm(norm, x), kernels.tile_swiglu(gate_up)
+        torch.testing.assert_close(fast, norm(x), rtol=1e-5, atol=1e-5)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(gated, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        for r in range(8):
+            assert torch.equal(kernels.tile_rms_norm(norm, x[r : r + 1])[0], fast[r])
+            assert torch.equal(kernels.tile_swiglu(gate_up[r : r + 1])[0], gated[r])
+    assert kernels.tile_rms_norm(norm, x).requires_grad  # with a gradient asked for: torch's, differentiable
+
+
+@pytest.mark.parametrize("ops", ["auto", "torch"])
+def test_lm_speed_equals_sequential_on_either_decode_ops(ops, monkeypatch):
+    """The looped LM decodes with SPEED bit-identical to sequential decoding on the native ops and on torch's
+    (``SPEED_DECODE_OPS=torch``), each on its own."""
+    monkeypatch.setattr(kernels, "DECODE_OPS", ops)
+    assert random_model(0).cache(1, 8).loops.native_attention == (ops == "auto")
     runs, flushes = speed_runs_match(random_case, range(3))
     assert runs > 0 and flushes > 0
