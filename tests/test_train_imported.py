@@ -57,6 +57,8 @@ def test_finetuning_an_ouro_directory_trains_with_its_tokenizer_and_resumes(tune
     assert log["tokens"][0] > 0 and second.job.model.vocab_size == tokenizer.vocab_size
     # The trained weights moved away from the directory's.
     start, end = load_pretrained(ouro).model.state_dict(), load_pretrained(second.checkpoint).model.state_dict()
+    # exit adapters may sit beside the checkpoint (the module's adapter test writes them, in any test order)
+    end = {k: v for k, v in end.items() if not k.startswith("exit_adapters.")}
     assert start.keys() == end.keys() and any(not torch.equal(start[k], end[k]) for k in start)
 
 
