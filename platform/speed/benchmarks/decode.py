@@ -8,6 +8,7 @@ variants alike. Ratios are computed from these medians, never typed in.
 
 from __future__ import annotations
 
+import inspect
 import json
 import platform as _platform
 import statistics
@@ -282,11 +283,14 @@ def _hf_pair(cfg: BenchConfig, ids: torch.Tensor):
     hf, hf_ids = hf.to(cfg.device), ids.to(cfg.device)
     n = cfg.new_tokens
 
+    # An explicit cache: transformers 5.x sizes T5's default one by the encoder depth. Its keyword is `cache` from
+    # 5.2x on and `past_key_values` before (5.17, the GPU machine's, refuses `cache`).
+    cache_kwarg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
     def hf_generate() -> torch.Tensor:
-        # An explicit cache: transformers 5.x sizes T5's default one by the encoder depth.
-        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        cache = {cache_kwarg: EncoderDecoderCache(DynamicCache(), DynamicCache())}
         with torch.inference_mode():
-            out = hf.generate(hf_ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1, cache=cache)
+            out = hf.generate(hf_ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1, **cache)
         assert out.shape[1] == n + 1  # decoder start + n tokens
         return out[:, 1:]
 

@@ -285,7 +285,7 @@ def training_stage(size: CheckSize, device: str) -> TrainingRun:
     moments = [v for s in resumed_opt.state.values() for k, v in s.items() if k != "step" and torch.is_tensor(v)]
     state_restored = _same_state(saved, resumed_opt.state_dict())
     resumed_loss = step(resumed, resumed_opt, resumed_sched)
-    diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), resumed.parameters()))
+    diff = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(model.parameters(), resumed.parameters()))
     return TrainingRun(
         steps=size.train_steps,
         losses=losses,
