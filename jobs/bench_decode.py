@@ -6,6 +6,7 @@
     python jobs/bench_decode.py --family lm --batch 8 # the looped LM: 64-token prompts, TTFT apart
     python jobs/bench_decode.py --shape ouro-1.4b     # a published model's shape, random bf16 weights, batch 1 and 4
     python jobs/bench_decode.py --shape huginn-3.5b --recurrence 8 --json  # with oracle_speedup, sequential_vs_limit
+    python jobs/bench_decode.py --shape ouro-1.4b --dtype float32,bfloat16 --batches 1  # both, in the same rounds
 
 Speed-up is the baseline's ms/token divided by the variant's (baseline:
 sequential NxM; for ours_deep, transformers' generate of the same random
@@ -19,7 +20,9 @@ SPEED's, so the difference is the adapters' cost.
 --recurrence loops, default 4 of its published 32; t5-large), random weights as --dtype, checked against the
 available memory first; sequential, oracle SPEED and SPEED at each --batches, the weights read per token, the GB/s
 that implies, the machine's read bandwidth measured in the same run (the limit) and the peak resident set;
---dtype bfloat16 (the default) is bf16 weights (speed.models.precision), float32 the whole model in float32.
+--dtype bfloat16 (the default) is bf16 weights (speed.models.precision), float32 the whole model in float32;
+several dtypes (comma-separated) are each a model of their own, timed in the same interleaved rounds, and the
+summary's dtype_speedup is the first one's time per token over each other's.
 
 --agreement CHECKPOINT (speed.benchmarks.precision): a trained looped LM's greedy tokens in bf16 weights against
 float32's, on --agreement-prompts validation documents' first --prompt-len tokens, --new-tokens each.
@@ -46,6 +49,7 @@ from speed.benchmarks.shapes import SHAPES, ShapeBenchConfig, format_shape_table
 from speed.cli import JobParser, add_report_flags, config_from_args, report_rows, user_errors
 from speed.config import lm_preset, preset
 from speed.hf_tokenizer import load_tokenizer
+from speed.models.precision import DTYPES
 from speed.models.pretrained import load_pretrained
 
 
@@ -67,8 +71,12 @@ def _shape_benchmark(args: argparse.Namespace) -> ShapeBenchConfig:
         raise ValueError(f"--shape {args.shape!r}: known shapes are {', '.join(SHAPES)}")
     model = SHAPES[args.shape].resolve(args.recurrence)
     batches = tuple(int(b) for b in args.batches.split(","))
+    dtypes = tuple(args.dtype.split(","))
+    for name in dtypes:
+        if name not in DTYPES:
+            raise ValueError(f"--dtype {name!r}: choose from {', '.join(DTYPES)} (several: comma-separated)")
     return config_from_args(
-        ShapeBenchConfig, args, model=model, batches=batches, bandwidth_bytes=args.bandwidth_mib * 2**20
+        ShapeBenchConfig, args, model=model, batches=batches, dtypes=dtypes, bandwidth_bytes=args.bandwidth_mib * 2**20
     )
 
 
@@ -107,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default=None, help=f"a published model's shape: {', '.join(SHAPES)}")
     p.add_argument("--recurrence", type=int, default=None, help="--shape: loops (Ouro's total_ut_steps, Huginn's)")
     p.add_argument("--batches", default="1,4", help="--shape: the batches, comma-separated")
-    p.add_argument("--dtype", default="bfloat16", help="--shape: the weights' dtype")
+    p.add_argument(
+        "--dtype", default="bfloat16", help="--shape: the weights' dtype; several, comma-separated, in the same rounds"
+    )
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="--shape: the read-bandwidth buffer")
     p.add_argument("--agreement", default=None, help="a looped LM checkpoint: bf16 weights' tokens against float32's")
     p.add_argument("--agreement-prompts", type=int, default=16, help="--agreement: validation documents' prompts")
@@ -136,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         benchmark = setup(args)
     report_rows(benchmark(), args, format_table)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

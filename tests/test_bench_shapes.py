@@ -97,6 +97,41 @@ def test_a_tiny_shape_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert summary["sequential_vs_limit"] == pytest.approx(first["sequential"]["ratio_vs_limit"])
 
 
+def test_two_dtypes_are_timed_in_the_same_rounds(capsys, monkeypatch, tmp_path):
+    """``--dtype float32,bfloat16``: a model of each, every variant of both in the table (each checked exact
+    against its own sequential decoding), the limit per dtype's bytes, and the summary's ``dtype_speedup`` the
+    first dtype's time per token over the other's; the headline figures are the first dtype's."""
+    monkeypatch.setitem(SHAPES, "tiny-ouro", TINY_OURO)
+    flags = ["--shape", "tiny-ouro", "--reps", "1", "--new-tokens", "4", "--prompt-len", "8", "--bandwidth-mib", "16"]
+    flags += ["--batches", "1", "--dtype", "float32,bfloat16", "--out", str(tmp_path / "rows.parquet"), "--json"]
+    assert _job().main(flags) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {(r["dtype"], r["variant"]): r for r in report["rows"]}
+    kinds = ("sequential", "speed_oracle", "speed")
+    assert list(rows) == [(d, v) for d in ("float32", "bfloat16") for v in kinds]
+    full, half = rows["float32", "sequential"], rows["bfloat16", "sequential"]
+    assert half["weight_bytes_per_token"] < full["weight_bytes_per_token"]  # bf16's linear weights in 2 bytes
+    assert full["limit_ms_per_token"] / half["limit_ms_per_token"] == pytest.approx(
+        full["weight_bytes_per_token"] / half["weight_bytes_per_token"]
+    )
+    summary = report["summary"]
+    assert summary["dtype"] == "float32"
+    assert summary["oracle_speedup"] == pytest.approx(
+        full["ms_per_token"] / rows["float32", "speed_oracle"]["ms_per_token"]
+    )
+    assert summary["dtype_speedup"]["bfloat16"] == pytest.approx(
+        {v: rows["float32", v]["ms_per_token"] / rows["bfloat16", v]["ms_per_token"] for v in kinds}
+    )
+
+
+def test_an_unknown_dtype_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _job().main(["--shape", "ouro-1.4b", "--dtype", "float32,float16"])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: --dtype 'float16': choose from float32, bfloat16")
+
+
 def test_a_shape_that_does_not_fit_is_refused_in_one_line_before_allocating(capsys, monkeypatch):
     monkeypatch.setattr(shapes, "available_bytes", lambda device: (2**30, "available host memory"))
 

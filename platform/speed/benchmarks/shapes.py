@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -95,7 +96,8 @@ SHAPES: dict[str, Shape] = {
 @dataclass(frozen=True)
 class ShapeBenchConfig:
     """One real-shape run: the shape's name and resolved config, the batches, prompt and output lengths,
-    repetitions, the weights' dtype, the bandwidth buffer and where it all runs."""
+    repetitions, the weights' dtypes (each a model of its own, all timed in the same rounds; the first is the
+    summary's), the bandwidth buffer and where it all runs."""
 
     shape: str
     model: ModelConfig | LMConfig
@@ -104,7 +106,7 @@ class ShapeBenchConfig:
     new_tokens: int = 8
     reps: int = 3
     seed: int = 0
-    dtype: str = "bfloat16"  # the published checkpoints' own
+    dtypes: tuple[str, ...] = ("bfloat16",)  # bfloat16: the published checkpoints' own
     bandwidth_bytes: int = 2**30  # the read-bandwidth buffer: well above any cache
     device: str = "cpu"
 
@@ -162,18 +164,21 @@ def streamed_bytes(model: torch.nn.Module) -> int:
     return sum(nbytes * passes for nbytes, passes in reads.values())
 
 
-def check_fits(cfg: ShapeBenchConfig, model: torch.nn.Module) -> MemoryNeed:
-    """What the run needs (``model`` on the meta device): the weights and the KV cache of the largest batch (the
-    stepper's ``memory_need``), and the bandwidth buffer; a ``MemoryBudgetError`` (one line) unless it fits in
-    the device's available memory."""
-    need = model.stepper().memory_need(max(cfg.batches), cfg.prompt_len, cfg.new_tokens + 1)
-    need = MemoryNeed(need.weights, need.cache, need.side, need.memory + cfg.bandwidth_bytes)
+def check_fits(cfg: ShapeBenchConfig, models: list[torch.nn.Module]) -> MemoryNeed:
+    """What the run needs (``models``, one per dtype, on the meta device): their weights and the KV caches of the
+    largest batch (each stepper's ``memory_need``), and the bandwidth buffer; a ``MemoryBudgetError`` (one line)
+    unless it fits in the device's available memory."""
+    needs = [m.stepper().memory_need(max(cfg.batches), cfg.prompt_len, cfg.new_tokens + 1) for m in models]
+    need = MemoryNeed(
+        sum(n.weights for n in needs), sum(n.cache for n in needs), sum(n.side for n in needs),
+        sum(n.memory for n in needs) + cfg.bandwidth_bytes,
+    )  # fmt: skip
     available, source = available_bytes(torch.device(cfg.device))
     if need.total > available:
         raise MemoryBudgetError(
             f"{cfg.shape} at batch {max(cfg.batches)} needs {need.describe()}, the memory including the "
             f"{size(cfg.bandwidth_bytes)} bandwidth buffer, but {size(available)} is available ({source}): "
-            "choose a smaller shape, batch or --dtype"
+            "choose a smaller shape, batch or fewer or smaller --dtype"
         )
     return need
 
@@ -194,92 +199,115 @@ def read_bandwidth(buffer: torch.Tensor, times: list[float]) -> Callable[[], int
     return go
 
 
-def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, float]]:
-    """Every batch's variants side by side (``LM_BENCH_SCHEMA`` rows, the real-shape columns filled) and the
-    summary: batch 1's ``oracle_speedup`` (sequential's time per token / oracle SPEED's) and
-    ``sequential_vs_limit`` (sequential's time per token / the time the measured bandwidth needs to read the
-    weights once per loop pass), the bandwidth and the random model's build time."""
-    dtype = getattr(torch, cfg.dtype)
-    shell = empty_model(cfg.model, dtype)
-    need = check_fits(cfg, shell)
+def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, Any]]:
+    """Every batch's variants of every dtype side by side (``LM_BENCH_SCHEMA`` rows, the real-shape columns
+    filled) and the summary: the first dtype's batch-1 ``oracle_speedup`` (sequential's time per token / oracle
+    SPEED's) and ``sequential_vs_limit`` (sequential's time per token / the time the measured bandwidth needs to
+    read the weights once per loop pass), the bandwidth and the random models' build time; with several dtypes
+    also ``dtype_speedup``: each variant's batch-1 time per token in the first dtype over its time in each other
+    (measured in the same rounds)."""
+    if not cfg.dtypes or len(set(cfg.dtypes)) != len(cfg.dtypes):
+        raise ValueError(f"dtypes {cfg.dtypes}: name each dtype once")
+    shells = {name: empty_model(cfg.model, getattr(torch, name)) for name in cfg.dtypes}
+    need = check_fits(cfg, list(shells.values()))
     start = time.perf_counter()
-    model = random_weights(shell, cfg.seed, cfg.device, cfg.model.eos_id)
+    models = {name: random_weights(shell, cfg.seed, cfg.device, cfg.model.eos_id) for name, shell in shells.items()}
     build_s = time.perf_counter() - start
-    streamed = streamed_bytes(model)
+    streamed = {name: streamed_bytes(model) for name, model in models.items()}
     buffer = torch.ones(cfg.bandwidth_bytes // 4, dtype=torch.float32, device=cfg.device)
     print(
-        f"shape benchmark: {cfg.shape} {cfg.model.pattern} d_model={cfg.model.d_model} {cfg.dtype} "
-        f"weights {size(need.weights)} (built in {build_s:.1f} s), {size(streamed)} read per token, "
-        f"batches {list(cfg.batches)}, prompt={cfg.prompt_len} tokens={cfg.new_tokens} reps={cfg.reps} "
-        f"threads={torch.get_num_threads()} device={cfg.device}",
+        f"shape benchmark: {cfg.shape} {cfg.model.pattern} d_model={cfg.model.d_model} "
+        + ", ".join(f"{name} ({size(streamed[name])} read per token)" for name in cfg.dtypes)
+        + f", weights {size(need.weights)} (built in {build_s:.1f} s), batches {list(cfg.batches)}, "
+        f"prompt={cfg.prompt_len} tokens={cfg.new_tokens} reps={cfg.reps} threads={torch.get_num_threads()} "
+        f"device={cfg.device}",
         flush=True,
     )
     rows, bandwidth_times = [], []
     for batch in cfg.batches:
-        rows += _batch_rows(cfg, model, batch, streamed, buffer, bandwidth_times)
+        rows += _batch_rows(cfg, models, batch, buffer, bandwidth_times)
     read_gbps = cfg.bandwidth_bytes / min(bandwidth_times) / 1e9
-    limit_ms = streamed / (read_gbps * 1e9) * 1000
     for row in rows:  # the bandwidth of the whole run: the best read of all rounds
-        per_token = streamed / row["batch"]
+        per_token = streamed[row["dtype"]] / row["batch"]
+        limit_ms = per_token / (read_gbps * 1e9) * 1000
         row |= {
             "read_gb_per_s": read_gbps,
-            "limit_ms_per_token": limit_ms / row["batch"],
-            "ratio_vs_limit": row["ms_per_token"] / (limit_ms / row["batch"]),
+            "limit_ms_per_token": limit_ms,
+            "ratio_vs_limit": row["ms_per_token"] / limit_ms,
             "weight_bytes_per_token": per_token,
             "gb_per_s": per_token / (row["ms_per_token"] / 1000) / 1e9,
         }
-    first = {r["variant"]: r for r in rows if r["batch"] == cfg.batches[0]}
-    summary = {
+    first = {(r["dtype"], r["variant"]): r for r in rows if r["batch"] == cfg.batches[0]}
+    main = cfg.dtypes[0]
+    summary: dict[str, Any] = {
         "shape": cfg.shape,
+        "dtype": main,
         "batch": cfg.batches[0],
-        "oracle_speedup": first["sequential"]["ms_per_token"] / first["speed_oracle"]["ms_per_token"],
-        "sequential_vs_limit": first["sequential"]["ratio_vs_limit"],
+        "oracle_speedup": first[main, "sequential"]["ms_per_token"] / first[main, "speed_oracle"]["ms_per_token"],
+        "sequential_vs_limit": first[main, "sequential"]["ratio_vs_limit"],
         "read_gb_per_s": read_gbps,
         "weights_bytes": need.weights,
         "build_s": build_s,
     }
+    if len(cfg.dtypes) > 1:
+        summary["dtype_speedup"] = {
+            other: {kind: first[main, kind]["ms_per_token"] / first[other, kind]["ms_per_token"] for kind in VARIANTS}
+            for other in cfg.dtypes[1:]
+        }
     return pa.Table.from_pylist(rows, schema=LM_BENCH_SCHEMA), summary
+
+
+VARIANTS = ("sequential", "speed_oracle", "speed")  # each batch's timed variants, in each dtype
 
 
 def _batch_rows(
     cfg: ShapeBenchConfig,
-    model: torch.nn.Module,
+    models: dict[str, torch.nn.Module],
     batch: int,
-    streamed: int,
     buffer: torch.Tensor,
     bandwidth_times: list[float],
 ) -> list[dict]:
-    """One batch's rows: sequential, oracle SPEED and SPEED's own, timed interleaved with the bandwidth read."""
+    """One batch's rows: sequential, oracle SPEED and SPEED's own in each dtype's model, all timed interleaved in
+    the same rounds with the bandwidth read (a run named ``dtype/variant``)."""
     torch.manual_seed(cfg.seed + batch)
     ids = torch.randint(3, cfg.model.vocab_size, (batch, cfg.prompt_len))  # no special token below 3
     n = cfg.new_tokens
-    reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
-    results: dict[str, GenerateResult] = {}
-    run = decode_runs(results, ids, n)
-    kinds = {
-        "sequential": {"method": "sequential"},
-        "speed_oracle": {"method": "speed", "oracle": reference.tokens},
-        "speed": {"method": "speed"},
-    }
-    variants = {"sequential/first": run("sequential", model, 1, method="sequential")}
-    variants["speed/first"] = run("speed", model, 1, method="speed")  # one token: nothing to speculate, oracle or not
-    variants |= {name: run(name, model, n, **kw) for name, kw in kinds.items()}
+    variants: dict[str, Callable[[], int]] = {}
+    checks: dict[str, tuple[dict[str, GenerateResult], GenerateResult]] = {}
+    for name, model in models.items():
+        reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
+        results: dict[str, GenerateResult] = {}
+        run = decode_runs(results, ids, n)
+        kinds = {
+            "sequential": {"method": "sequential"},
+            "speed_oracle": {"method": "speed", "oracle": reference.tokens},
+            "speed": {"method": "speed"},
+        }
+        variants[f"{name}/sequential/first"] = run("sequential", model, 1, method="sequential")
+        # one token: nothing to speculate, oracle or not
+        variants[f"{name}/speed/first"] = run("speed", model, 1, method="speed")
+        variants |= {f"{name}/{kind}": run(kind, model, n, **kw) for kind, kw in kinds.items()}
+        checks[name] = (results, reference)
     variants["bandwidth"] = read_bandwidth(buffer, bandwidth_times)
     print(f" batch {batch}:", flush=True)
     times = interleave(variants, cfg.reps, cfg.device)  # ms per run
-    check_exact(results, reference, ("speed", "speed_oracle"))
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    ttft = {"sequential": med["sequential/first"], "speed_oracle": med["speed/first"], "speed": med["speed/first"]}
-    per_token = {name: (med[name] - ttft[name]) / (batch * (n - 1)) for name in kinds}
     run_cfg = _RunColumns(cfg.model, batch, cfg.reps, cfg.device)
-    shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": cfg.dtype}
     peak = peak_rss()
-    return [
-        variant_columns(name, cfg.model, results[name], per_token, batch * n)
-        | shared
-        | {"ttft_ms": ttft[name], "peak_rss_bytes": peak}
-        for name in kinds
-    ]
+    rows = []
+    for name, (results, reference) in checks.items():
+        check_exact(results, reference, ("speed", "speed_oracle"))
+        first = {"sequential": med[f"{name}/sequential/first"], "speed_oracle": med[f"{name}/speed/first"]}
+        first["speed"] = first["speed_oracle"]
+        per_token = {kind: (med[f"{name}/{kind}"] - first[kind]) / (batch * (n - 1)) for kind in VARIANTS}
+        shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": name}
+        rows += [
+            variant_columns(kind, cfg.model, results[kind], per_token, batch * n)
+            | shared
+            | {"ttft_ms": first[kind], "peak_rss_bytes": peak}
+            for kind in VARIANTS
+        ]
+    return rows
 
 
 @dataclass(frozen=True)
@@ -295,13 +323,14 @@ class _RunColumns:
 def format_shape_table(table: pa.Table) -> str:
     """A fixed-width text table of the real-shape rows: times, ratios, bandwidths and peak memory."""
     head = (
-        f"{'shape':<12}{'batch':>6} {'variant':<13}{'TTFT ms':>9}{'ms/token':>10}{'speed-up':>9}"
+        f"{'shape':<12}{'dtype':<9}{'batch':>6} {'variant':<13}{'TTFT ms':>9}{'ms/token':>10}{'speed-up':>9}"
         f"{'GB/token':>9}{'GB/s':>7}{'read GB/s':>10}{'vs limit':>10}{'peak RSS':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in table.to_pylist():
         lines.append(
-            f"{r['shape']:<12}{r['batch']:>6} {r['variant']:<13}{r['ttft_ms']:>9.1f}{r['ms_per_token']:>10.2f}"
+            f"{r['shape']:<12}{r['dtype']:<9}{r['batch']:>6} {r['variant']:<13}"
+            f"{r['ttft_ms']:>9.1f}{r['ms_per_token']:>10.2f}"
             f"{r['speedup']:>8.2f}x{r['weight_bytes_per_token'] / 1e9:>9.2f}{r['gb_per_s']:>7.1f}"
             f"{r['read_gb_per_s']:>10.1f}{r['ratio_vs_limit']:>9.2f}x{size(r['peak_rss_bytes']):>12}"
         )
