@@ -83,7 +83,7 @@ def no_process_left():
     token, started = os.environ[SESSION_ENV], time.monotonic()
     deadline = started + 60  # Ray's agents may take a while to go
     left = marked_processes(token, name=SESSION_ENV)
-    first = sorted({_name(pid) for pid in left})  # named while they run
+    first = sorted({_describe(pid) for pid in left})  # named while they run
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
         left = marked_processes(token, name=SESSION_ENV)
@@ -93,6 +93,21 @@ def no_process_left():
         names = sorted({_name(pid) for pid in left})
         end_processes(left)
         pytest.fail(f"{len(left)} processes started by the tests outlived them: {', '.join(names)}")
+
+
+def _describe(pid: int) -> str:
+    """A lingering process for the warning: its name, the Ray it belongs to (the owner mark a job's or a cluster's
+    private Ray gives its processes; none: the session's own Ray or a plain process), its parent (1: orphaned) and
+    its age, so that the test that left it can be found."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return _name(pid)
+    owner = env.get(b"SPEED_RAY_OWNER", b"none").decode(errors="replace")
+    return f"{_name(pid)} (pid {pid}, parent {fields[1]}, {age:.0f} s old, Ray owner {owner})"
 
 
 def _name(pid: int) -> str:
