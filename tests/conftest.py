@@ -99,6 +99,8 @@ def _describe(pid: int) -> str:
     """A lingering process for the warning: its name, the Ray it belongs to (the owner mark a job's or a cluster's
     private Ray gives its processes; none: the session's own Ray or a plain process), its parent (1: orphaned) and
     its age, so that the test that left it can be found."""
+    from speed.train.local_ray import OWNER_ENV
+
     proc = Path(f"/proc/{pid}")
     try:
         env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
@@ -106,7 +108,7 @@ def _describe(pid: int) -> str:
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return _name(pid)
-    owner = env.get(b"SPEED_RAY_OWNER", b"none").decode(errors="replace")
+    owner = env.get(OWNER_ENV.encode(), b"none").decode(errors="replace")
     return f"{_name(pid)} (pid {pid}, parent {fields[1]}, {age:.0f} s old, Ray owner {owner})"
 
 

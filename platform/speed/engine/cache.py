@@ -111,6 +111,7 @@ class KVCache:
         self._index: tuple | None = None  # (rows, span, version, index) of the last read
         self._written: tuple | None = None  # (rows, version, (blocks, places)) of the last write
         self._offsets: tuple | None = None  # (rows, version, (offsets, lengths)) of the last native attention
+        self._bias: tuple | None = None  # (rows, dtype, bias) of the last torch attention
         self.lengths = np.zeros((n_loops, n_layers, n_slots), dtype=np.int64)
         # side entries per slot: a lane of < M tokens per in-flight token, M = n_loops unless the layers run
         # in fewer loops than the model has (a looped LM's prelude: one loop, the model's M lanes)
@@ -305,16 +306,27 @@ class KVCache:
             sides = (self.side_keys[layer], self.side_values[layer]) if self.n_side else (None, None)
             pool_head_stride = (self.n_blocks + 1) * ATTN_CHUNK * D
             return native.attend(q, self.keys[layer], self.values[layer], *sides, offsets, lengths, pool_head_stride, D)
-        span = chunk_span(int(rows.pos.max()) + 1)
-        keys, values = self.read(layer, rows, span)  # 2 x (R, H, span, D)
+        bias = self._attend_bias(rows, q.dtype)  # (R, 1, 1, span)
+        keys, values = self.read(layer, rows, bias.shape[-1])  # 2 x (R, H, span, D)
         group = q.shape[1] // self.n_heads
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        return attend(q, keys, values, bias)
+
+    def _attend_bias(self, rows: Rows, dtype: torch.dtype) -> Tensor:
+        """Torch's attention's mask (R, 1, 1, span) over the fewest whole chunks covering the rows: 0 at each row's
+        positions 0..pos, the dtype's least value past them. It depends on the rows alone: kept for the tile's
+        next layers (made once per pass, not once per layer)."""
+        memo = self._bias
+        if memo is not None and memo[0] is rows and memo[1] == dtype:
+            return memo[2]
+        span = chunk_span(int(rows.pos.max()) + 1)
         _, _, pos_t = rows.tensors(self.device)
         visible = torch.arange(span, device=self.device)[None, :] <= pos_t[:, None]  # (R, span)
-        bias = torch.zeros(visible.shape, dtype=q.dtype, device=self.device)
-        bias = bias.masked_fill(~visible, torch.finfo(q.dtype).min)[:, None, None]  # (R, 1, 1, span)
-        return attend(q, keys, values, bias)
+        bias = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        bias = bias.masked_fill(~visible, torch.finfo(dtype).min)[:, None, None]
+        self._bias = (rows, dtype, bias)
+        return bias
 
     def _attend_offsets(self, rows: Rows) -> tuple[Tensor, Tensor]:
         """The native attention's index: (R, L) each row's positions' element offsets in the pool of a layer (kv
