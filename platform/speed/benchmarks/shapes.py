@@ -199,6 +199,9 @@ def read_bandwidth(buffer: torch.Tensor, times: list[float]) -> Callable[[], int
     return go
 
 
+VARIANTS = ("sequential", "speed_oracle", "speed")  # each batch's timed variants, in each dtype
+
+
 def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, Any]]:
     """Every batch's variants of every dtype side by side (``LM_BENCH_SCHEMA`` rows, the real-shape columns
     filled) and the summary: the first dtype's batch-1 ``oracle_speedup`` (sequential's time per token / oracle
@@ -255,9 +258,6 @@ def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, Any]
             for other in cfg.dtypes[1:]
         }
     return pa.Table.from_pylist(rows, schema=LM_BENCH_SCHEMA), summary
-
-
-VARIANTS = ("sequential", "speed_oracle", "speed")  # each batch's timed variants, in each dtype
 
 
 def _batch_rows(
