@@ -319,28 +319,39 @@ def native_kernel():
         pytest.skip(f"no native kernel here: {native.unavailable_reason()}")
 
 
-@pytest.mark.parametrize("inn,out", [(48, 80), (2048, 2304), (5632, 130), (7, 5)])
-def test_native_kernel_is_row_and_thread_invariant_on_float32_and_bfloat16_weights(native_kernel, inn, out):
+def _packed_linear(weight: torch.Tensor):
+    packed = native.pack(weight)
+    return lambda rows: native.linear_packed(packed, rows, weight.shape[0])
+
+
+# the native linear on the weight as stored, and on it packed in panels (``native.pack``)
+NATIVE_LINEARS = {"stored": lambda weight: lambda rows: native.linear(weight, rows), "packed": _packed_linear}
+
+
+@pytest.mark.parametrize("layout", list(NATIVE_LINEARS))
+@pytest.mark.parametrize("inn,out", [(48, 80), (2048, 2304), (5632, 130), (7, 5), (33, 64)])
+def test_native_kernel_is_row_and_thread_invariant_on_float32_and_bfloat16_weights(native_kernel, inn, out, layout):
     """One row's bits are the same alone, among 2..8 rows at any place, and on 1 or 2 threads (the threads split
-    the outputs, never a sum); bfloat16 weights are widened to float32, so their sums match float32's of the
-    widened weights to rounding."""
+    the outputs, never a sum), on the stored weight and on it packed; bfloat16 weights are widened to float32, so
+    their sums match float32's of the widened weights to rounding."""
     rng = random.Random(inn)
     torch.manual_seed(inn)
     before = torch.get_num_threads()
     try:
         for dtype in (torch.float32, torch.bfloat16):
             weight = torch.randn(out, inn).to(dtype)
+            linear = NATIVE_LINEARS[layout](weight)
             x = torch.randn(inn)
             torch.set_num_threads(1)
-            alone = native.linear(weight, x[None])[0]
-            assert torch.allclose(alone, F.linear(x, weight.float()), atol=1e-3, rtol=1e-4)
+            alone = linear(x[None])[0]
+            assert torch.allclose(alone.double(), F.linear(x.double(), weight.double()), atol=1e-3, rtol=1e-4)
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 for n in range(1, native.MAX_ROWS + 1):
                     rows = torch.randn(n, inn)
                     at = rng.randrange(n)
                     rows[at] = x
-                    assert torch.equal(native.linear(weight, rows)[at], alone), (dtype, threads, n, at)
+                    assert torch.equal(linear(rows)[at], alone), (dtype, threads, n, at)
     finally:
         torch.set_num_threads(before)
 

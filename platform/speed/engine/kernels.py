@@ -160,7 +160,10 @@ def _wants_native(weight: Tensor) -> bool:
 
 
 def linear_in_use(weight: Tensor) -> str:
-    """The kernel a decode tile on ``weight`` runs on here: "native", "onednn" or "plain"."""
+    """The kernel a decode tile on ``weight`` runs on here: "native", "onednn" or "plain" ("packed": a weight that
+    ``pack_linears`` packed for the native kernel)."""
+    if weight.dim() == 3:
+        return "packed"
     if _wants_native(weight) and native.supports(weight, torch.empty(1, weight.shape[-1])):
         return "native"
     if LINEAR != "plain" and weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available():
@@ -196,6 +199,8 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
     if not 1 <= n <= tile_rows:
         raise ValueError(f"a tile holds 1..{tile_rows} rows, got {n}")
     x = x.contiguous()  # strides select kernels too (a stride-0 input takes another GEMM path)
+    if is_packed(layer):
+        return _packed_tile(layer, x)
     if _wants_native(layer.weight) and tile_rows <= native.MAX_ROWS and _no_grad(layer.weight, x):
         if native.supports(layer.weight, x):
             return native.linear(layer.weight, x)
@@ -226,14 +231,68 @@ def rows_linear(layer: nn.Linear, x: Tensor, tile_rows: int = PREFILL_ROWS) -> T
     not take; float32 ones of ``NATIVE_MIN_BYTES`` or more, which it would copy) runs on it in tiles of
     ``native.MAX_ROWS`` rows (row-invariant at any row count); a bf16 weight without it is widened once for the
     call and runs on the plain tiles."""
-    on_native = _wants_native(layer.weight) and _no_grad(layer.weight, x)
-    if on_native and native.supports(layer.weight, x[: native.MAX_ROWS]):
+    on_native = is_packed(layer) or (_wants_native(layer.weight) and _no_grad(layer.weight, x))
+    if is_packed(layer) or (on_native and native.supports(layer.weight, x[: native.MAX_ROWS])):
         tile_rows = min(tile_rows, native.MAX_ROWS)  # no packed copy of a real model's weights for the prefill
     elif layer.weight.dtype != x.dtype and layer.bias is None:
         layer = BiasFree(layer.weight.to(x.dtype))
     if x.shape[0] <= tile_rows:
         return tile_linear(layer, x, tile_rows)
     return torch.cat([tile_linear(layer, part, tile_rows) for part in x.split(tile_rows)])
+
+
+def is_packed(layer: nn.Module | BiasFree) -> bool:
+    """Whether ``layer``'s weight is packed for the native kernel (``pack_linears``): 3-D, (panels, in, panel)."""
+    return layer.weight.dim() == 3
+
+
+def _packed_tile(layer: nn.Linear, x: Tensor) -> Tensor:
+    if not native.supports_packed(layer.weight, x):
+        raise ValueError(
+            f"a packed weight {tuple(layer.weight.shape)} {layer.weight.dtype} takes 1..{native.MAX_ROWS} float32 "
+            f"rows on the native kernel, got {tuple(x.shape)} {x.dtype} (native: {native.unavailable_reason()})"
+        )
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("a packed weight decodes only: the native kernel has no backward (unpack_linears first)")
+    return native.linear_packed(layer.weight, x, layer.out_features)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack, in place, every weight of ``model`` that decodes on the native kernel (``linear_in_use``: bf16 weights
+    and float32 ones of ``NATIVE_MIN_BYTES`` or more, on a CPU that builds it) into ``native.pack``'s panels, where
+    4-8 rows cost little more than one (docs/benchmarks.md, "Decode kernels"): bias-free ``nn.Linear`` layers whose
+    weight no other parameter shares (a head tied to the embedding stays as it is). Returns how many were packed.
+
+    For decoding only: a packed layer runs on ``tile_linear`` and ``rows_linear`` (what the looped LM's cached
+    decoding and prefill call), without gradients; its own ``forward`` (``F.linear`` on a 3-D weight) fails loudly,
+    and so does a checkpoint's ``load_state_dict``. One weight is copied at a time (no second copy of the model).
+    A packed layer's outputs are exact across row counts, as on the unpacked kernel, but not the same bits as
+    unpacked (each output summed over its inputs in order instead of in 16 lanes): pack before decoding, never
+    between two decodings that are compared. ``unpack_linears`` restores the layers bit for bit."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    packed = 0
+    for layer in model.modules():
+        if not isinstance(layer, nn.Linear) or layer.bias is not None or is_packed(layer):
+            continue
+        weight = layer.weight
+        if seen.get(id(weight), 0) != 1 or linear_in_use(weight) != "native":
+            continue
+        with torch.no_grad():
+            layer.weight = nn.Parameter(native.pack(weight.detach()), requires_grad=False)
+        packed += 1
+    return packed
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo ``pack_linears``: every packed layer's weight back to (out, in), bit for bit; returns how many."""
+    unpacked = 0
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear) and is_packed(layer):
+            layer.weight = nn.Parameter(native.unpack(layer.weight.detach(), layer.out_features))
+            unpacked += 1
+    return unpacked
 
 
 class BiasFree:

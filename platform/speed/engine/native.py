@@ -35,7 +35,8 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 MAX_ROWS = 8  # rows per call: the kernel keeps each row's sums in registers
-ABI = 3  # speed_linear_abi() of the source this module calls
+ABI = 4  # speed_linear_abi() of the source this module calls
+PANEL = 32  # outputs per panel of a packed weight (``pack``): speed_linear_panel() of the source
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -112,7 +113,9 @@ def _load() -> ctypes.CDLL:
     if lib.speed_linear_abi() != ABI:
         raise RuntimeError(f"the compiled kernel's ABI {lib.speed_linear_abi()} is not {ABI}")
     args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    for name in ("speed_linear_f32", "speed_linear_bf16"):
+    if lib.speed_linear_panel() != PANEL:
+        raise RuntimeError(f"the compiled kernel's panel {lib.speed_linear_panel()} is not {PANEL}")
+    for name in ("speed_linear_f32", "speed_linear_bf16", "speed_linear_packed_f32", "speed_linear_packed_bf16"):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
     lib.speed_attend_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_void_p, ctypes.c_int]
@@ -131,12 +134,17 @@ def unavailable_reason() -> str | None:
 
 def supports(weight: Tensor, x: Tensor) -> bool:
     """Whether ``linear(weight, x)`` runs here: CPU, contiguous weights of float32 or bfloat16, float32 rows."""
+    return weight.dim() == 2 and _takes(weight, x)
+
+
+def _takes(weight: Tensor, x: Tensor) -> bool:
+    """What both linears need: a contiguous float32 or bfloat16 weight and 1..``MAX_ROWS`` float32 rows on the CPU,
+    the library loaded."""
     return (
         weight.device.type == "cpu"
         and x.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and x.dtype == torch.float32
-        and weight.dim() == 2
         and weight.is_contiguous()
         and 1 <= x.shape[0] <= MAX_ROWS
         and library() is not None
@@ -156,6 +164,56 @@ def linear(weight: Tensor, x: Tensor) -> Tensor:
     out = torch.empty(n, out_features, dtype=torch.float32)
     call = lib.speed_linear_f32 if weight.dtype == torch.float32 else lib.speed_linear_bf16
     call(x.data_ptr(), weight.data_ptr(), out.data_ptr(), n, k, out_features, torch.get_num_threads())
+    return out
+
+
+def pack(weight: Tensor) -> Tensor:
+    """``weight`` (out, in) in ``linear_packed``'s layout: panels of ``PANEL`` outputs, each (in, PANEL) with one
+    input's weights for the panel's outputs side by side, the last panel padded with zeros; (panels, in, PANEL).
+    Bfloat16 panels interleave their two halves (output q at 2q, q + 16 at 2q + 1), which the kernel widens into
+    outputs 0-15 and 16-31 without crossing lanes. A copy: the caller drops the original (``unpack`` inverts it)."""
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"a 2-D float32 or bfloat16 weight packs, got {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight
+    if weight.dtype == torch.float32:
+        return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(panels, 2, PANEL // 2, k).permute(0, 3, 2, 1).reshape(panels, k, PANEL).contiguous()
+
+
+def unpack(packed: Tensor, out_features: int) -> Tensor:
+    """The (out, in) weight that ``pack`` packed into ``packed``: a copy, bit for bit the original."""
+    panels, k, width = packed.shape
+    if width != PANEL or not 0 < out_features <= panels * PANEL:
+        raise ValueError(f"packed {tuple(packed.shape)} cannot hold {out_features} outputs in panels of {PANEL}")
+    if packed.dtype == torch.float32:
+        full = packed.transpose(1, 2).reshape(panels * PANEL, k)
+    else:
+        full = packed.view(panels, k, PANEL // 2, 2).permute(0, 3, 2, 1).reshape(panels * PANEL, k)
+    return full[:out_features].contiguous()
+
+
+def supports_packed(packed: Tensor, x: Tensor) -> bool:
+    """Whether ``linear_packed(packed, x, ...)`` runs here: as ``supports``, for a weight packed by ``pack``."""
+    return packed.dim() == 3 and packed.shape[2] == PANEL and _takes(packed, x)
+
+
+def linear_packed(packed: Tensor, x: Tensor, out_features: int) -> Tensor:
+    """``linear`` on a weight packed by ``pack`` (``out_features`` of its outputs): (n, out) for 1..``MAX_ROWS``
+    float32 rows, row-invariant, on ``torch.get_num_threads()`` threads. The kernel multiplies one input's panel
+    row by every row's input at once (no reduction across lanes), which keeps 4-8 rows close to one row's time
+    (docs/benchmarks.md); each output is summed over the inputs in order, so its bits differ from ``linear``'s
+    (a model decodes on one of the two). Callers check ``supports_packed`` first."""
+    lib = library()
+    x = x.contiguous()
+    n, k = x.shape
+    if packed.shape[1] != k or not 0 < out_features <= packed.shape[0] * PANEL:
+        raise ValueError(f"rows of width {k} against a packed weight {tuple(packed.shape)} of {out_features} outputs")
+    out = torch.empty(n, out_features, dtype=torch.float32)
+    call = lib.speed_linear_packed_f32 if packed.dtype == torch.float32 else lib.speed_linear_packed_bf16
+    call(x.data_ptr(), packed.data_ptr(), out.data_ptr(), n, k, out_features, torch.get_num_threads())
     return out
 
 

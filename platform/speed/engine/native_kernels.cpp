@@ -102,6 +102,83 @@ void linear(const float *x, const W *w, float *out, int64_t R, int64_t K, int64_
     }
 }
 
+// Packed linear: the same product on a weight packed in panels of PANEL outputs (speed.engine.native.pack): panel
+// p holds w[p * PANEL + q, k] at (p * K + k) * PANEL + q (bfloat16: the panel's two halves interleaved, output q at
+// 2q and q + 16 at 2q + 1, so that one 64-byte load widens into outputs 0-15 by a shift and 16-31 by a mask), the
+// last panel padded with zeros. Each k step reads one panel row (PANEL contiguous weights) and multiplies it by
+// every row's x[r, k], broadcast: a multiply-add per weight vector and row, with no reduction across lanes, so the
+// rows' count costs little (the dot form above reloads each row's inputs for every few outputs and reduces every
+// output: at 4-8 rows it streams at 40-70 % of the bandwidth, this form at 70-100 %; docs/benchmarks.md). Each
+// output is summed in one fixed order, x[r, 0] w[j, 0] + ... then each next k by one fused multiply-add, whatever
+// R, the panels per block or the thread count: a row's bits never depend on its company.
+constexpr int PANEL = 32;
+
+inline void load_panel(const float *p, __m512 &lo, __m512 &hi) {
+    lo = _mm512_loadu_ps(p);
+    hi = _mm512_loadu_ps(p + 16);
+}
+inline void load_panel(const uint16_t *p, __m512 &lo, __m512 &hi) {
+    const __m512i v = _mm512_loadu_si512((const void *)p);
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+// B panels at a time (B * 2 weight vectors and R * B * 2 sums in registers) from panel p0 to p1.
+template <int R, int B, typename W>
+void panels(const float *x, const W *w, float *out, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+    int64_t p = p0;
+    for (; p + B <= p1; p += B) {
+        __m512 acc[R][B][2];
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < B; b++) acc[r][b][0] = acc[r][b][1] = _mm512_setzero_ps();
+        const W *wp = w + p * K * PANEL;
+        for (int64_t k = 0; k < K; k++) {
+            __m512 wv[B][2];
+            for (int b = 0; b < B; b++) load_panel(wp + (b * K + k) * PANEL, wv[b][0], wv[b][1]);
+            for (int r = 0; r < R; r++) {
+                const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+                for (int b = 0; b < B; b++) {
+                    acc[r][b][0] = _mm512_fmadd_ps(xv, wv[b][0], acc[r][b][0]);
+                    acc[r][b][1] = _mm512_fmadd_ps(xv, wv[b][1], acc[r][b][1]);
+                }
+            }
+        }
+        for (int b = 0; b < B; b++) {
+            const int64_t j = (p + b) * PANEL;
+            const int64_t left = N - j;  // outputs of this panel that exist (the last panel's padding is not stored)
+            const __mmask16 m0 = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+            const __mmask16 m1 = left >= 32 ? (__mmask16)0xFFFF : (left > 16 ? (__mmask16)((1u << (left - 16)) - 1u) : 0);
+            for (int r = 0; r < R; r++) {
+                _mm512_mask_storeu_ps(out + r * N + j, m0, acc[r][b][0]);
+                _mm512_mask_storeu_ps(out + r * N + j + 16, m1, acc[r][b][1]);
+            }
+        }
+    }
+    if (p < p1) panels<R, 1>(x, w, out, K, N, p, p1);
+}
+
+template <typename W>
+void linear_packed(const float *x, const W *w, float *out, int64_t R, int64_t K, int64_t N, int threads) {
+    if (N * K < PARALLEL_MIN) threads = 1;
+    const int64_t P = (N + PANEL - 1) / PANEL;
+    const int64_t per = ((P + threads - 1) / threads + 1) / 2 * 2;
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
+    for (int t = 0; t < threads; t++) {
+        const int64_t p0 = t * per, p1 = p0 + per < P ? p0 + per : P;
+        if (p0 >= p1) continue;
+        switch (R) {  // two panels a block up to 4 rows (more chains in flight), one beyond (registers)
+            case 1: panels<1, 2>(x, w, out, K, N, p0, p1); break;
+            case 2: panels<2, 2>(x, w, out, K, N, p0, p1); break;
+            case 3: panels<3, 2>(x, w, out, K, N, p0, p1); break;
+            case 4: panels<4, 2>(x, w, out, K, N, p0, p1); break;
+            case 5: panels<5, 2>(x, w, out, K, N, p0, p1); break;
+            case 6: panels<6, 2>(x, w, out, K, N, p0, p1); break;
+            case 7: panels<7, 1>(x, w, out, K, N, p0, p1); break;
+            case 8: panels<8, 1>(x, w, out, K, N, p0, p1); break;
+        }
+    }
+}
+
 // Attention: one query per row against the keys/values of its positions 0..len[r]-1, read in place from the
 // paged cache (speed.engine.cache.KVCache): off[r, p] is the element offset of position p's key (and value) for
 // kv head 0 in the pool (>= 0; kv head g at + g * pool_hs) or, encoded as -(1 + o), in the side entries (kv head g
@@ -197,7 +274,8 @@ void swiglu(const float *x, float *out, int64_t R, int64_t F) {
 }  // namespace
 
 extern "C" {
-int speed_linear_abi() { return 3; }
+int speed_linear_abi() { return 4; }
+int speed_linear_panel() { return PANEL; }
 void speed_rms_norm_f32(const float *x, const float *w, float *out, int64_t R, int64_t D, float eps) {
     rms_norm(x, w, out, R, D, eps);
 }
@@ -212,5 +290,13 @@ void speed_linear_f32(const float *x, const float *w, float *out, int64_t R, int
 }
 void speed_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t R, int64_t K, int64_t N, int threads) {
     linear(x, w, out, R, K, N, threads);
+}
+void speed_linear_packed_f32(const float *x, const float *w, float *out, int64_t R, int64_t K, int64_t N,
+                              int threads) {
+    linear_packed(x, w, out, R, K, N, threads);
+}
+void speed_linear_packed_bf16(const float *x, const uint16_t *w, float *out, int64_t R, int64_t K, int64_t N,
+                               int threads) {
+    linear_packed(x, w, out, R, K, N, threads);
 }
 }

@@ -49,6 +49,7 @@ from speed.engine.kernels import (
     BiasFree,
     chunk_span,
     in_tiles,
+    pack_linears,
     rows_linear,
     tile_linear,
     tile_rms_norm,
@@ -489,6 +490,12 @@ class LoopedLM(nn.Module):
     def stepper(self) -> LMStepper:
         """The engine's view of this model (``speed.engine.Stepper``)."""
         return LMStepper(self)
+
+    def pack_for_decoding(self) -> int:
+        """Pack the weights that decode on the native kernel for it (``speed.engine.kernels.pack_linears``: 4-8
+        rows a pass at about one row's cost); returns how many. The cached decoding and the prefill run on the
+        packed layers; ``forward`` and training do not (``unpack_linears`` restores the layers)."""
+        return pack_linears(self)
 
     def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
         """Each token's carry into its first loop (R, W): its embedding, after a zero state with injection."""

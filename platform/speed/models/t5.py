@@ -326,6 +326,11 @@ class SpeedT5(nn.Module):
         """The engine's view of this model (``speed.engine.Stepper``)."""
         return T5Stepper(self)
 
+    def pack_for_decoding(self) -> int:
+        """Packs nothing (returns 0): T5's encoder, and its decoder's cross-attention keys, run their layers'
+        ``forward``, which a packed weight cannot (``speed.engine.kernels.pack_linears``)."""
+        return 0
+
     def step(
         self,
         memory: Memory,
