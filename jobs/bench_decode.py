@@ -7,6 +7,7 @@
     python jobs/bench_decode.py --shape ouro-1.4b     # a published model's shape, random bf16 weights, batch 1 and 4
     python jobs/bench_decode.py --shape huginn-3.5b --recurrence 8 --json  # with oracle_speedup, sequential_vs_limit
     python jobs/bench_decode.py --shape ouro-1.4b --dtype float32,bfloat16 --batches 1  # both, in the same rounds
+    python jobs/bench_decode.py --shape ouro-1.4b --dtype float32 --layout packed,plain   # packed weights or not
 
 Speed-up is the baseline's ms/token divided by the variant's (baseline:
 sequential NxM; for ours_deep, transformers' generate of the same random
@@ -22,7 +23,9 @@ available memory first; sequential, oracle SPEED and SPEED at each --batches, th
 that implies, the machine's read bandwidth measured in the same run (the limit) and the peak resident set;
 --dtype bfloat16 (the default) is bf16 weights (speed.models.precision), float32 the whole model in float32;
 several dtypes (comma-separated) are each a model of their own, timed in the same interleaved rounds, and the
-summary's dtype_speedup is the first one's time per token over each other's.
+summary's dtype_speedup is the first one's time per token over each other's. --layout packed (the default)
+packs the looped LM's native-kernel weights for decoding (pack_for_decoding: several rows a pass at about one row's
+cost; T5 packs none), plain keeps them as loaded; packed,plain times both in the same rounds (layout_speedup).
 
 --agreement CHECKPOINT (speed.benchmarks.precision): a trained looped LM's greedy tokens in bf16 weights against
 float32's, on --agreement-prompts validation documents' first --prompt-len tokens, --new-tokens each.
@@ -45,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 from speed.benchmarks.decode import BenchConfig, format_table, run_benchmark
 from speed.benchmarks.decode_lm import LMBenchConfig, run_lm_benchmark
 from speed.benchmarks.precision import corpus_prompts, precision_agreement
-from speed.benchmarks.shapes import SHAPES, ShapeBenchConfig, format_shape_table, run_shape_benchmark
+from speed.benchmarks.shapes import LAYOUTS, SHAPES, ShapeBenchConfig, format_shape_table, run_shape_benchmark
 from speed.cli import JobParser, add_report_flags, config_from_args, report_rows, user_errors
 from speed.config import lm_preset, preset
 from speed.hf_tokenizer import load_tokenizer
@@ -75,8 +78,18 @@ def _shape_benchmark(args: argparse.Namespace) -> ShapeBenchConfig:
     for name in dtypes:
         if name not in DTYPES:
             raise ValueError(f"--dtype {name!r}: choose from {', '.join(DTYPES)} (several: comma-separated)")
+    layouts = tuple(args.layout.split(","))
+    for name in layouts:
+        if name not in LAYOUTS:
+            raise ValueError(f"--layout {name!r}: choose from {', '.join(LAYOUTS)} (both: comma-separated)")
     return config_from_args(
-        ShapeBenchConfig, args, model=model, batches=batches, dtypes=dtypes, bandwidth_bytes=args.bandwidth_mib * 2**20
+        ShapeBenchConfig,
+        args,
+        model=model,
+        batches=batches,
+        dtypes=dtypes,
+        layouts=layouts,
+        bandwidth_bytes=args.bandwidth_mib * 2**20,
     )
 
 
@@ -117,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,4", help="--shape: the batches, comma-separated")
     p.add_argument(
         "--dtype", default="bfloat16", help="--shape: the weights' dtype; several, comma-separated, in the same rounds"
+    )
+    p.add_argument(
+        "--layout",
+        default="packed",
+        help="--shape: the weights packed for the native kernel (packed, the default: 4-8 rows a pass at about one "
+        "row's cost) or as loaded (plain); both, comma-separated, in the same rounds",
     )
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="--shape: the read-bandwidth buffer")
     p.add_argument("--agreement", default=None, help="a looped LM checkpoint: bf16 weights' tokens against float32's")

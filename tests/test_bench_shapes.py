@@ -12,6 +12,7 @@ import torch
 from speed.benchmarks import shapes
 from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA
 from speed.benchmarks.shapes import HUGINN_0125, OURO_1_4B, SHAPES, Shape, empty_model, random_weights, streamed_bytes
+from speed.engine import native
 from speed.models.convert_huginn import config_from_huginn
 from speed.models.convert_ouro import config_from_ouro
 from speed.models.family import parameter_count
@@ -86,10 +87,13 @@ def test_a_tiny_shape_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert pq.read_table(out).schema.equals(LM_BENCH_SCHEMA)
     for r in rows:
         assert r["shape"] == "tiny-ouro" and r["dtype"] == "bfloat16" and r["read_gb_per_s"] > 0
+        assert r["layout"] == "packed"
         assert r["ratio_vs_limit"] == pytest.approx(r["ms_per_token"] / r["limit_ms_per_token"])
         assert r["gb_per_s"] == pytest.approx(r["weight_bytes_per_token"] / r["ms_per_token"] / 1e6)
         assert r["peak_rss_bytes"] > 0 and r["ttft_ms"] > 0
     summary = report["summary"]
+    n_linears = 2 * 4 + 1  # per layer: q/k/v, output, gate/up, down; the head (the embedding's own weights apart)
+    assert summary["packed_weights"] == {"bfloat16/packed": n_linears if native.library() else 0}
     first = {r["variant"]: r for r in rows if r["batch"] == 1}
     assert summary["oracle_speedup"] == pytest.approx(
         first["sequential"]["ms_per_token"] / first["speed_oracle"]["ms_per_token"]
@@ -122,6 +126,38 @@ def test_two_dtypes_are_timed_in_the_same_rounds(capsys, monkeypatch, tmp_path):
     assert summary["dtype_speedup"]["bfloat16"] == pytest.approx(
         {v: rows["float32", v]["ms_per_token"] / rows["bfloat16", v]["ms_per_token"] for v in kinds}
     )
+
+
+def test_packed_and_plain_weights_are_timed_in_the_same_rounds(capsys, monkeypatch, tmp_path):
+    """``--layout packed,plain``: the same weights packed for the native kernel and as loaded, every variant of
+    both (each exact against its own sequential decoding), the same bytes per token, and ``layout_speedup`` the
+    packed model's time per token over the plain one's."""
+    if native.library() is None:
+        pytest.skip(f"no native kernel here: {native.unavailable_reason()}")
+    monkeypatch.setitem(SHAPES, "tiny-ouro", TINY_OURO)
+    flags = ["--shape", "tiny-ouro", "--reps", "1", "--new-tokens", "4", "--prompt-len", "8", "--bandwidth-mib", "16"]
+    flags += ["--batches", "1", "--layout", "packed,plain", "--out", str(tmp_path / "rows.parquet"), "--json"]
+    assert _job().main(flags) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {(r["layout"], r["variant"]): r for r in report["rows"]}
+    kinds = ("sequential", "speed_oracle", "speed")
+    assert list(rows) == [(layout, v) for layout in ("packed", "plain") for v in kinds]
+    packed, plain = rows["packed", "sequential"], rows["plain", "sequential"]
+    assert packed["weight_bytes_per_token"] == plain["weight_bytes_per_token"]  # Ouro's widths fill whole panels
+    summary = report["summary"]
+    assert summary["layout"] == "packed" and summary["packed_weights"]["bfloat16/plain"] == 0
+    assert summary["packed_weights"]["bfloat16/packed"] > 0
+    assert summary["layout_speedup"]["plain"] == pytest.approx(
+        {v: rows["packed", v]["ms_per_token"] / rows["plain", v]["ms_per_token"] for v in kinds}
+    )
+
+
+def test_an_unknown_layout_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _job().main(["--shape", "ouro-1.4b", "--layout", "packed,tiled"])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: --layout 'tiled': choose from packed, plain")
 
 
 def test_an_unknown_dtype_is_refused_in_one_line(capsys):

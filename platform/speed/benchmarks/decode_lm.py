@@ -53,6 +53,7 @@ LM_BENCH_SCHEMA = pa.schema(
         # the real-shape rows' (speed.benchmarks.shapes; null in the tiny presets' rows)
         pa.field("shape", pa.string()),  # the published model whose shape the random weights have
         pa.field("dtype", pa.string()),
+        pa.field("layout", pa.string()),  # packed | plain: the weights packed for the native kernel or as loaded
         pa.field("weight_bytes_per_token", pa.float64()),  # weights read once per loop pass, over the batch
         pa.field("gb_per_s", pa.float64()),  # weight_bytes_per_token over the time per token
         pa.field("read_gb_per_s", pa.float64()),  # the machine's read bandwidth, measured in the same run

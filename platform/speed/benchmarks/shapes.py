@@ -107,6 +107,8 @@ class ShapeBenchConfig:
     reps: int = 3
     seed: int = 0
     dtypes: tuple[str, ...] = ("bfloat16",)  # bfloat16: the published checkpoints' own
+    # each dtype's model with its weights packed for the native kernel (``pack_for_decoding``) and/or plain
+    layouts: tuple[str, ...] = ("packed",)
     bandwidth_bytes: int = 2**30  # the read-bandwidth buffer: well above any cache
     device: str = "cpu"
 
@@ -200,27 +202,36 @@ def read_bandwidth(buffer: torch.Tensor, times: list[float]) -> Callable[[], int
 
 
 VARIANTS = ("sequential", "speed_oracle", "speed")  # each batch's timed variants, in each dtype
+LAYOUTS = ("packed", "plain")  # a model's weights packed for decoding (``pack_for_decoding``), or as loaded
 
 
 def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, Any]]:
-    """Every batch's variants of every dtype side by side (``LM_BENCH_SCHEMA`` rows, the real-shape columns
-    filled) and the summary: the first dtype's batch-1 ``oracle_speedup`` (sequential's time per token / oracle
-    SPEED's) and ``sequential_vs_limit`` (sequential's time per token / the time the measured bandwidth needs to
-    read the weights once per loop pass), the bandwidth and the random models' build time; with several dtypes
-    also ``dtype_speedup``: each variant's batch-1 time per token in the first dtype over its time in each other
+    """Every batch's variants of every dtype and layout side by side (``LM_BENCH_SCHEMA`` rows, the real-shape
+    columns filled) and the summary: the first dtype's and layout's batch-1 ``oracle_speedup`` (sequential's time
+    per token / oracle SPEED's) and ``sequential_vs_limit`` (sequential's time per token / the time the measured
+    bandwidth needs to read the weights once per loop pass), the bandwidth and the random models' build time; with
+    several dtypes also ``dtype_speedup``: each variant's batch-1 time per token in the first dtype over its time
+    in each other, and with several layouts ``layout_speedup``, the same in the first layout over each other
     (measured in the same rounds)."""
     if not cfg.dtypes or len(set(cfg.dtypes)) != len(cfg.dtypes):
         raise ValueError(f"dtypes {cfg.dtypes}: name each dtype once")
-    shells = {name: empty_model(cfg.model, getattr(torch, name)) for name in cfg.dtypes}
+    if not cfg.layouts or len(set(cfg.layouts)) != len(cfg.layouts) or not set(cfg.layouts) <= set(LAYOUTS):
+        raise ValueError(f"layouts {cfg.layouts}: name each of {', '.join(LAYOUTS)} at most once")
+    shells = {(d, layout): empty_model(cfg.model, getattr(torch, d)) for d in cfg.dtypes for layout in cfg.layouts}
     need = check_fits(cfg, list(shells.values()))
     start = time.perf_counter()
-    models = {name: random_weights(shell, cfg.seed, cfg.device, cfg.model.eos_id) for name, shell in shells.items()}
+    models: dict[tuple[str, str], torch.nn.Module] = {}
+    packed: dict[str, int] = {}  # weights packed per model: none where the kernel would not take them (small
+    # float32 ones) or the family cannot (T5's encoder runs its layers' forward)
+    for (dtype, layout), shell in shells.items():
+        models[dtype, layout] = random_weights(shell, cfg.seed, cfg.device, cfg.model.eos_id)
+        packed[f"{dtype}/{layout}"] = models[dtype, layout].pack_for_decoding() if layout == "packed" else 0
     build_s = time.perf_counter() - start
-    streamed = {name: streamed_bytes(model) for name, model in models.items()}
+    streamed = {kind: streamed_bytes(model) for kind, model in models.items()}
     buffer = torch.ones(cfg.bandwidth_bytes // 4, dtype=torch.float32, device=cfg.device)
     print(
         f"shape benchmark: {cfg.shape} {cfg.model.pattern} d_model={cfg.model.d_model} "
-        + ", ".join(f"{name} ({size(streamed[name])} read per token)" for name in cfg.dtypes)
+        + ", ".join(f"{dtype} {layout} ({size(streamed[dtype, layout])} read per token)" for dtype, layout in models)
         + f", weights {size(need.weights)} (built in {build_s:.1f} s), batches {list(cfg.batches)}, "
         f"prompt={cfg.prompt_len} tokens={cfg.new_tokens} reps={cfg.reps} threads={torch.get_num_threads()} "
         f"device={cfg.device}",
@@ -231,7 +242,7 @@ def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, Any]
         rows += _batch_rows(cfg, models, batch, buffer, bandwidth_times)
     read_gbps = cfg.bandwidth_bytes / min(bandwidth_times) / 1e9
     for row in rows:  # the bandwidth of the whole run: the best read of all rounds
-        per_token = streamed[row["dtype"]] / row["batch"]
+        per_token = streamed[row["dtype"], row["layout"]] / row["batch"]
         limit_ms = per_token / (read_gbps * 1e9) * 1000
         row |= {
             "read_gb_per_s": read_gbps,
@@ -240,41 +251,50 @@ def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, Any]
             "weight_bytes_per_token": per_token,
             "gb_per_s": per_token / (row["ms_per_token"] / 1000) / 1e9,
         }
-    first = {(r["dtype"], r["variant"]): r for r in rows if r["batch"] == cfg.batches[0]}
-    main = cfg.dtypes[0]
+    first = {(r["dtype"], r["layout"], r["variant"]): r for r in rows if r["batch"] == cfg.batches[0]}
+    main, layout = cfg.dtypes[0], cfg.layouts[0]
     summary: dict[str, Any] = {
         "shape": cfg.shape,
         "dtype": main,
+        "layout": layout,
         "batch": cfg.batches[0],
-        "oracle_speedup": first[main, "sequential"]["ms_per_token"] / first[main, "speed_oracle"]["ms_per_token"],
-        "sequential_vs_limit": first[main, "sequential"]["ratio_vs_limit"],
+        "oracle_speedup": first[main, layout, "sequential"]["ms_per_token"]
+        / first[main, layout, "speed_oracle"]["ms_per_token"],
+        "sequential_vs_limit": first[main, layout, "sequential"]["ratio_vs_limit"],
         "read_gb_per_s": read_gbps,
         "weights_bytes": need.weights,
+        "packed_weights": packed,
         "build_s": build_s,
     }
-    if len(cfg.dtypes) > 1:
-        summary["dtype_speedup"] = {
-            other: {kind: first[main, kind]["ms_per_token"] / first[other, kind]["ms_per_token"] for kind in VARIANTS}
-            for other in cfg.dtypes[1:]
+
+    def ratios(other: tuple[str, str]) -> dict[str, float]:
+        return {
+            kind: first[main, layout, kind]["ms_per_token"] / first[(*other, kind)]["ms_per_token"] for kind in VARIANTS
         }
+
+    if len(cfg.dtypes) > 1:
+        summary["dtype_speedup"] = {other: ratios((other, layout)) for other in cfg.dtypes[1:]}
+    if len(cfg.layouts) > 1:
+        summary["layout_speedup"] = {other: ratios((main, other)) for other in cfg.layouts[1:]}
     return pa.Table.from_pylist(rows, schema=LM_BENCH_SCHEMA), summary
 
 
 def _batch_rows(
     cfg: ShapeBenchConfig,
-    models: dict[str, torch.nn.Module],
+    models: dict[tuple[str, str], torch.nn.Module],
     batch: int,
     buffer: torch.Tensor,
     bandwidth_times: list[float],
 ) -> list[dict]:
-    """One batch's rows: sequential, oracle SPEED and SPEED's own in each dtype's model, all timed interleaved in
-    the same rounds with the bandwidth read (a run named ``dtype/variant``)."""
+    """One batch's rows: sequential, oracle SPEED and SPEED's own in each (dtype, layout)'s model, all timed
+    interleaved in the same rounds with the bandwidth read (a run named ``dtype/layout/variant``)."""
     torch.manual_seed(cfg.seed + batch)
     ids = torch.randint(3, cfg.model.vocab_size, (batch, cfg.prompt_len))  # no special token below 3
     n = cfg.new_tokens
     variants: dict[str, Callable[[], int]] = {}
-    checks: dict[str, tuple[dict[str, GenerateResult], GenerateResult]] = {}
-    for name, model in models.items():
+    checks: dict[tuple[str, str], tuple[dict[str, GenerateResult], GenerateResult]] = {}
+    for (dtype, layout), model in models.items():
+        name = f"{dtype}/{layout}"
         reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
         results: dict[str, GenerateResult] = {}
         run = decode_runs(results, ids, n)
@@ -287,7 +307,7 @@ def _batch_rows(
         # one token: nothing to speculate, oracle or not
         variants[f"{name}/speed/first"] = run("speed", model, 1, method="speed")
         variants |= {f"{name}/{kind}": run(kind, model, n, **kw) for kind, kw in kinds.items()}
-        checks[name] = (results, reference)
+        checks[dtype, layout] = (results, reference)
     variants["bandwidth"] = read_bandwidth(buffer, bandwidth_times)
     print(f" batch {batch}:", flush=True)
     times = interleave(variants, cfg.reps, cfg.device)  # ms per run
@@ -295,12 +315,14 @@ def _batch_rows(
     run_cfg = _RunColumns(cfg.model, batch, cfg.reps, cfg.device)
     peak = peak_rss()
     rows = []
-    for name, (results, reference) in checks.items():
+    for (dtype, layout), (results, reference) in checks.items():
+        name = f"{dtype}/{layout}"
         check_exact(results, reference, ("speed", "speed_oracle"))
         first = {"sequential": med[f"{name}/sequential/first"], "speed_oracle": med[f"{name}/speed/first"]}
         first["speed"] = first["speed_oracle"]
         per_token = {kind: (med[f"{name}/{kind}"] - first[kind]) / (batch * (n - 1)) for kind in VARIANTS}
-        shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": name}
+        shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": dtype}
+        shared["layout"] = layout
         rows += [
             variant_columns(kind, cfg.model, results[kind], per_token, batch * n)
             | shared
@@ -323,13 +345,13 @@ class _RunColumns:
 def format_shape_table(table: pa.Table) -> str:
     """A fixed-width text table of the real-shape rows: times, ratios, bandwidths and peak memory."""
     head = (
-        f"{'shape':<12}{'dtype':<9}{'batch':>6} {'variant':<13}{'TTFT ms':>9}{'ms/token':>10}{'speed-up':>9}"
-        f"{'GB/token':>9}{'GB/s':>7}{'read GB/s':>10}{'vs limit':>10}{'peak RSS':>12}"
+        f"{'shape':<12}{'dtype':<9}{'layout':<7}{'batch':>6} {'variant':<13}{'TTFT ms':>9}{'ms/token':>10}"
+        f"{'speed-up':>9}{'GB/token':>9}{'GB/s':>7}{'read GB/s':>10}{'vs limit':>10}{'peak RSS':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in table.to_pylist():
         lines.append(
-            f"{r['shape']:<12}{r['dtype']:<9}{r['batch']:>6} {r['variant']:<13}"
+            f"{r['shape']:<12}{r['dtype']:<9}{r['layout'] or '':<7}{r['batch']:>6} {r['variant']:<13}"
             f"{r['ttft_ms']:>9.1f}{r['ms_per_token']:>10.2f}"
             f"{r['speedup']:>8.2f}x{r['weight_bytes_per_token'] / 1e9:>9.2f}{r['gb_per_s']:>7.1f}"
             f"{r['read_gb_per_s']:>10.1f}{r['ratio_vs_limit']:>9.2f}x{size(r['peak_rss_bytes']):>12}"
