@@ -4,8 +4,9 @@
     python jobs/bench_kernels.py --d-model 768 --d-ff 2048 --layers 24 --rows 1,2,3,4,5,6,7,8
     python jobs/bench_kernels.py --json --out kernels.parquet
 
-Each kernel (the native one compiled for this CPU, oneDNN's packed linear, torch's F.linear) at each row count
-and weight dtype streams the layers' weights once; the read bandwidth is measured in the same run, interleaved
+Each kernel (the native one compiled for this CPU, on the weights as stored and packed in panels, oneDNN's packed
+linear, torch's F.linear) at each row count and weight dtype streams the layers' weights once; the read bandwidth
+is measured in the same run, interleaved
 (``speed.benchmarks.kernels``). Run it alone: two cores shared with anything else make the numbers worthless.
 """
 
@@ -33,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-ff", type=int, default=5632)
     p.add_argument("--layers", type=int, default=6, help="distinct layers streamed per pass (more than the caches)")
     p.add_argument("--rows", default="1,2,4,8", help="rows per call, comma-separated (1..8)")
-    p.add_argument("--kernels", default="native,onednn,torch")
+    p.add_argument(
+        "--kernels",
+        default="native,packed,onednn,torch",
+        help="native (on the weights as stored), packed (native on weights packed in panels), onednn, torch",
+    )
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -45,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows: each in 1..8, got {args.rows}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if "packed" in args.kernels.split(",") and native.library() is None:
+        p.error(f"--kernels packed: no native kernel here ({native.unavailable_reason()})")
     if "native" in args.kernels.split(",") and native.library() is None:
         print(f"note: no native kernel here ({native.unavailable_reason()}); its rows run on oneDNN", file=sys.stderr)
     results = bench_kernels(

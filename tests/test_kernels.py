@@ -400,3 +400,19 @@ def test_by_default_small_float32_weights_run_on_onednn_and_the_rest_on_the_nati
         assert kernels.linear_in_use(large) == "native"
         monkeypatch.setattr(kernels, "LINEAR", "native")
         assert kernels.linear_in_use(fp32) == "native"
+
+
+def test_the_kernel_benchmark_times_every_kernel_dtype_and_row_count(native_kernel):
+    """``jobs/bench_kernels.py``'s rows at tiny widths: one per kernel x dtype x row count (oneDNN float32 only),
+    the packed kernel among them, each with its bytes, time and share of the read bandwidth."""
+    from speed.benchmarks.kernels import bench_kernels
+
+    rows = bench_kernels(64, 96, layers=2, rows=(1, 3), kernels_=("native", "packed", "onednn"), repeats=1)
+    got = {(r.kernel, r.dtype, r.rows) for r in rows}
+    want = {(k, d, n) for k in ("native", "packed") for d in ("float32", "bfloat16") for n in (1, 3)}
+    assert got == want | {("onednn", "float32", 1), ("onednn", "float32", 3)}
+    per_layer = 64 * 3 * 64 + 64 * 64 + 64 * 2 * 96 + 96 * 64  # q/k/v, output, gate/up, down
+    for r in rows:
+        assert r.weight_bytes == 2 * per_layer * (4 if r.dtype == "float32" else 2)
+        assert r.seconds > 0 and r.gb_per_s == pytest.approx(r.weight_bytes / r.seconds / 1e9)
+        assert r.of_read == pytest.approx(r.gb_per_s / r.read_gb_per_s)

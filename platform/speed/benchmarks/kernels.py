@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.engine import kernels
+from speed.engine import kernels, native
 
 KERNEL_BENCH_SCHEMA = pa.schema(
     [
-        pa.field("kernel", pa.string()),  # native | onednn | plain (speed.engine.kernels.LINEARS) | torch (F.linear)
+        # native | packed (native on weights packed in panels, native.pack) | onednn | plain
+        # (speed.engine.kernels.LINEARS) | torch (F.linear)
+        pa.field("kernel", pa.string()),
         pa.field("dtype", pa.string()),  # the weights' dtype: float32 | bfloat16 (rows and sums in float32)
         pa.field("rows", pa.int64()),  # rows per call (a group pass's tile)
         pa.field("d_model", pa.int64()),
@@ -77,6 +79,8 @@ def _tile(kernel: str) -> Callable[[nn.Linear, Tensor], Tensor]:
     """A decode tile's matmul on ``kernel``: the engine's ``tile_linear`` with that path chosen, or torch's own."""
     if kernel == "torch":
         return lambda layer, x: F.linear(x.to(layer.weight.dtype), layer.weight)  # bfloat16: rows in bfloat16 too
+    if kernel == "packed":  # the layer's weight is packed (``packed_copy``): tile_linear takes the packed kernel
+        return kernels.tile_linear
 
     def run(layer: nn.Linear, x: Tensor) -> Tensor:
         before, kernels.LINEAR = kernels.LINEAR, kernel
@@ -86,6 +90,13 @@ def _tile(kernel: str) -> Callable[[nn.Linear, Tensor], Tensor]:
             kernels.LINEAR = before
 
     return run
+
+
+def packed_copy(layer: nn.Linear) -> nn.Linear:
+    """A copy of ``layer`` with its weight packed for the native kernel (``native.pack``), whatever its size."""
+    copy = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+    copy.weight = nn.Parameter(native.pack(layer.weight.detach()), requires_grad=False)
+    return copy
 
 
 def bench_kernels(
@@ -102,6 +113,8 @@ def bench_kernels(
     rows are the plain ``F.linear`` path and are left out."""
     torch.manual_seed(0)
     stacks = {dtype: [layer_linears(d_model, d_ff, dtype) for _ in range(layers)] for dtype in dtypes}
+    if "packed" in kernels_:  # the same weights packed: a second copy for this benchmark only
+        packed = {dtype: [[packed_copy(layer) for layer in stack] for stack in stacks[dtype]] for dtype in dtypes}
     weight_bytes = {
         dtype: sum(l.weight.numel() * l.weight.element_size() for stack in stacks[dtype] for l in stack)
         for dtype in dtypes
@@ -116,7 +129,7 @@ def bench_kernels(
             for kernel, dtype, n in cases:
                 tile = _tile(kernel)
                 start = time.perf_counter()
-                for stack in stacks[dtype]:
+                for stack in (packed if kernel == "packed" else stacks)[dtype]:
                     for layer in stack:
                         tile(layer, inputs[(n, layer.in_features)])
                 best[(kernel, dtype, n)] = min(best[(kernel, dtype, n)], time.perf_counter() - start)
