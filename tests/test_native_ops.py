@@ -148,6 +148,28 @@ def test_rms_norm_and_swiglu_are_torchs_and_per_row(d):
     assert kernels.tile_rms_norm(norm, x).requires_grad  # with a gradient asked for: torch's, differentiable
 
 
+@pytest.mark.parametrize("pairs", [False, True])
+@pytest.mark.parametrize("heads,d", [(1, 2), (3, 8), (16, 128)])
+def test_rope_is_torchs_bit_for_bit_on_strided_rows(pairs, heads, d):
+    """The rotary positions of q or k inside fused q;k;v rows (strided) on the native kernel: the same bits as the
+    model's ``rotate`` / ``rotate_pairs``, for any row count, each row alone."""
+    from speed.models.looped_lm import rotary, rotate, rotate_pairs
+
+    torch.manual_seed(heads * d)
+    turn = rotate_pairs if pairs else rotate
+    qkv = torch.randn(8, 3 * heads, d) * 5
+    x = qkv[:, heads : 2 * heads]  # the k part: rows 3 * heads * d apart
+    cos, sin = rotary(torch.tensor([0, 1, 7, 31, 100, 1000, 4095, 70000]), d, 1e6, "pairs" if pairs else "halves")
+    if native.library() is None:
+        pytest.skip(f"no native kernel here: {native.unavailable_reason()}")
+    with torch.no_grad():
+        fast = kernels.tile_rope(x, cos, sin, pairs, turn)
+        assert torch.equal(native.rope(x, cos, sin, pairs), fast)  # tile_rope took the native kernel
+        assert torch.equal(fast, turn(x, cos.unsqueeze(-2), sin.unsqueeze(-2)))
+        for r in range(8):
+            assert torch.equal(kernels.tile_rope(x[r : r + 1], cos[r : r + 1], sin[r : r + 1], pairs, turn)[0], fast[r])
+
+
 @pytest.mark.parametrize("ops", ["auto", "torch"])
 def test_lm_speed_equals_sequential_on_either_decode_ops(ops, monkeypatch):
     """The looped LM decodes with SPEED bit-identical to sequential decoding on the native ops and on torch's

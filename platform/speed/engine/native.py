@@ -35,7 +35,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 MAX_ROWS = 8  # rows per call: the kernel keeps each row's sums in registers
-ABI = 4  # speed_linear_abi() of the source this module calls
+ABI = 5  # speed_linear_abi() of the source this module calls
 PANEL = 32  # outputs per panel of a packed weight (``pack``): speed_linear_panel() of the source
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ def _load() -> ctypes.CDLL:
     lib.speed_rms_norm_f32.restype = None
     lib.speed_swiglu_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
     lib.speed_swiglu_f32.restype = None
+    lib.speed_rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.speed_rope_f32.argtypes += [ctypes.c_int]
+    lib.speed_rope_f32.restype = None
     return lib
 
 
@@ -299,3 +302,20 @@ def swiglu(x: Tensor) -> Tensor:
     out = torch.empty(R, F, dtype=torch.float32)
     library().speed_swiglu_f32(x.data_ptr(), out.data_ptr(), R, F)
     return out
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool) -> Tensor:
+    """Rotary positions of rows' heads ``x`` (R, heads, D) float32, each row's heads contiguous (a slice of a fused
+    q;k;v row), by cos/sin (R, D): (R, heads, D), bit for bit ``speed.models.looped_lm.rotate`` (``pairs``:
+    ``rotate_pairs``) in float32."""
+    R, heads, D = x.shape
+    if x.stride(2) != 1 or x.stride(1) != D or D % 2:
+        raise ValueError(f"rows of contiguous heads of even width are needed, got strides {x.stride()}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.shape != (R, D) or sin.shape != (R, D) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"float32 cos and sin of shape ({R}, {D}) are needed, got {tuple(cos.shape)}")
+    out = torch.empty(R, heads, D, dtype=torch.float32)
+    library().speed_rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), R, heads, D,
+                             int(pairs))
+    return out
+

@@ -271,10 +271,41 @@ void swiglu(const float *x, float *out, int64_t R, int64_t F) {
         }
 }
 
+// Rotary positions of R rows' heads: x (R, heads, D) with rows row_stride apart (q or k inside a fused q;k;v row),
+// cos and sin (R, D), out (R, heads, D). Halves (Llama, Ouro): dimension i pairs with i + D/2; pairs (Huginn): 2i
+// with 2i + 1. Each output is x * cos + turned(x) * sin with the two products rounded apart, then their sum: the
+// operations of speed.models.looped_lm.rotate and rotate_pairs in float32, bit for bit (no fused multiply-add).
+__attribute__((optimize("fp-contract=off"))) void rope(const float *x, int64_t row_stride, const float *cos,
+                                                        const float *sin, float *out, int64_t R, int64_t heads,
+                                                        int64_t D, int pairs) {
+    const int64_t half = D / 2;
+    for (int64_t r = 0; r < R; r++) {
+        const float *c = cos + r * D, *s = sin + r * D;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *v = x + r * row_stride + h * D;
+            float *o = out + (r * heads + h) * D;
+            for (int64_t i = 0; i < D; i++) {
+                float turned;
+                if (pairs)
+                    turned = (i & 1) ? v[i - 1] : -v[i + 1];
+                else
+                    turned = i < half ? -v[i + half] : v[i - half];
+                const float a = v[i] * c[i];
+                const float b = turned * s[i];
+                o[i] = a + b;
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
-int speed_linear_abi() { return 4; }
+void speed_rope_f32(const float *x, int64_t row_stride, const float *cos, const float *sin, float *out, int64_t R,
+                    int64_t heads, int64_t D, int pairs) {
+    rope(x, row_stride, cos, sin, out, R, heads, D, pairs);
+}
+int speed_linear_abi() { return 5; }
 int speed_linear_panel() { return PANEL; }
 void speed_rms_norm_f32(const float *x, const float *w, float *out, int64_t R, int64_t D, float eps) {
     rms_norm(x, w, out, R, D, eps);

@@ -53,6 +53,7 @@ from speed.engine.kernels import (
     rows_linear,
     tile_linear,
     tile_rms_norm,
+    tile_rope,
     tile_swiglu,
 )
 from speed.engine.memory import MemoryNeed
@@ -127,6 +128,17 @@ class Attention(nn.Module):
         turn = rotate if self.layout == "halves" else rotate_pairs
         return turn(q, cos, sin), turn(k, cos, sin), v
 
+    def _split_rows(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``_split`` for decode rows (n, (H + 2K) * D), angles (n, D): the rotations on ``tile_rope`` (the same
+        bits, one call per head group)."""
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = qkv.view(qkv.shape[0], H + 2 * K, D).split([H, K, K], dim=-2)
+        if self.q_bias is not None:
+            q, k = q + self.q_bias, k + self.k_bias
+        pairs = self.layout != "halves"
+        turn = rotate_pairs if pairs else rotate
+        return tile_rope(q, cos, sin, pairs, turn), tile_rope(k, cos, sin, pairs, turn), v
+
     def _share(self, kv: Tensor) -> Tensor:
         """Keys or values (..., K, T, D) repeated for the H/K query heads of each (as they are when K == H)."""
         group = self.n_heads // self.n_kv_heads
@@ -163,7 +175,7 @@ class Attention(nn.Module):
         ``layer``), then attends over each row's positions there (``KVCache.attend``).
         """
         n = x.shape[0]
-        q, k, v = self._split(tile_linear(self.qkv, x), cos, sin)  # (n, H, D), 2 x (n, K, D)
+        q, k, v = self._split_rows(tile_linear(self.qkv, x), cos, sin)  # (n, H, D), 2 x (n, K, D)
         cache.write(layer, rows, k, v)
         y = cache.attend(layer, rows, q * self.head_dim**-0.5)  # (n, H, D)
         return tile_linear(self.o, y.reshape(n, -1))
