@@ -29,7 +29,10 @@ across threads; attention's softmax is blocked by its key length). So:
   kernels"), and keeps no packed copy: so float32 weights of
   ``NATIVE_MIN_BYTES`` or more (a real model's) take it too, smaller ones stay
   on oneDNN. The path is chosen per weight, never by row count: exact either
-  way.
+  way. A looped LM packed for decoding (``pack_linears``) holds those weights
+  in panels of 32 outputs, on which the same kernel multiplies each input's
+  weights by every row at once: 1 to 8 rows at 88-97 % of the read bandwidth
+  in float32 (each output summed over its inputs in order, whatever the rows).
 - Attention is written as elementwise products and reductions that are per
   row and sum the key positions in fixed chunks of ``ATTN_CHUNK`` (see
   ``attend``), so its result does not depend on the number of masked positions
@@ -246,7 +249,7 @@ def rows_linear(layer: nn.Linear, x: Tensor, tile_rows: int = PREFILL_ROWS) -> T
     not take; float32 ones of ``NATIVE_MIN_BYTES`` or more, which it would copy) runs on it in tiles of
     ``native.MAX_ROWS`` rows (row-invariant at any row count); a bf16 weight without it is widened once for the
     call and runs on the plain tiles."""
-    on_native = is_packed(layer) or (_wants_native(layer.weight) and _no_grad(layer.weight, x))
+    on_native = _wants_native(layer.weight) and _no_grad(layer.weight, x)
     if is_packed(layer) or (on_native and native.supports(layer.weight, x[: native.MAX_ROWS])):
         tile_rows = min(tile_rows, native.MAX_ROWS)  # no packed copy of a real model's weights for the prefill
     elif layer.weight.dtype != x.dtype and layer.bias is None:
@@ -283,7 +286,8 @@ def pack_linears(model: nn.Module) -> int:
     and so does a checkpoint's ``load_state_dict``. One weight is copied at a time (no second copy of the model).
     A packed layer's outputs are exact across row counts, as on the unpacked kernel, but not the same bits as
     unpacked (each output summed over its inputs in order instead of in 16 lanes): pack before decoding, never
-    between two decodings that are compared. ``unpack_linears`` restores the layers bit for bit."""
+    between two decodings that are compared. ``unpack_linears`` restores the layers bit for bit. Pack after any
+    change of dtype: a bf16 panel orders its outputs unlike a float32 one (``native.pack``)."""
     seen: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         seen[id(p)] = seen.get(id(p), 0) + 1
