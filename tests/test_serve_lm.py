@@ -11,6 +11,7 @@ saying what to fix; every choice leaves a statistics row naming the family.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from speed import generate
 from speed.chat import ChatTemplate, render_chat, task_prompt
 from speed.config import lm_preset, to_dict
 from speed.data import get_task
+from speed.engine import kernels
 from speed.engine.sampling import Sampling, choice_seed
 from speed.models.checkpoint import save_model
 from speed.models.looped_lm import LoopedLM
@@ -292,8 +294,11 @@ def ouro_bf16(server, tmp_path_factory):
     options |= {"port": port, "num_cpus": 0.5, "route_prefix": "/bf16", "dtype": "bfloat16"}
     url = start_app(AppConfig(str(directory), settings=OURO_SETTINGS, **options))
     model = from_pretrained(directory, dtype=torch.bfloat16)
-    deployment = Deployment(url, model, load_tokenizer(directory), options["stats_path"], _no_redeploy)
+    decoder = copy.deepcopy(model)
+    decoder.pack_for_decoding()  # as the replica decodes (speed.serve.settings.load_served_model)
+    deployment = Deployment(url, decoder, load_tokenizer(directory), options["stats_path"], _no_redeploy)
     deployment.directory = directory  # the float32 model's too
+    deployment.unpacked = model  # its forward's logits
     yield deployment
     if "speed-bf16-test" in serve.status().applications:
         serve.delete("speed-bf16-test")
@@ -311,7 +316,10 @@ def test_a_bf16_deployment_answers_as_offline_bf16_decoding_and_says_its_dtype(o
     (card,) = bf16.models.list().data
     assert (card.id, card.dtype, client.models.list().data[0].dtype) == ("Ouro-tiny", "bfloat16", "float32")
     headers = {"Authorization": f"Bearer {KEY}"}
-    assert requests.get(ouro_bf16.url + "/v1/stats", headers=headers, timeout=30).json()["dtype"] == "bfloat16"
+    stats = requests.get(ouro_bf16.url + "/v1/stats", headers=headers, timeout=30).json()
+    assert stats["dtype"] == "bfloat16"
+    linears = [m for m in ouro_bf16.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert stats["packed_weights"] == sum(map(kernels.is_packed, linears)) > 0  # as the offline reference's
     assert ouro_bf16.model.lm_head.weight.dtype == torch.bfloat16  # the reference is bf16 weights
     tok = ouro_bf16.tokenizer
     for prompt in ("A man in a blue shirt.", "Two dogs play in the snow.", "What is 12 + 30?"):
@@ -331,7 +339,7 @@ def test_a_bf16_deployment_answers_as_offline_bf16_decoding_and_says_its_dtype(o
     assert len(tokens) == len(served)
     whole = torch.tensor([prompt + tokens])
     offline = {}
-    for name, model in (("bfloat16", ouro_bf16.model), ("float32", from_pretrained(ouro_bf16.directory))):
+    for name, model in (("bfloat16", ouro_bf16.unpacked), ("float32", from_pretrained(ouro_bf16.directory))):
         logits = model(whole, return_logits=True).loop_logits[-1][0, len(prompt) - 1 : -1].double()
         offline[name] = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
     torch.testing.assert_close(served, offline["bfloat16"], atol=1e-4, rtol=0)

@@ -214,7 +214,7 @@ class SpeedServer:
     def stats(self) -> dict[str, Any]:
         """This replica's totals since it started, its resident memory (bytes) and its settings."""
         counts = self.counters.snapshot(self.runner.active, self.runner.queued)
-        memory = {"rss_bytes": resident_bytes(), "dtype": self.dtype}
+        memory = {"rss_bytes": resident_bytes(), "dtype": self.dtype, "packed_weights": self.served.packed_weights}
         return {"replica": self.replica, **counts, **memory, "settings": dataclasses.asdict(self.settings)}
 
     @api.post("/v1/completions", openapi_extra=_openapi(CompletionRequest))

@@ -171,6 +171,7 @@ class ServedModel:
     family: Family  # how prompts become the model's inputs (``speed.models.family``)
     template: ChatRenderer | None  # an LM's: an imported model's own (its directory's Jinja template), else
     # config.json's ``chat_template`` (``speed.chat``'s when absent)
+    packed_weights: int = 0  # weights packed for the native kernel (``pack_for_decoding``)
 
 
 def load_served_model(checkpoint: str, device: str, exits: bool = True, dtype: str = "float32") -> ServedModel:
@@ -179,7 +180,10 @@ def load_served_model(checkpoint: str, device: str, exits: bool = True, dtype: s
     without its tokenizer (spm.model, tokenizer.json) is an error.
 
     With ``exits`` the checkpoint's exit adapters (``speed.models.exits``), when it has them, adapt the drafts; the
-    answers are the same either way."""
+    answers are the same either way. A replica only decodes, so a looped LM's weights that run on the native kernel
+    are packed for it (``pack_for_decoding``: 4-8 rows a pass at about one row's cost; ``packed_weights`` counts
+    them, 0 for T5, a GPU or small float32 weights): its answers are those of offline decoding of the model packed
+    the same way."""
     loaded = load_pretrained(checkpoint, map_location=device, exits=exits)
     if loaded.tokenizer_path is None:
         raise FileNotFoundError(f"{loaded.checkpoint} holds no spm.model nor tokenizer.json: serving needs one")
@@ -187,8 +191,9 @@ def load_served_model(checkpoint: str, device: str, exits: bool = True, dtype: s
     family = get_family(checkpoint_family(loaded.config))
     template = family.chat_template(loaded.config)
     template = template if template is None else chat_renderer(tokenizer, template)
-    model = with_dtype(loaded.model.to(device), dtype_named(dtype))
-    return ServedModel(model.eval(), tokenizer, family, template)
+    model = with_dtype(loaded.model.to(device), dtype_named(dtype)).eval()
+    packed = model.pack_for_decoding()  # after the dtype: a panel's layout is its dtype's
+    return ServedModel(model, tokenizer, family, template, packed)
 
 
 def levers(request: Request) -> dict[str, Any]:
