@@ -149,9 +149,10 @@ def test_t5_decodes_exactly_with_bf16_weights():
         recorded_pair(model, ids, mask, max_new)
 
 
-def test_evaluate_job_runs_in_bf16_weights(tmp_path):
+def test_evaluate_job_runs_in_bf16_weights(tmp_path, monkeypatch):
     """``jobs/evaluate.py --dtype bfloat16``: SPEED checked identical to sequential, every loop's perplexity close to
-    (and not equal to) the float32 evaluation's of the same checkpoint."""
+    (and not equal to) the float32 evaluation's of the same checkpoint; the bf16 model decodes on its weights packed
+    for the native kernel (where it builds), and its perplexity runs after they are unpacked."""
     import importlib.util
 
     from speed.config import lm_preset
@@ -170,7 +171,14 @@ def test_evaluate_job_runs_in_bf16_weights(tmp_path):
     spec.loader.exec_module(job)
     flags = ["--checkpoint", str(directory), "--task", "summarize", "--split", "validation", "--limit", "2"]
     flags += ["--max-new-tokens", "4", "--max-source-len", "32", "--bootstrap-samples", "0", "--threads", "1"]
-    runs = {dtype: job.main([*flags, "--dtype", dtype, "--out", str(tmp_path / dtype)]) for dtype in job.DTYPES}
+    packed_calls = []
+    linear_packed = native.linear_packed
+    monkeypatch.setattr(native, "linear_packed", lambda *a: packed_calls.append(1) or linear_packed(*a))
+    runs = {}
+    for dtype in job.DTYPES:
+        packed_calls.clear()
+        runs[dtype] = job.main([*flags, "--dtype", dtype, "--out", str(tmp_path / dtype)])
+        assert bool(packed_calls) == (dtype == "bfloat16" and native.library() is not None), dtype
     assert runs["bfloat16"]["decode"]["identical"]
     full, half = (runs[d]["perplexity"]["loss"] for d in ("float32", "bfloat16"))
     assert full != half and half == pytest.approx(full, rel=1e-2)

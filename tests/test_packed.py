@@ -103,3 +103,20 @@ def test_packed_float32_lm_speed_equals_sequential(monkeypatch):
     reference = LogitRecorder(model)
     ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
     speed_as_sequential(model, reference, ref, ids, mask, max_new, 970)
+
+
+def test_packed_while_restores_the_model_bit_for_bit_even_when_the_block_fails():
+    """``kernels.packed_while``: packed inside the block, every parameter back after (values and requires_grad),
+    also when the block raises; a model whose family packs none (T5) is left alone."""
+    model, ids, mask, max_new, _ = lm_case(980)
+    model = bf16_weights(model)
+    model.core[0].attn.o.weight.requires_grad_(False)
+    before = {name: (p.clone(), p.requires_grad) for name, p in model.named_parameters()}
+    with pytest.raises(KeyError), kernels.packed_while(model) as packed:
+        assert packed > 0 and kernels.is_packed(model.core[0].attn.qkv)
+        generate(model, ids, mask, method="speed", max_new_tokens=max_new)
+        raise KeyError("the block fails")
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, (value, grad) in before.items():
+        assert torch.equal(after[name], value) and after[name].requires_grad == grad, name

@@ -54,7 +54,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -300,6 +301,7 @@ def pack_linears(model: nn.Module) -> int:
             continue
         with torch.no_grad():
             layer.weight = nn.Parameter(native.pack(weight.detach()), requires_grad=False)
+        layer.unpacked_requires_grad = weight.requires_grad  # what unpack_linears gives back
         packed += 1
     return packed
 
@@ -309,9 +311,23 @@ def unpack_linears(model: nn.Module) -> int:
     unpacked = 0
     for layer in model.modules():
         if isinstance(layer, nn.Linear) and is_packed(layer):
-            layer.weight = nn.Parameter(native.unpack(layer.weight.detach(), layer.out_features))
+            grad = getattr(layer, "unpacked_requires_grad", True)
+            layer.weight = nn.Parameter(native.unpack(layer.weight.detach(), layer.out_features), requires_grad=grad)
             unpacked += 1
     return unpacked
+
+
+@contextmanager
+def packed_while(model: nn.Module) -> Iterator[int]:
+    """``model`` packed for decoding (its ``pack_for_decoding``) while the block runs, its layers restored bit for
+    bit after (``unpack_linears``, ``requires_grad`` as it was), whatever the block raises; yields how many weights
+    were packed. For a job that decodes and then runs the model's ``forward`` (an evaluation's perplexity)."""
+    packed = model.pack_for_decoding()
+    try:
+        yield packed
+    finally:
+        if packed:
+            unpack_linears(model)
 
 
 class BiasFree:

@@ -35,6 +35,7 @@ from speed.data import get_task, pad_inputs, read_records, truncate
 from speed.decode.exactness import LogitRecorder, top2_gap
 from speed.decode.generate import DecodeStats, GenerateResult, generate
 from speed.engine import ExitKind, ExitRule, Speculation, SpeculationFields
+from speed.engine.kernels import packed_while
 from speed.engine.sampling import Sampling
 from speed.engine.trace import TRACE_SCHEMA, flip_costs, flip_rates
 from speed.eval import metrics
@@ -221,6 +222,9 @@ def evaluate(
     imported model's, ``speed.hf_tokenizer.chat_renderer``). ``tokenizer`` (a ``TextTokenizer``, or where one is:
     a SentencePiece model, an imported model's directory) also says where outputs end (its ``stop_ids``).
 
+    A looped LM decodes on its weights packed for the native kernel (``packed_while``: bf16 weights, and float32
+    ones of 8 MiB or more), restored bit for bit before the perplexity runs its forward.
+
     ``config`` must name its task and input length (``EvalConfig.following``).
     ``progress`` shows one progress bar on stderr. With ``config.check_sequential``
     any difference from sequential decoding fails the evaluation after the files
@@ -238,8 +242,9 @@ def evaluate(
     # an LM's: prompts in its chat template
     inputs = family.encode_sources(sources, tok, config.max_source_len, chat_renderer(tok))
 
-    _warm_up(model, inputs[0], _methods(config), config.exit_rule)
-    decoded, sequential, oracle, mismatches, gated = _decode(model, inputs, config, progress, tok.stop_ids)
+    with packed_while(model):  # a looped LM decodes on packed weights; the perplexity below runs its forward
+        _warm_up(model, inputs[0], _methods(config), config.exit_rule)
+        decoded, sequential, oracle, mismatches, gated = _decode(model, inputs, config, progress, tok.stop_ids)
     hypotheses = tok.decode_batch(decoded.tokens)
     scores = {name: METRICS[name] for name in get_task(config.task).metrics}
 
