@@ -14,7 +14,14 @@ from speed.train.local_ray import OWNER_ENV, end_processes, marked_processes
 
 
 def _marked_sleeper(token: str) -> subprocess.Popen:
-    return subprocess.Popen(["sleep", "120"], env={**os.environ, OWNER_ENV: token})
+    """A marked ``sleep``, returned once its environment shows in /proc: Popen returns when the exec has closed the
+    child's descriptors, a moment before the kernel sets up the new environment (read meanwhile, it is empty)."""
+    sleeper = subprocess.Popen(["sleep", "120"], env={**os.environ, OWNER_ENV: token})
+    deadline = time.monotonic() + 10
+    while f"{OWNER_ENV}={token}".encode() not in open(f"/proc/{sleeper.pid}/environ", "rb").read().split(b"\0"):
+        assert time.monotonic() < deadline, "the sleeper's environment never showed"
+        time.sleep(0.01)
+    return sleeper
 
 
 def test_marked_processes_are_found_and_ended():
