@@ -8,12 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import speed_as_sequential, speed_runs_match
+from test_lm import _randomize
+from test_lm_decoding import GQA, prompts
 from test_lm_decoding import random_case as lm_case
 
-from speed.decode.exactness import LogitRecorder
+from speed.config import lm_preset
+from speed.decode.exactness import LogitRecorder, compare_logits
 from speed.decode.generate import generate
 from speed.engine import Speculation, kernels, native
 from speed.engine.sampling import Sampling
+from speed.models.looped_lm import LoopedLM
 from speed.models.precision import bf16_weights
 
 WIDTHS = [(7, 5), (48, 80), (33, 64), (2048, 2304), (5632, 130)]  # (in, out): odd tails, Ouro-1.4B's widths
@@ -120,3 +124,38 @@ def test_packed_while_restores_the_model_bit_for_bit_even_when_the_block_fails()
     assert after.keys() == before.keys()
     for name, (value, grad) in before.items():
         assert torch.equal(after[name], value) and after[name].requires_grad == grad, name
+
+
+FUSED = {  # the block forms the published looped LMs use, each through native.lm_block
+    "ouro": {"pattern": "2x3", "norm": "sandwich", "loop_norm": True},
+    "huginn": {"pattern": "1+2x3+1", "norm": "residual", "qk_bias": True, "rope_layout": "pairs", "injection": True}
+    | GQA,
+    "llama-gqa": {"pattern": "3x2"} | GQA,
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("form", FUSED)
+def test_fused_block_gives_the_bits_of_its_kernels_one_by_one(form, dtype, monkeypatch):
+    """A packed looped LM's block in one native call (``native.lm_block``, ``SPEED_DECODE_OPS=auto``) gives every
+    loop's logits of the same kernels called one by one from Python ("ops"), bit for bit, batch 8, in each block
+    form (sandwich norms, Huginn's residual norms with q/k biases, rotated pairs and injection, grouped kv heads);
+    and SPEED on it equals that sequential decoding."""
+    monkeypatch.setattr(kernels, "NATIVE_MIN_BYTES", 0)  # the tiny float32 weights pack too
+    seed = sorted(FUSED).index(form) * 2 + (dtype == "float32")
+    model = _randomize(LoopedLM(lm_preset("tiny", **FUSED[form])), 1000 + seed)
+    model = bf16_weights(model) if dtype == "bfloat16" else model
+    assert kernels.pack_linears(model) > 0
+    ids, mask = prompts(__import__("random").Random(seed), 8, model.vocab_size)
+    monkeypatch.setattr(kernels, "DECODE_OPS", "ops")
+    reference = LogitRecorder(model)
+    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=12)
+    monkeypatch.setattr(kernels, "DECODE_OPS", "auto")
+    calls = []
+    fused = native.lm_block
+    monkeypatch.setattr(native, "lm_block", lambda *a: calls.append(1) or fused(*a))
+    candidate = LogitRecorder(model)
+    got = generate(candidate, ids, mask, method="sequential", max_new_tokens=12)
+    assert len(calls) >= model.n_loops * len(model.core)  # every decode pass through it (a tile of rows a call)
+    assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [] and got.tokens == ref.tokens
+    speed_as_sequential(model, reference, ref, ids, mask, 12, form)

@@ -133,6 +133,11 @@ class KVCache:
         return [*self.keys, *self.values, *self.side_keys, *self.side_values]
 
     @property
+    def pool_head_stride(self) -> int:
+        """Elements between two kv heads' entries of one position in a layer's pool (the native attention's)."""
+        return (self.n_blocks + 1) * ATTN_CHUNK * self.keys[0].shape[-1] if self.keys else 0
+
+    @property
     def blocks_used(self) -> int:
         """Pool blocks taken now (by every slot)."""
         return self.n_blocks - len(self._free)
@@ -187,6 +192,15 @@ class KVCache:
                 c = torch.as_tensor(chain, device=k.device)
                 self.write(layer, rows.take(chain), k.index_select(0, c), v.index_select(0, c))
             return
+        chunk = self._claim(layer, rows)
+        _, loop_t, _ = rows.tensors(self.device)
+        block, within = self._places(rows, chunk)
+        self.keys[layer][loop_t, :, block, within] = k
+        self.values[layer][loop_t, :, block, within] = v
+
+    def _claim(self, layer: int, rows: Rows) -> np.ndarray:
+        """A chain write's bookkeeping: check that each row lands at the end of its virtual layer's valid prefix,
+        give its chunk a block, count its position valid. Returns the rows' chunks."""
         have = self.lengths[rows.loop, layer, rows.slot]
         if not np.array_equal(have, rows.pos):
             bad = int(np.flatnonzero(have != rows.pos)[0])
@@ -199,10 +213,16 @@ class KVCache:
         chunk = rows.pos // ATTN_CHUNK
         self._take(rows.slot, chunk)
         self.lengths[rows.loop, layer, rows.slot] = rows.pos + 1
-        _, loop_t, _ = rows.tensors(self.device)
-        block, within = self._places(rows, chunk)
-        self.keys[layer][loop_t, :, block, within] = k
-        self.values[layer][loop_t, :, block, within] = v
+        return chunk
+
+    def claim(self, layer: int, rows: Rows) -> tuple[Tensor, Tensor]:
+        """For a caller that writes the chain rows' keys/values itself (``speed.engine.native.lm_block``): the
+        checks and bookkeeping of ``write`` (no branch rows), then the native attention's index
+        (``_attend_offsets``), in which row r's own place is ``offsets[r, lengths[r] - 1]``."""
+        if rows.side is not None or not self.native_attention:
+            raise CacheError("claim is for chain rows on the native attention (write, then attend, otherwise)")
+        self._claim(layer, rows)
+        return self._attend_offsets(rows)
 
     def write_span(self, layer: int, loop: int, slot: int, start: int, k: Tensor, v: Tensor) -> None:
         """Write positions start..start+T-1 of one slot at virtual layer (``loop``, ``layer``): k, v (H, T, D).
@@ -302,10 +322,9 @@ class KVCache:
         """
         if self.native_attention:
             offsets, lengths = self._attend_offsets(rows)
-            D = q.shape[-1]
+            D, stride = q.shape[-1], self.pool_head_stride
             sides = (self.side_keys[layer], self.side_values[layer]) if self.n_side else (None, None)
-            pool_head_stride = (self.n_blocks + 1) * ATTN_CHUNK * D
-            return native.attend(q, self.keys[layer], self.values[layer], *sides, offsets, lengths, pool_head_stride, D)
+            return native.attend(q, self.keys[layer], self.values[layer], *sides, offsets, lengths, stride, D)
         bias = self._attend_bias(rows, q.dtype)  # (R, 1, 1, span)
         keys, values = self.read(layer, rows, bias.shape[-1])  # 2 x (R, H, span, D)
         group = q.shape[1] // self.n_heads

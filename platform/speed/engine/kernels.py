@@ -101,23 +101,39 @@ if LINEAR not in LINEARS:
 
 
 # The decode's other row ops (the attention over the KV cache, RMS norms, SwiGLU's gate): "auto" (the native
-# kernels on CPU float32 rows and caches where they build, else torch's) or "torch" (always torch's: ``attend`` on
-# the cache's gathered copy, ``nn.RMSNorm``, ``silu(gate) * up``). Chosen by dtype and device, never per pass.
-DECODE_OPS_CHOICES = ("auto", "torch")
+# kernels on CPU float32 rows and caches where they build, a looped LM's block on packed weights in one native
+# call, ``native.lm_block``; else torch's), "ops" (the same native kernels, one call each: the same bits as
+# "auto") or "torch" (always torch's: ``attend`` on the cache's gathered copy, ``nn.RMSNorm``, ``silu(gate) *
+# up``). Chosen by dtype and device, never per pass.
+DECODE_OPS_CHOICES = ("auto", "ops", "torch")
 DECODE_OPS = os.environ.get("SPEED_DECODE_OPS", "auto")
 if DECODE_OPS not in DECODE_OPS_CHOICES:
     raise ValueError(f"SPEED_DECODE_OPS={DECODE_OPS!r}: choose one of {DECODE_OPS_CHOICES}")
 
 
+def fused_block_on(x: Tensor, rows: Rows, cache_native: bool) -> bool:
+    """Whether a looped-LM block may run decode rows x in one native call (``native.lm_block``; ``DECODE_OPS``
+    "auto"; "ops" runs the same kernels one call each): float32 rows on the CPU without gradients, no branch rows,
+    a cache on the native attention. The block checks its own weights (packed, one dtype)."""
+    return (
+        DECODE_OPS == "auto"
+        and cache_native
+        and rows.side is None
+        and 1 <= x.shape[0] <= native.MAX_ROWS
+        and native.supports_rows(x)
+        and _no_grad(x, x)
+    )
+
+
 def attention_native(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a KV cache of this dtype on this device attends on the native kernel (``DECODE_OPS``)."""
-    return DECODE_OPS == "auto" and native.supports_attention(dtype, device)
+    return DECODE_OPS != "torch" and native.supports_attention(dtype, device)
 
 
 def tile_rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """``norm(x)`` for decode rows (n, d): an ``nn.RMSNorm`` on the native kernel (``DECODE_OPS``; each row alone,
     one fixed order), else the module itself (``nn.Identity`` too)."""
-    if isinstance(norm, nn.RMSNorm) and DECODE_OPS == "auto" and native.supports_rows(x) and _no_grad(norm.weight, x):
+    if isinstance(norm, nn.RMSNorm) and DECODE_OPS != "torch" and native.supports_rows(x) and _no_grad(norm.weight, x):
         eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
         return native.rms_norm(x, norm.weight, eps)
     return norm(x)
@@ -132,7 +148,7 @@ def tile_rope(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool, turn: Turn) -> T
     ``pairs`` layout or not, on cos/sin (n, 1, D)), which runs otherwise: one call instead of about ten small ops
     a head group."""
     contiguous_heads = x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[-1]
-    if DECODE_OPS == "auto" and contiguous_heads and native.supports_rows(x) and _no_grad(x, x):
+    if DECODE_OPS != "torch" and contiguous_heads and native.supports_rows(x) and _no_grad(x, x):
         if cos.dtype == torch.float32:
             return native.rope(x, cos, sin, pairs)
     return turn(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
@@ -140,7 +156,7 @@ def tile_rope(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool, turn: Turn) -> T
 
 def tile_swiglu(gate_up: Tensor) -> Tensor:
     """``silu(gate) * up`` of decode rows (n, 2F) holding [gate; up]: native (``DECODE_OPS``) or torch's."""
-    if DECODE_OPS == "auto" and native.supports_rows(gate_up) and _no_grad(gate_up, gate_up):
+    if DECODE_OPS != "torch" and native.supports_rows(gate_up) and _no_grad(gate_up, gate_up):
         return native.swiglu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 MAX_ROWS = 8  # rows per call: the kernel keeps each row's sums in registers
-ABI = 5  # speed_linear_abi() of the source this module calls
+ABI = 6  # speed_linear_abi() of the source this module calls
 PANEL = 32  # outputs per panel of a packed weight (``pack``): speed_linear_panel() of the source
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ def _load() -> ctypes.CDLL:
     lib.speed_rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     lib.speed_rope_f32.argtypes += [ctypes.c_int]
     lib.speed_rope_f32.restype = None
+    for name in ("speed_lm_block_f32", "speed_lm_block_bf16"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -319,3 +323,72 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool) -> Tensor:
                              int(pairs))
     return out
 
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """What ``lm_block`` reads of one looped-LM block besides its rows: the four linears packed by ``pack`` (one
+    dtype), the norms' float32 gains (an out norm None where the block has none), their eps, whether the out
+    norms apply to the residual sums (``norm_sum``), the q/k biases (None: none) and the attention's shape."""
+
+    qkv: Tensor
+    o: Tensor
+    wi: Tensor
+    wo: Tensor
+    attn_norm: Tensor
+    attn_out_norm: Tensor | None
+    mlp_norm: Tensor
+    mlp_out_norm: Tensor | None
+    eps: tuple[float, float, float, float]
+    norm_sum: bool
+    q_bias: Tensor | None
+    k_bias: Tensor | None
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    pairs: bool
+
+
+def lm_block(
+    x: Tensor,
+    w: BlockWeights,
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    offsets: Tensor,
+    lengths: Tensor,
+    pool_head_stride: int,
+) -> Tensor:
+    """One looped-LM block on decode rows x (R, d) float32 (``speed.models.looped_lm.Block.decode``, bit for bit, in
+    one call): norms, the packed linears, q/k biases and rotation (cos/sin (R, D)), each row's key and value written
+    at its own position (``offsets[r, lengths[r] - 1]`` in the pool ``keys``/``values``, as ``attend`` reads them),
+    the attention, SwiGLU and both residual sums. Returns the rows' outputs (R, d). The cache's bookkeeping (its
+    lengths, its blocks) is the caller's; no branch rows (no side entries)."""
+    lib = library()
+    x = x.contiguous()
+    R, d = x.shape
+    H, D = w.n_heads, w.head_dim
+    for t in (cos, sin):
+        if t.shape != (R, D) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"contiguous float32 cos and sin of shape ({R}, {D}) are needed, got {tuple(t.shape)}")
+    if offsets.dtype != torch.int64 or lengths.dtype != torch.int64 or not offsets.is_contiguous():
+        raise ValueError("offsets and lengths must be contiguous int64")
+    if not 1 <= R <= MAX_ROWS or not (keys.is_contiguous() and values.is_contiguous()):
+        raise ValueError(f"1..{MAX_ROWS} rows and a contiguous pool are needed, got {R} rows")
+    out = torch.empty(R, d, dtype=torch.float32)
+
+    def ptr(t: Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    ints = (ctypes.c_int64 * 29)(
+        x.data_ptr(), out.data_ptr(), R, d, H, w.n_kv_heads, D, w.d_ff,
+        ptr(w.attn_norm), ptr(w.attn_out_norm), ptr(w.mlp_norm), ptr(w.mlp_out_norm), int(w.norm_sum),
+        w.qkv.data_ptr(), w.o.data_ptr(), w.wi.data_ptr(), w.wo.data_ptr(), ptr(w.q_bias), ptr(w.k_bias),
+        cos.data_ptr(), sin.data_ptr(), int(w.pairs), keys.data_ptr(), values.data_ptr(),
+        offsets.data_ptr(), lengths.data_ptr(), offsets.shape[1], pool_head_stride, torch.get_num_threads(),
+    )  # fmt: skip
+    floats = (ctypes.c_float * 5)(*w.eps, D**-0.5)
+    call = lib.speed_lm_block_f32 if w.qkv.dtype == torch.float32 else lib.speed_lm_block_bf16
+    call(ctypes.addressof(ints), ctypes.addressof(floats))
+    return out

@@ -305,6 +305,81 @@ __attribute__((optimize("fp-contract=off"))) void rope(const float *x, int64_t r
     }
 }
 
+
+// One Llama block of a looped LM on decode rows, every step on the kernels above in the order the Python path
+// (speed.models.looped_lm.Block.decode) runs them, so each output is bit for bit that path's; no Python between the
+// steps (and none of its memory traffic between the weight streams). Ints a[] and floats f[] as named in
+// speed.engine.native.lm_block. The rows' keys/values go to their own positions' places (off[r, len[r] - 1]) before
+// the attention reads them; the cache's bookkeeping (lengths, blocks) is the caller's.
+template <typename W>
+void lm_block(const int64_t *a, const float *f) {
+    const float *x = (const float *)a[0];
+    float *out = (float *)a[1];
+    const int64_t R = a[2], d = a[3], H = a[4], K = a[5], D = a[6], F = a[7];
+    const float *attn_norm = (const float *)a[8], *attn_out_norm = (const float *)a[9];
+    const float *mlp_norm = (const float *)a[10], *mlp_out_norm = (const float *)a[11];
+    const bool norm_sum = a[12] != 0;
+    const W *wqkv = (const W *)a[13], *wo = (const W *)a[14], *wi = (const W *)a[15], *wdown = (const W *)a[16];
+    const float *q_bias = (const float *)a[17], *k_bias = (const float *)a[18];
+    const float *cos = (const float *)a[19], *sin = (const float *)a[20];
+    const int pairs = (int)a[21];
+    float *kp = (float *)a[22], *vp = (float *)a[23];
+    const int64_t *off = (const int64_t *)a[24], *len = (const int64_t *)a[25];
+    const int64_t L = a[26], pool_hs = a[27];
+    const int threads = (int)a[28];
+    const float eps_attn = f[0], eps_attn_out = f[1], eps_mlp = f[2], eps_mlp_out = f[3], q_scale = f[4];
+    const int64_t W3 = (H + 2 * K) * D;
+    std::vector<float> h(R * d), qkv(R * W3), qb, kb, q(R * H * D), k(R * K * D), y(R * H * D), o(R * d);
+    std::vector<float> x1(R * d), gu(R * 2 * F), s(R * F);
+    // attention: norm, q;k;v, bias, rotation, the rows' keys/values written, attention, output projection
+    rms_norm(x, attn_norm, h.data(), R, d, eps_attn);
+    linear_packed(h.data(), wqkv, qkv.data(), R, d, W3, threads);
+    const float *qsrc = qkv.data(), *ksrc = qkv.data() + H * D;
+    int64_t qstride = W3, kstride = W3;
+    if (q_bias) {
+        qb.resize(R * H * D);
+        kb.resize(R * K * D);
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t i = 0; i < H * D; i++) qb[r * H * D + i] = qkv[r * W3 + i] + q_bias[i];
+            for (int64_t i = 0; i < K * D; i++) kb[r * K * D + i] = qkv[r * W3 + H * D + i] + k_bias[i];
+        }
+        qsrc = qb.data(), ksrc = kb.data(), qstride = H * D, kstride = K * D;
+    }
+    rope(qsrc, qstride, cos, sin, q.data(), R, H, D, pairs);
+    rope(ksrc, kstride, cos, sin, k.data(), R, K, D, pairs);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t at = off[r * L + len[r] - 1];
+        for (int64_t g = 0; g < K; g++) {
+            const float *kr = k.data() + (r * K + g) * D, *vr = qkv.data() + r * W3 + (H + K) * D + g * D;
+            for (int64_t i = 0; i < D; i++) {
+                kp[at + g * pool_hs + i] = kr[i];
+                vp[at + g * pool_hs + i] = vr[i];
+            }
+        }
+    }
+    for (int64_t i = 0; i < R * H * D; i++) q[i] = q[i] * q_scale;
+    attend(q.data(), kp, vp, kp, vp, off, len, R, H, D, L, pool_hs, D, H / K, y.data(), threads);
+    linear_packed(y.data(), wo, o.data(), R, H * D, d, threads);
+    // x + out_norm(o), or out_norm(x + o) (norm_sum); no out norm: x + o
+    auto residual = [&](const float *base, float *sub, const float *w, float eps, float *dst) {
+        if (norm_sum) {
+            for (int64_t i = 0; i < R * d; i++) sub[i] = base[i] + sub[i];
+            rms_norm(sub, w, dst, R, d, eps);
+        } else if (w) {
+            rms_norm(sub, w, dst, R, d, eps);
+            for (int64_t i = 0; i < R * d; i++) dst[i] = base[i] + dst[i];
+        } else {
+            for (int64_t i = 0; i < R * d; i++) dst[i] = base[i] + sub[i];
+        }
+    };
+    residual(x, o.data(), attn_out_norm, eps_attn_out, x1.data());
+    // feed-forward: norm, [gate; up], silu(gate) * up, down projection, the residual again
+    rms_norm(x1.data(), mlp_norm, h.data(), R, d, eps_mlp);
+    linear_packed(h.data(), wi, gu.data(), R, d, 2 * F, threads);
+    swiglu(gu.data(), s.data(), R, F);
+    linear_packed(s.data(), wdown, o.data(), R, F, d, threads);
+    residual(x1.data(), o.data(), mlp_out_norm, eps_mlp_out, out);
+}
 }  // namespace
 
 extern "C" {
@@ -312,7 +387,9 @@ void speed_rope_f32(const float *x, int64_t row_stride, const float *cos, const 
                     int64_t heads, int64_t D, int pairs) {
     rope(x, row_stride, cos, sin, out, R, heads, D, pairs);
 }
-int speed_linear_abi() { return 5; }
+int speed_linear_abi() { return 6; }
+void speed_lm_block_f32(const int64_t *a, const float *f) { lm_block<float>(a, f); }
+void speed_lm_block_bf16(const int64_t *a, const float *f) { lm_block<uint16_t>(a, f); }
 int speed_linear_panel() { return PANEL; }
 void speed_rms_norm_f32(const float *x, const float *w, float *out, int64_t R, int64_t D, float eps) {
     rms_norm(x, w, out, R, D, eps);

@@ -42,12 +42,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.config import LMConfig, RopeLayout
+from speed.engine import native
 from speed.engine.cache import KVCache, Rows, kv_bytes, pool_blocks
 from speed.engine.kernels import (
     ATTN_CHUNK,
     TILE_ROWS,
     BiasFree,
     chunk_span,
+    fused_block_on,
     in_tiles,
     pack_linears,
     rows_linear,
@@ -236,10 +238,44 @@ class Block(nn.Module):
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
         """One tile of decode rows (n, d) through this block (see ``Attention.decode``), the norms on the decode
-        rows' kernel (``tile_rms_norm``)."""
+        rows' kernel (``tile_rms_norm``); on packed weights the whole block in one native call (``native.lm_block``,
+        the same kernels in the same order: the same bits)."""
+        if fused_block_on(x, rows, cache.native_attention):
+            weights = self._block_weights(cos)
+            if weights is not None:
+                offsets, lengths = cache.claim(layer, rows)
+                keys, values = cache.keys[layer], cache.values[layer]
+                return native.lm_block(x, weights, cos, sin, keys, values, offsets, lengths, cache.pool_head_stride)
         y = self.attn.decode(tile_rms_norm(self.attn_norm, x), cos, sin, rows, cache, layer)
         x = self._add(x, y, self.attn_out_norm, tile_rms_norm)
         return self._add(x, self.mlp.decode(tile_rms_norm(self.mlp_norm, x)), self.mlp_out_norm, tile_rms_norm)
+
+
+    def _block_weights(self, cos: Tensor) -> native.BlockWeights | None:
+        """What ``native.lm_block`` reads of this block, or None where it cannot run it: every linear packed
+        (``pack_linears``) in one dtype, RMS norms of float32 gains, float32 angles."""
+        a, m = self.attn, self.mlp
+        linears = (a.qkv.weight, a.o.weight, m.wi.weight, m.wo.weight)
+        if cos.dtype != torch.float32 or not cos.is_contiguous():
+            return None
+        if any(w.dim() != 3 or w.dtype != linears[0].dtype for w in linears):
+            return None
+        norms = (self.attn_norm, self.attn_out_norm, self.mlp_norm, self.mlp_out_norm)
+        if not all(isinstance(n, nn.RMSNorm) and n.weight.dtype == torch.float32 for n in norms[::2]):
+            return None
+        if not all(isinstance(n, (nn.RMSNorm, nn.Identity)) for n in norms[1::2]):
+            return None
+        gains = [n.weight if isinstance(n, nn.RMSNorm) else None for n in norms]
+        if any(g is not None and g.dtype != torch.float32 for g in gains):
+            return None
+        eps = tuple(
+            (n.eps if n.eps is not None else torch.finfo(torch.float32).eps) if isinstance(n, nn.RMSNorm) else 0.0
+            for n in norms
+        )
+        return native.BlockWeights(
+            *linears, *gains, eps, self.norm_sum, a.q_bias, a.k_bias,
+            a.n_heads, a.n_kv_heads, a.head_dim, m.wo.in_features, a.layout != "halves",
+        )  # fmt: skip
 
 
 @dataclass
