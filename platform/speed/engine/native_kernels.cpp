@@ -329,16 +329,19 @@ void lm_block(const int64_t *a, const float *f) {
     const int threads = (int)a[28];
     const float eps_attn = f[0], eps_attn_out = f[1], eps_mlp = f[2], eps_mlp_out = f[3], q_scale = f[4];
     const int64_t W3 = (H + 2 * K) * D;
-    std::vector<float> h(R * d), qkv(R * W3), qb, kb, q(R * H * D), k(R * K * D), y(R * H * D), o(R * d);
-    std::vector<float> x1(R * d), gu(R * 2 * F), s(R * F);
+    // scratch kept per thread and grown, never shrunk: no allocation (nor page faults) a call once warm
+    static thread_local std::vector<float> h, qkv, qb, kb, q, k, y, o, x1, gu, s;
+    for (auto [v, n] : {std::pair{&h, R * d}, {&qkv, R * W3}, {&q, R * H * D}, {&k, R * K * D}, {&y, R * H * D},
+                        {&o, R * d}, {&x1, R * d}, {&gu, R * 2 * F}, {&s, R * F}})
+        if ((int64_t)v->size() < n) v->resize(n);
     // attention: norm, q;k;v, bias, rotation, the rows' keys/values written, attention, output projection
     rms_norm(x, attn_norm, h.data(), R, d, eps_attn);
     linear_packed(h.data(), wqkv, qkv.data(), R, d, W3, threads);
     const float *qsrc = qkv.data(), *ksrc = qkv.data() + H * D;
     int64_t qstride = W3, kstride = W3;
     if (q_bias) {
-        qb.resize(R * H * D);
-        kb.resize(R * K * D);
+        if ((int64_t)qb.size() < R * H * D) qb.resize(R * H * D);
+        if ((int64_t)kb.size() < R * K * D) kb.resize(R * K * D);
         for (int64_t r = 0; r < R; r++) {
             for (int64_t i = 0; i < H * D; i++) qb[r * H * D + i] = qkv[r * W3 + i] + q_bias[i];
             for (int64_t i = 0; i < K * D; i++) kb[r * K * D + i] = qkv[r * W3 + H * D + i] + k_bias[i];
