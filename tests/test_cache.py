@@ -56,6 +56,33 @@ def test_gaps_and_overwrites_are_errors():
         cache.write(0, Rows.build([0, 0], [0, 0], [0, 1]), torch.zeros(2, 1, 1), torch.zeros(2, 1, 1))
 
 
+def test_claim_keeps_the_books_of_a_write_and_points_at_its_places():
+    """``claim`` (a native block writes the keys itself): the checks and lengths of ``write``, and each row's own
+    place in the attention's index; refused for branch rows."""
+    from speed.engine import native
+
+    cache = KVCache(n_loops=2, n_layers=2, n_slots=2, n_heads=2, max_len=70, d_kv=4)
+    if not cache.native_attention:
+        pytest.skip(f"no native attention here: {native.unavailable_reason()}")
+    for pos in range(40):  # slot 1 into its second block
+        cache.write(0, Rows.build([1], [0], [pos]), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))
+    rows = Rows.build([0, 1], [1, 0], [0, 40])
+    with pytest.raises(CacheError, match="position 40, but its valid length is 0"):
+        cache.claim(1, rows)  # layer 1 of slot 1 holds nothing yet
+    offsets, lengths = cache.claim(0, rows)
+    assert cache.lengths[1, 0, 0] == 1 and cache.lengths[0, 0, 1] == 41 and lengths.tolist() == [1, 41]
+    k = torch.arange(16.0).view(2, 2, 4)
+    flat = cache.keys[0].view(-1)
+    for r in range(2):  # write where the index says, as native.lm_block does: read back in the row's place
+        at = int(offsets[r, lengths[r] - 1])
+        for g in range(2):
+            flat[at + g * cache.pool_head_stride : at + g * cache.pool_head_stride + 4] = k[r, g]
+    assert torch.equal(cache.slot_entries(0, 0, 1)[0][1, :, 0], k[0])
+    assert torch.equal(cache.slot_entries(0, 1, 41)[0][0, :, 40], k[1])
+    with pytest.raises(CacheError, match="chain rows"):
+        cache.claim(0, Rows.build([0, 1], [0, 0], [0, 41], side=[0, -1], up=[(), ()]))
+
+
 def test_reset_and_max_len():
     cache = KVCache(n_loops=1, n_layers=1, n_slots=1, n_heads=1, max_len=1, d_kv=1)
     z = torch.zeros(1, 1, 1)
