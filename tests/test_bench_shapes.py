@@ -99,6 +99,11 @@ def test_a_tiny_shape_runs_end_to_end(tmp_path, capsys, monkeypatch):
         first["sequential"]["ms_per_token"] / first["speed_oracle"]["ms_per_token"]
     )
     assert summary["sequential_vs_limit"] == pytest.approx(first["sequential"]["ratio_vs_limit"])
+    paired = summary["paired"]  # one round: its ratios are the medians' (the limit at that round's own read)
+    assert paired["rounds"] == 1 and paired["oracle_speedup"] == pytest.approx(summary["oracle_speedup"])
+    assert paired["sequential_vs_limit"] == pytest.approx(
+        summary["sequential_vs_limit"] * paired["read_gb_per_s"] / summary["read_gb_per_s"]
+    )
 
 
 def test_two_dtypes_are_timed_in_the_same_rounds(capsys, monkeypatch, tmp_path):
@@ -126,6 +131,30 @@ def test_two_dtypes_are_timed_in_the_same_rounds(capsys, monkeypatch, tmp_path):
     assert summary["dtype_speedup"]["bfloat16"] == pytest.approx(
         {v: rows["float32", v]["ms_per_token"] / rows["bfloat16", v]["ms_per_token"] for v in kinds}
     )
+
+
+def test_paired_ratios_are_taken_round_by_round(capsys, monkeypatch, tmp_path):
+    """``summary.paired``: each round's ratios (sequential over oracle SPEED, over the limit at that round's read,
+    float32 over bf16), then their median; three rounds, each round's figures kept (``per_round``)."""
+    monkeypatch.setitem(SHAPES, "tiny-ouro", TINY_OURO)
+    flags = ["--shape", "tiny-ouro", "--reps", "3", "--new-tokens", "3", "--prompt-len", "4", "--bandwidth-mib", "8"]
+    flags += ["--batches", "1", "--dtype", "float32,bfloat16", "--out", str(tmp_path / "rows.parquet"), "--json"]
+    assert _job().main(flags) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])["summary"]
+    paired, each = summary["paired"], summary["paired"]["per_round"]
+    assert paired["rounds"] == 3 and all(len(v) == 3 for k, v in each.items() if k != "dtype_speedup")
+    assert max(each["read_gb_per_s"]) <= summary["read_gb_per_s"] * (1 + 1e-9)  # the run's best: also untimed reads
+    for key in ("oracle_speedup", "sequential_vs_limit", "read_gb_per_s"):
+        assert paired[key] == pytest.approx(sorted(each[key])[1])
+    assert paired["dtype_speedup"]["bfloat16"] == pytest.approx(sorted(each["dtype_speedup"]["bfloat16"])[1])
+    # each round's oracle speed-up from the times that round printed (ms a run, to 0.1 ms; less the first token's)
+    printed = [dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].removesuffix(" ms/token").split(", "))
+               for line in out if line.lstrip().startswith("round ")]  # fmt: skip
+    for r, times in enumerate(printed):
+        seq = float(times["float32/packed/sequential"]) - float(times["float32/packed/sequential/first"])
+        oracle = float(times["float32/packed/speed_oracle"]) - float(times["float32/packed/speed/first"])
+        assert (seq - 0.1) / (oracle + 0.1) <= each["oracle_speedup"][r] <= (seq + 0.1) / (oracle - 0.1)
 
 
 def test_packed_and_plain_weights_are_timed_in_the_same_rounds(capsys, monkeypatch, tmp_path):

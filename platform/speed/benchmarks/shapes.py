@@ -237,9 +237,11 @@ def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, Any]
         f"device={cfg.device}",
         flush=True,
     )
-    rows, bandwidth_times = [], []
+    rows, bandwidth_times, rounds = [], [], {}
     for batch in cfg.batches:
-        rows += _batch_rows(cfg, models, batch, buffer, bandwidth_times)
+        batch_rows, per_round = _batch_rows(cfg, models, batch, buffer, bandwidth_times)
+        rows += batch_rows
+        rounds.setdefault(batch, per_round)
     read_gbps = cfg.bandwidth_bytes / min(bandwidth_times) / 1e9
     for row in rows:  # the bandwidth of the whole run: the best read of all rounds
         per_token = streamed[row["dtype"], row["layout"]] / row["batch"]
@@ -276,7 +278,32 @@ def run_shape_benchmark(cfg: ShapeBenchConfig) -> tuple[pa.Table, dict[str, Any]
         summary["dtype_speedup"] = {other: ratios((other, layout)) for other in cfg.dtypes[1:]}
     if len(cfg.layouts) > 1:
         summary["layout_speedup"] = {other: ratios((main, other)) for other in cfg.layouts[1:]}
+    summary["paired"] = _paired(rounds[cfg.batches[0]], streamed, cfg)
     return pa.Table.from_pylist(rows, schema=LM_BENCH_SCHEMA), summary
+
+
+def _paired(per_round: dict, streamed: dict, cfg: ShapeBenchConfig) -> dict[str, Any]:
+    """The headline ratios taken within each round, then their median over the rounds (``paired``): where the
+    machine's bandwidth moves between rounds, a ratio of two medians may set one mode's time against another's,
+    while a round's two runs are seconds apart. Also each round's figures (``per_round``)."""
+    main, layout = cfg.dtypes[0], cfg.layouts[0]
+    seq, oracle = per_round[main, layout, "sequential"], per_round[main, layout, "speed_oracle"]
+    batch = cfg.batches[0]
+    limit = [streamed[main, layout] / batch / (gbps * 1e9) * 1000 for gbps in per_round["read_gb_per_s"]]
+    each: dict[str, Any] = {
+        "oracle_speedup": [a / b for a, b in zip(seq, oracle)],
+        "sequential_vs_limit": [a / b for a, b in zip(seq, limit)],
+        "read_gb_per_s": per_round["read_gb_per_s"],
+    }
+    others = list(cfg.dtypes[1:])
+    if others:
+        each["dtype_speedup"] = {d: [a / b for a, b in zip(seq, per_round[d, layout, "sequential"])] for d in others}
+    paired: dict[str, Any] = {
+        key: statistics.median(each[key]) for key in ("oracle_speedup", "sequential_vs_limit", "read_gb_per_s")
+    }
+    if others:
+        paired["dtype_speedup"] = {d: statistics.median(v) for d, v in each["dtype_speedup"].items()}
+    return paired | {"rounds": len(seq), "per_round": each}
 
 
 def _batch_rows(
@@ -285,9 +312,10 @@ def _batch_rows(
     batch: int,
     buffer: torch.Tensor,
     bandwidth_times: list[float],
-) -> list[dict]:
+) -> tuple[list[dict], dict]:
     """One batch's rows: sequential, oracle SPEED and SPEED's own in each (dtype, layout)'s model, all timed
-    interleaved in the same rounds with the bandwidth read (a run named ``dtype/layout/variant``)."""
+    interleaved in the same rounds with the bandwidth read (a run named ``dtype/layout/variant``); and each round's
+    time per token of every (dtype, layout, variant) and read bandwidth (``_paired``)."""
     torch.manual_seed(cfg.seed + batch)
     ids = torch.randint(3, cfg.model.vocab_size, (batch, cfg.prompt_len))  # no special token below 3
     n = cfg.new_tokens
@@ -310,7 +338,11 @@ def _batch_rows(
         checks[dtype, layout] = (results, reference)
     variants["bandwidth"] = read_bandwidth(buffer, bandwidth_times)
     print(f" batch {batch}:", flush=True)
+    start = len(bandwidth_times) + 3  # interleave's untimed first call reads three times too
     times = interleave(variants, cfg.reps, cfg.device)  # ms per run
+    reads = bandwidth_times[start:]  # three a round, in round order
+    size_b = buffer.numel() * buffer.element_size()
+    per_round: dict = {"read_gb_per_s": [size_b / min(reads[i : i + 3]) / 1e9 for i in range(0, len(reads), 3)]}
     med = {name: statistics.median(ts) for name, ts in times.items()}
     run_cfg = _RunColumns(cfg.model, batch, cfg.reps, cfg.device)
     peak = peak_rss()
@@ -321,6 +353,11 @@ def _batch_rows(
         first = {"sequential": med[f"{name}/sequential/first"], "speed_oracle": med[f"{name}/speed/first"]}
         first["speed"] = first["speed_oracle"]
         per_token = {kind: (med[f"{name}/{kind}"] - first[kind]) / (batch * (n - 1)) for kind in VARIANTS}
+        for kind in VARIANTS:
+            starts = times[f"{name}/{'sequential' if kind == 'sequential' else 'speed'}/first"]
+            per_round[dtype, layout, kind] = [
+                (t - t1) / (batch * (n - 1)) for t, t1 in zip(times[f"{name}/{kind}"], starts)
+            ]
         shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": dtype}
         shared["layout"] = layout
         rows += [
@@ -329,7 +366,7 @@ def _batch_rows(
             | {"ttft_ms": first[kind], "peak_rss_bytes": peak}
             for kind in VARIANTS
         ]
-    return rows
+    return rows, per_round
 
 
 @dataclass(frozen=True)
