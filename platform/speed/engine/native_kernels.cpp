@@ -114,8 +114,8 @@ void linear(const float *x, const W *w, float *out, int64_t R, int64_t K, int64_
 constexpr int PANEL = 32;
 // Every block prefetches its panel rows this far ahead (in k), but float32 at one row. Measured at Ouro-1.4B's
 // widths: on AMD Zen 4, 7-8 rows +6-11 % in float32 and +36-40 % in bfloat16, 1-6 rows unchanged (the hardware
-// prefetcher kept up); on an Intel Xeon (AMX generation, 2.6 GHz), 2-6 rows +5-24 % in float32 and 2-8 rows
-// +10-50 % in bfloat16, one bfloat16 row +12 %, one float32 row 2.5 % slower (so it prefetches none).
+// prefetcher kept up); on an Intel Xeon (AMX generation, 2.6 GHz), 2-6 rows +5-24 % in float32 and 1-6 rows
+// +10-44 % in bfloat16, one float32 row 2.5 % slower (so it prefetches none).
 constexpr int PREFETCH_K = 32;
 
 inline void load_panel(const float *p, __m512 &lo, __m512 &hi) {
