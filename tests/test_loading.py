@@ -4,12 +4,16 @@ after a memory check that names what fits (``speed.models.pretrained.check_load`
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 from imported_helpers import one_line
 from looped_refs import write_huginn_checkpoint, write_ouro_checkpoint
 
 from speed import hf_files
+from speed.benchmarks.checkpoints import PUBLISHED, write_checkpoint
 from speed.benchmarks.loading import measure_load
 from speed.engine.memory import MEMORY_LIMIT_ENV, MemoryBudgetError, size
 from speed.engine.types import EngineConfig
@@ -155,3 +159,38 @@ def test_t5_and_llama_read_into_their_places_and_compare_stored_copies(tmp_path)
         with pytest.raises(WeightsError) as error:
             from_pretrained(directory)
         assert one_line(error).endswith(f"tied checkpoint, but {copy} differs from {original}")
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_full_size_writer_at_a_tiny_size(tmp_path, name):
+    """``speed.benchmarks.checkpoints`` with each published layout's fields at a tiny size: shards of at most the
+    limit (a tensor alone may pass it) with their index, Huginn's tied embedding stored twice, equal; the importer
+    loads it; the tokenizer decodes every id and renders a chat."""
+    from safetensors.torch import load_file
+
+    from speed.hf_tokenizer import load_tokenizer
+
+    published = PUBLISHED[name]
+    tiny = {"vocab_size": 4096, "padded_vocab_size": 4096, "hidden_size": 32, "n_embd": 32, "num_attention_heads": 4,
+            "n_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "intermediate_size": 48, "num_hidden_layers": 2,
+            "block_size": 64, "bos_token_id": 4000, "eos_token_id": 4001}  # fmt: skip
+    specials = {4000 + i: token for i, token in enumerate(published.specials.values())}
+    small = replace(published, config=published.config | tiny, specials=specials)
+    written = write_checkpoint(tmp_path, small, shard_bytes=200_000)
+    stored = _huginn_tensors(tmp_path)
+    assert len(written.files) > 1 and set(stored) == set(small.tensors())
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index.values()) == set(written.files)
+    for file in written.files:
+        tensors = load_file(tmp_path / file)
+        assert len(tensors) == 1 or sum(t.nbytes for t in tensors.values()) <= 200_000
+        assert {t.dtype for n, t in tensors.items() if n != "freqs_cis"} <= {published.dtype}
+    assert written.bytes == sum(t.nbytes for t in stored.values())
+    if published.tied_copy:
+        assert torch.equal(stored["lm_head.weight"], stored["transformer.wte.weight"])
+    model = from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert model.config.vocab_size == 4096 and model.n_loops == small.lm_config().sharing.n_loops
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.decode(list(range(0, 4000, 7))).split() == [f"w{i}" for i in range(0, 4000, 7)]
+    assert tokenizer.encode("w5 w3999")[:2] == [5, 3999]
+    assert tokenizer.chat_template is not None
