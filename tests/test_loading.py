@@ -114,7 +114,7 @@ def test_the_memory_check_refuses_before_allocating_and_names_what_fits(tmp_path
     monkeypatch.setenv(MEMORY_LIMIT_ENV, str((bf16.total + f32.total) // 2))
     with pytest.raises(MemoryBudgetError) as error:
         from_pretrained(tmp_path, dtype=torch.float32)
-    assert one_line(error).startswith(f"{tmp_path.name} as float32 needs {size(f32.total)} (weights ")
+    assert one_line(error).startswith(f"{tmp_path.name} as float32 needs {size(f32.total)} for its weights, ")
     assert one_line(error).endswith(f"available ({MEMORY_LIMIT_ENV}): bfloat16 ({size(bf16.total)}) fits")
     monkeypatch.setenv(MEMORY_LIMIT_ENV, str(bf16.total + served.allocated // 2))
     with pytest.raises(MemoryBudgetError, match=r"as bfloat16 needs .* cache .*: nothing fits \(float32 needs "):

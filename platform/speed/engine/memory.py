@@ -140,6 +140,5 @@ def check_choice(what: str, needs: Mapping[str, MemoryNeed], asked: str, device:
     others = {name: other.total for name, other in needs.items() if name != asked}
     fitting = [f"{name} ({size(total)}) fits" for name, total in others.items() if total <= available]
     fits = ", ".join(fitting) or "nothing fits (" + ", ".join(f"{n} needs {size(t)}" for n, t in others.items()) + ")"
-    raise MemoryBudgetError(
-        f"{what} as {asked} needs {need.describe()}, {size(available)} available ({source}): {fits}"
-    )
+    needs_text = need.describe() if need.allocated else f"{size(need.total)} for its weights"
+    raise MemoryBudgetError(f"{what} as {asked} needs {needs_text}, {size(available)} available ({source}): {fits}")
