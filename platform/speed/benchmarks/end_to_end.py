@@ -116,6 +116,7 @@ def _serve_chats(directory: str, dtype: str, tokens: int) -> tuple[float, list[i
     from speed.serve.stop import stop_serving
 
     settings = {"max_active": 2, "max_source_len": PROMPT_LEN, "max_target_len": tokens + 1, "max_tokens": tokens}
+    settings["allow_branches"] = False  # as the check counted: Huginn's side entries would be 4-8 GiB a slot
     stats = tempfile.mkdtemp(prefix="speed-end-to-end-")
     context = ray.init(address="local", **local_ray_options(), runtime_env=code_runtime_env(), log_to_driver=False)
     try:
