@@ -41,7 +41,7 @@ from speed.engine.memory import MemoryBudgetError
 from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
 from speed.hf_tokenizer import load_tokenizer
 from speed.models.exits import EXITS_CONFIG_FILE
-from speed.models.precision import DTYPES, dtype_named, with_dtype
+from speed.models.precision import DTYPES, dtype_named
 from speed.models.pretrained import load_pretrained
 from speed.storage import locate
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
         config = from_dict(EvalConfig, given)  # flag strings coerced by the field types, checked
         exits = device_exit_adapters(args.device) if args.exit_adapters is None else args.exit_adapters
-        loaded = load_pretrained(args.checkpoint, map_location=args.device, exits=exits)
+        loaded = load_pretrained(args.checkpoint, map_location=args.device, exits=exits, dtype=dtype_named(args.dtype))
         # SPEED's settings left unset take the device's defaults (speed.engine.defaults: branches with lanes on a GPU)
         config = from_dict(EvalConfig, device_levers(args.device, loaded.model.n_loops) | given)
         data = loaded.config.get("job", {}).get("data", {})
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unused = not exits and (locate(loaded.checkpoint) / EXITS_CONFIG_FILE).is_file()
     plain = "-no-exit-adapters" if unused else ""  # beside the evaluation with them, not over it
     out = args.out or f"{loaded.checkpoint}/eval/{config.task}-{config.split}{plain}"
-    model = loaded.model.to(args.device)  # the loader fills a CPU-built model: move it where it should decode
-    model = with_dtype(model, dtype_named(args.dtype))
+    model = loaded.model.to(args.device)  # the loader fills a CPU-built model (as --dtype): move it where it decodes
     with user_errors((MemoryBudgetError,)):  # a batch the device cannot hold: one line saying what fits, status 2
         summary = run_evaluation(model, tokenizer, config, out)
     print(format_summary(summary))

@@ -10,26 +10,34 @@ imports it.
   ``model_type`` (``FORMS``): ``"t5"`` (T5 v1.1: ``feed_forward_proj == "gated-gelu"``), ``"llama"``,
   ``"ouro"`` (ByteDance's Ouro) or ``"huginn"`` (``model_type == "huginn_raven"``: Huginn-0125).
 - ``tensor_shapes(dir)``: every tensor's name, shape and stored dtype, from the safetensors headers alone.
-- ``read_weights(dir, dtype, expected, optional)``: the tensors, read one at a time straight from the file
-  into each tensor's own memory, floating-point ones converted to ``dtype``; checked against ``expected``
-  (name -> shape) before any is read, with a one-line ``WeightsError`` naming what is missing, unexpected
-  or of the wrong shape.
-- ``read_into(dir, destinations)``: the same, copied into tensors the caller allocated (rows of fused ones).
+- ``read_weights(dir, dtype, expected, optional)``: the tensors, each allocated as ``dtype`` (floating-point ones)
+  and filled by ``read_into``; checked against ``expected`` (name -> shape) before any is read, with a one-line
+  ``WeightsError`` naming what is missing, unexpected or of the wrong shape.
+- ``read_into(dir, destinations, copies)``: each tensor copied into a tensor the caller allocated (a parameter, rows
+  of a fused one), shard by shard: read straight into it where the stored dtype is its own, else in chunks of
+  ``CHUNK_BYTES`` converted as they are copied; a stored copy of a tied tensor compared with it on the way.
 - ``weights_bytes(expected, dtype)``: what those tensors take in memory, before reading them.
 
 Weights are ``model.safetensors``, or shards named by ``model.safetensors.index.json`` (its
 ``weight_map``: tensor name -> shard file), as ``transformers`` looks for them (the single file first).
 Only safetensors are read: a directory with ``pytorch_model.bin`` alone is refused (a pickle can run
-code when loaded). Directories are local paths.
+code when loaded). Directories are local paths. A safetensors file is an 8-byte header length, a JSON header
+(name -> dtype, shape, byte range) and the raw data, so each tensor's bytes are read with ``readinto`` from
+their offset straight into their destination: what a memory map would give, without its cost, since a map's
+touched pages count in the resident set beside the model until unmapped (a second copy at the peak), while read
+pages go to the page cache, which the kernel drops under pressure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -42,6 +50,7 @@ PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 MODEL_TYPES = {"t5": "t5", "llama": "llama", "ouro": "ouro", "huginn_raven": "huginn"}
 FORMS = tuple(dict.fromkeys(MODEL_TYPES.values()))
 T5_FEED_FORWARD = "gated-gelu"
+CHUNK_BYTES = 16 * 2**20  # a tensor converted or compared as it is read goes through a buffer of at most this
 NAMES_SHOWN = 5  # names listed in an error before "(+N more)"
 # safetensors' dtype names -> torch's (the formats a checkpoint of the platform's forms holds)
 DTYPES = {
@@ -136,33 +145,40 @@ def read_weights(
 
     With ``expected`` (name -> shape), every name in it but those in ``optional`` must be present, no other
     name may be, and each shape must match; all of this is checked from the headers before any tensor is
-    read, and a failure is one ``WeightsError`` line naming the problem. Tensors are read one at a time,
-    each from the file straight into its own memory and converted as it is read: no memory map keeps the
-    file's pages resident beside them, so loading holds the model once (and one tensor in its stored dtype).
-    """
-    files = weight_files(directory)
+    read, and a failure is one ``WeightsError`` line naming the problem. Each tensor is allocated in its final
+    dtype and filled by ``read_into``: loading holds the tensors once, plus one chunk."""
+    stored = _stored(weight_files(directory))
     if expected is not None:
-        found = {name: shape for name, (shape, _) in _shapes(files).items()}
-        check_shapes(directory, found, expected, optional)
-    weights: dict[str, torch.Tensor] = {}
-    for path, names in _by_file(files).items():
-        for name, tensor in _read_tensors(path, names):
-            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
-            weights[name] = tensor
+        check_shapes(directory, {name: s.shape for name, s in stored.items()}, expected, optional)
+    weights = {
+        name: torch.empty(s.shape, dtype=dtype if dtype is not None and s.dtype.is_floating_point else s.dtype)
+        for name, s in stored.items()
+    }
+    read_into(directory, weights)
     return weights
 
 
-def read_into(directory: str | Path, destinations: Mapping[str, torch.Tensor]) -> None:
+def read_into(
+    directory: str | Path, destinations: Mapping[str, torch.Tensor], copies: Mapping[str, str] | None = None
+) -> None:
     """Copy each named tensor of the directory into its destination (a tensor of the same shape: a parameter, or
-    rows of a fused one), converting to the destination's dtype as it is copied; names and shapes are the
-    caller's to check first (``check_shapes``). The model's memory is allocated once, by the caller: loading
-    adds one stored tensor at a time."""
-    files = weight_files(directory)
-    for path, names in _by_file({name: files[name] for name in destinations}).items():
-        for name, tensor in _read_tensors(path, names, destinations):
-            if tensor is not destinations[name]:  # another dtype (or not contiguous): converted as copied
-                destinations[name].copy_(tensor)
+    rows of a fused one), shard by shard, converting to the destination's dtype as it is copied; names and shapes
+    are the caller's to check first (``check_shapes``). The model's memory is allocated once, by the caller: a
+    tensor stored in its destination's dtype is read straight into it, any other in chunks of ``CHUNK_BYTES``
+    (so loading adds at most a chunk, whatever the largest tensor).
+
+    ``copies`` (stored name -> the destination name it duplicates: a tied head stored beside its embedding) are
+    compared with their original chunk by chunk, as stored, while the original is read (no copy kept); a copy that
+    differs is one ``WeightsError`` line. A copy the directory does not store is not looked for."""
+    stored = _stored(weight_files(directory))
+    twins: dict[str, list[_Stored]] = {}
+    for copy, original in (copies or {}).items():
+        if copy in stored:
+            twins.setdefault(original, []).append(stored[copy])
+    with _Files() as files:
+        for _, names in _by_file({name: stored[name].path for name in destinations}).items():
+            for name in names:
+                _fill(files, stored[name], destinations[name], twins.get(name, ()))
 
 
 def check_shapes(
@@ -213,27 +229,79 @@ def _header(path: Path) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def _read_tensors(
-    path: Path, names: Iterable[str], into: Mapping[str, torch.Tensor] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each named tensor of the safetensors file ``path``, as stored, read with plain reads (a memory map's touched
-    pages would stay resident beside the tensors: a second copy while loading): straight into ``into[name]``
-    where that is a contiguous tensor of the stored dtype, else into a fresh tensor."""
-    header, start = _header(path)
-    into = into or {}
-    with open(path, "rb") as file:
+@dataclass(frozen=True)
+class _Stored:
+    """Where one tensor lies: its file, stored dtype and shape, its data's first byte in the file and its bytes."""
+
+    name: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _stored(files: Mapping[str, Path]) -> dict[str, _Stored]:
+    """Every tensor of ``files`` (name -> file) as its header places it; one header read per file."""
+    found: dict[str, _Stored] = {}
+    for path, names in _by_file(files).items():
+        header, start = _header(path)
         for name in names:
             entry = header[name]
             if entry["dtype"] not in DTYPES:
                 raise WeightsError(f"{path}: {name} is stored as {entry['dtype']}, which the platform does not read")
             begin, end = entry["data_offsets"]
-            stored, given = DTYPES[entry["dtype"]], into.get(name)
-            direct = given is not None and given.dtype == stored and given.is_contiguous() and not given.is_cuda
-            tensor = given if direct else torch.empty(entry["shape"], dtype=stored)
-            file.seek(start + begin)
-            if file.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - begin:
-                raise WeightsError(f"{path}: {name} is cut short (the file ends inside it)")
-            yield name, tensor
+            found[name] = _Stored(name, path, DTYPES[entry["dtype"]], tuple(entry["shape"]), start + begin, end - begin)
+    return found
+
+
+class _Files(contextlib.ExitStack):
+    """The safetensors files a load reads, each opened once and closed at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._open: dict[Path, BinaryIO] = {}
+
+    def read(self, tensor: _Stored, start: int, into: torch.Tensor) -> None:
+        """Bytes ``start`` onwards of ``tensor`` into ``into`` (a contiguous CPU tensor: its bytes are filled)."""
+        if tensor.path not in self._open:
+            self._open[tensor.path] = self.enter_context(open(tensor.path, "rb"))  # noqa: SIM115 (closed by the stack)
+        file = self._open[tensor.path]
+        file.seek(tensor.offset + start)
+        if into.numel() and file.readinto(into.view(-1).view(torch.uint8).numpy()) != into.nbytes:
+            raise WeightsError(f"{tensor.path}: {tensor.name} is cut short (the file ends inside it)")
+
+
+def _fill(files: _Files, tensor: _Stored, destination: torch.Tensor, copies: Iterable[_Stored]) -> None:
+    """``tensor`` into ``destination``: read straight in where it is a contiguous CPU tensor of the stored dtype
+    and no copy is compared, else chunk by chunk, each converted as it is copied and compared with ``copies``."""
+    copies = list(copies)
+    for copy in copies:
+        if (copy.dtype, copy.shape) != (tensor.dtype, tensor.shape):
+            raise WeightsError(
+                f"{copy.path}: {copy.name} is stored as a copy of {tensor.name} (tied), but as {copy.dtype} "
+                f"{_shape(copy.shape)}, not {tensor.dtype} {_shape(tensor.shape)}"
+            )
+    direct = destination.dtype == tensor.dtype and destination.is_contiguous() and destination.device.type == "cpu"
+    if direct and not copies:
+        files.read(tensor, 0, destination)
+        return
+    contiguous = destination.is_contiguous()
+    target = destination if contiguous else torch.empty_like(destination, memory_format=torch.contiguous_format)
+    flat, itemsize = target.view(-1), tensor.dtype.itemsize
+    step = max(1, CHUNK_BYTES // itemsize)
+    chunk = torch.empty(min(step, flat.numel()), dtype=tensor.dtype)
+    twin = torch.empty_like(chunk) if copies else None
+    for first in range(0, flat.numel(), step):
+        part = chunk[: min(step, flat.numel() - first)]
+        files.read(tensor, first * itemsize, part)
+        for copy in copies:
+            files.read(copy, first * itemsize, twin[: part.numel()])
+            if not torch.equal(part.view(torch.uint8), twin[: part.numel()].view(torch.uint8)):
+                raise WeightsError(f"{copy.path}: tied checkpoint, but {copy.name} differs from {tensor.name}")
+        flat[first : first + part.numel()].copy_(part)
+    if not contiguous:
+        destination.copy_(target)
 
 
 def _shapes(files: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -11,7 +11,10 @@
 - ``speed.benchmarks.serving``: one request at a time vs continuous batching, sequential vs SPEED, over HTTP;
   ``jobs/bench_serve.py``.
 - ``speed.benchmarks.loading``: ``speed.from_pretrained`` at real sizes: load time and peak resident set over the
-  weights, in a fresh process.
+  weights beside the memory check's figure, each dtype in a fresh process; ``speed.benchmarks.checkpoints`` writes
+  the full-size random checkpoints in the published layouts it runs on.
+- ``speed.benchmarks.end_to_end``: one directory as a user meets it: the memory check, the load, SPEED equal to
+  sequential, a two-request chat through Serve in bf16 weights, the check's figures beside the resident sets.
 - ``speed.benchmarks.gpu``: the GPU check, every CUDA path once (training, CPU agreement, decode timing,
   pytest -m gpu) on a machine without Ray; ``jobs/gpu_check.py``.
 """

@@ -9,12 +9,16 @@ asked, what it needs, what is available and what fits, before a single tensor is
 of blocks (``speed.engine.cache``): by default as many as ``max_active`` requests at their longest take, fewer where
 those do not fit (an engine then admits fewer requests at once, never fails mid-decode), and ``EngineConfig.kv_blocks``
 sets it outright.
+
+A model is checked the same way before it is loaded (``check_choice``: the weights and an engine's capacity, in
+the dtype asked and its alternatives, ``speed.models.pretrained.check_load``), so a load that cannot fit is
+refused in one line naming what would, before its first tensor is allocated.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import psutil
@@ -123,3 +127,18 @@ def check_memory(
         f"{size(asked.side)}, memory {size(asked.memory)}; weights {size(asked.weights)} already loaded), but "
         f"{size(available)} is available ({source}); fits: {fits_text}"
     )
+
+
+def check_choice(what: str, needs: Mapping[str, MemoryNeed], asked: str, device: torch.device) -> MemoryNeed:
+    """``needs[asked]`` (``needs``: one choice's name, a dtype, -> what it needs in all, weights included) if its
+    total fits what ``device`` has available; else ``MemoryBudgetError``, one line: ``what`` as ``asked``, what it
+    needs (its parts), what is available, and which other choices fit (or that none does)."""
+    need = needs[asked]
+    available, source = available_bytes(device)
+    if need.total <= available:
+        return need
+    others = {name: other.total for name, other in needs.items() if name != asked}
+    fitting = [f"{name} ({size(total)}) fits" for name, total in others.items() if total <= available]
+    fits = ", ".join(fitting) or "nothing fits (" + ", ".join(f"{n} needs {size(t)}" for n, t in others.items()) + ")"
+    needs_text = need.describe() if need.allocated else f"{size(need.total)} for its weights"
+    raise MemoryBudgetError(f"{what} as {asked} needs {needs_text}, {size(available)} available ({source}): {fits}")

@@ -38,10 +38,9 @@ import torch
 from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
-from speed.hf_files import read_config, read_weights
-from speed.models.hf_import import UnsupportedConfig, assemble, check_tied, expect, field, loop_count, single_eos
+from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
+from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, single_eos
 from speed.models.looped_lm import LoopedLM
-from speed.models.precision import WEIGHTS_DTYPE, with_dtype
 
 EMBEDDING, HEAD, FREQS = "transformer.wte.weight", "lm_head.weight", "freqs_cis"
 PARTS = {"prelude": "prelude", "core_block": "core", "coda": "coda"}  # published -> ours
@@ -114,41 +113,61 @@ def optional(config: LMConfig) -> tuple[str, ...]:
     return (FREQS, HEAD) if config.tie_embeddings else (FREQS,)
 
 
-def huginn_parameters(weights: Mapping[str, Tensor], config: LMConfig) -> dict[str, Tensor]:
-    """Our parameters (name -> tensor) from Huginn's published tensors (the module doc's mapping)."""
-    values = {
-        "embed_tokens.weight": weights[EMBEDDING],
-        "norm.weight": weights["transformer.ln_f.weight"],
-        "adapter.weight": weights["transformer.adapter.weight"],
-    }
-    if config.adapter_bias:
-        values["adapter_bias"] = weights["transformer.adapter.bias"]
-    if not config.tie_embeddings:
-        values["lm_head.weight"] = weights[HEAD]
-    for hf, ours in _blocks(config):
-        values |= {f"{ours}{norm}.weight": weights[f"{hf}{theirs}.weight"] for theirs, norm in NORMS.items()}
-        values |= {
-            ours + "attn.qkv.weight": weights[hf + "attn.Wqkv.weight"],
-            ours + "attn.o.weight": weights[hf + "attn.proj.weight"],
-            ours + "mlp.wi.weight": weights[hf + "mlp.fc.weight"],  # rows [gate; up], as ours
-            ours + "mlp.wo.weight": weights[hf + "mlp.proj.weight"],
+def huginn_destinations(model: LoopedLM) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Where each of Huginn's published tensors goes in ``model`` (the module doc's mapping), and the query/key
+    biases' own tensors: each block's ``attn.qk_bias`` (2, 1, H, D) is read into a small tensor of its own
+    (``qk_biases``, to be split by ``split_qk_biases``), everything else straight into its parameter. A tied
+    model's head is its embedding, and is not a destination."""
+    c = model.config
+    found = {EMBEDDING: model.embed_tokens.weight, "transformer.ln_f.weight": model.norm.weight}
+    found["transformer.adapter.weight"] = model.adapter.weight
+    if c.adapter_bias:
+        found["transformer.adapter.bias"] = model.adapter_bias
+    if not c.tie_embeddings:
+        found[HEAD] = model.lm_head.weight
+    ours = dict(model.named_parameters())
+    qk_biases = {}
+    for hf, block in _blocks(c):
+        found |= {f"{hf}{theirs}.weight": ours[f"{block}{norm}.weight"] for theirs, norm in NORMS.items()}
+        found |= {
+            hf + "attn.Wqkv.weight": ours[block + "attn.qkv.weight"],
+            hf + "attn.proj.weight": ours[block + "attn.o.weight"],
+            hf + "mlp.fc.weight": ours[block + "mlp.wi.weight"],  # rows [gate; up], as ours
+            hf + "mlp.proj.weight": ours[block + "mlp.wo.weight"],
         }
-        if config.qk_bias:
-            bias = weights[hf + "attn.qk_bias"]  # (2, 1, H, D): q's, k's
-            values |= {ours + "attn.q_bias": bias[0, 0], ours + "attn.k_bias": bias[1, 0]}
-    return values
+        if c.qk_bias:
+            bias = ours[block + "attn.q_bias"]
+            qk_biases[hf + "attn.qk_bias"] = torch.empty((2, 1, *bias.shape), dtype=bias.dtype)
+    return found, qk_biases
+
+
+def split_qk_biases(model: LoopedLM, qk_biases: Mapping[str, Tensor]) -> None:
+    """Each block's published ``qk_bias`` (2, 1, H, D) into its query and key biases (``[0, 0]``, ``[1, 0]``)."""
+    ours = dict(model.named_parameters())
+    for hf, block in _blocks(model.config):
+        if hf + "attn.qk_bias" in qk_biases:
+            bias = qk_biases[hf + "attn.qk_bias"]
+            ours[block + "attn.q_bias"].copy_(bias[0, 0])
+            ours[block + "attn.k_bias"].copy_(bias[1, 0])
 
 
 def load_huginn(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_loops: int | None = None) -> LoopedLM:
     """A Huginn-0125 directory (config.json and safetensors; its code is never run) as a ``LoopedLM`` (eval
-    mode, ``dtype``) recurring ``n_loops`` times (Huginn's ``num_steps``; default its ``mean_recurrence``)."""
+    mode, ``dtype``) recurring ``n_loops`` times (Huginn's ``num_steps``; default its ``mean_recurrence``).
+
+    The model is allocated once, empty, and each published tensor read into its place, converted chunk by chunk
+    where its dtype differs (the published float32 shards into bf16 weights): loading holds the weights once,
+    plus one chunk. A tied head stored beside the embedding (as published) is compared with it as it is read."""
     hf = read_config(directory)
     config = config_from_huginn(hf, n_loops)
-    as_read = None if dtype == WEIGHTS_DTYPE else dtype  # bf16 weights: as stored, then each part to its own dtype
-    weights = read_weights(directory, as_read, huginn_shapes(config, field(hf, "block_size")), optional(config))
-    if config.tie_embeddings:
-        check_tied(str(directory), weights, HEAD, EMBEDDING)
-    return with_dtype(assemble(config, huginn_parameters(weights, config)), dtype)
+    found = {name: shape for name, (shape, _) in tensor_shapes(directory).items()}
+    check_shapes(directory, found, huginn_shapes(config, field(hf, "block_size")), optional(config))
+    model = empty_model(config, dtype)
+    destinations, qk_biases = huginn_destinations(model)
+    with torch.no_grad():
+        read_into(directory, destinations | qk_biases, {HEAD: EMBEDDING} if config.tie_embeddings else None)
+        split_qk_biases(model, qk_biases)
+    return model.eval()
 
 
 def _blocks(config: LMConfig) -> list[tuple[str, str]]:

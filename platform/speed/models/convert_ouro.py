@@ -16,7 +16,7 @@ Parameter mapping (published name -> ours; ``q;k;v`` means rows concatenated)::
     model.layers.i.post_attention_layernorm(_2)              -> core.i.mlp_norm (mlp_out_norm)
     model.early_exit_gate                                    -> exit_gate
 
-No other tensor is accepted, none may be missing (``speed.hf_files.read_weights``); with
+No other tensor is accepted, none may be missing (``speed.hf_files.check_shapes``); with
 ``tie_word_embeddings`` the head is the embedding (``lm_head.weight``, when stored, must equal it).
 """
 
@@ -31,9 +31,8 @@ from torch import Tensor
 
 from speed.config import LMConfig
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
-from speed.models.hf_import import UnsupportedConfig, check_tied, expect, field, loop_count, single_eos
+from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, single_eos
 from speed.models.looped_lm import LoopedLM
-from speed.models.precision import with_dtype
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # published sandwich norm -> ours, in each layer
@@ -131,20 +130,13 @@ def load_ouro(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_lo
     ``dtype``) looping ``n_loops`` times (Ouro's ``total_ut_steps``; default the checkpoint's own).
 
     The model is allocated once, empty, and each published tensor copied into its place (``ouro_destinations``):
-    loading holds the weights once, plus one stored tensor."""
+    loading holds the weights once, plus one chunk; a tied head stored beside the embedding is compared with it
+    as the embedding is read."""
     config = config_from_ouro(read_config(directory), n_loops)
     optional = (HEAD,) if config.tie_embeddings else ()
     found = {name: shape for name, (shape, _) in tensor_shapes(directory).items()}
     check_shapes(directory, found, ouro_shapes(config), optional)
-    with torch.device("meta"):
-        model = LoopedLM(config)
-    model = with_dtype(model, dtype).to_empty(device="cpu")  # each tensor read straight into its own dtype
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = empty_model(config, dtype)
     with torch.no_grad():
-        read_into(directory, ouro_destinations(model))
-    if config.tie_embeddings and HEAD in found:
-        stored = {HEAD: torch.empty_like(model.embed_tokens.weight), EMBEDDING: model.embed_tokens.weight}
-        read_into(directory, {HEAD: stored[HEAD]})
-        check_tied(str(directory), stored, HEAD, EMBEDDING)
+        read_into(directory, ouro_destinations(model), {HEAD: EMBEDDING} if config.tie_embeddings else None)
     return model.eval()

@@ -257,7 +257,8 @@ def _ffn(hf: str, ours: str) -> dict[str, tuple[str, ...]]:
     }
 
 
-def _is_skipped(name: str, skipped: dict[str, str]) -> bool:
+def is_skipped(name: str, skipped: dict[str, str]) -> bool:
+    """Whether the HF tensor ``name`` is one ``skipped`` names (exactly, or under a ``prefix.*``)."""
     return name in skipped or any(key.endswith(".*") and name.startswith(key[:-1]) for key in skipped)
 
 
@@ -271,7 +272,7 @@ def from_hf_state_dict(
     mismatch, or an embedding copy that differs from ``shared`` is an error.
     """
     plan = conversion_plan(config, hf_decoder_layers, layer_map)
-    check_names(state_dict, plan.used, lambda name: _is_skipped(name, plan.skipped))
+    check_names(state_dict, plan.used, lambda name: is_skipped(name, plan.skipped))
     shared = state_dict["shared.weight"]
     for name in EMBEDDING_COPIES:
         if name in state_dict and not torch.equal(state_dict[name], shared):

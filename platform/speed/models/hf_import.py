@@ -1,22 +1,27 @@
 """What the importers of published looped LMs share (``convert_ouro``, ``convert_huginn``): config.json's
-fields read with one-line errors, and a ``LoopedLM`` assembled from converted tensors.
+fields read with one-line errors, and an empty ``LoopedLM`` that the weights are read into.
 
 A field the platform cannot honour (a sliding window, scaled rotary embeddings, test-time noise, ...) is an
-``UnsupportedConfig`` naming it; the weights' names and shapes are checked by ``speed.hf_files.read_weights``
-before any is read.
+``UnsupportedConfig`` naming it; the weights' names and shapes are checked (``speed.hf_files.check_shapes``)
+before any is read, then each is read into its place in a model allocated once (``empty_model``,
+``row_destinations``, ``speed.hf_files.read_into``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from speed.config import LMConfig
+from speed.config import LMConfig, ModelConfig
 from speed.hf_files import ModelFilesError, WeightsError
+from speed.models.family import build_model
 from speed.models.looped_lm import LoopedLM
+from speed.models.precision import with_dtype
+from speed.models.t5 import SpeedT5
 
 _REQUIRED = object()
 
@@ -62,21 +67,43 @@ def loop_count(n_loops: int | None, default: int, option: str) -> int:
     return count
 
 
-def check_tied(where: str, weights: Mapping[str, Tensor], head: str, embedding: str) -> None:
-    """A ``WeightsError`` when a tied checkpoint stores its LM head and it differs from the embedding."""
-    if head in weights and not torch.equal(weights[head], weights[embedding]):
-        raise WeightsError(f"{where}: tied checkpoint, but {head} differs from {embedding}")
-
-
-def assemble(config: LMConfig, values: Mapping[str, Tensor]) -> LoopedLM:
-    """A ``LoopedLM`` of ``config`` (eval mode) holding ``values`` (our parameter name -> tensor) as its
-    parameters, not copies: built on the meta device, so no random weights are made first."""
+def empty_model(config: ModelConfig | LMConfig, dtype: torch.dtype) -> SpeedT5 | LoopedLM:
+    """A model of ``config`` in the mode ``dtype`` names (``speed.models.precision.with_dtype``), its parameters
+    allocated and not initialised (built on the meta device): what a loader fills with ``read_into``, the model's
+    memory allocated once and touched once. A tied head is the embedding."""
     with torch.device("meta"):
-        model = LoopedLM(config)
-    values = dict(values)
-    if config.tie_embeddings:
-        values["lm_head.weight"] = values["embed_tokens.weight"]
-    model.load_state_dict(values, strict=True, assign=True)
-    if config.tie_embeddings:  # assign made two parameters of one tensor: one parameter again
+        model = build_model(config)
+    model = with_dtype(model, dtype).to_empty(device="cpu")
+    if getattr(config, "tie_embeddings", False):  # to_empty gives each module its own tensor: one parameter again
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval()
+    return model
+
+
+def row_destinations(
+    where: str | Path,
+    model: nn.Module,
+    sources: Mapping[str, tuple[str, ...]],
+    shapes: Mapping[str, tuple[int, ...]],
+    copied: Collection[str] = (),
+) -> dict[str, Tensor]:
+    """Published tensor name -> the rows of ``model``'s parameter it fills, where ``sources[ours]`` are the published
+    tensors concatenated along dim 0 into our parameter ``ours`` (``q;k;v``) and ``shapes`` their stored shapes: so
+    that loading writes each parameter in place and concatenates nothing. A ``WeightsError`` line (prefixed
+    ``where``) where a parameter has no source (but those ``copied`` from another by the caller) or its sources'
+    shapes do not make it."""
+    parameters = dict(model.named_parameters())
+    unfilled = sorted(set(parameters) - set(sources) - set(copied))
+    if unfilled:
+        raise WeightsError(f"{where}: nothing loads {len(unfilled)} parameter(s) of the model: {unfilled[:5]}")
+    found: dict[str, Tensor] = {}
+    for ours, names in sources.items():
+        parameter, row = parameters[ours], 0
+        fits = all(tuple(shapes[name][1:]) == tuple(parameter.shape[1:]) for name in names)
+        for name in names:
+            rows = shapes[name][0] if shapes[name] else 1
+            found[name] = parameter[row : row + rows]
+            row += rows
+        if not fits or row != parameter.shape[0] or (len(names) == 1 and len(shapes[names[0]]) != parameter.dim()):
+            stored = " + ".join(f"{name} {tuple(shapes[name])}" for name in names)
+            raise WeightsError(f"{where}: {stored} cannot make {ours} of shape {tuple(parameter.shape)}")
+    return found

@@ -22,29 +22,39 @@ from pathlib import Path
 
 import torch
 
-from speed.config import LMConfig, to_dict
-from speed.hf_files import model_form, read_config, read_weights
+from speed.config import LMConfig, ModelConfig, to_dict
+from speed.engine.memory import MemoryNeed, check_choice
+from speed.engine.types import EngineConfig
+from speed.hf_files import model_form, read_config, read_into, tensor_shapes
 from speed.hf_tokenizer import TOKENIZER_FILE
 from speed.models.checkpoint import MODEL_FILE, LoadedModel, latest_checkpoint, load_model, read_checkpoint_config
 from speed.models.convert_huginn import config_from_huginn, load_huginn
 from speed.models.convert_ouro import config_from_ouro, load_ouro
-from speed.models.family import family_of
+from speed.models.family import build_model, family_of
+from speed.models.hf_import import empty_model, row_destinations
 from speed.models.looped_lm import LoopedLM
-from speed.models.precision import with_dtype
+from speed.models.precision import DTYPES, dtype_named, with_dtype
 from speed.models.t5 import SpeedT5
 from speed.storage import absolute, locate
 
+HEAD = "lm_head.weight"  # the head's published name in every form
 LOOPED = {"ouro": load_ouro, "huginn": load_huginn}  # form -> loader taking n_loops
 
 
 def from_pretrained(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, n_loops: int | None = None
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    n_loops: int | None = None,
+    capacity: EngineConfig | None = None,
 ) -> SpeedT5 | LoopedLM:
     """The model at ``path`` (a Hugging Face directory or a platform checkpoint), in eval mode, as ``dtype``
     (``torch.bfloat16``: bf16 weights, the linear weights bfloat16 and the rest float32; ``speed.models.precision``).
 
-    ``n_loops``: the recurrences of a published looped LM (Ouro's ``total_ut_steps``, Huginn's
-    ``num_steps``), by default the checkpoint's own; other models loop as their pattern says, and refuse it.
+    ``n_loops``: the recurrences of a published looped LM (Ouro's ``total_ut_steps``, Huginn's ``num_steps``), by
+    default the checkpoint's own; other models loop as their pattern says, and refuse it. A Hugging Face directory
+    is checked first (``check_load``): its weights, and an engine of ``capacity`` when given, must fit the memory
+    available, else one ``MemoryBudgetError`` line says what would; then it is allocated once and read into.
     """
     if _is_platform_checkpoint(path):
         _no_loop_option(n_loops, "a platform checkpoint")
@@ -53,26 +63,73 @@ def from_pretrained(
     if not where.local:  # safetensors are read from local files: the directory comes here first
         with tempfile.TemporaryDirectory(prefix="speed-pretrained-") as local:
             where.download(local)
-            return from_pretrained(local, dtype=dtype, n_loops=n_loops)
+            return from_pretrained(local, dtype=dtype, n_loops=n_loops, capacity=capacity)
+    check_load(path, dtype=dtype, n_loops=n_loops, capacity=capacity)
     form = model_form(read_config(path))
     if form in LOOPED:
         return LOOPED[form](path, dtype=dtype, n_loops=n_loops)
+    return (_load_t5 if form == "t5" else _load_llama)(path, dtype).eval()
+
+
+def check_load(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    n_loops: int | None = None,
+    capacity: EngineConfig | None = None,
+) -> MemoryNeed:
+    """What loading the Hugging Face directory ``path`` (local) as ``dtype`` needs, and an engine of ``capacity``
+    beside it (its key/value pool for ``max_active`` requests at their longest, or ``kv_blocks``, and side entries
+    with ``branches``), from config.json alone, if it fits the host's available memory (``SPEED_MEMORY_LIMIT``
+    bytes when set: ``speed.engine.memory.available_bytes``); else ``MemoryBudgetError``, one line naming the
+    dtypes that fit (``speed.engine.memory.check_choice``)."""
+    config = converted_config(path, n_loops)
+    needs = {name: _need(config, dtype_named(name), capacity) for name in DTYPES}
+    asked = str(dtype).removeprefix("torch.")
+    if asked not in needs:
+        needs[asked] = _need(config, dtype, capacity)
+    return check_choice(Path(path).name or str(path), needs, asked, torch.device("cpu"))
+
+
+def converted_config(path: str | Path, n_loops: int | None = None) -> ModelConfig | LMConfig:
+    """The config ``from_pretrained`` gives the Hugging Face directory ``path`` (local), from its config.json alone."""
+    hf = read_config(path)
+    form = model_form(hf)
+    if form in LOOPED:
+        return (config_from_ouro if form == "ouro" else config_from_huginn)(hf, n_loops)
     _no_loop_option(n_loops, f"a {form} checkpoint")
-    return with_dtype((_load_t5 if form == "t5" else _load_llama)(path), dtype).eval()
+    if form == "llama":
+        from transformers import LlamaConfig
+
+        from speed.models.convert_llama import config_from_llama
+
+        return config_from_llama(LlamaConfig.from_dict(hf))
+    from transformers import T5Config
+
+    from speed.models.convert_t5 import config_from_hf
+
+    return config_from_hf(T5Config.from_dict(hf))
 
 
 def load_pretrained(
-    path: str | Path, map_location: str | torch.device = "cpu", exits: bool = True, n_loops: int | None = None
+    path: str | Path,
+    map_location: str | torch.device = "cpu",
+    exits: bool = True,
+    n_loops: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> LoadedModel:
-    """The model at ``path`` as the jobs read it: a platform checkpoint or run (``load_model``, its exit adapters
-    attached with ``exits``), or a Hugging Face directory (``from_pretrained``, float32; detected by its
-    config.json) with its tokenizer's location (the directory, where it holds tokenizer.json) and a config whose
-    ``model`` and ``family`` sections are the converted model's. A directory the platform cannot read is a
-    one-line ``ValueError`` or ``FileNotFoundError`` before anything is written."""
+    """The model at ``path`` as the jobs read it, as ``dtype`` (``with_dtype``): a platform checkpoint or run
+    (``load_model``, its exit adapters attached with ``exits``), or a Hugging Face directory (``from_pretrained``,
+    read straight into ``dtype`` after its memory check; detected by its config.json) with its tokenizer's location
+    (the directory, where it holds tokenizer.json) and a config whose ``model`` and ``family`` sections are the
+    converted model's. A directory the platform cannot read is a one-line ``ValueError`` or ``FileNotFoundError``
+    before anything is written."""
     if _is_platform_checkpoint(path):
         _no_loop_option(n_loops, "a platform checkpoint")
-        return load_model(str(path), map_location=map_location, exits=exits)
-    model = from_pretrained(path, n_loops=n_loops).to(map_location)
+        loaded = load_model(str(path), map_location=map_location, exits=exits)
+        with_dtype(loaded.model, dtype)  # in place
+        return loaded
+    model = from_pretrained(path, n_loops=n_loops, dtype=dtype).to(map_location)
     where = locate(absolute(str(path)))
     form = model_form(json.loads((where / "config.json").read_text()))
     config = {"model": to_dict(model.config), "family": family_of(model).name, "hf": {"form": form}}
@@ -83,17 +140,10 @@ def load_pretrained(
 def pretrained_config(path: str | Path) -> LMConfig:
     """The ``LMConfig`` that ``from_pretrained`` gives an imported LM directory (Ouro, Huginn, Llama; a local path),
     read from its config.json alone (no weights): what a job that finetunes it resolves on its driver."""
-    hf = read_config(path)
-    form = model_form(hf)
-    if form == "llama":
-        from transformers import LlamaConfig
-
-        from speed.models.convert_llama import config_from_llama
-
-        return config_from_llama(LlamaConfig.from_dict(hf))
-    if form not in LOOPED:
+    form = model_form(read_config(path))
+    if form == "t5":
         raise ValueError(f"{path} is a Hugging Face {form} directory, not an imported looped LM (Ouro, Huginn, Llama)")
-    return (config_from_ouro if form == "ouro" else config_from_huginn)(hf)
+    return converted_config(path)
 
 
 def model_source(path: str | Path) -> str:
@@ -118,24 +168,58 @@ def _no_loop_option(n_loops: int | None, what: str) -> None:
         raise ValueError(f"n_loops={n_loops}: {what} loops as its pattern says; n_loops is for Ouro and Huginn")
 
 
-def _load_t5(path: str | Path) -> SpeedT5:
-    """A T5 v1.1 directory through ``convert_t5``, its weights read from safetensors."""
+def _need(config: ModelConfig | LMConfig, dtype: torch.dtype, capacity: EngineConfig | None) -> MemoryNeed:
+    """What a model of ``config`` as ``dtype`` needs (built on the meta device: nothing allocated), with an engine of
+    ``capacity`` when given."""
+    with torch.device("meta"):
+        stepper = with_dtype(build_model(config), dtype).stepper()
+    if capacity is None:
+        return MemoryNeed(stepper.weights_bytes(), 0, 0, 0)
+    c = capacity
+    return stepper.memory_need(c.max_active, c.max_prompt_len, c.max_target_len, side=c.branches, blocks=c.kv_blocks)
+
+
+def _load_t5(path: str | Path, dtype: torch.dtype) -> SpeedT5:
+    """A T5 v1.1 directory through ``convert_t5``'s plan, each stored tensor read into its place (the embedding's
+    stored copies compared with it as it is read)."""
     from transformers import T5Config
 
-    from speed.models.convert_t5 import config_from_hf, from_hf_state_dict, hf_decoder_depth
+    from speed.models.convert_t5 import EMBEDDING_COPIES, check_names, config_from_hf, conversion_plan, hf_decoder_depth
+    from speed.models.convert_t5 import is_skipped as skipped
 
     hf = T5Config.from_dict(read_config(path))
-    weights = read_weights(path)
-    if hf.tie_word_embeddings:  # saved without the head, which transformers ties to ``shared`` when loading
-        weights.setdefault("lm_head.weight", weights["shared.weight"])
-    return from_hf_state_dict(weights, config_from_hf(hf), hf_decoder_depth(hf))
+    config = config_from_hf(hf)
+    plan = conversion_plan(config, hf_decoder_depth(hf))
+    shapes = {name: shape for name, (shape, _) in tensor_shapes(path).items()}
+    head_from_shared = hf.tie_word_embeddings and HEAD not in shapes  # transformers ties it to ``shared`` when loading
+    check_names(shapes, plan.used - {HEAD} if head_from_shared else plan.used, lambda n: skipped(n, plan.skipped))
+    model = empty_model(config, dtype)
+    copied = {HEAD} if head_from_shared else set()
+    sources = {name: names for name, names in plan.sources.items() if name not in copied}
+    with torch.no_grad():
+        destinations = row_destinations(path, model, sources, shapes, copied)
+        read_into(path, destinations, dict.fromkeys(EMBEDDING_COPIES, "shared.weight"))
+        if head_from_shared:
+            model.lm_head.weight.copy_(model.shared.weight)
+    return model
 
 
-def _load_llama(path: str | Path) -> LoopedLM:
-    """A Llama directory through ``convert_llama`` (the plain stack, ``{layers}x1``), from safetensors."""
+def _load_llama(path: str | Path, dtype: torch.dtype) -> LoopedLM:
+    """A Llama directory through ``convert_llama``'s plan (the plain stack, ``{layers}x1``), each stored tensor read
+    into its place (a tied head's stored copy compared with the embedding as it is read)."""
     from transformers import LlamaConfig
 
-    from speed.models.convert_llama import config_from_llama, from_llama_state_dict
+    from speed.models.convert_llama import EMBEDDING, ROTARY_BUFFER, config_from_llama, conversion_plan
+    from speed.models.convert_t5 import check_names
 
     hf = LlamaConfig.from_dict(read_config(path))
-    return from_llama_state_dict(read_weights(path), config_from_llama(hf), hf.num_hidden_layers)
+    config = config_from_llama(hf)
+    plan = conversion_plan(config, hf.num_hidden_layers)
+    shapes = {name: shape for name, (shape, _) in tensor_shapes(path).items()}
+    check_names(shapes, plan.used, lambda name: name in plan.skipped or name.endswith(ROTARY_BUFFER))
+    model = empty_model(config, dtype)
+    sources = {name: groups[0] for name, groups in plan.sources.items()}  # the plain stack: one layer each
+    with torch.no_grad():
+        destinations = row_destinations(path, model, sources, shapes)
+        read_into(path, destinations, {HEAD: EMBEDDING} if config.tie_embeddings else None)
+    return model

@@ -184,7 +184,7 @@ def load_served_model(checkpoint: str, device: str, exits: bool = True, dtype: s
     are packed for it (``pack_for_decoding``: 4-8 rows a pass at about one row's cost; ``packed_weights`` counts
     them, 0 for T5, a GPU or small float32 weights): its answers are those of offline decoding of the model packed
     the same way."""
-    loaded = load_pretrained(checkpoint, map_location=device, exits=exits)
+    loaded = load_pretrained(checkpoint, map_location=device, exits=exits, dtype=dtype_named(dtype))  # read as dtype
     if loaded.tokenizer_path is None:
         raise FileNotFoundError(f"{loaded.checkpoint} holds no spm.model nor tokenizer.json: serving needs one")
     tokenizer = load_tokenizer(loaded.tokenizer_path)  # reads the files into memory
