@@ -17,8 +17,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_helpers import speed_runs_match
+from engine_helpers import speed_as_sequential
 from test_decoding_exact import random_case as t5_case
+from test_lm import _randomize
 from test_lm_decoding import GQA, MAX_PROMPT, prompts, random_model
 from test_native_ops import LOOPS, SLOTS, filled_cache, reference
 
@@ -32,6 +33,7 @@ from speed.engine import Speculation  # noqa: E402
 from speed.engine.cache import Rows  # noqa: E402
 from speed.engine.sampling import Sampling  # noqa: E402
 from speed.models.looped_lm import LoopedLM, rotary, rotate, rotate_pairs  # noqa: E402
+from speed.models.precision import bf16_weights  # noqa: E402
 
 BUCKETS = [1, 2, 3, 4, 8, 9, 16, 33, 64]  # the step's row buckets and counts between them
 
@@ -205,53 +207,50 @@ def test_dense_attention_does_not_depend_on_masked_positions_or_rows(device):
         kernels.DECODE_OPS = "triton"
 
 
-def tiny_case(seed: int, device: torch.device):
-    """A small random looped LM (alternating plain and GQA, sandwich norm with a prelude and coda), batch 1 or 3,
-    a few new tokens: few launches, which the interpreter pays milliseconds each."""
-    model = random_model(seed).to(device)
-    rng = random.Random(seed)
-    ids, mask = prompts(rng, [1, 3][seed % 2], model.vocab_size)
-    return model, ids.to(device), mask.to(device), rng.randint(3, 6), rng
+def speed_equals_sequential(model, ids, mask, max_new: int, runs: list[Speculation], sampling=None) -> int:
+    """Sequential decoding under a ``LogitRecorder``, then SPEED with each of ``runs``, each checked bit for bit
+    against it (every loop's logits, the tokens, the trace). Few runs and few tokens: the interpreter pays
+    milliseconds a launch. Returns SPEED's flushes."""
+    reference = LogitRecorder(model)
+    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+    flushes = 0
+    for speculation in runs:
+        got = speed_as_sequential(
+            model, reference, ref, ids, mask, max_new, speculation, speculation=speculation, sampling=sampling
+        )
+        assert got.trace.equals(ref.trace)
+        flushes += got.stats.flushes
+    return flushes
 
 
 @pytest.mark.slow
 def test_lm_speed_equals_sequential_through_the_triton_kernels(device):
-    """Greedy: every loop's logits of SPEED equal sequential decoding's bit for bit (eager and final invalidation,
-    launch loops 1, random and M), every decode op on the Triton kernels."""
-    assert random_model(0).cache(1, 8).loops.triton_attention
-    runs, flushes = speed_runs_match(lambda seed: tiny_case(seed, device), [1, 4])
-    assert runs >= 2 * 2 * 2 and flushes > 0
+    """Greedy, batch 3: a prelude, a looped core and a coda, sandwich norms, loop norm, injection and grouped-query
+    attention, every decode op on the Triton kernels (one call per op for all the pass's rows)."""
+    config = lm_preset("tiny", pattern="1+2x2+1", norm="sandwich", loop_norm=True, injection=True, **GQA)
+    model = _randomize(LoopedLM(config), 4).to(device)
+    assert model.cache(1, 8).loops.triton_attention
+    ids, mask = prompts(random.Random(4), 3, model.vocab_size)
+    runs = [Speculation(1, "eager"), Speculation(2, "final")]
+    assert speed_equals_sequential(model, ids.to(device), mask.to(device), 5, runs) > 0
 
 
 @pytest.mark.slow
-def test_lm_sampled_speed_equals_sequential_through_the_triton_kernels(device):
-    model = LoopedLM(lm_preset("tiny", pattern="1+2x3+1", norm="sandwich", loop_norm=True, **GQA)).eval().to(device)
-    rng = random.Random(7)
-    ids, mask = prompts(rng, 2, model.vocab_size)
+def test_lm_sampled_speed_equals_sequential_with_bf16_weights_through_the_triton_kernels(device):
+    """Seeded sampling on bf16 weights (read in place by the linear), Huginn's rotary pairs and q/k biases."""
+    config = lm_preset("tiny", pattern="2x3", rope_layout="pairs", qk_bias=True)
+    model = bf16_weights(_randomize(LoopedLM(config), 7)).to(device)  # the biases random too (2-D parameters)
+    assert model.core[0].attn.q_bias.abs().min() > 0 and model.core[0].attn.qkv.weight.dtype == torch.bfloat16
+    ids, mask = prompts(random.Random(7), 2, model.vocab_size)
     sampling = Sampling(temperature=0.9, top_k=5, seed=1234)
-    reference = LogitRecorder(model)
-    ref = generate(reference, ids.to(device), mask.to(device), method="sequential", max_new_tokens=4, sampling=sampling)
-    candidate = LogitRecorder(model)
-    got = generate(
-        candidate, ids.to(device), mask.to(device), method="speed", max_new_tokens=4, sampling=sampling,
-        speculation=Speculation(1, "eager"),
-    )  # fmt: skip
-    from speed.decode.exactness import compare_logits
-
-    assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
-    assert got.tokens == ref.tokens and got.trace.equals(ref.trace)
+    speed_equals_sequential(model, ids.to(device), mask.to(device), 4, [Speculation(1, "eager")], sampling)
 
 
 @pytest.mark.slow
 def test_t5_speed_equals_sequential_through_the_triton_kernels(device):
     """T5's group pass: the linears, norms, gated GELU and both attentions (``kernels.attend``) on Triton."""
-
-    def case(seed: int):
-        model, ids, mask, _, rng = t5_case(seed)
-        return model.to(device), ids.to(device), mask.to(device), 4, rng
-
-    runs, _ = speed_runs_match(case, [2])
-    assert runs >= 2 * 2
+    model, ids, mask, _, _ = t5_case(2)
+    speed_equals_sequential(model.to(device), ids.to(device), mask.to(device), 4, [Speculation(1, "eager")])
 
 
 def test_the_cpu_keeps_its_kernels_unless_triton_is_asked_for(monkeypatch):

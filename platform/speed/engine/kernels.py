@@ -331,7 +331,7 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
 
     oneDNN runs the n rows on the weight packed for ``tile_rows``; the
     fallback pads them to ``tile_rows`` so that ``F.linear`` always sees one
-    shape.
+    shape. On the Triton kernels (``on_triton``) any number of rows, in one call.
     """
     if layer.bias is not None:
         raise ValueError("decode kernels expect bias-free linear layers (T5 has none)")
@@ -513,7 +513,8 @@ def in_tiles(
     hidden: Tensor,
     tile_rows: int = TILE_ROWS,
 ) -> tuple[Tensor, Tensor | None]:
-    """A group pass over any number of rows: ``pass_tile`` on tiles of at most ``tile_rows`` of them, in order.
+    """A group pass over any number of rows: ``pass_tile`` on tiles of at most ``tile_rows`` of them, in order
+    (on the Triton kernels, which take any number of rows, on all of them at once).
 
     ``hidden`` (R, ...) holds the rows' inputs; the tiles' outputs (and exit
     logits, None when the tiles return none) are concatenated in row order.

@@ -124,7 +124,7 @@ def linear(weight: Tensor, x: Tensor, gate: str = "none") -> Tensor:
 # ----- RMS norm and the residual stream: one program per row ------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["eps_out", "eps_next"])
+@triton.jit
 def _residual_kernel(
     x_ptr, y_ptr, out_w_ptr, next_w_ptr, x_out_ptr, h_out_ptr, d, stride_x, stride_y, eps_out, eps_next,
     HAS_Y: tl.constexpr, HAS_OUT: tl.constexpr, NORM_SUM: tl.constexpr, HAS_NEXT: tl.constexpr,

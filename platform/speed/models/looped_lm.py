@@ -225,10 +225,10 @@ class Block(nn.Module):
         self.attn_norm, self.attn, self.attn_out_norm = nn.RMSNorm(d, eps=eps), Attention(config), out_norm()
         self.mlp_norm, self.mlp, self.mlp_out_norm = nn.RMSNorm(d, eps=eps), SwiGLU(config), out_norm()
 
-    def _add(self, x: Tensor, y: Tensor, out_norm: nn.Module) -> Tensor:
-        """The residual stream x plus a sublayer's output y, ``out_norm`` on y or on the sum (the decode rows':
-        ``tile_residual``)."""
-        return out_norm(x + y) if self.norm_sum else x + out_norm(y)
+    def _add(self, x: Tensor, y: Tensor, out_norm: nn.Module, norm: Callable = nn.Module.__call__) -> Tensor:
+        """The residual stream x plus a sublayer's output y, ``out_norm`` on y or on the sum (applied by ``norm``:
+        the module's call, or the prefill rows' ``rows_norm``; the decode rows': ``tile_residual``)."""
+        return norm(out_norm, x + y) if self.norm_sum else x + norm(out_norm, y)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = self._add(x, self.attn(self.attn_norm(x), cos, sin), self.attn_out_norm)
@@ -237,9 +237,11 @@ class Block(nn.Module):
     def prefill(
         self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], stores: Sequence[Store | None]
     ) -> Tensor:
-        """A prefill's rows (R, d) through this block (see ``Attention.prefill``)."""
-        x = self._add(x, self.attn.prefill(self.attn_norm(x), cos, sin, segments, stores), self.attn_out_norm)
-        return self._add(x, self.mlp.prefill(self.mlp_norm(x)), self.mlp_out_norm)
+        """A prefill's rows (R, d) through this block (see ``Attention.prefill``), the norms per row
+        (``rows_norm``: a prompt's rows never depend on the others')."""
+        y = self.attn.prefill(rows_norm(self.attn_norm, x), cos, sin, segments, stores)
+        x = self._add(x, y, self.attn_out_norm, rows_norm)
+        return self._add(x, self.mlp.prefill(rows_norm(self.mlp_norm, x)), self.mlp_out_norm, rows_norm)
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
         """One tile of decode rows (n, d) through this block (see ``Attention.decode``), the norms on the decode
@@ -526,11 +528,11 @@ class LoopedLM(nn.Module):
                 y = block.prefill(y, cos, sin, segments, stores("loops", i, N + k))
             y = y.index_select(0, last)  # (B, d)
             if gates:
-                lambdas.append(self._gate(self.norm(y), rows_linear))  # (B,)
+                lambdas.append(self._gate(rows_norm(self.norm, y), rows_linear))  # (B,)
             if self.exit_adapters is not None:
                 y = self.exit_adapters.adapt_rows(y, [i] * len(prompts))
-            logits.append(rows_linear(self.lm_head, self.norm(y), TILE_ROWS))  # (B, V)
-            state = self.norm(h) if c.loop_norm else h
+            logits.append(rows_linear(self.lm_head, rows_norm(self.norm, y), TILE_ROWS))  # (B, V)
+            state = rows_norm(self.norm, h) if c.loop_norm else h
         return list(torch.stack(logits, dim=1)), (list(torch.stack(lambdas, dim=1)) if gates else None)  # B x (M, V)
 
     def _gate(self, state: Tensor, linear: Callable[[nn.Linear, Tensor], Tensor]) -> Tensor:
