@@ -5,10 +5,12 @@ beside it, of its position among them and of how many there are; these do the sa
 torch's reductions pick their blocking, split-K and reduction trees by shape. The rule every kernel here keeps:
 **one compiled kernel for every row count, and one reduction order per output, that of the row alone.**
 
-- Every block size is a constant of the weight or head shape (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``CHUNK``),
-  never of the number of rows: 1 row and 64 rows run the same binary, the rows past the count masked. The row
-  count is passed with ``do_not_specialize``, so Triton does not compile a second kernel for 1 row or for a
-  multiple of 16.
+- Every block size is a constant (``LINEAR_BLOCKS``, ``CHUNK``) or one of the widths (a layer's inputs, a head's,
+  the cache's table), never the number of rows: 1 row and 64 rows run the same binary, the rows past the count
+  masked. The row count is passed with ``do_not_specialize``, so Triton does not compile a second kernel for 1
+  row or for a multiple of 16. The loops' trip counts are compile-time widths too (a layer's inputs, the table's
+  chunks, T5's key span): Triton's interpreter cannot loop to a bound it reads at run time (numpy 2.4 refuses
+  ``int()`` of its one-element arrays), and the attention skips the chunks past a row's length instead.
 - Programs never combine rows: a linear's program owns ``BLOCK_M`` rows by ``BLOCK_N`` outputs and sums each
   output over its inputs alone, in ``BLOCK_K`` chunks taken in order; the other kernels run one program per
   row (or per row and head). No split-K, no atomics, no cross-program reduction.
@@ -16,7 +18,7 @@ torch's reductions pick their blocking, split-K and reduction trees by shape. Th
   never ``tl.dot``: Triton lowers the sum with one layout per tile shape, the same tree for every row of the
   tile, while ``tl.dot`` is an MMA on the GPU (TF32 unless told otherwise) and numpy's ``matmul`` (BLAS, whose
   edge rows take other micro-kernels) under the interpreter. With float32 activations the MMA would not use the
-  tensor cores anyway (IEEE float32 ``tl.dot`` is FMA too), so the sum costs no bandwidth: decode is bound by
+  tensor cores anyway (IEEE float32 ``tl.dot`` runs on FMA units too), so the sum costs no bandwidth: decode is bound by
   the weight read, which each program does once for its ``BLOCK_M`` rows (the row blocks of one output tile are
   neighbouring programs, so a bucket of up to 64 rows reads each weight tile from memory once, from L2 after).
 - Attention runs one program per (row, key/value head): its query heads against its own positions only, read
@@ -140,7 +142,10 @@ def _residual_kernel(
         if HAS_OUT:  # rms(v) = v rsqrt(mean(v^2) + eps) w (the lanes past d hold 0)
             w = tl.load(out_w_ptr + cols, mask=cols < d, other=0.0)
             y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=0) / d + eps_out)) * w
-        s = y if NORM_SUM else s + y
+        if NORM_SUM:
+            s = y
+        else:
+            s = s + y
         tl.store(x_out_ptr + r * d + cols, s, mask=cols < d)
     if HAS_NEXT:  # the next sublayer's input norm of the new stream
         w = tl.load(next_w_ptr + cols, mask=cols < d, other=0.0)
@@ -330,8 +335,10 @@ def _attend_kernel(
     for c in range(0, tl.cdiv(n_keys, CHUNK)):
         pos = c * CHUNK + p
         kv_mask = (pos[:, None] < n_keys) & (d[None, :] < head_dim)
-        k = tl.load(k_ptr + r * stride_kr + h * stride_kh + pos[:, None] * stride_kl + d[None, :], mask=kv_mask)
-        v = tl.load(v_ptr + r * stride_vr + h * stride_vh + pos[:, None] * stride_vl + d[None, :], mask=kv_mask)
+        k_at = k_ptr + r * stride_kr + h * stride_kh + pos[:, None] * stride_kl + d[None, :]
+        v_at = v_ptr + r * stride_vr + h * stride_vh + pos[:, None] * stride_vl + d[None, :]
+        k = tl.load(k_at, mask=kv_mask, other=0.0)  # masked lanes are 0, never undefined: 0 * weight 0 adds 0
+        v = tl.load(v_at, mask=kv_mask, other=0.0)
         bias = tl.load(bias_ptr + r * stride_br + h * stride_bh + pos, mask=pos < n_keys, other=float("-inf"))
         k, v, visible = k.to(tl.float32), v.to(tl.float32), bias[None, :]
         # _paged_attend_kernel's online-softmax step, written out in both: a nested @triton.jit call costs the
