@@ -263,3 +263,16 @@ def test_the_cpu_keeps_its_kernels_unless_triton_is_asked_for(monkeypatch):
     assert kernels.on_triton(x) == tk.interpreted()
     with torch.enable_grad():  # no backward: a row asking for a gradient stays on torch's ops
         assert not kernels.on_triton(x.requires_grad_())
+
+
+def test_the_kernel_benchmark_times_the_triton_linear(device):
+    """``jobs/bench_kernels.py --device cuda --kernels triton``'s rows (here at tiny widths): bytes, time and share of
+    the read bandwidth at each row count up to a bucket of 64."""
+    from speed.benchmarks.kernels import bench_kernels
+
+    rows = bench_kernels(32, 48, layers=1, rows=(1, 64), kernels_=("triton",), dtypes=(torch.bfloat16,), repeats=1,
+                         device=str(device))  # fmt: skip
+    assert {(r.kernel, r.dtype, r.rows) for r in rows} == {("triton", "bfloat16", 1), ("triton", "bfloat16", 64)}
+    for r in rows:
+        assert r.weight_bytes == 2 * (32 * 3 * 32 + 32 * 32 + 32 * 2 * 48 + 48 * 32)
+        assert r.seconds > 0 and r.of_read == pytest.approx(r.gb_per_s / r.read_gb_per_s)
