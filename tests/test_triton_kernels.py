@@ -5,9 +5,13 @@ branch rows' lanes as chain rows; and a whole tiny looped LM (and a T5) decoding
 sequential decoding through them.
 
 On the CPU the kernels run under Triton's interpreter (tiny sizes: each launch costs milliseconds there); the same
-tests run compiled on CUDA under ``pytest -m gpu``. The interpreter runs every kernel here; what it does not show
-is how the GPU compiler lays a reduction out, which the kernels fix by shape alone (one binary for every row
-count), so the CUDA cases are the ones that check it.
+tests run compiled on CUDA under ``pytest -m gpu``. The interpreter runs every kernel here, within three limits the
+kernels are written around: it cannot loop to a bound read at run time (numpy 2.4 refuses ``int()`` of its
+one-element arrays: the trip counts are compile-time widths), it cannot call Triton's own ``tl.sum``/``tl.max`` if
+Triton was imported before ``TRITON_INTERPRET=1`` (``tests/conftest.py`` sets it first), and each nested
+``@triton.jit`` call costs it milliseconds (the kernels inline their helpers). What it does not show is how the GPU
+compiler lays a reduction out, which the kernels fix by shape alone (one binary for every row count): the CUDA
+cases are the ones that check it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_helpers import speed_as_sequential
+from engine_helpers import random_exits, speed_as_sequential
 from test_decoding_exact import random_case as t5_case
 from test_lm import _randomize
 from test_lm_decoding import GQA, MAX_PROMPT, prompts, random_model
@@ -117,6 +121,7 @@ def test_residual_step_per_row(device, norm_sum, has_out):
     torch.testing.assert_close(stream[0].double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h[0].double(), rms(want.float(), next_w, 1e-5), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tk.rms_norm(x[None], next_w, 1e-5)[0].double(), rms(x, next_w, 1e-5))
+    torch.testing.assert_close(tk.rms_norm(x[None], None, 1e-5)[0].double(), rms(x, torch.ones_like(x), 1e-5))
     for n in (3, 17, 64):
         xs, at = company(rng, x, n)
         ys = torch.randn(n, d, device=device)
@@ -225,10 +230,10 @@ def speed_equals_sequential(model, ids, mask, max_new: int, runs: list[Speculati
 
 @pytest.mark.slow
 def test_lm_speed_equals_sequential_through_the_triton_kernels(device):
-    """Greedy, batch 3: a prelude, a looped core and a coda, sandwich norms, loop norm, injection and grouped-query
-    attention, every decode op on the Triton kernels (one call per op for all the pass's rows)."""
+    """Greedy, batch 3: a prelude, a looped core and a coda, sandwich norms, loop norm, injection, grouped-query
+    attention and exit adapters, every decode op on the Triton kernels (one call per op for all the pass's rows)."""
     config = lm_preset("tiny", pattern="1+2x2+1", norm="sandwich", loop_norm=True, injection=True, **GQA)
-    model = _randomize(LoopedLM(config), 4).to(device)
+    model = random_exits(_randomize(LoopedLM(config), 4), 4).to(device)
     assert model.cache(1, 8).loops.triton_attention
     ids, mask = prompts(random.Random(4), 3, model.vocab_size)
     runs = [Speculation(1, "eager"), Speculation(2, "final")]

@@ -157,8 +157,9 @@ def _row_warps(d: int) -> int:
     return 4 if d <= 4096 else 8  # a function of the width alone, never of the rows
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm of rows x (n, d) with gain ``weight`` (d,): x * rsqrt(mean(x^2) + eps) * weight, float32."""
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm of rows x (n, d) with gain ``weight`` (d,; None: 1): x * rsqrt(mean(x^2) + eps) * weight, float32."""
+    weight = torch.ones(x.shape[1], device=x.device) if weight is None else weight  # times 1: exact
     _, h = residual(x, None, None, 0.0, False, weight, eps)
     return h
 

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.engine.kernels import TILE_ROWS, on_triton, rows_linear, rows_norm, tile_linear
+from speed.engine.kernels import TILE_ROWS, on_triton, rows_linear, rows_norm, tile_linear, triton_ops
 
 EXITS_FILE = "exits.pt"  # the adapters' state dict, beside a checkpoint's model.pt
 EXITS_CONFIG_FILE = "exits.json"  # {"exits": ExitConfig's fields, "job": the training job's config, "step": ...}
@@ -121,7 +121,8 @@ class ExitAdapters(nn.Module):
             return h
         down, up = self._stacked()
         r = self.config.rank
-        z = F.relu(rows_linear(down, _rms(h), TILE_ROWS))  # (R, K r)
+        normed = triton_ops().rms_norm(h, None, RMS_EPS) if on_triton(h) else _rms(h)  # per row either way
+        z = F.relu(rows_linear(down, normed, TILE_ROWS))  # (R, K r)
         own = torch.arange(z.shape[1], device=h.device)[None, :] // r == which[:, None]  # (R, K r): its head's
         delta = rows_linear(up, z * own, TILE_ROWS)  # (R, d)
         return torch.where(adapted[:, None], h + delta, h)
