@@ -3,6 +3,7 @@
     python jobs/bench_kernels.py                          # Ouro-1.4B's layers (d 2048, FFN 5632), 6 of them
     python jobs/bench_kernels.py --d-model 768 --d-ff 2048 --layers 24 --rows 1,2,3,4,5,6,7,8
     python jobs/bench_kernels.py --json --out kernels.parquet
+    python jobs/bench_kernels.py --device cuda --kernels triton,torch --dtypes bfloat16 --rows 1,8,32,64
 
 Each kernel (the native one compiled for this CPU, on the weights as stored and packed in panels, oneDNN's packed
 linear, torch's F.linear) at each row count and weight dtype streams the layers' weights once; the read bandwidth
@@ -33,12 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--d-ff", type=int, default=5632)
     p.add_argument("--layers", type=int, default=6, help="distinct layers streamed per pass (more than the caches)")
-    p.add_argument("--rows", default="1,2,4,8", help="rows per call, comma-separated (1..8)")
+    p.add_argument("--rows", default="1,2,4,8", help="rows per call, comma-separated (1..8; triton and torch 1..64)")
     p.add_argument(
         "--kernels",
         default="native,packed,onednn,torch",
-        help="native (on the weights as stored), packed (native on weights packed in panels), onednn, torch",
+        help="native (on the weights as stored), packed (native on weights packed in panels), onednn, torch, "
+        "triton (the GPU's Triton linear; under Triton's interpreter on the CPU: slow)",
     )
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the kernels triton and torch)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -46,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     args = p.parse_args(argv)
     rows = tuple(int(n) for n in args.rows.split(","))
-    if not all(1 <= n <= 8 for n in rows):
-        p.error(f"--rows: each in 1..8, got {args.rows}")
+    most = 64 if set(args.kernels.split(",")) <= {"triton", "torch"} else 8
+    if not all(1 <= n <= most for n in rows):
+        p.error(f"--rows: each in 1..{most} for --kernels {args.kernels}, got {args.rows}")
+    if args.device != "cpu" and not set(args.kernels.split(",")) <= {"triton", "torch"}:
+        p.error(f"--device {args.device}: the kernels triton and torch only")
     if args.threads:
         torch.set_num_threads(args.threads)
     if "packed" in args.kernels.split(",") and native.library() is None:
@@ -62,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         tuple(args.kernels.split(",")),
         tuple(getattr(torch, name) for name in args.dtypes.split(",")),
         args.repeats,
+        args.device,
     )
     if args.out:
         pq.write_table(pa.Table.from_pylist([asdict(r) for r in results], schema=KERNEL_BENCH_SCHEMA), args.out)

@@ -48,7 +48,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
     from speed.cluster import NODE_IP_ENV
+    # Without a GPU the Triton decode kernels run under Triton's interpreter (tests/test_triton_kernels.py), which
+    # Triton reads when it defines its own kernels (tl.sum's, at its import): set before any module imports it.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from speed.paths import SPOOL_DIR_ENV
     from speed.train.local_ray import PREEMPTION_WATCHER_ENV
 

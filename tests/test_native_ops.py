@@ -32,17 +32,17 @@ pytestmark = pytest.mark.skipif(
 LOOPS, LAYERS, SLOTS = 3, 2, 5
 
 
-def filled_cache(seed: int, heads: int, d: int, lengths: list[int], n_side: int = 0) -> KVCache:
+def filled_cache(seed: int, heads: int, d: int, lengths: list[int], n_side: int = 0, device: str = "cpu") -> KVCache:
     """A cache whose slots hold ``lengths[s]`` random positions at every virtual layer, blocks taken in a shuffled
     order (so that a slot's chunks are scattered over the pool), random values in the free blocks."""
     torch.manual_seed(seed)
-    cache = KVCache(LOOPS, LAYERS, SLOTS, heads, 128, d, n_side=n_side, n_blocks=3 * SLOTS + 4)
+    cache = KVCache(LOOPS, LAYERS, SLOTS, heads, 128, d, n_side=n_side, n_blocks=3 * SLOTS + 4, device=device)
     order = [(s, p) for s in range(SLOTS) for p in range(lengths[s])]
     random.Random(seed).shuffle(order)
     for s, p in sorted(order, key=lambda sp: (sp[1], random.Random(seed + sp[0]).random())):
         for layer in range(LAYERS):
             rows = Rows.build([s] * LOOPS, list(range(LOOPS)), [p] * LOOPS)
-            cache.write(layer, rows, torch.randn(LOOPS, heads, d), torch.randn(LOOPS, heads, d))
+            cache.write(layer, rows, torch.randn(LOOPS, heads, d).to(device), torch.randn(LOOPS, heads, d).to(device))
     free = [b for b in range(1, cache.n_blocks + 1) if b not in set(cache.table.reshape(-1).tolist())]
     for t in (*cache.keys, *cache.values):
         t[:, :, free] = torch.randn_like(t[:, :, free]) * 1e3  # garbage a row must never read

@@ -5,7 +5,9 @@ A decode group pass reads every weight once for its 1..``TILE_ROWS`` rows, so at
 in any cache its time is the weight bytes over the bandwidth the kernel streams at. This times one pass over
 ``layers`` distinct layers' linear weights (more than the caches hold) with each kernel and row count, and the
 machine's read bandwidth (``torch.sum`` over a buffer as large) in the same run, interleaved: repeat r times every
-kernel at every row count and the read pass, in that order, keeping each one's fastest.
+kernel at every row count and the read pass, in that order, keeping each one's fastest. On a GPU (``device``
+"cuda") the same for the Triton linear (``speed.engine.triton_kernels``, 1..64 rows, the row buckets of a step)
+and torch's, against the card's read bandwidth, each pass timed between two synchronisations.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from speed.engine import kernels, native
 KERNEL_BENCH_SCHEMA = pa.schema(
     [
         # native | packed (native on weights packed in panels, native.pack) | onednn | plain
-        # (speed.engine.kernels.LINEARS) | torch (F.linear)
+        # (speed.engine.kernels.LINEARS) | torch (F.linear) | triton (speed.engine.triton_kernels.linear)
         pa.field("kernel", pa.string()),
         pa.field("dtype", pa.string()),  # the weights' dtype: float32 | bfloat16 (rows and sums in float32)
         pa.field("rows", pa.int64()),  # rows per call (a group pass's tile)
@@ -68,10 +70,18 @@ def layer_linears(d_model: int, d_ff: int, dtype: torch.dtype) -> list[nn.Linear
     return linears
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a GPU's kernels run after their launch returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def read_bandwidth(buffer: Tensor) -> float:
     """GB/s of one read-only pass over ``buffer`` (its sum)."""
+    _synchronize(buffer.device)
     start = time.perf_counter()
     buffer.sum()
+    _synchronize(buffer.device)
     return buffer.numel() * buffer.element_size() / (time.perf_counter() - start) / 1e9
 
 
@@ -81,6 +91,8 @@ def _tile(kernel: str) -> Callable[[nn.Linear, Tensor], Tensor]:
         return lambda layer, x: F.linear(x.to(layer.weight.dtype), layer.weight)  # bfloat16: rows in bfloat16 too
     if kernel == "packed":  # the layer's weight is packed (``packed_copy``): tile_linear takes the packed kernel
         return kernels.tile_linear
+    if kernel == "triton":
+        return lambda layer, x: kernels.triton_ops().linear(layer.weight, x)
 
     def run(layer: nn.Linear, x: Tensor) -> Tensor:
         before, kernels.LINEAR = kernels.LINEAR, kernel
@@ -107,31 +119,36 @@ def bench_kernels(
     kernels_: tuple[str, ...] = ("native", "onednn", "torch"),
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
     repeats: int = 5,
+    device: str = "cpu",
 ) -> list[KernelRow]:
     """Every kernel x dtype x row count, timed over ``layers`` layers of (d_model, d_ff) linears, interleaved with
-    the read pass ``repeats`` times, the fastest of each kept. oneDNN's packed path is float32 only: its bfloat16
-    rows are the plain ``F.linear`` path and are left out."""
+    the read pass ``repeats`` times, the fastest of each kept, on ``device``. oneDNN's packed path is float32 only:
+    its bfloat16 rows are the plain ``F.linear`` path and are left out."""
     torch.manual_seed(0)
-    stacks = {dtype: [layer_linears(d_model, d_ff, dtype) for _ in range(layers)] for dtype in dtypes}
+    dev = torch.device(device)
+    stacks = {dtype: [[layer.to(dev) for layer in layer_linears(d_model, d_ff, dtype)] for _ in range(layers)]
+              for dtype in dtypes}  # fmt: skip
     if "packed" in kernels_:  # the same weights packed: a second copy for this benchmark only
         packed = {dtype: [[packed_copy(layer) for layer in stack] for stack in stacks[dtype]] for dtype in dtypes}
     weight_bytes = {
         dtype: sum(l.weight.numel() * l.weight.element_size() for stack in stacks[dtype] for l in stack)
         for dtype in dtypes
     }
-    buffer = torch.ones(max(weight_bytes.values()) // 4)
+    buffer = torch.ones(max(weight_bytes.values()) // 4, device=dev)
     cases = [(k, dt, r) for k in kernels_ for dt in dtypes for r in rows if not (k == "onednn" and dt != torch.float32)]
     best = {case: float("inf") for case in cases}
     read = 0.0
-    inputs = {(r, w): torch.randn(r, w) for r in rows for w in (d_model, d_ff)}
+    inputs = {(r, w): torch.randn(r, w, device=dev) for r in rows for w in (d_model, d_ff)}
     with torch.inference_mode():
         for _ in range(repeats):
             for kernel, dtype, n in cases:
                 tile = _tile(kernel)
+                _synchronize(dev)
                 start = time.perf_counter()
                 for stack in (packed if kernel == "packed" else stacks)[dtype]:
                     for layer in stack:
                         tile(layer, inputs[(n, layer.in_features)])
+                _synchronize(dev)
                 best[(kernel, dtype, n)] = min(best[(kernel, dtype, n)], time.perf_counter() - start)
             read = max(read, read_bandwidth(buffer))
     out = []

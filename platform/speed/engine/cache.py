@@ -45,16 +45,17 @@ built for an engine without branches has no side entries (``n_side=0``).
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from speed.engine import native
-from speed.engine.kernels import ATTN_CHUNK, attend, attention_native, chunk_span
+from speed.engine.kernels import ATTN_CHUNK, attend, attention_native, attention_triton, chunk_span, triton_ops
 from speed.engine.rows import Rows
 
-__all__ = ["CacheError", "KVCache", "Rows", "kv_bytes", "pool_blocks"]
+__all__ = ["CacheError", "KVCache", "PagedIndex", "Rows", "kv_bytes", "pool_blocks"]
 
 ZERO_BLOCK = 0  # the pool's block that unallocated table entries point to: never written, always zero
 
@@ -111,6 +112,7 @@ class KVCache:
         self._index: tuple | None = None  # (rows, span, version, index) of the last read
         self._written: tuple | None = None  # (rows, version, (blocks, places)) of the last write
         self._offsets: tuple | None = None  # (rows, version, (offsets, lengths)) of the last native attention
+        self._paged: tuple | None = None  # (rows, version, PagedIndex) of the last Triton attention
         self._bias: tuple | None = None  # (rows, dtype, bias) of the last torch attention
         self.lengths = np.zeros((n_loops, n_layers, n_slots), dtype=np.int64)
         # side entries per slot: a lane of < M tokens per in-flight token, M = n_loops unless the layers run
@@ -125,7 +127,8 @@ class KVCache:
         self.n_heads = n_heads
         self.device = torch.device(device)
         # which attention ``attend`` runs: a property of the cache (its dtype and device), never of the rows
-        self.native_attention = attention_native(dtype, self.device)
+        self.triton_attention = attention_triton(self.device)
+        self.native_attention = not self.triton_attention and attention_native(dtype, self.device)
 
     @property
     def tensors(self) -> list[Tensor]:
@@ -320,6 +323,11 @@ class KVCache:
         the fewest whole chunks covering the rows and ``speed.engine.kernels.attend`` masks the positions past
         each row's. Either way a row's result depends on nothing but its own query and entries.
         """
+        if self.triton_attention:
+            index = self.paged_index(rows)
+            sides = (self.side_keys[layer], self.side_values[layer]) if index.lane_pos is not None else (None, None)
+            pool = (self.keys[layer], self.values[layer])
+            return triton_ops().paged_attend(q, *pool, *index.chain, *sides, *index.lanes)
         if self.native_attention:
             offsets, lengths = self._attend_offsets(rows)
             D, stride = q.shape[-1], self.pool_head_stride
@@ -346,6 +354,24 @@ class KVCache:
         bias = bias.masked_fill(~visible, torch.finfo(dtype).min)[:, None, None]
         self._bias = (rows, dtype, bias)
         return bias
+
+    def paged_index(self, rows: Rows) -> PagedIndex:
+        """The Triton attention's index of ``rows`` (``PagedIndex``), on the cache's device; the same for every
+        layer until the table changes (kept for the tile's next layers)."""
+        memo = self._paged
+        if memo is not None and memo[0] is rows and memo[1] == self._version:
+            return memo[2]
+        lane_pos = lane_entry = None
+        if rows.side is not None:
+            r, pos, side = rows.lane_entries()
+            width = int(np.bincount(r).max())
+            lane_pos, lane_entry = np.full((len(rows), width), -1), np.zeros((len(rows), width), dtype=np.int64)
+            place = np.arange(len(r)) - np.searchsorted(r, r)  # each entry's place in its row's lane (r ascends)
+            lane_pos[r, place], lane_entry[r, place] = pos, rows.slot[r] * self.n_side + side
+        arrays = (rows.loop, rows.pos + 1, self.table[rows.slot], lane_pos, lane_entry)
+        index = PagedIndex(*(None if a is None else torch.as_tensor(a, device=self.device) for a in arrays))
+        self._paged = (rows, self._version, index)
+        return index
 
     def _attend_offsets(self, rows: Rows) -> tuple[Tensor, Tensor]:
         """The native attention's index: (R, L) each row's positions' element offsets in the pool of a layer (kv
@@ -402,6 +428,27 @@ class KVCache:
         """Empty ``slot`` and return its blocks, e.g. when its request leaves or a new one takes it over."""
         self.lengths[:, :, slot] = 0
         self._give_back(slot, 0)
+
+
+@dataclass(frozen=True)
+class PagedIndex:
+    """Where the Triton attention (``speed.engine.triton_kernels.paged_attend``) finds each of R rows' keys: device
+    tensors of shapes fixed by R and the cache (a captured CUDA graph's static buffers have these shapes), but
+    the lanes' width."""
+
+    loop: Tensor  # (R,) the row's loop: its virtual layer's place in a layer's pool
+    length: Tensor  # (R,) positions it attends, 0..pos (its own, written, the last)
+    table: Tensor  # (R, n_positions / ATTN_CHUNK) its slot's block table: chunk c of its positions is that block
+    lane_pos: Tensor | None = None  # (R, S) a branch row's lane positions (-1 pads; a chain row's all -1)
+    lane_entry: Tensor | None = None  # (R, S) their side entries (slot * n_side + side)
+
+    @property
+    def chain(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.loop, self.length, self.table
+
+    @property
+    def lanes(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.lane_pos, self.lane_entry
 
 
 def kv_bytes(

@@ -19,7 +19,8 @@ across threads; attention's softmax is blocked by its key length). So:
   threads), so a single row runs as two copies of itself. Where oneDNN's private ops are missing (or not CPU
   float32), a plain ``F.linear`` runs instead, always on a full tile (the
   rows padded by repeating the last), since the plain GEMM's kernel changes
-  with the row count; that is also the GPU path. Decode tiles (up to 8 rows)
+  with the row count (a GPU's path under ``SPEED_DECODE_OPS=torch``; CUDA
+  rows otherwise run on ``speed.engine.triton_kernels``, one kernel for any row count). Decode tiles (up to 8 rows)
   of bfloat16 weights, and of every weight with ``SPEED_LINEAR=native``, run
   on the kernel compiled for this CPU (``speed.engine.native``): it streams
   each weight row once for all the tile's rows and sums every output in one
@@ -103,12 +104,47 @@ if LINEAR not in LINEARS:
 # The decode's other row ops (the attention over the KV cache, RMS norms, SwiGLU's gate): "auto" (the native
 # kernels on CPU float32 rows and caches where they build, a looped LM's block on packed weights in one native
 # call, ``native.lm_block``; else torch's), "ops" (the same native kernels, one call each: the same bits as
-# "auto") or "torch" (always torch's: ``attend`` on the cache's gathered copy, ``nn.RMSNorm``, ``silu(gate) *
-# up``). Chosen by dtype and device, never per pass.
-DECODE_OPS_CHOICES = ("auto", "ops", "torch")
+# "auto"), "torch" (always torch's: ``attend`` on the cache's gathered copy, ``nn.RMSNorm``, ``silu(gate) *
+# up``) or "triton" (``speed.engine.triton_kernels`` for the linears too, on any device: under Triton's
+# interpreter on the CPU, for tests). CUDA rows take the Triton kernels under "auto" and "ops" as well: the
+# GPU's decode path. Chosen by dtype and device, never per pass.
+DECODE_OPS_CHOICES = ("auto", "ops", "torch", "triton")
 DECODE_OPS = os.environ.get("SPEED_DECODE_OPS", "auto")
 if DECODE_OPS not in DECODE_OPS_CHOICES:
     raise ValueError(f"SPEED_DECODE_OPS={DECODE_OPS!r}: choose one of {DECODE_OPS_CHOICES}")
+
+
+_TRITON: list = []  # speed.engine.triton_kernels once imported, or the ImportError that stopped it
+
+
+def triton_ops():
+    """``speed.engine.triton_kernels``, imported on first use (None where the ``triton`` package is missing)."""
+    if not _TRITON:
+        try:
+            from speed.engine import triton_kernels
+
+            _TRITON.append(triton_kernels)
+        except ImportError as err:
+            _TRITON.append(err)
+    found = _TRITON[0]
+    if isinstance(found, ImportError):
+        if DECODE_OPS == "triton":
+            raise RuntimeError(f"SPEED_DECODE_OPS=triton, but Triton does not import: {found}") from found
+        return None
+    return found
+
+
+def on_triton(x: Tensor, weight: Tensor | None = None) -> bool:
+    """Whether decode rows x run on the Triton kernels (``DECODE_OPS``): CUDA rows unless "torch", any rows under
+    "triton"; never where a gradient is wanted (they have no backward) or Triton is missing."""
+    if DECODE_OPS == "torch" or (DECODE_OPS != "triton" and not x.is_cuda):
+        return False
+    return _no_grad(x if weight is None else weight, x) and triton_ops() is not None
+
+
+def _native_ops() -> bool:
+    """Whether ``DECODE_OPS`` lets the CPU's native row kernels run (where they build)."""
+    return DECODE_OPS in ("auto", "ops")
 
 
 def fused_block_on(x: Tensor, rows: Rows, cache_native: bool) -> bool:
@@ -127,16 +163,55 @@ def fused_block_on(x: Tensor, rows: Rows, cache_native: bool) -> bool:
 
 def attention_native(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a KV cache of this dtype on this device attends on the native kernel (``DECODE_OPS``)."""
-    return DECODE_OPS != "torch" and native.supports_attention(dtype, device)
+    return _native_ops() and native.supports_attention(dtype, device)
+
+
+def attention_triton(device: torch.device) -> bool:
+    """Whether a KV cache on this device attends on the Triton kernel (``DECODE_OPS``; CUDA, or any under
+    "triton")."""
+    if DECODE_OPS == "torch" or (DECODE_OPS != "triton" and device.type != "cuda"):
+        return False
+    return triton_ops() is not None
 
 
 def tile_rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """``norm(x)`` for decode rows (n, d): an ``nn.RMSNorm`` on the native kernel (``DECODE_OPS``; each row alone,
     one fixed order), else the module itself (``nn.Identity`` too)."""
-    if isinstance(norm, nn.RMSNorm) and DECODE_OPS != "torch" and native.supports_rows(x) and _no_grad(norm.weight, x):
+    if isinstance(norm, nn.RMSNorm) and norm.weight is not None:
         eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-        return native.rms_norm(x, norm.weight, eps)
+        if on_triton(x, norm.weight):
+            return triton_ops().rms_norm(x, norm.weight, eps)
+        if _native_ops() and native.supports_rows(x) and _no_grad(norm.weight, x):
+            return native.rms_norm(x, norm.weight, eps)
     return norm(x)
+
+
+def rows_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """``norm(x)`` for rows whose bits must not depend on their company (the exits' norm): on the Triton kernels
+    ``tile_rms_norm``, else the module's own call (what the CPU's exits run: torch's RMS norm is per row there)."""
+    return tile_rms_norm(norm, x) if on_triton(x) else norm(x)
+
+
+def _eps(norm: nn.Module, dtype: torch.dtype) -> float:
+    """An ``nn.RMSNorm``'s epsilon as torch applies it (its dtype's where None); 0 for the identity."""
+    if not isinstance(norm, nn.RMSNorm):
+        return 0.0
+    return norm.eps if norm.eps is not None else torch.finfo(dtype).eps
+
+
+def tile_residual(
+    x: Tensor, y: Tensor, out_norm: nn.Module, norm_sum: bool, next_norm: nn.Module | None
+) -> tuple[Tensor, Tensor | None]:
+    """A block's residual step on decode rows (n, d): the stream x + out_norm(y) (``norm_sum``: out_norm(x + y);
+    ``out_norm`` an ``nn.RMSNorm`` or ``nn.Identity``) and ``next_norm`` of it (None: None), one Triton launch on
+    its path, else ``tile_rms_norm`` and the sum one by one (the bits the CPU always had)."""
+    gains = [n.weight if isinstance(n, nn.RMSNorm) else None for n in (out_norm, next_norm)]
+    plain = [isinstance(n, nn.Identity) or g is not None for n, g in zip((out_norm, next_norm), gains)]
+    if on_triton(x) and plain[0] and (next_norm is None or gains[1] is not None):
+        eps = [_eps(n, x.dtype) for n in (out_norm, next_norm)]
+        return triton_ops().residual(x, y, gains[0], eps[0], norm_sum, gains[1], eps[1])
+    x = tile_rms_norm(out_norm, x + y) if norm_sum else x + tile_rms_norm(out_norm, y)
+    return x, (tile_rms_norm(next_norm, x) if next_norm is not None else None)
 
 
 Turn = Callable[[Tensor, Tensor, Tensor], Tensor]  # a model's rotary rotation: (x, cos, sin) -> x turned
@@ -148,7 +223,7 @@ def tile_rope(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool, turn: Turn) -> T
     ``pairs`` layout or not, on cos/sin (n, 1, D)), which runs otherwise: one call instead of about ten small ops
     a head group."""
     contiguous_heads = x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[-1]
-    if DECODE_OPS != "torch" and contiguous_heads and native.supports_rows(x) and _no_grad(x, x):
+    if _native_ops() and contiguous_heads and native.supports_rows(x) and _no_grad(x, x):
         if cos.dtype == torch.float32:
             return native.rope(x, cos, sin, pairs)
     return turn(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
@@ -156,10 +231,40 @@ def tile_rope(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool, turn: Turn) -> T
 
 def tile_swiglu(gate_up: Tensor) -> Tensor:
     """``silu(gate) * up`` of decode rows (n, 2F) holding [gate; up]: native (``DECODE_OPS``) or torch's."""
-    if DECODE_OPS != "torch" and native.supports_rows(gate_up) and _no_grad(gate_up, gate_up):
+    if _native_ops() and native.supports_rows(gate_up) and _no_grad(gate_up, gate_up):
         return native.swiglu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def tile_gated(layer: nn.Linear, x: Tensor, act: str) -> Tensor:
+    """A gated feed-forward's inner rows act(x gate) * (x up) (n, F) of decode rows x (n, d), ``layer`` holding
+    [gate; up] (2F, d); ``act`` "silu" (``tile_swiglu``) or "gelu" (tanh). One fused Triton launch on its path,
+    else ``tile_linear`` then the activation (the CPU's bits as they were)."""
+    if on_triton(x, layer.weight) and not is_packed(layer) and layer.bias is None:
+        return triton_ops().linear(layer.weight, x, act)
+    gate_up = tile_linear(layer, x)
+    if act == "silu":
+        return tile_swiglu(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+Split = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]  # a model's qkv split: (qkv, cos, sin)
+
+
+def tile_rope_qkv(
+    qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int], biases: tuple[Tensor | None, Tensor | None],
+    pairs: bool, scale: float, split: Split,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Queries (n, H, D) times ``scale``, keys (n, K, D) and values (n, K, D) of decode rows' fused projection
+    (n, (H + 2K) D), queries and keys biased (``biases``) and rotated by cos/sin (n, D) in the ``pairs`` layout or
+    the halves: one Triton launch on its path, else the model's own ``split`` and the scale (its bits as they
+    were). ``heads``: (H, K)."""
+    if on_triton(qkv):
+        return triton_ops().rope_qkv(qkv, cos, sin, *heads, *biases, pairs, scale)
+    q, k, v = split(qkv, cos, sin)
+    return q * scale, k, v
 
 
 def _onednn_available() -> bool:
@@ -226,10 +331,12 @@ def tile_linear(layer: nn.Linear, x: Tensor, tile_rows: int = TILE_ROWS) -> Tens
 
     oneDNN runs the n rows on the weight packed for ``tile_rows``; the
     fallback pads them to ``tile_rows`` so that ``F.linear`` always sees one
-    shape.
+    shape. On the Triton kernels (``on_triton``) any number of rows, in one call.
     """
     if layer.bias is not None:
         raise ValueError("decode kernels expect bias-free linear layers (T5 has none)")
+    if not is_packed(layer) and on_triton(x, layer.weight):  # row-invariant at any row count: no tiles needed
+        return triton_ops().linear(layer.weight, x)
     n = x.shape[0]
     if not 1 <= n <= tile_rows:
         raise ValueError(f"a tile holds 1..{tile_rows} rows, got {n}")
@@ -266,6 +373,8 @@ def rows_linear(layer: nn.Linear, x: Tensor, tile_rows: int = PREFILL_ROWS) -> T
     not take; float32 ones of ``NATIVE_MIN_BYTES`` or more, which it would copy) runs on it in tiles of
     ``native.MAX_ROWS`` rows (row-invariant at any row count); a bf16 weight without it is widened once for the
     call and runs on the plain tiles."""
+    if not is_packed(layer) and layer.bias is None and on_triton(x, layer.weight):
+        return triton_ops().linear(layer.weight, x)
     on_native = _wants_native(layer.weight) and _no_grad(layer.weight, x)
     if is_packed(layer) or (on_native and native.supports(layer.weight, x[: native.MAX_ROWS])):
         tile_rows = min(tile_rows, native.MAX_ROWS)  # no packed copy of a real model's weights for the prefill
@@ -379,8 +488,10 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = A
     neither on what the masked positions hold nor on how many there are. L that
     is not a whole number of chunks is padded with masked positions (callers
     that care about the copy pass whole chunks). T5 applies no 1/sqrt(D)
-    scaling.
+    scaling. On the Triton kernels' path (``on_triton``) their ``attend``: the same chunks, an online softmax.
     """
+    if on_triton(q):
+        return triton_ops().attend(q, keys, values, bias)
     T, H, L, D = keys.shape
     if L % chunk:
         pad = chunk_span(L, chunk) - L
@@ -402,12 +513,13 @@ def in_tiles(
     hidden: Tensor,
     tile_rows: int = TILE_ROWS,
 ) -> tuple[Tensor, Tensor | None]:
-    """A group pass over any number of rows: ``pass_tile`` on tiles of at most ``tile_rows`` of them, in order.
+    """A group pass over any number of rows: ``pass_tile`` on tiles of at most ``tile_rows`` of them, in order
+    (on the Triton kernels, which take any number of rows, on all of them at once).
 
     ``hidden`` (R, ...) holds the rows' inputs; the tiles' outputs (and exit
     logits, None when the tiles return none) are concatenated in row order.
     """
-    if len(rows) <= tile_rows:
+    if len(rows) <= tile_rows or on_triton(hidden):  # the Triton kernels take any number of rows
         return pass_tile(rows, hidden)
     outputs, logits = [], []
     for start in range(0, len(rows), tile_rows):

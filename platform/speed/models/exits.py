@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.engine.kernels import TILE_ROWS, rows_linear, tile_linear
+from speed.engine.kernels import TILE_ROWS, on_triton, rows_linear, rows_norm, tile_linear, triton_ops
 
 EXITS_FILE = "exits.pt"  # the adapters' state dict, beside a checkpoint's model.pt
 EXITS_CONFIG_FILE = "exits.json"  # {"exits": ExitConfig's fields, "job": the training job's config, "step": ...}
@@ -121,7 +121,8 @@ class ExitAdapters(nn.Module):
             return h
         down, up = self._stacked()
         r = self.config.rank
-        z = F.relu(rows_linear(down, _rms(h), TILE_ROWS))  # (R, K r)
+        normed = triton_ops().rms_norm(h, None, RMS_EPS) if on_triton(h) else _rms(h)  # per row either way
+        z = F.relu(rows_linear(down, normed, TILE_ROWS))  # (R, K r)
         own = torch.arange(z.shape[1], device=h.device)[None, :] // r == which[:, None]  # (R, K r): its head's
         delta = rows_linear(up, z * own, TILE_ROWS)  # (R, d)
         return torch.where(adapted[:, None], h + delta, h)
@@ -157,11 +158,11 @@ def exit_logits(
     if logit_rows is not None and len(logit_rows) < y.shape[0]:
         y = y.index_select(0, torch.as_tensor(logit_rows, dtype=torch.long, device=y.device))
         loops = np.asarray(loops)[np.asarray(logit_rows, dtype=np.int64)]
-    out = []
-    for start in range(0, y.shape[0], TILE_ROWS):
-        part = y[start : start + TILE_ROWS]
-        part = part if adapters is None else adapters.adapt_rows(part, loops[start : start + TILE_ROWS])
-        out.append(tile_linear(head, norm(part)))
+    out, tile = [], max(1, y.shape[0]) if on_triton(y) else TILE_ROWS  # Triton's kernels take any rows at once
+    for start in range(0, y.shape[0], tile):
+        part = y[start : start + tile]
+        part = part if adapters is None else adapters.adapt_rows(part, loops[start : start + tile])
+        out.append(tile_linear(head, rows_norm(norm, part)))
     return out[0] if len(out) == 1 else torch.cat(out)
 
 

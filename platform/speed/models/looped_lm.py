@@ -53,10 +53,13 @@ from speed.engine.kernels import (
     in_tiles,
     pack_linears,
     rows_linear,
+    rows_norm,
+    tile_gated,
     tile_linear,
+    tile_residual,
     tile_rms_norm,
     tile_rope,
-    tile_swiglu,
+    tile_rope_qkv,
 )
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
@@ -176,10 +179,12 @@ class Attention(nn.Module):
         Writes the rows' keys/values at their virtual layers (their loop,
         ``layer``), then attends over each row's positions there (``KVCache.attend``).
         """
-        n = x.shape[0]
-        q, k, v = self._split_rows(tile_linear(self.qkv, x), cos, sin)  # (n, H, D), 2 x (n, K, D)
+        n, heads, pairs = x.shape[0], (self.n_heads, self.n_kv_heads), self.layout != "halves"
+        qkv = tile_linear(self.qkv, x)  # (n, (H + 2K) D)
+        biases, scale = (self.q_bias, self.k_bias), self.head_dim**-0.5
+        q, k, v = tile_rope_qkv(qkv, cos, sin, heads, biases, pairs, scale, self._split_rows)  # (n, H or K, D)
         cache.write(layer, rows, k, v)
-        y = cache.attend(layer, rows, q * self.head_dim**-0.5)  # (n, H, D)
+        y = cache.attend(layer, rows, q)  # (n, H, D)
         return tile_linear(self.o, y.reshape(n, -1))
 
 
@@ -197,7 +202,7 @@ class SwiGLU(nn.Module):
 
     def decode(self, x: Tensor) -> Tensor:
         """The same for one tile of decode rows (n, d)."""
-        return tile_linear(self.wo, tile_swiglu(tile_linear(self.wi, x)))  # (n, 2F) -> (n, F) -> (n, d)
+        return tile_linear(self.wo, tile_gated(self.wi, x, "silu"))  # (n, F) -> (n, d)
 
     def prefill(self, x: Tensor) -> Tensor:
         """The same for a prefill's rows (R, d), on row tiles."""
@@ -222,7 +227,7 @@ class Block(nn.Module):
 
     def _add(self, x: Tensor, y: Tensor, out_norm: nn.Module, norm: Callable = nn.Module.__call__) -> Tensor:
         """The residual stream x plus a sublayer's output y, ``out_norm`` on y or on the sum (applied by ``norm``:
-        the module's call, or the decode rows' ``tile_rms_norm``)."""
+        the module's call, or the prefill rows' ``rows_norm``; the decode rows': ``tile_residual``)."""
         return norm(out_norm, x + y) if self.norm_sum else x + norm(out_norm, y)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -232,9 +237,11 @@ class Block(nn.Module):
     def prefill(
         self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], stores: Sequence[Store | None]
     ) -> Tensor:
-        """A prefill's rows (R, d) through this block (see ``Attention.prefill``)."""
-        x = self._add(x, self.attn.prefill(self.attn_norm(x), cos, sin, segments, stores), self.attn_out_norm)
-        return self._add(x, self.mlp.prefill(self.mlp_norm(x)), self.mlp_out_norm)
+        """A prefill's rows (R, d) through this block (see ``Attention.prefill``), the norms per row
+        (``rows_norm``: a prompt's rows never depend on the others')."""
+        y = self.attn.prefill(rows_norm(self.attn_norm, x), cos, sin, segments, stores)
+        x = self._add(x, y, self.attn_out_norm, rows_norm)
+        return self._add(x, self.mlp.prefill(rows_norm(self.mlp_norm, x)), self.mlp_out_norm, rows_norm)
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
         """One tile of decode rows (n, d) through this block (see ``Attention.decode``), the norms on the decode
@@ -247,8 +254,8 @@ class Block(nn.Module):
                 keys, values = cache.keys[layer], cache.values[layer]
                 return native.lm_block(x, weights, cos, sin, keys, values, offsets, lengths, cache.pool_head_stride)
         y = self.attn.decode(tile_rms_norm(self.attn_norm, x), cos, sin, rows, cache, layer)
-        x = self._add(x, y, self.attn_out_norm, tile_rms_norm)
-        return self._add(x, self.mlp.decode(tile_rms_norm(self.mlp_norm, x)), self.mlp_out_norm, tile_rms_norm)
+        x, h = tile_residual(x, y, self.attn_out_norm, self.norm_sum, self.mlp_norm)  # the stream, mlp_norm of it
+        return tile_residual(x, self.mlp.decode(h), self.mlp_out_norm, self.norm_sum, None)[0]
 
 
     def _block_weights(self, cos: Tensor) -> native.BlockWeights | None:
@@ -521,11 +528,11 @@ class LoopedLM(nn.Module):
                 y = block.prefill(y, cos, sin, segments, stores("loops", i, N + k))
             y = y.index_select(0, last)  # (B, d)
             if gates:
-                lambdas.append(self._gate(self.norm(y), rows_linear))  # (B,)
+                lambdas.append(self._gate(rows_norm(self.norm, y), rows_linear))  # (B,)
             if self.exit_adapters is not None:
                 y = self.exit_adapters.adapt_rows(y, [i] * len(prompts))
-            logits.append(rows_linear(self.lm_head, self.norm(y), TILE_ROWS))  # (B, V)
-            state = self.norm(h) if c.loop_norm else h
+            logits.append(rows_linear(self.lm_head, rows_norm(self.norm, y), TILE_ROWS))  # (B, V)
+            state = rows_norm(self.norm, h) if c.loop_norm else h
         return list(torch.stack(logits, dim=1)), (list(torch.stack(lambdas, dim=1)) if gates else None)  # B x (M, V)
 
     def _gate(self, state: Tensor, linear: Callable[[nn.Linear, Tensor], Tensor]) -> Tensor:
@@ -615,7 +622,7 @@ class LoopedLM(nn.Module):
             y = block.decode(y, cos, sin, rows, cache.loops, N + k)
         exits = None
         if with_exits:  # the exit adapters (speed.models.exits) change the exits' inputs only, never the carry
-            lam = self._gate(self.norm(y), tile_linear)[:, None] if gates else None  # (n, 1): it reads norm(y)
+            lam = self._gate(rows_norm(self.norm, y), tile_linear)[:, None] if gates else None  # (n, 1)
             exits = y if lam is None else torch.cat([y, lam.to(y.dtype)], dim=-1)
         state = tile_rms_norm(self.norm, h) if c.loop_norm else h  # (n, d)
         return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), exits

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from speed.config import ModelConfig
 from speed.engine.cache import KVCache, Rows, kv_bytes, pool_blocks
-from speed.engine.kernels import attend, chunk_span, in_tiles, tile_linear
+from speed.engine.kernels import attend, chunk_span, in_tiles, rows_norm, tile_gated, tile_linear
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
@@ -162,8 +162,7 @@ class GatedFFN(nn.Module):
 
     def decode(self, x: Tensor) -> Tensor:
         """The same for one tile of decode rows (n, d) (no dropout)."""
-        gate, linear = tile_linear(self.wi, x).chunk(2, dim=-1)  # 2 x (n, d_ff)
-        return tile_linear(self.wo, F.gelu(gate, approximate="tanh") * linear)
+        return tile_linear(self.wo, tile_gated(self.wi, x, "gelu"))  # (n, d_ff) -> (n, d)
 
 
 class EncoderLayer(nn.Module):
@@ -208,9 +207,9 @@ class DecoderLayer(nn.Module):
         cross_bias: Tensor,
     ) -> Tensor:
         """One tile of decode rows (n, d) through this layer (see ``SelfAttention.decode``)."""
-        x = x + self.self_attn.decode(self.self_norm(x), rows, cache, layer, self_bias)
-        x = x + self.cross_attn.decode(self.cross_norm(x), keys, values, cross_bias)
-        return x + self.ffn.decode(self.ffn_norm(x))
+        x = x + self.self_attn.decode(rows_norm(self.self_norm, x), rows, cache, layer, self_bias)
+        x = x + self.cross_attn.decode(rows_norm(self.cross_norm, x), keys, values, cross_bias)
+        return x + self.ffn.decode(rows_norm(self.ffn_norm, x))
 
 
 class SpeedT5(nn.Module):
