@@ -84,6 +84,8 @@ def test_speed_equals_sequential_bit_for_bit(huginn_dir):
         ({"num_key_value_heads": 2}, "num_key_value_heads=2, but Huginn's fused Wqkv"),
         ({"nonlin_name": "GELU"}, "nonlin_name='GELU'"),
         ({"mean_recurrence": None}, "config.json lacks mean_recurrence"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4}}, "rope_type='yarn', but LoopedLM's rotary"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic', but LoopedLM's rotary"),
     ],
 )
 def test_a_config_it_cannot_honour_is_one_line(tmp_path, change, message):
@@ -92,6 +94,16 @@ def test_a_config_it_cannot_honour_is_one_line(tmp_path, change, message):
     with pytest.raises(UnsupportedConfig) as error:
         load_huginn(tmp_path)
     assert message in one_line(error)
+
+
+def test_a_rope_base_under_rope_parameters_is_read(tmp_path):
+    config = write_huginn_checkpoint(tmp_path, **SMALL, rope_base=2000.0)
+    want = huginn_reference_logits(tmp_path, token_ids(2), 3)
+    moved = {k: v for k, v in config.items() if k != "rope_base"} | {"rope_parameters": {"rope_theta": 2000.0}}
+    (tmp_path / "config.json").write_text(json.dumps(moved))
+    model = load_huginn(tmp_path)
+    assert model.config.rope_theta == 2000.0
+    assert_loops_match(model, token_ids(2), want)
 
 
 def test_wrong_tensors_and_an_untied_head_are_one_line(tmp_path):

@@ -39,7 +39,16 @@ from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
 from speed.hf_files import read_config, read_weights
-from speed.models.hf_import import UnsupportedConfig, assemble, check_tied, expect, field, loop_count, single_eos
+from speed.models.hf_import import (
+    UnsupportedConfig,
+    assemble,
+    check_tied,
+    expect,
+    field,
+    loop_count,
+    rope_theta,
+    single_eos,
+)
 from speed.models.looped_lm import LoopedLM
 from speed.models.precision import WEIGHTS_DTYPE, with_dtype
 
@@ -58,7 +67,6 @@ def config_from_huginn(hf: Mapping[str, Any], n_loops: int | None = None) -> LMC
     expect(hf, "mlp_class_name", "GatedMLP", "LoopedLM's MLP is gated")
     expect(hf, "nonlin_name", "SiLU", "LoopedLM's SwiGLU uses SiLU")
     expect(hf, "norm_class_name", "RMSNorm_llama", "LoopedLM's norms are RMS norms")
-    expect(hf, "rope_scaling", None, "LoopedLM's rotary embeddings are unscaled")
     d, n_heads = field(hf, "n_embd"), field(hf, "n_heads")
     expect(hf, "num_key_value_heads", n_heads, "Huginn's fused Wqkv has as many key/value heads as query heads")
     expect(hf, "head_dim", d // n_heads, "Huginn's head size is n_embd / n_heads")
@@ -76,7 +84,7 @@ def config_from_huginn(hf: Mapping[str, Any], n_loops: int | None = None) -> LMC
         pattern=str(sharing),
         norm="residual",
         injection=True,
-        rope_theta=float(field(hf, "rope_base")),
+        rope_theta=rope_theta(hf, "rope_base"),
         rope_layout="pairs",
         qk_bias=bool(field(hf, "qk_bias", False)),
         embed_scale=math.sqrt(d),
