@@ -447,7 +447,8 @@ def test_the_post_processor_decides_as_in_transformers(tmp_path, post_processor,
     for text in TEXTS:
         assert ours.encode(text, add_eos=False, add_special_tokens=True) == theirs.encode(text), text
     assert ours.text_prefix == ((1,) if post_processor else ())
-    assert prompt_ids(ours, TEXTS) == [list(ours.text_prefix) + theirs.encode(t, add_special_tokens=False) for t in TEXTS]
+    plain = [theirs.encode(text, add_special_tokens=False) for text in TEXTS]
+    assert prompt_ids(ours, TEXTS) == [list(ours.text_prefix) + ids for ids in plain]
 
 
 def test_the_looped_lm_family_encodes_as_published(huginn_dir):
