@@ -46,6 +46,7 @@ from ray import serve
 from starlette.requests import Request as StarletteRequest
 
 from speed.config import coerce
+from speed.engine import as_stepper
 from speed.engine.defaults import device_exit_adapters
 from speed.models.precision import DTYPES
 from speed.serve import auth, limits, protocol, responses
@@ -107,6 +108,19 @@ def _openapi(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
+
+
+def _describe_served(exit_gate: bool) -> None:
+    """``/openapi.json`` for the model this replica serves: the request schemas narrowed to what it accepts
+    (``protocol.served_schema``: ``method: "exit_gate"`` only with an exit gate)."""
+    api.openapi_schema = None
+    document = api.openapi()  # built now and kept: FastAPI answers /openapi.json with this document
+    for path, model in ROUTES.items():
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        body["schema"] = protocol.served_schema(model, exit_gate)
+
+
 @serve.deployment(
     name="SpeedServer",
     max_ongoing_requests=32,  # per replica; beyond the engine's capacity they wait in its queue
@@ -149,6 +163,7 @@ class SpeedServer:
         self.runner = EngineRunner(
             self.model, self.settings.engine_config(), self.recorder.finished, self.recorder.step
         )
+        _describe_served(getattr(as_stepper(self.model), "gated", False))
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply ``user_config`` (``ServeSettings`` keys); the engine is rebuilt when its capacity changes."""
