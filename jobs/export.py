@@ -9,8 +9,8 @@ plain Llama: the last loop's logits kept, the sharing lost) or t5 (a SpeedT5 as 
 by default t5 for a T5, ouro where the options allow, else llama. A form that would change the model's outputs
 is refused in one line naming the option, status 2, as is a directory the platform does not read (the model_type
 error evaluate gives). The checkpoint's tokenizer comes along (its SentencePiece model and an LM's chat template,
-or an imported model's own files); docs/models.md, "Export", says what each form keeps and loses. --out must not exist (or
-be empty): the directory is written beside it and renamed, so it appears whole or not at all.
+or an imported model's own files); docs/models.md, "Export", says what each form keeps and loses. --out must not
+exist (or be empty): the directory is written beside it and renamed, so it appears whole or not at all.
 --checkpoint names a checkpoint, a run (its newest complete checkpoint) or a Hugging Face directory (Ouro, Llama,
 T5 v1.1, Huginn), a local path or a URI.
 """
