@@ -191,6 +191,8 @@ def test_branches_and_confidence_gate_change_no_token_and_are_recorded(server):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert {"minimum": 0, "type": "integer"} in body["properties"]["branches"]["anyOf"]
         assert {"maximum": 1.0, "minimum": 0.0, "type": "number"} in body["properties"]["min_confidence"]["anyOf"]
+        methods = next(o["enum"] for o in body["properties"]["method"]["anyOf"] if "enum" in o)
+        assert methods == ["speed", "sequential"]  # the served T5 has no exit gate: the schema offers none
 
 
 def test_prompt_list_answers_each_prompt(server):

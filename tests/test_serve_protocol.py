@@ -299,7 +299,7 @@ def test_the_published_schema_describes_the_served_models_exit_gate(exit_gate):
 
     from speed.serve import app
 
-    app._describe_served(exit_gate)
+    app.api.state.exit_gate = exit_gate  # as a replica sets it for its model
     try:
         for path, model in app.ROUTES.items():
             body = app.api.openapi()["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -313,5 +313,5 @@ def test_the_published_schema_describes_the_served_models_exit_gate(exit_gate):
             assert valid({**text, "method": "exit_gate", "exit_threshold": 0.5}) == exit_gate
             assert not valid({**text, "method": "speed", "exit_threshold": 0.5})  # the server's 400 either way
     finally:
-        app.api.openapi_schema = None  # the module's document again, built on the next call
+        del app.api.state.exit_gate  # unset: every method, as before a replica
     assert served_schema(CompletionRequest, True) == inline_schema(CompletionRequest)
