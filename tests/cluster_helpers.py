@@ -75,10 +75,8 @@ def is_loopback(address: str) -> bool:
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
 
 
-# torch.distributed's rendezvous store (TCPStore), which the rank-0 Train worker hosts for its process group, binds
-# every interface whatever address it is given: torch 2.13's libuv daemon binds "::" (its legacy one the wildcard
-# too), and only a socket bound beforehand (TCPStore's master_listen_fd) avoids that, which Ray Train 2.60's
-# TorchConfig (init_method "env" or "tcp") cannot pass. The one listener beyond loopback (docs/training.md).
+# A Train worker, whose rank 0 hosts torch.distributed's rendezvous store (TCPStore): on loopback for a local job
+# (speed.train.process_group), on every interface under Ray's own TorchConfig (docs/training.md).
 TRAIN_WORKER = "ray::RayTrainW"  # a Train worker's process title begins so (whatever task it runs, cut or not)
 
 

@@ -17,7 +17,9 @@ Huginn-0125 (``model_type == "huginn_raven"``, ``architectures == ["RavenForCaus
 ``raven_modeling_minimal.py`` / ``raven_config_minimal.py`` in seal-rg/recurrent-pretraining and on the hub
 under tomg-group-umd/huginn-0125): ``e = prelude(wte(ids) * embed_scale)`` (``embed_scale = sqrt(n_embd)``),
 then ``num_steps`` times ``x = core_block(adapter(cat([x, e])))`` from a zero state (``init_scale=0``; by
-default the state starts random), and the exit ``lm_head(ln_f(coda(ln_f(x))))`` (the same ``ln_f`` twice;
+default the state starts random: ``initialize_state``, truncated normals of std ``init_values.std * init_scale``
+within +-3 std, times ``embed_scale``: ``huginn_random_state``, given the draws), and the exit
+``lm_head(ln_f(coda(ln_f(x))))`` (the same ``ln_f`` twice;
 ``lm_head`` tied to ``wte``). Per block (``SandwichBlock``): ``x = norm_2(x + attn(norm_1(x)))``,
 ``x = norm_4(x + mlp(norm_3(x)))``. Attention: fused ``Wqkv``, a learned bias ``qk_bias`` of shape
 ``(2, 1, n_heads, head_dim)`` added to q and k before the rotary embedding, which rotates adjacent pairs
@@ -383,6 +385,18 @@ def huginn_reference_logits(
         y = blocks("coda", config["n_layers_in_coda"], y)
         out.append(_rms(y, w["transformer.ln_f.weight"], eps) @ head.T)
     return out
+
+
+def huginn_random_state(directory: str | Path, draws: Tensor, init_scale: float = 1.0) -> Tensor:
+    """``RavenForCausalLM.initialize_state(e, scale=init_scale)`` with its truncated-normal draws given: ``draws``
+    (..., n_embd), standard normals within +-3, scaled to std ``init_values["std"] * init_scale`` (so truncated at
+    +-3 std) and multiplied by the embedding scale sqrt(n_embd); the draws themselves are random in the published
+    model, so a test passes the ones the platform drew (its reproducible noise) and checks what is made of them."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    if draws.abs().max() > 3:
+        raise ValueError("initialize_state's draws lie within +-3 standard deviations")
+    std = config["init_values"]["std"] * init_scale
+    return draws * std * math.sqrt(config["n_embd"])
 
 
 def huginn_freqs_cis(head_dim: int, end: int, theta: float) -> Tensor:

@@ -1,12 +1,14 @@
 """Huginn-0125 into ``LoopedLM``: every recurrence's exit logits equal the independent reference's
 (``looped_refs``, zero initial state), for several step counts, with and without the adapter's bias, the
 rotary table and a stored tied head, and from sharded bfloat16 files; the cached path equals the forward;
-SPEED equals sequential decoding bit for bit; each refusal is one line."""
+SPEED equals sequential decoding bit for bit; the published random initial state, seeded, equals the reference
+given the same draws, with SPEED equal to sequential under a seed; each refusal is one line."""
 
 from __future__ import annotations
 
 import json
 import math
+import tempfile
 
 import pytest
 import torch
@@ -17,12 +19,17 @@ from imported_helpers import (
     one_line,
     token_ids,
 )
-from looped_refs import huginn_reference_logits, write_huginn_checkpoint
+from looped_refs import huginn_random_state, huginn_reference_logits, write_huginn_checkpoint
 from safetensors.torch import load_file, save_file
 
+from speed.decode.exactness import LogitRecorder, compare_logits
+from speed.decode.generate import generate
+from speed.engine import Speculation
+from speed.engine.sampling import truncated_normals
 from speed.hf_files import WeightsError
-from speed.models.convert_huginn import load_huginn
+from speed.models.convert_huginn import huginn_initial_state, load_huginn
 from speed.models.hf_import import UnsupportedConfig
+from speed.models.looped_lm import InitialState
 
 # Unit-scale weights: the loops change the logits by far more than the tolerance, while a larger scale makes
 # the recurrence chaotic enough that float32 rounding alone grows past 1e-4 within a few steps.
@@ -84,6 +91,8 @@ def test_speed_equals_sequential_bit_for_bit(huginn_dir):
         ({"num_key_value_heads": 2}, "num_key_value_heads=2, but Huginn's fused Wqkv"),
         ({"nonlin_name": "GELU"}, "nonlin_name='GELU'"),
         ({"mean_recurrence": None}, "config.json lacks mean_recurrence"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4}}, "rope_type='yarn', but LoopedLM's rotary"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic', but LoopedLM's rotary"),
     ],
 )
 def test_a_config_it_cannot_honour_is_one_line(tmp_path, change, message):
@@ -92,6 +101,16 @@ def test_a_config_it_cannot_honour_is_one_line(tmp_path, change, message):
     with pytest.raises(UnsupportedConfig) as error:
         load_huginn(tmp_path)
     assert message in one_line(error)
+
+
+def test_a_rope_base_under_rope_parameters_is_read(tmp_path):
+    config = write_huginn_checkpoint(tmp_path, **SMALL, rope_base=2000.0)
+    want = huginn_reference_logits(tmp_path, token_ids(2), 3)
+    moved = {k: v for k, v in config.items() if k != "rope_base"} | {"rope_parameters": {"rope_theta": 2000.0}}
+    (tmp_path / "config.json").write_text(json.dumps(moved))
+    model = load_huginn(tmp_path)
+    assert model.config.rope_theta == 2000.0
+    assert_loops_match(model, token_ids(2), want)
 
 
 def test_wrong_tensors_and_an_untied_head_are_one_line(tmp_path):
@@ -110,3 +129,79 @@ def test_wrong_tensors_and_an_untied_head_are_one_line(tmp_path):
     text = one_line(error)
     assert "1 expected tensor missing: transformer.core_block.1.attn.qk_bias" in text
     assert "transformer.adapter.weight has shape (32, 32), expected (32, 64)" in text
+
+
+# ----- the published random initial state, seeded -------------------------------------------------------------
+
+
+def _draws(seed: int, positions: int, d: int = 32) -> torch.Tensor:
+    return torch.stack([truncated_normals(seed, p, d) for p in range(positions)]).float()  # (T, d)
+
+
+def test_a_seeded_random_state_equals_the_reference(huginn_dir):
+    """``huginn_initial_state``: the published ``initialize_state`` (the reference's, from config.json), on the
+    platform's draws at each position; the forward and the cached path agree, and it changes the logits."""
+    ids = token_ids(2)
+    model = load_huginn(huginn_dir)
+    zero = model(ids, return_logits=True).loop_logits
+    model.initial_state = huginn_initial_state(huginn_dir, seed=5)
+    state = huginn_random_state(huginn_dir, _draws(5, ids.shape[1]))  # (T, d), each sequence's
+    want = huginn_reference_logits(huginn_dir, ids, 3, state=state.expand(ids.shape[0], -1, -1))
+    assert_loops_match(model, ids, want)
+    assert (want[0] - zero[0]).abs().max() > 0.1  # the state matters
+    assert_cached_equals_forward(model, seed=3)
+    half = huginn_initial_state(huginn_dir, seed=5, init_scale=0.5)
+    assert half.std == pytest.approx(model.initial_state.std / 2)
+
+
+def test_the_draws_are_truncated_normals_of_seed_and_position_alone():
+    draws = torch.stack([truncated_normals(11, p, 4096) for p in range(16)])  # (16, 4096)
+    assert draws.abs().max() <= 3 and draws.abs().max() > 2.9
+    assert abs(draws.mean()) < 0.01 and abs(draws.std() - 0.9866) < 0.01  # a normal truncated at 3 sigma
+    assert torch.equal(truncated_normals(11, 7, 64), draws[7, :64])  # a pure function: no RNG stream
+    assert not torch.equal(truncated_normals(12, 7, 64), draws[7, :64])
+    assert not torch.equal(draws[0], draws[1])
+
+
+def _speed_and_sequential(model, seed: int) -> tuple[LogitRecorder, LogitRecorder, list[list[int]]]:
+    ids = token_ids(seed, batch=3, length=5)
+    reference, candidate = LogitRecorder(model), LogitRecorder(model)
+    ref = generate(reference, ids, method="sequential", max_new_tokens=6)
+    got = generate(candidate, ids, method="speed", max_new_tokens=6, speculation=Speculation(1, "eager"))
+    assert got.tokens == ref.tokens
+    assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []  # torch.equal, every loop
+    return reference, candidate, ref.tokens
+
+
+def test_speed_equals_sequential_under_a_seeded_state_and_seeds_differ(huginn_dir):
+    model = load_huginn(huginn_dir, n_loops=4)
+    model.initial_state = InitialState(seed=1, std=1.0)
+    first, _, _ = _speed_and_sequential(model, seed=6)
+    model.initial_state = InitialState(seed=2, std=1.0)
+    second, _, _ = _speed_and_sequential(model, seed=6)
+    assert not torch.equal(first.logits[(0, 0, 0)], second.logits[(0, 0, 0)])
+    model.initial_state = None  # zero, the default, again
+    assert load_huginn(huginn_dir).initial_state is None
+
+
+@pytest.mark.slow
+def test_speed_equals_sequential_bit_for_bit_with_a_random_state(huginn_dir):
+    model = load_huginn(huginn_dir)
+    model.initial_state = huginn_initial_state(huginn_dir, seed=9)
+    assert assert_speed_exact(model, seed=4) > 0
+
+
+def test_an_initial_state_needs_injection_and_valid_fields():
+    from looped_refs import write_ouro_checkpoint
+
+    from speed.models.convert_ouro import load_ouro
+
+    with tempfile.TemporaryDirectory() as directory:
+        write_ouro_checkpoint(directory)
+        ouro = load_ouro(directory)
+    with pytest.raises(ValueError, match="needs a model with injection"):
+        ouro.initial_state = InitialState(0, 1.0)
+    with pytest.raises(ValueError, match="std must be a positive number"):
+        InitialState(0, 0.0)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        InitialState(-1, 1.0)

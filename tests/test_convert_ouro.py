@@ -78,7 +78,10 @@ def test_speed_equals_sequential_bit_for_bit(ouro_dir):
     "change, message",
     [
         ({"use_sliding_window": True}, "use_sliding_window=True, but LoopedLM attends to every position"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling=.*unscaled"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn', but .*unscaled"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='linear', but"),
+        ({"early_exit_threshold": 0.9}, "early_exit_threshold=0.9, but the platform decodes every loop .*exit_gate"),
+        ({"early_exit_step": 1}, "early_exit_step=1, but the platform decodes every loop .*exit_step=1"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu', but LoopedLM's SwiGLU uses SiLU"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types holds \['sliding_attention'\]"),
         ({"eos_token_id": [0, 1]}, r"eos_token_id=\[0, 1\]"),
@@ -91,6 +94,19 @@ def test_a_config_it_cannot_honour_is_one_line(tmp_path, change, message):
     with pytest.raises(UnsupportedConfig) as error:
         load_ouro(tmp_path)
     assert re.search(message, one_line(error)), one_line(error)
+
+
+def test_a_transformers_5_config_keeps_the_rope_theta_under_rope_parameters(tmp_path):
+    """transformers 5 writes ``rope_parameters: {rope_theta, rope_type}``: the model computes with that theta, the
+    reference's (which reads the same checkpoint written with a top-level ``rope_theta``)."""
+    config = write_ouro_checkpoint(tmp_path, rope_theta=500.0, scale=SCALE)
+    want = ouro_reference(tmp_path, token_ids(1)).logits
+    moved = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    rope = {"rope_parameters": {"rope_theta": 500.0, "rope_type": "default"}}
+    (tmp_path / "config.json").write_text(json.dumps(moved | rope))
+    model = load_ouro(tmp_path)
+    assert model.config.rope_theta == 500.0
+    assert_loops_match(model, token_ids(1), want)
 
 
 def test_missing_unexpected_and_misshapen_tensors_are_one_line(tmp_path):

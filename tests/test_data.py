@@ -103,6 +103,19 @@ def test_blank_records_are_skipped_counted_and_logged(tmp_path, caplog):
     assert "skipped 2 empty or whitespace-only records of 4" in caplog.text
 
 
+def test_reading_a_split_prints_no_progress_bar(tmp_path, capfd):
+    """datasets' first read of a file shows "Generating train split: N examples" whatever split the file holds (a
+    test split too), which a user reads as a failure: records are read quietly, and its bars stay as they were."""
+    from datasets.utils import logging as datasets_logging
+
+    path = write_jsonl(tmp_path / "test.jsonl.gz", [pair(f"a{i}", f"b{i}") for i in range(30)])
+    assert datasets_logging.is_progress_bar_enabled()
+    assert read_records("translate_en_de", "test", str(path)).read == 30
+    printed = capfd.readouterr()
+    assert "Generating" not in printed.err + printed.out and "split" not in printed.err
+    assert datasets_logging.is_progress_bar_enabled()
+
+
 def test_missing_field_names_the_field_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl.gz", [pair("a", "b"), pair("c", "d"), {"translation": {"en": "e"}}])
     with pytest.raises(RecordError, match=rf"{path}, line 3: record has no field 'translation.de'"):

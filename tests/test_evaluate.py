@@ -407,3 +407,23 @@ def test_the_exit_gate_is_reported_beside_speed_and_sequential(checkpoint, tmp_p
     ]:
         with pytest.raises((ValueError, ConfigError), match=says):
             from_dict(EvalConfig, bad)
+
+
+@pytest.mark.parametrize("speedup", [0.47, 1.6])
+def test_a_speed_up_below_one_says_why(speedup):
+    """The documented tiny evaluations run random weights, whose exits flip at every loop: SPEED is then slower
+    than sequential decoding, and the printed summary says why beside the number (never above 1)."""
+    from speed.eval.evaluate import format_summary
+
+    summary = {
+        "task": "translate_en_de", "split": "test", "examples": 8, "source": "local", "metrics": {},
+        "flip_rates": [{"loop": 1, "flip_rate_final": 0.81}, {"loop": 2, "flip_rate_final": 0.0}],
+        "decode": {
+            "speed": {"tokens_per_s": 10.0, "tokens_per_pass": 0.5, "flushes": 9},
+            "sequential": {"tokens_per_s": 10.0 / speedup}, "identical": True, "speedup": speedup,
+        },
+    }  # fmt: skip
+    line = next(x for x in format_summary(summary).splitlines() if "speed-up" in x)
+    assert f"SPEED speed-up {speedup:.2f}x" in line
+    why = "(below 1: loop 1's exit disagrees with the last loop's on 81 % of tokens"
+    assert (why in line) == (speedup < 1) and ("random or untrained weights" in line) == (speedup < 1)

@@ -164,3 +164,44 @@ def test_a_checkpoint_of_an_imported_model_exports_with_its_own_tokenizer(tmp_pa
         got = speed.from_pretrained(tmp_path / "out")(ids, return_logits=True).loop_logits
         want = model(ids, return_logits=True).loop_logits
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_job_exports_an_imported_directory_and_python_keeps_the_same_tokenizer_rule(tmp_path, capsys):
+    """A new user's route: ``jobs/export.py --checkpoint <an Ouro directory>`` exports it, its tokenizer with it
+    (the path brings its own); ``export(speed.from_pretrained(dir), out)`` writes none and says so
+    (``Exported.tokenizer`` None), ``tokenizer=dir`` writes the same files the job writes."""
+    from imported_helpers import write_chat_ouro
+
+    from speed.hf_tokenizer import load_tokenizer
+
+    source = write_chat_ouro(tmp_path / "Ouro-tiny")
+    done = _job().main(["--checkpoint", str(source), "--out", str(tmp_path / "job")])
+    assert done.form == "ouro" and done.tokenizer == str(source) and "tokenizer.json" in done.files
+    assert "no tokenizer written" not in capsys.readouterr().out
+    chat = [{"role": "user", "content": "A dog runs."}]
+    assert load_tokenizer(tmp_path / "job").encode_chat(chat) == load_tokenizer(source).encode_chat(chat)
+    ids = torch.tensor([load_tokenizer(source).encode_chat(chat)])
+    want = loop_logits(speed.from_pretrained(source), ids)
+    assert all(torch.equal(a, b) for a, b in zip(loop_logits(speed.from_pretrained(tmp_path / "job"), ids), want))
+    bare = export(speed.from_pretrained(source), tmp_path / "bare")
+    assert bare.tokenizer is None and bare.files == ("config.json", "model.safetensors")
+    named = export(speed.from_pretrained(source), tmp_path / "named", tokenizer=source)
+    assert named.files == done.files and named.tokenizer == str(source)
+    for name in named.files:
+        assert (tmp_path / "named" / name).read_bytes() == (tmp_path / "job" / name).read_bytes(), name
+
+
+def test_the_job_on_a_directory_it_cannot_read_says_what_evaluate_says(tmp_path):
+    """A gpt2 directory: the model_type error evaluate gives, one line, status 2, nothing written."""
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    said = {}
+    for job, extra in (("export.py", ["--out", str(tmp_path / "out")]), ("evaluate.py", ["--limit", "1"])):
+        done = subprocess.run(
+            [sys.executable, str(repo_root() / "jobs" / job), "--checkpoint", str(tmp_path / "gpt2"), *extra],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        said[job] = done.stderr
+    assert "model_type 'gpt2' is not one the platform loads" in said["export.py"]
+    assert said["export.py"] == said["evaluate.py"] and not (tmp_path / "out").exists()

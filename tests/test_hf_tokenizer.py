@@ -12,12 +12,21 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
+import pyarrow as pa
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from speed.chat import CHAT_TEMPLATE, ChatRenderer, render_chat, task_prompt
-from speed.hf_tokenizer import HFChatTemplate, HFTokenizer, SentinelsUnsupported, load_tokenizer
+from speed.hf_tokenizer import (
+    HFChatTemplate,
+    HFTokenizer,
+    SentinelsUnsupported,
+    chat_renderer,
+    load_tokenizer,
+    prompt_ids,
+)
 from speed.tokenizer import TextTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -400,3 +409,64 @@ def test_chat_template_class_alone():
     text = template.render([{"role": "user", "content": "  hi  "}])
     assert text == "<s><|begin_header|>user<|end_header|>\n\nhi<|end_turn|><|begin_header|>Huginn<|end_header|>\n\n"
     assert template.render([{"role": "user", "content": "hi"}], bos_token="").startswith("<|begin_header|>")
+
+
+def test_raw_text_starts_as_the_published_tokenizer_starts_it(pair):
+    """``prompt_ids``: raw text as ``tokenizer(text)`` (Huginn's BOS first, Ouro's nothing); a chat rendered by the
+    model's own template as ``apply_chat_template(tokenize=True)``: one BOS, the template's."""
+    ours, theirs = pair
+    assert prompt_ids(ours, TEXTS) == [theirs.encode(text) for text in TEXTS]
+    for messages in CHATS:
+        ids = prompt_ids(ours, [ours.render_chat(messages)], ours.template())[0]
+        assert ids == theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert ids[: len(ours.text_prefix) + 1].count(ours.bos_id) <= 1  # never a second BOS
+    assert prompt_ids(ours, ["x"], CHAT_TEMPLATE)[0] == theirs.encode("x")  # the platform's template: raw text
+
+
+def test_the_text_prefix_of_each_tokenizer(ouro_dir, huginn_dir):
+    assert HFTokenizer.load(ouro_dir).text_prefix == ()  # Qwen's byte-level post-processor adds nothing
+    assert HFTokenizer.load(huginn_dir).text_prefix == (1,)  # <|begin_text|>, as Huginn's 65504
+
+
+@pytest.mark.parametrize(
+    "post_processor, flags",
+    [
+        (True, {"add_bos_token": False}),  # transformers 5 drops the flags beside a tokenizer.json: its post-processor
+        (True, {"add_eos_token": True}),
+        (False, {"add_bos_token": True, "add_eos_token": True}),
+        (False, {}),
+    ],
+)
+def test_the_post_processor_decides_as_in_transformers(tmp_path, post_processor, flags):
+    tokenizer = _huginn_like()
+    if not post_processor:
+        tokenizer = Tokenizer.from_str(json.dumps({**json.loads(tokenizer.to_str()), "post_processor": None}))
+    config = {"bos_token": "<|begin_text|>", "eos_token": "<|end_text|>", "chat_template": HUGINN, **flags}
+    directory = _write(tmp_path / "flags", tokenizer, tokenizer_config__json=config)
+    ours, theirs = HFTokenizer.load(directory), transformers.AutoTokenizer.from_pretrained(str(directory))
+    for text in TEXTS:
+        assert ours.encode(text, add_eos=False, add_special_tokens=True) == theirs.encode(text), text
+    assert ours.text_prefix == ((1,) if post_processor else ())
+    plain = [theirs.encode(text, add_special_tokens=False) for text in TEXTS]
+    assert prompt_ids(ours, TEXTS) == [list(ours.text_prefix) + ids for ids in plain]
+
+
+def test_the_looped_lm_family_encodes_as_published(huginn_dir):
+    """Where the platform turns text into a looped LM's input: a completion's raw prompt, a served chat, an
+    evaluation source (the model's own template) and a training document all start as transformers starts them."""
+    from speed.data.shards import _RowsEncoder
+    from speed.models.family import get_family
+
+    ours, theirs = HFTokenizer.load(huginn_dir), transformers.AutoTokenizer.from_pretrained(str(huginn_dir))
+    lm, template = get_family("lm"), chat_renderer(ours)
+    assert lm.served_prompts(TEXTS, None, ours, template) == [theirs.encode(text) for text in TEXTS]
+    chat = theirs.apply_chat_template(CHATS[2], tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert lm.served_chat(CHATS[2], 3, None, ours, template) == chat
+    assert chat.count(ours.bos_id) == 1
+    source = [{"role": "user", "content": "A dog runs."}]
+    assert lm.encode_sources(["A dog runs."], ours, 512, template) == [
+        theirs.apply_chat_template(source, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ]
+    documents = pa.table({"text": TEXTS[:3]})
+    rows = _RowsEncoder(SimpleNamespace(pack=False, max_source_len=1000), ours).encode(documents)["input_ids"]
+    assert rows == [theirs.encode(text) + [ours.eos_id] for text in TEXTS[:3]]  # BOS first, EOS last

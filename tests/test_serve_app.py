@@ -191,6 +191,8 @@ def test_branches_and_confidence_gate_change_no_token_and_are_recorded(server):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert {"minimum": 0, "type": "integer"} in body["properties"]["branches"]["anyOf"]
         assert {"maximum": 1.0, "minimum": 0.0, "type": "number"} in body["properties"]["min_confidence"]["anyOf"]
+        methods = next(o["enum"] for o in body["properties"]["method"]["anyOf"] if "enum" in o)
+        assert methods == ["speed", "sequential"]  # the served T5 has no exit gate: the schema offers none
 
 
 def test_prompt_list_answers_each_prompt(server):
@@ -417,7 +419,7 @@ def _answered(response):
 
 def _smaller(body, vocabulary: int, loops: int = 3):
     """A valid body made cheap to decode and within what the published schema cannot know (the served model's
-    loops, exit gate and ``vocabulary``, a text's length in its tokens), still valid: few tokens, few choices, few and
+    loops and ``vocabulary``, a text's length in its tokens), still valid: few tokens, few choices, few and
     short prompts. The texts of one body share 4 characters (each non-empty text keeps one at least), and a chat
     keeps two messages at most, so a prompt stays within the deployment's 48 tokens with a task's prefix and EOS
     (4 bytes a character at most, a byte-fallback token each; 8 characters a text allowed a chat of two parts to
@@ -427,10 +429,6 @@ def _smaller(body, vocabulary: int, loops: int = 3):
     for key, most in bounds.items():
         if _whole(body.get(key)) and body[key] > most:
             body[key] = most
-    if body.get("method") == "exit_gate":  # the served T5 has no exit gate (Ouro's), which no schema can know
-        body["method"] = "speed"
-        for key in ("exit_kind", "exit_threshold", "exit_step"):
-            body.pop(key, None)
     left = [4]  # characters the body's texts may still hold
 
     def cut(value):  # texts shortened, token ids into the vocabulary, lists to two items

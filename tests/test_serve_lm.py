@@ -272,6 +272,10 @@ def test_an_imported_ouro_serves_chat_and_completions_in_its_template_stopping_a
         )
     rows = [r for r in read_requests(ouro.stats).to_pylist() if r["route"] == "chat"]
     assert {(r["model"], r["family"]) for r in rows} == {("Ouro-tiny", "lm")} and len(rows) == 3
+    spec = requests.get(ouro.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    methods = next(o["enum"] for o in body["properties"]["method"]["anyOf"] if "enum" in o)
+    assert methods == ["speed", "sequential", "exit_gate"]  # Ouro's exit gate: its schema offers the method
     assert sorted(r["finish_reason"] for r in rows) == sorted(reasons)
 
 

@@ -17,6 +17,7 @@ from speed.serve.protocol import (
     ChatRequest,
     CompletionRequest,
     inline_schema,
+    served_schema,
     validation_message,
 )
 from speed.serve.responses import CHAT, COMPLETIONS, ChatResponse, Choice, CompletionResponse, TokenInfo
@@ -288,3 +289,29 @@ def test_whole_numbers_are_integers_as_json_schema_reads_them():
     }
     message, _ = _message(CompletionRequest, parse_body(b'{"prompt": "x", "max_tokens": 5.5}', 8))
     assert "max_tokens: Input should be a valid integer" in message
+
+
+@pytest.mark.parametrize("exit_gate", [True, False])
+def test_the_published_schema_describes_the_served_models_exit_gate(exit_gate):
+    """A replica publishes ``method: "exit_gate"`` and the exit rule's fields only for a model with an exit gate
+    (Ouro's); without one they are refused by the schema, as the server refuses them (schemathesis's ST202)."""
+    import jsonschema
+
+    from speed.serve import app
+
+    app.api.state.exit_gate = exit_gate  # as a replica sets it for its model
+    try:
+        for path, model in app.ROUTES.items():
+            body = app.api.openapi()["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            assert body == served_schema(model, exit_gate)
+            jsonschema.Draft202012Validator.check_schema(body)
+            valid = jsonschema.Draft202012Validator(body).is_valid
+            chat = {"messages": [{"role": "user", "content": "A"}]}
+            text = {"prompt": "A dog."} if model is CompletionRequest else chat
+            assert valid({**text, "method": "speed"}) and valid({**text, "exit_kind": None})
+            assert valid({**text, "method": "exit_gate"}) == exit_gate
+            assert valid({**text, "method": "exit_gate", "exit_threshold": 0.5}) == exit_gate
+            assert not valid({**text, "method": "speed", "exit_threshold": 0.5})  # the server's 400 either way
+    finally:
+        del app.api.state.exit_gate  # unset: every method, as before a replica
+    assert served_schema(CompletionRequest, True) == inline_schema(CompletionRequest)

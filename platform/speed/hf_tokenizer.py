@@ -7,7 +7,8 @@ without importing transformers:
   tokens), run by the ``tokenizers`` library as written (padding and truncation off: the platform cuts its
   own inputs);
 * ``tokenizer_config.json``: the named special tokens (``bos_token``, ``eos_token``, ``pad_token``, ... as a
-  string or an ``AddedToken`` object), ``added_tokens_decoder``, ``split_special_tokens``,
+  string or an ``AddedToken`` object), ``added_tokens_decoder``, ``split_special_tokens`` (not ``add_bos_token``
+  nor ``add_eos_token``: beside a tokenizer.json transformers 5 drops them, its post-processor decides),
   ``clean_up_tokenization_spaces`` and ``chat_template`` (a string, or a list of named templates);
   ``special_tokens_map.json`` where the config has no ``added_tokens_decoder`` (transformers' legacy rule);
   ``chat_template.jinja`` and ``additional_chat_templates/*.jinja``, which take priority over the config's;
@@ -24,6 +25,11 @@ its chats end at ``<|im_end|>``: both stop.
 SentencePiece ``Tokenizer`` does at decode, evaluation and serving time; ``decode`` is transformers'
 ``decode(ids, skip_special_tokens=True)``. Span-corruption pretraining needs T5 sentinels and stays
 SentencePiece-only: ``sentinel_id`` and ``num_extra`` raise ``SentinelsUnsupported``.
+
+Raw text reaches the model as the published tokenizer's ``tokenizer(text)`` gives it: ``text_prefix`` (what the
+post-processor puts before a text: Huginn's BOS, nothing for Ouro's) first, wherever the platform encodes text
+that no chat template of the model rendered (``prompt_ids``: a completion's prompt, a training document; an
+imported model's own template writes its BOS itself, as ``apply_chat_template`` encodes it).
 
 ``HFChatTemplate.render(messages)`` is ``apply_chat_template(messages, tokenize=False,
 add_generation_prompt=True)``: the same sandboxed Jinja environment (``ImmutableSandboxedEnvironment``,
@@ -138,6 +144,7 @@ class HFTokenizer:
     stop_ids: frozenset[int]  # generation ends at any of these
     special_tokens: dict[str, str]  # the named special tokens (bos_token, eos_token, ...) as strings
     chat_templates: dict[str, HFChatTemplate] = field(default_factory=dict)
+    text_prefix: tuple[int, ...] = ()  # the post-processor's ids before a raw text (a BOS), as tokenizer(text)
     clean_up_spaces: bool = False  # transformers' clean_up_tokenization_spaces (never for a BPE model)
     vocab_size: int = field(init=False)  # one past the highest id, added tokens included
 
@@ -200,6 +207,7 @@ class HFTokenizer:
             stop_ids=frozenset(stops),
             special_tokens=special,
             chat_templates=templates,
+            text_prefix=_text_prefix(backend),
             clean_up_spaces=bool(config.get("clean_up_tokenization_spaces", False))
             and type(backend.model).__name__ != "BPE",
         )
@@ -378,6 +386,13 @@ def _add_missing_tokens(backend: BackendTokenizer, config: dict, named: dict[str
             queued.add(token.content)
     if to_add:
         backend.add_tokens(to_add)
+
+
+def _text_prefix(backend: BackendTokenizer) -> tuple[int, ...]:
+    """The ids the post-processor puts before a single text (those before the text's first token)."""
+    encoding = backend.encode("a", add_special_tokens=True)
+    first = next((i for i, sequence in enumerate(encoding.sequence_ids) if sequence is not None), 0)
+    return tuple(encoding.ids[:first])
 
 
 def _index(key: Any, uri: str) -> int:
@@ -601,6 +616,17 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     if where.is_dir():
         return HFTokenizer.load(where.uri)
     return Tokenizer.load(where.uri)
+
+
+def prompt_ids(
+    tokenizer: TextTokenizer, texts: Sequence[str], template: ChatRenderer | None = None
+) -> list[list[int]]:
+    """Prompt texts as the model's published tokenizer encodes them, no EOS: rendered by an imported model's own
+    chat template (an ``HFChatTemplate``), as ``apply_chat_template(..., tokenize=True)``, the template writing
+    its BOS itself; raw text (``template`` None) or the platform's template's text, as ``tokenizer(text)``: the
+    tokenizer's ``text_prefix`` (Huginn's BOS; none for SentencePiece) first."""
+    prefix = [] if isinstance(template, HFChatTemplate) else list(tokenizer.text_prefix)
+    return [prefix + ids for ids in tokenizer.encode_batch(texts, add_eos=False)]
 
 
 def chat_renderer(tokenizer: TextTokenizer, fallback: ChatRenderer = CHAT_TEMPLATE) -> ChatRenderer:

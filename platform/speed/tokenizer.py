@@ -49,7 +49,9 @@ class TextTokenizer(Protocol):
     does not); ``decode`` drops padding, label padding (-100) and the end of sequence, and raises
     ``ValueError`` for an id outside ``[0, vocab_size)``; ``piece`` is one token's text for log-probability
     listings; ``stop_ids`` are the ids at which a generation ends (SentencePiece: EOS; an imported chat
-    model: its EOS ids and end-of-turn token); ``path`` says where it was read from.
+    model: its EOS ids and end-of-turn token); ``text_prefix`` are the ids a raw text starts with as the model
+    reads it (an imported model's BOS, where its published tokenizer adds one: ``speed.hf_tokenizer.prompt_ids``);
+    ``path`` says where it was read from.
     """
 
     @property
@@ -66,6 +68,9 @@ class TextTokenizer(Protocol):
 
     @property
     def stop_ids(self) -> frozenset[int]: ...
+
+    @property
+    def text_prefix(self) -> tuple[int, ...]: ...
 
     def encode(self, text: str, add_eos: bool = True) -> list[int]: ...
 
@@ -85,6 +90,7 @@ class Tokenizer:
     eos_id = EOS_ID
     unk_id = UNK_ID
     stop_ids = frozenset({EOS_ID})  # TextTokenizer: generation ends at EOS
+    text_prefix: tuple[int, ...] = ()  # TextTokenizer: T5's texts start with no BOS
 
     def __init__(self, model_proto: bytes, path: str) -> None:
         self._proto = model_proto

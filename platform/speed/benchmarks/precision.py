@@ -15,6 +15,7 @@ import torch
 
 from speed.data import load_records
 from speed.decode.generate import generate
+from speed.hf_tokenizer import prompt_ids
 from speed.models.looped_lm import LoopedLM
 from speed.models.precision import bf16_weights
 from speed.tokenizer import TextTokenizer
@@ -47,7 +48,7 @@ def corpus_prompts(tokenizer: TextTokenizer, count: int, length: int) -> list[li
     """The first ``length`` tokens of the first ``count`` pretraining validation documents at least that long."""
     prompts = []
     for record in load_records("pretrain", "validation"):
-        ids = tokenizer.encode(record["text"], add_eos=False)
+        ids = prompt_ids(tokenizer, [record["text"]])[0]
         if len(ids) >= length:
             prompts.append(ids[:length])
         if len(prompts) == count:

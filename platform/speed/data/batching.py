@@ -20,7 +20,7 @@ from torch import Tensor
 from speed.chat import CHAT_TEMPLATE, ChatRenderer, task_prompt
 from speed.data.spans import corruption_lengths, noise_rng, span_corruption, span_counts
 from speed.data.tasks import Task, get_task
-from speed.hf_tokenizer import chat_renderer
+from speed.hf_tokenizer import chat_renderer, prompt_ids
 from speed.losses import shift_right
 from speed.tokenizer import EOS_ID, LABEL_PAD, TextTokenizer, Tokenizer
 
@@ -200,7 +200,7 @@ def encode_prompts(
     """Each source text (instruction included) as a chat prompt (``speed.chat.task_prompt`` in ``template``), no
     EOS, at most ``max_len`` tokens: an overlong prompt loses the end of its source, never what the template writes
     after it (the platform's: the answer's cue)."""
-    prompts = tokenizer.encode_batch([task_prompt("", text, template) for text in sources], add_eos=False)
+    prompts = prompt_ids(tokenizer, [task_prompt("", text, template) for text in sources], template)
     after = task_prompt("", _MARK, template).rsplit(_MARK, 1)[1]  # the template's text after the source
     tail = len(tokenizer.encode(after, add_eos=False))
     if max_len <= tail:

@@ -39,7 +39,9 @@ from speed.data.batching import corrupt_run
 from speed.data.spans import noise_rng
 from speed.storage import Location, locate
 
-FORMAT_VERSION = 1  # bump when the layout or the meaning of a column changes: old caches are then missed
+# Bump when the layout or the meaning of a column changes: old caches are then missed (2: an LM's texts and prompts
+# start with the tokenizer's text prefix, an imported Huginn's BOS)
+FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 COMPLETE_MARKER = "_COMPLETE"
 TOKEN_LIST = pa.list_(pa.int32())

@@ -106,8 +106,11 @@ class _FieldProblem(Exception):
 def _read_files(files: tuple[Path, ...], task: Task) -> tuple[pa.Table, int, int]:
     """The task's columns from local files (empty records dropped), records read, records skipped."""
     import datasets
+    from datasets.utils import logging as datasets_logging
 
     builder = "parquet" if files[0].name.endswith(PARQUET_SUFFIX) else "json"
+    shown = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()  # its bar reads "Generating train split" whatever the file: no failure
     try:
         loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
         table = loaded.with_format("arrow")[:]
@@ -121,6 +124,9 @@ def _read_files(files: tuple[Path, ...], task: Task) -> tuple[pa.Table, int, int
         if isinstance(err, _FieldProblem):
             raise RecordError(f"task {task.name!r}: {Source(files)}, record {err.row + 1}: {err.reason}") from None
         raise
+    finally:
+        if shown:
+            datasets_logging.enable_progress_bar()
     return extracted, table.num_rows, skipped
 
 

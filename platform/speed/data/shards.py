@@ -48,7 +48,7 @@ from speed.data.records import RecordCount, iter_records
 from speed.data.sources import PARQUET_SUFFIX, Source, resolve_source
 from speed.data.spans import corrupted_sizes
 from speed.data.tasks import Task, get_task, lm_task
-from speed.hf_tokenizer import load_tokenizer, pack_tokenizer
+from speed.hf_tokenizer import load_tokenizer, pack_tokenizer, prompt_ids
 from speed.storage import Location, locate
 from speed.tokenizer import TextTokenizer
 
@@ -388,7 +388,8 @@ class _PromptedEncoder(_PairsEncoder):
 class _RowsEncoder:
     """The LM's texts -> next-token rows (``input_ids``) of ``max_source_len`` tokens, and ``length``.
 
-    Every document ends in EOS. Packed, the documents run on from row to row across chunks, so every row
+    Every document ends in EOS, and starts as the model's published tokenizer starts a text (Huginn's BOS;
+    nothing for SentencePiece). Packed, the documents run on from row to row across chunks, so every row
     but a piece's last is full; unpacked, each document is cut into rows on its own.
     """
 
@@ -399,7 +400,8 @@ class _RowsEncoder:
         self.pending: list[int] = []
 
     def encode(self, chunk: pa.Table) -> dict[str, list]:
-        documents = self.tokenizer.encode_batch(chunk.column("text").to_pylist())  # each EOS-terminated
+        texts = chunk.column("text").to_pylist()  # each a document: the tokenizer's text prefix (a BOS), EOS last
+        documents = [ids + [self.tokenizer.eos_id] for ids in prompt_ids(self.tokenizer, texts)]
         if not self.spec.pack:
             return self._columns(cut_rows(documents, self.spec.max_source_len))
         rows, self.pending = pack_rows(self.pending, documents, self.spec.max_source_len)

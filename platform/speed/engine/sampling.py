@@ -33,6 +33,7 @@ MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _GOLDEN64 = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: splitmix64's stream increment
+_STATE_STREAM = 0x5EED5747E  # keys the initial states' noise apart from the Gumbel noise of an equal seed
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,13 @@ def uniforms(seed: int, pos: int, n: int) -> Tensor:
     i = torch.arange(n, dtype=torch.int64)  # (n,)
     h = _fmix32(_fmix32(i ^ (key & _MASK32)) ^ (key >> 32))  # two keyed rounds of a bijection
     return (h.double() + 0.5) / 2.0**32
+
+
+def truncated_normals(seed: int, pos: int, n: int, bound: float = 3.0) -> Tensor:
+    """(n,) float64 standard normals truncated to [-bound, bound] (the inverse CDF of ``uniforms``), a pure function
+    of (seed, pos, index) on a stream of their own: a looped LM's random initial state (``InitialState``)."""
+    low = torch.special.ndtr(torch.tensor(-bound, dtype=torch.float64))
+    return torch.special.ndtri(low + uniforms(seed ^ _STATE_STREAM, pos, n) * (1 - 2 * low))
 
 
 @lru_cache(maxsize=256)  # a position's noise is read by each of its M loops (and again after a flush)

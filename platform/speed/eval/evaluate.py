@@ -538,6 +538,17 @@ def _speed_summary(
     return summary
 
 
+def _why_slower(speedup: float, flip_rates: list[dict[str, Any]]) -> str:
+    """Why SPEED ran slower than sequential decoding, where it did: its early exits disagreed with the last loop."""
+    if speedup >= 1 or not flip_rates:
+        return ""
+    first = flip_rates[0]["flip_rate_final"]
+    return (
+        f" (below 1: loop 1's exit disagrees with the last loop's on {100 * first:.0f} % of tokens, so SPEED's "
+        "speculation is mostly flushed; random or untrained weights flip at every loop)"
+    )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """A few human-readable lines: metrics with signatures, flip rate per loop, decode speed."""
     lines = [f"{summary['task']} / {summary['split']}: {summary['examples']} examples from {summary['source']}"]
@@ -572,7 +583,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         same = "identical output" if decode["identical"] else f"{len(decode['mismatches'])} example(s) differ"
         lines.append(
             f"  sequential: {decode['sequential']['tokens_per_s']:.1f} tokens/s; {same}; "
-            f"SPEED speed-up {decode['speedup']:.2f}x"
+            f"SPEED speed-up {decode['speedup']:.2f}x{_why_slower(decode['speedup'], summary['flip_rates'])}"
         )
     speed = decode.get("speed", {})
     if "row_cost_ms" in speed:

@@ -8,8 +8,11 @@ exit is ``ln_f(coda(ln_f(state)))`` (``coda_norm``: the same final norm twice). 
 turns adjacent pairs (``rope_layout="pairs"``); the embedding is scaled by sqrt(n_embd) (``embed_scale``, as
 the model computes it); the head is tied to the embedding.
 
-The initial state is zero (``init_scale=0`` in Huginn's forward). Huginn's default draws it at random
-(``state_init="like-init"``), which no two runs reproduce; the platform always starts from zero. Refused,
+The initial state is zero by default (``init_scale=0`` in Huginn's forward). Huginn's own default draws it at
+random (``initialize_state``: truncated normals of std ``init_values.std * init_scale`` within +-3 std, times
+the embedding scale), which no two runs reproduce; ``huginn_initial_state(directory, seed)`` is that draw made
+reproducible (``speed.models.looped_lm.InitialState``: a function of the seed and the token's position), set as
+``model.initial_state``. The rotary base is ``rope_parameters.rope_theta`` (transformers 5) or ``rope_base``. Refused,
 naming the field: test-time noise, another injection, block, MLP, activation or norm than the published
 ones, grouped-query attention.
 
@@ -39,8 +42,8 @@ from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
-from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, single_eos
-from speed.models.looped_lm import LoopedLM
+from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, rope_theta, single_eos
+from speed.models.looped_lm import InitialState, LoopedLM
 
 EMBEDDING, HEAD, FREQS = "transformer.wte.weight", "lm_head.weight", "freqs_cis"
 PARTS = {"prelude": "prelude", "core_block": "core", "coda": "coda"}  # published -> ours
@@ -57,7 +60,6 @@ def config_from_huginn(hf: Mapping[str, Any], n_loops: int | None = None) -> LMC
     expect(hf, "mlp_class_name", "GatedMLP", "LoopedLM's MLP is gated")
     expect(hf, "nonlin_name", "SiLU", "LoopedLM's SwiGLU uses SiLU")
     expect(hf, "norm_class_name", "RMSNorm_llama", "LoopedLM's norms are RMS norms")
-    expect(hf, "rope_scaling", None, "LoopedLM's rotary embeddings are unscaled")
     d, n_heads = field(hf, "n_embd"), field(hf, "n_heads")
     expect(hf, "num_key_value_heads", n_heads, "Huginn's fused Wqkv has as many key/value heads as query heads")
     expect(hf, "head_dim", d // n_heads, "Huginn's head size is n_embd / n_heads")
@@ -75,7 +77,7 @@ def config_from_huginn(hf: Mapping[str, Any], n_loops: int | None = None) -> LMC
         pattern=str(sharing),
         norm="residual",
         injection=True,
-        rope_theta=float(field(hf, "rope_base")),
+        rope_theta=rope_theta(hf, "rope_base"),
         rope_layout="pairs",
         qk_bias=bool(field(hf, "qk_bias", False)),
         embed_scale=math.sqrt(d),
@@ -85,6 +87,18 @@ def config_from_huginn(hf: Mapping[str, Any], n_loops: int | None = None) -> LMC
         tie_embeddings=bool(field(hf, "tie_embeddings", field(hf, "tie_word_embeddings", True))),
         eos_id=single_eos(hf),
     )
+
+
+def huginn_initial_state(directory: str | Path, seed: int, init_scale: float = 1.0) -> InitialState:
+    """Huginn's published random initial state (its forward's default, ``init_scale=1``) as a seeded
+    ``InitialState``: std ``init_values.std * init_scale`` (config.json; sqrt(2 / (5 n_embd)) without it) times
+    the embedding scale sqrt(n_embd), as ``initialize_state`` computes it. ``model.initial_state = ...`` uses it."""
+    hf = read_config(directory)
+    d = field(hf, "n_embd")
+    std = float(field(hf, "init_values", {}).get("std", math.sqrt(2 / (5 * d))))
+    if not init_scale > 0:
+        raise ValueError(f"init_scale must be positive (0 is the zero state: no InitialState), got {init_scale!r}")
+    return InitialState(seed, std * init_scale * math.sqrt(d))
 
 
 def huginn_shapes(config: LMConfig, block_size: int) -> dict[str, tuple[int, ...]]:

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
 from speed.models.convert_t5 import check_names, fill_parameters
+from speed.models.hf_import import rope_theta
 from speed.models.looped_lm import LoopedLM
 
 if TYPE_CHECKING:
@@ -83,9 +84,6 @@ def config_from_llama(hf_config: LlamaConfig, pattern: str | None = None) -> LMC
     for name in ("attention_bias", "mlp_bias"):
         if getattr(hf_config, name, False):
             raise ValueError(f"{name}=True: LoopedLM has no biases")
-    rope = _rope_parameters(hf_config)
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type={rope['rope_type']!r}: only default rotary embeddings (no scaling) convert")
     eos_id = hf_config.eos_token_id
     if isinstance(eos_id, (list, tuple)) and len(eos_id) == 1:
         eos_id = eos_id[0]
@@ -100,20 +98,11 @@ def config_from_llama(hf_config: LlamaConfig, pattern: str | None = None) -> LMC
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads,
         d_ff=hf_config.intermediate_size,
         pattern=pattern if pattern is not None else f"{hf_config.num_hidden_layers}x1",
-        rope_theta=float(rope["rope_theta"]),
+        rope_theta=rope_theta(hf_config.to_dict()),  # rope_parameters or rope_theta; scaled ones refused
         norm_eps=hf_config.rms_norm_eps,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         eos_id=eos_id,
     )
-
-
-def _rope_parameters(hf_config: LlamaConfig) -> dict[str, Any]:
-    """The rotary settings: ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling`` (before)."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    return {"rope_type": scaling.get("rope_type", scaling.get("type", "default")), "rope_theta": hf_config.rope_theta}
 
 
 def layer_sources(sharing: SharingPattern, n_layers: int) -> dict[str, tuple[int, ...]]:

@@ -4,8 +4,10 @@ Ouro runs all of its L layers ``total_ut_steps`` times: here the pattern ``Lx{M}
 sandwich norms, loop norm (the final norm's output feeds the next loop and is that loop's exit), rotary
 embeddings in Llama's halves layout, untied head, and the exit gate (``exit_gate``: each loop's lambda,
 ``LoopedLM.exit_lambdas``). Keys and values: one entry per (loop, layer), as Ouro's cache keeps them.
-Refused, naming the field: another activation than SiLU, a sliding window, scaled rotary embeddings,
-attention or MLP biases.
+The rotary base is ``rope_parameters.rope_theta`` (transformers 5) or ``rope_theta``. Refused, naming the field:
+another activation than SiLU, a sliding window, scaled rotary embeddings, attention or MLP biases, and an early
+exit by default (``early_exit_threshold`` below 1, the published 1.0 being full depth, or an ``early_exit_step``):
+the platform decodes every loop, and Ouro's early exit is the lossy ``exit_gate`` method, asked per request.
 
 Parameter mapping (published name -> ours; ``q;k;v`` means rows concatenated)::
 
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from speed.config import LMConfig
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
-from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, single_eos
+from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, rope_theta, single_eos
 from speed.models.looped_lm import LoopedLM
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -48,12 +50,12 @@ def config_from_ouro(hf: Mapping[str, Any], n_loops: int | None = None) -> LMCon
     """Our ``LMConfig`` for Ouro's config.json; ``n_loops`` (Ouro's ``total_ut_steps``) defaults to its own."""
     expect(hf, "hidden_act", "silu", "LoopedLM's SwiGLU uses SiLU")
     expect(hf, "use_sliding_window", False, "LoopedLM attends to every position")
-    expect(hf, "rope_scaling", None, "LoopedLM's rotary embeddings are unscaled")
     expect(hf, "attention_bias", False, "Ouro's attention has no biases")
     expect(hf, "mlp_bias", False, "Ouro's MLP has no biases")
     windowed = sorted({kind for kind in field(hf, "layer_types", []) if kind != "full_attention"})
     if windowed:
         raise UnsupportedConfig(f"config.json: layer_types holds {windowed}, but LoopedLM attends to every position")
+    _full_depth(hf)
     n_heads = field(hf, "num_attention_heads")
     loops = loop_count(n_loops, field(hf, "total_ut_steps"), "total_ut_steps")
     return LMConfig(
@@ -66,12 +68,30 @@ def config_from_ouro(hf: Mapping[str, Any], n_loops: int | None = None) -> LMCon
         pattern=f"{field(hf, 'num_hidden_layers')}x{loops}",
         norm="sandwich",
         loop_norm=True,
-        rope_theta=float(field(hf, "rope_theta", 10000.0)),
+        rope_theta=rope_theta(hf, default=10000.0),
         norm_eps=float(field(hf, "rms_norm_eps")),
         tie_embeddings=bool(field(hf, "tie_word_embeddings", False)),
         exit_gate=True,
         eos_id=single_eos(hf),
     )
+
+
+def _full_depth(hf: Mapping[str, Any]) -> None:
+    """An ``UnsupportedConfig`` where the published forward would exit early by default: ``early_exit_threshold``
+    below 1 (the logits of the first loop whose cumulative exit probability reaches it) or an ``early_exit_step``.
+    The platform decodes every loop; that lossy mode is the ``exit_gate`` method (``speed.engine.ExitRule``)."""
+    threshold, step = field(hf, "early_exit_threshold", 1.0), hf.get("early_exit_step")
+    if step is not None:
+        raise UnsupportedConfig(
+            f"config.json: early_exit_step={step!r}, but the platform decodes every loop (Ouro's early exit is the "
+            f"lossy method 'exit_gate' with exit_kind='step', exit_step={step}; early_exit_step=null loads it whole)"
+        )
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold < 1:
+        raise UnsupportedConfig(
+            f"config.json: early_exit_threshold={threshold!r}, but the platform decodes every loop (Ouro's early "
+            f"exit is the lossy method 'exit_gate' with exit_threshold={threshold}; early_exit_threshold=1.0 loads "
+            "it whole)"
+        )
 
 
 def ouro_shapes(config: LMConfig) -> dict[str, tuple[int, ...]]:

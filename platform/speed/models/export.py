@@ -20,13 +20,18 @@ Forms that would change the outputs are refused (``ExportError``, one line namin
 it). Exit adapters (``speed.models.exits``) are not exported: a checkpoint is read without them, a model
 holding them is refused. The weights keep the model's dtype, in ``model.safetensors``.
 
-Tokenizer (an imported model's, finetuned from a Hugging Face directory: its own files, as the checkpoint keeps
-them in tokenizer/; when the checkpoint holds its SentencePiece ``spm.model``, or one is given): ``spiece.model`` and a
-``tokenizer_config.json`` for ``T5Tokenizer``, whatever the form, since the platform's tokenizer is T5's
-conventions (a unigram SentencePiece model; pad 0, EOS 1, UNK 2, no BOS, EOS appended as ``Tokenizer.encode``
-appends it; ``extra_ids``: the sentinels the platform adds to a model without them), plus, for an LM whose
-checkpoint has one, the platform's chat template as Jinja (``chat_template``). No ``tokenizer.json`` (the fast
-pipeline, which ``transformers`` builds from ``spiece.model``) and no generation config are written.
+The tokenizer comes along from where the model came from, one rule for the function and the job: a path
+(``source`` a platform checkpoint or run, or an imported Hugging Face directory) brings its own tokenizer; a model
+object brings none unless ``tokenizer=`` names one (a SentencePiece ``.model`` file or a tokenizer directory);
+``Exported.tokenizer`` says what was written from (None: no tokenizer, and the export is then evaluated with
+``--tokenizer``). An imported model's tokenizer (a Hugging Face directory, or a checkpoint finetuned from one,
+which keeps it in tokenizer/) is written as its own files, ``tokenizer.json`` among them. A SentencePiece model
+is written as ``spiece.model`` and a ``tokenizer_config.json`` for ``T5Tokenizer``, whatever the form, since the
+platform's tokenizer is T5's conventions (a unigram SentencePiece model; pad 0, EOS 1, UNK 2, no BOS, EOS appended
+as ``Tokenizer.encode`` appends it; ``extra_ids``: the sentinels the platform adds to a model without them),
+plus, for an LM whose checkpoint has one, the platform's chat template as Jinja (``chat_template``); no
+``tokenizer.json`` then (the fast pipeline, which ``transformers`` builds from ``spiece.model``) and no
+generation config.
 
 The directory appears whole or not at all: it is written into a temporary sibling, then renamed.
 """
@@ -46,10 +51,10 @@ from torch import Tensor
 
 from speed.chat import ChatTemplate
 from speed.config import LMConfig, from_dict
-from speed.models.checkpoint import load_model
 from speed.models.convert_ouro import EMBEDDING, HEAD, NORMS
 from speed.models.convert_t5 import EMBEDDING_COPIES, hf_config_from
 from speed.models.looped_lm import LoopedLM
+from speed.models.pretrained import load_pretrained
 from speed.models.t5 import SpeedT5
 from speed.storage import locate
 
@@ -77,6 +82,7 @@ class Exported:
     form: str
     files: tuple[str, ...]
     n_layers: int
+    tokenizer: str | None = None  # where the written tokenizer came from; None: none was written
 
 
 def export(
@@ -87,9 +93,10 @@ def export(
     tokenizer: str | Path | None = None,
     chat_template: ChatTemplate | None = None,
 ) -> Exported:
-    """Write ``source`` (a model, or a platform checkpoint: its SentencePiece model and chat template come with
-    it) into the new directory ``out_dir`` as ``form`` (default: ``t5`` for a T5, ``ouro`` for a looped LM in
-    Ouro's options, else ``llama``); an ``ExportError`` (one line) when that form would change its outputs."""
+    """Write ``source`` (a model; or a path, as ``speed.models.pretrained.load_pretrained`` reads it: a platform
+    checkpoint or run, or an imported Hugging Face directory, whose tokenizer and chat template come with it) into
+    the new directory ``out_dir`` as ``form`` (default: ``t5`` for a T5, ``ouro`` for a looped LM in Ouro's
+    options, else ``llama``); an ``ExportError`` (one line) when that form would change its outputs."""
     if form is not None and form not in FORMS:
         raise ExportError(f"form {form!r}: choose one of {', '.join(FORMS)}")
     if isinstance(source, (SpeedT5, LoopedLM)):
@@ -97,7 +104,7 @@ def export(
         if model.exit_adapters is not None:
             raise ExportError("the model holds exit adapters, which no exported form keeps; export it without them")
     else:
-        loaded = load_model(str(source), exits=False)
+        loaded = load_pretrained(str(source), exits=False)
         model, tokenizer = loaded.model, tokenizer or loaded.tokenizer_path
         stored = loaded.config.get("chat_template")
         if chat_template is None and stored is not None:
@@ -123,7 +130,7 @@ def export(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     layers = config.get("num_hidden_layers", config.get("num_decoder_layers", 0))
-    return Exported(out, form, files, layers)
+    return Exported(out, form, files, layers, None if tokenizer is None else str(tokenizer))
 
 
 # ----- which form ---------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from speed.chat import CHAT_TEMPLATE, ChatRenderer, ChatTemplate, render_chat, t
 from speed.config import LMConfig, ModelConfig, from_dict, lm_preset, preset, to_dict
 from speed.data import batching
 from speed.data.tasks import Task, lm_task
+from speed.hf_tokenizer import prompt_ids
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
 from speed.tokenizer import PAD_ID, Tokenizer
@@ -164,16 +165,17 @@ class LMFamily:
     def served_prompts(
         self, texts: Sequence[str], task: Task | None, tokenizer: Tokenizer, template: ChatRenderer
     ) -> list[list[int]]:
-        if task is not None:  # the instruction and the text as one user turn: exactly a finetuning prompt
-            texts = [task_prompt(task.instruction, text, template) for text in texts]
-        return tokenizer.encode_batch(texts, add_eos=False)  # the whole context, without EOS
+        if task is None:  # raw text, as the published tokenizer reads it (Huginn's BOS first)
+            return prompt_ids(tokenizer, texts)
+        # the instruction and the text as one user turn: exactly a finetuning prompt
+        return prompt_ids(tokenizer, [task_prompt(task.instruction, text, template) for text in texts], template)
 
     def served_chat(
         self, messages: Messages, last_user: int, task: Task | None, tokenizer: Tokenizer, template: ChatRenderer
     ) -> list[int]:
         instruction = task.instruction if task is not None else ""  # opens the last user message
         turns = [{**m, "content": instruction + m["content"]} if i == last_user else m for i, m in enumerate(messages)]
-        return tokenizer.encode(render_chat(turns, template), add_eos=False)
+        return prompt_ids(tokenizer, [render_chat(turns, template)], template)[0]
 
     def checkpoint_config(self) -> dict[str, Any]:
         return {"chat_template": to_dict(CHAT_TEMPLATE)}  # the template its prompts are written in

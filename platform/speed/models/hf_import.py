@@ -48,6 +48,25 @@ def expect(config: Mapping[str, Any], name: str, allowed: Any, why: str) -> None
         raise UnsupportedConfig(f"config.json: {name}={value!r}, but {why} ({name}={allowed!r})")
 
 
+def rope_theta(config: Mapping[str, Any], name: str = "rope_theta", default: float | None = None) -> float:
+    """The rotary base: ``rope_parameters.rope_theta`` (transformers >= 5 keeps it there, beside ``rope_type``) or
+    the top-level ``name`` (before; Huginn's ``rope_base``), else ``default``. Scaled rotary embeddings (a
+    ``rope_type`` other than ``default``, in ``rope_parameters`` or ``rope_scaling``) are an ``UnsupportedConfig``:
+    LoopedLM's are unscaled, and would otherwise compute another model without a word."""
+    params = config.get("rope_parameters") or {}
+    if "rope_type" not in params and isinstance(params.get("full_attention"), Mapping):
+        params = params["full_attention"]  # one entry per attention kind; LoopedLM has full attention only
+    scaling = config.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind != "default":
+        raise UnsupportedConfig(f"config.json: rope_type={kind!r}, but LoopedLM's rotary embeddings are unscaled "
+                                "(rope_type='default')")  # fmt: skip
+    theta = params.get("rope_theta", config.get(name, default))
+    if theta is None:
+        raise UnsupportedConfig(f"config.json lacks {name} (or rope_parameters.rope_theta)")
+    return float(theta)
+
+
 def single_eos(config: Mapping[str, Any]) -> int:
     """config.json's one end-of-sequence token id (``eos_token_id``: a number, or a list of one)."""
     eos = field(config, "eos_token_id")

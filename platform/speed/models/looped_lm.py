@@ -11,8 +11,9 @@ loop whose exit is evaluated costs N + C layers, and a token that runs all M
 loops P + M * (N + C); the coda writes keys and values at every loop, so it
 always runs (``with_logits=False`` skips only the head). With input injection
 (Huginn) each loop's input is ``adapter([state, e])``, e the prelude's output
-and state the previous loop's output, zero before the first loop (Huginn
-draws it at random; zero keeps the model deterministic). The options of the
+and state the previous loop's output, zero before the first loop, or with an
+``InitialState`` (Huginn's published default) a random draw that depends on
+the seed and the token's position alone, the same in every path. The options of the
 published looped LMs (Ouro, Huginn-0125; ``LMConfig``'s docstring) hold in
 both paths alike.
 
@@ -33,6 +34,7 @@ core, P prelude and C coda layers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -62,6 +64,7 @@ from speed.engine.kernels import (
     tile_rope_qkv,
 )
 from speed.engine.memory import MemoryNeed
+from speed.engine.sampling import truncated_normals
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
 from speed.models.exits import ExitAdapters, exit_logits
@@ -334,6 +337,30 @@ class LMCache:
             part.promote(slot, side, pos, loops_done)
 
 
+@dataclass(frozen=True)
+class InitialState:
+    """A random state before the first loop of an injecting model (Huginn's published ``initialize_state``),
+    reproducible: the state of the token at position p is ``std * z``, z (d,) standard normals truncated to +-3
+    that depend on (seed, p, dimension) alone (``speed.engine.sampling.truncated_normals``): no global RNG, no
+    batch, no step, so the forward, the prefill and every pipeline step draw the same state for a token, and SPEED
+    equals sequential decoding under a seed. Without one (``LoopedLM.initial_state`` None) the state is zero."""
+
+    seed: int
+    std: float  # Huginn: init_values.std * init_scale * embed_scale (``convert_huginn.huginn_initial_state``)
+
+    def __post_init__(self) -> None:
+        if type(self.seed) is not int or self.seed < 0:
+            raise ValueError(f"InitialState.seed must be an integer >= 0, got {self.seed!r}")
+        if not (isinstance(self.std, (int, float)) and math.isfinite(self.std) and self.std > 0):
+            raise ValueError(f"InitialState.std must be a positive number, got {self.std!r}")
+
+    def draw(self, positions: Sequence[int] | Tensor | np.ndarray, like: Tensor) -> Tensor:
+        """The states (R, d) of tokens at ``positions`` (R,), in ``like``'s dtype and device (d its last size)."""
+        d = like.shape[-1]
+        z = torch.stack([truncated_normals(self.seed, int(p), d) for p in torch.as_tensor(positions).tolist()])
+        return (z * self.std).to(dtype=like.dtype, device=like.device)
+
+
 class LoopedLM(nn.Module):
     """A ``P+NxM+C`` looped decoder-only LM: prelude once, core M times, an exit (coda, norm, head) per loop."""
 
@@ -358,6 +385,7 @@ class LoopedLM(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.exit_adapters: ExitAdapters | None = None  # early-exit adapters (speed.models.exits), never in model.pt
+        self._initial_state: InitialState | None = None  # with injection: a random state before loop 1 (None: zero)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -366,6 +394,19 @@ class LoopedLM(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    @property
+    def initial_state(self) -> InitialState | None:
+        """The random state before the first loop (``InitialState``; Huginn's published default), or None: zero (the
+        platform's default). Only a model with injection has a state to draw; the engine's and the forward's draws
+        are the same for a token, so set it before decoding, not during."""
+        return self._initial_state
+
+    @initial_state.setter
+    def initial_state(self, value: InitialState | None) -> None:
+        if value is not None and (self.adapter is None or not isinstance(value, InitialState)):
+            raise ValueError("an initial state needs a model with injection (LMConfig.injection) and an InitialState")
+        self._initial_state = value
 
     # ----- whole sequences ---------------------------------------------------------------------------------
 
@@ -380,15 +421,23 @@ class LoopedLM(nn.Module):
         h = linear(self.adapter, torch.cat([state, e], dim=-1))
         return h if self.adapter_bias is None else h + self.adapter_bias
 
+    def _first_state(self, e: Tensor, positions: Tensor) -> Tensor:
+        """The state before the first loop for the prelude's outputs ``e`` (..., T, d) at ``positions`` (T,): zero,
+        or ``initial_state``'s draws (the same for every sequence of a batch)."""
+        if self.initial_state is None:
+            return torch.zeros_like(e)
+        return self.initial_state.draw(positions, e).expand_as(e)
+
     def _exit_inputs(self, input_ids: Tensor) -> list[Tensor]:
         """Each loop's exit input M x (B, T, d): the coda's output (the core's without one), before the loop's
         exit adapter and the final norm."""
         c, T = self.config, input_ids.shape[1]
-        cos, sin = rotary(torch.arange(T, device=input_ids.device), c.head_dim, c.rope_theta, c.rope_layout)
+        positions = torch.arange(T, device=input_ids.device)
+        cos, sin = rotary(positions, c.head_dim, c.rope_theta, c.rope_layout)
         e = self._embed(input_ids)  # (B, T, d)
         for block in self.prelude:
             e = block(e, cos, sin)
-        state = torch.zeros_like(e) if self.adapter is not None else e
+        state = self._first_state(e, positions) if self.adapter is not None else e
         exits = []
         for _ in range(self.n_loops):
             h = self._inject(state, e, _call) if self.adapter is not None else state  # (B, T, d)
@@ -516,7 +565,7 @@ class LoopedLM(nn.Module):
         e = self._embed(ids)  # (R, d)
         for p, block in enumerate(self.prelude):
             e = block.prefill(e, cos, sin, segments, stores("prelude", 0, p))
-        state = torch.zeros_like(e) if self.adapter is not None else e
+        state = self._first_state(e, positions) if self.adapter is not None else e
         last = torch.tensor([s + T - 1 for s, T in segments], device=self.device)
         logits, lambdas = [], []
         for i in range(self.n_loops):
@@ -553,7 +602,8 @@ class LoopedLM(nn.Module):
         return pack_linears(self)
 
     def embed(self, tokens: Sequence[int] | Tensor) -> Tensor:
-        """Each token's carry into its first loop (R, W): its embedding, after a zero state with injection."""
+        """Each token's carry into its first loop (R, W): its embedding, after a zero state with injection (the
+        step draws ``initial_state``'s at the token's position: embed knows no position)."""
         x = self._embed(torch.as_tensor(tokens, dtype=torch.long, device=self.device))  # (R, d)
         return torch.cat([torch.zeros_like(x), x], dim=-1) if self.adapter is not None else x
 
@@ -614,7 +664,14 @@ class LoopedLM(nn.Module):
             for p, block in enumerate(self.prelude):
                 e = block.decode(e, cos[at], sin[at], part, cache.prelude, p)
             x = x.index_copy(0, at, e)
-        h = self._inject(carry[:, :d], x, tile_linear) if self.adapter is not None else x  # (n, d)
+        if self.adapter is not None:
+            state = carry[:, :d]  # (n, d)
+            if self.initial_state is not None and len(first):  # the rows at loop 0: their positions' draws
+                at = torch.as_tensor(first, device=carry.device)
+                state = state.index_copy(0, at, self.initial_state.draw(rows.pos[first], state))
+            h = self._inject(state, x, tile_linear)  # (n, d)
+        else:
+            h = x
         for j, block in enumerate(self.core):
             h = block.decode(h, cos, sin, rows, cache.loops, j)
         y = tile_rms_norm(self.norm, h) if c.coda_norm else h

@@ -29,7 +29,9 @@ With an API key (``AppConfig.api_key`` or ``$SPEED_API_KEY``) every route but ``
 # No ``from __future__ import annotations``: Serve pickles the deployment class by value, and FastAPI
 # must still resolve the route annotations (the request model) on the replica.
 
+import copy
 import dataclasses
+import functools
 import os
 import time
 import uuid
@@ -46,6 +48,7 @@ from ray import serve
 from starlette.requests import Request as StarletteRequest
 
 from speed.config import coerce
+from speed.engine import as_stepper
 from speed.engine.defaults import device_exit_adapters
 from speed.models.precision import DTYPES
 from speed.serve import auth, limits, protocol, responses
@@ -107,6 +110,23 @@ def _openapi(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
+
+
+def served_openapi(app: FastAPI) -> dict[str, Any]:
+    """``app``'s ``/openapi.json`` for the model its replica serves: FastAPI's document with the request schemas
+    narrowed to what that model accepts (``protocol.served_schema``: ``method: "exit_gate"`` only with an exit
+    gate, ``app.state.exit_gate``, which the replica sets as it sets its API key; unset: every method)."""
+    document = copy.deepcopy(FastAPI.openapi(app))  # FastAPI's own, built once and kept by it
+    for path, model in ROUTES.items():
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        body["schema"] = protocol.served_schema(model, getattr(app.state, "exit_gate", True))
+    return document
+
+
+api.openapi = functools.partial(served_openapi, api)  # what FastAPI's /openapi.json route calls
+
+
 @serve.deployment(
     name="SpeedServer",
     max_ongoing_requests=32,  # per replica; beyond the engine's capacity they wait in its queue
@@ -134,6 +154,7 @@ class SpeedServer:
         if exit_adapters is None:  # the device's default (speed.engine.defaults): on a GPU yes, on a CPU no
             exit_adapters = device_exit_adapters(device)
         self.served = load_served_model(checkpoint, device, exits=exit_adapters, dtype=dtype)
+        api.state.exit_gate = getattr(as_stepper(self.served.model), "gated", False)  # what /openapi.json offers
         self.dtype = dtype
         self.model, self.tokenizer = self.served.model, self.served.tokenizer
         if self.tokenizer.vocab_size > self.model.config.vocab_size:

@@ -107,12 +107,9 @@ def _absent(field: str) -> dict[str, Any]:
 # schema (``allOf``) so that a generated client or a fuzzer knows the rules too, not only the server.
 STREAM_OPTIONS_RULE = {"if": _given("stream_options", "object"), "then": _is_true("stream")}
 ECHO_RULE = {"if": _is_true("echo"), "then": _absent("logprobs")}
+EXIT_FIELDS = ("exit_kind", "exit_threshold", "exit_step")  # Ouro's exit gate's rule (method "exit_gate" only)
 EXIT_RULE = {  # the exit gate's fields need its method, named in the request (whatever the deployment's default)
-    "if": {
-        "anyOf": [
-            _given(f, k) for f, k in (("exit_kind", "string"), ("exit_threshold", "number"), ("exit_step", "integer"))
-        ]
-    },
+    "if": {"anyOf": [_given(f, k) for f, k in zip(EXIT_FIELDS, ("string", "number", "integer"))]},
     "then": {"required": ["method"], "properties": {"method": {"const": "exit_gate"}}},
 }
 TASK_RULE = {"if": _given("task", "string"), "then": {"properties": {"prompt": {"anyOf": [_TEXT, _TEXTS]}}}}
@@ -342,6 +339,23 @@ class ChatRequest(_Decoding):
 
 def _is_id(value: Any) -> bool:
     return type(value) is int and value >= 0
+
+
+def served_schema(model: type[BaseModel], exit_gate: bool) -> dict[str, Any]:
+    """A request model's schema as a replica publishes it for its model: without an exit gate (Ouro's), no
+    ``method: "exit_gate"`` and the exit rule's fields null or left out, so that the schema allows nothing the
+    served model refuses (as ``task`` lists only the registry's names)."""
+    schema = inline_schema(model)
+    if exit_gate:
+        return schema
+    props = schema["properties"]
+    for option in props["method"]["anyOf"]:
+        if "enum" in option:
+            option["enum"] = [m for m in option["enum"] if m != "exit_gate"]
+    for name in EXIT_FIELDS:
+        props[name] = {"type": "null", "default": None, "title": props[name].get("title", name)}
+    schema["allOf"] = [rule for rule in schema["allOf"] if rule != EXIT_RULE]  # nothing left for it to say
+    return schema
 
 
 def inline_schema(model: type[BaseModel]) -> dict[str, Any]:

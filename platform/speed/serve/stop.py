@@ -32,7 +32,7 @@ def stop_serving(app: str, stats_path: str, timeout_s: float, gcs_address: str |
     which outlives this process) watches nothing. Returns the seconds the stop took."""
     started = time.monotonic()
     alive = (lambda: gcs_listening(gcs_address)) if gcs_address else (lambda: True)
-    bounded_stop(lambda: drain_app(app), timeout_s, alive)
+    bounded_stop(lambda: drain_app(app, shutdown=gcs_address is None), timeout_s, alive)
     ray.shutdown()
     compact_statistics(stats_path, wait_s=max(0.0, timeout_s - (time.monotonic() - started)))
     took = time.monotonic() - started
@@ -40,13 +40,16 @@ def stop_serving(app: str, stats_path: str, timeout_s: float, gcs_address: str |
     return took
 
 
-def drain_app(app: str) -> None:
+def drain_app(app: str, shutdown: bool = True) -> None:
     """Serve's graceful stop: delete ``app`` (each replica finishes its requests for up to the deployment's
-    graceful_shutdown_timeout_s, then writes its statistics; this blocks until the replicas are gone), then
-    shut Serve down."""
+    graceful_shutdown_timeout_s, then writes its statistics; this blocks until the replicas are gone), then, with
+    ``shutdown``, shut Serve down. A Ray this process started skips that: its controller and proxies end with
+    ``ray.shutdown``, whereas ``serve.shutdown`` has the controller kill itself inside the call, which Ray prints
+    as ``Task ServeController.graceful_shutdown failed ... killed by ray.kill``, a failure that is none."""
     if app in serve.status().applications:
         serve.delete(app)
-    serve.shutdown()
+    if shutdown:
+        serve.shutdown()
 
 
 def bounded_stop(

@@ -59,6 +59,7 @@ from speed.models.pretrained import load_pretrained, model_source, pretrained_co
 from speed.storage import absolute, locate
 from speed.train import tracking
 from speed.train.config import DEFAULTS, JobConfig, TrackingConfig, job_from_dict, job_to_dict, merge
+from speed.train.process_group import torch_config
 from speed.train.state import mark_complete, save_job_model
 
 Targets = Literal["split", "decoded"]
@@ -295,6 +296,7 @@ def run_exits(config: ExitTrainConfig) -> ExitOutcome:
     result = ray.train.torch.TorchTrainer(
         exits_loop_per_worker,
         train_loop_config=loop_config,
+        torch_config=torch_config(),  # a local job's process group on loopback
         scaling_config=ray.train.ScalingConfig(
             num_workers=config.num_workers, use_gpu=config.use_gpu, resources_per_worker=resources
         ),

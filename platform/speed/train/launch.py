@@ -50,6 +50,7 @@ from speed.storage import absolute, locate
 from speed.tokenizer import train_tokenizer
 from speed.train import local_ray
 from speed.train.config import JobConfig, hub_origin, imported_origin, job_from_args, job_to_dict, run_name
+from speed.train.process_group import torch_config
 
 
 @dataclass(frozen=True)
@@ -399,6 +400,7 @@ def build_trainer(
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
+        torch_config=torch_config(),  # a local job's process group on loopback
         scaling_config=ray.train.ScalingConfig(
             num_workers=job.scale.num_workers, use_gpu=job.scale.use_gpu, resources_per_worker=resources
         ),
