@@ -141,14 +141,16 @@ class FlipPattern:
     @classmethod
     def from_rates(cls, agreement: Sequence[float], sequences: int, length: int, seed: int, name: str = "rates"):
         """A pattern drawn from per-loop agreement rates (non-decreasing, the last 1): each token settles at a loop
-        S drawn with P(S <= l) = ``agreement[l - 1]``, agrees from there on, and before it predicts a different
-        wrong token at every loop (each early loop's flip flushes: the most rows a settling token can cost)."""
+        S, agrees from there on, and before it predicts a different wrong token at every loop (each early loop's
+        flip flushes: the most rows a settling token can cost). The share of tokens with S <= l is
+        ``agreement[l - 1]`` to the nearest token (a stratified draw: even a short run replays the rates), their
+        places shuffled by ``seed``."""
         rates = np.asarray(agreement, dtype=float)
         if len(rates) < 2 or rates[-1] != 1.0 or (np.diff(rates) < 0).any() or rates[0] < 0:
             raise ValueError(f"agreement rates must rise to 1 at the last loop, got {list(agreement)}")
-        n = len(rates)
-        rng = np.random.default_rng(seed)
-        settle = np.searchsorted(rates, rng.random((sequences, length)), side="right")  # 0-based loop S - 1
+        n, total = len(rates), sequences * length
+        counts = np.diff(np.round(np.concatenate([[0.0], rates]) * total).astype(np.int64))  # tokens settling there
+        settle = np.random.default_rng(seed).permutation(np.repeat(np.arange(n), counts)).reshape(sequences, length)
         loop = np.arange(n)
         codes = np.where(loop < settle[..., None], loop + 1, 0).astype(np.int8)  # (sequences, length, n)
         label = ", ".join(f"{a:.3f}" for a in rates)
