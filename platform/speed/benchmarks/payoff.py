@@ -312,3 +312,40 @@ def map_config(args: Any, agreements: Sequence[float], traces: Sequence[TracePat
         args.shape, SHAPES[args.shape].resolve(args.recurrence), tuple(args.dtypes.split(",")), tuple(args.batches),
         tuple(agreements), tuple(traces), costs, args.prompt_len, args.new_tokens, args.rounds, args.seed,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OwnTrace:
+    """A checkpoint's own greedy SPEED on its held-out inputs: the trace to replay and what it ran at its shape."""
+
+    pattern: TracePattern
+    loops: int
+    tokens: int
+    steps_per_token: float  # its SPEED's engine steps per committed token, batch 1 (its oracle's beside)
+    oracle_steps_per_token: float
+    agreement: list[float]  # per loop: its tokens' share agreeing with the final token
+
+
+def checkpoint_trace(
+    checkpoint: str, split: str = "test", limit: int = 64, max_new_tokens: int = 48, task: str | None = None
+) -> OwnTrace:
+    """Decode ``limit`` held-out inputs of ``checkpoint``'s task (or ``task``) one at a time with plain greedy SPEED
+    (its tokenizer's stop ids) and keep the flip trace (``TRACE_SCHEMA`` rows, ``sequence`` the input's index)."""
+    from speed.benchmarks.heldout import held_out
+
+    held = held_out(checkpoint, split, limit, task)
+    model, stops = held.model.eval(), frozenset(held.tokenizer.stop_ids)
+    tables, steps, oracle_steps, tokens = [], 0, 0, 0
+    for i, source in enumerate(held.inputs):
+        ids = torch.tensor([source])
+        own = generate(model, ids, method="speed", max_new_tokens=max_new_tokens, stop_ids=stops)
+        oracle = generate(model, ids, method="speed", max_new_tokens=max_new_tokens, stop_ids=stops,
+                          oracle=own.tokens, trace=False)  # fmt: skip
+        steps, oracle_steps = steps + own.stats.steps, oracle_steps + oracle.stats.steps
+        tokens += len(own.tokens[0])
+        tables.append(own.trace.set_column(0, "sequence", pa.array([i] * len(own.trace), pa.int32())))
+    trace = pa.concat_tables(tables)
+    loops = model.n_loops
+    agreement = (~trace["flipped_final"].to_numpy(zero_copy_only=False)).reshape(-1, loops).mean(axis=0).tolist()
+    name = f"own:{checkpoint.rstrip('/').rsplit('/', 1)[-1]}"
+    return OwnTrace(TracePattern(name, trace, stops), loops, tokens, steps / tokens, oracle_steps / tokens, agreement)
