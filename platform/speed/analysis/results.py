@@ -7,8 +7,8 @@ A results folder may hold evaluation folders (``summary.json`` beside
 (``REQUEST_SCHEMA`` rows), sweep folders (``results.parquet``,
 ``speed.sweep.results.RESULTS_SCHEMA``) and family comparisons (``families.parquet``,
 ``speed.train.families.FAMILIES_SCHEMA``) and budget curves (``budget.parquet``,
-``speed.eval.budget.BUDGET_SCHEMA``) and payoff maps (``speed.benchmarks.payoff.PAYOFF_SCHEMA``), in any layout. A folder on object storage is copied here first
-(``local_results``).
+``speed.eval.budget.BUDGET_SCHEMA``) and payoff maps (``speed.benchmarks.payoff.PAYOFF_SCHEMA``), in any layout.
+A folder on object storage is copied here first (``local_results``).
 """
 
 from __future__ import annotations
