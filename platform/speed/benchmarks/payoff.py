@@ -61,6 +61,8 @@ PAYOFF_SCHEMA = pa.schema(
         pa.field("closed_steps", pa.int64()),  # steps the cost model ran as sequential decoding
         pa.field("schedule_ms_per_token", pa.float64()),  # its passes at the measured pass cost by rows
         pa.field("overhead", pa.float64()),  # ms_per_token / schedule_ms_per_token
+        pa.field("schedule_speedup", pa.float64()),  # sequential's schedule over this one's: the speed-up an engine
+        # without overhead would have (the pass costs' clock: on one thread CPU time, which others' load spares)
         pa.field("sequential_overhead", pa.float64()),  # the same of sequential decoding
         pa.field("identical", pa.bool_()),  # its output equals sequential decoding's
         pa.field("threads", pa.int64()),
@@ -229,7 +231,8 @@ def _batch_rows(
                 "speedup_min": min(paired), "steps_per_token": st.steps / st.tokens,
                 "rows_per_token": st.rows / st.tokens, "flushes_per_token": st.flushes / st.tokens,
                 "closed_steps": st.closed_steps, "schedule_ms_per_token": schedule_ms(key),
-                "overhead": ms / schedule_ms(key), "identical": result.tokens == reference.tokens,
+                "overhead": ms / schedule_ms(key), "schedule_speedup": schedule_ms("sequential") / schedule_ms(key),
+                "identical": result.tokens == reference.tokens,
             })  # fmt: skip
     return rows
 
