@@ -36,25 +36,6 @@ def test_worth_rows_takes_the_rows_that_pay():
     assert worth_rows([1.0], 1.0, [], row_value=1.0) == 0
 
 
-def test_fewer_candidates_never_pay_more():
-    """What lets the scheduler close a step from every request's rates at once: where ``worth_rows`` takes no row of
-    some candidates, it takes none of any part of them (random curves, bases, chances and values)."""
-    import random
-
-    rng = random.Random(5)
-    for _ in range(2000):
-        n = rng.randint(0, 12)
-        survival = sorted((rng.random() for _ in range(n)), reverse=True)
-        seconds = [1.0]
-        for _ in range(n):
-            seconds.append(seconds[-1] + rng.choice([0.0, 0.0, rng.random(), 2 * rng.random()]))
-        base, value = rng.uniform(0.5, 1.5), rng.uniform(0.1, 2.0)
-        part = sorted(rng.sample(survival, rng.randint(0, n)), reverse=True)
-        if worth_rows(seconds, base, survival, value) == 0:
-            assert worth_rows(seconds[: len(part) + 1], base, part, value) == 0
-        assert worth_rows(seconds, base, survival, value) <= n
-
-
 def test_budget_order_is_budget_rows_order():
     in_flight = [3, 1, 0, 2]
     order = budget_order(in_flight)

@@ -231,16 +231,8 @@ class Scheduler:
             for s in order
         }
         # a request whose own rows would not pay is closed alone: no early exits, no speculative rows (its rates
-        # 0), and its evidence decays, while others speculate. Where every request's rows together would not pay,
-        # no subset's would (``worth_rows`` of fewer candidates never finds more): the step closes at one call
-        # instead of one per request, in the common case of a batch that speculation does not pay
-        everyone = sorted((p for r in rates.values() for p in r), reverse=True)
-        opens = worth(required, closed, everyone)
-        shut = [
-            s
-            for s in order
-            if not opens or s.launch.launch_loop >= M or not worth(required, closed, sorted(rates[s.id])[::-1])
-        ]
+        # 0), and its evidence decays, while others speculate
+        shut = [s for s in order if s.launch.launch_loop >= M or not worth(required, closed, sorted(rates[s.id])[::-1])]
         self._closed_ids = {s.id for s in shut}
         for s in shut:
             rates[s.id] = [0.0] * (M - 1)
