@@ -94,6 +94,8 @@ def test_a_map_needs_something_to_replay():
         PayoffConfig("tiny", TINY_OURO.resolve(), agreements=())
     with pytest.raises(ValueError, match="in \\[0, 1\\]"):
         PayoffConfig("tiny", TINY_OURO.resolve(), agreements=(1.5,))
+    with pytest.raises(ValueError, match="dtypes"):
+        PayoffConfig("tiny", TINY_OURO.resolve(), dtypes=("float16",))
     assert PayoffConfig("tiny", TINY_OURO.resolve()).cells() == 2 * 4 * 8 * 2
 
 

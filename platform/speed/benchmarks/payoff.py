@@ -36,6 +36,7 @@ from speed.benchmarks.shapes import ShapeBenchConfig, check_fits, empty_model, r
 from speed.config import LMConfig, ModelConfig
 from speed.decode.generate import GenerateResult, generate
 from speed.engine.cost import RowCost, row_cost
+from speed.models.precision import DTYPES
 
 PAYOFF_SCHEMA = pa.schema(
     [
@@ -105,6 +106,8 @@ class PayoffConfig:
             raise ValueError("a payoff map needs at least 2 new tokens, 1 round, a batch, a dtype and a cost setting")
         if not self.agreements and not self.traces:
             raise ValueError("a payoff map needs a loop-1 agreement or a trace to replay")
+        if not set(self.dtypes) <= set(DTYPES) or len(set(self.dtypes)) != len(self.dtypes):
+            raise ValueError(f"dtypes {list(self.dtypes)}: name each of {', '.join(DTYPES)} at most once")
         if any(not 0.0 <= a <= 1.0 for a in self.agreements):
             raise ValueError(f"loop-1 agreements must be in [0, 1], got {list(self.agreements)}")
 
