@@ -167,3 +167,25 @@ def test_the_profile_follows_the_trained_models_by_depth():
     assert six == pytest.approx([0.694, 0.796, 0.873, 0.930, 0.966, 1.0], abs=1e-3)
     four = agreement_profile(0.7, 4)
     assert four == pytest.approx([0.7, 0.851, 0.939, 1.0], abs=2e-3)
+
+
+def test_a_learning_replay_replays_what_it_has_answered():
+    """``learn``: the first decoding of a prompt is the model's own and teaches its final tokens; a later SPEED
+    decoding of it replays the pattern (its early exits agree exactly where the codes say), the same tokens."""
+    model = _t5(3)
+    M = model.n_loops
+    ids = _prompts(3, 2, 5, model.config.vocab_size)
+    pattern = FlipPattern.from_rates(agreement_profile(0.5, M), 2, 10, seed=1)
+    replay = ReplayStepper(model, {}, pattern, learn=True)
+    first = generate(replay, ids, method="sequential", max_new_tokens=10, trace=False)
+    assert replay.finals == _finals(ids, first.tokens)
+    recorder = LogitRecorder(replay)
+    got = generate(recorder, ids, method="speed", max_new_tokens=10)
+    assert got.tokens == first.tokens
+    for b, out in enumerate(first.tokens):
+        codes = pattern.sequence(b, len(out))
+        agree = [[int(recorder.logits[b, loop, pos].argmax()) == tok for loop in range(M - 1)] for pos, tok in
+                 enumerate(out)]  # fmt: skip
+        assert agree == (codes[:, : M - 1] == 0).tolist()
+    own = generate(model, ids, method="speed", max_new_tokens=10)
+    assert got.stats.steps != own.stats.steps  # the replay, not the model's own flips

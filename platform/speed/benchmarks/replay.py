@@ -25,7 +25,7 @@ onto the stepper's loops by fraction of depth (``depth_map``), and the pattern's
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,28 +187,36 @@ class ReplayStepper:
     trace records committed tokens only). A prompt not in ``finals``, and positions past its final tokens, keep
     the model's own exits too.
 
+    With ``learn``, a prompt's final tokens are learnt from any decoding of it (a last loop's row is always a
+    committed token: loops finish in chain order), so a server replays the prompts it has answered once: its first
+    answer is the model's own, every later one replays (each new prompt takes the pattern's next sequence).
+
     ``passes`` records every group pass after admission as (rows, rows scored): the schedule it ran, whose
     measured cost the payoff map sets its time against."""
 
     model: Any
-    finals: Mapping[tuple[int, ...], Sequence[int]]
+    finals: dict[tuple[int, ...], list[int]]
     pattern: FlipPattern | None  # None: no rewriting (a sequential baseline's passes recorded alike)
+    learn: bool = False
     passes: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = as_stepper(self.model)
         if self.pattern is not None and self.pattern.n_loops != self.model.n_loops:
             raise ValueError(f"a pattern of {self.pattern.n_loops} loops replayed on {self.model.n_loops}")
-        self._index = {tuple(p): i for i, p in enumerate(self.finals)}
+        self.finals = {tuple(p): list(f) for p, f in self.finals.items()}
+        self._index = {p: i for i, p in enumerate(self.finals)}
         self._slots: dict[int, _SlotReplay] = {}
         self._embedded: dict[bytes, int] = {}  # the last ``embed`` call's rows: their bytes -> token
+        self._max_len = 0  # output positions per request (the engine's cache's)
 
     def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, vocab_size, device, memory, ...
-        if name.startswith("_") or name in ("model", "finals", "pattern", "passes"):
+        if name.startswith("_") or name in ("model", "finals", "pattern", "learn", "passes"):
             raise AttributeError(name)
         return getattr(self.model, name)
 
     def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, **pool: int) -> KVCache:
+        self._max_len = max(self._max_len, max_len)
         return self.model.cache(n_slots, max_prompt_len, max_len, side, **pool)
 
     def embed(self, tokens: Tensor) -> Tensor:
@@ -219,14 +227,14 @@ class ReplayStepper:
         return out
 
     def admit(self, memory: Any, cache: KVCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Admitted]:
-        """The model's admission; each slot takes its prompt's guesses, and a prefill's exits of output position 0
-        are rewritten as any step's."""
+        """The model's admission; each slot takes its prompt's replay, and a prefill's exits of output position 0
+        are rewritten (or learnt) as any step's."""
         admitted = self.model.admit(memory, cache, slots, prompts)
         for slot, prompt, each in zip(slots, prompts, admitted):
             self._slots[slot] = self._slot_replay(tuple(prompt.tolist()))
             if each.exits is not None:
                 M = len(each.exits)
-                self._rewrite(each.exits[: M - 1], [slot] * (M - 1), list(range(M - 1)), [0] * (M - 1))
+                self._replay(each.exits, [slot] * M, list(range(M)), [0] * M)
         return admitted
 
     def step(
@@ -249,39 +257,39 @@ class ReplayStepper:
         self.passes.append((len(rows), 0 if logits is None else len(logits)))
         if logits is not None and self.pattern is not None:
             at = list(range(len(rows))) if logit_rows is None else list(logit_rows)
-            self._rewrite(logits, rows.slot[at].tolist(), rows.loop[at].tolist(), rows.pos[at].tolist())
+            self._replay(logits, rows.slot[at].tolist(), rows.loop[at].tolist(), rows.pos[at].tolist())
         return out, logits
 
     def _slot_replay(self, prompt: tuple[int, ...]) -> _SlotReplay | None:
-        """What a slot holding ``prompt`` replays: each early loop's guess at each position and the true inputs."""
-        i = self._index.get(prompt)
-        if i is None or self.pattern is None:
+        """What a slot holding ``prompt`` replays (None: nothing, the model's own exits)."""
+        if self.pattern is None or (prompt not in self.finals and not self.learn):
             return None
-        final = np.asarray(self.finals[prompt], dtype=np.int64)
-        n, eos = len(final), self.model.eos_id
-        codes = self.pattern.sequence(i, n)[:, :-1].astype(np.int64)
-        wrong = WRONG_FROM + codes - 1
-        wrong = wrong + (wrong >= final[:, None])  # the k-th token from WRONG_FROM that is not the final one
+        final = self.finals.setdefault(prompt, [])
+        i = self._index.setdefault(prompt, len(self._index))
+        n = max(len(final), self._max_len)
         recorded = self.pattern.predictions(i, n)
-        if recorded is not None:  # the recorded wrong tokens themselves, at each position where all of them can be
-            recorded = recorded[:, :-1]
-            usable = (recorded < self.model.vocab_size) & (recorded != final[:, None]) & (recorded != eos)
-            fits = (codes <= 0) | usable
-            wrong = np.where(fits.all(axis=1)[:, None], recorded, wrong)
-        guesses = np.where(codes == 0, final[:, None], np.where(codes == STOP, eos, wrong))
-        truth = np.concatenate([[-1], final[:-1]])  # position p's right input: the final token at p - 1
-        return _SlotReplay(guesses, truth, np.full(n, -1, dtype=np.int64))
+        return _SlotReplay(
+            self.pattern.sequence(i, n)[:, :-1].astype(np.int64),
+            None if recorded is None else recorded[:, :-1],
+            final,
+            np.full(n, -1, dtype=np.int64),
+        )
 
-    def _rewrite(self, logits: Tensor, slots: list[int], loops: list[int], positions: list[int]) -> None:
-        """Make each right-path early-loop row's argmax its guess: that token's logit raised above the row's
-        largest."""
-        M = self.model.n_loops
+    def _replay(self, logits: Tensor, slots: list[int], loops: list[int], positions: list[int]) -> None:
+        """Learn each last-loop row's token (``learn``), and make each right-path early-loop row's argmax its guess:
+        that token's logit raised above the row's largest."""
+        M, eos, vocab = self.model.n_loops, self.model.eos_id, self.model.vocab_size
         rows, tokens = [], []
         for r, (slot, loop, pos) in enumerate(zip(slots, loops, positions)):
             replay = self._slots.get(slot)
-            if loop < M - 1 and replay is not None and pos < len(replay.guesses) and replay.right(pos):
+            if replay is None:
+                continue
+            if loop == M - 1:
+                if self.learn and pos == len(replay.final):
+                    replay.final.append(int(logits[r].argmax()))
+            elif replay.right(pos):
                 rows.append(r)
-                tokens.append(int(replay.guesses[pos, loop]))
+                tokens.append(replay.guess(pos, loop, eos, vocab))
         if not rows:
             return
         r, t = torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)
@@ -291,16 +299,37 @@ class ReplayStepper:
 
 @dataclass
 class _SlotReplay:
-    """One slot's replay: ``guesses`` (positions, M - 1) each early loop's token, ``truth`` each position's right
-    input (position 0's is whatever starts it), ``inputs`` each position's latest input token (-1: not seen)."""
+    """One slot's replay: ``codes`` (positions, M - 1) each early loop's code, ``recorded`` the recorded predictions
+    behind them (None: none), ``final`` the prompt's final tokens (known so far), ``inputs`` each position's latest
+    input token (-1: not seen)."""
 
-    guesses: np.ndarray
-    truth: np.ndarray
+    codes: np.ndarray
+    recorded: np.ndarray | None
+    final: list[int]
     inputs: np.ndarray
 
     def right(self, pos: int) -> bool:
-        """Whether the token at ``pos`` and every one before it took the right input."""
-        return bool((self.inputs[1 : pos + 1] == self.truth[1 : pos + 1]).all())
+        """Whether the final token at ``pos`` is known and the token there, and every one before it, took the right
+        input (position p's: the final token at p - 1; position 0's is whatever starts it)."""
+        if pos >= len(self.final) or pos >= len(self.inputs):
+            return False
+        return all(self.inputs[p] == self.final[p - 1] for p in range(1, pos + 1))
+
+    def guess(self, pos: int, loop: int, eos: int, vocab: int) -> int:
+        """Loop ``loop``'s token at ``pos``: the final one where its code is 0, the stop token for ``STOP``, else
+        the recorded wrong token where every wrong one at ``pos`` is a token of this model other than the final
+        and the stop token, else the k-th token from ``WRONG_FROM`` that is not the final one."""
+        code, final = int(self.codes[pos, loop]), self.final[pos]
+        if code == 0:
+            return final
+        if code == STOP:
+            return eos
+        if self.recorded is not None:
+            wrong = [int(t) for c, t in zip(self.codes[pos], self.recorded[pos]) if c > 0]
+            if all(t < vocab and t not in (final, eos) for t in wrong):
+                return int(self.recorded[pos, loop])
+        token = WRONG_FROM + code - 1
+        return token + (token >= final)
 
 
 def _key(row: Tensor) -> bytes:
