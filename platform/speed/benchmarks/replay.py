@@ -335,3 +335,21 @@ class _SlotReplay:
 def _key(row: Tensor) -> bytes:
     """A hidden row's bytes (any dtype): equal rows, equal keys."""
     return row.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+class ReplayModel:
+    """What a server decodes with instead of a family's model: ``model`` (in eval mode) whose stepper replays
+    ``pattern`` on every prompt it has answered once (one learning ``ReplayStepper``, kept across the engines a
+    server rebuilds); its config and loops are the model's."""
+
+    training = False
+
+    def __init__(self, model: torch.nn.Module, pattern: FlipPattern) -> None:
+        self.model = model
+        self.config = model.config
+        self.n_loops = model.n_loops
+        self._stepper = ReplayStepper(model, {}, pattern, learn=True)
+
+    def stepper(self) -> ReplayStepper:
+        """The replaying stepper (the same one every time)."""
+        return self._stepper
