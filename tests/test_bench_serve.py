@@ -101,3 +101,5 @@ def test_a_shape_replaying_flips_is_served(ray_session, tiny_tokenizer, tmp_path
     flips = result.flip_rates["c"]
     assert flips[-1] == 0.0 and 0.2 <= flips[0] <= 0.8 and flips == sorted(flips, reverse=True)
     assert "(c) flip rate by loop: " in format_table(result)
+    for key, s in result.summary.items():  # time per output token after the first, from the streamed answers
+        assert 0 < s["tpot_p50_ms"] <= s["tpot_p99_ms"] < s["p50_ms"], key

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -385,10 +386,22 @@ def _pooled(
         mine = [r for r in runs if (r["variant"], r["concurrency"]) == key]
         labels = sorted({_label(r) for r in mine})
         rows = requests.filter(pc.is_in(requests["run"], pa.array(labels)))
-        s = summarize(rows, sum(r["seconds"] for r in mine))
+        s = summarize(rows, sum(r["seconds"] for r in mine)) | per_token_latency(rows)
         s["load_1m"] = statistics.mean(r["load_1m"] for r in mine)
         out[key] = s | per_token([counts[label] for label in labels])
     return out
+
+
+def per_token_latency(requests: pa.Table) -> dict[str, float | None]:
+    """The p50 and p99 over answered requests (LOADGEN_SCHEMA rows) of their time per output token after the
+    first: (latency - TTFT) / (tokens - 1), where the answer streamed; else latency / tokens."""
+    each = []
+    for r in requests.to_pylist():
+        n, ttft = r["completion_tokens"] or 0, r["ttft_ms"]
+        if r["status"] == 200 and r["error"] is None and n:
+            each.append((r["latency_ms"] - ttft) / (n - 1) if ttft is not None and n > 1 else r["latency_ms"] / n)
+    pick = (lambda q: float(np.percentile(each, q))) if each else (lambda q: None)
+    return {"tpot_p50_ms": pick(50), "tpot_p99_ms": pick(99)}
 
 
 def ratios(summary: dict[tuple[str, int], dict[str, Any]]) -> dict[str, float]:
@@ -422,15 +435,16 @@ BARS = {
 def format_table(result: ServeBenchResult) -> str:
     """A Markdown table per variant and concurrency, then the ratios against the serving targets (``BARS``)."""
     lines = [
-        "| variant | concurrency | tokens/s | p50 ms | p99 ms | ttft p50 ms | requests | errors | steps/token "
-        "| rows/token |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | concurrency | tokens/s | p50 ms | p99 ms | ttft p50 ms | per token p50 / p99 ms | requests "
+        "| errors | steps/token | rows/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (variant, c), s in sorted(result.summary.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ttft = f"{s['ttft_p50_ms']:.0f}" if s["ttft_p50_ms"] is not None else ""
         lines.append(
             f"| ({variant}) {VARIANTS[variant]} | {c} | {s['tokens_per_s']:.1f} | {s['p50_ms']:.0f} | "
-            f"{s['p99_ms']:.0f} | {ttft} | {s['requests']} | {s['errors']} | {_num(s.get('steps_per_token'))} | "
+            f"{s['p99_ms']:.0f} | {ttft} | {_num(s.get('tpot_p50_ms'))} / {_num(s.get('tpot_p99_ms'))} | "
+            f"{s['requests']} | {s['errors']} | {_num(s.get('steps_per_token'))} | "
             f"{_num(s.get('rows_per_token'))} |"
         )
     lines.append("")
