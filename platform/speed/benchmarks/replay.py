@@ -21,6 +21,10 @@ A pattern comes from a trace (``TRACE_SCHEMA`` rows with any key columns beside 
 evaluation, a Serve replica's traces; ``from_trace``) or from per-loop agreement rates and a seed (``from_rates``;
 ``agreement_profile`` makes the rates from a loop-1 agreement). A trace of a model with another loop count is mapped
 onto the stepper's loops by fraction of depth (``depth_map``), and the pattern's ``source`` says so.
+
+A server knows no prompt's final tokens before it answers it: a learning stepper (``learn``) takes them from its
+first decoding of each prompt and replays every later one; ``ReplayModel`` hands such a stepper to a Serve replica
+(``speed.benchmarks.serving``, ``jobs/bench_serve.py --shape``).
 """
 
 from __future__ import annotations
