@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.results}: {len(found.evaluations)} evaluation(s), {len(found.bench)} benchmark file(s), "
         f"{len(found.load)} load file(s), {len(found.requests)} request-statistics file(s), "
         f"{len(found.sweeps)} sweep(s), {len(found.families)} family comparison(s), "
-        f"{len(found.budgets)} budget curve(s)"
+        f"{len(found.budgets)} budget curve(s), {len(found.payoff)} payoff map(s)"
     )
     started = time.time()
     executed = run_notebooks(args.results)

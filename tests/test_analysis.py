@@ -26,9 +26,12 @@ from speed.analysis import (
     latency_plane,
     load_evaluation,
     load_families,
+    load_payoff,
     load_summary,
     loop_table,
     model_identity,
+    payoff_curves,
+    payoff_traces,
     quality_difference,
     rows_per_step,
     tradeoff,
@@ -59,6 +62,7 @@ FIGURES = {
     "sweep.ipynb": [],  # no sweep here: tests/test_sweep.py runs it on a real sweep's folder
     "families.ipynb": [f"families/families_{name}.png" for name in ("flips", "costs", "plane")],
     "budget.ipynb": ["budget_costs.png", "budget_flips.png"],
+    "payoff.ipynb": ["payoff_map.png"],
 }
 
 
@@ -86,6 +90,7 @@ def results(tmp_path_factory, tiny_tokenizer):
         _load_runs(model_2x3(tok.vocab_size), root)
         _families(tok, root / "families")
         _budget(tiny_tokenizer, tmp_path_factory.mktemp("budget_run"), root / "budget")
+        _payoff(root / "payoff.parquet")
     finally:
         torch.set_num_threads(threads)
     return root
@@ -103,6 +108,21 @@ def _families(tok: Tokenizer, folder: Path) -> None:
         train = {"train_steps": 0, "train_examples": 0, "train_tokens": 0, "train_seconds": 0.0}
         rows.append(family_row(family, summary, name, parameter_count(model.config), train))
     pq.write_table(pa.Table.from_pylist(rows, schema=FAMILIES_SCHEMA), folder / FAMILIES_FILE)
+
+
+def _payoff(path: Path) -> None:
+    """A payoff map's rows at a tiny Ouro shape: two loop-1 agreements and a trace, batch 1 and 2, the cost model off
+    and on, one round."""
+    from test_bench_shapes import TINY_OURO
+
+    from speed.benchmarks.payoff import PayoffConfig, TracePattern, run_payoff_map
+
+    trace = TraceBuilder()
+    for pos in range(4):
+        trace.add_token(0, pos, [5, 7, 7] if pos % 2 else [7, 7, 7])
+    config = PayoffConfig("tiny-ouro", TINY_OURO.resolve(), ("bfloat16",), (1, 2), (0.5, 0.9),
+                          (TracePattern("demo", trace.table()),), rounds=1, new_tokens=6, prompt_len=5)  # fmt: skip
+    pq.write_table(run_payoff_map(config, progress=lambda line: None), path)
 
 
 def _budget(tokenizer: Path, scratch: Path, folder: Path) -> None:
@@ -187,9 +207,23 @@ def test_discover_finds_every_kind_of_result(results):
     assert found.sweeps == []  # sweeps: tests/test_sweep.py
     assert found.families == [results / "families"]
     assert found.budgets == [results / "budget"]
+    assert found.payoff == [results / "payoff.parquet"]
     ev = load_evaluation(found.evaluations[1])
     assert ev.pattern == "2x3" and ev.loops == 3 and ev.predictions.num_rows == 6
     assert set(ev.trace.column("loop").to_pylist()) == {1, 2, 3}
+
+
+def test_the_payoff_map_splits_into_curves_and_traces(results):
+    """Loop-1 agreements as curves, in agreement order per (dtype, batch, cost model); the trace's cells apart."""
+    table = load_payoff(discover(results).payoff)
+    assert table.num_rows == 2 * 3 * 2
+    curves, traces = payoff_curves(table).to_pylist(), payoff_traces(table).to_pylist()
+    assert [(r["batch"], r["cost_model"], r["pattern"]) for r in curves] == [
+        (b, c, p) for b in (1, 2) for c in (False, True) for p in ("agree=0.50", "agree=0.90")
+    ]
+    assert {r["pattern"] for r in traces} == {"demo"} and len(traces) == 4
+    assert all(r["identical"] for r in curves + traces)
+    assert load_payoff([]).num_rows == 0
 
 
 def test_flip_rates_by_position_pools_buckets():
@@ -360,7 +394,7 @@ def test_every_notebook_runs_headless_and_writes_its_figures(results, capsys):
         assert nbformat.read(results / "notebooks" / notebook, as_version=4).cells[1].outputs  # executed
     printed = capsys.readouterr().out
     assert "4 evaluation(s), 2 benchmark file(s), 1 load file(s), 1 request-statistics file(s), 0 sweep(s)" in printed
-    assert "1 family comparison(s), 1 budget curve(s)" in printed
+    assert "1 family comparison(s), 1 budget curve(s), 1 payoff map(s)" in printed
     assert f"figure: {results / 'accuracy_vs_latency.png'}" in printed
     assert f"figure: {results / 'benchmark_latency.png'}" in printed
 

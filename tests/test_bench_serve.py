@@ -67,3 +67,39 @@ def test_one_round_rows_count_every_variant(ray_session, tiny_tokenizer, tmp_pat
     assert set(result.ratios) == {"c_over_a_tokens_per_s_at_1", "c_over_b_tokens_per_s_at_1", "c_over_b_p50_at_1"}
     assert result.ratios["c_over_b_p50_at_1"] == pytest.approx(runs["c"]["p50_ms"] / runs["b"]["p50_ms"])
     assert "answers identical across variants: yes" in format_table(result)
+
+
+def test_a_shape_replaying_flips_is_served(ray_session, tiny_tokenizer, tmp_path):
+    """``ServeBenchConfig.replay``: the replicas serve a random model of a (tiny) Ouro shape instead of the
+    checkpoint's, its exits replaying loop-1 agreement 0.5: answers identical across variants, every one to
+    max_tokens; sequential decoding (b) teaches each prompt, SPEED (c) replays it: its requests' flip rates are the
+    pattern's, and it takes fewer steps a token than sequential decoding."""
+    from ray import serve
+    from test_bench_shapes import TINY_OURO
+
+    from speed.benchmarks.replay import FlipPattern, agreement_profile
+    from speed.benchmarks.serving import ReplayServing
+
+    torch.manual_seed(0)
+    vocab = Tokenizer.load(tiny_tokenizer).vocab_size
+    save_model(tmp_path / "ckpt", SpeedT5(preset("tiny", pattern="2x3", vocab_size=vocab)).eval(), tiny_tokenizer)
+    shape = TINY_OURO.resolve().replace(vocab_size=512)
+    rates = agreement_profile(0.5, 4)
+    replay = ReplayServing("tiny-ouro", shape, FlipPattern.from_rates(rates, 4, 64, seed=0), dtype="float32")
+    sizes = {"concurrency": (2,), "rounds": 1, "requests_per_client": 2, "min_requests": 4, "warmup": 1}
+    config = ServeBenchConfig(str(tmp_path / "ckpt"), max_tokens=8, max_active=2, stats_path=str(tmp_path / "stats"),
+                              cost_model=False, replay=replay, **sizes)  # fmt: skip
+    try:
+        result = run_serve_bench(config)
+    finally:
+        serve.shutdown()
+    assert result.mismatches == 0
+    runs = {r["variant"]: r for r in result.runs.to_pylist()}
+    assert all((r["requests"], r["errors"], r["tokens"]) == (4, 0, 32) for r in runs.values())
+    assert runs["c"]["steps_per_token"] < runs["b"]["steps_per_token"]
+    assert set(result.flip_rates) == {"c"}  # sequential decoding without a trace scores no early exit
+    flips = result.flip_rates["c"]
+    assert flips[-1] == 0.0 and 0.2 <= flips[0] <= 0.8 and flips == sorted(flips, reverse=True)
+    assert "(c) flip rate by loop: " in format_table(result)
+    for key, s in result.summary.items():  # time per output token after the first, from the streamed answers
+        assert 0 < s["tpot_p50_ms"] <= s["tpot_p99_ms"] < s["p50_ms"], key

@@ -7,8 +7,8 @@ A results folder may hold evaluation folders (``summary.json`` beside
 (``REQUEST_SCHEMA`` rows), sweep folders (``results.parquet``,
 ``speed.sweep.results.RESULTS_SCHEMA``) and family comparisons (``families.parquet``,
 ``speed.train.families.FAMILIES_SCHEMA``) and budget curves (``budget.parquet``,
-``speed.eval.budget.BUDGET_SCHEMA``), in any layout. A folder on object storage is copied here first
-(``local_results``).
+``speed.eval.budget.BUDGET_SCHEMA``) and payoff maps (``speed.benchmarks.payoff.PAYOFF_SCHEMA``), in any layout.
+A folder on object storage is copied here first (``local_results``).
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class Results:
     sweeps: list[Path] = field(default_factory=list)  # sweep folders (results.parquet and its companions)
     families: list[Path] = field(default_factory=list)  # family comparisons (families.parquet and its evaluations)
     budgets: list[Path] = field(default_factory=list)  # budget curves (budget.parquet and its evaluations)
+    payoff: list[Path] = field(default_factory=list)  # payoff maps (PAYOFF_SCHEMA files)
 
 
 def load_evaluation(path: str | Path) -> Evaluation:
@@ -89,15 +90,18 @@ def local_results(where: str | Path, copy_to: str | Path) -> Path:
 
 
 def discover(root: str | Path) -> Results:
-    """Every evaluation folder, benchmark, load and request Parquet file, sweep folder, family comparison
-    and budget curve under ``root``."""
+    """Every evaluation folder, benchmark, load and request Parquet file, sweep folder, family comparison,
+    budget curve and payoff map under ``root``."""
+    from speed.analysis.payoff import PAYOFF_COLUMNS
     from speed.eval.budget import BUDGET_FILE, BUDGET_SCHEMA
 
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"results folder {root} does not exist")
     evaluations = sorted(p.parent for p in root.rglob(SUMMARY_FILE) if (p.parent / TRACE_FILE).is_file())
-    kinds: dict[str, list[Path]] = {name: [] for name in ("bench", "load", "requests", "sweeps", "families", "budgets")}
+    kinds: dict[str, list[Path]] = {
+        name: [] for name in ("bench", "load", "requests", "sweeps", "families", "budgets", "payoff")
+    }
     for path in sorted(root.rglob("*.parquet")):
         names = set(pq.read_schema(path).names)
         if path.name == RESULTS_FILE and SWEEP_COLUMNS <= names:
@@ -112,6 +116,8 @@ def discover(root: str | Path) -> Results:
             kinds["load"].append(path)
         elif REQUEST_COLUMNS <= names:
             kinds["requests"].append(path)
+        elif PAYOFF_COLUMNS <= names:
+            kinds["payoff"].append(path)
     return Results(root, evaluations, **kinds)
 
 

@@ -29,15 +29,21 @@ import os
 import socket
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from speed.benchmarks.replay import ReplayModel
 from speed.engine import LEVERS, Speculation
 from speed.loadtest.loadgen import LoadConfig, run_load, summarize, task_prompts
 from speed.serve.readers import read_requests
 from speed.serve.schemas import BENCH_SERVE_SCHEMA
+
+if TYPE_CHECKING:
+    from speed.serve.settings import AppConfig
 
 _ROW_LEVERS = tuple(name for name in LEVERS if name in BENCH_SERVE_SCHEMA.names)  # a row's (null: sequential)
 VARIANTS = {
@@ -46,6 +52,20 @@ VARIANTS = {
     "c": "continuous batching, SPEED",
     "d": "continuous batching, SPEED with branches",
 }
+
+
+@dataclass(frozen=True)
+class ReplayServing:
+    """What the replicas serve instead of the checkpoint's model (whose tokenizer and prompts they keep): a random
+    model of a published shape (``model``, its resolved config, named ``shape``; ``dtype`` its weights') whose early
+    exits replay ``pattern`` (``speed.benchmarks.replay``) on every prompt a replica has answered once, so that
+    SPEED (variant c) decodes each prompt after sequential decoding (b) has taught the replica its final tokens."""
+
+    shape: str
+    model: Any  # ModelConfig | LMConfig, resolved in the driver (a replica has no driver's SHAPES)
+    pattern: Any  # FlipPattern
+    dtype: str = "bfloat16"
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,7 @@ class ServeBenchConfig:
     warmup: int = 4  # untimed requests per variant first
     stats_path: str | None = None  # where the replicas write their statistics (None: a temporary folder)
     cost_model: bool = True  # replicas pick speculative rows by the device's measured cost (Serve's default)
+    replay: ReplayServing | None = None  # serve a published shape's random model replaying flips instead (greedy)
 
     def requests_at(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_client * concurrency)
@@ -97,6 +118,7 @@ class ServeBenchResult:
     requests: pa.Table  # LOADGEN_SCHEMA rows of every timed request, ``run`` = "<variant>-c<C>-r<round>"
     mismatches: int  # prompts whose answer differed between variants (must be 0)
     ratios: dict[str, float] = field(default_factory=dict)
+    flip_rates: dict[str, list[float]] = field(default_factory=dict)  # per variant: mean flip rate by loop
 
 
 def _free_port() -> int:
@@ -172,12 +194,110 @@ def _deploy(config: ServeBenchConfig, stats_path: str) -> dict[str, str]:
     deploy |= {"max_ongoing_requests": biggest + 4, "max_queued_requests": 4 * biggest}
     batching = {**common, "max_active": config.max_active, "row_budget": config.row_budget}
     batching["allow_branches"] = bool(config.levers() and config.levers().branches)  # variant d's side entries
+    start = start_app if config.replay is None else partial(start_replay_app, replay=config.replay)
     return {
-        "one": start_app(AppConfig(config.checkpoint, settings={**common, "max_active": 1}, name="one",
-                                   route_prefix="/one", **deploy)),
-        "batch": start_app(AppConfig(config.checkpoint, settings=batching, name="batch", route_prefix="/batch",
-                                     **deploy)),
+        "one": start(AppConfig(config.checkpoint, settings={**common, "max_active": 1}, name="one",
+                               route_prefix="/one", **deploy)),
+        "batch": start(AppConfig(config.checkpoint, settings=batching, name="batch", route_prefix="/batch",
+                                 **deploy)),
     }  # fmt: skip
+
+
+def replay_serving(
+    shape: str,
+    dtype: str = "bfloat16",
+    agreement: float = 0.7,
+    trace: pa.Table | None = None,
+    stop_ids: frozenset[int] = frozenset(),
+    length: int = 64,
+    seed: int = 0,
+) -> ReplayServing:
+    """A ``ReplayServing`` of the published ``shape`` (``speed.benchmarks.shapes.SHAPES``): replaying ``trace`` (a
+    recorded model's flips, its stop tokens ``stop_ids``), else loop-1 ``agreement`` on the trained profile (64
+    sequences of ``length`` positions, seeded)."""
+    from speed.benchmarks.replay import FlipPattern, agreement_profile
+    from speed.benchmarks.shapes import SHAPES
+
+    config = SHAPES[shape].resolve()
+    M = config.sharing.n_loops
+    if trace is not None:
+        pattern = FlipPattern.from_trace(trace, M, stop_ids, "trace")
+    else:
+        pattern = FlipPattern.from_rates(agreement_profile(agreement, M), 64, length, seed, f"agree={agreement:.2f}")
+    return ReplayServing(shape, config, pattern, dtype, seed)
+
+
+def start_replay_app(config: AppConfig, replay: ReplayServing) -> str:
+    """``speed.serve.app.start_app``'s application with each replica serving ``replay``'s model: ``SpeedServer``
+    as it is, its model swapped once it has loaded the checkpoint's tokenizer; returns its URL."""
+    from ray import serve
+
+    from speed.serve.app import SpeedServer
+
+    c = config
+    serve.start(proxy_location=c.proxy_location, http_options={"host": c.host, "port": c.port})
+    options: dict[str, Any] = {
+        "func_or_class": _replay_server(SpeedServer.func_or_class, replay),
+        "num_replicas": c.replicas,
+        "user_config": dict(c.settings),
+        "ray_actor_options": {"num_cpus": c.num_cpus, "num_gpus": c.num_gpus},
+    }
+    options |= {k: getattr(c, k) for k in ("max_ongoing_requests", "max_queued_requests") if getattr(c, k)}
+    app = SpeedServer.options(**options).bind(
+        c.checkpoint, c.stats_path, c.model_name, c.device, api_key=c.api_key, exit_adapters=c.exit_adapters,
+        dtype=c.dtype,
+    )  # fmt: skip
+    serve.run(app, name=c.name, route_prefix=c.route_prefix)
+    return f"http://{c.host}:{c.port}{c.route_prefix.rstrip('/')}"
+
+
+def _replay_server(base: type, replay: ReplayServing) -> type:
+    """A replica class serving ``replay``'s model with the checkpoint's tokenizer, prompts and statistics."""
+
+    class ReplayServer(base):  # type: ignore[misc, valid-type]
+        async def __init__(self, *args: Any, **kwargs: Any) -> None:  # the ingress's own __init__ is async
+            import dataclasses
+
+            from speed.serve.runner import EngineRunner
+
+            await super().__init__(*args, **kwargs)
+            self.model, packed = served_replay_model(replay, self.tokenizer, self.device)
+            self.served = dataclasses.replace(self.served, model=self.model, packed_weights=packed)
+            self.runner = EngineRunner(
+                self.model, self.settings.engine_config(), self.recorder.finished, self.recorder.step
+            )
+
+    return ReplayServer
+
+
+def served_replay_model(replay: ReplayServing, tokenizer: Any, device: str) -> tuple[ReplayModel, int]:
+    """``replay``'s random model on ``device`` (its head's rows past ``tokenizer``'s vocabulary and at its stop
+    tokens zeroed: answers the tokenizer reads, each to its length), packed for decoding, replaying the pattern on
+    every prompt it has answered once; and its packed weights' count."""
+    import torch
+
+    from speed.benchmarks.shapes import empty_model, random_weights
+
+    if tokenizer.vocab_size > replay.model.vocab_size:
+        raise ValueError(f"{replay.shape}'s vocabulary is smaller than the tokenizer's ({tokenizer.vocab_size})")
+    model = random_weights(empty_model(replay.model, getattr(torch, replay.dtype)), replay.seed, device,
+                           replay.model.eos_id)  # fmt: skip
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.vocab_size :].zero_()
+        model.lm_head.weight[sorted(tokenizer.stop_ids)] = 0
+    packed = model.pack_for_decoding()
+    return ReplayModel(model, replay.pattern), packed
+
+
+def served_flip_rates(requests: pa.Table, served: pa.Table) -> dict[str, list[float]]:
+    """Per variant: the mean flip rate by loop (each loop's exit against the committed token) over the replicas'
+    statistics rows of its timed requests (``requests``: LOADGEN_SCHEMA; ``served``: REQUEST_SCHEMA)."""
+    flips = dict(zip(served["request_id"].to_pylist(), served["flip_rate"].to_pylist()))  # (a list: no join)
+    by: dict[str, list[list[float]]] = {}
+    for run, request in zip(requests["run"].to_pylist(), requests["request_id"].to_pylist()):
+        if flips.get(request):
+            by.setdefault(run.split("-", 1)[0], []).append(flips[request])
+    return {v: [statistics.mean(loop) for loop in zip(*rates)] for v, rates in sorted(by.items())}
 
 
 def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
@@ -221,13 +341,14 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
         for app in ("one", "batch"):
             serve.delete(app)  # each replica drains and writes its statistics rows
     requests = pa.concat_tables(tables)
-    counts = engine_counts(requests, read_requests(stats_path))
+    served = read_requests(stats_path)
+    counts = engine_counts(requests, served)
     for run in runs:
         run |= per_token([counts[_label(run)]])
     mismatches = sum(len(set(t.values())) != 1 or len(t) != len(variants) for t in texts.values())
     summary = _pooled(requests, runs, counts)
     return ServeBenchResult(pa.Table.from_pylist(runs, schema=BENCH_SERVE_SCHEMA), summary, requests, mismatches,
-                            ratios(summary))  # fmt: skip
+                            ratios(summary), served_flip_rates(requests, served))  # fmt: skip
 
 
 def engine_counts(requests: pa.Table, served: pa.Table) -> dict[str, dict[str, int]]:
@@ -265,10 +386,22 @@ def _pooled(
         mine = [r for r in runs if (r["variant"], r["concurrency"]) == key]
         labels = sorted({_label(r) for r in mine})
         rows = requests.filter(pc.is_in(requests["run"], pa.array(labels)))
-        s = summarize(rows, sum(r["seconds"] for r in mine))
+        s = summarize(rows, sum(r["seconds"] for r in mine)) | per_token_latency(rows)
         s["load_1m"] = statistics.mean(r["load_1m"] for r in mine)
         out[key] = s | per_token([counts[label] for label in labels])
     return out
+
+
+def per_token_latency(requests: pa.Table) -> dict[str, float | None]:
+    """The p50 and p99 over answered requests (LOADGEN_SCHEMA rows) of their time per output token after the
+    first: (latency - TTFT) / (tokens - 1), where the answer streamed; else latency / tokens."""
+    each = []
+    for r in requests.to_pylist():
+        n, ttft = r["completion_tokens"] or 0, r["ttft_ms"]
+        if r["status"] == 200 and r["error"] is None and n:
+            each.append((r["latency_ms"] - ttft) / (n - 1) if ttft is not None and n > 1 else r["latency_ms"] / n)
+    pick = (lambda q: float(np.percentile(each, q))) if each else (lambda q: None)
+    return {"tpot_p50_ms": pick(50), "tpot_p99_ms": pick(99)}
 
 
 def ratios(summary: dict[tuple[str, int], dict[str, Any]]) -> dict[str, float]:
@@ -302,15 +435,16 @@ BARS = {
 def format_table(result: ServeBenchResult) -> str:
     """A Markdown table per variant and concurrency, then the ratios against the serving targets (``BARS``)."""
     lines = [
-        "| variant | concurrency | tokens/s | p50 ms | p99 ms | ttft p50 ms | requests | errors | steps/token "
-        "| rows/token |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | concurrency | tokens/s | p50 ms | p99 ms | ttft p50 ms | per token p50 / p99 ms | requests "
+        "| errors | steps/token | rows/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (variant, c), s in sorted(result.summary.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ttft = f"{s['ttft_p50_ms']:.0f}" if s["ttft_p50_ms"] is not None else ""
         lines.append(
             f"| ({variant}) {VARIANTS[variant]} | {c} | {s['tokens_per_s']:.1f} | {s['p50_ms']:.0f} | "
-            f"{s['p99_ms']:.0f} | {ttft} | {s['requests']} | {s['errors']} | {_num(s.get('steps_per_token'))} | "
+            f"{s['p99_ms']:.0f} | {ttft} | {_num(s.get('tpot_p50_ms'))} / {_num(s.get('tpot_p99_ms'))} | "
+            f"{s['requests']} | {s['errors']} | {_num(s.get('steps_per_token'))} | "
             f"{_num(s.get('rows_per_token'))} |"
         )
     lines.append("")
@@ -321,6 +455,8 @@ def format_table(result: ServeBenchResult) -> str:
             continue
         ok = value >= bar if op == ">=" else value <= bar
         lines.append(f"- {name} = {value:.2f} (bar {op} {bar}: {'met' if ok else 'NOT met'})")
+    for variant, rates in result.flip_rates.items():
+        lines.append(f"- ({variant}) flip rate by loop: " + " ".join(f"{r:.3f}" for r in rates))
     lines.append(f"- answers identical across variants: {'yes' if result.mismatches == 0 else 'NO'} "
                  f"({result.mismatches} prompts differ)")  # fmt: skip
     return "\n".join(lines)

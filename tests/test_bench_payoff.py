@@ -1,0 +1,120 @@
+"""The payoff map (``speed.benchmarks.payoff``, ``jobs/bench_payoff.py``, ``jobs/predict_payoff.py``): a tiny shape
+end to end through the job, a trace of another loop count replayed, the schedule's cost, the cost model's goals."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_bench_shapes import TINY_OURO
+
+from speed.benchmarks.payoff import PAYOFF_SCHEMA, PayoffConfig, never_slower, schedule_seconds
+from speed.benchmarks.shapes import SHAPES
+from speed.engine.cost import RowCost
+from speed.engine.trace import TraceBuilder
+from speed.paths import repo_root
+
+
+def _job(name: str):
+    spec = importlib.util.spec_from_file_location(name, repo_root() / "jobs" / f"{name}.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job
+
+
+def test_a_tiny_map_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    """Through the job: a loop-1 agreement and a 6-loop trace replayed on a 4-loop shape, the cost model off and
+    on, at two batches: one row per cell under the schema, every output identical to sequential decoding's, the
+    agreement replayed as asked, the trace's loop mapping stated, progress printed."""
+    monkeypatch.setitem(SHAPES, "tiny-ouro", TINY_OURO)
+    trace = TraceBuilder()
+    for pos in range(5):
+        trace.add_token(0, pos, [7, 7, 9, 9, 9, 9] if pos % 2 else [9] * 6)
+    trace_path = tmp_path / "trace.parquet"
+    pq.write_table(trace.table(), trace_path)
+    out = tmp_path / "map.parquet"
+    flags = ["--shape", "tiny-ouro", "--dtypes", "bfloat16", "--batches", "1", "2", "--agreements", "0.75",
+             "--trace", f"demo={trace_path}", "--rounds", "1", "--new-tokens", "8", "--prompt-len", "6",
+             "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert _job("bench_payoff").main(flags) == 0
+    printed = capsys.readouterr().out
+    assert "payoff map: 8 cells" in printed and "min left" in printed and "cost model goals:" in printed
+    table = pq.read_table(out)
+    assert table.schema.equals(PAYOFF_SCHEMA)
+    rows = table.to_pylist()
+    assert len(rows) == 8 and all(r["identical"] for r in rows)
+    assert {(r["batch"], r["pattern"], r["cost_model"]) for r in rows} == {
+        (b, p, c) for b in (1, 2) for p in ("agree=0.75", "demo") for c in (False, True)
+    }
+    for r in rows:
+        assert r["sequential_steps_per_token"] == pytest.approx(4 * (8 - 1) / 8 / r["batch"])  # LM: prefill first
+        assert r["speedup"] > 0 and r["overhead"] > 0 and r["schedule_ms_per_token"] > 0
+        if r["pattern"] == "demo":
+            assert "6 loops mapped onto 4" in r["source"]
+            # loop 1 of 6 wrong at odd positions of 5, replayed cyclically over 8: positions 1, 3 and 6
+            assert r["agreement"] == pytest.approx([5 / 8, 1.0, 1.0, 1.0])
+        else:
+            assert r["loop1_agreement"] == pytest.approx(0.75, abs=1 / 16)
+            if not r["cost_model"]:  # every in-flight row: fewer steps than sequential's M a token
+                assert r["steps_per_token"] < r["sequential_steps_per_token"]
+
+
+def test_the_schedule_costs_each_pass_at_its_rows():
+    """A pass costs its rows without exit logits plus the exits of its scored rows; past a tile, whole tiles."""
+    cost = RowCost((1.0, 1.5), (0.5, 0.75), 0.0, "stub")
+    assert schedule_seconds(cost, [(1, 1), (2, 0), (2, 2), (3, 1)]) == pytest.approx(
+        (0.5 + 0.5) + 0.75 + (0.75 + 0.75) + (0.75 + 0.5 + 0.5)
+    )
+
+
+def _row(batch: int, pattern: str, cost_model: bool, speedup: float) -> dict:
+    return {"dtype": "bfloat16", "batch": batch, "pattern": pattern, "cost_model": cost_model, "speedup": speedup}
+
+
+def test_the_cost_models_goals_name_every_miss():
+    """Below sequential with the cost model on is a miss; so is keeping under 90 % of plain SPEED's gain where
+    it pays; where plain SPEED does not pay, matching sequential is enough."""
+    table = pa.Table.from_pylist([
+        _row(1, "a", False, 2.0), _row(1, "a", True, 1.95),  # keeps 95 %
+        _row(4, "a", False, 2.0), _row(4, "a", True, 1.8),  # keeps 80 %
+        _row(8, "a", False, 0.7), _row(8, "a", True, 0.98),  # below sequential
+        _row(16, "a", False, 0.8), _row(16, "a", True, 1.01),  # plain does not pay: the cost model is enough
+    ])  # fmt: skip
+    misses = never_slower(table)
+    assert misses == [
+        "bfloat16 batch 4 a: cost model 1.80x against plain SPEED's 2.00x",
+        "bfloat16 batch 8 a: cost model 0.98x sequential",
+    ]
+
+
+def test_a_map_needs_something_to_replay():
+    with pytest.raises(ValueError, match="agreement or a trace"):
+        PayoffConfig("tiny", TINY_OURO.resolve(), agreements=())
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        PayoffConfig("tiny", TINY_OURO.resolve(), agreements=(1.5,))
+    with pytest.raises(ValueError, match="dtypes"):
+        PayoffConfig("tiny", TINY_OURO.resolve(), dtypes=("float16",))
+    assert PayoffConfig("tiny", TINY_OURO.resolve()).cells() == 2 * 4 * 8 * 2
+
+
+@pytest.mark.slow
+def test_a_checkpoints_payoff_is_predicted_from_its_own_trace(tiny_tokenizer, tmp_path, capsys, monkeypatch):
+    """``jobs/predict_payoff.py``: a 2x3 T5 checkpoint's held-out sentences decoded with its own SPEED, the trace
+    written, its 3 loops mapped onto the shape's 4, the prediction's rows identical to sequential decoding's."""
+    from test_bench import _checkpoint
+
+    monkeypatch.setitem(SHAPES, "tiny-ouro", TINY_OURO)
+    checkpoint = _checkpoint(tmp_path / "ckpt", tiny_tokenizer, "translate_en_de")
+    out, trace_out = tmp_path / "predicted.parquet", tmp_path / "own" / "trace.parquet"
+    flags = ["--checkpoint", checkpoint, "--limit", "3", "--max-new-tokens", "6", "--shape", "tiny-ouro",
+             "--dtypes", "float32", "--batches", "1", "--cost-model", "on", "--rounds", "1", "--new-tokens", "6",
+             "--prompt-len", "5", "--trace-out", str(trace_out), "--out", str(out)]  # fmt: skip
+    assert _job("predict_payoff").main(flags) == 0
+    printed = capsys.readouterr().out
+    assert "own:ckpt: 3 loops" in printed and "steps a token (oracle" in printed
+    assert "predicted at tiny-ouro from own:ckpt" in printed and "3 loops mapped onto 4" in printed
+    (row,) = pq.read_table(out).to_pylist()
+    assert row["identical"] and row["cost_model"] and row["pattern"] == "own:ckpt"
+    assert set(pq.read_table(trace_out).column("loop").to_pylist()) == {1, 2, 3}
