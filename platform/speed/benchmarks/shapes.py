@@ -12,9 +12,10 @@ sequence had its first token (``GenerateResult.first_token_s``, TTFT: the engine
 token; ``decode_s``, the rest): the time per token is the rest over the tokens after the first. Two runs'
 difference (one token against all of them) went negative where the decode is short beside the prefill and the
 two runs' noise (batch 4 at tiny sizes); one run's split cannot. A read of a buffer larger than the caches
-(``torch.sum``, best of several) runs interleaved with them: the machine's read bandwidth in the same run, and so the limit. A decoding step must read
-the weights of every loop pass at least once (``streamed_bytes``), so sequential decoding's time per token is at
-least that over the bandwidth; ``ratio_vs_limit`` is how far each variant is from it (SPEED, which reads the
+(``torch.sum``, best of several) runs interleaved with them: the machine's read bandwidth in the same run, and
+so the limit. A decoding step must read the weights of every loop pass at least once (``streamed_bytes``), so
+sequential decoding's time per token is at least that over the bandwidth; ``ratio_vs_limit`` is how far each
+variant is from it (SPEED, which reads the
 shared weights once for several tokens' loops, may go below 1).
 """
 
