@@ -4,13 +4,13 @@ machine without Ray.
     python3 jobs/gpu_check.py                          # on a GPU machine: its own python3 and torch
     python3 jobs/gpu_check.py --device cpu --tiny      # a dry run of every stage at tiny size on the CPU
 
-Stages (speed.benchmarks.gpu.STAGES): training (a few steps on the device, a checkpoint saved and loaded, the
-optimizer state back on the device), agreement (CUDA tokens against the CPU's for the same weights), launches
-(kernels per token, synchronisations per pass), timing (decode at base dims, batch 1 and 8, against transformers'
-generate), shapes (Ouro-1.4B's shape, bf16, batch 1, 8 and 32, against the read and copy bandwidths measured
-there), llama (the same shape as a 24-layer Llama through transformers, static cache, compiled, against our
-24x1), and exactness (pytest -m gpu tests/test_gpu_decode.py). A failing stage is recorded and the next one runs;
-one that would not fit what is left of --budget-s is skipped, with the reason.
+Stages (speed.benchmarks.gpu.STAGES, in this order): exactness (pytest -m gpu tests/test_gpu_decode.py),
+launches (kernels per token, synchronisations per pass), shapes (Ouro-1.4B's shape, bf16, batch 1, 8 and 32,
+against the read and copy bandwidths measured there), llama (the same shape as a 24-layer Llama through
+transformers, static cache, compiled, against our 24x1), timing (decode at base dims, batch 1 and 8, against
+transformers' generate), agreement (CUDA tokens against the CPU's for the same weights) and training (a few steps
+on the device, a checkpoint saved and loaded, the optimizer state back on the device). A failing stage is
+recorded and the next one runs; one that would not fit what is left of --budget-s is skipped, with the reason.
 Writes one JSON file (--out; default $OUT/gpu_check.json when $OUT is set, else results/gpu_check.json),
 rewritten after every stage, and prints a summary table. Without a CUDA device it says so in one line
 and exits 2 before doing anything; it exits 1 when a stage that ran failed.

@@ -75,7 +75,7 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(report_file.read_text())
     stages = {s["name"]: s for s in report["stages"]}
-    assert list(stages) == ["training", "agreement", "launches", "timing", "shapes", "llama", "exactness"]
+    assert list(stages) == ["exactness", "launches", "shapes", "llama", "timing", "agreement", "training"]
     assert all(s["ok"] and s["error"] is None and s["skipped"] is None for s in stages.values())
     training = stages["training"]["result"]
     assert training["state_on_device"] and training["state_restored"] and len(training["losses"]) == 2
