@@ -98,13 +98,16 @@ def test_graph_steps_pad_and_return_the_real_rows_only():
 
     def step(rows, hidden, with_logits, logit_rows):
         calls.append((len(rows), logit_rows, rows.slot.tolist()))
-        return hidden * 2, (hidden[logit_rows] if with_logits else None)
+        picked = hidden if logit_rows is None else hidden[logit_rows]
+        return hidden * 2, (picked + 1 if with_logits else None)
 
     graphs = GraphSteps(scratch=7, device=torch.device("cpu"), capture=False, buckets=(2, 4))
     hidden = torch.arange(6.0).reshape(3, 2)
     out, logits = graphs.run(step, Rows.build([0, 1, 2], [0, 0, 0], [0, 0, 0]), hidden, True, [0, 2])
     assert calls[-1] == (4, [0, 2], [0, 1, 2, 7])
-    assert torch.equal(out, hidden * 2) and torch.equal(logits, hidden[[0, 2]])
+    assert torch.equal(out, hidden * 2) and torch.equal(logits, hidden[[0, 2]] + 1)
+    out, logits = graphs.run(step, Rows.build([0, 1, 2], [0, 0, 0], [0, 0, 0]), hidden, True, None)
+    assert calls[-1] == (4, [0, 1, 2], [0, 1, 2, 7]) and torch.equal(logits, hidden + 1)  # never a padding row's
     out, logits = graphs.run(step, Rows.build([0], [0], [0]), hidden[:1], False, None)
     assert calls[-1] == (2, None, [0, 7]) and logits is None and out.shape == (1, 2)
     graphs.run(step, Rows.build([0] * 5, [0] * 5, list(range(5))), torch.zeros(5, 2), True, None)

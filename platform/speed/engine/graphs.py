@@ -126,16 +126,17 @@ class GraphSteps:
         if buffers is None:
             buffers = self._buffers[size] = StepBuffers.allocate(size, hidden.shape[1], hidden.dtype, self.device)
         padded = buffers.load(pad_rows(rows, size, self.scratch), _pad(hidden, size))
-        real = list(range(len(rows))) if logit_rows is None else list(logit_rows)
+        n = len(rows)
+        real = list(range(n)) if logit_rows is None else list(logit_rows)  # never a padding row's: no one reads it
         if not self.capture:
             out, logits = step(padded, buffers.hidden, with_logits, real if with_logits else None)
-            return out[: len(rows)], logits
+            return out[:n], logits
         if prepare is not None:
             prepare(padded)
         out, logits = self._replay(size, with_logits, step, padded, buffers)
         if logits is not None:  # every row's logits were computed in the graph: the wanted ones, in order
-            logits = logits.index_select(0, to_device(real, self.device, torch.long))
-        return out[: len(rows)].clone(), logits  # the graph's output buffer is overwritten by the next replay
+            logits = logits[:n] if logit_rows is None else logits.index_select(0, to_device(real, self.device))
+        return out[:n].clone(), logits  # the graph's output buffer is overwritten by the next replay
 
     def _replay(
         self, size: int, with_logits: bool, step: Callable, rows: Rows, buffers: StepBuffers
