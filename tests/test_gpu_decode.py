@@ -1,10 +1,13 @@
 """Decoding and evaluation on a CUDA device: every decode tensor on the model's device, SPEED exact there too.
 
-Greedy and sampled, batch 1 and 8 (padded), float32 and bfloat16, runner-up branches and lanes, the engine
-under churn: every loop's logits of every committed token equal sequential decoding's on the same device,
-bit for bit. Skipped, with the reason, where no CUDA device is present; run them on a GPU machine with
-``pytest -m gpu`` (``jobs/gpu_check.py`` does, on a machine without Ray or the data libraries: only the
-evaluate job's test needs those, and it is skipped, with the reason, without them).
+Greedy and sampled, batch 1, 8 and 32 (padded), float32 and bfloat16, both families, runner-up branches and
+lanes, the engine under churn: every loop's logits of every committed token equal sequential decoding's on the
+same device, bit for bit. On CUDA the engine runs its passes in row-count buckets (``speed.engine.graphs``) by
+default, so every test here runs that path, and one sets it against unpadded passes; another counts the host's
+synchronisations in a step (at most one: the step's decisions). Skipped, with the reason, where no CUDA device
+is present; run them on a GPU machine with ``pytest -m gpu`` (``jobs/gpu_check.py`` does, on a machine without
+Ray or the data libraries: only the evaluate job's test needs those, and it is skipped, with the reason, without
+them).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from engine_helpers import drive, speed_as_sequential
 from test_decoding_exact import padded_batch
 from test_engine import alone, random_request, tiny_model
 
-from speed import SpeedT5, preset
+from speed import LoopedLM, SpeedT5, preset
+from speed.benchmarks.gpu import count_syncs
+from speed.config import lm_preset
 from speed.decode.exactness import LogitRecorder
 from speed.decode.generate import generate
-from speed.engine import Engine, EngineConfig, Speculation
+from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.engine.sampling import Sampling
 from speed.models.checkpoint import save_model
 from speed.paths import repo_root
@@ -134,3 +139,60 @@ def test_evaluate_job_on_cuda(tmp_path):
     summary = job.main([*flags, "--max-new-tokens", "12", "--check-sequential", "--device", "cuda", "--out", str(out)])
     assert summary["decode"]["identical"] and summary["decode"]["mismatches"] == []
     assert json.loads((out / "summary.json").read_text()) == summary
+
+
+def lm_case(seed: int, batch: int, dtype: torch.dtype, pattern: str = "1+2x3+1"):
+    """A random tiny looped LM (a prelude and a coda) on CUDA and ``batch`` CPU prompts of 1-9 tokens."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = LoopedLM(lm_preset("tiny", pattern=pattern)).eval().to("cuda", dtype)
+    return (model, *padded_batch(rng, batch, model.vocab_size))
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_families_at_batch_32_equal_sequential_on_cuda(dtype, sampling):
+    """Batch 1, 8 and 32 of a T5 and of a looped LM: SPEED's every logit is sequential decoding's."""
+    for seed, batch in enumerate((1, 8, 32)):
+        for model, ids, mask in (cuda_case(seed, "2x6", batch, dtype), lm_case(seed, batch, dtype)):
+            reference = LogitRecorder(model)
+            ref = generate(reference, ids, mask, method="sequential", max_new_tokens=16, sampling=sampling)
+            speed_as_sequential(
+                model, reference, ref, ids, mask, 16, (seed, batch, type(model).__name__),
+                speculation=Speculation(1, "eager"), sampling=sampling,
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucketed_passes_equal_unpadded_ones_on_cuda(dtype):
+    """The row-count buckets (padding rows in the scratch slot) against unpadded passes on the same device: every
+    logit equal, T5 and LM, greedy and sampled, with runner-up branches."""
+    for seed, batch in enumerate((3, 8)):
+        for model, ids, mask in (cuda_case(seed, "3x4", batch, dtype), lm_case(seed, batch, dtype)):
+            for sampling in SAMPLINGS:
+                reference = LogitRecorder(model)
+                ref = generate(reference, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling,
+                               graphs=False)  # fmt: skip
+                speculation = Speculation(1, "final", branches=2, branch_depth=2)
+                speed_as_sequential(
+                    model, reference, ref, ids, mask, 12, (seed, batch), speculation=speculation, sampling=sampling,
+                    graphs=True,
+                )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["t5", "lm"])
+def test_a_step_synchronises_the_host_at_most_once(family):
+    """After admission, each engine step of a batch of greedy and sampled SPEED requests makes at most one
+    synchronising CUDA call (``torch.cuda.set_sync_debug_mode``): the copy of the step's decisions."""
+    model, ids, mask = (cuda_case(0, "2x6", 4) if family == "t5" else lm_case(0, 4, torch.bfloat16))[:3]
+    engine = Engine(model, EngineConfig(max_active=4, max_prompt_len=ids.shape[1], max_target_len=12))
+    for b, (row, keep) in enumerate(zip(ids.tolist(), mask.tolist())):
+        sampling = Sampling() if b % 2 else Sampling(temperature=1.0, top_k=20, seed=b)
+        engine.add(Request([t for t, k in zip(row, keep) if k], 12, "speed", sampling=sampling))
+    with torch.inference_mode():
+        engine.step()  # admission: prompts encoded or prefilled
+        engine.step()  # first passes: each bucket's buffers allocated
+        counts = []
+        while engine.has_work:
+            counts.append(count_syncs(engine.step, "cuda"))
+    assert counts and max(counts) <= 1, counts
