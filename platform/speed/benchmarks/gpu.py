@@ -378,7 +378,7 @@ def agreement(sampling: str, a: list[list[int]], b: list[list[int]]) -> Agreemen
 
 def agreement_stage(size: CheckSize, device: str) -> list[Agreement]:
     """Decode one random batch sequentially on the CPU and on ``device`` with the same weights, greedy and
-    sampled (the noise is drawn on the CPU for every device), and compare the tokens."""
+    sampled (the noise computed on each device, ``device_gumbel``), and compare the tokens."""
     cpu = random_model(size.model(), seed=0)  # EOS disabled: every sequence runs its full length
     other = copy.deepcopy(cpu).to(device)
     shape = (size.agree_batch, size.source_len)
