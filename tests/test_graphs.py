@@ -41,7 +41,7 @@ def test_a_step_takes_the_smallest_bucket_that_holds_its_rows():
 def test_padding_rows_go_to_the_scratch_slot():
     rows = Rows.build([0, 1, 1], [2, 0, 1], [5, 40, 39])
     padded = pad_rows(rows, 8, scratch=9)
-    assert len(padded) == 8 and padded.side is None
+    assert len(padded) == 8 and padded.side is None and padded.padding == 5 and rows.padding == 0
     assert padded.slot.tolist() == [0, 1, 1] + [9] * 5
     assert padded.loop.tolist() == [2, 0, 1] + [0] * 5
     assert padded.pos.tolist() == [5, 40, 39, 0, 0, 0, 0, 0]  # the scratch slot's one place
@@ -107,7 +107,7 @@ def test_graph_steps_pad_and_return_the_real_rows_only():
     assert calls[-1] == (4, [0, 2], [0, 1, 2, 7])
     assert torch.equal(out, hidden * 2) and torch.equal(logits, hidden[[0, 2]] + 1)
     out, logits = graphs.run(step, Rows.build([0, 1, 2], [0, 0, 0], [0, 0, 0]), hidden, True, None)
-    assert calls[-1] == (4, [0, 1, 2], [0, 1, 2, 7]) and torch.equal(logits, hidden + 1)  # never a padding row's
+    assert calls[-1] == (4, None, [0, 1, 2, 7]) and torch.equal(logits, hidden + 1)  # the padding's dropped
     out, logits = graphs.run(step, Rows.build([0], [0], [0]), hidden[:1], False, None)
     assert calls[-1] == (2, None, [0, 7]) and logits is None and out.shape == (1, 2)
     graphs.run(step, Rows.build([0] * 5, [0] * 5, list(range(5))), torch.zeros(5, 2), True, None)

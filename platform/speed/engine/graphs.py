@@ -46,8 +46,9 @@ def bucket(n_rows: int, buckets: Sequence[int] = BUCKETS) -> int | None:
 
 
 def pad_rows(rows: Rows, size: int, scratch: int) -> Rows:
-    """``rows`` followed by ``size - len(rows)`` padding rows in the ``scratch`` slot: chain rows at loop 0,
-    position 0 (all at the one place of the slot's block: what lands there last is never read by a real row)."""
+    """``rows`` followed by ``size - len(rows)`` padding rows in the ``scratch`` slot (``Rows.padding``): chain rows
+    at loop 0, position 0 (all at the one place of the slot's block: what lands there last is never read by a real
+    row)."""
     n = size - len(rows)
     if n < 0:
         raise ValueError(f"{len(rows)} rows do not fit a bucket of {size}")
@@ -57,9 +58,9 @@ def pad_rows(rows: Rows, size: int, scratch: int) -> Rows:
     loop = np.concatenate([rows.loop, np.zeros(n, dtype=np.int64)])
     pos = np.concatenate([rows.pos, np.zeros(n, dtype=np.int64)])
     if rows.side is None:
-        return Rows(slot, loop, pos)
+        return Rows(slot, loop, pos, padding=n)
     side = np.concatenate([rows.side, np.full(n, -1, dtype=np.int64)])
-    return Rows(slot, loop, pos, side, (*rows.up, *(((),) * n)))
+    return Rows(slot, loop, pos, side, (*rows.up, *(((),) * n)), padding=n)
 
 
 def kv_caches(cache: Any, depth: int = 3) -> list[KVCache]:
@@ -127,10 +128,12 @@ class GraphSteps:
             buffers = self._buffers[size] = StepBuffers.allocate(size, hidden.shape[1], hidden.dtype, self.device)
         padded = buffers.load(pad_rows(rows, size, self.scratch), _pad(hidden, size))
         n = len(rows)
-        real = list(range(n)) if logit_rows is None else list(logit_rows)  # never a padding row's: no one reads it
-        if not self.capture:
-            out, logits = step(padded, buffers.hidden, with_logits, real if with_logits else None)
-            return out[:n], logits
+        if not self.capture:  # every row's logits, the padding's dropped (a slice: no index copied to the device),
+            # or the named rows'
+            named = None if logit_rows is None else list(logit_rows)
+            out, logits = step(padded, buffers.hidden, with_logits, named)
+            return out[:n], (logits[:n] if logits is not None and named is None else logits)
+        real = list(range(n)) if logit_rows is None else list(logit_rows)
         if prepare is not None:
             prepare(padded)
         out, logits = self._replay(size, with_logits, step, padded, buffers)

@@ -36,7 +36,9 @@ class Rows:
     that keeps its own key/value in that side entry of its slot (-1: a chain
     row), and ``up[r]`` lists the (position, side entry) of the branch tokens
     before it in its lane, oldest first (the lane forks at the first).
-    ``side`` and ``up`` are None when no row is a branch.
+    ``side`` and ``up`` are None when no row is a branch. The last ``padding`` rows
+    fill a row-count bucket (``speed.engine.graphs``): they sit in the engine's
+    scratch slot, and no one reads what they compute.
     """
 
     slot: np.ndarray  # (R,) int64
@@ -44,6 +46,7 @@ class Rows:
     pos: np.ndarray  # (R,) int64
     side: np.ndarray | None = None  # (R,) int64 side entry of a branch row, -1 for a chain row; None: no branches
     up: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per row: its lane's earlier (pos, side entry)s
+    padding: int = 0  # the last rows that only fill a bucket
     _tensors: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (slot, loop, pos)
 
     @classmethod
