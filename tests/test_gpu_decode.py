@@ -29,6 +29,7 @@ from speed.config import lm_preset
 from speed.decode.exactness import LogitRecorder
 from speed.decode.generate import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
+from speed.engine.cache import Rows
 from speed.engine.sampling import Sampling
 from speed.models.checkpoint import save_model
 from speed.paths import repo_root
@@ -196,3 +197,26 @@ def test_a_step_synchronises_the_host_at_most_once(family):
         while engine.has_work:
             counts.append(count_syncs(engine.step, "cuda"))
     assert counts and max(counts) <= 1, counts
+
+
+def test_a_captured_bucket_replays_new_rows_bit_for_bit():
+    """``GraphSteps`` with capture on CUDA: each bucket's pass captured once as a CUDA graph, then replayed with new
+    rows and inputs in its static buffers, gives what the same pass run eagerly gives, bit for bit, step after step
+    (a stub pass that reads the rows' slots, loops and positions from ``Rows.tensors``, as a capturable stepper
+    must)."""
+    from test_graphs import stub_pass
+
+    from speed.engine.graphs import GraphSteps
+
+    device = torch.device("cuda")
+    step = stub_pass(device)
+    captured, eager = (GraphSteps(scratch=5, device=device, capture=c) for c in (True, False))
+    rng = random.Random(0)
+    for n in [1, 3, 3, 8, 2, 13, 1, 40, 7, 3, 70]:
+        rows = Rows.build([rng.randrange(5) for _ in range(n)], [rng.randrange(4) for _ in range(n)],
+                          [rng.randrange(30) for _ in range(n)])  # fmt: skip
+        hidden = torch.randn(n, 16, device=device)
+        picked = sorted(rng.sample(range(n), max(1, n // 2))) if rng.random() < 0.3 else None
+        got, want = (g.run(step, rows, hidden, True, picked) for g in (captured, eager))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+    assert len(captured._graphs) == 6  # buckets 1, 4, 8, 2, 16, 64, each captured once (70 rows: unpadded)

@@ -114,6 +114,41 @@ def test_graph_steps_pad_and_return_the_real_rows_only():
     assert calls[-1] == (5, None, [0] * 5)
 
 
+def stub_pass(device: torch.device, width: int = 16, vocab: int = 11):
+    """A pass as a capturable stepper's must be: its row metadata read from ``Rows.tensors`` (the bucket's static
+    buffers), no host work; returns ``step(rows, hidden, with_logits, logit_rows)``."""
+    g = torch.Generator().manual_seed(0)
+    w, head = (torch.randn(*shape, generator=g).to(device) for shape in ((width, width), (width, vocab)))
+    tables = [torch.randn(n, width, generator=g).to(device) for n in (8, 8, 64)]  # per slot, loop, position
+
+    def step(rows, hidden, with_logits, logit_rows):
+        slot_t, loop_t, pos_t = rows.tensors(hidden.device)
+        x = torch.tanh(hidden @ w + tables[0][slot_t] + tables[1][loop_t] + tables[2][pos_t])  # (R, d)
+        logits = x @ head if with_logits else None  # (R, V)
+        if logits is not None and logit_rows is not None:
+            logits = logits.index_select(0, torch.as_tensor(logit_rows, device=hidden.device))
+        return x, logits
+
+    return step
+
+
+def test_a_bucketed_pass_gives_each_row_what_an_unpadded_pass_gives():
+    """The stub pass (what tests/test_gpu_decode.py captures on CUDA) through eager buckets, step after step with
+    new rows: each real row's output and logits as the pass over the real rows alone gives them."""
+    step = stub_pass(torch.device("cpu"))
+    graphs = GraphSteps(scratch=5, device=torch.device("cpu"), capture=False)
+    rng = random.Random(0)
+    for n in [1, 3, 8, 2, 13, 40, 70]:
+        rows = Rows.build([rng.randrange(5) for _ in range(n)], [rng.randrange(4) for _ in range(n)],
+                          [rng.randrange(30) for _ in range(n)])  # fmt: skip
+        hidden = torch.randn(n, 16)
+        out, logits = graphs.run(step, rows, hidden, True, None)
+        for r in range(n):  # row by row: the stub's matmul is not row-invariant in general, so compare closely
+            alone = step(rows.take(np.array([r])), hidden[r : r + 1], True, None)
+            assert torch.allclose(out[r], alone[0][0], atol=1e-5) and torch.allclose(logits[r], alone[1][0], atol=1e-4)
+    assert sorted(graphs._buffers) == [1, 2, 4, 8, 16, 64]  # 70 rows: one unpadded pass
+
+
 def test_the_device_decisions_are_the_host_decisions():
     """``decisions`` (one tensor, one copy) gives each row's draw, runner-up, probability and mode exactly as the
     separate reductions do; the noise computed on the logits' device is ``gumbel``'s on the CPU."""
