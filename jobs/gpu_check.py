@@ -3,6 +3,7 @@ machine without Ray.
 
     python3 jobs/gpu_check.py                          # on a GPU machine: its own python3 and torch
     python3 jobs/gpu_check.py --device cpu --tiny      # a dry run of every stage at tiny size on the CPU
+    python3 jobs/gpu_check.py --stages shapes,llama    # some stages only (a second run for what the first skipped)
 
 Stages (speed.benchmarks.gpu.STAGES, in this order): exactness (pytest -m gpu tests/test_gpu_decode.py),
 launches (kernels per token, synchronisations per pass), shapes (Ouro-1.4B's shape, bf16, batch 1, 8 and 32,
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.benchmarks.gpu import FULL, TINY, failed, format_report, report_dict, run_check
+from speed.benchmarks.gpu import FULL, STAGES, TINY, failed, format_report, report_dict, run_check
 from speed.cli import JobParser
 
 
@@ -47,7 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         "what is left is skipped",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="the JSON report (default: see above)")
+    p.add_argument("--stages", default=None, help=f"a comma-separated subset of {','.join(s.name for s in STAGES)}")
     args = p.parse_args(argv)
+    stages = STAGES
+    if args.stages is not None:
+        names = args.stages.split(",")
+        unknown = [n for n in names if n not in {s.name for s in STAGES}]
+        if unknown:
+            p.error(f"--stages: unknown {', '.join(unknown)}; the stages are {', '.join(s.name for s in STAGES)}")
+        stages = [s for s in STAGES if s.name in names]
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         print(
             f"error: no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda}): nothing was "
@@ -61,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     def write(report) -> None:
         out.write_text(json.dumps(report_dict(report), indent=2, default=str))
 
-    report = run_check(TINY if args.tiny else FULL, args.device, args.budget_s, write)
+    report = run_check(TINY if args.tiny else FULL, args.device, args.budget_s, write, stages)
     print()
     print(format_report(report))
     print(f"report written to {out}")

@@ -172,3 +172,18 @@ def test_syncs_are_counted_on_cuda_only():
 
     ran = []
     assert count_syncs(lambda: ran.append(1), "cpu") is None and ran == [1]
+
+
+def test_some_stages_only(tmp_path, capsys):
+    """``--stages``: the named stages alone, in the check's order; an unknown name is a usage error."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_job", repo_root() / "jobs" / "gpu_check.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    out = tmp_path / "report.json"
+    assert job.main(["--device", "cpu", "--tiny", "--stages", "llama,launches", "--out", str(out)]) == 0
+    assert [s["name"] for s in json.loads(out.read_text())["stages"]] == ["launches", "llama"]
+    with pytest.raises(SystemExit) as stopped:
+        job.main(["--device", "cpu", "--tiny", "--stages", "shapes,speed"])
+    assert stopped.value.code == 2 and "unknown speed" in capsys.readouterr().err
