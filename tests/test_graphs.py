@@ -257,3 +257,33 @@ def test_bucketed_engines_refuse_and_reserve_as_unpadded_ones():
         engine.add(Request([5, 6], 2))
         engine.step()
         assert engine.active == 1 and engine.queued == 1  # the second waits for the first's blocks
+
+
+def test_a_stepper_without_a_kv_cache_runs_unpadded():
+    """Bucketed passes need a ``KVCache`` to hold the scratch slot: a stepper whose cache has none (a stub's own)
+    runs its passes unpadded, and decodes as it does without buckets."""
+    from speed.decode.schedule import TableModel
+
+    class Opaque:  # the stub's cache behind a wrapper that holds it out of sight (no attribute is a KVCache)
+        def __init__(self, kv):
+            self.__dict__["_get"] = lambda name: getattr(kv, name)
+
+        def __getattr__(self, name):
+            return self._get(name)
+
+    class Stub(TableModel):
+        def cache(self, *args, **kw):
+            return Opaque(super().cache(*args, **kw))
+
+    tokens = {}
+    for graphs in (False, True):
+        model = Stub(3, lambda slot, p, loop: 10 + (p * 7 + slot) % 5)
+        engine = Engine(model, EngineConfig(max_active=2, max_prompt_len=1, max_target_len=6, graphs=graphs))
+        assert engine._graphs is None and engine.blocks[2] == 2 * 1
+        ids = [engine.add(Request([2], 6, "speed")) for _ in range(2)]
+        done = {}
+        while engine.has_work:
+            done.update((f.id, f.tokens) for f in engine.step().finished)
+        tokens[graphs] = [done[i] for i in ids]
+        assert all(slot < 2 for call in model.calls for slot, *_ in call)  # no padding row in the scratch slot
+    assert tokens[True] == tokens[False]

@@ -66,11 +66,12 @@ class Engine:
         with torch.inference_mode():
             self._cache = self.model.cache(slots, c.max_prompt_len, c.max_target_len, side=c.branches, **pool)
             self._memory = self.model.memory(slots, config.max_prompt_len, config.max_target_len)
-            for kv in kv_caches(self._cache) if bucketed else []:
+            parts = kv_caches(self._cache) if bucketed else []
+            for kv in parts:
                 kv.set_scratch(c.max_active)  # the last slot: never free, so no request gets it
         self._device = self._cache.device
         self._graphs: GraphSteps | None = None
-        if bucketed:
+        if parts:  # a stub's cache holds no KVCache to keep padding rows apart: its passes run unpadded
             capture = self._device.type == "cuda" and getattr(self.model, "capturable", False)
             self._graphs = GraphSteps(c.max_active, self._device, capture)
         self._free = list(range(config.max_active))  # a heap: the lowest free slot is taken first
