@@ -2,9 +2,10 @@
 
 Greedy and sampled, batch 1, 8 and 32 (padded), float32 and bfloat16, both families, runner-up branches and
 lanes, the engine under churn: every loop's logits of every committed token equal sequential decoding's on the
-same device, bit for bit. On CUDA the engine runs its passes in row-count buckets (``speed.engine.graphs``) by
-default, so every test here runs that path, and one sets it against unpadded passes; another counts the host's
-synchronisations in a step (at most one: the step's decisions). Skipped, with the reason, where no CUDA device
+same device, bit for bit. The engine's CUDA path copies without the host waiting and decides on the device; one
+test runs its passes in row-count buckets (``speed.engine.graphs``) against unpadded ones, one replays a captured
+bucket against the eager pass, another counts the host's synchronisations in a step (at most one: the step's
+decisions). Skipped, with the reason, where no CUDA device
 is present; run them on a GPU machine with ``pytest -m gpu`` (``jobs/gpu_check.py`` does, on a machine without
 Ray or the data libraries: only the evaluate job's test needs those, and it is skipped, with the reason, without
 them).

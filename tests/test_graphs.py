@@ -1,7 +1,8 @@
 """The group pass in row-count buckets (``speed.engine.graphs``), run eagerly on the CPU: the bucket bookkeeping,
 padding rows in the scratch slot that change no real row's bits nor write a request's place, and SPEED through
 the bucketed executor equal to sequential decoding bit for bit (both families, greedy and sampled, branches, an
-engine under churn). On CUDA the same path is the default (tests/test_gpu_decode.py)."""
+engine under churn). On CUDA it is the default for a stepper whose pass can be captured (tests/test_gpu_decode.py
+runs it there)."""
 
 from __future__ import annotations
 

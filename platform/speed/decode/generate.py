@@ -84,7 +84,7 @@ def generate(
     the noise depends on (seed, output position) only, so two sequences of the
     batch with the same input draw the same tokens. ``stop_ids``: the tokens a sequence ends at (an imported chat
     model's ``HFTokenizer.stop_ids``); None: the model's EOS. ``graphs``: the group pass in row-count buckets
-    (``EngineConfig.graphs``; None: on a CUDA device only).
+    (``EngineConfig.graphs``; None: on a CUDA device, for a stepper whose pass can be captured).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

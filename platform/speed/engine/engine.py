@@ -52,8 +52,10 @@ class Engine:
         self.model: Stepper = as_stepper(model)
         self.config = config
         c = config
-        device = torch.device(getattr(self.model, "device", "cpu"))
-        bucketed = device.type == "cuda" if c.graphs is None else c.graphs
+        cuda = torch.device(getattr(self.model, "device", "cpu")).type == "cuda"
+        capture = cuda and getattr(self.model, "capturable", False)  # a pass a CUDA graph can replay
+        # padding pays only where the padded pass is captured (one launch); elsewhere it only adds rows
+        bucketed = capture if c.graphs is None else c.graphs
         # bucketed passes pad their rows into one more slot, the scratch slot, with one block of its own
         self._scratch_blocks = int(bucketed)
         slots, blocks = c.max_active + self._scratch_blocks, c.kv_blocks
@@ -72,7 +74,6 @@ class Engine:
         self._device = self._cache.device
         self._graphs: GraphSteps | None = None
         if parts:  # a stub's cache holds no KVCache to keep padding rows apart: its passes run unpadded
-            capture = self._device.type == "cuda" and getattr(self.model, "capturable", False)
             self._graphs = GraphSteps(c.max_active, self._device, capture)
         self._free = list(range(config.max_active))  # a heap: the lowest free slot is taken first
         self._reserved: dict[int, int] = {}  # the cache's blocks each active request reserved, by id

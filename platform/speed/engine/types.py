@@ -118,8 +118,9 @@ class EngineConfig:
     # (prompt + max_new_tokens positions) is free, and one that could never fit is refused at add
     kv_blocks: int | None = None
     # the group pass in row-count buckets over static buffers (speed.engine.graphs): padded rows in a scratch slot,
-    # captured as CUDA graphs where the stepper can be; None: on a CUDA device only; True: on any (the CPU runs the
-    # same bookkeeping eagerly); False: never
+    # each bucket's pass captured as a CUDA graph; None: on a CUDA device for a stepper that can be captured
+    # (``capturable``), else unpadded passes; True: on any device, captured where it can be (the CPU runs the same
+    # bookkeeping eagerly); False: never
     graphs: bool | None = None
     max_source_len: InitVar[int | None] = None  # max_prompt_len's T5 name, still accepted (it wins when given)
 
