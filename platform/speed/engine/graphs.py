@@ -3,7 +3,7 @@ over static buffers and replayed (gpt-fast's compiled decode step, vLLM's per-ba
 
 A pipeline step runs 1 to M rows per request, and the count changes every step. A CUDA graph replays fixed
 kernels on fixed addresses, so each bucket (``BUCKETS``: 1, 2, 4, ... 64 rows) gets buffers of its own that never
-move (``StepBuffers``: the rows' inputs, their slots, loops and positions, and what the pass returns), and a
+move (``StepBuffers``: the rows' inputs, their slots, loops and positions; a captured graph owns its outputs), and a
 step's rows are padded up to the smallest bucket that holds them (``bucket``, ``pad_rows``). Padding rows run in
 the engine's scratch slot (``KVCache.set_scratch``): they write only that slot's own block and count nowhere,
 and since every kernel of the pass is row-invariant (``speed.engine.kernels``) they change no real row's bits;
@@ -14,12 +14,12 @@ What reaches the device each step goes through pinned host buffers with ``non_bl
 decisions``), so the host waits on the device once a step.
 
 Capture needs a pass whose device work is the same kernels on the same addresses whatever the rows' values: a
-stepper that offers one says ``capturable = True`` (its ``step`` reads the rows' device tensors, ``Rows.tensors``,
-and every index it makes from buffers that stay put per bucket, and does its host bookkeeping in
-``prepare(memory, cache, rows)``, which the engine calls before every replay). The platform's models do not
-offer it yet: on a GPU their passes run padded and eagerly here (``GraphSteps.capture`` False), with the same
-buffers, copies and decisions. On the CPU nothing is captured: the same code runs eagerly, so the bookkeeping is
-tested there.
+stepper that offers one says ``capturable = True`` (its ``step`` reads the device tensors of the rows it is given,
+``Rows.tensors``, never of parts it takes of them, and every index it makes from buffers that stay put per
+bucket; its host bookkeeping is in ``prepare(memory, cache, rows)``, which the engine calls before every replay).
+The platform's models do not offer it yet, so on a GPU the engine runs their passes unpadded (padding without a
+graph only adds rows), with the same copies and decisions; ``EngineConfig.graphs=True`` runs them bucketed and
+eagerly (``GraphSteps.capture`` False), which is how the CPU tests the bookkeeping.
 """
 
 from __future__ import annotations
