@@ -60,7 +60,7 @@ print("decoded", fast.stats.tokens, "of", sum(map(len, slow.tokens)))
     assert counted == expected and int(counted) > 0, out.stdout
 
 
-@pytest.mark.slow  # the whole check, its inner pytest included, in a subprocess: ~15 s
+@pytest.mark.slow  # the whole check, its inner pytest included, in a subprocess: ~40 s on 2 cores
 def test_dry_run_on_the_cpu_without_ray(tmp_path):
     """Every stage at tiny size on the CPU, in a process (and a pytest) that cannot import Ray."""
     report_file = tmp_path / "out" / "gpu_check.json"
