@@ -174,6 +174,7 @@ def test_syncs_are_counted_on_cuda_only():
     assert count_syncs(lambda: ran.append(1), "cpu") is None and ran == [1]
 
 
+@pytest.mark.slow  # two stages at tiny size, in process: ~10 s
 def test_some_stages_only(tmp_path, capsys):
     """``--stages``: the named stages alone, in the check's order; an unknown name is a usage error."""
     import importlib.util

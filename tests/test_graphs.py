@@ -28,6 +28,7 @@ from speed.engine.kernels import ATTN_CHUNK
 from speed.engine.sampling import Sampling, choices_of, decisions, device_gumbel, exit_choices, gumbel
 
 SAMPLED = Sampling(temperature=1.0, top_p=0.9, seed=3, presence_penalty=0.5)
+SAMPLINGS = [None, pytest.param(SAMPLED, marks=pytest.mark.slow)]  # greedy in the quick loop, sampled in make test
 
 
 def test_a_step_takes_the_smallest_bucket_that_holds_its_rows():
@@ -177,7 +178,7 @@ def test_kv_caches_finds_the_parts_of_either_family():
     assert parts and all(isinstance(p, KVCache) for p in parts)
 
 
-@pytest.mark.parametrize("sampling", [None, SAMPLED])
+@pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_t5_speed_through_buckets_equals_sequential(sampling):
     """Every loop's logits bit for bit: padded passes (batch 1, 3 and 8: buckets part-filled) against unpadded
     sequential decoding, SPEED's own speculation and with runner-up branches and lanes."""
@@ -198,7 +199,7 @@ def test_t5_speed_through_buckets_equals_sequential(sampling):
         assert padded.tokens == ref.tokens
 
 
-@pytest.mark.parametrize("sampling", [None, SAMPLED])
+@pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_lm_speed_through_buckets_equals_sequential(sampling):
     for seed, batch in ((0, 1), (3, 5), (4, 8)):  # variants with GQA, a sandwich norm, injection
         rng = random.Random(seed)
@@ -215,6 +216,7 @@ def test_lm_speed_through_buckets_equals_sequential(sampling):
             )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_an_engine_in_buckets_under_churn_equals_sequential_alone():
     """T5 and LM engines whose requests join, leave and are cancelled under row budgets, every pass padded: each
     request equals its sequential decoding alone (the LM's every loop's logits too), and the pool's counts
