@@ -60,7 +60,7 @@ print("decoded", fast.stats.tokens, "of", sum(map(len, slow.tokens)))
     assert counted == expected and int(counted) > 0, out.stdout
 
 
-@pytest.mark.slow  # the whole check, its inner pytest included, in a subprocess: ~15 s
+@pytest.mark.slow  # the whole check, its inner pytest included, in a subprocess: ~40 s on 2 cores
 def test_dry_run_on_the_cpu_without_ray(tmp_path):
     """Every stage at tiny size on the CPU, in a process (and a pytest) that cannot import Ray."""
     report_file = tmp_path / "out" / "gpu_check.json"
@@ -75,8 +75,8 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(report_file.read_text())
     stages = {s["name"]: s for s in report["stages"]}
-    assert list(stages) == ["training", "agreement", "timing", "shapes", "exactness"]
-    assert all(s["ok"] and s["error"] is None for s in stages.values())
+    assert list(stages) == ["exactness", "launches", "shapes", "llama", "timing", "agreement", "training"]
+    assert all(s["ok"] and s["error"] is None and s["skipped"] is None for s in stages.values())
     training = stages["training"]["result"]
     assert training["state_on_device"] and training["state_restored"] and len(training["losses"]) == 2
     assert training["resume_max_abs_diff"] == 0.0  # on the CPU the resumed step is the uninterrupted one
@@ -91,10 +91,25 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
         (b, v) for b in (1, 4) for v in ("sequential", "speed_oracle", "speed")
     ]
     assert shapes["summary"]["read_gb_per_s"] > 0 and shapes["summary"]["oracle_speedup"] > 0
+    assert shapes["copy_gb_per_s"] > 0 and len(shapes["vs_copy_limit"]) == 6
+    assert set(shapes["batch_speedup"]) == {"sequential", "speed_oracle", "speed"}
+    for row in shapes["rows"]:  # no negative or impossible figure (each time per token is its run's own split)
+        assert row["ms_per_token"] > 0 and row["ttft_ms"] > 0 and row["speedup"] > 0 and row["ratio_vs_limit"] > 0
+    for row in timing["rows"]:
+        assert row["ms_per_token"] > 0 and row["speedup"] > 0
+    launches = stages["launches"]["result"]  # on the CPU: passes counted, no kernels nor CUDA syncs
+    assert [(c["variant"], c["kernels"], c["syncs"]) for c in launches] == [("sequential", None, None),
+                                                                              ("speed_oracle", None, None)]
+    assert launches[0]["passes"] >= 2 * 6 and 0 < launches[1]["passes"] < launches[0]["passes"]  # 2x6: 3 tokens
+    llama = stages["llama"]["result"]  # a 2-layer Llama through transformers against our 2x1, same weights
+    assert llama["layers"] == 2 and not llama["compiled"] and [r["batch"] for r in llama["rows"]] == [1, 2]
+    assert all(r["ours_ms_per_token"] > 0 and r["hf_ms_per_token"] > 0 for r in llama["rows"])
     exactness = stages["exactness"]["result"]
     assert exactness["returncode"] == 0 and exactness["failed"] == []
     assert set(exactness["outcomes"]) == {"SKIPPED"}  # no CUDA here: every test skipped, with its reason
-    assert "5/5 stages ok" in out.stdout and "real shape" in out.stdout and "SPEED / sequential" in out.stdout
+    assert "7/7 stages ok (0 skipped)" in out.stdout and "real shape" in out.stdout
+    assert "SPEED / sequential" in out.stdout
+    assert "against our 2x1" in out.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
@@ -118,3 +133,58 @@ def test_agreement_counts_tokens_and_prefixes():
     a = agreement("greedy", [[5, 6, 7, 8], [1, 2, 3]], [[5, 6, 9, 8], [1, 2, 3]])
     assert (a.sequences, a.identical, a.positions, a.agreeing) == (2, 1, 7, 6)
     assert a.rate == 6 / 7 and a.mean_prefix == (2 + 3) / 2
+
+
+def test_a_stage_that_does_not_fit_the_budget_is_skipped_and_fails_nothing():
+    """``run_check`` over a stage list (another module appends its own): a stage whose ``needs_s`` exceeds what is
+    left is skipped with the reason, one that raises is a failure, and only the latter makes the job fail."""
+    from speed.benchmarks.gpu import TINY, StagePlan, failed, format_report, run_check
+
+    def boom(size, device, left):
+        raise RuntimeError("no kernel for this")
+
+    plans = [
+        StagePlan("first", lambda size, device, left: [left], lambda r: True),
+        StagePlan("heavy", lambda size, device, left: None, lambda r: True, lambda size: 1e9),
+        StagePlan("broken", boom, lambda r: True),
+    ]
+    seen = []
+    report = run_check(TINY, "cpu", 100.0, lambda r: seen.append(len(r.stages)), plans)
+    first, heavy, broken = report.stages
+    assert first.ok and 0 < first.result[0] <= 100.0 and seen == [1, 2, 3]
+    assert not heavy.ok and heavy.skipped.endswith("it needs 1000000000 s") and heavy.error is None
+    assert not broken.ok and broken.skipped is None and "no kernel for this" in broken.error
+    assert failed(report) == ["broken"]
+    assert "1/3 stages ok (1 skipped)" in format_report(report) and "skipped: " in format_report(report)
+
+
+def test_batch_speedup_is_tokens_per_second_at_the_largest_batch_over_batch_one():
+    from speed.benchmarks.gpu import batch_speedup
+
+    rows = [{"batch": b, "variant": v, "ms_per_token": ms} for b, v, ms in
+            [(1, "sequential", 10.0), (1, "speed", 5.0), (8, "sequential", 2.0), (32, "sequential", 0.5)]]  # fmt: skip
+    assert batch_speedup(rows) == {"sequential": 20.0}  # speed has no row at batch 32
+    assert batch_speedup(rows[:2]) == {}
+
+
+def test_syncs_are_counted_on_cuda_only():
+    from speed.benchmarks.gpu import count_syncs
+
+    ran = []
+    assert count_syncs(lambda: ran.append(1), "cpu") is None and ran == [1]
+
+
+@pytest.mark.slow  # two stages at tiny size, in process: ~10 s
+def test_some_stages_only(tmp_path, capsys):
+    """``--stages``: the named stages alone, in the check's order; an unknown name is a usage error."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_job", repo_root() / "jobs" / "gpu_check.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    out = tmp_path / "report.json"
+    assert job.main(["--device", "cpu", "--tiny", "--stages", "llama,launches", "--out", str(out)]) == 0
+    assert [s["name"] for s in json.loads(out.read_text())["stages"]] == ["launches", "llama"]
+    with pytest.raises(SystemExit) as stopped:
+        job.main(["--device", "cpu", "--tiny", "--stages", "shapes,speed"])
+    assert stopped.value.code == 2 and "unknown speed" in capsys.readouterr().err

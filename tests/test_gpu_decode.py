@@ -1,10 +1,14 @@
 """Decoding and evaluation on a CUDA device: every decode tensor on the model's device, SPEED exact there too.
 
-Greedy and sampled, batch 1 and 8 (padded), float32 and bfloat16, runner-up branches and lanes, the engine
-under churn: every loop's logits of every committed token equal sequential decoding's on the same device,
-bit for bit. Skipped, with the reason, where no CUDA device is present; run them on a GPU machine with
-``pytest -m gpu`` (``jobs/gpu_check.py`` does, on a machine without Ray or the data libraries: only the
-evaluate job's test needs those, and it is skipped, with the reason, without them).
+Greedy and sampled, batch 1, 8 and 32 (padded), float32 and bfloat16, both families, runner-up branches and
+lanes, the engine under churn: every loop's logits of every committed token equal sequential decoding's on the
+same device, bit for bit. The engine's CUDA path copies without the host waiting and decides on the device; one
+test runs its passes in row-count buckets (``speed.engine.graphs``) against unpadded ones, one replays a captured
+bucket against the eager pass, another counts the host's synchronisations in a step (at most one: the step's
+decisions). Skipped, with the reason, where no CUDA device
+is present; run them on a GPU machine with ``pytest -m gpu`` (``jobs/gpu_check.py`` does, on a machine without
+Ray or the data libraries: only the evaluate job's test needs those, and it is skipped, with the reason, without
+them).
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from engine_helpers import drive, speed_as_sequential
 from test_decoding_exact import padded_batch
 from test_engine import alone, random_request, tiny_model
 
-from speed import SpeedT5, preset
+from speed import LoopedLM, SpeedT5, preset
+from speed.benchmarks.gpu import count_syncs
+from speed.config import lm_preset
 from speed.decode.exactness import LogitRecorder
 from speed.decode.generate import generate
-from speed.engine import Engine, EngineConfig, Speculation
+from speed.engine import Engine, EngineConfig, Request, Speculation
+from speed.engine.cache import Rows
 from speed.engine.sampling import Sampling
 from speed.models.checkpoint import save_model
 from speed.paths import repo_root
@@ -134,3 +141,81 @@ def test_evaluate_job_on_cuda(tmp_path):
     summary = job.main([*flags, "--max-new-tokens", "12", "--check-sequential", "--device", "cuda", "--out", str(out)])
     assert summary["decode"]["identical"] and summary["decode"]["mismatches"] == []
     assert json.loads((out / "summary.json").read_text()) == summary
+
+
+def lm_case(seed: int, batch: int, dtype: torch.dtype, pattern: str = "1+2x3+1"):
+    """A random tiny looped LM (a prelude and a coda) on CUDA and ``batch`` CPU prompts of 1-9 tokens."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = LoopedLM(lm_preset("tiny", pattern=pattern)).eval().to("cuda", dtype)
+    return (model, *padded_batch(rng, batch, model.vocab_size))
+
+
+@pytest.mark.parametrize(("dtype", "sampling"), [(torch.float32, SAMPLINGS[0]), (torch.bfloat16, SAMPLINGS[1])])
+def test_both_families_at_batch_32_equal_sequential_on_cuda(dtype, sampling):
+    """Batch 1, 8 and 32 of a T5 and of a looped LM: SPEED's every logit is sequential decoding's."""
+    for seed, batch in enumerate((1, 8, 32)):
+        for model, ids, mask in (cuda_case(seed, "2x6", batch, dtype), lm_case(seed, batch, dtype)):
+            reference = LogitRecorder(model)
+            ref = generate(reference, ids, mask, method="sequential", max_new_tokens=10, sampling=sampling)
+            speed_as_sequential(
+                model, reference, ref, ids, mask, 10, (seed, batch, type(model).__name__),
+                speculation=Speculation(1, "eager"), sampling=sampling,
+            )  # fmt: skip
+
+
+def test_bucketed_passes_equal_unpadded_ones_on_cuda():
+    """The row-count buckets (padding rows in the scratch slot) against unpadded passes on the same device: every
+    logit equal, T5 and LM, greedy and sampled, with runner-up branches."""
+    for seed, (batch, dtype) in enumerate([(3, torch.float32), (8, torch.bfloat16)]):
+        for model, ids, mask in (cuda_case(seed, "3x4", batch, dtype), lm_case(seed, batch, dtype)):
+            for sampling in SAMPLINGS:
+                reference = LogitRecorder(model)
+                ref = generate(reference, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling,
+                               graphs=False)  # fmt: skip
+                speculation = Speculation(1, "final", branches=2, branch_depth=2)
+                speed_as_sequential(
+                    model, reference, ref, ids, mask, 12, (seed, batch), speculation=speculation, sampling=sampling,
+                    graphs=True,
+                )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["t5", "lm"])
+def test_a_step_synchronises_the_host_at_most_once(family):
+    """After admission, each engine step of a batch of greedy and sampled SPEED requests makes at most one
+    synchronising CUDA call (``torch.cuda.set_sync_debug_mode``): the copy of the step's decisions."""
+    model, ids, mask = (cuda_case(0, "2x6", 4) if family == "t5" else lm_case(0, 4, torch.bfloat16))[:3]
+    engine = Engine(model, EngineConfig(max_active=4, max_prompt_len=ids.shape[1], max_target_len=12))
+    for b, (row, keep) in enumerate(zip(ids.tolist(), mask.tolist())):
+        sampling = Sampling() if b % 2 else Sampling(temperature=1.0, top_k=20, seed=b)
+        engine.add(Request([t for t, k in zip(row, keep) if k], 12, "speed", sampling=sampling))
+    with torch.inference_mode():
+        engine.step()  # admission: prompts encoded or prefilled
+        engine.step()  # first passes: each bucket's buffers allocated
+        counts = []
+        while engine.has_work:
+            counts.append(count_syncs(engine.step, "cuda"))
+    assert counts and max(counts) <= 1, counts
+
+
+def test_a_captured_bucket_replays_new_rows_bit_for_bit():
+    """``GraphSteps`` with capture on CUDA: each bucket's pass captured once as a CUDA graph, then replayed with new
+    rows and inputs in its static buffers, gives what the same pass run eagerly gives, bit for bit, step after step
+    (a stub pass that reads the rows' slots, loops and positions from ``Rows.tensors``, as a capturable stepper
+    must)."""
+    from test_graphs import stub_pass
+
+    from speed.engine.graphs import GraphSteps
+
+    device = torch.device("cuda")
+    step = stub_pass(device)
+    captured, eager = (GraphSteps(scratch=5, device=device, capture=c) for c in (True, False))
+    rng = random.Random(0)
+    for n in [1, 3, 3, 8, 2, 13, 1, 40, 7, 3, 70]:
+        rows = Rows.build([rng.randrange(5) for _ in range(n)], [rng.randrange(4) for _ in range(n)],
+                          [rng.randrange(30) for _ in range(n)])  # fmt: skip
+        hidden = torch.randn(n, 16, device=device)
+        picked = sorted(rng.sample(range(n), max(1, n // 2))) if rng.random() < 0.3 else None
+        got, want = (g.run(step, rows, hidden, True, picked) for g in (captured, eager))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+    assert len(captured._graphs) == 6  # buckets 1, 4, 8, 2, 16, 64, each captured once (70 rows: unpadded)

@@ -957,5 +957,12 @@ def test_the_dtype_option_reaches_the_deployment_and_names_only_what_it_can_load
         job.parse_args(["--checkpoint", "x", "--dtype", "float16"])
     with pytest.raises(ValueError, match="AppConfig.dtype must be one of"):
         AppConfig("x", dtype="float16")
+    # a GPU replica must ask Ray for its GPU (jobs/serve.py's --num-gpus sets device cuda); the engine then runs
+    # its passes in row-count buckets there (speed.engine.graphs), with the statistics and metrics of the CPU's
+    assert AppConfig("x", device="cuda", num_gpus=1).device == "cuda"
+    with pytest.raises(ValueError, match="needs num_gpus > 0"):
+        AppConfig("x", device="cuda")
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        AppConfig("x", device="gpu")
     with pytest.raises(ValueError, match="dtype='half': choose one of"):
         build_app({"checkpoint": "x", "dtype": "half"})

@@ -73,17 +73,23 @@ class LMBenchConfig(DecodeBenchConfig):
 
 
 def decode_runs(
-    results: dict[str, GenerateResult], ids: torch.Tensor, n: int
+    results: dict[str, GenerateResult],
+    ids: torch.Tensor,
+    n: int,
+    splits: dict[str, list[tuple[float, float]]] | None = None,
 ) -> Callable[..., Callable[[], int]]:
     """``run(name, model, new, **generate's options)``: a run for ``interleave`` that decodes ``ids`` for ``new``
     tokens (1: the time to first token; ``n``: all of them, its result kept in ``results[name]``) and returns 1,
-    so that its times stay per run."""
+    so that its times stay per run; each run of ``n`` tokens appends its own split of its time, (seconds to every
+    sequence's first token, seconds after it), to ``splits[name]`` where given."""
 
     def run(name: str, model: torch.nn.Module, new: int, **kw) -> Callable[[], int]:
         def go() -> int:
             result = generate(model, ids, max_new_tokens=new, trace=False, **kw)
             if new == n:
                 results[name] = result
+                if splits is not None:
+                    splits.setdefault(name, []).append((result.first_token_s, result.decode_s))
             return 1
 
         return go

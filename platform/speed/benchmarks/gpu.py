@@ -1,25 +1,34 @@
 """The GPU check (``jobs/gpu_check.py``, ``make gpu-check``): every CUDA path run once, in a few minutes, on a
 machine that has torch but no Ray.
 
-Five stages, each timed and caught, so that a failing one still leaves the others' results; the caller
-rewrites the report after every stage, so a run stopped early keeps what it measured:
+The stages (``STAGES``, in order; each timed and caught, so that a failing one still leaves the others' results;
+one that would not fit what is left of the budget is skipped, with the reason; the caller rewrites the report
+after every stage, so a run stopped early keeps what it measured):
 
-- ``training``: a few optimizer steps of the model on the device (forward, the weighted early-exit loss,
-  backward, clipping, AdamW; bf16 autocast on CUDA, as ``speed.train.loop`` trains), a training checkpoint
-  saved and loaded on the CPU, its optimizer state following the parameters back to the device
-  (``speed.train.optim.follow_parameters``), then one more step both from the reload and uninterrupted;
-- ``agreement``: the same random weights decoded on the CPU and on the device, greedy and sampled: how
-  many tokens agree (equality is not expected across devices: their kernels round differently);
+- ``exactness``: ``pytest -m gpu tests/test_gpu_decode.py`` in a subprocess (SPEED's logits bitwise equal to
+  sequential decoding's on the device), under a timeout of what is left of the budget (at most
+  ``pytest_timeout_s``); first, since exactness is the contract;
+- ``launches``: kernels launched per token (``torch.profiler``'s device kernels) and host synchronisations per
+  group pass (``torch.cuda.set_sync_debug_mode``) of sequential and oracle SPEED decoding at base dims, batch 1;
+- ``shapes``: ``speed.benchmarks.shapes`` at Ouro-1.4B's shape (random bf16 weights), batch 1, 8 and 32, each
+  batch while the budget allows: sequential, oracle SPEED and SPEED's own, each against the read bandwidth and a
+  device-to-device copy's, both measured in the same run;
+- ``llama``: the same shape as a plain 24-layer Llama through ``transformers`` (``LlamaForCausalLM``, random
+  weights, its static cache, which on CUDA its ``generate`` compiles with ``torch.compile``: what a GPU user has)
+  next to our 24x1 of the same weights, sequential;
 - ``timing``: ``speed.benchmarks.decode.run_benchmark`` on the device at base dims, batch 1 and 8 (2x6
   sequential, SPEED with its own and with oracle speculation, the shallow 2x1, our 12x1 and transformers'
   ``generate`` of it): the paper's Fig. 3 latency axis on a GPU;
-- ``shapes``: ``speed.benchmarks.shapes`` at the smallest real shape (Ouro-1.4B, random bf16 weights, batch 1
-  and 4): sequential, oracle SPEED and SPEED against the device's read bandwidth measured in the same run (the
-  CPU's real-shape table, on the GPU); run only while enough of the budget is left;
-- ``exactness``: ``pytest -m gpu tests/test_gpu_decode.py`` in a subprocess (SPEED's logits bitwise equal to
-  sequential decoding's on the device), within what is left of the budget.
+- ``agreement``: the same random weights decoded on the CPU and on the device, greedy and sampled: how
+  many tokens agree (equality is not expected across devices: their kernels round differently);
+- ``training``: a few optimizer steps of the model on the device (forward, the weighted early-exit loss,
+  backward, clipping, AdamW; bf16 autocast on CUDA, as ``speed.train.loop`` trains), a training checkpoint
+  saved and loaded on the CPU, its optimizer state following the parameters back to the device
+  (``speed.train.optim.follow_parameters``), then one more step both from the reload and uninterrupted.
 
-The in-process stages come first: their work is bounded, while pytest runs under a timeout.
+A stage is a ``StagePlan`` (its function of the size, the device and the seconds left, its verdict, the seconds it
+needs to start); another module adds one by appending to a list of them. No figure is typed in: every time and
+ratio is measured in the run, and a time per token is each run's own split (never negative).
 """
 
 from __future__ import annotations
@@ -78,10 +87,17 @@ class CheckSize:
     train_steps: int = 4
     train_batch: int = 8
     train_target_len: int = 32
-    pytest_timeout_s: float = 200.0
-    shape: str | Shape = "ouro-1.4b"  # the real-shape stage's (a name of SHAPES, or a Shape)
+    pytest_timeout_s: float = 120.0
+    shape: str | Shape = "ouro-1.4b"  # the real-shape and Llama stages' (a name of SHAPES, or a Shape)
+    shape_batches: tuple[int, ...] = (1, 32, 8)  # the goals read batch 1 and 32: 8 only if time is left
     shape_tokens: int = 16
-    shape_s: float = 120.0  # the real-shape stage runs only while this much of the budget (and pytest's 30 s) is left
+    shape_reps: int = 3
+    shape_s: float = 150.0  # the real-shape stage's budget: a further batch runs only while it fits
+    llama_batches: tuple[int, ...] = (1,)  # each batch size is one more compilation of transformers' forward
+    llama_tokens: int = 32
+    llama_reps: int = 3
+    launch_tokens: int = 8  # tokens profiled for the launch counts
+    bandwidth_bytes: int = 2**30  # the bandwidth buffers' size
 
     def model(self) -> ModelConfig:
         """The model every stage builds (random weights)."""
@@ -92,6 +108,8 @@ FULL = CheckSize()
 TINY = CheckSize(
     preset="tiny", vocab_size=128, batches=(1, 2), source_len=6, new_tokens=6, reps=1, agree_batch=2,
     agree_tokens=6, train_steps=2, train_batch=2, train_target_len=5, shape_tokens=4, shape_s=30.0,
+    shape_batches=(1, 4), shape_reps=2, llama_batches=(1, 2), llama_tokens=5, llama_reps=1, launch_tokens=3,
+    bandwidth_bytes=2**24,
     shape=Shape(
         OURO_1_4B | {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
                      "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 128},
@@ -120,6 +138,7 @@ class Stage:
     seconds: float
     result: Any = None  # the stage's result dataclass (as a dict in the JSON file)
     error: str | None = None
+    skipped: str | None = None  # why the stage did not run (the budget); then ok is False and nothing was measured
 
 
 @dataclass(frozen=True)
@@ -180,10 +199,40 @@ class TimingRun:
 
 @dataclass(frozen=True)
 class ShapeRun:
-    """The real-shape benchmark's rows (``LM_BENCH_SCHEMA``) and summary on the device."""
+    """The real-shape benchmark's rows (``LM_BENCH_SCHEMA``) of each batch timed, each batch's summary, and the
+    device-to-device copy's bandwidth measured beside them (``vs_copy_limit``: each row's time per token over the
+    time that bandwidth needs to read its weights once per loop pass)."""
 
     rows: list[dict]
-    summary: dict[str, Any]
+    summary: dict[str, Any]  # the first batch's (``run_shape_benchmark``'s)
+    copy_gb_per_s: float  # bytes read and written by a device-to-device copy, over its time (best of several)
+    vs_copy_limit: list[float]  # per row
+    batch_speedup: dict[str, float] = field(default_factory=dict)  # per variant: tokens/s at the largest batch / at 1
+    notes: list[str] = field(default_factory=list)  # batches left out, and why
+
+
+@dataclass(frozen=True)
+class LaunchCount:
+    """One decode's kernels and synchronisations on the device (None on the CPU: no kernels to count)."""
+
+    variant: str
+    tokens: int  # new tokens decoded (batch 1)
+    passes: int  # group passes of the engine
+    kernels: int | None  # device kernels launched (torch.profiler), admission included
+    kernels_per_token: float | None
+    syncs: int | None  # synchronising calls (torch.cuda.set_sync_debug_mode) in the passes after admission
+    syncs_per_pass: float | None
+
+
+@dataclass(frozen=True)
+class LlamaRun:
+    """A plain Llama of the shape through ``transformers`` (static cache, compiled on CUDA) against our Dx1 of the
+    same weights, sequential: ms per token after the first, each run's own split, medians."""
+
+    layers: int
+    compiled: bool  # transformers' forward under torch.compile (CUDA only)
+    rows: list[dict]  # per batch: ms per token of each, "speedup_vs_hf" (theirs over ours: above 1, ours faster), TTFTs
+    agreement: float  # the share of greedy tokens the two chose alike (bf16 kernels differ: not expected equal)
 
 
 @dataclass(frozen=True)
@@ -329,7 +378,7 @@ def agreement(sampling: str, a: list[list[int]], b: list[list[int]]) -> Agreemen
 
 def agreement_stage(size: CheckSize, device: str) -> list[Agreement]:
     """Decode one random batch sequentially on the CPU and on ``device`` with the same weights, greedy and
-    sampled (the noise is drawn on the CPU for every device), and compare the tokens."""
+    sampled (the noise computed on each device, ``device_gumbel``), and compare the tokens."""
     cpu = random_model(size.model(), seed=0)  # EOS disabled: every sequence runs its full length
     other = copy.deepcopy(cpu).to(device)
     shape = (size.agree_batch, size.source_len)
@@ -357,13 +406,14 @@ def ratios(batch: int, rows: list[dict]) -> Ratios:
     )
 
 
-def timing_stage(size: CheckSize, device: str) -> TimingRun:
-    """``run_benchmark`` on ``device`` at each batch size while the stage stays within ``size.timing_s``."""
+def timing_stage(size: CheckSize, device: str, left_s: float = math.inf) -> TimingRun:
+    """``run_benchmark`` on ``device`` at each batch size while the stage stays within ``size.timing_s`` (and
+    ``left_s``)."""
     rows, found, notes, errors = [], [], [], []
-    started, last = time.perf_counter(), 0.0
+    started, last, limit = time.perf_counter(), 0.0, min(size.timing_s, left_s)
     for batch in size.batches:
-        if rows and time.perf_counter() - started + last > size.timing_s:
-            notes.append(f"batch {batch} not timed: it would take the stage past {size.timing_s:.0f} s")
+        if rows and time.perf_counter() - started + last > limit:
+            notes.append(f"batch {batch} not timed: it would take the stage past {limit:.0f} s")
             continue
         t0 = time.perf_counter()
         cfg = BenchConfig(
@@ -386,17 +436,219 @@ def timing_stage(size: CheckSize, device: str) -> TimingRun:
     return TimingRun(rows, found, notes, errors)
 
 
-def shape_stage(size: CheckSize, device: str) -> ShapeRun:
-    """``run_shape_benchmark`` at ``size.shape`` on ``device``: batch 1 and 4, 3 interleaved rounds, 1 GiB read for
-    the bandwidth."""
-    shape = SHAPES[size.shape] if isinstance(size.shape, str) else size.shape
-    name = size.shape if isinstance(size.shape, str) else "tiny"
-    cfg = ShapeBenchConfig(
-        name, shape.resolve(), new_tokens=size.shape_tokens, reps=3, device=device,
-        bandwidth_bytes=2**30 if isinstance(size.shape, str) else 2**24,
+def copy_bandwidth(device: str, n_bytes: int, reps: int = 5) -> float:
+    """GB/s of a device-to-device copy of ``n_bytes`` (read and written: 2 x n_bytes moved), the best of ``reps``."""
+    dev = torch.device(device)
+    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        _sync(dev)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n_bytes / best / 1e9
+
+
+def _shape(size: CheckSize) -> tuple[str, Shape]:
+    if isinstance(size.shape, str):
+        return size.shape, SHAPES[size.shape]
+    return "tiny", size.shape
+
+
+def shape_stage(size: CheckSize, device: str, left_s: float = math.inf) -> ShapeRun:
+    """``run_shape_benchmark`` at ``size.shape`` on ``device``, one batch of ``size.shape_batches`` at a time (in
+    that order) while the next one (estimated from the last, scaled by the square root of the batches' ratio: a
+    pass of more rows costs less than as many passes) fits ``size.shape_s`` and ``left_s``; the copy bandwidth
+    measured beside them. The rows come back ordered by batch."""
+    name, shape = _shape(size)
+    rows, notes, summary = [], [], {}
+    copy = copy_bandwidth(device, size.bandwidth_bytes)
+    started, last = time.perf_counter(), 0.0
+    for batch in size.shape_batches:
+        spent = time.perf_counter() - started
+        guess = last * max(batch / rows[-1]["batch"], 1.0) ** 0.5 if rows else 0.0
+        if rows and spent + guess > min(size.shape_s, left_s):
+            notes.append(f"batch {batch} not run: about {guess:.0f} s more would pass the stage's budget")
+            continue
+        t0 = time.perf_counter()
+        cfg = ShapeBenchConfig(
+            name, shape.resolve(), batches=(batch,), new_tokens=size.shape_tokens, reps=size.shape_reps,
+            device=device, bandwidth_bytes=size.bandwidth_bytes,
+        )  # fmt: skip
+        table, batch_summary = run_shape_benchmark(cfg)
+        rows += table.to_pylist()
+        summary = summary or batch_summary
+        last = time.perf_counter() - t0
+    rows.sort(key=lambda r: r["batch"])  # stable: each batch's variants in their order
+    vs_copy = [r["ms_per_token"] / (r["weight_bytes_per_token"] / (copy * 1e9) * 1000) for r in rows]
+    return ShapeRun(rows, summary, copy, vs_copy, batch_speedup(rows), notes)
+
+
+def batch_speedup(rows: list[dict]) -> dict[str, float]:
+    """Per variant: tokens per second at the largest batch timed over those at batch 1 (ms per token is per token of
+    all sequences, so the ratio of batch 1's ms per token to the largest's); empty with one batch."""
+    batches = sorted({r["batch"] for r in rows})
+    if len(batches) < 2 or batches[0] != 1:
+        return {}
+    ms = {(r["batch"], r["variant"]): r["ms_per_token"] for r in rows}
+    return {v: ms[1, v] / ms[batches[-1], v] for b, v in ms if b == 1 and (batches[-1], v) in ms}
+
+
+# ----- launches and synchronisations ------------------------------------------------------------------------
+
+
+def count_syncs(fn: Callable[[], Any], device: str) -> int | None:
+    """How many synchronising CUDA calls ``fn()`` makes (``torch.cuda.set_sync_debug_mode("warn")``, one warning
+    each); None off CUDA."""
+    if torch.device(device).type != "cuda":
+        fn()
+        return None
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def launches_stage(size: CheckSize, device: str, left_s: float = math.inf) -> list[LaunchCount]:
+    """Sequential and oracle SPEED decoding of one random base-dims sequence for ``size.launch_tokens`` tokens:
+    device kernels per token (a profiled decode) and synchronising calls per group pass after admission."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from speed.engine import Engine, EngineConfig, Request
+
+    dev = torch.device(device)
+    model = random_model(size.model(), seed=0).to(dev)
+    ids = torch.randint(3, size.vocab_size, (1, size.source_len), generator=torch.Generator().manual_seed(3))
+    n = size.launch_tokens
+    reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
+    found = []
+    for variant, kw in (("sequential", {"method": "sequential"}), ("speed_oracle", {"method": "speed"})):
+        oracle = reference.tokens[0] if variant == "speed_oracle" else None
+        options = kw | ({} if oracle is None else {"oracle": [oracle]})
+
+        def run(o: dict = options) -> None:
+            generate(model, ids, max_new_tokens=n, trace=False, **o)
+
+        run()  # warm: kernels compiled, graphs captured, caches allocated
+        kernels = None
+        if dev.type == "cuda":
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                _sync(dev)
+            kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        config = EngineConfig(max_active=1, max_prompt_len=size.source_len, max_target_len=n, trace=False)
+        engine = Engine(model, config)
+        engine.add(Request(ids[0].tolist(), n, kw["method"], oracle=oracle))
+        with torch.inference_mode():
+            engine.step()  # admission: the prompt encoded or prefilled
+            first = engine.stats.group_passes
+
+            def rest(e: Engine = engine) -> None:
+                while e.has_work:
+                    e.step()
+
+            syncs = count_syncs(rest, device)
+        passes = engine.stats.group_passes - first
+        found.append(LaunchCount(
+            variant, n, passes, kernels, None if kernels is None else kernels / n, syncs,
+            None if syncs is None or not passes else syncs / passes,
+        ))  # fmt: skip
+    return found
+
+
+# ----- a plain Llama through transformers ---------------------------------------------------------------------
+
+
+class _FirstTokenClock:
+    """A ``generate`` streamer that notes when the first new tokens were made (its second ``put``: the first is the
+    prompt), after the device finished them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.puts, self.first = device, 0, math.nan
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            _sync(self.device)
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def llama_stage(size: CheckSize, device: str, left_s: float = math.inf) -> LlamaRun:
+    """The shape's dimensions as a plain Llama of its unique layers, run once each (random
+    bf16 weights; ``transformers``' static cache, its forward compiled on CUDA) and our Dx1 of the same weights
+    (``from_llama``, bf16 weights), sequential greedy decoding of ``size.llama_tokens`` tokens at each batch of
+    ``size.llama_batches``, interleaved; ms per token after the first, from each run's own split."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speed.models.convert_llama import from_llama
+    from speed.models.precision import with_dtype
+
+    dev = torch.device(device)
+    _, shape = _shape(size)
+    c = shape.resolve()
+    layers = c.sharing.n_unique  # Ouro-1.4B's 24 (it loops them 4 times): the plain model a user would compare
+    hf_config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff, num_hidden_layers=layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_theta, tie_word_embeddings=False, eos_token_id=c.eos_id, pad_token_id=c.eos_id,
+        bos_token_id=None,
     )  # fmt: skip
-    table, summary = run_shape_benchmark(cfg)
-    return ShapeRun(table.to_pylist(), summary)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        hf.lm_head.weight[c.eos_id].zero_()  # never stops early
+    ours = with_dtype(from_llama(hf).to(dev), torch.bfloat16).eval()
+    # with a static cache on CUDA, transformers' generate compiles the forward itself (its auto-compilation:
+    # torch.compile, mode "reduce-overhead", CUDA graphs); a second torch.compile around it would nest the two
+    hf.generation_config.cache_implementation = "static"
+    compiled = dev.type == "cuda"
+    n, rows, agree, total = size.llama_tokens, [], 0, 0
+    for batch in size.llama_batches:
+        ids = torch.randint(3, c.vocab_size, (batch, 32), generator=torch.Generator().manual_seed(batch)).to(dev)
+
+        def run_hf(b_ids: torch.Tensor = ids) -> tuple[list[list[int]], float, float]:
+            clock = _FirstTokenClock(dev)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = hf.generate(b_ids, attention_mask=torch.ones_like(b_ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, num_beams=1, streamer=clock)  # fmt: skip
+            _sync(dev)
+            end = time.perf_counter()
+            return out[:, b_ids.shape[1] :].tolist(), clock.first - start, end - clock.first
+
+        def run_ours(b_ids: torch.Tensor = ids) -> tuple[list[list[int]], float, float]:
+            result = generate(ours, b_ids.cpu(), method="sequential", max_new_tokens=n, trace=False)
+            return result.tokens, result.first_token_s, result.decode_s
+
+        times: dict[str, list[tuple[float, float]]] = {"hf": [], "ours": []}
+        tokens = {}
+        for rep in range(size.llama_reps + 1):  # the first round warms up (compiles, captures): untimed
+            for name, fn in (("hf", run_hf), ("ours", run_ours)) if rep % 2 else (("ours", run_ours), ("hf", run_hf)):
+                tokens[name], first, rest = fn()
+                if rep:
+                    times[name].append((first, rest))
+        per = {k: statistics.median(r * 1000 / (batch * (n - 1)) for _, r in v) for k, v in times.items()}
+        ttft = {k: statistics.median(f * 1000 for f, _ in v) for k, v in times.items()}
+        rows.append({
+            "batch": batch, "ours_ms_per_token": per["ours"], "hf_ms_per_token": per["hf"],
+            "speedup_vs_hf": per["hf"] / per["ours"], "ours_ttft_ms": ttft["ours"], "hf_ttft_ms": ttft["hf"],
+        })  # fmt: skip
+        pairs = [(a, b) for x, y in zip(tokens["ours"], tokens["hf"]) for a, b in zip(x, y)]
+        agree, total = agree + sum(a == b for a, b in pairs), total + len(pairs)
+    return LlamaRun(layers, compiled, rows, agree / max(total, 1))
 
 
 def _last_line(err: BaseException) -> str:
@@ -441,6 +693,33 @@ def _text(x: str | bytes | None) -> str:
 # ----- the check --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of the check: ``run(size, device, seconds left)`` returns its result, ``verdict(result)`` says
+    whether it passed, and it starts only with ``needs_s`` seconds (``needs_s(size)``) of the budget left."""
+
+    name: str
+    run: Callable[[CheckSize, str, float], Any]
+    verdict: Callable[[Any], bool]
+    needs_s: Callable[[CheckSize], float] = lambda size: 0.0
+
+
+def _exactness(size: CheckSize, device: str, left_s: float) -> PytestRun:
+    return exactness_stage(min(size.pytest_timeout_s, left_s - 5))  # the report still has to be written
+
+
+# the order is the priority under a tight budget: exactness (pytest, under its timeout) first, then the figures
+STAGES: list[StagePlan] = [
+    StagePlan("exactness", _exactness, lambda r: r.returncode == 0, lambda size: 35.0),
+    StagePlan("launches", launches_stage, lambda r: bool(r)),
+    StagePlan("shapes", shape_stage, lambda r: bool(r.rows), lambda size: size.shape_s / 3 + 30),
+    StagePlan("llama", llama_stage, lambda r: bool(r.rows), lambda size: size.shape_s / 2 + 25),
+    StagePlan("timing", timing_stage, lambda r: bool(r.rows) and not r.errors, lambda size: 40.0),
+    StagePlan("agreement", lambda size, device, left: agreement_stage(size, device), lambda r: True),  # a measure
+    StagePlan("training", lambda size, device, left: training_stage(size, device), lambda r: r.ok),
+]
+
+
 def run_stage(name: str, fn: Callable[[], Any], verdict: Callable[[Any], bool]) -> Stage:
     """Run one stage; an exception is recorded in the ``Stage``, never raised."""
     print(f"== {name} ==", flush=True)
@@ -453,39 +732,37 @@ def run_stage(name: str, fn: Callable[[], Any], verdict: Callable[[Any], bool]) 
 
 
 def run_check(
-    size: CheckSize, device: str, budget_s: float, on_stage: Callable[[GpuCheckReport], None]
+    size: CheckSize,
+    device: str,
+    budget_s: float,
+    on_stage: Callable[[GpuCheckReport], None],
+    stages: list[StagePlan] | None = None,
 ) -> GpuCheckReport:
-    """Every stage in turn on ``device``; ``on_stage`` sees the report so far after each one. pytest's timeout is
-    what is left of ``budget_s`` (at most ``size.pytest_timeout_s``)."""
+    """Every stage of ``stages`` (default ``STAGES``) in turn on ``device``; a stage that needs more than is left of
+    ``budget_s`` is skipped with the reason; ``on_stage`` sees the report so far after each one."""
     started = time.perf_counter()
     date = datetime.now(timezone.utc).date().isoformat()
-    stages: list[Stage] = []
+    done: list[Stage] = []
 
     def report() -> GpuCheckReport:
-        return GpuCheckReport(date, machine(device), size, budget_s, list(stages), time.perf_counter() - started)
+        return GpuCheckReport(date, machine(device), size, budget_s, list(done), time.perf_counter() - started)
 
-    plan = [
-        ("training", lambda: training_stage(size, device), lambda r: r.ok),
-        ("agreement", lambda: agreement_stage(size, device), lambda r: True),  # a measurement: no verdict
-        ("timing", lambda: timing_stage(size, device), lambda r: bool(r.rows) and not r.errors),
-    ]
-    for name, fn, verdict in plan:
-        stages.append(run_stage(name, fn, verdict))
+    for plan in STAGES if stages is None else stages:
+        left = budget_s - (time.perf_counter() - started)
+        need = plan.needs_s(size)
+        if left < need:
+            why = f"{max(left, 0):.0f} s of the budget left, it needs {need:.0f} s"
+            print(f"== {plan.name}: skipped ({why}) ==", flush=True)
+            done.append(Stage(plan.name, False, 0.0, skipped=why))
+        else:
+            done.append(run_stage(plan.name, lambda p=plan, x=left: p.run(size, device, x), plan.verdict))
         on_stage(report())
-    left = budget_s - (time.perf_counter() - started)
-    if left < size.shape_s + 30:
-        stages.append(Stage("shapes", False, 0.0, error=f"not run: {max(left, 0):.0f} s of the budget left"))
-    else:
-        stages.append(run_stage("shapes", lambda: shape_stage(size, device), lambda r: bool(r.rows)))
-    on_stage(report())
-    left = budget_s - (time.perf_counter() - started) - 5  # the report still has to be written
-    timeout = min(size.pytest_timeout_s, left)
-    if timeout < 30:
-        stages.append(Stage("exactness", False, 0.0, error=f"not run: {max(left, 0):.0f} s of the budget left"))
-    else:
-        stages.append(run_stage("exactness", lambda: exactness_stage(timeout), lambda r: r.returncode == 0))
-    on_stage(report())
     return report()
+
+
+def failed(report: GpuCheckReport) -> list[str]:
+    """The stages that ran and did not pass (a skipped stage is not one)."""
+    return [s.name for s in report.stages if not s.ok and s.skipped is None]
 
 
 def report_dict(report: GpuCheckReport) -> dict[str, Any]:
@@ -497,20 +774,33 @@ def format_report(report: GpuCheckReport) -> str:
     """The summary table: one line per stage, then each batch size's decode table and ratios."""
     m = report.machine
     passed = sum(s.ok for s in report.stages)
+    skipped = sum(s.skipped is not None for s in report.stages)
     lines = [
         f"GPU check {report.date} on {m.name} ({m.device}), torch {m.torch} (CUDA {m.cuda}), python {m.python}: "
-        f"{passed}/{len(report.stages)} stages ok in {report.seconds:.0f} s",
+        f"{passed}/{len(report.stages)} stages ok ({skipped} skipped) in {report.seconds:.0f} s",
         f"{'stage':<11}{'ok':<5}{'seconds':>8}  result",
     ]
     for s in report.stages:
-        said = _describe(s.result) if s.error is None else f"error: {s.error.strip().splitlines()[-1]}"
-        lines.append(f"{s.name:<11}{'yes' if s.ok else 'NO':<5}{s.seconds:>8.1f}  {said}")
+        if s.skipped is not None:
+            said, ok = f"skipped: {s.skipped}", "--"
+        else:
+            said = _describe(s.result) if s.error is None else f"error: {s.error.strip().splitlines()[-1]}"
+            ok = "yes" if s.ok else "NO"
+        lines.append(f"{s.name:<11}{ok:<5}{s.seconds:>8.1f}  {said}")
     for s in report.stages:
         if isinstance(s.result, TimingRun):
             lines += _timing_tables(s.result)
         if isinstance(s.result, ShapeRun):
             table = pa.Table.from_pylist(s.result.rows, schema=LM_BENCH_SCHEMA)
-            lines += ["", "real shape (ms/token, medians of 3 interleaved rounds):", format_shape_table(table)]
+            reps = table.column("reps")[0].as_py() if table.num_rows else 0
+            lines += ["", f"real shape (ms/token, medians of {reps} interleaved rounds):", format_shape_table(table)]
+            lines.append("vs the copy's limit (" + f"{s.result.copy_gb_per_s:.0f} GB/s): " + ", ".join(
+                f"{r['batch']} {r['variant']} {x:.2f}x" for r, x in zip(s.result.rows, s.result.vs_copy_limit)))
+        if isinstance(s.result, LlamaRun):
+            lines += ["", f"Llama {s.result.layers}x1 (transformers, static cache, "
+                      f"{'compiled' if s.result.compiled else 'eager'}) against our {s.result.layers}x1:"]
+            lines += [f"  batch {r['batch']}: ours {r['ours_ms_per_token']:.2f} ms/token, transformers "
+                      f"{r['hf_ms_per_token']:.2f}: ours {r['speedup_vs_hf']:.2f}x its speed" for r in s.result.rows]
     return "\n".join(lines)
 
 
@@ -525,7 +815,7 @@ def _describe(result: Any) -> str:
             f"uninterrupted: loss {result.resumed_loss:.4f} vs {result.continued_loss:.4f}, "
             f"parameters max |diff| {result.resume_max_abs_diff:.2e}"
         )
-    if isinstance(result, list):  # agreements
+    if isinstance(result, list) and result and isinstance(result[0], Agreement):
         return "; ".join(
             f"{a.sampling}: {a.identical}/{a.sequences} sequences identical, {a.agreeing}/{a.positions} tokens "
             f"({100 * a.rate:.1f}%), {a.mean_prefix:.1f} tokens before a first difference"
@@ -536,9 +826,24 @@ def _describe(result: Any) -> str:
         return f"batch {timed} timed (tables below)" + "".join(f"; {x}" for x in result.notes + result.errors)
     if isinstance(result, ShapeRun):
         x = result.summary
+        batches = ", ".join(str(b) for b in dict.fromkeys(r["batch"] for r in result.rows))
+        scale = ", ".join(f"{v} {k:.2f}x" for v, k in result.batch_speedup.items())
+        scale = f"; tokens/s, largest batch over batch 1: {scale}" if scale else ""
         return (
-            f"{x['shape']}: oracle speed-up {x['oracle_speedup']:.2f}x, sequential {x['sequential_vs_limit']:.2f}x "
-            f"its bandwidth limit ({x['read_gb_per_s']:.0f} GB/s read; table below)"
+            f"{x['shape']}, batch {batches}: oracle speed-up {x['oracle_speedup']:.2f}x, sequential "
+            f"{x['sequential_vs_limit']:.2f}x its bandwidth limit at batch 1 ({x['read_gb_per_s']:.0f} GB/s read, "
+            f"{result.copy_gb_per_s:.0f} GB/s copied){scale}" + "".join(f"; {n}" for n in result.notes)
+        )
+    if isinstance(result, LlamaRun):
+        return ", ".join(f"batch {r['batch']}: ours {r['speedup_vs_hf']:.2f}x transformers'" for r in result.rows) + (
+            f" ({'compiled' if result.compiled else 'eager'} static cache; {100 * result.agreement:.0f}% tokens alike)"
+        )
+    if isinstance(result, list) and result and isinstance(result[0], LaunchCount):
+        return "; ".join(
+            f"{c.variant}: "
+            + ("no device kernels (CPU)" if c.kernels is None else f"{c.kernels_per_token:.0f} kernels/token")
+            + ("" if c.syncs is None else f", {c.syncs_per_pass:.2f} syncs/pass")
+            for c in result
         )
     if isinstance(result, PytestRun):
         counts = ", ".join(f"{n} {k.lower()}" for k, n in sorted(result.outcomes.items()))

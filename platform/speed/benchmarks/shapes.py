@@ -7,12 +7,15 @@ the importer that loads the real checkpoint (``config_from_ouro``, ``config_from
 the weights, the KV cache of the largest batch and the bandwidth buffer are checked against the available memory
 (``check_fits``: one line when they do not fit).
 
-Every variant decodes the same prompts twice per round, once for one token (TTFT: the prefill and first token)
-and once for all of them; the time per token is the difference over the tokens after the first, as the looped
-LM's benchmark computes it. A read of a buffer larger than the caches (``torch.sum``, best of several) runs
-interleaved with them: the machine's read bandwidth in the same run, and so the limit. A decoding step must read
-the weights of every loop pass at least once (``streamed_bytes``), so sequential decoding's time per token is at
-least that over the bandwidth; ``ratio_vs_limit`` is how far each variant is from it (SPEED, which reads the
+Every variant decodes the same prompts once per round, and the run splits its own time at the moment every
+sequence had its first token (``GenerateResult.first_token_s``, TTFT: the engine, the prefill and the first
+token; ``decode_s``, the rest): the time per token is the rest over the tokens after the first. Two runs'
+difference (one token against all of them) went negative where the decode is short beside the prefill and the
+two runs' noise (batch 4 at tiny sizes); one run's split cannot. A read of a buffer larger than the caches
+(``torch.sum``, best of several) runs interleaved with them: the machine's read bandwidth in the same run, and
+so the limit. A decoding step must read the weights of every loop pass at least once (``streamed_bytes``), so
+sequential decoding's time per token is at least that over the bandwidth; ``ratio_vs_limit`` is how far each
+variant is from it (SPEED, which reads the
 shared weights once for several tokens' loops, may go below 1).
 """
 
@@ -321,43 +324,38 @@ def _batch_rows(
     n = cfg.new_tokens
     variants: dict[str, Callable[[], int]] = {}
     checks: dict[tuple[str, str], tuple[dict[str, GenerateResult], GenerateResult]] = {}
+    # per model and variant, each run's (seconds to the first tokens, seconds after them)
+    splits: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
     for (dtype, layout), model in models.items():
         name = f"{dtype}/{layout}"
         reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
         results: dict[str, GenerateResult] = {}
-        run = decode_runs(results, ids, n)
+        run = decode_runs(results, ids, n, splits.setdefault((dtype, layout), {}))
         kinds = {
             "sequential": {"method": "sequential"},
             "speed_oracle": {"method": "speed", "oracle": reference.tokens},
             "speed": {"method": "speed"},
         }
-        variants[f"{name}/sequential/first"] = run("sequential", model, 1, method="sequential")
-        # one token: nothing to speculate, oracle or not
-        variants[f"{name}/speed/first"] = run("speed", model, 1, method="speed")
         variants |= {f"{name}/{kind}": run(kind, model, n, **kw) for kind, kw in kinds.items()}
         checks[dtype, layout] = (results, reference)
     variants["bandwidth"] = read_bandwidth(buffer, bandwidth_times)
     print(f" batch {batch}:", flush=True)
     start = len(bandwidth_times) + 3  # interleave's untimed first call reads three times too
-    times = interleave(variants, cfg.reps, cfg.device)  # ms per run
+    interleave(variants, cfg.reps, cfg.device)  # each run's split lands in splits
     reads = bandwidth_times[start:]  # three a round, in round order
     size_b = buffer.numel() * buffer.element_size()
     per_round: dict = {"read_gb_per_s": [size_b / min(reads[i : i + 3]) / 1e9 for i in range(0, len(reads), 3)]}
-    med = {name: statistics.median(ts) for name, ts in times.items()}
     run_cfg = _RunColumns(cfg.model, batch, cfg.reps, cfg.device)
     peak = peak_rss()
     rows = []
     for (dtype, layout), (results, reference) in checks.items():
         name = f"{dtype}/{layout}"
         check_exact(results, reference, ("speed", "speed_oracle"))
-        first = {"sequential": med[f"{name}/sequential/first"], "speed_oracle": med[f"{name}/speed/first"]}
-        first["speed"] = first["speed_oracle"]
-        per_token = {kind: (med[f"{name}/{kind}"] - first[kind]) / (batch * (n - 1)) for kind in VARIANTS}
+        timed = {kind: splits[dtype, layout][kind][1:] for kind in VARIANTS}  # interleave's first run is untimed
+        first = {kind: statistics.median(s * 1000 for s, _ in timed[kind]) for kind in VARIANTS}
         for kind in VARIANTS:
-            starts = times[f"{name}/{'sequential' if kind == 'sequential' else 'speed'}/first"]
-            per_round[dtype, layout, kind] = [
-                (t - t1) / (batch * (n - 1)) for t, t1 in zip(times[f"{name}/{kind}"], starts)
-            ]
+            per_round[dtype, layout, kind] = [d * 1000 / (batch * (n - 1)) for _, d in timed[kind]]
+        per_token = {kind: statistics.median(per_round[dtype, layout, kind]) for kind in VARIANTS}
         shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": dtype}
         shared["layout"] = layout
         rows += [

@@ -85,7 +85,8 @@ class LogitRecorder:
             side = rows.side.tolist() if rows.side is not None else [-1] * len(rows)
             where = zip(rows.slot.tolist(), rows.loop.tolist(), rows.pos.tolist(), side)
             where = list(where)
-            rows_at = where if logit_rows is None else [where[r] for r in logit_rows]
+            real = where[: len(where) - rows.padding]  # a bucket's padding rows (speed.engine.graphs) are no one's
+            rows_at = real if logit_rows is None else [where[r] for r in logit_rows]
             for r, (slot, loop, pos, b) in enumerate(rows_at):
                 if b < 0:
                     self.logits[self.key(slot, loop, pos)] = logits[r]

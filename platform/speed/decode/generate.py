@@ -8,6 +8,7 @@ ends, so the engine's exactness tests and generate's are the same.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,10 @@ class GenerateResult:
     stats: DecodeStats
     trace: pa.Table | None  # speed.engine.trace.TRACE_SCHEMA, when asked for
     stopped: list[bool] = field(default_factory=list)  # per sequence: it ended at a stop token (else at the limit)
+    # seconds from the call until every sequence had its first token (the engine built, every prompt admitted), and
+    # from then to the end: one run's split of its time, so a time per token after the first is never negative
+    first_token_s: float = float("nan")
+    decode_s: float = float("nan")
 
 
 def generate(
@@ -58,6 +63,7 @@ def generate(
     cost_model: bool = False,
     stop_ids: Collection[int] | None = None,
     exit_rule: ExitRule | None = None,
+    graphs: bool | None = None,
 ) -> GenerateResult:
     """Decode a batch of prompts (B, S) with a looped decoder: a model (``SpeedT5``'s encoder inputs,
     ``LoopedLM``'s contexts) or any ``speed.engine.Stepper``.
@@ -77,7 +83,8 @@ def generate(
     ``sampling`` (default greedy) applies to every sequence with its one seed:
     the noise depends on (seed, output position) only, so two sequences of the
     batch with the same input draw the same tokens. ``stop_ids``: the tokens a sequence ends at (an imported chat
-    model's ``HFTokenizer.stop_ids``); None: the model's EOS.
+    model's ``HFTokenizer.stop_ids``); None: the model's EOS. ``graphs``: the group pass in row-count buckets
+    (``EngineConfig.graphs``; None: on a CUDA device, for a stepper whose pass can be captured).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -92,6 +99,7 @@ def generate(
     if oracle is not None and (method != "speed" or len(oracle) != input_ids.shape[0]):
         raise ValueError("oracle needs method='speed' and one token list per sequence")
 
+    called = time.perf_counter()
     batch, length = input_ids.shape
     sources = input_ids.tolist()
     if attention_mask is not None:
@@ -121,6 +129,7 @@ def generate(
         trace=trace,
         # side entries only for branches; a speculation that is none is the engine's add to refuse
         branches=method != "sequential" and isinstance(speculation, Speculation) and speculation.branches > 0,
+        graphs=graphs,
     )
     was_training = getattr(model, "training", False)
     if was_training:
@@ -129,10 +138,16 @@ def generate(
         engine = Engine(model, config)
         ids = [engine.add(r) for r in requests]  # validates the speculation against the model, the ids
         done: dict[int, Finished] = {}
+        waiting, first = set(ids), float("nan")  # the sequences without a first token yet; when the last got one
         with torch.inference_mode():
             while engine.has_work:
-                for f in engine.step().finished:
+                result = engine.step()
+                if waiting:
+                    waiting.difference_update(c.id for c in result.committed)
+                    first = time.perf_counter() if not waiting else first
+                for f in result.finished:
                     done[f.id] = f
+        end = time.perf_counter()
     finally:
         if was_training:
             model.train()  # type: ignore[attr-defined]
@@ -142,4 +157,5 @@ def generate(
     table = None
     if trace:
         table = pa.concat_tables([done[i].trace for i in ids]).combine_chunks()
-    return GenerateResult([done[i].tokens for i in ids], stats, table, [done[i].stopped for i in ids])
+    stopped = [done[i].stopped for i in ids]
+    return GenerateResult([done[i].tokens for i in ids], stats, table, stopped, first - called, end - first)

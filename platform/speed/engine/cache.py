@@ -53,7 +53,7 @@ from torch import Tensor
 
 from speed.engine import native
 from speed.engine.kernels import ATTN_CHUNK, attend, attention_native, attention_triton, chunk_span, triton_ops
-from speed.engine.rows import Rows
+from speed.engine.rows import Rows, to_device
 
 __all__ = ["CacheError", "KVCache", "PagedIndex", "Rows", "kv_bytes", "pool_blocks"]
 
@@ -129,6 +129,16 @@ class KVCache:
         # which attention ``attend`` runs: a property of the cache (its dtype and device), never of the rows
         self.triton_attention = attention_triton(self.device)
         self.native_attention = not self.triton_attention and attention_native(dtype, self.device)
+        self.scratch: int | None = None  # the padding rows' slot (``set_scratch``); None: no padding rows
+
+    def set_scratch(self, slot: int) -> None:
+        """Make ``slot`` the padding rows' (``speed.engine.graphs``, a row-count bucket filled up): it gets one
+        block for good (chunk 0), and a chain row of that slot at a position in chunk 0 writes there without the
+        valid-prefix check nor a length, so padding rows never write a request's place nor count as written. The
+        engine gives the slot to no request (it takes it out of its free slots)."""
+        self.reset(slot)
+        self.scratch = slot
+        self._take(np.array([slot]), np.array([0]))
 
     @property
     def tensors(self) -> list[Tensor]:
@@ -142,8 +152,8 @@ class KVCache:
 
     @property
     def blocks_used(self) -> int:
-        """Pool blocks taken now (by every slot)."""
-        return self.n_blocks - len(self._free)
+        """Pool blocks taken now (by every slot but the padding rows' scratch slot)."""
+        return self.n_blocks - len(self._free) - (self.scratch is not None)
 
     def blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Blocks a request reserves: one per chunk of its ``max_new_tokens`` output positions (its prompt takes
@@ -163,7 +173,7 @@ class KVCache:
             )
         blocks = [heapq.heappop(self._free) for _ in range(pairs.shape[1])]
         self.table[pairs[0], pairs[1]] = blocks
-        b = torch.as_tensor(blocks, device=self.device)
+        b = to_device(blocks, self.device)
         for t in (*self.keys, *self.values):
             t.index_fill_(2, b, 0.0)  # finite: a masked entry must still give exactly zero weight times it
         self._version += 1
@@ -188,11 +198,11 @@ class KVCache:
         """
         if rows.side is not None:
             branch = rows.side >= 0
-            b = torch.as_tensor(np.flatnonzero(branch), device=k.device)
+            b = to_device(np.flatnonzero(branch), k.device)
             self._write_side(layer, rows, k.index_select(0, b), v.index_select(0, b), branch)
             if not branch.all():
                 chain = np.flatnonzero(~branch)
-                c = torch.as_tensor(chain, device=k.device)
+                c = to_device(chain, k.device)
                 self.write(layer, rows.take(chain), k.index_select(0, c), v.index_select(0, c))
             return
         chunk = self._claim(layer, rows)
@@ -204,6 +214,11 @@ class KVCache:
     def _claim(self, layer: int, rows: Rows) -> np.ndarray:
         """A chain write's bookkeeping: check that each row lands at the end of its virtual layer's valid prefix,
         give its chunk a block, count its position valid. Returns the rows' chunks."""
+        chunk = rows.pos // ATTN_CHUNK
+        if self.scratch is not None and (rows.slot == self.scratch).any():  # padding rows: their block is kept
+            rows = rows.take(np.flatnonzero(rows.slot != self.scratch))
+            if not len(rows):
+                return chunk
         have = self.lengths[rows.loop, layer, rows.slot]
         if not np.array_equal(have, rows.pos):
             bad = int(np.flatnonzero(have != rows.pos)[0])
@@ -213,8 +228,7 @@ class KVCache:
             )
         if int(rows.pos.max()) >= self.max_len:
             raise CacheError(f"position {int(rows.pos.max())} beyond the cache's max_len {self.max_len}")
-        chunk = rows.pos // ATTN_CHUNK
-        self._take(rows.slot, chunk)
+        self._take(rows.slot, rows.pos // ATTN_CHUNK)
         self.lengths[rows.loop, layer, rows.slot] = rows.pos + 1
         return chunk
 
@@ -261,7 +275,7 @@ class KVCache:
             )
         if int(pos.max()) >= self.max_len:
             raise CacheError(f"position {int(pos.max())} beyond the cache's max_len {self.max_len}")
-        loop_t, flat_t = (torch.as_tensor(a, device=self.device) for a in (loop, slot * self.n_side + side))
+        loop_t, flat_t = (to_device(a, self.device) for a in (loop, slot * self.n_side + side))
         self.side_keys[layer][loop_t, flat_t] = k
         self.side_values[layer][loop_t, flat_t] = v
 
@@ -272,7 +286,7 @@ class KVCache:
         if memo is not None and memo[0] is rows and memo[1] == self._version:
             return memo[2]
         block, within = self.table[rows.slot, chunk], rows.pos % ATTN_CHUNK
-        places = torch.as_tensor(block, device=self.device), torch.as_tensor(within, device=self.device)
+        places = to_device(block, self.device), to_device(within, self.device)
         self._written = (rows, self._version, places)
         return places
 
@@ -285,7 +299,7 @@ class KVCache:
         n_chunks, H = span // ATTN_CHUNK, self.n_heads
         blocks = self.table[rows.slot, :n_chunks]  # (R, n_chunks)
         base = (rows.loop[:, None] * H + np.arange(H)[None, :]) * (self.n_blocks + 1)  # (R, H)
-        index = torch.as_tensor((base[:, :, None] + blocks[:, None, :]).reshape(-1), device=self.device)
+        index = to_device((base[:, :, None] + blocks[:, None, :]).reshape(-1), self.device)
         self._index = (rows, span, self._version, index)
         return index
 
@@ -306,7 +320,7 @@ class KVCache:
         if rows.side is not None:  # a branch row sees its lane's keys/values from the fork on, the chain's before
             r, pos, side = rows.lane_entries()
             r_t, pos_t, lo_t, flat_t = (
-                torch.as_tensor(a, device=self.device)
+                to_device(a, self.device)
                 for a in (r, pos, rows.loop[r], rows.slot[r] * self.n_side + side)
             )
             keys[r_t, :, pos_t] = self.side_keys[layer][lo_t, flat_t]
@@ -369,7 +383,7 @@ class KVCache:
             place = np.arange(len(r)) - np.searchsorted(r, r)  # each entry's place in its row's lane (r ascends)
             lane_pos[r, place], lane_entry[r, place] = pos, rows.slot[r] * self.n_side + side
         arrays = (rows.loop, rows.pos + 1, self.table[rows.slot], lane_pos, lane_entry)
-        index = PagedIndex(*(None if a is None else torch.as_tensor(a, device=self.device) for a in arrays))
+        index = PagedIndex(*(None if a is None else to_device(a, self.device) for a in arrays))
         self._paged = (rows, self._version, index)
         return index
 

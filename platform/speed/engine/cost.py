@@ -98,6 +98,9 @@ def measure_row_cost(stepper: Any, label: str = "", tile: int = TILE_ROWS) -> Ro
         cache = stepper.cache(n_slots, PROMPT_TOKENS, 2, side=False)
         memory = stepper.memory(n_slots, PROMPT_TOKENS, 2)
         device = cache.device
+        # on a GPU the pass is queued, not run, when the host returns: its time is the device's, to the end of it
+        cuda = torch.device(device).type == "cuda"
+        timer, done = (time.perf_counter, torch.cuda.synchronize) if cuda else (clock, lambda: None)
         prompt = torch.arange(PROMPT_TOKENS, device=device) % stepper.vocab_size
         admitted = stepper.admit(memory, cache, slots, [prompt] * n_slots)
         pos = 0 if admitted[0].exits is None else 1  # an LM's prefill decided output position 0 already
@@ -109,9 +112,11 @@ def measure_row_cost(stepper: Any, label: str = "", tile: int = TILE_ROWS) -> Ro
         for k in range(REPEATS + 1):
             for i, (n, rows) in enumerate(zip(counts, plans)):  # a request's M rows at its M loops, slot by slot
                 for with_logits, timed in seconds.items():
-                    t0 = clock()
+                    done()
+                    t0 = timer()
                     stepper.step(memory, cache, rows, hidden_all[:n], with_logits=with_logits)
-                    took = clock() - t0
+                    done()
+                    took = timer() - t0
                     if k:  # the first round warms up
                         timed[i] = min(timed[i], took)
                     for s in range(-(-n // M)):

@@ -20,9 +20,11 @@ from torch import Tensor
 
 from speed.engine.cache import Rows
 from speed.engine.cost import row_cost as measured_row_cost
+from speed.engine.graphs import GraphSteps, kv_caches
 from speed.engine.memory import check_memory
 from speed.engine.outputs import finished
 from speed.engine.policies import LaunchRule
+from speed.engine.rows import to_device
 from speed.engine.sampling import MAX_LOGPROBS, Sampling
 from speed.engine.scheduler import Scheduled, Scheduler, StepPlan
 from speed.engine.state import InFlight, RequestState
@@ -49,16 +51,30 @@ class Engine:
             raise ValueError("the engine decodes with the model in eval mode: call model.eval() first")
         self.model: Stepper = as_stepper(model)
         self.config = config
-        c, blocks = config, config.kv_blocks
+        c = config
+        cuda = torch.device(getattr(self.model, "device", "cpu")).type == "cuda"
+        capture = cuda and getattr(self.model, "capturable", False)  # a pass a CUDA graph can replay
+        # padding pays only where the padded pass is captured (one launch); elsewhere it only adds rows
+        bucketed = capture if c.graphs is None else c.graphs
+        # bucketed passes pad their rows into one more slot, the scratch slot, with one block of its own
+        self._scratch_blocks = int(bucketed)
+        slots, blocks = c.max_active + self._scratch_blocks, c.kv_blocks
+        blocks = None if blocks is None else blocks + self._scratch_blocks
         need = getattr(self.model, "memory_need", None)
         if need is not None:  # a model's stepper says what it needs: refuse before allocating what does not fit
-            capacity = (c.max_active, c.max_prompt_len, c.max_target_len, self.model.device)
+            capacity = (slots, c.max_prompt_len, c.max_target_len, self.model.device)
             blocks = check_memory(partial(need, side=c.branches), *capacity, blocks=blocks).blocks
         pool = {} if blocks is None else {"blocks": blocks}  # a stub's cache sizes its own pool
         with torch.inference_mode():
-            self._cache = self.model.cache(c.max_active, c.max_prompt_len, c.max_target_len, side=c.branches, **pool)
-            self._memory = self.model.memory(config.max_active, config.max_prompt_len, config.max_target_len)
+            self._cache = self.model.cache(slots, c.max_prompt_len, c.max_target_len, side=c.branches, **pool)
+            self._memory = self.model.memory(slots, config.max_prompt_len, config.max_target_len)
+            parts = kv_caches(self._cache) if bucketed else []
+            for kv in parts:
+                kv.set_scratch(c.max_active)  # the last slot: never free, so no request gets it
         self._device = self._cache.device
+        self._graphs: GraphSteps | None = None
+        if parts:  # a stub's cache holds no KVCache to keep padding rows apart: its passes run unpadded
+            self._graphs = GraphSteps(c.max_active, self._device, capture)
         self._free = list(range(config.max_active))  # a heap: the lowest free slot is taken first
         self._reserved: dict[int, int] = {}  # the cache's blocks each active request reserved, by id
         self._waiting: deque[RequestState] = deque()
@@ -87,7 +103,12 @@ class Engine:
     @property
     def blocks(self) -> tuple[int, int, int]:
         """The cache's pool: (blocks taken now, blocks the active requests reserved, blocks in the pool)."""
-        return self._cache.blocks_used, sum(self._reserved.values()), self._cache.n_blocks
+        return self._cache.blocks_used, sum(self._reserved.values()), self._pool_blocks
+
+    @property
+    def _pool_blocks(self) -> int:
+        """The requests' blocks in the pool (the scratch slot's one is not theirs)."""
+        return self._cache.n_blocks - self._scratch_blocks
 
     @property
     def has_work(self) -> bool:
@@ -166,7 +187,7 @@ class Engine:
         row's gate lambda (R,) (None: not asked for)."""
         fresh = [r for r in plan.rows if r.key not in self._hidden]
         if fresh:
-            tokens = torch.tensor([r.token for r in fresh], device=self._device)
+            tokens = to_device([r.token for r in fresh], self._device, torch.long)
             for r, h in zip(fresh, self.model.embed(tokens)):
                 self._hidden[r.key] = h
         rows = Rows.build(
@@ -179,13 +200,26 @@ class Engine:
         held = [self._hidden[r.key] for r in plan.rows]
         inputs = held[0][None] if len(held) == 1 else torch.stack(held)  # (R, d)
         gates, picked = None, {} if plan.logit_rows is None else {"logit_rows": plan.logit_rows}
-        if plan.with_gates:
+        if plan.with_gates:  # exit-gate steps (a lossy baseline) run unpadded, eagerly
             hidden, logits, gates = self.model.step_gated(self._memory, self._cache, rows, inputs, **picked)  # type: ignore[attr-defined]
+        elif self._graphs is not None:
+            prepare = getattr(self.model, "prepare", None)
+            hidden, logits = self._graphs.run(
+                self._pass, rows, inputs, plan.with_logits, plan.logit_rows,
+                None if prepare is None else partial(prepare, self._memory, self._cache),
+            )  # fmt: skip
         else:
             hidden, logits = self.model.step(self._memory, self._cache, rows, inputs, plan.with_logits, **picked)
         for r, h in zip(plan.rows, hidden.unbind(0)):
             self._hidden[r.key] = h
         return logits, gates
+
+    def _pass(
+        self, rows: Rows, inputs: Tensor, with_logits: bool, logit_rows: list[int] | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The stepper's group pass, as ``GraphSteps`` calls it (``logit_rows`` passed only when given)."""
+        picked = {} if logit_rows is None else {"logit_rows": logit_rows}
+        return self.model.step(self._memory, self._cache, rows, inputs, with_logits, **picked)
 
     def _leave(self, scheduled: Scheduled, now: float) -> list[Finished]:
         """Release the requests the scheduler found done at ``now``, freeing their slots; what each gives back."""
@@ -224,10 +258,10 @@ class Engine:
                 "(the engine's max_source_len, or max_prompt_len: the longest prompt)"
             )
         blocks = self._cache.blocks_needed(len(ids), n)
-        if blocks > self._cache.n_blocks:
+        if blocks > self._pool_blocks:
             raise ValueError(
                 f"a prompt of {len(ids)} tokens and max_new_tokens={n} need {blocks} key/value blocks, but the "
-                f"engine's cache holds {self._cache.n_blocks} (EngineConfig.kv_blocks, or what the memory allows): "
+                f"engine's cache holds {self._pool_blocks} (EngineConfig.kv_blocks, or what the memory allows): "
                 "shorten the prompt or max_new_tokens"
             )
         V = self.model.vocab_size
@@ -273,7 +307,7 @@ class Engine:
             with self._queue_lock:  # first come, first served: the head waits until its worst case is free
                 seq = self._waiting[0]
                 blocks = self._cache.blocks_needed(len(seq.request.input_ids), seq.request.max_new_tokens)
-                if sum(self._reserved.values()) + blocks > self._cache.n_blocks:
+                if sum(self._reserved.values()) + blocks > self._pool_blocks:
                     break
                 self._waiting.popleft()
             self._reserved[seq.id] = blocks
@@ -282,7 +316,7 @@ class Engine:
             coming.append(seq)
         if not coming:
             return [], [], []
-        prompts = [torch.tensor(list(seq.request.input_ids), device=self._device) for seq in coming]  # (P,) each
+        prompts = [to_device(list(seq.request.input_ids), self._device, torch.long) for seq in coming]  # (P,) each
         admitted_all = self.model.admit(self._memory, self._cache, [seq.slot for seq in coming], prompts)
         prefilled, exits, gates = [], [], []
         for seq, admitted in zip(coming, admitted_all):

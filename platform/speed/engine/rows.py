@@ -1,6 +1,10 @@
 """``Rows``: which rows a group pass runs, each a token of a request (its slot) at its own loop and output
 position, and where a runner-up branch's row keeps its keys. Plain arrays: the cache reads them, the kernels
-tile them, the engine builds them."""
+tile them, the engine builds them.
+
+``to_device`` is how every host array of the decode path reaches the device: on CUDA through pinned memory and a
+copy the host does not wait for (a plain ``torch.as_tensor(array, device="cuda")`` copies from pageable memory
+and blocks until the device's queue has drained to it)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor
+
+
+def to_device(values: np.ndarray | list, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+    """``values`` as a tensor on ``device``: on the CPU the array itself (no copy where it can); on CUDA staged in
+    pinned memory and copied with ``non_blocking=True``: the host goes on at once, and the copy runs in stream order
+    before the kernels that read it. The pinned block comes from torch's caching host allocator, which reuses it
+    only once the copy that read it has finished, so the host may change ``values`` right after."""
+    host = torch.as_tensor(np.asarray(values), dtype=dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -20,7 +36,9 @@ class Rows:
     that keeps its own key/value in that side entry of its slot (-1: a chain
     row), and ``up[r]`` lists the (position, side entry) of the branch tokens
     before it in its lane, oldest first (the lane forks at the first).
-    ``side`` and ``up`` are None when no row is a branch.
+    ``side`` and ``up`` are None when no row is a branch. The last ``padding`` rows
+    fill a row-count bucket (``speed.engine.graphs``): they sit in the engine's
+    scratch slot, and no one reads what they compute.
     """
 
     slot: np.ndarray  # (R,) int64
@@ -28,6 +46,7 @@ class Rows:
     pos: np.ndarray  # (R,) int64
     side: np.ndarray | None = None  # (R,) int64 side entry of a branch row, -1 for a chain row; None: no branches
     up: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per row: its lane's earlier (pos, side entry)s
+    padding: int = 0  # the last rows that only fill a bucket
     _tensors: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (slot, loop, pos)
 
     @classmethod
@@ -77,5 +96,5 @@ class Rows:
         """(slot, loop, pos) as long tensors on ``device``, made once per device."""
         key = str(device)
         if key not in self._tensors:
-            self._tensors[key] = tuple(torch.as_tensor(a, device=device) for a in (self.slot, self.loop, self.pos))
+            self._tensors[key] = tuple(to_device(a, device) for a in (self.slot, self.loop, self.pos))
         return self._tensors[key]

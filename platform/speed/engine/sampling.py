@@ -11,11 +11,16 @@ after penalties, temperature, top-k and top-p (outside the support: -inf) and
 ``g`` is Gumbel noise that depends only on ``(seed, pos, vocabulary index)``:
 an integer hash computed with int64 tensor ops (no global RNG stream, no batch,
 no step, no device generator), turned into uniforms and ``-log(-log(u))`` in
-float64 on the CPU. The committed token is the last loop's draw; sequential
-decoding draws the same token from the same logits with the same noise, so SPEED
-stays exact by construction. Coupled speculation launches a successor from an
-early exit's draw under the *same* noise: when the early distribution is nearly
-the final one, its draw is nearly always the final draw.
+float64 on the logits' device (``device_gumbel``; on the CPU ``gumbel``'s
+numbers, bit for bit). The committed token is the last loop's draw; sequential
+decoding draws the same token from the same logits with the same noise (on one
+device, the same device computes both), so SPEED stays exact by construction.
+Coupled speculation launches a successor from an early exit's draw under the
+*same* noise: when the early distribution is nearly the final one, its draw is
+nearly always the final draw.
+
+Everything between a step's logits and its decisions runs on the logits' device, and ``exit_choices`` brings
+the decisions back to the host in one copy (the host's one wait of a step on a GPU).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from speed.engine.rows import to_device
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's bound)
 _MASK32 = 0xFFFFFFFF
@@ -116,10 +123,11 @@ def _fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
-def uniforms(seed: int, pos: int, n: int) -> Tensor:
-    """(n,) float64 uniforms in (0, 1), a pure function of (seed, pos, index); distinct within a position."""
+def uniforms(seed: int, pos: int, n: int, device: torch.device | str = "cpu") -> Tensor:
+    """(n,) float64 uniforms in (0, 1), a pure function of (seed, pos, index); distinct within a position. The
+    integer hash is exact on every device."""
     key = _mix64(_mix64(seed) ^ (pos * _GOLDEN64 & _MASK64))
-    i = torch.arange(n, dtype=torch.int64)  # (n,)
+    i = torch.arange(n, dtype=torch.int64, device=device)  # (n,)
     h = _fmix32(_fmix32(i ^ (key & _MASK32)) ^ (key >> 32))  # two keyed rounds of a bijection
     return (h.double() + 0.5) / 2.0**32
 
@@ -133,8 +141,20 @@ def truncated_normals(seed: int, pos: int, n: int, bound: float = 3.0) -> Tensor
 
 @lru_cache(maxsize=256)  # a position's noise is read by each of its M loops (and again after a flush)
 def gumbel(seed: int, pos: int, n: int) -> Tensor:
-    """(n,) float32 Gumbel noise of (seed, pos), computed on the CPU so every device adds the same numbers."""
-    return (-torch.log(-torch.log(uniforms(seed, pos, n)))).float()
+    """(n,) float32 Gumbel noise of (seed, pos), computed on the CPU."""
+    return device_gumbel(seed, pos, n, torch.device("cpu"))
+
+
+@lru_cache(maxsize=256)
+def _device_gumbel(seed: int, pos: int, n: int, device: torch.device) -> Tensor:
+    return (-torch.log(-torch.log(uniforms(seed, pos, n, device)))).float()
+
+
+def device_gumbel(seed: int, pos: int, n: int, device: torch.device | str) -> Tensor:
+    """(n,) float32 Gumbel noise of (seed, pos) computed on ``device`` (no copy from the host): the CPU's numbers on
+    the CPU; another device's float64 logs may round a last bit differently, so SPEED and sequential decoding on one
+    device add the same noise, and two devices nearly always choose the same token."""
+    return _device_gumbel(seed, pos, n, torch.device(device))
 
 
 # ----- per-row processing and decisions ---------------------------------------------------------------
@@ -156,7 +176,7 @@ def process(logits: Tensor, sampling: Sampling, history: list[int] | None = None
     """
     x = logits
     if sampling.penalized and history:
-        counts = torch.bincount(torch.tensor(history, device=x.device), minlength=x.shape[-1]).to(x.dtype)  # (V,)
+        counts = torch.bincount(to_device(history, x.device, torch.long), minlength=x.shape[-1]).to(x.dtype)  # (V,)
         x = x - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(x.dtype)
     if sampling.greedy:
         return x
@@ -190,7 +210,7 @@ def exit_scores(logits: Tensor, draws: Sequence[Draw | None]) -> tuple[Tensor, T
         if not d.sampling.greedy:
             if noise is None:
                 noise = torch.zeros_like(logits)
-            noise[r] = gumbel(d.sampling.seed, d.pos, logits.shape[-1]).to(logits.device)
+            noise[r] = device_gumbel(d.sampling.seed, d.pos, logits.shape[-1], logits.device)
     return scores, noise
 
 
@@ -205,14 +225,28 @@ class ExitChoices:
 
 
 def exit_choices(scores: Tensor, noise: Tensor | None = None) -> ExitChoices:
-    """The draw, the runner-up and the draw's probability of each row of ``scores`` (R, V) with ``noise``."""
+    """The draw, the runner-up and the draw's probability of each row of ``scores`` (R, V) with ``noise``: computed
+    on the scores' device and brought to the host in one copy (``decisions``)."""
+    return choices_of(decisions(scores, noise).tolist(), noise is not None)
+
+
+def decisions(scores: Tensor, noise: Tensor | None = None) -> Tensor:
+    """(R, 4) float64 on the scores' device, per row: the draw, the runner-up, the draw's probability and the
+    argmax without noise (``ExitChoices``' fields; token ids are exact in float64, the float32 probability too), so
+    that one device-to-host copy brings a step's decisions back."""
     keys = scores if noise is None else scores + noise  # (R, V)
     top = keys.argmax(-1)  # (R,) first maximum, as greedy decoding always took it
     rest = keys.scatter(-1, top[:, None], float("-inf"))  # (R, V) the top-1 masked out
     runner_up = rest.argmax(-1)  # (R,)
     p_top = (scores.gather(-1, top[:, None])[:, 0] - torch.logsumexp(scores.float(), -1)).exp()  # (R,)
-    mode = None if noise is None else scores.argmax(-1).tolist()
-    return ExitChoices(top.tolist(), runner_up.tolist(), p_top.tolist(), mode)
+    mode = top if noise is None else scores.argmax(-1)
+    return torch.stack([top.double(), runner_up.double(), p_top.double(), mode.double()], dim=1)
+
+
+def choices_of(rows: list[list[float]], noisy: bool) -> ExitChoices:
+    """``ExitChoices`` from ``decisions``' rows on the host (``noisy``: some row had noise, so ``mode`` is kept)."""
+    token, runner_up = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
+    return ExitChoices(token, runner_up, [r[2] for r in rows], [int(r[3]) for r in rows] if noisy else None)
 
 
 # ----- log-probabilities ------------------------------------------------------------------------------

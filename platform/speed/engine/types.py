@@ -117,6 +117,11 @@ class EngineConfig:
     # max_active requests at their longest, capped by the memory available. A request waits until its worst case
     # (prompt + max_new_tokens positions) is free, and one that could never fit is refused at add
     kv_blocks: int | None = None
+    # the group pass in row-count buckets over static buffers (speed.engine.graphs): padded rows in a scratch slot,
+    # each bucket's pass captured as a CUDA graph; None: on a CUDA device for a stepper that can be captured
+    # (``capturable``), else unpadded passes; True: on any device, captured where it can be (the CPU runs the same
+    # bookkeeping eagerly); False: never
+    graphs: bool | None = None
     max_source_len: InitVar[int | None] = None  # max_prompt_len's T5 name, still accepted (it wins when given)
 
     def __post_init__(self, max_source_len: int | None) -> None:
@@ -127,6 +132,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_blocks is not None and (type(self.kv_blocks) is not int or self.kv_blocks < 1):
             raise ValueError(f"EngineConfig.kv_blocks must be at least 1 or None, got {self.kv_blocks!r}")
+        if self.graphs not in (None, True, False):
+            raise ValueError(f"EngineConfig.graphs must be None, True or False, got {self.graphs!r}")
         if self.row_budget is not None and self.row_budget < 1:
             raise ValueError(f"EngineConfig.row_budget must be at least 1 or None, got {self.row_budget}")
 

@@ -158,6 +158,10 @@ class AppConfig:
         from_dict(ServeSettings, dict(self.settings))
         if self.dtype not in DTYPES:
             raise ValueError(f"AppConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"AppConfig.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and self.num_gpus <= 0:  # Ray hides every GPU from a replica that asked for none
+            raise ValueError("AppConfig.device='cuda' needs num_gpus > 0 per replica (Ray shows a replica its GPUs)")
 
 
 @dataclass(frozen=True)
