@@ -5,7 +5,8 @@
 calls the same ones:
 
 1. ``tokenizer_stage``: the tokenizer (given, trained and cached, or a checkpoint's) and the
-   job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``;
+   job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``; then ``plan_stage``: the
+   memory plan of a worker's step printed (``speed.train.memory_plan``), a job that would not fit refused;
 2. ``data_stage``: the splits tokenized once on storage (``speed.data.shards``) -> ``PreparedData``;
 3. ``train_stage``: the ``TorchTrainer`` run, resumed from the run's newest complete checkpoint -> ``Trained``;
 4. ``evaluation_stage``: a finetuned model's evaluation (``speed.eval.evaluate``), in a Ray task.
@@ -30,6 +31,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
+from speed.cli import user_errors
 from speed.cluster import code_runtime_env
 from speed.config import LMConfig, ModelConfig, to_dict
 from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
@@ -50,6 +52,7 @@ from speed.storage import absolute, locate
 from speed.tokenizer import train_tokenizer
 from speed.train import local_ray
 from speed.train.config import JobConfig, hub_origin, imported_origin, job_from_args, job_to_dict, run_name
+from speed.train.memory_plan import MemoryPlan, PlanRefused, check_fits, device_memory, plan_memory
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ def run_job(job: JobConfig) -> TrainOutcome:
             f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_directory(job)}",
             flush=True,
         )
+        with user_errors((PlanRefused,)):  # one line, status 2, before any worker starts
+            plan_stage(job)
         ensure_ray()
         data = data_stage(job, resolved.tokenizer_path)
     trained = train_stage(job, resolved.tokenizer, data, deadline)
@@ -121,11 +126,19 @@ def run_job(job: JobConfig) -> TrainOutcome:
     return outcome
 
 
+def plan_stage(job: JobConfig) -> MemoryPlan:
+    """Print the job's memory plan (``speed.train.memory_plan``) and refuse (``PlanRefused``) a job whose worker's
+    share would not fit its device."""
+    plan = plan_memory(job)
+    print("\n".join(plan.lines()), flush=True)
+    check_fits(plan, device_memory(job))
+    return plan
+
+
 def job_main(kind: str, argv: list[str] | None, description: str) -> int:
     """The entry point of ``jobs/pretrain.py`` and ``jobs/finetune.py``: flags (and --config YAML) into a checked
     ``JobConfig`` (a mistake is one ``error:`` line, status 2), then ``run_job``; prints the checkpoint and, for
     a finetuned model, its evaluation's summary."""
-    from speed.cli import user_errors
     from speed.eval.evaluate import format_summary
 
     with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
