@@ -75,7 +75,7 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(report_file.read_text())
     stages = {s["name"]: s for s in report["stages"]}
-    assert list(stages) == ["training", "agreement", "timing", "shapes", "exactness"]
+    assert list(stages) == ["training", "agreement", "timing", "sharded training", "shapes", "exactness"]
     assert all(s["ok"] and s["error"] is None for s in stages.values())
     training = stages["training"]["result"]
     assert training["state_on_device"] and training["state_restored"] and len(training["losses"]) == 2
@@ -94,7 +94,9 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
     exactness = stages["exactness"]["result"]
     assert exactness["returncode"] == 0 and exactness["failed"] == []
     assert set(exactness["outcomes"]) == {"SKIPPED"}  # no CUDA here: every test skipped, with its reason
-    assert "5/5 stages ok" in out.stdout and "real shape" in out.stdout and "SPEED / sequential" in out.stdout
+    sharded = stages["sharded training"]["result"]  # FSDP at Ouro's form, tiny: the loss falls, a plan beside it
+    assert sharded["losses"][-1] < sharded["losses"][0] and sharded["planned_mb"] > 0
+    assert "6/6 stages ok" in out.stdout and "real shape" in out.stdout and "SPEED / sequential" in out.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")

@@ -47,6 +47,7 @@ import torch
 
 from speed.benchmarks.decode import BENCH_SCHEMA, BenchConfig, format_table, random_model, run_benchmark
 from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA
+from speed.benchmarks.gpu_train import training_check
 from speed.benchmarks.shapes import OURO_1_4B, SHAPES, Shape, ShapeBenchConfig, format_shape_table, run_shape_benchmark
 from speed.config import ModelConfig, preset
 from speed.decode.generate import generate
@@ -468,6 +469,7 @@ def run_check(
         ("training", lambda: training_stage(size, device), lambda r: r.ok),
         ("agreement", lambda: agreement_stage(size, device), lambda r: True),  # a measurement: no verdict
         ("timing", lambda: timing_stage(size, device), lambda r: bool(r.rows) and not r.errors),
+        ("sharded training", lambda: training_check(size is TINY, device), lambda r: r.ok),  # FSDP, Ouro-1.4B
     ]
     for name, fn, verdict in plan:
         stages.append(run_stage(name, fn, verdict))
