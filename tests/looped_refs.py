@@ -22,7 +22,9 @@ default the state starts random), and the exit ``lm_head(ln_f(coda(ln_f(x))))`` 
 ``x = norm_4(x + mlp(norm_3(x)))``. Attention: fused ``Wqkv``, a learned bias ``qk_bias`` of shape
 ``(2, 1, n_heads, head_dim)`` added to q and k before the rotary embedding, which rotates adjacent pairs
 ``(x[2i], x[2i+1])`` by ``freqs_cis`` (base ``rope_base``); the MLP is ``proj(silu(a) * b)`` with
-``a, b = fc(x).chunk(2)``.
+``a, b = fc(x).chunk(2)``. Its training forward (``iterate_forward`` with ``num_steps=(n, k)``): n recurrences
+under ``torch.no_grad()``, then k with gradients, the exit and the loss after the last one only
+(``huginn_reference_training``).
 """
 
 from __future__ import annotations
