@@ -9,7 +9,8 @@ by default t5 for a T5, ouro where the options allow, else llama. A form that wo
 is refused in one line naming the option, status 2. The checkpoint's SentencePiece model (and an LM's chat
 template) come along; docs/models.md, "Export", says what each form keeps and loses. --out must not exist (or
 be empty): the directory is written beside it and renamed, so it appears whole or not at all.
---checkpoint names a checkpoint or a run (its newest complete checkpoint), a local path or a URI.
+--checkpoint names a checkpoint or a run (its newest complete checkpoint), a local path or a URI; an FSDP run's
+sharded checkpoint (sharded/, speed.train.sharding) is read whole in this one process (load_model).
 """
 
 from __future__ import annotations

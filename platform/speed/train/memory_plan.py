@@ -17,6 +17,7 @@ are not checked against a measurement.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING
@@ -282,12 +283,15 @@ def _share(n: int, world: int) -> int:
 
 
 def device_memory(job: JobConfig) -> int | None:
-    """One worker's device memory: ``scale.device_memory_gb``; else this machine's first GPU's (a GPU job) or its
-    available memory shared by the workers (a CPU job); None where it cannot be known here."""
+    """One worker's device memory: ``scale.device_memory_gb``; else this machine's first GPU's (a GPU job) or, for a
+    CPU job on a local Ray, its available memory shared by the workers; None where it cannot be known here (a
+    cluster's workers run elsewhere: ``$RAY_ADDRESS``)."""
     if job.scale.device_memory_gb is not None:
         return int(job.scale.device_memory_gb * GIB)
     if job.scale.use_gpu:
         return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    if os.environ.get("RAY_ADDRESS"):
+        return None
     import psutil
 
     return psutil.virtual_memory().available // job.scale.num_workers
