@@ -13,5 +13,8 @@
 - ``speed.benchmarks.loading``: ``speed.from_pretrained`` at real sizes: load time and peak resident set over the
   weights, in a fresh process.
 - ``speed.benchmarks.gpu``: the GPU check, every CUDA path once (training, CPU agreement, decode timing,
-  pytest -m gpu) on a machine without Ray; ``jobs/gpu_check.py``.
+  pytest -m gpu) on a machine without Ray; ``jobs/gpu_check.py``. Its sharded-training stage is
+  ``speed.benchmarks.gpu_train`` (FSDP at Ouro-1.4B's shape against the memory plan).
+- ``speed.benchmarks.train_memory``: a training step's peak memory on the CPU, measured beside the memory plan,
+  with and without activation checkpointing; ``python -m speed.benchmarks.train_memory``.
 """

@@ -37,6 +37,7 @@ from speed.config import LMConfig, ModelConfig, to_dict
 from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
 from speed.hf_tokenizer import load_tokenizer, pack_tokenizer, unpack_tokenizer
 from speed.models.checkpoint import (
+    SHARDED_DIR,
     TOKENIZER_FILE,
     checkpoint_family,
     checkpoint_tokenizer,
@@ -53,6 +54,7 @@ from speed.tokenizer import train_tokenizer
 from speed.train import local_ray
 from speed.train.config import JobConfig, hub_origin, imported_origin, job_from_args, job_to_dict, run_name
 from speed.train.memory_plan import MemoryPlan, PlanRefused, check_fits, device_memory, plan_memory
+from speed.train.state import IncompatibleCheckpointError
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,20 @@ def check_inputs(job: JobConfig) -> None:
     for origin in (None if hub or imported else job.init_from, job.resume):
         if origin is not None:
             latest_checkpoint(origin)
+    if job.resume:
+        check_strategy(job, latest_checkpoint(job.resume))
     tracking.check(job)
+
+
+def check_strategy(job: JobConfig, checkpoint: str) -> None:
+    """Refuse to resume ``checkpoint`` with the other strategy than the one that wrote it (FSDP's are sharded)."""
+    sharded = (locate(checkpoint) / SHARDED_DIR / ".metadata").is_file()
+    ran = "fsdp" if sharded else "ddp"
+    if ran != job.scale.strategy:
+        raise IncompatibleCheckpointError(
+            f"{checkpoint} is a {ran} checkpoint: resume it with --strategy {ran} (or start a {job.scale.strategy} "
+            "run from its weights: --init-from)"
+        )
 
 
 def _check_imported_tokenizer(job: JobConfig) -> None:
@@ -354,6 +369,7 @@ def train_stage(
     run_dir = run_directory(job)
     start = resume_point(job, run_dir)
     if start is not None:  # said here, not by a worker: a worker's output may never reach the job's
+        check_strategy(job, start.checkpoint)
         print(f"resuming at step {start.step} from {start.checkpoint}", flush=True)
     result = build_trainer(job, tokenizer, data, run_dir, deadline, callbacks).fit()
     # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
@@ -474,9 +490,8 @@ def describe(outcome: TrainOutcome, seconds: float) -> str:
             lines.append(f"  {info.base_name}")
     lines.append(f"final checkpoint: {outcome.checkpoint} (step {outcome.step})")
     if "loss" in outcome.metrics:
-        loops = " ".join(
-            f"{outcome.metrics[f'loss_loop{i + 1}']:.3f}" for i in range(outcome.job.model.sharing.n_loops)
-        )
+        exits = sum(key.startswith("loss_loop") for key in outcome.metrics)  # 1: a sampled or truncated recurrence's
+        loops = " ".join(f"{outcome.metrics[f'loss_loop{i + 1}']:.3f}" for i in range(exits))
         lines.append(f"final loss {outcome.metrics['loss']:.4f}, per loop L_i: {loops}")
     if outcome.evaluation is not None:
         lines.append(f"evaluation: {outcome.run_dir}/eval_{outcome.job.final_eval.split}/summary.json")

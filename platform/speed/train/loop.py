@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from speed.config import LMConfig
 from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.eval.validation import validation_metrics
 from speed.hf_tokenizer import unpack_tokenizer
@@ -223,11 +224,23 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
             f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {ctx.device}",
             flush=True,
         )
-    if not fsdp:
-        ctx = replace(ctx, model=ray.train.torch.prepare_model(model))  # on a GPU: moves the parameters there
+    if not fsdp:  # on a GPU prepare_model moves the parameters there
+        unused = {"find_unused_parameters": True} if _may_skip_parameters(job) else None
+        ctx = replace(ctx, model=ray.train.torch.prepare_model(model, parallel_strategy_kwargs=unused))
         if step:  # the restored optimizer state went to the parameters' device at load (the CPU)
             follow_parameters(ctx.optimizer)
     _train(ctx, step, history, resumed_own=own is not None)
+
+
+def _may_skip_parameters(job: JobConfig) -> bool:
+    """Whether a step may leave parameters without a gradient, which DDP must then look for: an exit gate that a
+    weight scheme never reads, or a truncated recurrence (without injection its prelude feeds only the loops run
+    without gradients)."""
+    t, model = job.train, job.model
+    if not isinstance(model, LMConfig):
+        return False
+    gate_unread = model.exit_gate and t.loss_weights != GATE
+    return gate_unread or t.recurrence_sampling or t.backprop_depth is not None
 
 
 def _own_checkpoint(run_dir: str, world: int) -> str | None:
