@@ -7,11 +7,10 @@ their parameter after a colon, so that a sweep can sample it: ``power:P``
 
 Beside the weights: Ouro's gate objective (``gate``: the expected loop loss under the exit gate's
 distribution, minus an entropy bonus; ``gate_objective``), a scheme whose weights are each token's own, so it
-is named like the others (``--loss-weights gate``) but computed by the model's forward. And the flip
-cost (``flip_cost``, SPEED's steps per token lost to
-flips, from per-loop flip rates) and the settle term (``SettleConfig``,
-``settle_loss``), an agreement loss that makes later loops stop changing the
-prediction, each exit pulled toward a detached later one.
+is named like the others (``--loss-weights gate``) but computed by the model's forward; the flip cost
+(``flip_cost``, SPEED's steps per token lost to flips, from per-loop flip rates); and the settle term
+(``SettleConfig``, ``settle_loss``), an agreement loss that makes later loops stop changing the prediction,
+each exit pulled toward a detached later one.
 """
 
 from __future__ import annotations
