@@ -54,7 +54,7 @@ from speed.models.pretrained import load_pretrained
 from speed.models.t5 import SpeedT5
 from speed.train import tracking
 from speed.train.batches import BatchPlan
-from speed.train.config import JobConfig, hub_origin, job_from_dict, job_to_dict
+from speed.train.config import JobConfig, TrainConfig, hub_origin, job_from_dict, job_to_dict
 from speed.train.optim import build_optimizer, build_scheduler, follow_parameters, lr_factor
 from speed.train.recurrence import sample_recurrence
 from speed.train.sharding import (
@@ -409,7 +409,7 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
         _checkpoint(ctx, step, history, records)
 
 
-def _step_run(shape: TrainRun, t: Any, n_loops: int, step: int) -> TrainRun:
+def _step_run(shape: TrainRun, t: TrainConfig, n_loops: int, step: int) -> TrainRun:
     """The looped LM's forward for optimizer step ``step``: ``shape``, with Huginn's loop count drawn for the step
     (``train.recurrence_sampling``: the same draw on every worker and when resumed)."""
     if not t.recurrence_sampling:

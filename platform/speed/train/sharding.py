@@ -57,6 +57,8 @@ def precision_policy(device: torch.device, bf16: bool) -> MixedPrecisionPolicy:
 def shard_model(model: nn.Module, world: int, device: torch.device, bf16: bool) -> nn.Module:
     """``model`` (the same weights on every worker) moved to ``device`` and sharded in place over ``world`` workers:
     one unit per block, then the root."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the mesh and the collectives use the current device
     model.to(device)
     mesh = init_device_mesh(device.type, (world,))
     policy = precision_policy(device, bf16)
