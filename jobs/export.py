@@ -12,7 +12,8 @@ error evaluate gives). The checkpoint's tokenizer comes along (its SentencePiece
 or an imported model's own files); docs/models.md, "Export", says what each form keeps and loses. --out must not
 exist (or be empty): the directory is written beside it and renamed, so it appears whole or not at all.
 --checkpoint names a checkpoint, a run (its newest complete checkpoint) or a Hugging Face directory (Ouro, Llama,
-T5 v1.1, Huginn), a local path or a URI.
+T5 v1.1, Huginn), a local path or a URI; an FSDP run's sharded checkpoint (sharded/,
+speed.train.sharding) is read whole in this one process (load_model).
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ within +-3 std, times ``embed_scale``: ``huginn_random_state``, given the draws)
 ``x = norm_4(x + mlp(norm_3(x)))``. Attention: fused ``Wqkv``, a learned bias ``qk_bias`` of shape
 ``(2, 1, n_heads, head_dim)`` added to q and k before the rotary embedding, which rotates adjacent pairs
 ``(x[2i], x[2i+1])`` by ``freqs_cis`` (base ``rope_base``); the MLP is ``proj(silu(a) * b)`` with
-``a, b = fc(x).chunk(2)``.
+``a, b = fc(x).chunk(2)``. Its training forward (``iterate_forward`` with ``num_steps=(n, k)``): n recurrences
+under ``torch.no_grad()``, then k with gradients, the exit and the loss after the last one only
+(``huginn_reference_training``).
 """
 
 from __future__ import annotations
@@ -346,45 +348,88 @@ def huginn_reference_logits(
     """The exit logits after each recurrence step, (B, T, V) each: entry k-1 is what ``RavenForCausalLM``'s
     forward gives with ``num_steps=k`` and ``init_scale=0`` (a zero initial state; ``state`` to give another)."""
     config, w = load_checkpoint(directory, dtype)
-    if config.get("test_time_noise", 0):
-        raise NotImplementedError("test-time noise is random: the reference computes without it")
-    d, heads, eps = config["n_embd"], config["n_heads"], config["norm_eps"]
-    hd = d // heads
-    T = input_ids.shape[1]
-    freqs = huginn_freqs_cis(hd, T, config["rope_base"]).to(dtype)[0, :, 0]  # (T, hd/2, 2)
-    scale = math.sqrt(d)  # the model's emb_scale: _init_func(n_embd, ...)["embed_scale"], not read from the config
-    head = w.get("lm_head.weight", w["transformer.wte.weight"])
+    huginn = _Huginn(config, w, input_ids.shape[1], dtype)
+    e = huginn.prelude(input_ids)
+    x = torch.zeros_like(e) if state is None else state.to(dtype)
+    out = []
+    for _ in range(num_steps):
+        x = huginn.step(x, e)
+        out.append(huginn.exit(x))
+    return out
 
-    def block(prefix: str, x: Tensor) -> Tensor:
+
+def huginn_reference_training(
+    directory: str | Path, input_ids: Tensor, labels: Tensor, no_grad_steps: int, grad_steps: int
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The training forward of ``RavenForCausalLM`` with ``num_steps=(no_grad_steps, grad_steps)`` from a zero
+    state (``iterate_forward``: the first steps under ``torch.no_grad()``, the last ones with gradients; the exit
+    and the loss, ``cross_entropy(logits, labels, ignore_index=-100)``, after the last step only), and its
+    backward: (the loss, each published tensor's gradient; tensors no gradient reached are left out)."""
+    config, w = load_checkpoint(directory)
+    for tensor in w.values():
+        tensor.requires_grad_(tensor.is_floating_point())
+    huginn = _Huginn(config, w, input_ids.shape[1], torch.float32)
+    e = huginn.prelude(input_ids)
+    x = torch.zeros_like(e)
+    with torch.no_grad():
+        for _ in range(no_grad_steps):
+            x = huginn.step(x, e)
+    for _ in range(grad_steps):
+        x = huginn.step(x, e)
+    logits = huginn.exit(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    loss.backward()
+    return loss.detach(), {name: t.grad for name, t in w.items() if t.grad is not None}
+
+
+class _Huginn:
+    """Huginn's parts over whole sequences of length T, on the published tensors ``w``."""
+
+    def __init__(self, config: dict, w: dict[str, Tensor], T: int, dtype: torch.dtype) -> None:
+        if config.get("test_time_noise", 0):
+            raise NotImplementedError("test-time noise is random: the reference computes without it")
+        self.config, self.w = config, w
+        self.d, self.heads, self.eps = config["n_embd"], config["n_heads"], config["norm_eps"]
+        self.freqs = huginn_freqs_cis(self.d // self.heads, T, config["rope_base"]).to(dtype)[0, :, 0]  # (T, hd/2, 2)
+
+    def block(self, prefix: str, x: Tensor) -> Tensor:
+        w, d, eps, heads = self.w, self.d, self.eps, self.heads
+        hd = d // heads
         y = _rms(x, w[prefix + "norm_1.weight"], eps)
         q, k, v = (y @ w[prefix + "attn.Wqkv.weight"].T).split([d, d, d], dim=-1)
         q, k, v = (t.unflatten(-1, (heads, hd)) for t in (q, k, v))  # (B, T, H, hd)
-        if config["qk_bias"]:
+        if self.config["qk_bias"]:
             q, k = q + w[prefix + "attn.qk_bias"][0], k + w[prefix + "attn.qk_bias"][1]
-        q, k = _pairs_rotary(q, freqs), _pairs_rotary(k, freqs)
+        q, k = _pairs_rotary(q, self.freqs), _pairs_rotary(k, self.freqs)
         a = _causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), hd**-0.5)
         x = _rms(x + a @ w[prefix + "attn.proj.weight"].T, w[prefix + "norm_2.weight"], eps)
         gate, up = (_rms(x, w[prefix + "norm_3.weight"], eps) @ w[prefix + "mlp.fc.weight"].T).chunk(2, dim=-1)
         return _rms(x + (F.silu(gate) * up) @ w[prefix + "mlp.proj.weight"].T, w[prefix + "norm_4.weight"], eps)
 
-    def blocks(part: str, count: int, x: Tensor) -> Tensor:
+    def blocks(self, part: str, count: int, x: Tensor) -> Tensor:
         for i in range(count):
-            x = block(f"transformer.{part}.{i}.", x)
+            x = self.block(f"transformer.{part}.{i}.", x)
         return x
 
-    e = blocks("prelude", config["n_layers_in_prelude"], w["transformer.wte.weight"][input_ids] * scale)
-    x = torch.zeros_like(e) if state is None else state.to(dtype)
-    adapter_bias = w.get("transformer.adapter.bias")
-    out = []
-    for _ in range(num_steps):
-        x = torch.cat([x, e], dim=-1) @ w["transformer.adapter.weight"].T
-        if adapter_bias is not None:
-            x = x + adapter_bias
-        x = blocks("core_block", config["n_layers_in_recurrent_block"], x)
-        y = _rms(x, w["transformer.ln_f.weight"], eps)
-        y = blocks("coda", config["n_layers_in_coda"], y)
-        out.append(_rms(y, w["transformer.ln_f.weight"], eps) @ head.T)
-    return out
+    def prelude(self, input_ids: Tensor) -> Tensor:
+        """``e``: the prelude's output (the embedding scaled by sqrt(n_embd), the model's ``emb_scale``: it is
+        ``_init_func(n_embd, ...)["embed_scale"]``, not read from the config)."""
+        embedded = self.w["transformer.wte.weight"][input_ids] * math.sqrt(self.d)
+        return self.blocks("prelude", self.config["n_layers_in_prelude"], embedded)
+
+    def step(self, x: Tensor, e: Tensor) -> Tensor:
+        """One recurrence: ``core_block(adapter(cat([x, e])))``."""
+        x = torch.cat([x, e], dim=-1) @ self.w["transformer.adapter.weight"].T
+        if "transformer.adapter.bias" in self.w:
+            x = x + self.w["transformer.adapter.bias"]
+        return self.blocks("core_block", self.config["n_layers_in_recurrent_block"], x)
+
+    def exit(self, x: Tensor) -> Tensor:
+        """The logits ``lm_head(ln_f(coda(ln_f(x))))`` (the head tied to the embedding unless written out)."""
+        w, eps = self.w, self.eps
+        head = w.get("lm_head.weight", w["transformer.wte.weight"])
+        y = self.blocks("coda", self.config["n_layers_in_coda"], _rms(x, w["transformer.ln_f.weight"], eps))
+        return _rms(y, w["transformer.ln_f.weight"], eps) @ head.T
 
 
 def huginn_random_state(directory: str | Path, draws: Tensor, init_scale: float = 1.0) -> Tensor:

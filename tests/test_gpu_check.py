@@ -75,7 +75,8 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads(report_file.read_text())
     stages = {s["name"]: s for s in report["stages"]}
-    assert list(stages) == ["exactness", "launches", "shapes", "llama", "timing", "agreement", "training"]
+    names = ["exactness", "launches", "shapes", "llama", "timing", "agreement", "training", "sharded training"]
+    assert list(stages) == names
     assert all(s["ok"] and s["error"] is None and s["skipped"] is None for s in stages.values())
     training = stages["training"]["result"]
     assert training["state_on_device"] and training["state_restored"] and len(training["losses"]) == 2
@@ -107,9 +108,11 @@ def test_dry_run_on_the_cpu_without_ray(tmp_path):
     exactness = stages["exactness"]["result"]
     assert exactness["returncode"] == 0 and exactness["failed"] == []
     assert set(exactness["outcomes"]) == {"SKIPPED"}  # no CUDA here: every test skipped, with its reason
-    assert "7/7 stages ok (0 skipped)" in out.stdout and "real shape" in out.stdout
+    assert "8/8 stages ok (0 skipped)" in out.stdout and "real shape" in out.stdout
     assert "SPEED / sequential" in out.stdout
     assert "against our 2x1" in out.stdout
+    sharded = stages["sharded training"]["result"]  # FSDP at Ouro's form, tiny: the loss falls, a plan beside it
+    assert sharded["losses"][-1] < sharded["losses"][0] and sharded["planned_mb"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")

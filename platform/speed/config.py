@@ -298,14 +298,14 @@ class ConfigError(ValueError):
     """A config value that does not fit its field, or a key that names no field."""
 
 
-def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "", built: dict[str, Any] | None = None) -> T:
     """Build the dataclass ``cls`` from ``data``; unknown keys and values of the wrong type are errors.
 
     Values are coerced by the field types (``int``, ``float``, ``bool``, ``str``,
     ``Literal``, optionals, tuples, nested dataclasses from nested dicts): YAML's
     ``1e-3`` (a string to YAML) becomes a float, while ``"maybe"`` for a ``bool``
     is a ``ConfigError`` naming the key (``where`` is the dotted prefix of this
-    section in those messages, e.g. ``"train"``).
+    section in those messages, e.g. ``"train"``). ``built``: fields given as built values, taken as they are.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__} must be a mapping of keys to values, got {type(data).__name__}")
@@ -315,7 +315,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         raise ConfigError(f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(fields)}")
     hints = typing.get_type_hints(cls)
     kwargs = {key: coerce(value, hints[key], f"{where}.{key}" if where else key) for key, value in data.items()}
-    return cls(**kwargs)
+    return cls(**kwargs, **(built or {}))
 
 
 _TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")

@@ -5,10 +5,12 @@ sums to 1; loop i is 1-based in the formulas below. Parametric families take
 their parameter after a colon, so that a sweep can sample it: ``power:P``
 (w_i proportional to i^P) and ``ratio:R`` (w_i proportional to R^i).
 
-Beside the weights: the flip cost (``flip_cost``, SPEED's steps per token lost to
-flips, from per-loop flip rates) and the settle term (``SettleConfig``,
-``settle_loss``), an agreement loss that makes later loops stop changing the
-prediction, each exit pulled toward a detached later one.
+Beside the weights: Ouro's gate objective (``gate``: the expected loop loss under the exit gate's
+distribution, minus an entropy bonus; ``gate_objective``), a scheme whose weights are each token's own, so it
+is named like the others (``--loss-weights gate``) but computed by the model's forward; the flip cost
+(``flip_cost``, SPEED's steps per token lost to flips, from per-loop flip rates); and the settle term
+(``SettleConfig``, ``settle_loss``), an agreement loss that makes later loops stop changing the prediction,
+each exit pulled toward a detached later one.
 """
 
 from __future__ import annotations
@@ -84,11 +86,15 @@ def parametric(family: str, value: float) -> str:
     return name
 
 
+GATE = "gate"  # Ouro's gate objective: per-token weights from the exit gate (``gate_objective``), no fixed weights
+
+
 def check_scheme(scheme: str) -> None:
-    """Raise ValueError unless ``scheme`` is a named scheme or ``family:value`` of a parametric family in range."""
+    """Raise ValueError unless ``scheme`` is a named scheme, ``gate``, or ``family:value`` of a parametric family in
+    range."""
     family, sep, value = scheme.partition(":")
     if not sep:
-        if scheme not in SCHEMES:
+        if scheme not in SCHEMES and scheme != GATE:
             raise ValueError(
                 f"unknown loss-weight scheme {scheme!r}; choose one of {sorted(SCHEMES)} "
                 f"or a parametric {'|'.join(f'{f}:VALUE' for f in PARAMETRIC)}"
@@ -106,8 +112,11 @@ def check_scheme(scheme: str) -> None:
 
 
 def loss_weights(scheme: str, n_loops: int) -> Tensor:
-    """The (n_loops,) weights of a scheme (named or ``family:value``); unknown names and n_loops < 1 are errors."""
+    """The (n_loops,) weights of a scheme (named or ``family:value``); unknown names, ``gate`` (its weights are each
+    token's exit distribution: ``gate_objective``) and n_loops < 1 are errors."""
     check_scheme(scheme)
+    if scheme == GATE:
+        raise ValueError("the gate objective has no fixed loop weights: each token's come from the exit gate")
     if n_loops < 1:
         raise ValueError(f"n_loops must be at least 1, got {n_loops}")
     family, sep, value = scheme.partition(":")
@@ -148,6 +157,39 @@ def weighted_loss(loop_losses: Tensor, weights: Tensor | None = None) -> Tensor:
     if weights.shape != loop_losses.shape:
         raise ValueError(f"loss weights have shape {tuple(weights.shape)}, expected ({n_loops},) for {n_loops} loops")
     return (weights * loop_losses).sum()
+
+
+# ----- Ouro's gate objective -------------------------------------------------------------------------------
+#
+# Ouro (arXiv 2510.25741, section 3) trains its exit gate with the expected loop loss under the gate's exit
+# distribution, p_k = lambda_k prod_{j<k} (1 - lambda_j) (the last loop takes the rest), minus beta times the
+# distribution's entropy: a KL to the uniform prior over loops up to the constant log M. Without the entropy
+# term the gate collapses onto the loop with the lowest loss and stops being a decision.
+
+
+def exit_log_distribution(gate_logits: Tensor) -> Tensor:
+    """(..., M) log p_k of the exit distribution from the gate's logits z_k (lambda_k = sigmoid(z_k)): log lambda_k
+    plus sum_{j<k} log(1 - lambda_j), the last loop's log the survival of all before it (computed in log space:
+    ``logsigmoid``, no 0 * log 0)."""
+    z = gate_logits.float()
+    stay = F.logsigmoid(-z)  # (..., M) log(1 - lambda_k)
+    before = torch.cumsum(stay, dim=-1) - stay  # (..., M) sum_{j<k} log(1 - lambda_j)
+    log_p = F.logsigmoid(z) + before
+    return torch.cat([log_p[..., :-1], before[..., -1:]], dim=-1)
+
+
+def gate_objective(token_losses: Tensor, gate_logits: Tensor, entropy: float) -> Tensor:
+    """Ouro's gate objective over n tokens: mean_t [sum_k p_tk L_tk - ``entropy`` * H(p_t)], ``token_losses``
+    (n, M) each token's cross-entropy at each loop, ``gate_logits`` (n, M) the exit gate's logits there, H the
+    entropy of the token's exit distribution (``exit_log_distribution``). Gradients reach the losses (through
+    the weights p) and the gate alike."""
+    if token_losses.shape != gate_logits.shape:
+        raise ValueError(f"token losses {tuple(token_losses.shape)} and gate logits {tuple(gate_logits.shape)} differ")
+    log_p = exit_log_distribution(gate_logits)  # (n, M)
+    p = log_p.exp()
+    expected = (p * token_losses.float()).sum(-1)  # (n,)
+    neg_entropy = (p * log_p).sum(-1)  # (n,): -H(p_t)
+    return (expected + entropy * neg_entropy).mean()
 
 
 # ----- flip cost and the settle term -----------------------------------------------------------------------

@@ -56,6 +56,7 @@ import torch
 
 from speed.benchmarks.decode import BENCH_SCHEMA, BenchConfig, format_table, random_model, run_benchmark
 from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA
+from speed.benchmarks.gpu_train import training_check
 from speed.benchmarks.shapes import OURO_1_4B, SHAPES, Shape, ShapeBenchConfig, format_shape_table, run_shape_benchmark
 from speed.config import ModelConfig, preset
 from speed.decode.generate import generate
@@ -717,6 +718,13 @@ STAGES: list[StagePlan] = [
     StagePlan("timing", timing_stage, lambda r: bool(r.rows) and not r.errors, lambda size: 40.0),
     StagePlan("agreement", lambda size, device, left: agreement_stage(size, device), lambda r: True),  # a measure
     StagePlan("training", lambda size, device, left: training_stage(size, device), lambda r: r.ok),
+    # FSDP (world size 1) at Ouro-1.4B's shape, bf16, block checkpointing: about a minute on an H100
+    StagePlan(
+        "sharded training",
+        lambda size, device, left: training_check(size is TINY, device),
+        lambda r: r.ok,
+        lambda size: 10.0 if size is TINY else 60.0,
+    ),
 ]
 
 

@@ -39,6 +39,7 @@ from speed.models.t5 import SpeedT5
 from speed.storage import absolute, locate
 
 MODEL_FILE = "model.pt"
+SHARDED_DIR = "sharded"  # FSDP's checkpoints: model and optimizer state in torch.distributed.checkpoint's shards
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "spm.model"
 HF_TOKENIZER_DIR = "tokenizer"  # an imported model's tokenizer files, in place of spm.model
@@ -61,8 +62,10 @@ def save_model(
     model: SpeedT5 | LoopedLM,
     tokenizer_path: str | Path | None = None,
     extra_config: dict[str, Any] | None = None,
+    weights: bool = True,
 ) -> Path:
-    """Write weights, config (the family, plus ``extra_config`` sections) and tokenizer into ``directory``.
+    """Write weights, config (the family, plus ``extra_config`` sections) and tokenizer into ``directory``; without
+    ``weights`` no model.pt (a sharded checkpoint's weights are in ``SHARDED_DIR``, written by every worker).
 
     ``tokenizer_path``: a SentencePiece ``.model`` file (copied to spm.model) or a Hugging Face model directory
     (its ``tokenizer_files`` copied to tokenizer/, and config.json's ``tokenizer`` section says so).
@@ -82,7 +85,8 @@ def save_model(
         for name, data in files.items():
             (directory / HF_TOKENIZER_DIR / name).parent.mkdir(parents=True, exist_ok=True)
             (directory / HF_TOKENIZER_DIR / name).write_bytes(data)
-    torch.save(backbone_state(model), directory / MODEL_FILE)
+    if weights:
+        torch.save(backbone_state(model), directory / MODEL_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer_path is not None and not imported:
         if Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():
@@ -128,19 +132,37 @@ def load_model(where: str | Path, map_location: str | torch.device = "cpu", exit
     (exits.pt, when it has them) are attached to the model (``speed.models.exits``); they never change its output.
     """
     directory = locate(latest_checkpoint(absolute(where)))
-    for name in (CONFIG_FILE, MODEL_FILE):
+    sharded = not (directory / MODEL_FILE).is_file() and (directory / SHARDED_DIR / ".metadata").is_file()
+    for name in (CONFIG_FILE,) if sharded else (CONFIG_FILE, MODEL_FILE):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"checkpoint {directory.uri} has no {name}")
     config = json.loads((directory / CONFIG_FILE).read_text())
     if "model" not in config:
         raise ValueError(f"checkpoint config {(directory / CONFIG_FILE).uri} has no 'model' section")
     model = build_model(config_from_dict(config["model"], checkpoint_family(config)))
-    weights = io.BytesIO((directory / MODEL_FILE).read_bytes())
-    model.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
+    if sharded:
+        consolidate_sharded(directory.uri, model)
+        model.to(map_location)
+    else:
+        weights = io.BytesIO((directory / MODEL_FILE).read_bytes())
+        model.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
     if exits:
         attach(model, load_exits(directory.uri, map_location))
     model.eval()
     return LoadedModel(model, checkpoint_tokenizer(directory.uri, config), config, directory.uri)
+
+
+def consolidate_sharded(directory: str, model: SpeedT5 | LoopedLM) -> None:
+    """Load the whole model of a sharded training checkpoint (``SHARDED_DIR``, written by FSDP's workers:
+    ``speed.train.sharding``) into ``model`` in this one process; its optimizer state is left unread."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint import load as dcp_load
+
+    state = {"model": model.state_dict()}
+    with local_checkpoint(directory) as local:
+        planner = DefaultLoadPlanner(allow_partial_load=True)  # the model's part of the model's and the optimizer's
+        dcp_load(state, checkpoint_id=str(Path(local) / SHARDED_DIR), planner=planner, no_dist=True)
+    model.load_state_dict(state["model"])
 
 
 def checkpoint_tokenizer(directory: str, config: dict[str, Any]) -> str | None:

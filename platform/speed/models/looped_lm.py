@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from speed.config import LMConfig, RopeLayout
 from speed.engine import native
@@ -66,7 +68,7 @@ from speed.engine.kernels import (
 from speed.engine.memory import MemoryNeed
 from speed.engine.sampling import truncated_normals
 from speed.engine.types import Admitted
-from speed.losses import LoopOutput, loop_output
+from speed.losses import LoopOutput, gate_objective, loop_output
 from speed.models.exits import ExitAdapters, exit_logits
 from speed.models.steppers import ModelStepper
 
@@ -109,6 +111,57 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _call(layer: nn.Linear, x: Tensor) -> Tensor:
     """``layer(x)``: the whole-sequence path's way of applying a layer (the cached path's: the row kernels)."""
     return layer(x)
+
+
+CHECKPOINTING = ("none", "block", "loop")
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """How a training forward runs the loops; the default is the plain forward (every loop, every exit).
+
+    ``loops``: the recurrences this forward runs (Huginn's sampled count; None: the model's M). ``backprop``: only
+    the last K of them keep gradients, the earlier ones run under ``no_grad`` (Huginn's truncated backpropagation;
+    None: all). Either makes the forward Huginn's: only the last loop's exit is computed, so the loss is that
+    loop's alone. ``checkpoint``: activation checkpointing, ``block`` (each block's activations recomputed in the
+    backward pass, only its input kept) or ``loop`` (each loop's core and coda as one). ``gate_entropy``: Ouro's
+    gate objective with this entropy coefficient (``speed.losses.gate_objective``) in place of fixed weights.
+    """
+
+    loops: int | None = None
+    backprop: int | None = None
+    checkpoint: str = "none"
+    gate_entropy: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.checkpoint not in CHECKPOINTING:
+            choices = list(CHECKPOINTING)
+            raise ValueError(f"unknown activation checkpointing {self.checkpoint!r}; choose one of {choices}")
+        for name in ("loops", "backprop"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"TrainRun.{name} must be positive or None, got {value}")
+        if self.gate_entropy is not None and self.last_only:
+            raise ValueError("the gate objective weighs every loop's exit: it cannot train the last loop's alone")
+
+    @property
+    def last_only(self) -> bool:
+        """Whether only the last loop's exit is computed (a sampled or truncated recurrence)."""
+        return self.loops is not None or self.backprop is not None
+
+
+FULL_RUN = TrainRun()
+
+
+def _plain(block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return block(x, cos, sin)
+
+
+def _checkpointed(block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``block(x, cos, sin)`` keeping only its input for the backward pass, which recomputes the rest."""
+    if not torch.is_grad_enabled():
+        return block(x, cos, sin)
+    return checkpoint(block, x, cos, sin, use_reentrant=False)
 
 
 class Attention(nn.Module):
@@ -428,32 +481,54 @@ class LoopedLM(nn.Module):
             return torch.zeros_like(e)
         return self.initial_state.draw(positions, e).expand_as(e)
 
-    def _exit_inputs(self, input_ids: Tensor) -> list[Tensor]:
+    def _exit_inputs(self, input_ids: Tensor, run: TrainRun = FULL_RUN) -> list[Tensor]:
         """Each loop's exit input M x (B, T, d): the coda's output (the core's without one), before the loop's
-        exit adapter and the final norm."""
+        exit adapter and the final norm. ``run`` (training only) changes which loops run and keep gradients and
+        what is recomputed in the backward pass; then only the last loop's exit when it asks (``TrainRun``)."""
         c, T = self.config, input_ids.shape[1]
         positions = torch.arange(T, device=input_ids.device)
         cos, sin = rotary(positions, c.head_dim, c.rope_theta, c.rope_layout)
+        blocks = _checkpointed if run.checkpoint == "block" else _plain
         e = self._embed(input_ids)  # (B, T, d)
         for block in self.prelude:
-            e = block(e, cos, sin)
+            e = blocks(block, e, cos, sin)
         state = self._first_state(e, positions) if self.adapter is not None else e
+        loops = run.loops or self.n_loops
+        free = loops - min(run.backprop or loops, loops)  # the first loops run without gradients (Huginn's)
         exits = []
-        for _ in range(self.n_loops):
-            h = self._inject(state, e, _call) if self.adapter is not None else state  # (B, T, d)
-            for block in self.core:
-                h = block(h, cos, sin)
-            y = tile_rms_norm(self.norm, h) if c.coda_norm else h
-            for block in self.coda:
-                y = block(y, cos, sin)
-            exits.append(y)
+        for i in range(loops):
+            wanted = not run.last_only or i == loops - 1
+            with torch.no_grad() if i < free else nullcontext():
+                if run.checkpoint == "loop" and i >= free:
+                    h, y = checkpoint(self._loop, state, e, cos, sin, wanted, _plain, use_reentrant=False)
+                else:
+                    h, y = self._loop(state, e, cos, sin, wanted, blocks)
+            if y is not None:
+                exits.append(y)
             state = self.norm(h) if c.loop_norm else h
         return exits
 
-    def _exit_states(self, input_ids: Tensor) -> list[Tensor]:
-        """Each loop's exit state M x (B, T, d), the LM head's input (after the loop's exit adapter, if any)."""
-        adapt = self.exit_adapters.adapt if self.exit_adapters is not None else lambda y, i: y
-        return [self.norm(adapt(y, i)) for i, y in enumerate(self._exit_inputs(input_ids))]
+    def _loop(
+        self, state: Tensor, e: Tensor, cos: Tensor, sin: Tensor, exit: bool, blocks: Callable[..., Tensor]
+    ) -> tuple[Tensor, Tensor | None]:
+        """One loop over whole sequences: (the core's output h, the loop's exit input y or None without ``exit``),
+        each block applied by ``blocks`` (a plain call, or recomputed in the backward pass)."""
+        h = self._inject(state, e, _call) if self.adapter is not None else state  # (B, T, d)
+        for block in self.core:
+            h = blocks(block, h, cos, sin)
+        if not exit:
+            return h, None
+        y = tile_rms_norm(self.norm, h) if self.config.coda_norm else h
+        for block in self.coda:
+            y = blocks(block, y, cos, sin)
+        return h, y
+
+    def _exit_states(self, input_ids: Tensor, run: TrainRun = FULL_RUN) -> list[Tensor]:
+        """Each loop's exit state M x (B, T, d), the LM head's input (after the loop's exit adapter, if any; a
+        ``run`` of the last loop's exit alone adapts none: the last loop never has one)."""
+        adapters = self.exit_adapters if not run.last_only else None
+        adapt = adapters.adapt if adapters is not None else lambda y, i: y
+        return [self.norm(adapt(y, i)) for i, y in enumerate(self._exit_inputs(input_ids, run))]
 
     def exit_lambdas(self, input_ids: Tensor) -> Tensor:
         """Each loop's exit-gate probability lambda (B, T, M) for token ids (B, T): sigmoid(exit_gate(norm(y))), y
@@ -470,16 +545,35 @@ class LoopedLM(nn.Module):
         labels: Tensor | None = None,
         weights: Tensor | None = None,
         return_logits: bool = False,
+        run: TrainRun = FULL_RUN,
     ) -> LoopOutput:
         """Teacher-forced forward of token ids (B, T) through all M loops, causal (right padding is harmless).
 
         ``labels`` (B, T; -100 = ignore) are the tokens that follow each
         position (``next_token_labels``); with them, returns each loop's mean
         token cross-entropy L_i and ``L_w = sum_i w_i L_i`` with ``weights``
-        (M,) (default: the paper's linear scheme).
+        (M,) (default: the paper's linear scheme). ``run`` (training only): the loops run, those with
+        gradients, activation checkpointing and Ouro's gate objective (``TrainRun``); with a run of the last
+        loop's exit alone the losses are that loop's (shape (1,)).
         """
-        exits = (self.lm_head(state) for state in self._exit_states(input_ids))  # each loop's (B, T, V)
-        return loop_output(exits, labels, weights, return_logits)
+        states = self._exit_states(input_ids, run)
+        if run.gate_entropy is None or labels is None:
+            return loop_output((self.lm_head(state) for state in states), labels, weights, return_logits)
+        return self._gate_output(states, labels, run.gate_entropy, return_logits)
+
+    def _gate_output(self, states: list[Tensor], labels: Tensor, entropy: float, return_logits: bool) -> LoopOutput:
+        """Each loop's mean loss and Ouro's gate objective (``speed.losses.gate_objective``) over the target tokens,
+        the gate reading each loop's exit state as ``exit_lambdas`` does."""
+        if self.exit_gate is None:
+            raise ValueError("the gate objective needs a LoopedLM with an exit gate (LMConfig.exit_gate)")
+        keep = labels.reshape(-1) != -100  # (B*T,)
+        logits = [self.lm_head(state) for state in states]  # M x (B, T, V)
+        targets = labels.reshape(-1)[keep]  # (n,)
+        losses = [F.cross_entropy(lg.flatten(0, 1)[keep].float(), targets, reduction="none") for lg in logits]
+        token_losses = torch.stack(losses, dim=-1)  # (n, M)
+        gates = torch.cat([self.exit_gate(state).flatten(0, 1)[keep] for state in states], dim=-1)  # (n, M)
+        loss = gate_objective(token_losses, gates, entropy)
+        return LoopOutput(token_losses.mean(0), loss, logits if return_logits else None)
 
     # ----- cached decoding ---------------------------------------------------------------------------------
 

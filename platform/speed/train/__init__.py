@@ -5,7 +5,10 @@
 - ``speed.train.loop``: ``train_loop_per_worker``, what every Ray Train worker runs.
 - ``speed.train.families``: both model families trained and evaluated side by side (``jobs/compare_families.py``).
 - ``speed.train.optim``, ``speed.train.state``: the optimizer and its schedule; training checkpoints.
+- ``speed.train.sharding``: FSDP (``--strategy fsdp``) and its sharded checkpoints.
+- ``speed.train.memory_plan``: what a worker holds at a step's peak, printed (and checked) before a job starts.
+- ``speed.train.recurrence``: Huginn's sampled loop count per step (``--recurrence-sampling``).
 
-This package imports nothing itself: the optimizer and checkpoint modules load without Ray (``jobs/gpu_check.py``
-trains on a machine that has none); only the driver and the loop import it.
+This package imports nothing itself: the optimizer, checkpoint, sharding, plan and recurrence modules load without
+Ray (``jobs/gpu_check.py`` trains on a machine that has none); only the driver and the loop import it.
 """

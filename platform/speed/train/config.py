@@ -19,6 +19,7 @@ import argparse
 import copy
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,14 +28,16 @@ from speed.cli import JobParser, parse_set, parse_yaml
 from speed.config import ConfigError, LMConfig, ModelConfig, from_dict, require_positive, to_dict
 from speed.data.tasks import TASKS
 from speed.eval.evaluate import EvalConfig
-from speed.losses import SCHEMES, SettleConfig, check_scheme
+from speed.losses import GATE, SCHEMES, SettleConfig, check_scheme
 from speed.models.checkpoint import checkpoint_family, latest_checkpoint, local_checkpoint, read_checkpoint_config
 from speed.models.family import DEFAULT_FAMILY, Family, family_of, get_family
+from speed.models.looped_lm import CHECKPOINTING, TrainRun
 from speed.storage import absolute
 from speed.train.optim import SCHEDULES, OptimConfig
 from speed.train.state import IncompatibleCheckpointError
 
 KINDS = ("pretrain", "finetune")
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,24 @@ class TrainConfig:
     fail_at_step: int | None = None  # fault injection: the last worker raises once on reaching this step
     hang_at_step: int | None = None  # fault drill: every worker stops before this step until ended (a lost node)
     num_threads: int | None = None  # torch threads per worker; None = cpus_per_worker
-    bf16: bool = True  # bf16 autocast when training on GPU
+    bf16: bool = True  # bf16 autocast when training on GPU (FSDP: bf16 parameters in compute, float32 reduction)
+    checkpoint_activations: str = "none"  # none | block | loop (looped LM): recompute in the backward pass
+    recurrence_sampling: bool = False  # looped LM: Huginn's sampled loop count per step, mean the model's M
+    backprop_depth: int | None = None  # looped LM: gradients through the last K loops only (Huginn's 8); None: all
+    gate_entropy: float = 0.05  # loss_weights gate (Ouro): the entropy bonus beta of speed.losses.gate_objective
 
     def __post_init__(self) -> None:
         check_scheme(self.loss_weights)
+        if self.checkpoint_activations not in CHECKPOINTING:
+            raise ValueError(
+                f"unknown checkpoint_activations {self.checkpoint_activations!r}; choose one of {list(CHECKPOINTING)}"
+            )
+        if self.backprop_depth is not None and self.backprop_depth < 1:
+            raise ValueError(f"TrainConfig.backprop_depth must be positive or None, got {self.backprop_depth}")
+        if self.gate_entropy < 0 or not math.isfinite(self.gate_entropy):
+            raise ValueError(f"TrainConfig.gate_entropy must be a finite number >= 0, got {self.gate_entropy}")
+        if self.loss_weights == GATE and (self.recurrence_sampling or self.backprop_depth is not None):
+            raise ValueError("the gate objective weighs every loop: it cannot train a sampled or truncated recurrence")
         counts = ("batch_size", "grad_accum", "max_steps", "log_every", "checkpoint_every", "keep_checkpoints")
         require_positive(self, *counts)
         if self.time_budget_min is not None and self.time_budget_min <= 0:
@@ -110,8 +127,14 @@ class ScaleConfig:
     use_gpu: bool = False
     cpus_per_worker: float = 2.0  # the laptop default: one worker on both cores
     gpus_per_worker: float = 1.0  # used only with use_gpu
+    strategy: str = "ddp"  # ddp (every worker holds everything) | fsdp (FSDP2: parameters, gradients, state sharded)
+    device_memory_gb: float | None = None  # one worker's device memory for the plan's check; None: found out
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {list(STRATEGIES)}")
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            raise ValueError(f"ScaleConfig.device_memory_gb must be positive, got {self.device_memory_gb}")
         if self.num_workers < 1:
             raise ValueError(f"ScaleConfig.num_workers must be positive, got {self.num_workers}")
         if self.cpus_per_worker <= 0 or self.gpus_per_worker <= 0:
@@ -217,6 +240,25 @@ class JobConfig:
             self.final_eval.check_complete()  # checked now, not after training: e.g. a task without references
         if not self.family.hub_init and self.init_from is not None and self.init_from.startswith(HF_PREFIX):
             raise ValueError(f"--init-from {self.init_from}: Hugging Face T5 weights need --model t5")
+        t = self.train
+        looped = t.checkpoint_activations != "none" or t.recurrence_sampling or t.backprop_depth is not None
+        if (looped or t.loss_weights == GATE) and not isinstance(self.model, LMConfig):
+            raise ValueError(
+                "activation checkpointing, recurrence sampling, --backprop-depth and the gate objective train the "
+                "looped LM (--model lm)"
+            )
+        if t.loss_weights == GATE and not self.model.exit_gate:
+            raise ValueError("--loss-weights gate trains the exit gate: the model has none (model.exit_gate, Ouro's)")
+
+    @property
+    def run_shape(self) -> TrainRun:
+        """The looped LM's training forward before a step's sampled loop count (``speed.train.recurrence``)."""
+        t = self.train
+        return TrainRun(
+            backprop=t.backprop_depth,
+            checkpoint=t.checkpoint_activations,
+            gate_entropy=t.gate_entropy if t.loss_weights == GATE else None,
+        )
 
     @property
     def family(self) -> Family:
@@ -275,8 +317,7 @@ def job_from_dict(data: dict[str, Any]) -> JobConfig:
     model = data.pop("model", {})
     if not isinstance(model, dict):
         raise ConfigError(f"the 'model' section must be a mapping, got {type(model).__name__}")
-    job = from_dict(JobConfig, data)
-    return JobConfig(**{**_shallow(job), "model": resolve_model(model)})
+    return from_dict(JobConfig, data, built={"model": resolve_model(model)})  # one JobConfig: its checks see the model
 
 
 def job_to_dict(job: JobConfig) -> dict[str, Any]:
@@ -316,16 +357,23 @@ def run_name(job: JobConfig) -> str:
     in the same run and Ray resumes it from its last checkpoint.
     """
     d = job_to_dict(job)
-    for key in (*LAUNCH_ONLY["train"], "num_threads", "log_every"):
+    for key in (*LAUNCH_ONLY["train"], "num_threads", "log_every", "checkpoint_activations"):
         d["train"].pop(key)
     if not job.train.settle.active:
         d["train"].pop("settle")  # runs named before the settle term existed keep their names
+    for key, value in _UNNAMED_DEFAULTS.items():
+        if d["train"][key] == value:
+            d["train"].pop(key)  # and before these: a default changes no earlier run's name
     if job.family.name == DEFAULT_FAMILY:
         d["model"].pop("family")  # T5 runs named before the LM existed too
     for key in ("run", "eval", "resume", "scale", "tracking"):
         d.pop(key)
     digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
     return f"{job.kind}-{job.data.task}-{job.model.pattern}-{digest}"
+
+
+# train fields added later, left out of run names at their defaults (checkpointing changes no result)
+_UNNAMED_DEFAULTS = {"recurrence_sampling": False, "backprop_depth": None, "gate_entropy": 0.05}
 
 
 # ----- resuming a run --------------------------------------------------------------------------------
@@ -345,10 +393,6 @@ def resumable_job(path: str) -> dict[str, Any]:
         for key in keys:
             job[section][key] = None
     return job
-
-
-def _shallow(obj: Any) -> dict[str, Any]:
-    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
 
 
 # ----- command-line flags -------------------------------------------------------------------------
@@ -383,6 +427,16 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--fail-at-step": ("train.fail_at_step", int, "fault injection: a worker fails once at this step"),
     "--hang-at-step": ("train.hang_at_step", int, "fault drill: the workers stop at this step until ended"),
     "--num-threads": ("train.num_threads", int, "torch threads per worker"),
+    "--checkpoint-activations": (
+        "train.checkpoint_activations",
+        str,
+        f"lm: recompute activations in the backward pass: {', '.join(CHECKPOINTING)}",
+    ),
+    "--recurrence-sampling": ("train.recurrence_sampling", bool, "lm: Huginn's sampled loop count per step (mean M)"),
+    "--backprop-depth": ("train.backprop_depth", int, "lm: gradients through the last K loops only (Huginn: 8)"),
+    "--gate-entropy": ("train.gate_entropy", float, "--loss-weights gate: the entropy coefficient beta (Ouro's)"),
+    "--strategy": ("scale.strategy", str, "ddp (default) or fsdp (parameters, gradients, optimizer sharded)"),
+    "--device-memory-gb": ("scale.device_memory_gb", float, "one worker's device memory for the memory plan"),
     "--num-workers": ("scale.num_workers", int, "Ray Train workers"),
     "--use-gpu": ("scale.use_gpu", bool, "one GPU per worker, bf16 autocast"),
     "--cpus-per-worker": ("scale.cpus_per_worker", float, "CPUs reserved per worker"),

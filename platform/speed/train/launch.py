@@ -5,7 +5,8 @@
 calls the same ones:
 
 1. ``tokenizer_stage``: the tokenizer (given, trained and cached, or a checkpoint's) and the
-   job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``;
+   job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``; then ``plan_stage``: the
+   memory plan of a worker's step printed (``speed.train.memory_plan``), a job that would not fit refused;
 2. ``data_stage``: the splits tokenized once on storage (``speed.data.shards``) -> ``PreparedData``;
 3. ``train_stage``: the ``TorchTrainer`` run, resumed from the run's newest complete checkpoint -> ``Trained``;
 4. ``evaluation_stage``: a finetuned model's evaluation (``speed.eval.evaluate``), in a Ray task.
@@ -30,11 +31,13 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
+from speed.cli import user_errors
 from speed.cluster import code_runtime_env
 from speed.config import LMConfig, ModelConfig, to_dict
 from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
 from speed.hf_tokenizer import load_tokenizer, pack_tokenizer, unpack_tokenizer
 from speed.models.checkpoint import (
+    SHARDED_DIR,
     TOKENIZER_FILE,
     checkpoint_family,
     checkpoint_tokenizer,
@@ -50,7 +53,9 @@ from speed.storage import absolute, locate
 from speed.tokenizer import train_tokenizer
 from speed.train import local_ray
 from speed.train.config import JobConfig, hub_origin, imported_origin, job_from_args, job_to_dict, run_name
+from speed.train.memory_plan import MemoryPlan, PlanRefused, check_fits, device_memory, plan_memory
 from speed.train.process_group import torch_config
+from speed.train.state import IncompatibleCheckpointError
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,8 @@ def run_job(job: JobConfig) -> TrainOutcome:
             f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_directory(job)}",
             flush=True,
         )
+        with user_errors((PlanRefused,)):  # one line, status 2, before any worker starts
+            plan_stage(job)
         ensure_ray()
         data = data_stage(job, resolved.tokenizer_path)
     trained = train_stage(job, resolved.tokenizer, data, deadline)
@@ -122,11 +129,19 @@ def run_job(job: JobConfig) -> TrainOutcome:
     return outcome
 
 
+def plan_stage(job: JobConfig) -> MemoryPlan:
+    """Print the job's memory plan (``speed.train.memory_plan``) and refuse (``PlanRefused``) a job whose worker's
+    share would not fit its device."""
+    plan = plan_memory(job)
+    print("\n".join(plan.lines()), flush=True)
+    check_fits(plan, device_memory(job))
+    return plan
+
+
 def job_main(kind: str, argv: list[str] | None, description: str) -> int:
     """The entry point of ``jobs/pretrain.py`` and ``jobs/finetune.py``: flags (and --config YAML) into a checked
     ``JobConfig`` (a mistake is one ``error:`` line, status 2), then ``run_job``; prints the checkpoint and, for
     a finetuned model, its evaluation's summary."""
-    from speed.cli import user_errors
     from speed.eval.evaluate import format_summary
 
     with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
@@ -170,7 +185,20 @@ def check_inputs(job: JobConfig) -> None:
     for origin in (None if hub or imported else job.init_from, job.resume):
         if origin is not None:
             latest_checkpoint(origin)
+    if job.resume:
+        check_strategy(job, latest_checkpoint(job.resume))
     tracking.check(job)
+
+
+def check_strategy(job: JobConfig, checkpoint: str) -> None:
+    """Refuse to resume ``checkpoint`` with the other strategy than the one that wrote it (FSDP's are sharded)."""
+    sharded = (locate(checkpoint) / SHARDED_DIR / ".metadata").is_file()
+    ran = "fsdp" if sharded else "ddp"
+    if ran != job.scale.strategy:
+        raise IncompatibleCheckpointError(
+            f"{checkpoint} is a {ran} checkpoint: resume it with --strategy {ran} (or start a {job.scale.strategy} "
+            "run from its weights: --init-from)"
+        )
 
 
 def _check_imported_tokenizer(job: JobConfig) -> None:
@@ -342,6 +370,7 @@ def train_stage(
     run_dir = run_directory(job)
     start = resume_point(job, run_dir)
     if start is not None:  # said here, not by a worker: a worker's output may never reach the job's
+        check_strategy(job, start.checkpoint)
         print(f"resuming at step {start.step} from {start.checkpoint}", flush=True)
     result = build_trainer(job, tokenizer, data, run_dir, deadline, callbacks).fit()
     # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
@@ -463,9 +492,8 @@ def describe(outcome: TrainOutcome, seconds: float) -> str:
             lines.append(f"  {info.base_name}")
     lines.append(f"final checkpoint: {outcome.checkpoint} (step {outcome.step})")
     if "loss" in outcome.metrics:
-        loops = " ".join(
-            f"{outcome.metrics[f'loss_loop{i + 1}']:.3f}" for i in range(outcome.job.model.sharing.n_loops)
-        )
+        exits = sum(key.startswith("loss_loop") for key in outcome.metrics)  # 1: a sampled or truncated recurrence's
+        loops = " ".join(f"{outcome.metrics[f'loss_loop{i + 1}']:.3f}" for i in range(exits))
         lines.append(f"final loss {outcome.metrics['loss']:.4f}, per loop L_i: {loops}")
     if outcome.evaluation is not None:
         lines.append(f"evaluation: {outcome.run_dir}/eval_{outcome.job.final_eval.split}/summary.json")

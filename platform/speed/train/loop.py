@@ -1,11 +1,14 @@
 """``train_loop_per_worker``: what every Ray Train worker runs.
 
-DDP through ``ray.train.torch.prepare_model``; each worker memory-maps the
+DDP through ``ray.train.torch.prepare_model``, or FSDP2 (``--strategy fsdp``: ``speed.train.sharding``, sharded
+checkpoints); each worker memory-maps the
 corpus the driver prepared (``speed.data.shards``) and trains on its own
 shard of every global batch (``speed.train.batches``); AdamW or Adafactor with
 warm-up plus decay; gradient clipping and accumulation; bf16 autocast on GPU;
 the shared early-exit loss ``L_w = sum_i w_i L_i``, plus ``lambda_t * S`` when
-``train.settle`` asks for the agreement term (``speed.losses.SettleConfig``). Rank 0 logs every loop's
+``train.settle`` asks for the agreement term (``speed.losses.SettleConfig``), or Ouro's gate objective
+(``--loss-weights gate``); for the looped LM activation checkpointing and Huginn's sampled, truncated recurrence
+(``speed.models.looped_lm.TrainRun``, ``speed.train.recurrence``). Rank 0 logs every loop's
 loss and tokens/s (also to MLflow: ``speed.train.tracking``), and writes checkpoints reported through
 ``ray.train.report``.
 A worker (re)started by Ray, or a rerun of the same command, resumes from the
@@ -19,8 +22,8 @@ import math
 import random
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,26 +35,39 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from speed.config import LMConfig
 from speed.data.corpus import TokenizedCorpus, open_corpus
 from speed.eval.validation import validation_metrics
 from speed.hf_tokenizer import unpack_tokenizer
-from speed.losses import loss_weights, settled_loss
+from speed.losses import GATE, loss_weights, settled_loss
 from speed.models.checkpoint import (
     MODEL_FILE,
+    SHARDED_DIR,
     TOKENIZER_FILE,
     local_checkpoint,
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
 from speed.models.family import build_model
-from speed.models.looped_lm import LoopedLM
+from speed.models.looped_lm import LoopedLM, TrainRun
 from speed.models.pretrained import load_pretrained
 from speed.models.t5 import SpeedT5
 from speed.train import tracking
 from speed.train.batches import BatchPlan
-from speed.train.config import JobConfig, hub_origin, job_from_dict, job_to_dict
+from speed.train.config import JobConfig, TrainConfig, hub_origin, job_from_dict, job_to_dict
 from speed.train.optim import build_optimizer, build_scheduler, follow_parameters, lr_factor
+from speed.train.recurrence import sample_recurrence
+from speed.train.sharding import (
+    grad_norm_value,
+    is_sharded,
+    load_sharded,
+    local_bytes,
+    optimizer_tensors,
+    save_sharded,
+    shard_model,
+)
 from speed.train.state import (
+    IncompatibleCheckpointError,
     TrainingState,
     check_compatible,
     checkpoint_name,
@@ -138,7 +154,7 @@ class WorkerContext:
     rank: int
     world: int
     device: torch.device
-    model: nn.Module  # Ray's prepare_model of it (on ``device``; DDP when world > 1) once restored
+    model: nn.Module  # Ray's prepare_model of it (on ``device``; DDP when world > 1) once restored, or FSDP's
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     plan: BatchPlan  # this rank's share of every global batch
@@ -169,6 +185,10 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
     own = _own_checkpoint(config["run_dir"], world)  # this run's newest, if any
     resuming = own is not None or job.resume is not None
     model = initial_model(job, load_init=not resuming)  # resumed weights come from the checkpoint
+    device = ray.train.torch.get_device()
+    fsdp = job.scale.strategy == "fsdp"
+    if fsdp:  # the same seeded (or loaded) weights on every worker, each keeping its shard
+        model = shard_model(model, world, device, job.train.bf16)
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.optim, job.train.max_steps)
     _seed_worker(job.train.seed, rank)
@@ -176,14 +196,15 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
         job=job,
         rank=rank,
         world=world,
-        device=ray.train.torch.get_device(),
+        device=device,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         plan=plan,
         corpus=corpus,
-        # A prepared validation split (sweeps): rank 0 adds every loop's validation loss to each report.
-        validation=open_corpus(config["validation"]) if rank == 0 and config.get("validation") else None,
+        # A prepared validation split (sweeps): rank 0 adds every loop's validation loss to each report (not
+        # under FSDP, whose forward is every worker's at once).
+        validation=open_corpus(config["validation"]) if rank == 0 and config.get("validation") and not fsdp else None,
         tokenizer_path=tokenizer_path,
         tokenizer=config["tokenizer"],
         deadline=config.get("deadline"),
@@ -203,10 +224,23 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
             f"{job.train.grad_accum} micro-batches of {job.micro_batch}; {ctx.device}",
             flush=True,
         )
-    ctx = replace(ctx, model=ray.train.torch.prepare_model(model))  # on a GPU: moves the parameters there
-    if step:  # the restored optimizer state went to the parameters' device at load (the CPU)
-        follow_parameters(ctx.optimizer)
+    if not fsdp:  # on a GPU prepare_model moves the parameters there
+        unused = {"find_unused_parameters": True} if _may_skip_parameters(job) else None
+        ctx = replace(ctx, model=ray.train.torch.prepare_model(model, parallel_strategy_kwargs=unused))
+        if step:  # the restored optimizer state went to the parameters' device at load (the CPU)
+            follow_parameters(ctx.optimizer)
     _train(ctx, step, history, resumed_own=own is not None)
+
+
+def _may_skip_parameters(job: JobConfig) -> bool:
+    """Whether a step may leave parameters without a gradient, which DDP must then look for: an exit gate that a
+    weight scheme never reads, or a truncated recurrence (without injection its prelude feeds only the loops run
+    without gradients)."""
+    t, model = job.train, job.model
+    if not isinstance(model, LMConfig):
+        return False
+    gate_unread = model.exit_gate and t.loss_weights != GATE
+    return gate_unread or t.recurrence_sampling or t.backprop_depth is not None
 
 
 def _own_checkpoint(run_dir: str, world: int) -> str | None:
@@ -227,8 +261,18 @@ def _restore(ctx: WorkerContext, directory: Path) -> tuple[int, pa.Table]:
     job = ctx.job
     check_compatible(read_checkpoint_config(directory), job_to_dict(job), ctx.tokenizer, str(directory))
     state = load_training_state(directory)
-    _unwrap(ctx.model).load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
-    ctx.optimizer.load_state_dict(state.optimizer)
+    sharded = (directory / SHARDED_DIR).is_dir()
+    if sharded != is_sharded(ctx.model):  # a run continues with the strategy it ran with
+        ran, other = ("fsdp", "ddp") if sharded else ("ddp", "fsdp")
+        raise IncompatibleCheckpointError(
+            f"{directory} is a {ran} checkpoint: resume it with --strategy {ran} (or start a {other} run from its "
+            "weights: --init-from)"
+        )
+    if sharded:  # each worker reads what its shards need
+        load_sharded(directory, ctx.model, ctx.optimizer)
+    else:
+        _unwrap(ctx.model).load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
+        ctx.optimizer.load_state_dict(state.optimizer)
     ctx.scheduler.load_state_dict(state.scheduler)
     # The schedule follows this run's config (its lr and max_steps), not the one saved.
     ctx.scheduler.base_lrs = [job.optim.lr] * len(ctx.optimizer.param_groups)
@@ -251,16 +295,17 @@ class StepSums:
     tokens: float
     out_of_time: float  # 1.0 on rank 0 once its time budget is spent, else 0.0
     settle: torch.Tensor  # () on the training device
+    objective: torch.Tensor  # () the trained loss (over micro-batches, like loop_losses): the gate objective's log
 
     def summed(self, world: int) -> StepSums:
         """These sums over every worker (the same values when ``world`` is 1)."""
         if world == 1:
             return self
         n = self.loop_losses.numel()
-        extra = torch.stack([torch.tensor(self.tokens), torch.tensor(self.out_of_time), self.settle.cpu()])
-        packed = torch.cat([self.loop_losses, extra.to(self.loop_losses.device)])
+        extra = [torch.tensor(self.tokens), torch.tensor(self.out_of_time), self.settle.cpu(), self.objective.cpu()]
+        packed = torch.cat([self.loop_losses, torch.stack(extra).to(self.loop_losses.device)])
         dist.all_reduce(packed)
-        return StepSums(packed[:n], float(packed[n]), float(packed[n + 1]), packed[n + 2])
+        return StepSums(packed[:n], float(packed[n]), float(packed[n + 1]), packed[n + 2], packed[n + 3])
 
 
 def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) -> None:
@@ -272,9 +317,16 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
     job, model, optimizer, scheduler = ctx.job, ctx.model, ctx.optimizer, ctx.scheduler
     plan, corpus, rank, world, device, deadline = ctx.plan, ctx.corpus, ctx.rank, ctx.world, ctx.device, ctx.deadline
     t, family = job.train, job.family
+    sharded = is_sharded(model)
+    lm = isinstance(_unwrap(model), LoopedLM)
+    shape = job.run_shape if lm else TrainRun()
     n_loops = _unwrap(model).n_loops
-    weights = loss_weights(t.loss_weights, n_loops).to(device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and t.bf16 else nullcontext()
+    n_exits = 1 if t.recurrence_sampling or shape.last_only else n_loops  # Huginn's: the last loop's loss alone
+    weights = None  # the gate objective's weights are each token's exit distribution
+    if t.loss_weights != GATE:
+        weights = (torch.ones(1) if n_exits == 1 else loss_weights(t.loss_weights, n_loops)).to(device)
+    bf16 = device.type == "cuda" and t.bf16 and not sharded  # FSDP's precision policy casts its own
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
     clip = job.optim.grad_clip if job.optim.grad_clip > 0 else math.inf
     last_step = min(t.max_steps, t.stop_at_step or t.max_steps)
     launched = time.perf_counter()
@@ -291,22 +343,25 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
         model.train()
         micro = plan.micro_batches(step)
         epoch = plan.epoch_at(step)  # span-corruption noise is drawn anew each epoch
-        loop_sum = torch.zeros(n_loops, device=device)
+        loop_sum = torch.zeros(n_exits, device=device)
         settle_sum = torch.zeros((), device=device)
+        objective_sum = torch.zeros((), device=device)
         tokens = 0
+        run = {"run": _step_run(shape, t, n_loops, step + 1)} if lm else {}
         for i, indices in enumerate(micro):
             batch = {k: v.to(device) for k, v in family.collate(corpus.examples(indices, epoch, t.seed)).items()}
             sync = world == 1 or i == len(micro) - 1  # all-reduce gradients once per optimizer step
-            with nullcontext() if sync else model.no_sync():
+            with _accumulating(model, sync):
                 with autocast:  # the forward only; backward runs in the dtypes autocast chose
                     # the family's collate gives the forward's keyword arguments, labels among them
-                    out = model(**batch, weights=weights, return_logits=t.settle.active)
+                    out = model(**batch, weights=weights, return_logits=t.settle.active, **run)
                     loss, settle = settled_loss(out.loss, out.loop_logits, batch["labels"], t.settle, step + 1)
                 (loss / len(micro)).backward()
             loop_sum += out.loop_losses.detach().float()
             settle_sum += settle.detach().float() if settle is not None else 0.0
+            objective_sum += out.loss.detach().float()
             tokens += family.tokens(batch)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
@@ -314,13 +369,18 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
         step += 1
 
         out_of_time = rank == 0 and deadline is not None and _past_deadline(deadline, records, started)
-        total = StepSums(loop_sum / len(micro), float(tokens), float(out_of_time), settle_sum).summed(world)
+        objective = objective_sum / len(micro)
+        total = StepSums(loop_sum / len(micro), float(tokens), float(out_of_time), settle_sum, objective).summed(world)
         loop_losses = (total.loop_losses / world).tolist()
         settle_term = float(total.settle) / (world * len(micro))
         elapsed = time.perf_counter() - started
+        if weights is None:  # the gate objective: the loss trained, not a weighted sum of the loops'
+            trained = float(total.objective) / world
+        else:
+            trained = float(sum(w * x for w, x in zip(weights.tolist(), loop_losses)))
         record = StepRecord(
             step=step,
-            loss=float(sum(w * x for w, x in zip(weights.tolist(), loop_losses))),
+            loss=trained,
             loop_losses=loop_losses,
             lr=lr,
             grad_norm=grad_norm,
@@ -347,6 +407,28 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
             break
     if saved_at != step:  # nothing left to train (a finished run resumed): still leave a checkpoint here
         _checkpoint(ctx, step, history, records)
+
+
+def _step_run(shape: TrainRun, t: TrainConfig, n_loops: int, step: int) -> TrainRun:
+    """The looped LM's forward for optimizer step ``step``: ``shape``, with Huginn's loop count drawn for the step
+    (``train.recurrence_sampling``: the same draw on every worker and when resumed)."""
+    if not t.recurrence_sampling:
+        return shape
+    drawn = sample_recurrence(n_loops, t.backprop_depth, t.seed, step)
+    return replace(shape, loops=drawn.loops, backprop=drawn.backprop)
+
+
+@contextmanager
+def _accumulating(model: nn.Module, sync: bool) -> Iterator[None]:
+    """A micro-batch's backward pass, its gradients reduced across workers only when ``sync`` (the last of a step):
+    DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not sync:
+        with model.no_sync():
+            yield
+        return
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)
+    yield
 
 
 def _past_deadline(deadline: float, records: list[StepRecord], started: float) -> bool:
@@ -382,7 +464,11 @@ def _checkpoint(
             metrics |= {"settle_loss": settle_term, "settle_weight": job.train.settle.weight_at(step)}
     if ctx.validation is not None:
         metrics |= validation_metrics(_unwrap(ctx.model), job.family, ctx.validation, job.micro_batch)
+    metrics |= _held_bytes(ctx)
     tracking.log_report(step, metrics)  # rank 0: the validation metrics and the settle term, when tracked
+    if is_sharded(ctx.model):
+        _checkpoint_sharded(ctx, step, history, records, rngs, metrics)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if ctx.rank == 0:
@@ -393,6 +479,49 @@ def _checkpoint(
         name = checkpoint_name(step)
         upload = upload_with_marker(step)
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=upload)
+
+
+def _held_bytes(ctx: WorkerContext) -> dict[str, int]:
+    """The most parameter and optimizer-state bytes any worker holds now (measured on each: a shard's own), so a
+    run's reports say what sharding saved."""
+    held = torch.tensor(
+        [local_bytes(list(ctx.model.parameters())), local_bytes(optimizer_tensors(ctx.optimizer))],
+        dtype=torch.float64,
+    )
+    if ctx.world > 1:
+        held = held.to(ctx.device)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    return {"worker_parameter_bytes": int(held[0]), "worker_optimizer_bytes": int(held[1])}
+
+
+def _checkpoint_sharded(
+    ctx: WorkerContext,
+    step: int,
+    history: pa.Table,
+    records: list[StepRecord],
+    rngs: list[dict[str, Any]],
+    metrics: dict[str, Any],
+) -> None:
+    """FSDP's checkpoint: every worker uploads its shards (``speed.train.sharding.save_sharded``) and rank 0 the
+    rest (config, scheduler, RNG states, log) into the same folder; once all are on storage, rank 0 marks it
+    complete and reports it."""
+    name = checkpoint_name(step)
+    storage = ray.train.get_context().get_storage()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_sharded(tmp, ctx.model, ctx.optimizer)
+        if ctx.rank == 0:
+            log = pa.concat_tables([history, records_to_table(records)])
+            state = TrainingState(step, None, ctx.scheduler.state_dict(), rngs, log)
+            save_training_checkpoint(tmp, ctx.model, ctx.tokenizer_path, job_to_dict(ctx.job), state)
+        persisted = storage.persist_current_checkpoint(ray.train.Checkpoint.from_directory(tmp), name)
+    dist.barrier()  # every worker's shards are on storage
+    checkpoint = persisted if ctx.rank == 0 else None
+
+    def mark(uploaded: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+        mark_complete(checkpoint_uri(uploaded), step)
+        return uploaded
+
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=mark)
 
 
 def upload_with_marker(step: int) -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint]:

@@ -4,6 +4,8 @@ A training checkpoint directory holds
     model.pt, config.json, spm.model   speed.models.checkpoint.save_model (config.json: {"model", "job", "step"};
                                        an imported model's tokenizer/ in place of spm.model)
     train_state.pt                     step, optimizer, scheduler, every rank's RNG states, world size
+    sharded/                           FSDP's runs (speed.train.sharding): model and optimizer state in shards, in
+                                       place of model.pt and train_state.pt's optimizer (None there)
     train_log.parquet                  speed.train.train_log.TRAIN_LOG_SCHEMA, one row per step so far
     complete                           the step, written last (``mark_complete``): the checkpoint is whole
 so ``speed.models.checkpoint.load_model(dir)`` (evaluation, serving) reads any of them.
@@ -41,7 +43,7 @@ class TrainingState:
     """Everything besides the weights that continues a run exactly where a checkpoint left it."""
 
     step: int  # optimizer steps completed
-    optimizer: dict[str, Any]
+    optimizer: dict[str, Any] | None  # None in a sharded checkpoint: its optimizer state is in sharded/
     scheduler: dict[str, Any]
     rng: list[dict[str, Any]]  # per rank: torch, CUDA and Python generator states
     log: pa.Table  # TRAIN_LOG_SCHEMA rows of steps 1..step
@@ -79,9 +81,10 @@ def save_training_checkpoint(
     """Write a resumable checkpoint (model part via ``speed.models.checkpoint.save_model``) into ``directory``.
 
     ``job`` is the resolved job (``speed.train.config.job_to_dict``); without ``tokenizer_path`` the
-    checkpoint holds no tokenizer (the GPU check's throwaway one, ``speed.benchmarks.gpu``).
+    checkpoint holds no tokenizer (the GPU check's throwaway one, ``speed.benchmarks.gpu``). A state without an
+    optimizer is a sharded checkpoint's: its weights and optimizer are written apart (``speed.train.sharding``).
     """
-    directory = save_job_model(directory, model, tokenizer_path, job, state.step)
+    directory = save_job_model(directory, model, tokenizer_path, job, state.step, weights=state.optimizer is not None)
     torch.save(
         {"step": state.step, "optimizer": state.optimizer, "scheduler": state.scheduler, "rng": state.rng},
         directory / TRAIN_STATE_FILE,
@@ -91,13 +94,18 @@ def save_training_checkpoint(
 
 
 def save_job_model(
-    directory: str | Path, model: SpeedT5 | LoopedLM, tokenizer_path: str | Path | None, job: dict[str, Any], step: int
+    directory: str | Path,
+    model: SpeedT5 | LoopedLM,
+    tokenizer_path: str | Path | None,
+    job: dict[str, Any],
+    step: int,
+    weights: bool = True,
 ) -> Path:
     """The model part of a job's checkpoint (``speed.models.checkpoint.save_model``): weights, the tokenizer (an
     imported model's directory: its files in tokenizer/) and config.json ``{"model", "job", "step"}``, ``job`` the
     resolved job (``speed.train.config.job_to_dict``) whose split ``speed.train.exits`` trains adapters on."""
     job_dict = {key: value for key, value in job.items() if key != "model"}  # the model: config.json's "model"
-    return save_model(Path(directory), model, tokenizer_path, {"job": job_dict, "step": step})
+    return save_model(Path(directory), model, tokenizer_path, {"job": job_dict, "step": step}, weights=weights)
 
 
 def load_training_state(directory: str | Path) -> TrainingState:
