@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bfloat16: bf16 weights, the linear weights bfloat16 and the rest float32 (speed.models.precision)",
     )
     p.add_argument(
+        "--initial-state-seed",
+        type=int,
+        default=None,
+        help="a Huginn directory's published random initial state, drawn under this seed (default: zero)",
+    )
+    p.add_argument(
         "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: open)"
     )
     p.add_argument(
