@@ -18,7 +18,10 @@ either way, the steps per token and the time not.
 (Ouro, Huginn, Llama, T5 v1.1: docs/models.md, "Bring your own looped LM"; its own tokenizer, chat template and
 stop tokens), a local path or a URI (s3://, gs://: docs/training.md, "Storage").
 --dtype bfloat16 evaluates it in bf16 weights (its linear weights bfloat16, everything else float32; SPEED still
-equals sequential decoding bit for bit: docs/decoding.md).
+equals sequential decoding bit for bit: docs/decoding.md). --initial-state-seed N decodes a Huginn directory from
+its published random initial state drawn under seed N (default: zero; docs/models.md).
+Before the model is read, its weights (and on a CPU the largest engine a batch builds: --batch-size requests of
+the input length and --max-new-tokens outputs) are checked against the memory available: one line if they do not fit.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ from speed.engine.defaults import device_exit_adapters, device_levers
 from speed.engine.memory import MemoryBudgetError
 from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
 from speed.hf_tokenizer import load_tokenizer
+from speed.models.checkpoint import latest_checkpoint, read_checkpoint_config
 from speed.models.exits import EXITS_CONFIG_FILE
 from speed.models.precision import DTYPES, dtype_named
-from speed.models.pretrained import load_pretrained
-from speed.storage import locate
+from speed.models.pretrained import load_pretrained, model_source
+from speed.storage import absolute, locate
 
 # EvalConfig field -> help; each is the flag --<field-name>, left out = EvalConfig's default.
 EVAL_TASKS = sorted(name for name, task in TASKS.items() if not task.is_pretrain)
@@ -116,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="float32",
         help="bfloat16: bf16 weights, the linear weights bfloat16 and the rest float32 (speed.models.precision)",
     )
+    p.add_argument(
+        "--initial-state-seed",
+        type=int,
+        default=None,
+        help="a Huginn directory's published random initial state, drawn under this seed (default: zero)",
+    )
     return p.parse_args(argv)
 
 
@@ -126,7 +136,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
         config = from_dict(EvalConfig, given)  # flag strings coerced by the field types, checked
         exits = device_exit_adapters(args.device) if args.exit_adapters is None else args.exit_adapters
-        loaded = load_pretrained(args.checkpoint, map_location=args.device, exits=exits, dtype=dtype_named(args.dtype))
+        recorded = _training_data(args.checkpoint)  # read before the model: the memory check's input length
+        planned = config.following(recorded.get("task"), recorded.get("source"), recorded.get("max_source_len"))
+        planned = planned.following(None, None, UNTRAINED_MAX_SOURCE_LEN)
+        loaded = load_pretrained(
+            args.checkpoint,
+            map_location=args.device,
+            exits=exits,
+            dtype=dtype_named(args.dtype),
+            capacity=planned.engine_capacity() if args.device == "cpu" else None,  # a GPU's cache is not the host's
+            initial_state_seed=args.initial_state_seed,
+        )
         # SPEED's settings left unset take the device's defaults (speed.engine.defaults: branches with lanes on a GPU)
         config = from_dict(EvalConfig, device_levers(args.device, loaded.model.n_loops) | given)
         data = loaded.config.get("job", {}).get("data", {})
@@ -150,6 +170,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(format_summary(summary))
     print(f"wrote {', '.join(summary['files'].values())}")
     return summary
+
+
+def _training_data(checkpoint: str) -> dict[str, Any]:
+    """The training data section a platform checkpoint records (its task, source, input length); {} for a Hugging
+    Face directory, which records none."""
+    if model_source(checkpoint) != "platform":
+        return {}
+    return read_checkpoint_config(latest_checkpoint(absolute(checkpoint))).get("job", {}).get("data", {})
 
 
 if __name__ == "__main__":

@@ -36,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.cli import parse_set, user_errors
 from speed.cluster import code_runtime_env, local_ray_options
-from speed.models.precision import DTYPES
-from speed.models.pretrained import model_source
+from speed.models.precision import DTYPES, dtype_named
+from speed.models.pretrained import check_load, model_source
 from speed.serve.app import start_app
 from speed.serve.auth import API_KEY_ENV
-from speed.serve.settings import DEFAULT_STATS_PATH, AppConfig
+from speed.serve.settings import DEFAULT_STATS_PATH, AppConfig, host_capacity
 from speed.serve.stop import stop_serving
-from speed.storage import absolute
+from speed.storage import absolute, locate
 
 APP = "speed"
 
@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bfloat16: bf16 weights, the linear weights bfloat16 and the rest float32 (speed.models.precision)",
     )
     p.add_argument(
+        "--initial-state-seed",
+        type=int,
+        default=None,
+        help="a Huginn directory's published random initial state, drawn under this seed (default: zero)",
+    )
+    p.add_argument(
         "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: open)"
     )
     p.add_argument(
@@ -94,20 +100,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Deploy, print the URL, block until interrupted."""
     args = parse_args(argv)
-    with user_errors():  # a --set without '=' or with invalid YAML, a directory it cannot read: one line, status 2
+    address = os.environ.get("RAY_ADDRESS")
+    device = "cuda" if args.num_gpus > 0 else "cpu"
+    # Checked before Ray starts (a replica's failure would be neither one line nor quick): a --set without '=' or with
+    # invalid YAML, a directory it cannot read, a model and engine the memory cannot hold: one line, status 2
+    with user_errors():
         settings = dict(map(parse_set, args.set))
-        model_source(args.checkpoint)  # before Ray starts: a replica's failure would be neither one line nor quick
+        source = model_source(args.checkpoint)
+        if args.initial_state_seed is not None and source != "huginn":
+            raise ValueError(f"--initial-state-seed: {args.checkpoint} is a {source} model; only Huginn's has one")
+        if not address and (source == "platform" or locate(args.checkpoint).local):  # the replicas run here
+            check_load(args.checkpoint, dtype=dtype_named(args.dtype), capacity=host_capacity(device, settings))
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     stats_path = absolute(args.stats_path)  # the replicas' working folder is not this one
     # The replicas import this process's speed (speed.cluster), whatever the machine's $PYTHONPATH.
-    address = os.environ.get("RAY_ADDRESS")
     where = {"address": address} if address else {"address": "local", **local_ray_options()}  # loopback unless opened
     context = ray.init(**where, log_to_driver=True, runtime_env=code_runtime_env())
     own_gcs = None if address else context.address_info["gcs_address"]  # a joined cluster outlives this job
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops as cleanly as Ctrl-C, even mid-start
     try:
         flags = {f.name: getattr(args, f.name) for f in fields(AppConfig) if hasattr(args, f.name)}  # same names
-        device = "cuda" if args.num_gpus > 0 else "cpu"
         given = {"settings": settings, "stats_path": stats_path, "api_key": api_key, "device": device, "name": APP}
         url = start_app(AppConfig(**flags | given))
         key = "; an API key is required" if api_key else ""

@@ -191,6 +191,47 @@ def test_speed_equals_sequential_bit_for_bit_with_a_random_state(huginn_dir):
     assert assert_speed_exact(model, seed=4) > 0
 
 
+def test_the_loaders_seed_option_draws_the_published_state_and_a_checkpoint_keeps_it(huginn_dir, tmp_path):
+    """``from_pretrained``/``load_pretrained(..., initial_state_seed=s)`` is ``huginn_initial_state(dir, s)`` (None:
+    zero, the default), with SPEED equal to sequential under it; a platform checkpoint saved from such a model
+    stores the state (config.json's ``initial_state``) and computes the same logits when loaded, and refuses the
+    option itself in one line."""
+    from speed import from_pretrained
+    from speed.models.checkpoint import load_model, save_model
+    from speed.models.pretrained import load_pretrained
+
+    assert from_pretrained(huginn_dir).initial_state is None
+    model = from_pretrained(huginn_dir, initial_state_seed=5, n_loops=4)
+    assert model.initial_state == huginn_initial_state(huginn_dir, seed=5)
+    assert load_pretrained(huginn_dir, initial_state_seed=5).model.initial_state == model.initial_state
+    reference, _, _ = _speed_and_sequential(model, seed=6)
+    save_model(tmp_path / "ckpt", model)
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["initial_state"]["seed"] == 5
+    restored = load_model(str(tmp_path / "ckpt")).model
+    assert restored.initial_state == model.initial_state
+    again, _, _ = _speed_and_sequential(restored, seed=6)
+    assert all(torch.equal(again.logits[key], logits) for key, logits in reference.logits.items())
+    with pytest.raises(ValueError) as error:
+        from_pretrained(tmp_path / "ckpt", initial_state_seed=5)
+    assert one_line(error).startswith("initial_state_seed=5: a platform checkpoint keeps the initial state it was")
+    with pytest.raises(ValueError, match="initial_state_seed must be an integer >= 0, got -1"):
+        from_pretrained(huginn_dir, initial_state_seed=-1)
+
+
+def test_a_form_without_injection_refuses_the_seed_before_allocating(monkeypatch):
+    from looped_refs import write_ouro_checkpoint
+
+    from speed import from_pretrained
+    from speed.models import pretrained
+
+    monkeypatch.setattr(pretrained, "check_load", lambda *a, **k: pytest.fail("checked before the refusal"))
+    with tempfile.TemporaryDirectory() as directory:
+        write_ouro_checkpoint(directory)
+        with pytest.raises(ValueError) as error:
+            from_pretrained(directory, initial_state_seed=1)
+    assert one_line(error) == "initial_state_seed=1: the ouro form has no injected initial state (Huginn's has)"
+
+
 def test_an_initial_state_needs_injection_and_valid_fields():
     from looped_refs import write_ouro_checkpoint
 

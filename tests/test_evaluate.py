@@ -427,3 +427,29 @@ def test_a_speed_up_below_one_says_why(speedup):
     assert f"SPEED speed-up {speedup:.2f}x" in line
     why = "(below 1: loop 1's exit disagrees with the last loop's on 81 % of tokens"
     assert (why in line) == (speedup < 1) and ("random or untrained weights" in line) == (speedup < 1)
+
+
+def test_the_load_is_checked_with_the_evaluations_engine_and_the_seed_reaches_the_loader(tmp_path, capsys, monkeypatch):
+    """On a CPU the job's memory check counts the engine a batch builds (``EvalConfig.engine_capacity``) beside the
+    weights: where the weights fit and that does not, one line, status 2, nothing written; ``--initial-state-seed``
+    reaches the loader, which refuses it for a form without injection."""
+    from imported_helpers import write_chat_ouro
+
+    from speed.engine.memory import MEMORY_LIMIT_ENV
+    from speed.models.pretrained import check_load
+
+    directory = str(write_chat_ouro(tmp_path / "Ouro-tiny"))
+    out = tmp_path / "eval"
+    flags = ["--checkpoint", directory, "--task", "translate_en_de", "--out", str(out), "--device", "cpu"]
+    flags += ["--batch-size", "4", "--max-new-tokens", "8", "--max-source-len", "56"]
+    planned = from_dict(EvalConfig, {"batch_size": 4, "max_new_tokens": 8, "max_source_len": 56})
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(2**40))
+    weights, need = check_load(directory), check_load(directory, capacity=planned.engine_capacity())
+    assert need.cache > 0 and need.blocks == 2  # one request of 64 positions: the engine's floor
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(weights.total + need.allocated // 2))
+    for extra, says in [([], "Ouro-tiny as float32 needs"), (["--initial-state-seed", "3"], "initial_state_seed=3")]:
+        with pytest.raises(SystemExit) as exit_:
+            _job().main([*flags, *extra])
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and "\n" not in err and says in err, err
+    assert not out.exists()

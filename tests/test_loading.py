@@ -194,3 +194,41 @@ def test_the_full_size_writer_at_a_tiny_size(tmp_path, name):
     assert tokenizer.decode(list(range(0, 4000, 7))).split() == [f"w{i}" for i in range(0, 4000, 7)]
     assert tokenizer.encode("w5 w3999")[:2] == [5, 3999]
     assert tokenizer.chat_template is not None
+
+
+def test_a_platform_checkpoint_is_checked_from_its_config_before_it_is_read(tmp_path, monkeypatch):
+    """``model.pt`` gets the same check as a directory, from its config.json (the weights as asked, and an engine
+    of ``capacity``): refused in one line before ``load_model`` runs; the job's loader checks it too."""
+    from speed.models import pretrained
+    from speed.models.checkpoint import save_model
+    from speed.models.pretrained import load_pretrained
+
+    write_ouro_checkpoint(tmp_path / "ouro")
+    model = from_pretrained(tmp_path / "ouro")
+    save_model(tmp_path / "ckpt", model)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(2**40))
+    need, bf16 = check_load(tmp_path / "ckpt"), check_load(tmp_path / "ckpt", dtype=torch.bfloat16)
+    assert need == check_load(tmp_path / "ouro") and need.weights == sum(p.nbytes for p in model.parameters())
+
+    monkeypatch.setattr(pretrained, "load_model", lambda *a, **k: pytest.fail("read before the memory check"))
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(need.weights - 1))
+    for load in (from_pretrained, load_pretrained):
+        with pytest.raises(MemoryBudgetError) as error:
+            load(str(tmp_path / "ckpt"))
+        assert one_line(error).startswith(f"ckpt as float32 needs {size(need.weights)} for its weights, ")
+        assert one_line(error).endswith(f"available ({MEMORY_LIMIT_ENV}): bfloat16 ({size(bf16.total)}) fits")
+
+
+def test_the_engine_counted_is_what_it_allocates_at_least(tmp_path, monkeypatch):
+    """Without ``kv_blocks`` an engine caps its default pool by what is available down to one request at its
+    longest, so the check counts that pool; with ``kv_blocks``, that many blocks."""
+    write_ouro_checkpoint(tmp_path)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(2**40))
+    model = from_pretrained(tmp_path)
+    stepper = model.stepper()
+    capacity = EngineConfig(max_active=4, max_prompt_len=40, max_target_len=30, branches=False)
+    longest = stepper.memory_need(1, 40, 30, side=False).blocks  # 70 positions: 3 blocks of 32
+    assert longest == 3
+    want = stepper.memory_need(4, 40, 30, side=False, blocks=longest)
+    assert check_load(tmp_path, capacity=capacity) == want
+    assert check_load(tmp_path, capacity=replace(capacity, kv_blocks=20)).blocks == 20

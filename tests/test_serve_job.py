@@ -101,3 +101,32 @@ def test_a_directory_it_cannot_read_is_one_line_and_status_2_before_ray_starts(t
         "error: config.json: model_type 'gpt2' is not one the platform loads (known: t5, llama, ouro, huginn_raven)"
     ]
     assert not (tmp_path / "stats").exists()  # nothing started, nothing written
+
+
+@pytest.mark.slow
+def test_a_model_and_engine_the_memory_cannot_hold_and_a_misplaced_seed_are_refused_before_ray_starts(
+    tmp_path, monkeypatch
+):
+    """The job checks the directory's weights with the deployment's engine (``--set``) against the memory
+    available (faked: ``SPEED_MEMORY_LIMIT``) and ``--initial-state-seed`` against its form before Ray starts:
+    one line, status 2, nothing written."""
+    from imported_helpers import write_chat_ouro
+
+    from speed.engine.memory import MEMORY_LIMIT_ENV
+    from speed.models.pretrained import check_load
+    from speed.serve.settings import host_capacity
+
+    directory = str(write_chat_ouro(tmp_path / "Ouro-tiny"))
+    engine = ["--set", "max_active=8", "--set", "max_source_len=200", "--set", "max_target_len=100"]
+    capacity = host_capacity("cpu", {"max_active": 8, "max_source_len": 200, "max_target_len": 100})
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(2**40))
+    weights, served = check_load(directory), check_load(directory, capacity=capacity)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(weights.total + served.allocated // 2))  # the weights fit, not the engine
+    job = [sys.executable, str(repo_root() / "jobs" / "serve.py"), "--checkpoint", directory]
+    job += ["--stats-path", str(tmp_path / "stats")]
+    for extra, says in [(engine, "error: Ouro-tiny as float32 needs "), (["--initial-state-seed", "1"], "only Huginn")]:
+        done = subprocess.run([*job, *extra], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert not (tmp_path / "stats").exists()

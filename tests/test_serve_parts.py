@@ -966,3 +966,51 @@ def test_the_dtype_option_reaches_the_deployment_and_names_only_what_it_can_load
         AppConfig("x", device="gpu")
     with pytest.raises(ValueError, match="dtype='half': choose one of"):
         build_app({"checkpoint": "x", "dtype": "half"})
+
+
+def test_a_served_model_whose_weights_and_engine_do_not_fit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """``load_served_model`` checks the weights and, on a CPU, the engine the deployment's settings ask for
+    (``host_capacity``) against the memory available (faked: ``SPEED_MEMORY_LIMIT``): one line before a tensor is
+    read where the weights fit and the engine does not; a GPU replica's engine is not the host's."""
+    from imported_helpers import one_line, write_chat_ouro
+
+    from speed.engine.memory import MEMORY_LIMIT_ENV, MemoryBudgetError, size
+    from speed.models import pretrained
+    from speed.models.pretrained import check_load
+    from speed.serve.settings import ServeSettings, host_capacity, load_served_model
+
+    directory = str(write_chat_ouro(tmp_path / "Ouro-tiny"))
+    user_config = {"max_active": 8, "max_source_len": 200, "max_target_len": 100, "max_tokens": 50}
+    capacity = host_capacity("cpu", user_config)
+    assert capacity == ServeSettings(**user_config).engine_config() and host_capacity("cuda", user_config) is None
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(2**40))
+    weights, served = check_load(directory), check_load(directory, capacity=capacity)
+    assert served.weights == weights.total and served.cache > 0
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(weights.total + served.allocated // 2))  # the weights fit, not the cache
+    loader = pretrained.LOOPED["ouro"]
+    monkeypatch.setitem(pretrained.LOOPED, "ouro", lambda *a, **k: pytest.fail("read before the memory check"))
+    with pytest.raises(MemoryBudgetError) as error:
+        load_served_model(directory, "cpu", user_config=user_config)
+    assert one_line(error).startswith(f"Ouro-tiny as float32 needs {size(served.total)} (weights ")
+    monkeypatch.setitem(pretrained.LOOPED, "ouro", loader)
+    small = {"max_active": 1, "max_source_len": 16, "max_target_len": 16, "max_tokens": 16}  # one block
+    assert load_served_model(directory, "cpu", user_config=small).family.name == "lm"
+
+
+def test_the_initial_state_seed_reaches_the_deployment_and_is_checked():
+    """``jobs/serve.py --initial-state-seed`` is ``AppConfig.initial_state_seed`` by name (None: zero); ``AppConfig``
+    and ``build_app`` check it before any replica starts."""
+    import importlib.util
+
+    from speed.serve.app import build_app
+    from speed.serve.settings import AppConfig
+
+    spec = importlib.util.spec_from_file_location("serve_job", repo_root() / "jobs" / "serve.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    assert job.parse_args(["--checkpoint", "x"]).initial_state_seed is None is AppConfig("x").initial_state_seed
+    assert job.parse_args(["--checkpoint", "x", "--initial-state-seed", "7"]).initial_state_seed == 7
+    with pytest.raises(ValueError, match="AppConfig.initial_state_seed must be an integer >= 0 or null, got -1"):
+        AppConfig("x", initial_state_seed=-1)
+    with pytest.raises(ValueError, match="initial_state_seed"):
+        build_app({"checkpoint": "x", "initial_state_seed": "seven"})

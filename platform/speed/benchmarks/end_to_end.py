@@ -30,6 +30,7 @@ import torch
 
 from speed.benchmarks.loading import peak_rss
 from speed.decode.generate import generate
+from speed.engine.kernels import ATTN_CHUNK
 from speed.engine.memory import available_bytes, size
 from speed.engine.types import EngineConfig
 from speed.hf_files import model_form, read_config
@@ -69,8 +70,12 @@ class EndToEnd:
 
 def capacity(tokens: int) -> EngineConfig:
     """The engine capacity the check counts: two requests of ``PROMPT_LEN`` prompt tokens and ``tokens`` outputs,
+    both at once (a pool of their blocks: without ``kv_blocks`` the check counts one request's, the engine's floor),
     no runner-up branches (Huginn's side entries alone would be gigabytes a slot)."""
-    return EngineConfig(max_active=2, max_prompt_len=PROMPT_LEN, max_target_len=tokens + 1, branches=False)
+    blocks = 2 * -(-(PROMPT_LEN + tokens + 1) // ATTN_CHUNK)
+    return EngineConfig(
+        max_active=2, max_prompt_len=PROMPT_LEN, max_target_len=tokens + 1, branches=False, kv_blocks=blocks
+    )
 
 
 def run(directory: str | Path, dtype: torch.dtype = torch.bfloat16, tokens: int = 16) -> EndToEnd:

@@ -34,7 +34,7 @@ from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
 from speed.decode.exactness import LogitRecorder, top2_gap
 from speed.decode.generate import DecodeStats, GenerateResult, generate
-from speed.engine import ExitKind, ExitRule, Speculation, SpeculationFields
+from speed.engine import EngineConfig, ExitKind, ExitRule, Speculation, SpeculationFields
 from speed.engine.kernels import packed_while
 from speed.engine.sampling import Sampling
 from speed.engine.trace import TRACE_SCHEMA, flip_costs, flip_rates
@@ -150,6 +150,19 @@ class EvalConfig(SpeculationFields):
             task=self.task if self.task is not None else task,
             source=self.source if self.source is not None else source,
             max_source_len=self.max_source_len if self.max_source_len is not None else max_source_len,
+        )
+
+    def engine_capacity(self) -> EngineConfig:
+        """The largest engine a batch builds (``generate``'s): ``batch_size`` requests of ``max_source_len`` prompt
+        tokens and ``max_new_tokens`` outputs, with side entries where SPEED's branches run; what the load's memory
+        check counts (``speed.models.pretrained.check_load``). Needs ``max_source_len`` (after ``following``)."""
+        if self.max_source_len is None:
+            raise ValueError("EvalConfig.engine_capacity needs max_source_len (none given, no training data)")
+        return EngineConfig(
+            max_active=self.batch_size,
+            max_prompt_len=self.max_source_len,
+            max_target_len=self.max_new_tokens,
+            branches=self.branches > 0,
         )
 
     def check_complete(self) -> None:

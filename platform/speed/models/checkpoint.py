@@ -3,7 +3,9 @@
 Layout (shared by training, evaluation and serving):
     model.pt     the model's state dict
     config.json  {"model": the model config's fields, "family": "t5" or "lm" (``speed.models.family``; absent: t5),
-                  "chat_template": an LM's (``speed.chat``), ...any other resolved configs}
+                  "chat_template": an LM's (``speed.chat``), "initial_state": an injecting LM's seeded random state
+                 before its first loop when it has one (``speed.models.looped_lm.InitialState``: seed, std),
+                 ...any other resolved configs}
     spm.model    the SentencePiece tokenizer, when one was given, or
     tokenizer/   an imported model's tokenizer files (``speed.hf_tokenizer.tokenizer_files``); config.json then
                  says so: {"tokenizer": {"kind": "huggingface", "path": "tokenizer"}}
@@ -23,7 +25,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from speed.config import from_dict, to_dict
 from speed.hf_tokenizer import tokenizer_files
 from speed.models.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach
 from speed.models.family import DEFAULT_FAMILY, build_model, config_from_dict, family_of
-from speed.models.looped_lm import LoopedLM
+from speed.models.looped_lm import InitialState, LoopedLM
 from speed.models.t5 import SpeedT5
 from speed.storage import absolute, locate
 
@@ -71,13 +73,17 @@ def save_model(
     (its ``tokenizer_files`` copied to tokenizer/, and config.json's ``tokenizer`` section says so).
 
     The family adds its own sections (``Family.checkpoint_config``: an LM's chat template, ``speed.chat``). The
-    model's exit adapters, if it has any, are written beside it (``save_exits``), never into model.pt.
+    model's exit adapters, if it has any, are written beside it (``save_exits``), never into model.pt. A looped
+    LM's seeded initial state (``LoopedLM.initial_state``), when it has one, is config.json's ``initial_state``, so
+    ``load_model`` computes as the saved model did.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     family = family_of(model)
     config = {"model": to_dict(model.config), "family": family.name, **(extra_config or {})}
     config |= family.checkpoint_config()
+    if getattr(model, "initial_state", None) is not None:
+        config["initial_state"] = asdict(model.initial_state)
     imported = tokenizer_path is not None and Path(tokenizer_path).is_dir()
     if imported:
         config["tokenizer"] = {"kind": "huggingface", "path": HF_TOKENIZER_DIR}
@@ -146,6 +152,8 @@ def load_model(where: str | Path, map_location: str | torch.device = "cpu", exit
     else:
         weights = io.BytesIO((directory / MODEL_FILE).read_bytes())
         model.load_state_dict(torch.load(weights, map_location=map_location, weights_only=True))
+    if "initial_state" in config:
+        model.initial_state = InitialState(**config["initial_state"])
     if exits:
         attach(model, load_exits(directory.uri, map_location))
     model.eval()

@@ -27,12 +27,19 @@ from speed.engine.memory import MemoryNeed, check_choice
 from speed.engine.types import EngineConfig
 from speed.hf_files import model_form, read_config, read_into, tensor_shapes
 from speed.hf_tokenizer import TOKENIZER_FILE
-from speed.models.checkpoint import MODEL_FILE, LoadedModel, latest_checkpoint, load_model, read_checkpoint_config
-from speed.models.convert_huginn import config_from_huginn, load_huginn
+from speed.models.checkpoint import (
+    MODEL_FILE,
+    LoadedModel,
+    checkpoint_family,
+    latest_checkpoint,
+    load_model,
+    read_checkpoint_config,
+)
+from speed.models.convert_huginn import config_from_huginn, huginn_initial_state, load_huginn
 from speed.models.convert_ouro import config_from_ouro, load_ouro
-from speed.models.family import build_model, family_of
+from speed.models.family import build_model, config_from_dict, family_of
 from speed.models.hf_import import empty_model, row_destinations
-from speed.models.looped_lm import LoopedLM
+from speed.models.looped_lm import InitialState, LoopedLM
 from speed.models.precision import DTYPES, dtype_named, with_dtype
 from speed.models.t5 import SpeedT5
 from speed.storage import absolute, locate
@@ -47,28 +54,38 @@ def from_pretrained(
     dtype: torch.dtype = torch.float32,
     n_loops: int | None = None,
     capacity: EngineConfig | None = None,
+    initial_state_seed: int | None = None,
 ) -> SpeedT5 | LoopedLM:
     """The model at ``path`` (a Hugging Face directory or a platform checkpoint), in eval mode, as ``dtype``
     (``torch.bfloat16``: bf16 weights, the linear weights bfloat16 and the rest float32; ``speed.models.precision``).
 
     ``n_loops``: the recurrences of a published looped LM (Ouro's ``total_ut_steps``, Huginn's ``num_steps``), by
-    default the checkpoint's own; other models loop as their pattern says, and refuse it. A Hugging Face directory
-    is checked first (``check_load``): its weights, and an engine of ``capacity`` when given, must fit the memory
-    available, else one ``MemoryBudgetError`` line says what would; then it is allocated once and read into.
+    default the checkpoint's own; other models loop as their pattern says, and refuse it. ``initial_state_seed``:
+    Huginn's published random initial state, drawn under this seed (``convert_huginn.huginn_initial_state``); None,
+    the default, is the zero state; other forms refuse it (a platform checkpoint keeps the state it was saved with).
+    The model is checked first (``check_load``, from config.json alone): its weights, and an engine of ``capacity``
+    when given, must fit the memory available, else one ``MemoryBudgetError`` line says what would; then a Hugging
+    Face directory is allocated once and read into.
     """
     if _is_platform_checkpoint(path):
-        _no_loop_option(n_loops, "a platform checkpoint")
+        _no_pretrained_options(n_loops, initial_state_seed, "a platform checkpoint")
+        check_load(path, dtype=dtype, capacity=capacity)
         return with_dtype(load_model(str(path)).model, dtype)
     where = locate(path)
     if not where.local:  # safetensors are read from local files: the directory comes here first
         with tempfile.TemporaryDirectory(prefix="speed-pretrained-") as local:
             where.download(local)
-            return from_pretrained(local, dtype=dtype, n_loops=n_loops, capacity=capacity)
-    check_load(path, dtype=dtype, n_loops=n_loops, capacity=capacity)
+            return from_pretrained(
+                local, dtype=dtype, n_loops=n_loops, capacity=capacity, initial_state_seed=initial_state_seed
+            )
     form = model_form(read_config(path))
-    if form in LOOPED:
-        return LOOPED[form](path, dtype=dtype, n_loops=n_loops)
-    return (_load_t5 if form == "t5" else _load_llama)(path, dtype).eval()
+    state = _initial_state(path, form, initial_state_seed)  # a refusal before the memory check
+    check_load(path, dtype=dtype, n_loops=n_loops, capacity=capacity)
+    if form not in LOOPED:
+        return (_load_t5 if form == "t5" else _load_llama)(path, dtype).eval()
+    model = LOOPED[form](path, dtype=dtype, n_loops=n_loops)
+    model.initial_state = state
+    return model
 
 
 def check_load(
@@ -78,12 +95,15 @@ def check_load(
     n_loops: int | None = None,
     capacity: EngineConfig | None = None,
 ) -> MemoryNeed:
-    """What loading the Hugging Face directory ``path`` (local) as ``dtype`` needs, and an engine of ``capacity``
-    beside it (its key/value pool for ``max_active`` requests at their longest, or ``kv_blocks``, and side entries
-    with ``branches``), from config.json alone, if it fits the host's available memory (``SPEED_MEMORY_LIMIT``
-    bytes when set: ``speed.engine.memory.available_bytes``); else ``MemoryBudgetError``, one line naming the
-    dtypes that fit (``speed.engine.memory.check_choice``)."""
-    config = converted_config(path, n_loops)
+    """What loading the model at ``path`` (a local Hugging Face directory, or a platform checkpoint or run: a path
+    or a URI) as ``dtype`` needs, and an engine of ``capacity`` beside it, from config.json alone, if it fits the
+    host's available memory (``SPEED_MEMORY_LIMIT`` bytes when set: ``speed.engine.memory.available_bytes``); else
+    ``MemoryBudgetError``, one line naming the dtypes that fit (``speed.engine.memory.check_choice``).
+
+    The engine counts as the engine allocates it: side entries with ``branches``, and a key/value pool of
+    ``kv_blocks`` blocks, or, without them, of one request at its longest (``max_prompt_len + max_target_len``
+    positions), since an engine caps its default pool by what is available down to that (``check_memory``)."""
+    config = _stored_config(path) if _is_platform_checkpoint(path) else converted_config(path, n_loops)
     needs = {name: _need(config, dtype_named(name), capacity) for name in DTYPES}
     asked = str(dtype).removeprefix("torch.")
     if asked not in needs:
@@ -117,19 +137,25 @@ def load_pretrained(
     exits: bool = True,
     n_loops: int | None = None,
     dtype: torch.dtype = torch.float32,
+    capacity: EngineConfig | None = None,
+    initial_state_seed: int | None = None,
 ) -> LoadedModel:
-    """The model at ``path`` as the jobs read it, as ``dtype`` (``with_dtype``): a platform checkpoint or run
-    (``load_model``, its exit adapters attached with ``exits``), or a Hugging Face directory (``from_pretrained``,
-    read straight into ``dtype`` after its memory check; detected by its config.json) with its tokenizer's location
-    (the directory, where it holds tokenizer.json) and a config whose ``model`` and ``family`` sections are the
-    converted model's. A directory the platform cannot read is a one-line ``ValueError`` or ``FileNotFoundError``
-    before anything is written."""
+    """The model at ``path`` as the jobs read it, as ``dtype`` (``with_dtype``), after its memory check with an
+    engine of ``capacity`` (``check_load``): a platform checkpoint or run (``load_model``, its exit adapters
+    attached with ``exits``), or a Hugging Face directory (``from_pretrained``, read straight into ``dtype``, with
+    Huginn's ``initial_state_seed``; detected by its config.json) with its tokenizer's location (the directory,
+    where it holds tokenizer.json) and a config whose ``model`` and ``family`` sections are the converted model's.
+    A directory the platform cannot read is a one-line ``ValueError`` or ``FileNotFoundError`` before anything is
+    written."""
     if _is_platform_checkpoint(path):
-        _no_loop_option(n_loops, "a platform checkpoint")
+        _no_pretrained_options(n_loops, initial_state_seed, "a platform checkpoint")
+        check_load(path, dtype=dtype, capacity=capacity)
         loaded = load_model(str(path), map_location=map_location, exits=exits)
         with_dtype(loaded.model, dtype)  # in place
         return loaded
-    model = from_pretrained(path, n_loops=n_loops, dtype=dtype).to(map_location)
+    model = from_pretrained(
+        path, n_loops=n_loops, dtype=dtype, capacity=capacity, initial_state_seed=initial_state_seed
+    ).to(map_location)
     where = locate(absolute(str(path)))
     form = model_form(json.loads((where / "config.json").read_text()))
     config = {"model": to_dict(model.config), "family": family_of(model).name, "hf": {"form": form}}
@@ -168,6 +194,36 @@ def _no_loop_option(n_loops: int | None, what: str) -> None:
         raise ValueError(f"n_loops={n_loops}: {what} loops as its pattern says; n_loops is for Ouro and Huginn")
 
 
+def _no_pretrained_options(n_loops: int | None, initial_state_seed: int | None, what: str) -> None:
+    """A platform checkpoint's refusal of the published models' options."""
+    _no_loop_option(n_loops, what)
+    if initial_state_seed is not None:
+        raise ValueError(
+            f"initial_state_seed={initial_state_seed}: {what} keeps the initial state it was saved with "
+            "(config.json's initial_state); initial_state_seed is for Huginn directories"
+        )
+
+
+def _initial_state(path: str | Path, form: str, seed: int | None) -> InitialState | None:
+    """The initial state ``initial_state_seed`` asks of the ``form`` directory at ``path``: None (zero) without a
+    seed; Huginn's seeded draw; a one-line ``ValueError`` for a form without injection."""
+    if seed is None:
+        return None
+    if form != "huginn":
+        raise ValueError(f"initial_state_seed={seed}: the {form} form has no injected initial state (Huginn's has)")
+    if type(seed) is not int or seed < 0:
+        raise ValueError(f"initial_state_seed must be an integer >= 0, got {seed!r}")
+    return huginn_initial_state(path, seed)
+
+
+def _stored_config(path: str | Path) -> ModelConfig | LMConfig:
+    """The model config of a platform checkpoint (or a run's newest), from its config.json alone."""
+    config = read_checkpoint_config(latest_checkpoint(absolute(str(path))))
+    if "model" not in config:
+        raise ValueError(f"checkpoint {path} has no 'model' section in its config.json")
+    return config_from_dict(config["model"], checkpoint_family(config))
+
+
 def _need(config: ModelConfig | LMConfig, dtype: torch.dtype, capacity: EngineConfig | None) -> MemoryNeed:
     """What a model of ``config`` as ``dtype`` needs (built on the meta device: nothing allocated), with an engine of
     ``capacity`` when given."""
@@ -176,7 +232,10 @@ def _need(config: ModelConfig | LMConfig, dtype: torch.dtype, capacity: EngineCo
     if capacity is None:
         return MemoryNeed(stepper.weights_bytes(), 0, 0, 0)
     c = capacity
-    return stepper.memory_need(c.max_active, c.max_prompt_len, c.max_target_len, side=c.branches, blocks=c.kv_blocks)
+    blocks = c.kv_blocks
+    if blocks is None:  # the engine caps its default pool by what is available, down to one request at its longest
+        blocks = stepper.memory_need(1, c.max_prompt_len, c.max_target_len, side=False).blocks
+    return stepper.memory_need(c.max_active, c.max_prompt_len, c.max_target_len, side=c.branches, blocks=blocks)
 
 
 def _load_t5(path: str | Path, dtype: torch.dtype) -> SpeedT5:

@@ -148,12 +148,16 @@ class SpeedServer:
         api_key: str | None = None,
         exit_adapters: bool | None = None,
         dtype: str = "float32",
+        initial_state_seed: int | None = None,
+        user_config: dict[str, Any] | None = None,
     ) -> None:
         api.state.api_key = auth.resolve(api_key)  # None: open (no key given, none in $SPEED_API_KEY)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         if exit_adapters is None:  # the device's default (speed.engine.defaults): on a GPU yes, on a CPU no
             exit_adapters = device_exit_adapters(device)
-        self.served = load_served_model(checkpoint, device, exits=exit_adapters, dtype=dtype)
+        # user_config: the settings deployed with it (start_app's), which Serve applies in reconfigure; the load's
+        # memory check counts their engine
+        self.served = load_served_model(checkpoint, device, exit_adapters, dtype, user_config, initial_state_seed)
         api.state.exit_gate = getattr(as_stepper(self.served.model), "gated", False)  # what /openapi.json offers
         self.dtype = dtype
         self.model, self.tokenizer = self.served.model, self.served.tokenizer
@@ -296,10 +300,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ``args``: ``checkpoint`` (a checkpoint or run directory, local or URI; default ``$SPEED_CHECKPOINT``),
     ``stats_path``, ``model_name``, ``device`` (``auto``, ``cpu``, ``cuda``), ``exit_adapters`` (``true``: the
     checkpoint's exit adapters when it has them; ``false``: plain exits; unset: the device's default, on a GPU
-    yes, on a CPU no), ``dtype`` (``float32``, the default, or ``bfloat16``: bf16 weights). An API key comes from
+    yes, on a CPU no), ``dtype`` (``float32``, the default, or ``bfloat16``: bf16 weights), ``initial_state_seed``
+    (Huginn's seeded random initial state; unset: zero). An API key comes from
     ``$SPEED_API_KEY`` in the replicas' environment, never from ``args`` (config files are not secret).
     """
-    known = {"checkpoint", "stats_path", "model_name", "device", "exit_adapters", "dtype"}
+    known = {"checkpoint", "stats_path", "model_name", "device", "exit_adapters", "dtype", "initial_state_seed"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown application argument(s) {unknown}; valid ones are {sorted(known)}")
@@ -307,6 +312,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     args.setdefault("checkpoint", os.environ.get(CHECKPOINT_ENV))
     if "exit_adapters" in args:  # `serve run ... exit_adapters=false` passes a string
         args["exit_adapters"] = coerce(args["exit_adapters"], bool, "exit_adapters")
+    if "initial_state_seed" in args:  # a string too
+        args["initial_state_seed"] = coerce(args["initial_state_seed"], int, "initial_state_seed")
     if args.get("dtype", DTYPES[0]) not in DTYPES:
         raise ValueError(f"dtype={args['dtype']!r}: choose one of {DTYPES}")
     if not args["checkpoint"]:
@@ -336,6 +343,8 @@ def start_app(config: AppConfig) -> str:
         api_key=c.api_key,
         exit_adapters=c.exit_adapters,
         dtype=c.dtype,
+        initial_state_seed=c.initial_state_seed,
+        user_config=dict(c.settings),
     )
     serve.run(app, name=c.name, route_prefix=c.route_prefix)
     return f"http://{c.host}:{c.port}{c.route_prefix.rstrip('/')}"

@@ -139,6 +139,7 @@ class AppConfig:
     device: str = "auto"  # "auto", "cpu", "cuda"
     exit_adapters: bool | None = None  # draft with the checkpoint's exit adapters; None: on a GPU yes, on a CPU no
     dtype: str = "float32"  # the weights': float32, or bfloat16 (bf16 weights: speed.models.precision)
+    initial_state_seed: int | None = None  # Huginn's seeded random initial state (None: zero; load_pretrained)
     api_key: str | None = field(default=None, repr=False)  # every route but /healthz needs it; None: $SPEED_API_KEY
     # the deployment's
     name: str = "speed"
@@ -158,10 +159,22 @@ class AppConfig:
         from_dict(ServeSettings, dict(self.settings))
         if self.dtype not in DTYPES:
             raise ValueError(f"AppConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        seed = self.initial_state_seed
+        if seed is not None and (type(seed) is not int or seed < 0):
+            raise ValueError(f"AppConfig.initial_state_seed must be an integer >= 0 or null, got {seed!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"AppConfig.device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and self.num_gpus <= 0:  # Ray hides every GPU from a replica that asked for none
             raise ValueError("AppConfig.device='cuda' needs num_gpus > 0 per replica (Ray shows a replica its GPUs)")
+
+
+def host_capacity(device: str, user_config: dict[str, Any] | None) -> EngineConfig | None:
+    """The engine a replica on ``device`` builds for ``user_config`` where its cache is in the host's memory: a CPU
+    replica's (SPEED's CPU defaults allocate no branches: ``device_levers``); None on a GPU, whose cache the GPU
+    holds."""
+    if str(device).split(":")[0] != "cpu":
+        return None
+    return from_dict(ServeSettings, dict(user_config or {})).engine_config()
 
 
 @dataclass(frozen=True)
@@ -178,17 +191,33 @@ class ServedModel:
     packed_weights: int = 0  # weights packed for the native kernel (``pack_for_decoding``)
 
 
-def load_served_model(checkpoint: str, device: str, exits: bool = True, dtype: str = "float32") -> ServedModel:
+def load_served_model(
+    checkpoint: str,
+    device: str,
+    exits: bool = True,
+    dtype: str = "float32",
+    user_config: dict[str, Any] | None = None,
+    initial_state_seed: int | None = None,
+) -> ServedModel:
     """The served model of a checkpoint path or URI (or a run's newest) or of a Hugging Face model directory, in
-    ``dtype`` (``bfloat16``: bf16 weights, ``speed.models.precision.with_dtype``, as ``jobs/evaluate.py --dtype``); one
-    without its tokenizer (spm.model, tokenizer.json) is an error.
+    ``dtype`` (``bfloat16``: bf16 weights, ``speed.models.precision.with_dtype``, as ``jobs/evaluate.py --dtype``),
+    with Huginn's seeded random initial state under ``initial_state_seed`` (None: zero); one without its tokenizer
+    (spm.model, tokenizer.json) is an error.
+
+    Before anything is allocated the load is checked against the host's available memory
+    (``speed.models.pretrained.check_load``): the weights, and on a CPU, where the key/value cache lies in the same
+    memory, the engine that ``user_config`` (the deployment's ``ServeSettings``) asks for beside them
+    (``host_capacity``); one that does not fit is one ``MemoryBudgetError`` line.
 
     With ``exits`` the checkpoint's exit adapters (``speed.models.exits``), when it has them, adapt the drafts; the
     answers are the same either way. A replica only decodes, so a looped LM's weights that run on the native kernel
     are packed for it (``pack_for_decoding``: 4-8 rows a pass at about one row's cost; ``packed_weights`` counts
     them, 0 for T5, a GPU or small float32 weights): its answers are those of offline decoding of the model packed
     the same way."""
-    loaded = load_pretrained(checkpoint, map_location=device, exits=exits, dtype=dtype_named(dtype))  # read as dtype
+    capacity = host_capacity(device, user_config)
+    loaded = load_pretrained(  # read as dtype
+        checkpoint, device, exits, dtype=dtype_named(dtype), capacity=capacity, initial_state_seed=initial_state_seed
+    )
     if loaded.tokenizer_path is None:
         raise FileNotFoundError(f"{loaded.checkpoint} holds no spm.model nor tokenizer.json: serving needs one")
     tokenizer = load_tokenizer(loaded.tokenizer_path)  # reads the files into memory
