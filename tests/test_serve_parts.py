@@ -798,7 +798,7 @@ def test_bench_ratios_and_table_against_the_bars():
     table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
     assert "c_over_b_tokens_per_s_at_16 = 0.94 (bar >= 0.95: NOT met)" in table
     assert "c_over_b_p50_at_1 = 0.50 (bar <= 0.6: met)" in table
-    assert "| (c) continuous batching, SPEED | 16 | 94.0 | 170 | 340 |  | 8 | 0 |  |  |" in table
+    assert "| (c) continuous batching, SPEED | 16 | 94.0 | 170 | 340 |  |  | 8 | 0 |  |  |" in table
 
 
 def test_bench_variant_d_ratios_and_engine_counts_per_run():
@@ -837,7 +837,7 @@ def test_bench_variant_d_ratios_and_engine_counts_per_run():
     r = ratios(summary)
     assert r["d_over_c_tokens_per_s_at_1"] == 1.25 and r["d_over_c_p50_at_1"] == 0.8
     table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
-    assert "| (d) continuous batching, SPEED with branches | 1 | 25.0 | 40 | 40 |  | 4 | 0 | 1.50 | 3.00 |" in table
+    assert "| (d) continuous batching, SPEED with branches | 1 | 25.0 | 40 | 40 |  |  | 4 | 0 | 1.50 | 3.00 |" in table
     assert "- d_over_c_tokens_per_s_at_1 = 1.25\n" in table
 
 

@@ -441,9 +441,10 @@ def format_table(result: ServeBenchResult) -> str:
     ]
     for (variant, c), s in sorted(result.summary.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ttft = f"{s['ttft_p50_ms']:.0f}" if s["ttft_p50_ms"] is not None else ""
+        tpot = "" if s.get("tpot_p50_ms") is None else f"{_num(s['tpot_p50_ms'])} / {_num(s.get('tpot_p99_ms'))}"
         lines.append(
             f"| ({variant}) {VARIANTS[variant]} | {c} | {s['tokens_per_s']:.1f} | {s['p50_ms']:.0f} | "
-            f"{s['p99_ms']:.0f} | {ttft} | {_num(s.get('tpot_p50_ms'))} / {_num(s.get('tpot_p99_ms'))} | "
+            f"{s['p99_ms']:.0f} | {ttft} | {tpot} | "
             f"{s['requests']} | {s['errors']} | {_num(s.get('steps_per_token'))} | "
             f"{_num(s.get('rows_per_token'))} |"
         )
