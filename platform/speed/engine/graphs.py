@@ -119,7 +119,8 @@ class GraphSteps:
     ) -> tuple[Tensor, Tensor | None]:
         """One group pass over ``rows`` (R) with inputs ``hidden`` (R, W) through ``step(rows, hidden, with_logits,
         logit_rows)``: the outputs (R, W) and the logits (K, V) of ``logit_rows`` (None: all R) if ``with_logits``.
-        ``prepare(rows)``: the host's bookkeeping of a captured pass, run before each replay."""
+        ``prepare(rows)``: the host's bookkeeping of a captured pass, run before each replay (and before each eager
+        bucketed pass too: the CPU runs what a GPU captures)."""
         size = bucket(len(rows), self.buckets)
         if size is None:  # more rows than the largest bucket: one unpadded eager pass
             return step(rows, hidden, with_logits, logit_rows)
@@ -128,14 +129,14 @@ class GraphSteps:
             buffers = self._buffers[size] = StepBuffers.allocate(size, hidden.shape[1], hidden.dtype, self.device)
         padded = buffers.load(pad_rows(rows, size, self.scratch), _pad(hidden, size))
         n = len(rows)
+        if prepare is not None:
+            prepare(padded)
         if not self.capture:  # every row's logits, the padding's dropped (a slice: no index copied to the device),
             # or the named rows'
             named = None if logit_rows is None else list(logit_rows)
             out, logits = step(padded, buffers.hidden, with_logits, named)
             return out[:n], (logits[:n] if logits is not None and named is None else logits)
         real = list(range(n)) if logit_rows is None else list(logit_rows)
-        if prepare is not None:
-            prepare(padded)
         out, logits = self._replay(size, with_logits, step, padded, buffers)
         if logits is not None:  # every row's logits were computed in the graph: the wanted ones, in order
             logits = logits[:n] if logit_rows is None else logits.index_select(0, to_device(real, self.device))
