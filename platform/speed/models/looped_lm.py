@@ -178,11 +178,14 @@ class Attention(nn.Module):
             out.append(y[0].transpose(0, 1).reshape(T, -1))
         return rows_linear(self.o, torch.cat(out))
 
-    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache | StagedView, layer: int
+    ) -> Tensor:
         """One new token per row of a tile (n, d) at its own position (angles cos/sin (n, D)).
 
         Writes the rows' keys/values at their virtual layers (their loop,
-        ``layer``), then attends over each row's positions there (``KVCache.attend``).
+        ``layer``), then attends over each row's positions there (``KVCache.attend``; a staged pass's
+        ``StagedView`` does both from its device index).
         """
         n, heads, pairs = x.shape[0], (self.n_heads, self.n_kv_heads), self.layout != "halves"
         qkv = tile_linear(self.qkv, x)  # (n, (H + 2K) D)
@@ -248,7 +251,9 @@ class Block(nn.Module):
         x = self._add(x, y, self.attn_out_norm, rows_norm)
         return self._add(x, self.mlp.prefill(rows_norm(self.mlp_norm, x)), self.mlp_out_norm, rows_norm)
 
-    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache | StagedView, layer: int
+    ) -> Tensor:
         """One tile of decode rows (n, d) through this block (see ``Attention.decode``), the norms on the decode
         rows' kernel (``tile_rms_norm``); on packed weights the whole block in one native call (``native.lm_block``,
         the same kernels in the same order: the same bits)."""
