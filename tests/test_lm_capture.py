@@ -11,14 +11,16 @@ the captured graphs on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 
 import numpy as np
 import pytest
 import torch
-from engine_helpers import random_exits, speed_as_sequential
+from engine_helpers import churn_config, drive, random_exits, speed_as_sequential
 from test_lm import _randomize
-from test_lm_decoding import GQA
+from test_lm_decoding import GQA, MAX_PROMPT, PromptKeyed, churn_request, equals_sequential_alone
 
 tk = pytest.importorskip("speed.engine.triton_kernels")  # before anything imports triton: it sets the interpreter
 
@@ -26,7 +28,7 @@ import speed.engine.kernels as kernels  # noqa: E402
 from speed.config import lm_preset  # noqa: E402
 from speed.decode.exactness import LogitRecorder  # noqa: E402
 from speed.decode.generate import generate  # noqa: E402
-from speed.engine import Speculation  # noqa: E402
+from speed.engine import Engine, Speculation  # noqa: E402
 from speed.engine.graphs import GraphSteps, kv_caches  # noqa: E402
 from speed.engine.rows import Rows  # noqa: E402
 from speed.engine.sampling import Sampling  # noqa: E402
@@ -166,3 +168,21 @@ def test_a_staged_pass_reads_nothing_of_the_rows_on_the_host():
             assert torch.equal(got, want) and torch.equal(got_logits, want_logits), keep
             source.advance(keep, want)
     assert np.array_equal(a.inner.loops.lengths[:, :, :5], b.inner.loops.lengths[:, :, :5])
+
+
+@pytest.mark.slow
+def test_an_engine_of_staged_passes_under_churn_equals_sequential_alone():
+    """Requests joining, leaving and cancelled under a row budget, every pass padded and staged (a model with a
+    prelude, a coda, injection and an initial state): each request equals its sequential decoding alone, every
+    loop's logits too, and every request's blocks come back."""
+    rng = random.Random(401)
+    model = huginn_like(7)
+    recorder = PromptKeyed(model)
+    config = dataclasses.replace(churn_config(rng, MAX_PROMPT, 12, 8), max_active=2, graphs=True)
+    engine = Engine(recorder, config)
+    staged = count_staged(model)
+    make = functools.partial(churn_request, rng, model, iter(range(2, model.vocab_size)))
+    requests, finished = drive(engine, rng, [rng.randrange(0, 6) for _ in range(3)], make, 0.25, 6)
+    assert max(staged) > 1 and engine.blocks[0] == 0 and len(finished) == 3
+    for f in finished:
+        equals_sequential_alone(recorder, model, requests[f.id], f)
