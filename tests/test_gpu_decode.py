@@ -194,8 +194,17 @@ def test_a_step_synchronises_the_host_at_most_once(family):
         engine.step()  # first passes: each bucket's buffers allocated
         counts = []
         while engine.has_work:
-            counts.append(count_syncs(engine.step, "cuda"))
+            graphs = captured(engine)
+            syncs = count_syncs(engine.step, "cuda")
+            if captured(engine) == graphs:  # a step that captured a bucket's graph waits for the capture: not counted
+                counts.append(syncs)
     assert counts and max(counts) <= 1, counts
+    assert family == "t5" or captured(engine) > 0  # the LM's passes were replayed graphs
+
+
+def captured(engine: Engine) -> int:
+    """CUDA graphs the engine has captured (its buckets' passes)."""
+    return 0 if engine._graphs is None else len(engine._graphs._graphs) * engine._graphs.capture
 
 
 def test_a_captured_bucket_replays_new_rows_bit_for_bit():
@@ -219,3 +228,46 @@ def test_a_captured_bucket_replays_new_rows_bit_for_bit():
         got, want = (g.run(step, rows, hidden, True, picked) for g in (captured, eager))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
     assert len(captured._graphs) == 6  # buckets 1, 4, 8, 2, 16, 64, each captured once (70 rows: unpadded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_captured_lm_bucket_replays_new_rows_bit_for_bit(dtype):
+    """The looped LM's pass captured per bucket (``LMStepper.prepare`` staging each step's index, then a replay):
+    step after step of new rows, every carry and logit equal to the unstaged, unpadded eager pass's over a second
+    cache fed the same, bit for bit (a prelude, a coda, injection with Huginn's initial state, exit adapters)."""
+    from test_lm_capture import RowSource, admitted, huginn_like
+
+    from speed.engine.graphs import GraphSteps
+
+    device = torch.device("cuda")
+    model = huginn_like(5, exits=True).to(device, dtype)
+    assert model.stepper().capturable
+    (staged, a), (plain, b) = admitted(model, 6, random.Random(6)), admitted(model, 6, random.Random(6))
+    graphs = GraphSteps(scratch=6, device=device, capture=True)
+    source = RowSource(model, 6, random.Random(5))
+    with torch.inference_mode():
+        for _ in range(24):
+            rows, hidden = source.rows()
+            keep = Rows(rows.slot.copy(), rows.loop.copy(), rows.pos.copy())
+            step = lambda r, h, w, picked: staged.step(None, a, r, h, w)  # noqa: E731
+            got, got_logits = graphs.run(step, rows, hidden, True, None, lambda r: staged.prepare(None, a, r))
+            want, want_logits = plain.step(None, b, keep, hidden, True)
+            assert torch.equal(got, want) and torch.equal(got_logits, want_logits), keep
+            source.advance(keep, want)
+    assert len(graphs._graphs) >= 3  # several buckets captured, each replayed
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_lm_speed_through_captured_graphs_equals_sequential_on_cuda(sampling):
+    """The engine's default on CUDA for the looped LM: every pass a replayed graph of its bucket. SPEED's tokens
+    (with and without runner-up branches) are sequential decoding's, run unpadded and eagerly (the logits are
+    compared bit for bit by ``test_a_captured_lm_bucket_replays_new_rows_bit_for_bit``: a recorder is not
+    captured)."""
+    for seed, (batch, dtype) in enumerate([(1, torch.float32), (8, torch.bfloat16), (32, torch.bfloat16)]):
+        model, ids, mask = lm_case(seed, batch, dtype)
+        assert model.stepper().capturable
+        ref = generate(model, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling, graphs=False)
+        for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=2, branch_depth=2)):
+            got = generate(model, ids, mask, method="speed", max_new_tokens=12, speculation=speculation,
+                           sampling=sampling)  # fmt: skip
+            assert got.tokens == ref.tokens, (seed, batch, speculation)

@@ -31,8 +31,11 @@ class LogitRecorder:
 
     ``logits[key(slot, loop, pos)]``: loop 0-based, as in ``Rows``. Rows run
     without logits (sequential decoding without a trace skips non-final
-    exits) record nothing.
+    exits) record nothing. Never captured (``capturable`` False): it records in every pass, which a replayed
+    CUDA graph does not call; with ``EngineConfig.graphs=True`` it still runs the model's staged pass, eagerly.
     """
+
+    capturable = False
 
     def __init__(self, model: Any) -> None:
         self.model = as_stepper(model)  # a model's adapter, or a Stepper as it is

@@ -45,6 +45,7 @@ built for an engine without branches has no side entries (``n_side=0``).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,7 @@ from speed.engine import native
 from speed.engine.kernels import ATTN_CHUNK, attend, attention_native, attention_triton, chunk_span, triton_ops
 from speed.engine.rows import Rows, to_device
 
-__all__ = ["CacheError", "KVCache", "PagedIndex", "Rows", "kv_bytes", "pool_blocks"]
+__all__ = ["CacheError", "KVCache", "PagedIndex", "Rows", "StagedIndex", "StagedView", "kv_bytes", "pool_blocks"]
 
 ZERO_BLOCK = 0  # the pool's block that unallocated table entries point to: never written, always zero
 
@@ -114,6 +115,7 @@ class KVCache:
         self._offsets: tuple | None = None  # (rows, version, (offsets, lengths)) of the last native attention
         self._paged: tuple | None = None  # (rows, version, PagedIndex) of the last Triton attention
         self._bias: tuple | None = None  # (rows, dtype, bias) of the last torch attention
+        self._staged: dict[int, StagedIndex] = {}  # a staged pass's static index, by row count (``stage``)
         self.lengths = np.zeros((n_loops, n_layers, n_slots), dtype=np.int64)
         # side entries per slot: a lane of < M tokens per in-flight token, M = n_loops unless the layers run
         # in fewer loops than the model has (a looped LM's prelude: one loop, the model's M lanes)
@@ -265,7 +267,16 @@ class KVCache:
 
     def _write_side(self, layer: int, rows: Rows, k: Tensor, v: Tensor, branch: np.ndarray) -> None:
         """Store the branch rows' (``branch`` mask) keys/values (B, H, D) in their side entries."""
-        slot, loop, pos, side = rows.slot[branch], rows.loop[branch], rows.pos[branch], rows.side[branch]
+        self._check_side(layer, rows, branch)
+        slot, loop, side = rows.slot[branch], rows.loop[branch], rows.side[branch]
+        loop_t, flat_t = (to_device(a, self.device) for a in (loop, slot * self.n_side + side))
+        self.side_keys[layer][loop_t, flat_t] = k
+        self.side_values[layer][loop_t, flat_t] = v
+
+    def _check_side(self, layer: int, rows: Rows, branch: np.ndarray) -> None:
+        """A branch write's check: each branch row (``branch`` mask) finds its prefix, the positions before its
+        lane's fork, valid at its virtual layer, and its position within the cache."""
+        slot, loop, pos = rows.slot[branch], rows.loop[branch], rows.pos[branch]
         have, fork = self.lengths[loop, layer, slot], rows.forks()
         if (have < fork).any():
             bad = int(np.flatnonzero(have < fork)[0])
@@ -275,9 +286,6 @@ class KVCache:
             )
         if int(pos.max()) >= self.max_len:
             raise CacheError(f"position {int(pos.max())} beyond the cache's max_len {self.max_len}")
-        loop_t, flat_t = (to_device(a, self.device) for a in (loop, slot * self.n_side + side))
-        self.side_keys[layer][loop_t, flat_t] = k
-        self.side_values[layer][loop_t, flat_t] = v
 
     def _places(self, rows: Rows, chunk: np.ndarray) -> tuple[Tensor, Tensor]:
         """(R,) each chain row's block and place in it, as tensors; kept for the tile's next layers, as the read's
@@ -369,6 +377,60 @@ class KVCache:
         self._bias = (rows, dtype, bias)
         return bias
 
+    def stage(self, rows: Rows, live: np.ndarray | None = None) -> StagedIndex:
+        """The host's part of a pass over ``rows`` at every layer, done before the pass (a captured CUDA graph's
+        ``prepare``): the checks and bookkeeping of ``write`` at each layer (blocks taken, lengths counted), and
+        the rows' whole index (where each writes, what each attends: ``StagedIndex``) copied in one pinned,
+        non-blocking copy into this row count's static buffers, whose addresses never change. The pass then reads
+        those buffers alone (``write_staged``, ``attend_staged``): nothing of the rows on the host.
+
+        Rows not ``live`` (mask; None: all) run as padding rows (``set_scratch``: the scratch slot's block,
+        loop 0, position 0): they write only there and count nowhere (a looped LM's rows past loop 0 in its
+        prelude). Chain rows write the pool, branch rows their side entries (``n_side``); each also writes the
+        other kind's scratch place, so that every row writes both with one index each (what lands there is
+        never read by a real row). Needs the triton attention and a scratch slot."""
+        if self.scratch is None or not self.triton_attention:
+            raise CacheError("a staged pass needs a scratch slot (set_scratch) and the Triton attention")
+        R, scratch = len(rows), self.scratch
+        if live is not None and not live.all():
+            rows = _as_padding(rows, ~live, scratch)
+        branch = np.zeros(R, dtype=bool) if rows.side is None else rows.side >= 0
+        if branch.any():  # as write does at every layer: the branches' checks first, then the chain's claims
+            for layer in range(len(self.keys)):
+                self._check_side(layer, rows, branch)
+        chain = rows if not branch.any() else rows.take(np.flatnonzero(~branch))
+        if len(chain):
+            for layer in range(len(self.keys)):
+                self._claim(layer, chain)
+        index = self._staged.get(R)
+        if index is None:
+            index = self._staged[R] = StagedIndex.allocate(R, self.table.shape[1], self.n_side, self.device)
+        chunk = np.where(branch, 0, rows.pos // ATTN_CHUNK)
+        block = np.where(branch, self.table[scratch, 0], self.table[rows.slot, chunk])
+        within = np.where(branch, 0, rows.pos % ATTN_CHUNK)
+        side = np.zeros(R, dtype=np.int64) if rows.side is None else np.maximum(rows.side, 0)
+        entry = np.where(branch, rows.slot * self.n_side + side, scratch * self.n_side)
+        lane_pos, lane_entry = self._lanes(rows if branch.any() else None, R, self.n_side)
+        columns = (rows.loop, rows.pos, rows.pos + 1, block, within, entry)
+        host = StagedIndex.pack(columns, self.table[rows.slot], lane_pos, lane_entry)
+        index.packed.copy_(to_device(host, self.device))
+        return index
+
+    def write_staged(self, layer: int, index: StagedIndex, k: Tensor, v: Tensor) -> None:
+        """``write`` of a staged pass's rows (``stage``), their keys/values (R, H, D): device indices only."""
+        self.keys[layer][index.loop, :, index.block, index.within] = k
+        self.values[layer][index.loop, :, index.block, index.within] = v
+        if self.n_side:
+            self.side_keys[layer][index.loop, index.entry] = k
+            self.side_values[layer][index.loop, index.entry] = v
+
+    def attend_staged(self, layer: int, index: StagedIndex, q: Tensor) -> Tensor:
+        """``attend`` of a staged pass's rows (``stage``) on the Triton attention: device indices only."""
+        sides = (self.side_keys[layer], self.side_values[layer]) if self.n_side else (None, None)
+        lanes = (index.lane_pos, index.lane_entry) if self.n_side else (None, None)
+        pool = (self.keys[layer], self.values[layer])
+        return triton_ops().paged_attend(q, *pool, index.loop, index.length, index.table, *sides, *lanes)
+
     def paged_index(self, rows: Rows) -> PagedIndex:
         """The Triton attention's index of ``rows`` (``PagedIndex``), on the cache's device; the same for every
         layer until the table changes (kept for the tile's next layers)."""
@@ -377,15 +439,21 @@ class KVCache:
             return memo[2]
         lane_pos = lane_entry = None
         if rows.side is not None:
-            r, pos, side = rows.lane_entries()
-            width = int(np.bincount(r).max())
-            lane_pos, lane_entry = np.full((len(rows), width), -1), np.zeros((len(rows), width), dtype=np.int64)
-            place = np.arange(len(r)) - np.searchsorted(r, r)  # each entry's place in its row's lane (r ascends)
-            lane_pos[r, place], lane_entry[r, place] = pos, rows.slot[r] * self.n_side + side
+            lane_pos, lane_entry = self._lanes(rows, len(rows), int(np.bincount(rows.lane_entries()[0]).max()))
         arrays = (rows.loop, rows.pos + 1, self.table[rows.slot], lane_pos, lane_entry)
         index = PagedIndex(*(None if a is None else to_device(a, self.device) for a in arrays))
         self._paged = (rows, self._version, index)
         return index
+
+    def _lanes(self, rows: Rows | None, R: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(R, width) each branch row's lane positions (-1 pads; a chain row's all -1) and their side entries
+        (slot * n_side + side), as the Triton attention reads them; all padding for ``rows`` None."""
+        lane_pos, lane_entry = np.full((R, width), -1, dtype=np.int64), np.zeros((R, width), dtype=np.int64)
+        if rows is not None:
+            r, pos, side = rows.lane_entries()
+            place = np.arange(len(r)) - np.searchsorted(r, r)  # each entry's place in its row's lane (r ascends)
+            lane_pos[r, place], lane_entry[r, place] = pos, rows.slot[r] * self.n_side + side
+        return lane_pos, lane_entry
 
     def _attend_offsets(self, rows: Rows) -> tuple[Tensor, Tensor]:
         """The native attention's index: (R, L) each row's positions' element offsets in the pool of a layer (kv
@@ -463,6 +531,75 @@ class PagedIndex:
     @property
     def lanes(self) -> tuple[Tensor | None, Tensor | None]:
         return self.lane_pos, self.lane_entry
+
+
+@dataclass(frozen=True)
+class StagedIndex:
+    """A staged pass's index of R rows into one ``KVCache`` (``KVCache.stage``): contiguous views of one static
+    device buffer, ``packed``, which the host fills in one copy a step (so a captured graph reads it in place)."""
+
+    packed: Tensor  # (R * (6 + C + 2 S),) every field below, in order; C the table's chunks, S the side entries
+    rows: int
+    chunks: int
+    n_side: int
+
+    FIELDS = ("loop", "pos", "length", "block", "within", "entry")  # (R,) each, then the table and the lanes
+
+    @classmethod
+    def allocate(cls, rows: int, chunks: int, n_side: int, device: torch.device) -> StagedIndex:
+        packed = torch.zeros(rows * (len(cls.FIELDS) + chunks + 2 * n_side), dtype=torch.long, device=device)
+        return cls(packed, rows, chunks, n_side)
+
+    def _part(self, start: int, width: int) -> Tensor:
+        return self.packed[start * self.rows : (start + width) * self.rows].view(self.rows, width)
+
+    def _column(self, i: int) -> Tensor:
+        return self.packed[i * self.rows : (i + 1) * self.rows]
+
+    # (R,): the row's loop, its position, positions it attends (pos + 1), the pool block and the place in it it
+    # writes, the side entry it writes (slot * n_side + side)
+    loop = property(lambda self: self._column(0))
+    pos = property(lambda self: self._column(1))
+    length = property(lambda self: self._column(2))
+    block = property(lambda self: self._column(3))
+    within = property(lambda self: self._column(4))
+    entry = property(lambda self: self._column(5))
+    table = property(lambda self: self._part(6, self.chunks))  # (R, C) its slot's block table
+    lane_pos = property(lambda self: self._part(6 + self.chunks, self.n_side))  # (R, S) its lane's positions, -1 pads
+    lane_entry = property(lambda self: self._part(6 + self.chunks + self.n_side, self.n_side))  # (R, S) their entries
+
+    @staticmethod
+    def pack(
+        columns: Sequence[np.ndarray], table: np.ndarray, lane_pos: np.ndarray, lane_entry: np.ndarray
+    ) -> np.ndarray:
+        """The host's values in ``packed``'s layout (each (R, width) part row-major, one after another)."""
+        return np.concatenate([*columns, table.ravel(), lane_pos.ravel(), lane_entry.ravel()])
+
+
+class StagedView:
+    """A ``KVCache`` as a staged pass's layers see it (``KVCache.stage``): ``write`` and ``attend`` as the cache's,
+    but through the staged index, whatever rows they are handed (they read nothing of them)."""
+
+    native_attention = False  # a staged pass attends on the Triton kernel
+
+    def __init__(self, cache: KVCache, index: StagedIndex) -> None:
+        self.cache, self.index = cache, index
+
+    def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
+        self.cache.write_staged(layer, self.index, k, v)
+
+    def attend(self, layer: int, rows: Rows, q: Tensor) -> Tensor:
+        return self.cache.attend_staged(layer, self.index, q)
+
+
+def _as_padding(rows: Rows, dead: np.ndarray, scratch: int) -> Rows:
+    """``rows`` with the ``dead`` ones (mask) made padding rows: chain rows of the ``scratch`` slot at loop 0,
+    position 0 (copies: ``rows`` stays as it was)."""
+    slot, loop, pos = (np.where(dead, fill, a) for a, fill in ((rows.slot, scratch), (rows.loop, 0), (rows.pos, 0)))
+    if rows.side is None or (rows.side[~dead] < 0).all():
+        return Rows(slot, loop, pos)
+    up = tuple(() if d else u for d, u in zip(dead.tolist(), rows.up))
+    return Rows(slot, loop, pos, np.where(dead, -1, rows.side), up)
 
 
 def kv_bytes(

@@ -16,10 +16,12 @@ decisions``), so the host waits on the device once a step.
 Capture needs a pass whose device work is the same kernels on the same addresses whatever the rows' values: a
 stepper that offers one says ``capturable = True`` (its ``step`` reads the device tensors of the rows it is given,
 ``Rows.tensors``, never of parts it takes of them, and every index it makes from buffers that stay put per
-bucket; its host bookkeeping is in ``prepare(memory, cache, rows)``, which the engine calls before every replay).
-The platform's models do not offer it yet, so on a GPU the engine runs their passes unpadded (padding without a
-graph only adds rows), with the same copies and decisions; ``EngineConfig.graphs=True`` runs them bucketed and
-eagerly (``GraphSteps.capture`` False), which is how the CPU tests the bookkeeping.
+bucket; its host bookkeeping is in ``prepare(memory, cache, rows)``, which the engine calls before every replay,
+and before every eager bucketed pass too). The looped LM's stepper offers it on the Triton kernels
+(``speed.models.looped_lm.LMStepper.prepare``); T5's does not yet, so on a GPU the engine runs its passes
+unpadded (padding without a graph only adds rows), with the same copies and decisions.
+``EngineConfig.graphs=True`` runs any stepper bucketed, and eagerly where it is not captured (``GraphSteps.capture``
+False), which is how the CPU tests the bookkeeping and, under Triton's interpreter, the LM's staged pass.
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class GraphSteps:
     ) -> tuple[Tensor, Tensor | None]:
         """One group pass over ``rows`` (R) with inputs ``hidden`` (R, W) through ``step(rows, hidden, with_logits,
         logit_rows)``: the outputs (R, W) and the logits (K, V) of ``logit_rows`` (None: all R) if ``with_logits``.
-        ``prepare(rows)``: the host's bookkeeping of a captured pass, run before each replay."""
+        ``prepare(rows)``: the host's bookkeeping of a captured pass, run before each replay (and before each eager
+        bucketed pass too: the CPU runs what a GPU captures)."""
         size = bucket(len(rows), self.buckets)
         if size is None:  # more rows than the largest bucket: one unpadded eager pass
             return step(rows, hidden, with_logits, logit_rows)
@@ -128,14 +131,14 @@ class GraphSteps:
             buffers = self._buffers[size] = StepBuffers.allocate(size, hidden.shape[1], hidden.dtype, self.device)
         padded = buffers.load(pad_rows(rows, size, self.scratch), _pad(hidden, size))
         n = len(rows)
+        if prepare is not None:
+            prepare(padded)
         if not self.capture:  # every row's logits, the padding's dropped (a slice: no index copied to the device),
             # or the named rows'
             named = None if logit_rows is None else list(logit_rows)
             out, logits = step(padded, buffers.hidden, with_logits, named)
             return out[:n], (logits[:n] if logits is not None and named is None else logits)
         real = list(range(n)) if logit_rows is None else list(logit_rows)
-        if prepare is not None:
-            prepare(padded)
         out, logits = self._replay(size, with_logits, step, padded, buffers)
         if logits is not None:  # every row's logits were computed in the graph: the wanted ones, in order
             logits = logits[:n] if logit_rows is None else logits.index_select(0, to_device(real, self.device))

@@ -15,12 +15,15 @@ import torch
 from torch import Tensor
 
 
-def to_device(values: np.ndarray | list, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+def to_device(
+    values: np.ndarray | list | Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+) -> Tensor:
     """``values`` as a tensor on ``device``: on the CPU the array itself (no copy where it can); on CUDA staged in
     pinned memory and copied with ``non_blocking=True``: the host goes on at once, and the copy runs in stream order
     before the kernels that read it. The pinned block comes from torch's caching host allocator, which reuses it
-    only once the copy that read it has finished, so the host may change ``values`` right after."""
-    host = torch.as_tensor(np.asarray(values), dtype=dtype)
+    only once the copy that read it has finished, so the host may change ``values`` right after. ``values`` may be a
+    CPU tensor (e.g. bf16, which numpy has not)."""
+    host = values.to(dtype) if isinstance(values, Tensor) else torch.as_tensor(np.asarray(values), dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)

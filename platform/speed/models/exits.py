@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.engine.kernels import TILE_ROWS, on_triton, rows_linear, rows_norm, tile_linear, triton_ops
+from speed.engine.rows import to_device
 
 EXITS_FILE = "exits.pt"  # the adapters' state dict, beside a checkpoint's model.pt
 EXITS_CONFIG_FILE = "exits.json"  # {"exits": ExitConfig's fields, "job": the training job's config, "step": ...}
@@ -115,17 +116,32 @@ class ExitAdapters(nn.Module):
         row-invariant; the rest is elementwise), and a step pays two small matmuls, not two per loop present.
         """
         index = {int(key) - 1: i for i, key in enumerate(self.heads)}  # loop (0-based) -> head
-        which = torch.as_tensor([index.get(int(loop), -1) for loop in np.asarray(loops)], device=h.device)  # (R,)
-        adapted = which >= 0
-        if not bool(adapted.any()):
+        which = np.asarray([index.get(int(loop), -1) for loop in np.asarray(loops)], dtype=np.int64)  # (R,)
+        if not (which >= 0).any():  # decided on the host: no row is adapted
             return h
+        return self.adapt_heads(h, to_device(which, h.device))
+
+    def heads_of(self, loops: Tensor) -> Tensor:
+        """(R,) each row's head (-1: its loop is not adapted) from its loop (R,), on the device: no host read (a
+        captured pass's), the lookup table made once per device."""
+        tables = self.__dict__.setdefault("_head_tables", {})  # not a buffer: nothing in the state dict
+        table = tables.get(str(loops.device))
+        if table is None:
+            index = {int(key) - 1: i for i, key in enumerate(self.heads)}
+            host = [index.get(loop, -1) for loop in range(self.config.n_loops)]
+            table = tables[str(loops.device)] = to_device(host, loops.device)
+        return table.index_select(0, loops)
+
+    def adapt_heads(self, h: Tensor, which: Tensor) -> Tensor:
+        """``adapt_rows`` of rows whose heads ``which`` (R,) are on the device (-1: none): every row runs through
+        the stacked heads whatever its loop, and rows of no head get their inputs back, bit for bit (a select)."""
         down, up = self._stacked()
         r = self.config.rank
         normed = triton_ops().rms_norm(h, None, RMS_EPS) if on_triton(h) else _rms(h)  # per row either way
         z = F.relu(rows_linear(down, normed, TILE_ROWS))  # (R, K r)
         own = torch.arange(z.shape[1], device=h.device)[None, :] // r == which[:, None]  # (R, K r): its head's
         delta = rows_linear(up, z * own, TILE_ROWS)  # (R, d)
-        return torch.where(adapted[:, None], h + delta, h)
+        return torch.where((which >= 0)[:, None], h + delta, h)
 
     def _stacked(self) -> tuple[nn.Linear, nn.Linear]:
         """The heads as two linear layers, ``down`` (K r, d) and ``up`` (d, K r), built from their weights
@@ -142,7 +158,7 @@ class ExitAdapters(nn.Module):
 
 def exit_logits(
     y: Tensor,
-    loops: np.ndarray,
+    loops: np.ndarray | Tensor,
     logit_rows: Sequence[int] | None,
     adapters: ExitAdapters | None,
     norm: nn.Module,
@@ -150,18 +166,25 @@ def exit_logits(
 ) -> Tensor:
     """The decode path's exit logits (K, V) of the rows ``logit_rows`` picks (ascending indices; None: all R) of
     the exit inputs ``y`` (R, d), row r at loop ``loops[r]``: each adapted (``adapters``), normed, through ``head``.
+    ``loops`` on the host, or on the device (a staged pass's, ``LoopedLM.step_staged``: then nothing is decided
+    on the host, and every row runs through the adapters).
 
     The picked rows run in tiles of ``TILE_ROWS`` on the row-invariant kernels whatever tiles the group pass ran,
     so a row's logits are the same bits whichever other rows are scored, and a step pays the head (and the
     adapters) for the rows that need an exit only: one tile for up to ``TILE_ROWS`` of them.
     """
     if logit_rows is not None and len(logit_rows) < y.shape[0]:
-        y = y.index_select(0, torch.as_tensor(logit_rows, dtype=torch.long, device=y.device))
-        loops = np.asarray(loops)[np.asarray(logit_rows, dtype=np.int64)]
+        picked = np.asarray(logit_rows, dtype=np.int64)
+        at = to_device(picked, y.device)
+        y = y.index_select(0, at)
+        loops = loops.index_select(0, at) if isinstance(loops, Tensor) else np.asarray(loops)[picked]
     out, tile = [], max(1, y.shape[0]) if on_triton(y) else TILE_ROWS  # Triton's kernels take any rows at once
     for start in range(0, y.shape[0], tile):
-        part = y[start : start + tile]
-        part = part if adapters is None else adapters.adapt_rows(part, loops[start : start + tile])
+        part, at_loops = y[start : start + tile], loops[start : start + tile]
+        if adapters is not None and isinstance(at_loops, Tensor):  # a staged pass's loops: no host decision
+            part = adapters.adapt_heads(part, adapters.heads_of(at_loops))
+        elif adapters is not None:
+            part = adapters.adapt_rows(part, at_loops)
         out.append(tile_linear(head, rows_norm(norm, part)))
     return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,11 +47,12 @@ from torch.utils.checkpoint import checkpoint
 
 from speed.config import LMConfig, RopeLayout
 from speed.engine import native
-from speed.engine.cache import KVCache, Rows, kv_bytes, pool_blocks
+from speed.engine.cache import KVCache, Rows, StagedIndex, StagedView, kv_bytes, pool_blocks
 from speed.engine.kernels import (
     ATTN_CHUNK,
     TILE_ROWS,
     BiasFree,
+    attention_triton,
     chunk_span,
     fused_block_on,
     in_tiles,
@@ -66,6 +67,7 @@ from speed.engine.kernels import (
     tile_rope_qkv,
 )
 from speed.engine.memory import MemoryNeed
+from speed.engine.rows import to_device
 from speed.engine.sampling import truncated_normals
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, gate_objective, loop_output
@@ -229,11 +231,14 @@ class Attention(nn.Module):
             out.append(y[0].transpose(0, 1).reshape(T, -1))
         return rows_linear(self.o, torch.cat(out))
 
-    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache | StagedView, layer: int
+    ) -> Tensor:
         """One new token per row of a tile (n, d) at its own position (angles cos/sin (n, D)).
 
         Writes the rows' keys/values at their virtual layers (their loop,
-        ``layer``), then attends over each row's positions there (``KVCache.attend``).
+        ``layer``), then attends over each row's positions there (``KVCache.attend``; a staged pass's
+        ``StagedView`` does both from its device index).
         """
         n, heads, pairs = x.shape[0], (self.n_heads, self.n_kv_heads), self.layout != "halves"
         qkv = tile_linear(self.qkv, x)  # (n, (H + 2K) D)
@@ -299,7 +304,9 @@ class Block(nn.Module):
         x = self._add(x, y, self.attn_out_norm, rows_norm)
         return self._add(x, self.mlp.prefill(rows_norm(self.mlp_norm, x)), self.mlp_out_norm, rows_norm)
 
-    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache, layer: int) -> Tensor:
+    def decode(
+        self, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows, cache: KVCache | StagedView, layer: int
+    ) -> Tensor:
         """One tile of decode rows (n, d) through this block (see ``Attention.decode``), the norms on the decode
         rows' kernel (``tile_rms_norm``); on packed weights the whole block in one native call (``native.lm_block``,
         the same kernels in the same order: the same bits)."""
@@ -355,6 +362,7 @@ class LMCache:
 
     loops: KVCache
     prelude: KVCache | None
+    draws: dict[int, Tensor] = field(default_factory=dict)  # a staged pass's initial states by row count (static)
 
     @property
     def device(self) -> torch.device:
@@ -737,6 +745,61 @@ class LoopedLM(nn.Module):
         carry, both = in_tiles(lambda part, c: self._pass_tile(cache, part, c, True, gates=True), rows, hidden)
         return carry, self._exit_logits(both[:, :d], rows, logit_rows), both[:, d]
 
+    def stage(self, cache: LMCache, rows: Rows) -> StagedPass:
+        """The host's part of ``step`` over ``rows`` (R), done before it (``LMStepper.prepare``, before a captured
+        CUDA graph's replay): each cache part's bookkeeping and index (``KVCache.stage``; the prelude's with the
+        rows past loop 0 as padding rows), and with an ``initial_state`` the draws of the rows at loop 0, each
+        into static buffers of this row count. ``step_staged`` then reads those alone."""
+        first = rows.loop == 0
+        prelude = cache.prelude.stage(rows, first) if self.prelude else None
+        draws = None
+        if self.adapter is not None and self.initial_state is not None:
+            R, d = len(rows), self.config.d_model
+            draws = cache.draws.get(R)
+            if draws is None:
+                draws = cache.draws[R] = torch.zeros(R, d, dtype=self.compute_dtype, device=cache.device)
+            host = torch.zeros(R, d, dtype=draws.dtype)
+            if first.any():
+                host[torch.from_numpy(np.flatnonzero(first))] = self.initial_state.draw(rows.pos[first], host)
+            draws.copy_(to_device(host, cache.device))
+        return StagedPass(cache.loops.stage(rows), prelude, draws)
+
+    def step_staged(
+        self,
+        cache: LMCache,
+        staged: StagedPass,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``step`` over the rows ``stage`` staged, reading only device tensors (the staged buffers, ``hidden``
+        and the weights), never ``rows``' host arrays nor anything back from the device: the pass a CUDA graph
+        captures. On the Triton kernels, all rows at once; the same bits as ``step``'s.
+
+        The prelude runs on every row (those past loop 0 as padding rows, their results dropped by a select on
+        the device) and the exit adapters on every exit (unadapted rows keep their inputs' bits), so that no
+        host decision depends on the rows."""
+        c, d = self.config, self.config.d_model
+        cos, sin = rotary(staged.loops.pos, c.head_dim, c.rope_theta, c.rope_layout)  # 2 x (R, D)
+        x = hidden[:, -d:]
+        first = (staged.loops.loop == 0)[:, None]  # (R, 1) on the device
+        if self.prelude:
+            e, view = x, StagedView(cache.prelude, staged.prelude)
+            for p, block in enumerate(self.prelude):
+                e = block.decode(e, cos, sin, rows, view, p)
+            x = torch.where(first, e, x)
+        h = x
+        if self.adapter is not None:
+            state = hidden[:, :d]
+            if staged.draws is not None:
+                state = torch.where(first, staged.draws, state)
+            h = self._inject(state, x, tile_linear)
+        carry, y = self._loop_tile(StagedView(cache.loops, staged.loops), rows, h, x, cos, sin, with_logits)
+        if not with_logits:
+            return carry, None
+        return carry, exit_logits(y, staged.loops.loop, logit_rows, self.exit_adapters, self.norm, self.lm_head)
+
     def _exit_logits(self, y: Tensor, rows: Rows, logit_rows: Sequence[int] | None) -> Tensor:
         """The exit logits (K, V) of the picked rows of the coda's outputs ``y`` (R, d) (adapted, normed, the head)."""
         return exit_logits(y, rows.loop, logit_rows, self.exit_adapters, self.norm, self.lm_head)
@@ -747,7 +810,7 @@ class LoopedLM(nn.Module):
         """The group pass (``step``) for one tile of n <= ``TILE_ROWS`` rows, ``carry`` (n, W): the carries into
         the next loop and, ``with_exits``, the exits' inputs (the coda's outputs, (n, d)); with ``gates`` each
         row's gate lambda as one more column of them (n, d + 1), so that ``in_tiles`` joins both."""
-        c, N, d = self.config, self.sharing.n_unique, self.config.d_model
+        c, d = self.config, self.config.d_model
         _, _, pos_t = rows.tensors(carry.device)
         cos, sin = rotary(pos_t, c.head_dim, c.rope_theta, c.rope_layout)  # 2 x (n, D)
         x = carry[:, -d:]  # (n, d): the embedding at loop 0; then e with injection, else the loop's input
@@ -766,17 +829,43 @@ class LoopedLM(nn.Module):
             h = self._inject(state, x, tile_linear)  # (n, d)
         else:
             h = x
+        return self._loop_tile(cache.loops, rows, h, x, cos, sin, with_exits, gates)
+
+    def _loop_tile(
+        self,
+        loops: KVCache | StagedView,
+        rows: Rows,
+        h: Tensor,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        with_exits: bool,
+        gates: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The rest of ``_pass_tile`` from the loop's input h (n, d) on (``x``: the carry's e with injection): the
+        core and the coda writing and reading ``loops``, the exits' inputs, the carries."""
+        c, N = self.config, self.sharing.n_unique
         for j, block in enumerate(self.core):
-            h = block.decode(h, cos, sin, rows, cache.loops, j)
+            h = block.decode(h, cos, sin, rows, loops, j)
         y = tile_rms_norm(self.norm, h) if c.coda_norm else h
         for k, block in enumerate(self.coda):
-            y = block.decode(y, cos, sin, rows, cache.loops, N + k)
+            y = block.decode(y, cos, sin, rows, loops, N + k)
         exits = None
         if with_exits:  # the exit adapters (speed.models.exits) change the exits' inputs only, never the carry
             lam = self._gate(rows_norm(self.norm, y), tile_linear)[:, None] if gates else None  # (n, 1)
             exits = y if lam is None else torch.cat([y, lam.to(y.dtype)], dim=-1)
         state = tile_rms_norm(self.norm, h) if c.loop_norm else h  # (n, d)
         return (torch.cat([state, x], dim=-1) if self.adapter is not None else state), exits
+
+
+@dataclass(frozen=True)
+class StagedPass:
+    """A group pass staged on the host (``LoopedLM.stage``): what ``LoopedLM.step_staged`` reads, all on the
+    device in static buffers of its row count."""
+
+    loops: StagedIndex  # the looped layers' cache index (positions and loops of the rows among it)
+    prelude: StagedIndex | None  # the prelude's (rows past loop 0 as padding rows); None without a prelude
+    draws: Tensor | None  # (R, d) the rows at loop 0's initial states (zero elsewhere); None without them
 
 
 class PromptCache:
@@ -829,6 +918,7 @@ class LMStepper(ModelStepper):
     """The engine's view of a ``LoopedLM``: the prompt prefilled into the cache at admission, no memory."""
 
     model: LoopedLM
+    _staged: tuple[Rows, StagedPass] | None = None  # the rows ``prepare`` staged last, and what it staged
 
     @property
     def gated(self) -> bool:
@@ -871,6 +961,20 @@ class LMStepper(ModelStepper):
         """Each token's carry into its first loop (R, W) (``LoopedLM.embed``)."""
         return self.model.embed(tokens)
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can replay this stepper's pass (``speed.engine.graphs``): on the Triton kernels,
+        whose pass ``prepare`` stages."""
+        return attention_triton(self.device)
+
+    def prepare(self, memory: None, cache: PromptCache, rows: Rows) -> None:
+        """The host's part of the next ``step`` over ``rows`` (a bucket's rows, ``speed.engine.graphs``), done
+        before it: ``LoopedLM.stage`` at their cache positions, where the cache attends on the Triton kernel
+        (elsewhere ``step`` does its bookkeeping as it goes). ``step`` over these very rows then runs
+        ``LoopedLM.step_staged``, as often as it is called (a graph's warm-up and capture run it twice)."""
+        if cache.inner.loops.triton_attention:
+            self._staged = (rows, self.model.stage(cache.inner, cache.rows(rows)))
+
     def step(
         self,
         memory: None,
@@ -881,7 +985,10 @@ class LMStepper(ModelStepper):
         logit_rows: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """One group pass over R rows at their output positions (``LoopedLM.step`` at cache positions), exit
-        logits for the rows ``logit_rows`` names."""
+        logits for the rows ``logit_rows`` names; over the rows ``prepare`` staged, ``LoopedLM.step_staged``."""
+        staged = self._staged
+        if staged is not None and staged[0] is rows:
+            return self.model.step_staged(cache.inner, staged[1], rows, hidden, with_logits, logit_rows)
         return self.model.step(cache.inner, cache.rows(rows), hidden, with_logits, logit_rows)
 
     def step_gated(
