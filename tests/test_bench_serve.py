@@ -7,6 +7,7 @@ from __future__ import annotations
 import pyarrow.compute as pc
 import pytest
 import torch
+from serve_helpers import shutdown_serve
 
 from speed import SpeedT5, preset
 from speed.benchmarks.serving import ServeBenchConfig, format_table, run_serve_bench
@@ -25,7 +26,6 @@ def test_one_round_rows_count_every_variant(ray_session, tiny_tokenizer, tmp_pat
     """Every variant answers the same prompts alike, to max_tokens; the engine's counts per token are M for
     sequential decoding and fewer steps for SPEED; the replicas' statistics rows hold each timed request.
     A looped LM's checkpoint runs the same benchmark (its prompts the task's finetuning prompts)."""
-    from ray import serve
 
     torch.manual_seed(0)
     vocab = Tokenizer.load(tiny_tokenizer).vocab_size
@@ -43,7 +43,7 @@ def test_one_round_rows_count_every_variant(ray_session, tiny_tokenizer, tmp_pat
     try:
         result = run_serve_bench(config)
     finally:
-        serve.shutdown()  # run_serve_bench deleted its applications; the proxy goes too
+        shutdown_serve()  # run_serve_bench deleted its applications; the proxy goes too
 
     assert result.runs.schema.equals(BENCH_SERVE_SCHEMA) and result.mismatches == 0
     runs = {r["variant"]: r for r in result.runs.to_pylist()}
@@ -74,7 +74,6 @@ def test_a_shape_replaying_flips_is_served(ray_session, tiny_tokenizer, tmp_path
     checkpoint's, its exits replaying loop-1 agreement 0.5: answers identical across variants, every one to
     max_tokens; sequential decoding (b) teaches each prompt, SPEED (c) replays it: its requests' flip rates are the
     pattern's, and it takes fewer steps a token than sequential decoding."""
-    from ray import serve
     from test_bench_shapes import TINY_OURO
 
     from speed.benchmarks.replay import FlipPattern, agreement_profile
@@ -92,7 +91,7 @@ def test_a_shape_replaying_flips_is_served(ray_session, tiny_tokenizer, tmp_path
     try:
         result = run_serve_bench(config)
     finally:
-        serve.shutdown()
+        shutdown_serve()
     assert result.mismatches == 0
     runs = {r["variant"]: r for r in result.runs.to_pylist()}
     assert all((r["requests"], r["errors"], r["tokens"]) == (4, 0, 32) for r in runs.values())

@@ -109,11 +109,15 @@ def test_reading_a_split_prints_no_progress_bar(tmp_path, capfd):
     from datasets.utils import logging as datasets_logging
 
     path = write_jsonl(tmp_path / "test.jsonl.gz", [pair(f"a{i}", f"b{i}") for i in range(30)])
-    assert datasets_logging.is_progress_bar_enabled()
-    assert read_records("translate_en_de", "test", str(path)).read == 30
-    printed = capfd.readouterr()
-    assert "Generating" not in printed.err + printed.out and "split" not in printed.err
-    assert datasets_logging.is_progress_bar_enabled()
+    before = datasets_logging.is_progress_bar_enabled()  # a process-wide switch: the data benchmark turns it off
+    datasets_logging.enable_progress_bar()
+    try:
+        assert read_records("translate_en_de", "test", str(path)).read == 30
+        printed = capfd.readouterr()
+        assert "Generating" not in printed.err + printed.out and "split" not in printed.err
+        assert datasets_logging.is_progress_bar_enabled()
+    finally:
+        (datasets_logging.enable_progress_bar if before else datasets_logging.disable_progress_bar)()
 
 
 def test_missing_field_names_the_field_file_and_line(tmp_path):

@@ -22,6 +22,7 @@ import requests
 import torch
 from ray import tune
 from s3_helpers import create_bucket
+from serve_helpers import shutdown_serve
 from test_serve_app import _free_port, _kill_replica, _tiny_checkpoint, _wait_for_a_new_replica
 from test_serve_parts import _parquet_only
 
@@ -128,7 +129,7 @@ def test_a_replica_killed_hard_on_s3_loses_no_answered_row(ray_session, tiny_tok
         assert read_traces(stats).num_rows == 3 * 4 * len(answered)  # 3 loops, 4 tokens (EOS never wins)
     finally:
         serve.delete(app)
-        serve.shutdown()  # its replica's CPU back for the sweep below
+        shutdown_serve()  # its replica's CPU back for the sweep below
 
 
 # ----- a one-trial sweep on S3, interrupted and restored ------------------------------------------------------

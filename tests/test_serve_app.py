@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 import torch
+from serve_helpers import shutdown_serve
 
 from speed import SpeedT5, generate, preset
 from speed.data import get_task
@@ -106,7 +107,7 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory) -> Deployment:
     )
     if APP in serve.status().applications:
         serve.delete(APP)
-    serve.shutdown()
+    shutdown_serve()
 
 
 def _complete(server: Deployment, body, answered=True):

@@ -19,6 +19,7 @@ import pytest
 import requests
 import torch
 from imported_helpers import write_chat_ouro
+from serve_helpers import shutdown_serve
 from test_hf_tokenizer import QWEN_CHATML
 from test_serve_app import Deployment, _answers, _free_port  # its ledger of answers: ours is kept, unread
 
@@ -68,7 +69,7 @@ def server(ray_session, tiny_tokenizer, tmp_path_factory):
     yield Deployment(url, model, tokenizer, options["stats_path"], redeploy=_no_redeploy)
     if APP in serve.status().applications:
         serve.delete(APP)
-    serve.shutdown()
+    shutdown_serve()
 
 
 @pytest.fixture(scope="module")
