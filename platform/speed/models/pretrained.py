@@ -29,6 +29,7 @@ from speed.hf_files import model_form, read_config, read_into, tensor_shapes
 from speed.hf_tokenizer import TOKENIZER_FILE
 from speed.models.checkpoint import (
     MODEL_FILE,
+    SHARDED_DIR,
     LoadedModel,
     checkpoint_family,
     latest_checkpoint,
@@ -183,10 +184,11 @@ def model_source(path: str | Path) -> str:
 
 
 def _is_platform_checkpoint(path: str | Path) -> bool:
-    """A folder (local or a URI) with the platform's ``model.pt``, or one without config.json (a training run's
-    folder)."""
+    """A folder (local or a URI) with the platform's ``model.pt`` or an FSDP run's ``sharded/`` state, or one without
+    config.json (a training run's folder)."""
     where = locate(path)
-    return (where / MODEL_FILE).is_file() or not (where / "config.json").is_file()
+    stored = (where / MODEL_FILE).is_file() or (where / SHARDED_DIR / ".metadata").is_file()
+    return stored or not (where / "config.json").is_file()
 
 
 def _no_loop_option(n_loops: int | None, what: str) -> None:
