@@ -1,5 +1,6 @@
 """The memory plan (``speed.train.memory_plan``): within 20 % of a step's measured peak on the CPU, with and without
-activation checkpointing (``speed.benchmarks.train_memory``, in its own process); what sharding, checkpointing and
+activation checkpointing, under DDP and under FSDP on two gloo workers (``speed.benchmarks.train_memory``, in its
+own process); what sharding, checkpointing and
 truncation change in it; a job that would not fit refused in one line before any worker starts."""
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_the_plan_is_within_20_percent_of_the_measured_peak():
     done = _run("-m", "speed.benchmarks.train_memory", "--json")
     assert done.returncode == 0, done.stderr
-    rows = {row["checkpointing"]: row for row in map(json.loads, done.stdout.splitlines())}
-    assert set(rows) == set(CHECKPOINTING)
-    for mode, row in rows.items():
-        assert 0.8 <= row["planned"] / row["measured"] <= 1.2, (mode, row)
-    # Checkpointing keeps a block's (or a loop's) input instead of its activations: a third of the peak or less.
-    assert rows["block"]["measured"] < rows["none"]["measured"] / 3
-    assert rows["loop"]["measured"] < rows["none"]["measured"] / 2
+    rows = {(row["strategy"], row["checkpointing"]): row for row in map(json.loads, done.stdout.splitlines())}
+    assert set(rows) == {(strategy, mode) for strategy in ("ddp", "fsdp") for mode in CHECKPOINTING}
+    for key, row in rows.items():
+        assert 0.8 <= row["planned"] / row["measured"] <= 1.2, (key, row)
+    for strategy in ("ddp", "fsdp"):
+        # Checkpointing keeps a block's (or a loop's) input instead of its activations: a third of the peak or less.
+        assert rows[strategy, "block"]["measured"] < rows[strategy, "none"]["measured"] / 3
+        assert rows[strategy, "loop"]["measured"] < rows[strategy, "none"]["measured"] / 2
+    for mode in CHECKPOINTING:  # the same micro-batch per worker, half the states
+        assert rows["fsdp", mode]["world"] == 2 and rows["fsdp", mode]["measured"] < rows["ddp", mode]["measured"]
 
 
 def _job(**train) -> dict:

@@ -19,5 +19,6 @@
   pytest -m gpu) on a machine without Ray; ``jobs/gpu_check.py``. Its sharded-training stage is
   ``speed.benchmarks.gpu_train`` (FSDP at Ouro-1.4B's shape against the memory plan).
 - ``speed.benchmarks.train_memory``: a training step's peak memory on the CPU, measured beside the memory plan,
-  with and without activation checkpointing; ``python -m speed.benchmarks.train_memory``.
+  with and without activation checkpointing, under DDP and under FSDP (two gloo workers);
+  ``python -m speed.benchmarks.train_memory``.
 """

@@ -10,9 +10,9 @@ log-probabilities over the vocabulary). Activation checkpointing keeps a block's
 (``loop``), and adds one recomputed block or loop while the backward pass runs. A truncated recurrence keeps the
 last K loops' (``speed.train.recurrence``).
 
-The looped LM's counts are checked against the peak a step's allocations reach on the CPU
-(``speed.benchmarks.train_memory``, tests/test_train_memory.py); the T5's follow the same reading of its layers and
-are not checked against a measurement.
+The looped LM's counts are checked against the peak a step's allocations reach on the CPU, under DDP and under
+FSDP on two workers (``speed.benchmarks.train_memory``, tests/test_train_memory.py); the T5's follow the same
+reading of its layers and are not checked against a measurement.
 """
 
 from __future__ import annotations
