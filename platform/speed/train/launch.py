@@ -55,7 +55,7 @@ from speed.train import local_ray
 from speed.train.config import JobConfig, hub_origin, imported_origin, job_from_args, job_to_dict, run_name
 from speed.train.memory_plan import MemoryPlan, PlanRefused, check_fits, device_memory, plan_memory
 from speed.train.process_group import torch_config
-from speed.train.state import IncompatibleCheckpointError
+from speed.train.state import IncompatibleCheckpointError, check_compatible
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ def run_job(job: JobConfig) -> TrainOutcome:
             f"run {job.run.name}: {job.kind} {job.data.task}, model {job.model.pattern}, -> {run_directory(job)}",
             flush=True,
         )
-        with user_errors((PlanRefused,)):  # one line, status 2, before any worker starts
+        with user_errors((PlanRefused, IncompatibleCheckpointError)):  # one line, status 2, before any worker starts
+            check_resumable(job, resolved.tokenizer)
             plan_stage(job)
         ensure_ray()
         data = data_stage(job, resolved.tokenizer_path)
@@ -191,7 +192,8 @@ def check_inputs(job: JobConfig) -> None:
 
 
 def check_strategy(job: JobConfig, checkpoint: str) -> None:
-    """Refuse to resume ``checkpoint`` with the other strategy than the one that wrote it (FSDP's are sharded)."""
+    """Refuse to resume ``checkpoint`` with the other strategy than the one that wrote it (FSDP's are sharded; a
+    sharded checkpoint reads on any number of workers)."""
     sharded = (locate(checkpoint) / SHARDED_DIR / ".metadata").is_file()
     ran = "fsdp" if sharded else "ddp"
     if ran != job.scale.strategy:
@@ -368,9 +370,8 @@ def train_stage(
     ``callbacks``: Ray Train callbacks (a sweep's ``TuneReportCallback``).
     """
     run_dir = run_directory(job)
-    start = resume_point(job, run_dir)
+    start = check_resumable(job, tokenizer)
     if start is not None:  # said here, not by a worker: a worker's output may never reach the job's
-        check_strategy(job, start.checkpoint)
         print(f"resuming at step {start.step} from {start.checkpoint}", flush=True)
     result = build_trainer(job, tokenizer, data, run_dir, deadline, callbacks).fit()
     # The run's newest checkpoint on storage: Ray's result lags it when this launch trained no step.
@@ -396,6 +397,17 @@ def resume_point(job: JobConfig, run_dir: str) -> ResumePoint | None:
     if checkpoint is None:
         return None
     return ResumePoint(read_checkpoint_config(checkpoint)["step"], checkpoint)
+
+
+def check_resumable(job: JobConfig, tokenizer: bytes) -> ResumePoint | None:
+    """The checkpoint this launch continues (``resume_point``), refused (``IncompatibleCheckpointError``, one line
+    naming what differs and what to pass) where it cannot continue this run: another strategy, model, task,
+    optimizer or tokenizer. ``tokenizer``: this run's (``speed.hf_tokenizer.pack_tokenizer``'s bytes)."""
+    start = resume_point(job, run_directory(job))
+    if start is not None:
+        check_strategy(job, start.checkpoint)
+        check_compatible(read_checkpoint_config(start.checkpoint), job_to_dict(job), tokenizer, start.checkpoint)
+    return start
 
 
 def build_trainer(

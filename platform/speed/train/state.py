@@ -146,7 +146,10 @@ def check_compatible(saved: dict[str, Any], job: dict[str, Any], tokenizer_bytes
     if tokenizer is not None and pack_tokenizer(tokenizer) != tokenizer_bytes:
         problems.append(f"its tokenizer ({Path(tokenizer).name}) differs from this run's")
     if problems:
-        raise IncompatibleCheckpointError(f"checkpoint {where} cannot continue this run: " + "; ".join(problems))
+        raise IncompatibleCheckpointError(
+            f"checkpoint {where} cannot continue this run: {'; '.join(problems)} (pass the settings it ran with, "
+            "or start a new run from its weights: --init-from)"
+        )
 
 
 # ----- marking checkpoints complete (``speed.models.checkpoint`` finds them) ------------------------------
