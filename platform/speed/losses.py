@@ -182,7 +182,9 @@ def gate_objective(token_losses: Tensor, gate_logits: Tensor, entropy: float) ->
     """Ouro's gate objective over n tokens: mean_t [sum_k p_tk L_tk - ``entropy`` * H(p_t)], ``token_losses``
     (n, M) each token's cross-entropy at each loop, ``gate_logits`` (n, M) the exit gate's logits there, H the
     entropy of the token's exit distribution (``exit_log_distribution``). Gradients reach the losses (through
-    the weights p) and the gate alike."""
+    the weights p) and the gate alike. The form is the Ouro paper's (arXiv 2510.25741, section 3; an entropy
+    bonus is a KL to the uniform prior over loops up to log M); no public Ouro training code confirms the
+    per-token aggregation or the coefficient (docs/training.md)."""
     if token_losses.shape != gate_logits.shape:
         raise ValueError(f"token losses {tuple(token_losses.shape)} and gate logits {tuple(gate_logits.shape)} differ")
     log_p = exit_log_distribution(gate_logits)  # (n, M)
