@@ -207,3 +207,29 @@ def test_a_stop_set_is_exact_and_ends_at_its_first_member():
                 assert got.stopped == ref.stopped
                 runs += 1
     assert cut > 0 and runs == 48  # the stop set ended sequences early
+
+
+def test_a_decoder_keeps_its_engine_and_decodes_as_generate(monkeypatch):
+    """``Decoder``: one engine built for all its calls (what a benchmark's timed rounds reuse), each call's tokens,
+    stats and trace ``generate``'s for its batch: greedy and oracle SPEED, sequential, a smaller batch after a
+    larger one, the graphs' buckets too."""
+    import speed.decode.generate as gen
+
+    built = []
+    engine = gen.Engine
+    monkeypatch.setattr(gen, "Engine", lambda *a, **kw: built.append(1) or engine(*a, **kw))
+    model, ids, mask, _, _ = random_case(5)
+    ids, mask = ids[:2].repeat(2, 1), mask[:2].repeat(2, 1)  # 4 sequences
+    ref = generate(model, ids, mask, method="sequential", max_new_tokens=6)
+    for method, oracle, graphs in (("sequential", None, None), ("speed", None, True), ("speed", ref.tokens, None)):
+        decoder = gen.Decoder(model, *ids.shape, method=method, max_new_tokens=6, graphs=graphs)
+        built.clear()
+        for batch in (4, 4, 1):
+            want = generate(model, ids[:batch], mask[:batch], method=method, max_new_tokens=6, graphs=graphs,
+                            oracle=None if oracle is None else oracle[:batch])  # fmt: skip
+            got = decoder(ids[:batch], mask[:batch], None if oracle is None else oracle[:batch])
+            assert got.tokens == want.tokens == ref.tokens[:batch] and got.stats == want.stats, (method, batch)
+            assert got.trace.equals(want.trace) and got.decode_s >= 0 and got.first_token_s >= 0
+        assert len(built) == 3  # generate's three engines: the decoder built none
+    with pytest.raises(ValueError, match="batch <= 4"):
+        decoder(ids.repeat(2, 1))

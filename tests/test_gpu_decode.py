@@ -199,7 +199,7 @@ def test_a_step_synchronises_the_host_at_most_once(family):
             if captured(engine) == graphs:  # a step that captured a bucket's graph waits for the capture: not counted
                 counts.append(syncs)
     assert counts and max(counts) <= 1, counts
-    assert family == "t5" or captured(engine) > 0  # the LM's passes were replayed graphs
+    assert captured(engine) > 0  # the passes were replayed graphs (both families' steppers are capturable)
 
 
 def captured(engine: Engine) -> int:
@@ -255,6 +255,48 @@ def test_a_captured_lm_bucket_replays_new_rows_bit_for_bit(dtype):
             assert torch.equal(got, want) and torch.equal(got_logits, want_logits), keep
             source.advance(keep, want)
     assert len(graphs._graphs) >= 3  # several buckets captured, each replayed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_captured_t5_bucket_replays_new_rows_bit_for_bit(dtype):
+    """T5's pass captured per bucket (``T5Stepper.prepare`` staging each step's cache index, then a replay): step
+    after step of new rows of slots with prompts of different lengths, every output and logit equal to the
+    unstaged, unpadded eager pass's over a second cache and memory fed the same, bit for bit."""
+    from test_t5_capture import RowSource, admitted
+
+    from speed.engine.graphs import GraphSteps
+
+    device = torch.device("cuda")
+    model = cuda_case(1, "2x3", 1, dtype)[0]
+    assert model.stepper().capturable
+    (staged, mem_a, a), (plain, mem_b, b) = (admitted(model, 6, random.Random(6)) for _ in range(2))
+    graphs = GraphSteps(scratch=6, device=device, capture=True)
+    rng = random.Random(5)
+    source = RowSource(model, 6, rng)
+    with torch.inference_mode():
+        for _ in range(24):
+            rows, hidden = source.rows(sorted(rng.sample(range(6), rng.randint(1, 6))))
+            keep = Rows(rows.slot.copy(), rows.loop.copy(), rows.pos.copy())
+            step = lambda r, h, w, picked: staged.step(mem_a, a, r, h, w)  # noqa: E731
+            got, got_logits = graphs.run(step, rows, hidden, True, None, lambda r: staged.prepare(mem_a, a, r))
+            want, want_logits = plain.step(mem_b, b, keep, hidden, True)
+            assert torch.equal(got, want) and torch.equal(got_logits, want_logits), keep
+            source.advance(keep, want)
+    assert len(graphs._graphs) >= 3  # several buckets captured, each replayed
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_t5_speed_through_captured_graphs_equals_sequential_on_cuda(sampling):
+    """The engine's default on CUDA for T5 too: every pass a replayed graph of its bucket, SPEED's tokens (with and
+    without runner-up branches) sequential decoding's, run unpadded and eagerly."""
+    for seed, (batch, dtype) in enumerate([(1, torch.float32), (8, torch.bfloat16), (32, torch.bfloat16)]):
+        model, ids, mask = cuda_case(seed, "2x6", batch, dtype)
+        assert model.stepper().capturable
+        ref = generate(model, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling, graphs=False)
+        for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=2, branch_depth=2)):
+            got = generate(model, ids, mask, method="speed", max_new_tokens=12, speculation=speculation,
+                           sampling=sampling)  # fmt: skip
+            assert got.tokens == ref.tokens, (seed, batch, speculation)
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)

@@ -169,6 +169,47 @@ def test_paged_attention_row_is_the_same_alone_in_any_company_and_order(device, 
     torch.testing.assert_close(full.cpu().double(), reference(cache, 1, rows, q.cpu()), rtol=1e-5, atol=1e-5)
 
 
+def test_paged_attention_with_a_bias_is_the_dense_attention_over_the_gathered_keys(device):
+    """T5's self-attention on the Triton path (``paged_attend`` with a score bias per query head and position): a
+    row's bits alone as in any company, the bias past its position never read, and what ``attend`` gives over the
+    same keys gathered with the same bias (the CPU path's form), to float32 rounding."""
+    heads, d, layer = 2, 16, 1
+    lengths = [70, 33, 1, 96, 32]
+    cache = filled_cache(5, heads, d, lengths, device=str(device))
+    cache.triton_attention, cache.native_attention = True, False
+    rng = random.Random(3)
+    picks = [(s, rng.randrange(LOOPS), rng.randrange(lengths[s])) for s in range(SLOTS) for _ in range(2)]
+    rows = Rows.build(*map(list, zip(*picks)))
+    q = torch.randn(len(rows), heads, d, device=device)
+    bias = torch.randn(len(rows), heads, cache.n_positions, device=device)
+    full = cache.attend(layer, rows, q, bias)
+    for r in range(len(rows)):
+        past = bias[r : r + 1].clone()
+        past[..., int(rows.pos[r]) + 1 :] = float("nan")  # never read: the kernel masks by the row's length
+        assert torch.equal(cache.attend(layer, rows.take(np.array([r])), q[r : r + 1], past)[0], full[r]), r
+    span = kernels.chunk_span(int(rows.pos.max()) + 1)
+    keys, values = cache.read(layer, rows, span)
+    visible = torch.arange(span, device=device)[None, :] <= torch.as_tensor(rows.pos, device=device)[:, None]
+    dense_bias = bias[..., :span].masked_fill(~visible[:, None], torch.finfo(torch.float32).min)[:, :, None]
+    torch.testing.assert_close(full, kernels.attend(q, keys, values, dense_bias), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(full, cache.attend(layer, rows, q))  # the bias counts
+
+
+def test_dense_attention_from_a_source_index_reads_each_rows_source(device):
+    """``attend`` with ``source`` (T5's cross-attention: each row's slot of the encoder memory picked on the device):
+    the bits of the same attention over the rows' own copies (``index_select``), any slot order, a slot repeated."""
+    rng = random.Random(2)
+    slots, heads, d, length = 4, 2, 16, 70
+    keys, values = torch.randn(2, slots, heads, length, d, device=device)
+    bias = torch.randn(slots, 1, 1, length, device=device)
+    bias[1, ..., 9:] = torch.finfo(torch.float32).min  # a short prompt
+    source = torch.tensor([rng.randrange(slots) for _ in range(6)] + [1, 1], device=device)
+    q = torch.randn(len(source), heads, d, device=device)
+    got = kernels.attend(q, keys, values, bias, source=source)
+    copies = (t.index_select(0, source) for t in (keys, values, bias))
+    assert torch.equal(got, kernels.attend(q, *copies))
+
+
 def test_paged_attention_branch_row_equals_a_chain_row_over_the_same_keys(device):
     heads, d, layer, loop = 2, 16, 0, 1
     cache = filled_cache(11, heads, d, [41, 0, 0, 0, 0], n_side=LOOPS * LOOPS, device=str(device))
@@ -253,7 +294,8 @@ def test_lm_sampled_speed_equals_sequential_with_bf16_weights_through_the_triton
 
 @pytest.mark.slow
 def test_t5_speed_equals_sequential_through_the_triton_kernels(device):
-    """T5's group pass: the linears, norms, gated GELU and both attentions (``kernels.attend``) on Triton."""
+    """T5's group pass: the linears, norms, gated GELU and both attentions on Triton (the self-attention in place
+    through the block table with its position bias, the cross-attention on each row's slot by a device index)."""
     model, ids, mask, _, _ = t5_case(2)
     speed_equals_sequential(model.to(device), ids.to(device), mask.to(device), 4, [Speculation(1, "eager")])
 

@@ -20,6 +20,7 @@ from speed.benchmarks.decode import (
     DecodeBenchConfig,
     bench_models,
     check_exact,
+    decoding,
     interleave,
     run_columns,
     transformers_installed,
@@ -27,7 +28,7 @@ from speed.benchmarks.decode import (
     warn_unless_hf_agrees,
 )
 from speed.config import LMConfig
-from speed.decode.generate import GenerateResult, generate
+from speed.decode.generate import GenerateResult
 
 LM_BENCH_SCHEMA = pa.schema(
     [
@@ -81,11 +82,14 @@ def decode_runs(
     """``run(name, model, new, **generate's options)``: a run for ``interleave`` that decodes ``ids`` for ``new``
     tokens (1: the time to first token; ``n``: all of them, its result kept in ``results[name]``) and returns 1,
     so that its times stay per run; each run of ``n`` tokens appends its own split of its time, (seconds to every
-    sequence's first token, seconds after it), to ``splits[name]`` where given."""
+    sequence's first token, seconds after it), to ``splits[name]`` where given. Each run keeps its engine
+    (``decoding``): built, and its CUDA graphs captured, in its first call (``interleave``'s untimed one)."""
 
     def run(name: str, model: torch.nn.Module, new: int, **kw) -> Callable[[], int]:
+        decode = decoding(model, ids, new, trace=False, **kw)
+
         def go() -> int:
-            result = generate(model, ids, max_new_tokens=new, trace=False, **kw)
+            result = decode()
             if new == n:
                 results[name] = result
                 if splits is not None:

@@ -28,7 +28,10 @@ after every stage, so a run stopped early keeps what it measured):
 
 A stage is a ``StagePlan`` (its function of the size, the device and the seconds left, its verdict, the seconds it
 needs to start); another module adds one by appending to a list of them. No figure is typed in: every time and
-ratio is measured in the run, and a time per token is each run's own split (never negative).
+ratio is measured in the run, and a time per token is each run's own split (never negative). Every timed decode
+of ours runs on an engine kept for its (model, batch, mode) (``speed.benchmarks.decode.decoding``), built and its
+CUDA graphs captured in an untimed first run, so no timed run builds an engine or captures a graph; both families'
+passes are captured on CUDA (the Triton kernels').
 """
 
 from __future__ import annotations
@@ -54,12 +57,12 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from speed.benchmarks.decode import BENCH_SCHEMA, BenchConfig, format_table, random_model, run_benchmark
+from speed.benchmarks.decode import BENCH_SCHEMA, BenchConfig, decoding, format_table, random_model, run_benchmark
 from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA
 from speed.benchmarks.gpu_train import training_check
 from speed.benchmarks.shapes import OURO_1_4B, SHAPES, Shape, ShapeBenchConfig, format_shape_table, run_shape_benchmark
 from speed.config import ModelConfig, preset
-from speed.decode.generate import generate
+from speed.decode.generate import GenerateResult, generate
 from speed.engine.sampling import Sampling
 from speed.losses import loss_weights, shift_right
 from speed.models.checkpoint import load_model
@@ -521,7 +524,8 @@ def count_syncs(fn: Callable[[], Any], device: str) -> int | None:
 
 def launches_stage(size: CheckSize, device: str, left_s: float = math.inf) -> list[LaunchCount]:
     """Sequential and oracle SPEED decoding of one random base-dims sequence for ``size.launch_tokens`` tokens:
-    device kernels per token (a profiled decode) and synchronising calls per group pass after admission."""
+    device kernels per token (a profiled decode) and synchronising calls per group pass after admission, each on
+    an engine that decoded the sequence once before (its buckets' CUDA graphs captured then, never counted)."""
     from torch.profiler import ProfilerActivity, profile
 
     from speed.engine import Engine, EngineConfig, Request
@@ -536,10 +540,8 @@ def launches_stage(size: CheckSize, device: str, left_s: float = math.inf) -> li
         oracle = reference.tokens[0] if variant == "speed_oracle" else None
         options = kw | ({} if oracle is None else {"oracle": [oracle]})
 
-        def run(o: dict = options) -> None:
-            generate(model, ids, max_new_tokens=n, trace=False, **o)
-
-        run()  # warm: kernels compiled, graphs captured, caches allocated
+        run = decoding(model, ids, n, trace=False, **options)
+        run()  # warm: kernels compiled, the engine built, its graphs captured
         kernels = None
         if dev.type == "cuda":
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -548,8 +550,11 @@ def launches_stage(size: CheckSize, device: str, left_s: float = math.inf) -> li
             kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
         config = EngineConfig(max_active=1, max_prompt_len=size.source_len, max_target_len=n, trace=False)
         engine = Engine(model, config)
-        engine.add(Request(ids[0].tolist(), n, kw["method"], oracle=oracle))
         with torch.inference_mode():
+            engine.add(Request(ids[0].tolist(), n, kw["method"], oracle=oracle))
+            while engine.has_work:  # warm: the engine's graphs captured (a capture waits on the device)
+                engine.step()
+            engine.add(Request(ids[0].tolist(), n, kw["method"], oracle=oracle))
             engine.step()  # admission: the prompt encoded or prefilled
             first = engine.stats.group_passes
 
@@ -630,8 +635,10 @@ def llama_stage(size: CheckSize, device: str, left_s: float = math.inf) -> Llama
             end = time.perf_counter()
             return out[:, b_ids.shape[1] :].tolist(), clock.first - start, end - clock.first
 
-        def run_ours(b_ids: torch.Tensor = ids) -> tuple[list[list[int]], float, float]:
-            result = generate(ours, b_ids.cpu(), method="sequential", max_new_tokens=n, trace=False)
+        decode = decoding(ours, ids.cpu(), n, method="sequential", trace=False)  # one engine, captured once
+
+        def run_ours(run: Callable[[], GenerateResult] = decode) -> tuple[list[list[int]], float, float]:
+            result = run()
             return result.tokens, result.first_token_s, result.decode_s
 
         times: dict[str, list[tuple[float, float]]] = {"hf": [], "ours": []}
@@ -783,10 +790,11 @@ def format_report(report: GpuCheckReport) -> str:
     m = report.machine
     passed = sum(s.ok for s in report.stages)
     skipped = sum(s.skipped is not None for s in report.stages)
+    width = max([len("stage"), *(len(s.name) for s in report.stages)]) + 2  # "sharded training" is 16
     lines = [
         f"GPU check {report.date} on {m.name} ({m.device}), torch {m.torch} (CUDA {m.cuda}), python {m.python}: "
         f"{passed}/{len(report.stages)} stages ok ({skipped} skipped) in {report.seconds:.0f} s",
-        f"{'stage':<11}{'ok':<5}{'seconds':>8}  result",
+        f"{'stage':<{width}}{'ok':<5}{'seconds':>8}  result",
     ]
     for s in report.stages:
         if s.skipped is not None:
@@ -794,7 +802,7 @@ def format_report(report: GpuCheckReport) -> str:
         else:
             said = _describe(s.result) if s.error is None else f"error: {s.error.strip().splitlines()[-1]}"
             ok = "yes" if s.ok else "NO"
-        lines.append(f"{s.name:<11}{ok:<5}{s.seconds:>8.1f}  {said}")
+        lines.append(f"{s.name:<{width}}{ok:<5}{s.seconds:>8.1f}  {said}")
     for s in report.stages:
         if isinstance(s.result, TimingRun):
             lines += _timing_tables(s.result)

@@ -171,12 +171,14 @@ def streamed_bytes(model: torch.nn.Module) -> int:
 
 def check_fits(cfg: ShapeBenchConfig, models: list[torch.nn.Module]) -> MemoryNeed:
     """What the run needs (``models``, one per dtype, on the meta device): their weights and the KV caches of the
-    largest batch (each stepper's ``memory_need``), and the bandwidth buffer; a ``MemoryBudgetError`` (one line)
-    unless it fits in the device's available memory."""
+    largest batch (each stepper's ``memory_need``), one per variant (each keeps its engine through the rounds:
+    ``speed.benchmarks.decode.decoding``), and the bandwidth buffer; a ``MemoryBudgetError`` (one line) unless it
+    fits in the device's available memory."""
     needs = [m.stepper().memory_need(max(cfg.batches), cfg.prompt_len, cfg.new_tokens + 1) for m in models]
+    engines = len(VARIANTS)
     need = MemoryNeed(
-        sum(n.weights for n in needs), sum(n.cache for n in needs), sum(n.side for n in needs),
-        sum(n.memory for n in needs) + cfg.bandwidth_bytes,
+        sum(n.weights for n in needs), engines * sum(n.cache for n in needs), engines * sum(n.side for n in needs),
+        engines * sum(n.memory for n in needs) + cfg.bandwidth_bytes,
     )  # fmt: skip
     available, source = available_bytes(torch.device(cfg.device))
     if need.total > available:

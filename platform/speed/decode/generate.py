@@ -8,8 +8,10 @@ ends, so the engine's exactness tests and generate's are the same.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,7 @@ from speed.engine import (
 )
 from speed.engine.sampling import Sampling
 
-__all__ = ["DecodeStats", "GenerateResult", "Method", "Speculation", "Stepper", "generate"]
+__all__ = ["DecodeStats", "Decoder", "GenerateResult", "Method", "Speculation", "Stepper", "generate"]
 
 
 @dataclass
@@ -86,76 +88,149 @@ def generate(
     model's ``HFTokenizer.stop_ids``); None: the model's EOS. ``graphs``: the group pass in row-count buckets
     (``EngineConfig.graphs``; None: on a CUDA device, for a stepper whose pass can be captured).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be (batch, length) with batch >= 1, got shape {tuple(input_ids.shape)}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-        )
-    if oracle is not None and (method != "speed" or len(oracle) != input_ids.shape[0]):
-        raise ValueError("oracle needs method='speed' and one token list per sequence")
+    decoder = Decoder(
+        model, *input_ids.shape, method=method, max_new_tokens=max_new_tokens, speculation=speculation,
+        sampling=sampling, trace=trace, row_budget=row_budget, cost_model=cost_model, stop_ids=stop_ids,
+        exit_rule=exit_rule, graphs=graphs,
+    )  # fmt: skip
+    return decoder(input_ids, attention_mask, oracle, since=decoder.built)
 
-    called = time.perf_counter()
-    batch, length = input_ids.shape
-    sources = input_ids.tolist()
-    if attention_mask is not None:
-        sources = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(sources, attention_mask.tolist())]
-    speculation = Speculation() if speculation is None else speculation
-    sampling = Sampling() if sampling is None else sampling
-    stops = None if stop_ids is None else frozenset(stop_ids)
-    requests = [
-        Request(
-            ids,
-            max_new_tokens,
-            method,
-            speculation,
-            None if oracle is None else list(oracle[b]),
-            sampling,
-            stop_ids=stops,
-            exit_rule=exit_rule,
+
+class Decoder:
+    """``generate`` with its engine kept: the engine (its cache, its memory, its buckets' buffers and CUDA graphs,
+    captured at their first passes) built once for batches of up to ``batch`` prompts of up to ``length`` tokens,
+    each call then decoding one batch with it. What a benchmark times: after an untimed first call, a call decodes
+    only, never builds nor captures. Each call's tokens, stats and trace are what ``generate`` returns for its
+    batch (the engine is idle between calls: every slot and block given back)."""
+
+    def __init__(
+        self,
+        model: Stepper | Any,
+        batch: int,
+        length: int,
+        *,
+        method: Method = "speed",
+        max_new_tokens: int = 64,
+        speculation: Speculation | None = None,
+        sampling: Sampling | None = None,
+        trace: bool = True,
+        row_budget: int | None = None,
+        cost_model: bool = False,
+        stop_ids: Collection[int] | None = None,
+        exit_rule: ExitRule | None = None,
+        graphs: bool | None = None,
+    ) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if batch < 1:
+            raise ValueError(f"a batch holds at least one prompt, got {batch}")
+        called = time.perf_counter()
+        self.model, self.method, self.max_new_tokens, self.trace = model, method, max_new_tokens, trace
+        self.speculation = Speculation() if speculation is None else speculation
+        self.sampling = Sampling() if sampling is None else sampling
+        self.stops = None if stop_ids is None else frozenset(stop_ids)
+        self.exit_rule = exit_rule
+        config = EngineConfig(
+            max_active=batch,
+            max_prompt_len=length,
+            max_target_len=max_new_tokens,
+            row_budget=row_budget,
+            cost_model=cost_model,
+            trace=trace,
+            # side entries only for branches; a speculation that is none is the engine's add to refuse
+            branches=method != "sequential"
+            and isinstance(self.speculation, Speculation)
+            and self.speculation.branches > 0,
+            graphs=graphs,
         )
-        for b, ids in enumerate(sources)
-    ]  # fmt: skip
-    config = EngineConfig(
-        max_active=batch,
-        max_prompt_len=length,
-        max_target_len=max_new_tokens,
-        row_budget=row_budget,
-        cost_model=cost_model,
-        trace=trace,
-        # side entries only for branches; a speculation that is none is the engine's add to refuse
-        branches=method != "sequential" and isinstance(speculation, Speculation) and speculation.branches > 0,
-        graphs=graphs,
-    )
+        with _eval(model):
+            self.engine = Engine(model, config)
+        self.built = called  # when the engine began to be built (``generate`` counts it in the first token's time)
+
+    def __call__(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        oracle: list[list[int]] | None = None,
+        since: float | None = None,
+    ) -> GenerateResult:
+        """Decode a batch (B, S) of at most the engine's prompts and tokens, as ``generate`` would (``oracle`` as
+        there); the first token's time counted from ``since`` (a ``time.perf_counter``; None: this call)."""
+        called = time.perf_counter() if since is None else since
+        c = self.engine.config
+        if input_ids.dim() != 2 or not 1 <= input_ids.shape[0] <= c.max_active or input_ids.shape[1] > c.max_prompt_len:
+            raise ValueError(
+                f"input_ids must be (batch, length) with 1 <= batch <= {c.max_active} and length <= "
+                f"{c.max_prompt_len}, got shape {tuple(input_ids.shape)}"
+            )
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        if oracle is not None and (self.method != "speed" or len(oracle) != input_ids.shape[0]):
+            raise ValueError("oracle needs method='speed' and one token list per sequence")
+        sources = input_ids.tolist()
+        if attention_mask is not None:
+            sources = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(sources, attention_mask.tolist())]
+        requests = [
+            Request(
+                ids,
+                self.max_new_tokens,
+                self.method,
+                self.speculation,
+                None if oracle is None else list(oracle[b]),
+                self.sampling,
+                stop_ids=self.stops,
+                exit_rule=self.exit_rule,
+            )
+            for b, ids in enumerate(sources)
+        ]  # fmt: skip
+        engine = self.engine
+        before = dataclasses.replace(engine.stats)
+        with _eval(self.model):
+            ids = [engine.add(r) for r in requests]  # validates the speculation against the model, the ids
+            done: dict[int, Finished] = {}
+            waiting, first = set(ids), float("nan")  # the sequences without a first token yet; when the last got one
+            with torch.inference_mode():
+                while engine.has_work:
+                    result = engine.step()
+                    if waiting:
+                        waiting.difference_update(c.id for c in result.committed)
+                        first = time.perf_counter() if not waiting else first
+                    for f in result.finished:
+                        done[f.id] = f
+            end = time.perf_counter()
+        stats = engine.stats.since(before)
+        if self.method == "sequential":  # every sequence advances in lockstep, M passes per token position
+            stats.steps = stats.group_passes // self.model.n_loops
+        table = None
+        if self.trace:  # each sequence's rows under its index in the batch (the engine's request ids go on)
+            parts = [_renumbered(done[i].trace, b) for b, i in enumerate(ids)]
+            table = pa.concat_tables(parts).combine_chunks()
+        stopped = [done[i].stopped for i in ids]
+        return GenerateResult([done[i].tokens for i in ids], stats, table, stopped, first - called, end - first)
+
+
+def _renumbered(trace: pa.Table, sequence: int) -> pa.Table:
+    """A request's trace rows (``TRACE_SCHEMA``) as sequence ``sequence``'s."""
+    at = trace.schema.get_field_index("sequence")
+    column = pa.array([sequence] * trace.num_rows, type=trace.schema.field(at).type)
+    return trace.set_column(at, trace.schema.field(at), column)
+
+
+@contextmanager
+def _eval(model: Any) -> Iterator[None]:
+    """The model in eval mode for the block (the engine decodes in eval mode), back in training mode after if it
+    was."""
     was_training = getattr(model, "training", False)
     if was_training:
         model.eval()  # type: ignore[attr-defined]
     try:
-        engine = Engine(model, config)
-        ids = [engine.add(r) for r in requests]  # validates the speculation against the model, the ids
-        done: dict[int, Finished] = {}
-        waiting, first = set(ids), float("nan")  # the sequences without a first token yet; when the last got one
-        with torch.inference_mode():
-            while engine.has_work:
-                result = engine.step()
-                if waiting:
-                    waiting.difference_update(c.id for c in result.committed)
-                    first = time.perf_counter() if not waiting else first
-                for f in result.finished:
-                    done[f.id] = f
-        end = time.perf_counter()
+        yield
     finally:
         if was_training:
             model.train()  # type: ignore[attr-defined]
-    stats = engine.stats
-    if method == "sequential":  # every sequence advances in lockstep, M passes per token position
-        stats.steps = stats.group_passes // model.n_loops
-    table = None
-    if trace:
-        table = pa.concat_tables([done[i].trace for i in ids]).combine_chunks()
-    stopped = [done[i].stopped for i in ids]
-    return GenerateResult([done[i].tokens for i in ids], stats, table, stopped, first - called, end - first)

@@ -335,10 +335,11 @@ class KVCache:
             values[r_t, :, pos_t] = self.side_values[layer][lo_t, flat_t]
         return keys, values
 
-    def attend(self, layer: int, rows: Rows, q: Tensor) -> Tensor:
+    def attend(self, layer: int, rows: Rows, q: Tensor, bias: Tensor | None = None) -> Tensor:
         """Each row's self-attention (R, H_q, D) at its virtual layer (its loop, ``layer``): its query q (R, H_q,
         D), already scaled, against the keys and values of its positions 0..pos (its own written first), the
-        query heads sharing each of the cache's H heads in groups of H_q / H.
+        query heads sharing each of the cache's H heads in groups of H_q / H; with ``bias`` (R, H_q,
+        ``n_positions``) added to each head's scores (T5's relative positions: on the Triton attention only).
 
         On the native kernel (``native_attention``) the entries are read in place through the block table (a
         branch row's lane from its side entries), each row over its own positions only; else ``read`` gathers
@@ -349,7 +350,9 @@ class KVCache:
             index = self.paged_index(rows)
             sides = (self.side_keys[layer], self.side_values[layer]) if index.lane_pos is not None else (None, None)
             pool = (self.keys[layer], self.values[layer])
-            return triton_ops().paged_attend(q, *pool, *index.chain, *sides, *index.lanes)
+            return triton_ops().paged_attend(q, *pool, *index.chain, *sides, *index.lanes, bias)
+        if bias is not None:
+            raise CacheError("attention with a score bias runs on the Triton attention only")
         if self.native_attention:
             offsets, lengths = self._attend_offsets(rows)
             D, stride = q.shape[-1], self.pool_head_stride
@@ -424,12 +427,12 @@ class KVCache:
             self.side_keys[layer][index.loop, index.entry] = k
             self.side_values[layer][index.loop, index.entry] = v
 
-    def attend_staged(self, layer: int, index: StagedIndex, q: Tensor) -> Tensor:
+    def attend_staged(self, layer: int, index: StagedIndex, q: Tensor, bias: Tensor | None = None) -> Tensor:
         """``attend`` of a staged pass's rows (``stage``) on the Triton attention: device indices only."""
         sides = (self.side_keys[layer], self.side_values[layer]) if self.n_side else (None, None)
         lanes = (index.lane_pos, index.lane_entry) if self.n_side else (None, None)
         pool = (self.keys[layer], self.values[layer])
-        return triton_ops().paged_attend(q, *pool, index.loop, index.length, index.table, *sides, *lanes)
+        return triton_ops().paged_attend(q, *pool, index.loop, index.length, index.table, *sides, *lanes, bias)
 
     def paged_index(self, rows: Rows) -> PagedIndex:
         """The Triton attention's index of ``rows`` (``PagedIndex``), on the cache's device; the same for every
@@ -581,6 +584,7 @@ class StagedView:
     but through the staged index, whatever rows they are handed (they read nothing of them)."""
 
     native_attention = False  # a staged pass attends on the Triton kernel
+    triton_attention = True
 
     def __init__(self, cache: KVCache, index: StagedIndex) -> None:
         self.cache, self.index = cache, index
@@ -588,8 +592,8 @@ class StagedView:
     def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
         self.cache.write_staged(layer, self.index, k, v)
 
-    def attend(self, layer: int, rows: Rows, q: Tensor) -> Tensor:
-        return self.cache.attend_staged(layer, self.index, q)
+    def attend(self, layer: int, rows: Rows, q: Tensor, bias: Tensor | None = None) -> Tensor:
+        return self.cache.attend_staged(layer, self.index, q, bias)
 
 
 def _as_padding(rows: Rows, dead: np.ndarray, scratch: int) -> Rows:

@@ -17,11 +17,12 @@ Capture needs a pass whose device work is the same kernels on the same addresses
 stepper that offers one says ``capturable = True`` (its ``step`` reads the device tensors of the rows it is given,
 ``Rows.tensors``, never of parts it takes of them, and every index it makes from buffers that stay put per
 bucket; its host bookkeeping is in ``prepare(memory, cache, rows)``, which the engine calls before every replay,
-and before every eager bucketed pass too). The looped LM's stepper offers it on the Triton kernels
-(``speed.models.looped_lm.LMStepper.prepare``); T5's does not yet, so on a GPU the engine runs its passes
-unpadded (padding without a graph only adds rows), with the same copies and decisions.
+and before every eager bucketed pass too). Both families' steppers offer it on the Triton kernels
+(``speed.models.looped_lm.LMStepper.prepare``, ``speed.models.t5.T5Stepper.prepare``); a stepper that does not
+(on the CPU's own kernels) runs its passes unpadded (padding without a graph only adds rows), with the same copies
+and decisions.
 ``EngineConfig.graphs=True`` runs any stepper bucketed, and eagerly where it is not captured (``GraphSteps.capture``
-False), which is how the CPU tests the bookkeeping and, under Triton's interpreter, the LM's staged pass.
+False), which is how the CPU tests the bookkeeping and, under Triton's interpreter, both families' staged passes.
 """
 
 from __future__ import annotations

@@ -472,8 +472,11 @@ def chunk_span(length: int, chunk: int = ATTN_CHUNK) -> int:
     return max(1, -(-length // chunk)) * chunk
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = ATTN_CHUNK) -> Tensor:
-    """One query per row: q (T, H, D) against keys/values (T, H, L, D) with additive bias (T, H or 1, 1, L).
+def attend(
+    q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = ATTN_CHUNK, source: Tensor | None = None
+) -> Tensor:
+    """One query per row: q (T, H, D) against keys/values (T, H, L, D) with additive bias (T, H or 1, 1, L); with
+    ``source`` (T,) long on the device, row t against ``source[t]`` of keys/values (C, H, L, D) and bias (C, ...).
 
     Written as elementwise products, a sum over D, a max, and sums over L
     that treat every (row, head) alike: the CPU's fused attention kernel does
@@ -491,7 +494,9 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, chunk: int = A
     scaling. On the Triton kernels' path (``on_triton``) their ``attend``: the same chunks, an online softmax.
     """
     if on_triton(q):
-        return triton_ops().attend(q, keys, values, bias)
+        return triton_ops().attend(q, keys, values, bias, source)
+    if source is not None:
+        keys, values, bias = (t.index_select(0, source) for t in (keys, values, bias))
     T, H, L, D = keys.shape
     if L % chunk:
         pad = chunk_span(L, chunk) - L

@@ -245,9 +245,9 @@ def rope_qkv(
 @triton.jit
 def _paged_attend_kernel(
     q_ptr, k_ptr, v_ptr, side_k_ptr, side_v_ptr, loop_ptr, length_ptr, table_ptr, lane_pos_ptr, lane_entry_ptr,
-    out_ptr, n_kv, group, head_dim, n_pool, n_entries, stride_table, lane_width, N_CHUNKS: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_LANES: tl.constexpr,
+    bias_ptr, out_ptr, n_kv, group, head_dim, n_pool, n_entries, stride_table, lane_width, stride_br, stride_bh,
+    N_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_LANES: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     r, h = tl.program_id(0), tl.program_id(1)
     g, d, p = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, CHUNK)
@@ -284,6 +284,9 @@ def _paged_attend_kernel(
                 v = tl.where(side_mask, tl.load(side_v_ptr + side_at, mask=side_mask, other=0.0).to(tl.float32), v)
             visible = tl.where(pos < length, 0.0, float("-inf"))[None, :]
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) + visible  # (G, CHUNK) scores
+            if HAS_BIAS:  # T5's relative-position bias of each query head at each position
+                b_at = bias_ptr + r * stride_br + heads[:, None] * stride_bh + pos[None, :]
+                s += tl.load(b_at, mask=(g[:, None] < group) & (pos[None, :] < length), other=0.0)
             top = tl.maximum(m, tl.max(s, axis=1))  # the running max
             alpha = tl.exp(m - top)  # 1 exactly where the max held: chunks that add nothing change nothing
             weight = tl.exp(s - top[:, None])
@@ -297,13 +300,15 @@ def _paged_attend_kernel(
 def paged_attend(
     q: Tensor, keys: Tensor, values: Tensor, loop: Tensor, length: Tensor, table: Tensor,
     side_keys: Tensor | None = None, side_values: Tensor | None = None, lane_pos: Tensor | None = None,
-    lane_entry: Tensor | None = None,
+    lane_entry: Tensor | None = None, bias: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Each row's attention (n, H, D), float32: its query heads q (n, H, D) (scaled) against positions
     0..length[r]-1 of its virtual layer ``loop[r]`` in one layer's pool, keys/values (loops, K, blocks, CHUNK, D),
     its chunk c in block ``table[r, c]`` (n, C >= its chunks); a branch row's lane positions ``lane_pos[r]`` (n,
     S; -1 pads) read from side entries ``lane_entry[r]`` of side_keys/side_values (loops, entries, K, D).
-    H/K query heads share each kv head. Every index is a device tensor: nothing is read on the host."""
+    H/K query heads share each kv head. With ``bias`` (n, H, >= C * CHUNK) each query head's additive score bias
+    at each position (T5's relative positions; read up to the row's length only). Every index is a device tensor:
+    nothing is read on the host."""
     n, H, D = q.shape
     K, n_pool = keys.shape[1], keys.shape[2]
     if keys.shape[3] != CHUNK or not keys.is_contiguous() or not values.is_contiguous():
@@ -312,35 +317,49 @@ def paged_attend(
     out = torch.empty(n, H, D, dtype=torch.float32, device=q.device)
     lanes = lane_pos is not None
     width = lane_pos.shape[1] if lanes else 1
+    if bias is not None and (bias.shape[:2] != (n, H) or bias.shape[2] < table.shape[1] * CHUNK):
+        raise ValueError(f"a bias (n, H, >= {table.shape[1] * CHUNK}) for q {tuple(q.shape)}, got {tuple(bias.shape)}")
+    has_bias = bias is not None
+    bias = bias.contiguous() if has_bias else q
     _paged_attend_kernel[(n, K)](
         q, keys, values, side_keys if lanes else keys, side_values if lanes else values, loop, length, table,
-        lane_pos.contiguous() if lanes else length, lane_entry.contiguous() if lanes else length, out, K, H // K, D,
-        n_pool, side_keys.shape[1] if lanes else 0, table.stride(0), width, table.shape[1], CHUNK,
-        triton.next_power_of_2(H // K), triton.next_power_of_2(D), triton.next_power_of_2(width), lanes,
+        lane_pos.contiguous() if lanes else length, lane_entry.contiguous() if lanes else length, bias, out, K,
+        H // K, D, n_pool, side_keys.shape[1] if lanes else 0, table.stride(0), width,
+        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0, table.shape[1], CHUNK,
+        triton.next_power_of_2(H // K), triton.next_power_of_2(D), triton.next_power_of_2(width), lanes, has_bias,
     )  # fmt: skip
     return out
 
 
 @triton.jit
 def _attend_kernel(
-    q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, n_heads, head_dim, stride_qr, stride_qh, stride_kr, stride_kh,
-    stride_kl, stride_vr, stride_vh, stride_vl, stride_br, stride_bh, n_keys: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, bias_ptr, source_ptr, out_ptr, n_heads, head_dim, stride_qr, stride_qh, stride_kr,
+    stride_kh, stride_kl, stride_vr, stride_vh, stride_vl, stride_br, stride_bh, n_keys: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SOURCE: tl.constexpr,
 ):  # fmt: skip
     r, h = tl.program_id(0), tl.program_id(1)
     d, p = tl.arange(0, BLOCK_D), tl.arange(0, CHUNK)
     q = tl.load(q_ptr + r * stride_qr + h * stride_qh + d, mask=d < head_dim, other=0.0)[None, :]  # (1, BLOCK_D)
+    if HAS_SOURCE:  # the row reads keys, values and bias at its source (its slot of T5's encoder memory)
+        at = tl.load(source_ptr + r)
+        k_ptr += at * stride_kr
+        v_ptr += at * stride_vr
+        bias_ptr += at * stride_br
+    else:
+        k_ptr += r * stride_kr
+        v_ptr += r * stride_vr
+        bias_ptr += r * stride_br
     m = tl.full((1,), float("-inf"), tl.float32)
     total = tl.zeros((1,), tl.float32)
     acc = tl.zeros((1, BLOCK_D), tl.float32)
     for c in range(0, tl.cdiv(n_keys, CHUNK)):
         pos = c * CHUNK + p
         kv_mask = (pos[:, None] < n_keys) & (d[None, :] < head_dim)
-        k_at = k_ptr + r * stride_kr + h * stride_kh + pos[:, None] * stride_kl + d[None, :]
-        v_at = v_ptr + r * stride_vr + h * stride_vh + pos[:, None] * stride_vl + d[None, :]
+        k_at = k_ptr + h * stride_kh + pos[:, None] * stride_kl + d[None, :]
+        v_at = v_ptr + h * stride_vh + pos[:, None] * stride_vl + d[None, :]
         k = tl.load(k_at, mask=kv_mask, other=0.0)  # masked lanes are 0, never undefined: 0 * weight 0 adds 0
         v = tl.load(v_at, mask=kv_mask, other=0.0)
-        bias = tl.load(bias_ptr + r * stride_br + h * stride_bh + pos, mask=pos < n_keys, other=float("-inf"))
+        bias = tl.load(bias_ptr + h * stride_bh + pos, mask=pos < n_keys, other=float("-inf"))
         k, v, visible = k.to(tl.float32), v.to(tl.float32), bias[None, :]
         # _paged_attend_kernel's online-softmax step, written out in both: a nested @triton.jit call costs the
         # interpreter as much as the step itself (the CPU's attention tests ran twice as long with a helper)
@@ -354,18 +373,22 @@ def _attend_kernel(
     tl.store(out_ptr + (r * n_heads + h) * head_dim + d[None, :], acc / total[:, None], mask=d[None, :] < head_dim)
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor, source: Tensor | None = None) -> Tensor:
     """``speed.engine.kernels.attend`` on the GPU: one query per row, q (n, H, D) against keys/values (n, H, L, D)
     (strided views welcome: an expanded request's keys are not copied), additive bias (n, H or 1, 1, L); the
-    positions in CHUNK steps in order, so masked positions after the real ones add exact zeros. (n, H, D)."""
+    positions in CHUNK steps in order, so masked positions after the real ones add exact zeros. (n, H, D).
+    With ``source`` (n,) long on the device, row r reads keys, values and bias at ``source[r]`` of theirs (C, ...)
+    instead (T5's slots of encoder memory, picked on the device: nothing copied, nothing read on the host)."""
     n, H, D = q.shape
     L = keys.shape[2]
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1 or bias.stride(-1) != 1:
         raise ValueError("attend reads q, keys, values and bias along contiguous last dimensions")
     out = torch.empty(n, H, D, dtype=torch.float32, device=q.device)
     bias_h = bias.stride(1) if bias.shape[1] > 1 else 0
+    has_source = source is not None
     _attend_kernel[(n, H)](
-        q, keys, values, bias, out, H, D, q.stride(0), q.stride(1), *keys.stride()[:3], *values.stride()[:3],
-        bias.stride(0), bias_h, L, CHUNK, triton.next_power_of_2(D),
+        q, keys, values, bias, source.contiguous() if has_source else q, out, H, D, q.stride(0), q.stride(1),
+        *keys.stride()[:3], *values.stride()[:3], bias.stride(0), bias_h, L, CHUNK, triton.next_power_of_2(D),
+        has_source,
     )  # fmt: skip
     return out

@@ -278,6 +278,12 @@ class DecodeStats:
     # price of an exit beside the pass's
     row_cost: RowCost | None = field(default=None, compare=False)  # the cost model's pass cost by rows (None: none)
 
+    def since(self, before: DecodeStats) -> DecodeStats:
+        """The counts added after ``before`` (an earlier copy of these totals: ``dataclasses.replace``), as the
+        stats of what ran in between; the measurements are these."""
+        counts = {f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self) if f.compare}
+        return DecodeStats(**counts, exit_seconds=self.exit_seconds - before.exit_seconds, row_cost=self.row_cost)
+
     @property
     def mean_exit_loop(self) -> float:
         """The mean exit loop (1-based) of the exit_gate requests' tokens (nan if none)."""

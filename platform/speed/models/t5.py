@@ -20,8 +20,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.config import ModelConfig
-from speed.engine.cache import KVCache, Rows, kv_bytes, pool_blocks
-from speed.engine.kernels import attend, chunk_span, in_tiles, rows_norm, tile_gated, tile_linear
+from speed.engine.cache import KVCache, Rows, StagedIndex, StagedView, kv_bytes, pool_blocks
+from speed.engine.kernels import (
+    attend,
+    attention_triton,
+    chunk_span,
+    in_tiles,
+    rows_norm,
+    tile_gated,
+    tile_linear,
+)
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
@@ -95,17 +103,21 @@ class SelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=1.0)  # (B, H, T, D)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
-    def decode(self, x: Tensor, rows: Rows, cache: KVCache, layer: int, bias: Tensor) -> Tensor:
+    def decode(self, x: Tensor, rows: Rows, cache: KVCache | StagedView, layer: int, bias: Tensor) -> Tensor:
         """One new token per row of a tile (n, d), the token of each of ``rows``.
 
         Writes the rows' keys/values at their virtual layers, then attends over
-        the first L key positions of each row's virtual layer, L whole attention chunks;
-        ``bias`` (n, H, 1, L) adds position bias and masks the positions past
-        each row's own.
+        each row's positions at its virtual layer. On the Triton attention
+        (``cache.triton_attention``; a staged pass's ``StagedView`` too) in place through the block table,
+        ``bias`` (n, H, L) each row's position bias over all L = ``n_positions`` of the cache; else over the first
+        L key positions gathered (``KVCache.read``), L whole attention chunks, ``bias`` (n, H, 1, L) adding position
+        bias and masking the positions past each row's own.
         """
         n = x.shape[0]
         q, k, v = tile_linear(self.qkv, x).view(n, 3, self.n_heads, self.d_kv).unbind(1)  # 3 x (n, H, D)
         cache.write(layer, rows, k, v)
+        if cache.triton_attention:
+            return tile_linear(self.o, cache.attend(layer, rows, q, bias).reshape(n, -1))
         keys, values = cache.read(layer, rows, bias.shape[-1])  # (n, H, L, D)
         return tile_linear(self.o, attend(q, keys, values, bias).reshape(n, -1))
 
@@ -136,15 +148,17 @@ class CrossAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=p, scale=1.0)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
-    def decode(self, x: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-        """One query per row of a tile (n, d) against its own request's keys/values (n, H, S, D), bias (n, 1, 1, S).
+    def decode(self, x: Tensor, keys: Tensor, values: Tensor, bias: Tensor, source: Tensor | None = None) -> Tensor:
+        """One query per row of a tile (n, d) against its own request's keys/values (n, H, S, D), bias (n, 1, 1, S);
+        with ``source`` (n,) on the device, against row r's ``source[r]`` of keys/values (C, H, S, D) and bias
+        (C, 1, 1, S) (each row's slot of the encoder memory, picked by the attention: ``kernels.attend``).
 
         Always one query per row, even when rows share a request: attending R
         queries of one request at once would change the kernel with R.
         """
         n = x.shape[0]
         q = tile_linear(self.q, x).view(n, self.n_heads, self.d_kv)  # (n, H, D)
-        return tile_linear(self.o, attend(q, keys, values, bias).reshape(n, -1))
+        return tile_linear(self.o, attend(q, keys, values, bias, source=source).reshape(n, -1))
 
 
 class GatedFFN(nn.Module):
@@ -199,16 +213,17 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         rows: Rows,
-        cache: KVCache,
+        cache: KVCache | StagedView,
         layer: int,
         self_bias: Tensor,
         keys: Tensor,
         values: Tensor,
         cross_bias: Tensor,
+        source: Tensor | None = None,
     ) -> Tensor:
-        """One tile of decode rows (n, d) through this layer (see ``SelfAttention.decode``)."""
+        """One tile of decode rows (n, d) through this layer (``SelfAttention.decode``, ``CrossAttention.decode``)."""
         x = x + self.self_attn.decode(rows_norm(self.self_norm, x), rows, cache, layer, self_bias)
-        x = x + self.cross_attn.decode(rows_norm(self.cross_norm, x), keys, values, cross_bias)
+        x = x + self.cross_attn.decode(rows_norm(self.cross_norm, x), keys, values, cross_bias, source)
         return x + self.ffn.decode(rows_norm(self.ffn_norm, x))
 
 
@@ -355,8 +370,46 @@ class SpeedT5(nn.Module):
         # The exit adapters (speed.models.exits) change the early exits' inputs only: out, the carry, stays as it is
         return out, exit_logits(out, rows.loop, logit_rows, self.exit_adapters, self.decoder_norm, self.lm_head)
 
+    def step_staged(
+        self,
+        memory: Memory,
+        cache: KVCache,
+        staged: StagedIndex,
+        rows: Rows,
+        hidden: Tensor,
+        with_logits: bool = True,
+        logit_rows: Sequence[int] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``step`` over the rows ``KVCache.stage`` staged (``T5Stepper.prepare``), reading only device tensors:
+        the staged index, the rows' device tensors (``Rows.tensors``: a bucket's static buffers), ``hidden``,
+        the encoder memory and the weights, never ``rows``' host arrays nor anything back from the device: the pass
+        a CUDA graph captures. The same kernels on the same values as ``step``'s on the Triton attention, so the
+        same bits; the exits' adapters run on every row (``exit_logits`` with device loops)."""
+        slot_t, _, _ = rows.tensors(hidden.device)
+        out = self._paged_pass(memory, StagedView(cache, staged), rows, hidden, slot_t, staged.pos)
+        if not with_logits:
+            return out, None
+        return out, exit_logits(out, staged.loop, logit_rows, self.exit_adapters, self.decoder_norm, self.lm_head)
+
+    def _paged_pass(
+        self, memory: Memory, cache: KVCache | StagedView, rows: Rows, x: Tensor, slot: Tensor, pos: Tensor
+    ) -> Tensor:
+        """The group pass on the Triton attention over rows at slots ``slot`` and positions ``pos`` (n,) on the
+        device, ``x`` (n, d): every shape fixed by the row count and the memory's capacity, no index made on the
+        host. Self-attention reads the cache in place with each row's position bias over all the cache's
+        positions; cross-attention reads each row's slot of the encoder memory over all its S positions (the
+        masked chunks past a row's own add exact zeros: ``speed.engine.triton_kernels``)."""
+        self_bias = memory.self_bias.index_select(0, pos)  # (n, H, L)
+        for j, layer in enumerate(self.decoder_layers):  # CYCLE order, as ``_pass_tile``
+            x = layer.decode(x, rows, cache, j, self_bias, memory.keys[j], memory.values[j], memory.cross_bias, slot)
+        return x
+
     def _pass_tile(self, memory: Memory, cache: KVCache, rows: Rows, x: Tensor) -> tuple[Tensor, None]:
-        """The group pass for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d)."""
+        """The group pass for one tile of n <= ``TILE_ROWS`` rows, ``x`` (n, d) (on the Triton attention, any n:
+        ``_paged_pass``)."""
+        if cache.triton_attention:
+            slot_t, _, pos_t = rows.tensors(x.device)
+            return self._paged_pass(memory, cache, rows, x, slot_t, pos_t), None
         m = self
         # Attention runs over the fewest whole chunks that cover the tile's rows: the kernels' results do not
         # depend on how many masked chunks follow (see ``attend``), so the span changes no row's logits.
@@ -420,6 +473,7 @@ class T5Stepper(ModelStepper):
     step (the group pass, ``step``)."""
 
     model: SpeedT5
+    _staged: tuple[Rows, StagedIndex] | None = None  # the rows ``prepare`` staged last, and their cache index
 
     def cache(
         self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, blocks: int | None = None
@@ -498,8 +552,27 @@ class T5Stepper(ModelStepper):
         with_logits: bool = True,
         logit_rows: Sequence[int] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """One group pass over R rows (``SpeedT5.step``), exit logits for the rows ``logit_rows`` names."""
+        """One group pass over R rows (``SpeedT5.step``), exit logits for the rows ``logit_rows`` names; over the
+        rows ``prepare`` staged, ``SpeedT5.step_staged``."""
+        staged = self._staged
+        if staged is not None and staged[0] is rows:
+            return self.model.step_staged(memory, cache, staged[1], rows, hidden, with_logits, logit_rows)
         return self.model.step(memory, cache, rows, hidden, with_logits, logit_rows)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can replay this stepper's pass (``speed.engine.graphs``): on the Triton kernels,
+        whose pass ``prepare`` stages."""
+        return attention_triton(self.device)
+
+    def prepare(self, memory: Memory, cache: KVCache, rows: Rows) -> None:
+        """The host's part of the next ``step`` over ``rows`` (a bucket's rows, ``speed.engine.graphs``), done
+        before it: the cache's bookkeeping and index (``KVCache.stage``), where it attends on the Triton kernel
+        (elsewhere ``step`` does its bookkeeping as it goes). The encoder memory needs none: the pass picks each
+        row's slot of it on the device. ``step`` over these very rows then runs ``SpeedT5.step_staged``, as often
+        as it is called (a graph's warm-up and capture run it twice)."""
+        if cache.triton_attention:
+            self._staged = (rows, cache.stage(rows))
 
 
 def count_parameters(model: nn.Module) -> int:
