@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -41,8 +40,7 @@ def main(directory: str, new_tokens: int = 16) -> None:
         for prompt in ids:
             one = generate(model, prompt[None], max_new_tokens=new_tokens, **kw)
             tokens += one.tokens
-            for f in dataclasses.fields(DecodeStats):
-                setattr(stats, f.name, getattr(stats, f.name) + getattr(one.stats, f.name))
+            stats += one.stats
         return tokens, stats
 
     reference, _ = alone(method="sequential")

@@ -9,7 +9,7 @@ import time
 import pyarrow as pa
 import torch
 
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeStats, generate
 from speed.engine.sampling import Sampling
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
@@ -40,9 +40,7 @@ def run_sampling_benchmark(
     variants = [("sequential", t, "") for t in temperatures]
     variants += [("speed", t, g) for t in temperatures for g in (("greedy",) if t == 0 else ("coupled", "argmax"))]
     seconds = {v: 0.0 for v in variants}
-    tokens = {v: 0 for v in variants}
-    passes = {v: 0 for v in variants}
-    flushes = {v: 0 for v in variants}
+    stats = {v: DecodeStats() for v in variants}  # each variant's counters over the sentences
     identical = {v: True for v in variants}
     for i, ids in enumerate(inputs):
         x = torch.tensor([ids])
@@ -55,14 +53,13 @@ def run_sampling_benchmark(
             result = generate(model, x, method=method, max_new_tokens=max_new_tokens, trace=False, sampling=sampling)
             seconds[v] += time.perf_counter() - t0
             out[v] = result.tokens
-            tokens[v] += result.stats.tokens
-            passes[v] += result.stats.group_passes
-            flushes[v] += result.stats.flushes
+            stats[v] += result.stats
         for v in variants:
             identical[v] &= out[v] == out[("sequential", v[1], "")]
         if (i + 1) % 10 == 0 or i + 1 == len(inputs):
             shown = ", ".join(
-                f"T={t} {m}{'/' + g if g else ''} {passes[(m, t, g)] / tokens[(m, t, g)]:.2f}" for m, t, g in variants
+                f"T={t} {m}{'/' + g if g else ''} {stats[m, t, g].group_passes / stats[m, t, g].tokens:.2f}"
+                for m, t, g in variants
             )
             print(f"  {i + 1}/{len(inputs)} sentences; passes per token: {shown}", flush=True)
     rows = [
@@ -71,11 +68,11 @@ def run_sampling_benchmark(
             "method": method,
             "guess": guess,
             "sentences": len(inputs),
-            "tokens": tokens[v],
-            "passes_per_token": passes[v] / tokens[v],
-            "flushes": flushes[v],
+            "tokens": stats[v].tokens,
+            "passes_per_token": stats[v].group_passes / stats[v].tokens,
+            "flushes": stats[v].flushes,
             "seconds": seconds[v],
-            "ms_per_token": seconds[v] * 1000 / tokens[v],
+            "ms_per_token": seconds[v] * 1000 / stats[v].tokens,
             "speedup": seconds[("sequential", t, "")] / seconds[v],
             "identical": identical[v],
         }

@@ -205,8 +205,6 @@ class Decoder:
                         done[f.id] = f
             end = time.perf_counter()
         stats = engine.stats.since(before)
-        if self.method == "sequential":  # every sequence advances in lockstep, M passes per token position
-            stats.steps = stats.group_passes // self.model.n_loops
         table = None
         if self.trace:  # each sequence's rows under its index in the batch (the engine's request ids go on)
             parts = [_renumbered(done[i].trace, b) for b, i in enumerate(ids)]

@@ -109,13 +109,14 @@ class Scheduler:
         the step, and schedule each request that ran (in admission order) at ``now`` (perf_counter)."""
         work = self._work
         assert len(work) == len(plan.rows), "update takes the plan of the last select"
+        counted = _counts_a_step(work, self.n_loops)  # before the exits: its rows' loops as planned
         begin = clock()  # the cost model's, as its curve was measured on
         record_exits(work, logits, self.n_loops, gates, self._wanted)
         st = self.stats
         if logits is not None:
             st.exit_seconds += clock() - begin
             st.exit_rows += sum(self._wanted)
-        st.steps += 1
+        st.steps += counted
         st.group_passes += 1
         st.rows += len(work)
         for seq, _ in work:
@@ -409,6 +410,13 @@ class Scheduler:
     def _waste(self, seq: RequestState, rows: int) -> None:
         seq.wasted_rows += rows
         self.stats.wasted_rows += rows
+
+
+def _counts_a_step(work: list[tuple[RequestState, InFlight]], n_loops: int) -> bool:
+    """Whether a step over ``work`` (its rows before the pass) counts in ``DecodeStats.steps``: a step of SPEED's
+    (or exit_gate's) pipeline always; one running only sequential requests' rows when it ends a token (a row at its
+    last loop), so sequential decoding counts token positions, M passes each."""
+    return any(s.request.method != "sequential" or t.loops_done == n_loops - 1 for s, t in work)
 
 
 def _p(t: InFlight) -> float:

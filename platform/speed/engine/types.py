@@ -258,10 +258,15 @@ class Request:
 
 @dataclass
 class DecodeStats:
-    """Counters of one decoding run or of an engine's life (all requests together)."""
+    """Counters of one decoding run or of an engine's life (all requests together), written by the engine's
+    scheduler alone. Runs' stats add with ``+`` (``sum(stats, DecodeStats())``): counts and ``exit_seconds`` sum,
+    ``row_cost`` is the right-hand side's curve where it has one, else the left's (the one curve a process
+    measures per model); ``since`` is the difference of two totals by the same rule."""
 
     tokens: int = 0  # committed output tokens
-    steps: int = 0  # engine iterations (SPEED: pipeline steps; generate's sequential: token positions)
+    # engine iterations: a SPEED (or exit_gate) step counts each; a step running only sequential requests' rows
+    # counts when it ends a token (a row at its last loop): for sequential decoding in lockstep, token positions
+    steps: int = 0
     group_passes: int = 0  # runs of the shared N-layer group, each reading its weights once
     rows: int = 0  # token-loops computed (a row = one token through one loop)
     flushes: int = 0  # misprediction restarts (each may drop several in-flight tokens)
@@ -278,11 +283,22 @@ class DecodeStats:
     # price of an exit beside the pass's
     row_cost: RowCost | None = field(default=None, compare=False)  # the cost model's pass cost by rows (None: none)
 
+    def __add__(self, other: DecodeStats) -> DecodeStats:
+        """These stats and ``other``'s together: every count and ``exit_seconds`` summed; ``row_cost`` other's
+        where it has one, else these'."""
+        if not isinstance(other, DecodeStats):
+            return NotImplemented
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "row_cost"}
+        return DecodeStats(**summed, row_cost=self.row_cost if other.row_cost is None else other.row_cost)
+
+    def __neg__(self) -> DecodeStats:
+        """Every count and ``exit_seconds`` negated, no curve: what ``since`` adds."""
+        return DecodeStats(**{f.name: -getattr(self, f.name) for f in fields(self) if f.name != "row_cost"})
+
     def since(self, before: DecodeStats) -> DecodeStats:
         """The counts added after ``before`` (an earlier copy of these totals: ``dataclasses.replace``), as the
-        stats of what ran in between; the measurements are these."""
-        counts = {f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self) if f.compare}
-        return DecodeStats(**counts, exit_seconds=self.exit_seconds - before.exit_seconds, row_cost=self.row_cost)
+        stats of what ran in between (these totals' curve)."""
+        return self + -before
 
     @property
     def mean_exit_loop(self) -> float:

@@ -398,11 +398,7 @@ def _decode(
             run = runs.setdefault(method, _Decoded([], DecodeStats(), 0.0, None))
             run.tokens.extend(result.tokens)
             run.stopped.extend(result.stopped)
-            for f in dataclasses.fields(DecodeStats):
-                if f.name == "row_cost":  # the one curve the process measured for this model
-                    run.stats.row_cost = result.stats.row_cost
-                else:
-                    setattr(run.stats, f.name, getattr(run.stats, f.name) + getattr(result.stats, f.name))
+            run.stats += result.stats
         trace = results["speed"].trace
         example = pc.add(trace.column("sequence"), pa.scalar(start, pa.int32()))
         traces.append(pa.Table.from_arrays([example, *trace.columns], schema=EVAL_TRACE_SCHEMA))

@@ -140,9 +140,7 @@ def _decoder(
                 speculation=speculation,
                 trace=False,
             )
-            total.tokens += result.stats.tokens
-            total.steps += result.stats.steps
-            total.rows += result.stats.rows
+            total += result.stats
         stats[name] = total
         return total.tokens
 

@@ -144,8 +144,7 @@ def speed_costs(
                         speculation=speculation,
                         trace=False,
                     )
-                    for name in ("tokens", "steps", "rows", "flushes", "wasted_rows"):
-                        setattr(total, name, getattr(total, name) + getattr(result.stats, name))
+                    total += result.stats
                 costs.append(
                     {
                         "launch_loop": launch_loop,
