@@ -165,7 +165,7 @@ def test_a_closed_request_reopens(monkeypatch):
         return generate(StubModel(2, _late_agreement), ids, max_new_tokens=60, trace=False, cost_model=True)
 
     decayed = decode()
-    monkeypatch.setattr("speed.engine.scheduler.survival_rate", lambda a, d, idle: survival_rate(a, d))
+    monkeypatch.setattr("speed.engine.cost_policy.survival_rate", lambda a, d, idle: survival_rate(a, d))
     kept = decode()
     assert decayed.tokens == kept.tokens
     assert kept.stats.closed_steps > 100 and kept.stats.steps >= 2 * 60 - 4  # closed for good: no gain at all

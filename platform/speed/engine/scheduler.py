@@ -19,18 +19,16 @@ from torch import Tensor
 
 from speed.engine.cache import KVCache
 from speed.engine.cost import RowCost, clock
+from speed.engine.cost_policy import CostChoice, CostPolicy
 from speed.engine.outputs import record_commit, record_exits
 from speed.engine.policies import (
     Successor,
     budget_rows,
     choose_successor,
-    in_budget_order,
     keeps_branch,
     may_branch,
     may_launch,
     should_flush,
-    survival_rate,
-    worth_rows,
 )
 from speed.engine.state import InFlight, RequestState
 from speed.engine.types import NO_EXIT, Commit, DecodeStats
@@ -90,7 +88,7 @@ class Scheduler:
         self._closed = False  # the last plan's: the cost model found no speculation worth its exits
         self._closed_ids: set[int] = set()  # the last plan's requests whose own speculation was not worth it
         self._wanted: list[bool] = []  # the last plan's rows whose exits are scored (``_wants_exit``)
-        self._curve: list[float] = []  # row_cost(n) with exit logits, by n, as far as a step has needed
+        self._policy = None if row_cost is None else CostPolicy(row_cost, n_loops)  # the cost model's choice
 
     def select(self, seqs: Iterable[RequestState], step_no: int) -> StepPlan:
         """Step ``step_no``'s plan (kept for ``update``): its rows are all in-flight rows, or the row budget's
@@ -164,7 +162,7 @@ class Scheduler:
 
     def _choose(self, seqs: list[RequestState], step_no: int) -> list[tuple[RequestState, InFlight]]:
         """Step ``step_no``'s rows, in the order of ``seqs``: all in-flight rows, or the row budget's choice, or the
-        cost model's (``_cost_budgets``; capped by a row budget when both are set).
+        cost model's (``CostPolicy.choose``, applied by ``_apply``; capped by a row budget when both are set).
 
         The budget serves each request's committed path, then chain speculation, then branches; a branch
         runs only in a step that runs its parent, so it never catches up with the keys it reads.
@@ -173,16 +171,18 @@ class Scheduler:
         flying = {s.id: s.in_flight() for s in seqs}
         total = sum(map(len, flying.values()))
         self._closed, self._closed_ids = False, set()
-        if self.row_cost is None and (budget is None or total <= budget):
+        if self._policy is None and (budget is None or total <= budget):
             if budget is not None:
                 for s in seqs:
                     s.last_served = step_no
             return [(s, t) for s in seqs for t in flying[s.id]]
         order = sorted(seqs, key=lambda s: s.last_served)  # stable: admission order among equals
         chain_budget, branch_budget = (total, total) if budget is None else (budget, budget)
-        if self.row_cost is not None:
-            chain_cost, branch_cost = self._cost_budgets(order)
-            chain_budget, branch_budget = min(chain_budget, chain_cost), min(branch_budget, branch_cost)
+        if self._policy is not None:
+            st = self.stats
+            choice = self._policy.choose(order, st.exit_seconds / st.exit_rows if st.exit_rows else 0.0)
+            self._apply(choice, order)
+            chain_budget, branch_budget = min(chain_budget, choice.chain), min(branch_budget, choice.branch)
         take = budget_rows([len(s.chain) for s in order], chain_budget)
         branches = [[t for c in s.chain[:n] for t in c.lane] for s, n in zip(order, take)]  # a lane's own order
         branch_take = budget_rows([len(b) for b in branches], min(branch_budget, (budget or total) - sum(take)))
@@ -195,66 +195,14 @@ class Scheduler:
         self.stats.held_rows += total - len(work)
         return work
 
-    def _cost_budgets(self, order: list[RequestState]) -> tuple[int, int]:
-        """The cost model's chain and branch budgets for a step over ``order`` (the budget's order of requests).
-
-        Every request's oldest token runs. Speculation is closed (no speculative row, no early exits of SPEED
-        requests without a trace: the step scores its last-loop rows only) unless some speculative rows, one per
-        chain position each request could fill with its measured acceptance there (the likeliest first,
-        ``survival_rate``, decayed toward its prior while the request stays closed), would save more than they and
-        the step's exits cost, a surviving row saving what a row of the committed path's pass costs without exits
-        (sequential decoding's). Open, the chain's and then the branches' candidate rows run as many as
-        ``worth_rows`` finds worth it. A row's exit costs its share of the pass's logits (``RowCost.exits``) and
-        what turning them into an exit (its draw, its runner-up) has cost per row in this engine's steps so far
-        (``DecodeStats.exit_seconds``).
-        """
-        cost, M, st, curve = self.row_cost, self.n_loops, self.stats, self._curve
-        assert cost is not None
-        required = sum(1 for s in order if s.chain)
-        last = sum(1 for s in order if s.chain and s.chain[0].loops_done == M - 1)  # scored even when closed
-        plain = cost(required, with_logits=False)
-        value = plain / max(required, 1)  # seconds a surviving row saves: a committed-path row's share
-        per_exit = st.exit_seconds / st.exit_rows if st.exit_rows else 0.0
-        closed = plain + cost.exits(last) + per_exit * last  # what the step costs closed
-
-        def worth(base_rows: int, base: float, survival: list[float]) -> int:
-            while len(curve) <= base_rows + len(survival):
-                curve.append(cost(len(curve)))
-            top = base_rows + len(survival) + 1
-            seconds = [c + per_exit * n for n, c in zip(range(base_rows, top), curve[base_rows:top])]
-            return worth_rows(seconds, base, survival, value)
-
-        sure = [1.0] * (M - 1)  # an oracle's tokens
-        rates = {  # each request's chance of a token surviving at draft position 1..M-1
-            s.id: sure
-            if s.request.oracle is not None
-            else [survival_rate(a, d, s.idle) for a, d in zip(s.accepted, s.draft_tokens)]
-            for s in order
-        }
-        # a request whose own rows would not pay is closed alone: no early exits, no speculative rows (its rates
-        # 0), and its evidence decays, while others speculate
-        shut = [s for s in order if s.launch.launch_loop >= M or not worth(required, closed, sorted(rates[s.id])[::-1])]
-        self._closed_ids = {s.id for s in shut}
-        for s in shut:
-            rates[s.id] = [0.0] * (M - 1)
-        potential = sorted((p for s in order if s.id not in self._closed_ids for p in rates[s.id]), reverse=True)
-        if not worth(required, closed, potential):
-            self._closed = True
-            st.closed_steps += 1
-            for s in order:
+    def _apply(self, choice: CostChoice, order: list[RequestState]) -> None:
+        """Apply the cost model's ``choice`` for the step over ``order``: its closed flags (for ``_wants_exit``),
+        ``DecodeStats.closed_steps``, and ``idle`` of each request that runs closed (all of them in a closed step)."""
+        self._closed, self._closed_ids = choice.closed, set(choice.closed_ids)
+        self.stats.closed_steps += choice.closed
+        for s in order:
+            if choice.closed or s.id in choice.closed_ids:
                 s.idle += 1
-            return required, 0
-        for s in shut:
-            s.idle += 1
-        chains = [[1.0, *rates[s.id][: len(s.chain) - 1]] if s.chain else [] for s in order]
-        chain_rows = required + worth(
-            required, curve[required] + per_exit * required, in_budget_order(chains)[required:]
-        )
-        take = budget_rows([len(s.chain) for s in order], chain_rows)
-        # a lane token survives only if its branch's runner-up becomes the prediction: at most 1 - p_top
-        lanes = [[1.0 - _p(c) for c in s.chain[:n] for _ in c.lane] for s, n in zip(order, take)]
-        branch_survival = in_budget_order(lanes)
-        return chain_rows, worth(chain_rows, curve[chain_rows] + per_exit * chain_rows, branch_survival)
 
     def schedule(self, seq: RequestState) -> InFlight | None:
         """After a step: commit the oldest token if it finished its last loop (returned; it ends ``seq`` at EOS or
@@ -417,9 +365,3 @@ def _counts_a_step(work: list[tuple[RequestState, InFlight]], n_loops: int) -> b
     (or exit_gate's) pipeline always; one running only sequential requests' rows when it ends a token (a row at its
     last loop), so sequential decoding counts token positions, M passes each."""
     return any(s.request.method != "sequential" or t.loops_done == n_loops - 1 for s, t in work)
-
-
-def _p(t: InFlight) -> float:
-    """The top-1 probability of ``t``'s latest exit (0 when it was not evaluated)."""
-    p = t.exits[-1].p_top if t.exits else float("nan")
-    return 0.0 if p != p else p
