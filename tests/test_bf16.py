@@ -18,7 +18,7 @@ from test_lm_decoding import random_case as lm_case
 import speed
 from speed.decode.exactness import LogitRecorder
 from speed.decode.generate import generate
-from speed.engine import Speculation, kernels, native
+from speed.engine import Speculation, matmuls, native
 from speed.engine.sampling import Sampling
 from speed.models.precision import WidenedLinear, bf16_weights, with_dtype
 
@@ -131,7 +131,7 @@ def test_without_the_native_kernel_the_weights_are_widened_and_still_exact(monke
     and the logits are the native kernel's up to the sums' order."""
     model, ids, mask, max_new, _ = bf16_case(3)
     native_run = recorded_pair(model, ids, mask, max_new)[0] if native.library() is not None else None
-    monkeypatch.setattr(kernels, "LINEAR", "onednn")
+    monkeypatch.setattr(matmuls, "LINEAR", "onednn")
     widened, _, _ = recorded_pair(model, ids, mask, max_new)
     if native_run is not None:
         for key, logits in native_run.logits.items():

@@ -17,12 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import speed.engine.kernels as kernels
+import speed.engine.matmuls as matmuls
 from speed.config import preset
 from speed.decode.generate import generate
 from speed.engine import native
 from speed.engine.cache import Rows
-from speed.engine.kernels import TILE_ROWS, tile_linear
+from speed.engine.kernels import TILE_ROWS
+from speed.engine.matmuls import tile_linear
 from speed.models.t5 import SpeedT5, T5Stepper
 
 
@@ -41,12 +42,12 @@ def backend(request, monkeypatch):
     if request.param == "native":
         if native.library() is None:
             pytest.skip(f"no native kernel here: {native.unavailable_reason()}")
-        monkeypatch.setattr(kernels, "LINEAR", "native")
+        monkeypatch.setattr(matmuls, "LINEAR", "native")
         return request.param
-    monkeypatch.setattr(kernels, "LINEAR", "onednn")
+    monkeypatch.setattr(matmuls, "LINEAR", "onednn")
     if request.param == "fallback":
-        monkeypatch.setattr(kernels, "_ONEDNN", False)
-    elif not kernels._onednn_available():
+        monkeypatch.setattr(matmuls, "_ONEDNN", False)
+    elif not matmuls._onednn_available():
         pytest.skip("this torch build has no oneDNN packed linear")
     return request.param
 
@@ -85,10 +86,10 @@ def test_fallback_is_plain_linear_on_the_tile(monkeypatch):
     def missing(*args, **kwargs):
         raise RuntimeError("no such op in this build")
 
-    monkeypatch.setattr(kernels, "LINEAR", "onednn")
-    monkeypatch.setattr(kernels, "_ONEDNN", None)  # not probed yet
+    monkeypatch.setattr(matmuls, "LINEAR", "onednn")
+    monkeypatch.setattr(matmuls, "_ONEDNN", None)  # not probed yet
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", missing)
-    assert not kernels._onednn_available()
+    assert not matmuls._onednn_available()
     layer = torch.nn.Linear(16, 24, bias=False)
     x = torch.randn(TILE_ROWS, 16)
     assert torch.equal(tile_linear(layer, x), F.linear(x, layer.weight))
@@ -211,7 +212,7 @@ def test_two_threads_decoding_one_model_concurrently():
     model = SpeedT5(preset("tiny", pattern="2x3")).eval()
     inputs = [torch.randint(3, 128, (2, 6)) for _ in range(2)]
     expected = [generate(model, ids, max_new_tokens=10).tokens for ids in inputs]
-    kernels._PACKED.clear()  # both threads race to pack the weights
+    matmuls._PACKED.clear()  # both threads race to pack the weights
     results: dict[int, list] = {}
     errors: list[BaseException] = []
 
@@ -295,7 +296,8 @@ def test_rows_linear_rows_do_not_depend_on_company_position_or_count(threads, dt
     up to 150 rows at any place (so in any tile, with any tile size up to 64 rows), at the widths of real
     layers (2048: base size's MLP output projection, whose one-row call oneDNN would round otherwise); with
     float32 weights and with bfloat16 ones (bf16 weights: float32 rows on the native kernel, or widened)."""
-    from speed.engine.kernels import PREFILL_ROWS, rows_linear
+    from speed.engine.kernels import PREFILL_ROWS
+    from speed.engine.matmuls import rows_linear
 
     rng = random.Random(threads)
     torch.manual_seed(threads)
@@ -361,14 +363,14 @@ def test_without_the_native_kernel_the_decode_tiles_run_on_onednn(monkeypatch):
     linear, nothing raised."""
     monkeypatch.setattr(native, "_LIB", None)
     monkeypatch.setattr(native, "_REASON", "no C++ compiler (g++ or $CXX) to build it with")
-    monkeypatch.setattr(kernels, "LINEAR", "native")
+    monkeypatch.setattr(matmuls, "LINEAR", "native")
     layer = torch.nn.Linear(16, 24, bias=False)
     assert native.library() is None and "compiler" in native.unavailable_reason()
-    assert kernels.linear_in_use(layer.weight) in ("onednn", "plain")
+    assert matmuls.linear_in_use(layer.weight) in ("onednn", "plain")
     x = torch.randn(3, 16)
     with torch.no_grad():
         got = tile_linear(layer, x)
-        monkeypatch.setattr(kernels, "LINEAR", "onednn")
+        monkeypatch.setattr(matmuls, "LINEAR", "onednn")
         assert torch.equal(got, tile_linear(layer, x))
 
 
@@ -390,16 +392,16 @@ def test_by_default_small_float32_weights_run_on_onednn_and_the_rest_on_the_nati
     """``SPEED_LINEAR`` unset ("auto"): oneDNN keeps small float32 weights (SPEED's several-row steps run faster on it
     here), the native kernel takes bfloat16 ones (oneDNN has no packed path for them) and float32 ones of a real
     model's size (no packed copy); "native" sends every weight there."""
-    monkeypatch.setattr(kernels, "LINEAR", "auto")
+    monkeypatch.setattr(matmuls, "LINEAR", "auto")
     fp32 = torch.nn.Linear(64, 32, bias=False).weight
-    large = torch.empty(kernels.NATIVE_MIN_BYTES // 4 // 1024, 1024)
-    if kernels._onednn_available():
-        assert kernels.linear_in_use(fp32) == "onednn"
+    large = torch.empty(matmuls.NATIVE_MIN_BYTES // 4 // 1024, 1024)
+    if matmuls._onednn_available():
+        assert matmuls.linear_in_use(fp32) == "onednn"
     if native.library() is not None:
-        assert kernels.linear_in_use(fp32.detach().to(torch.bfloat16)) == "native"
-        assert kernels.linear_in_use(large) == "native"
-        monkeypatch.setattr(kernels, "LINEAR", "native")
-        assert kernels.linear_in_use(fp32) == "native"
+        assert matmuls.linear_in_use(fp32.detach().to(torch.bfloat16)) == "native"
+        assert matmuls.linear_in_use(large) == "native"
+        monkeypatch.setattr(matmuls, "LINEAR", "native")
+        assert matmuls.linear_in_use(fp32) == "native"
 
 
 def test_the_kernel_benchmark_times_every_kernel_dtype_and_row_count(native_kernel):

@@ -1,4 +1,4 @@
-"""Packed weights for the native decode kernel (``speed.engine.native.pack``, ``kernels.pack_linears``): the layout
+"""Packed weights for the native decode kernel (``speed.engine.native.pack``, ``matmuls.pack_linears``): the layout
 round-trips bit for bit, and a looped LM packed for decoding decodes with SPEED bit-identical to sequential
 decoding, in bf16 and float32 (the packed kernel's rows at any row count, place and thread count:
 ``tests/test_kernels.py``)."""
@@ -15,7 +15,7 @@ from test_lm_decoding import random_case as lm_case
 from speed.config import lm_preset
 from speed.decode.exactness import LogitRecorder, compare_logits
 from speed.decode.generate import generate
-from speed.engine import Speculation, kernels, native
+from speed.engine import Speculation, kernels, matmuls, native
 from speed.engine.sampling import Sampling
 from speed.models.looped_lm import LoopedLM
 from speed.models.precision import bf16_weights
@@ -41,18 +41,18 @@ def test_pack_round_trips_bit_for_bit(dtype, inn, out):
 def test_packed_rows_linear_matches_its_tiles():
     """A prefill's rows (more than a tile) on a packed layer: each row's bits as alone."""
     layer = torch.nn.Linear(96, 70, bias=False).to(torch.bfloat16).requires_grad_(False)
-    assert kernels.pack_linears(layer) == 1 and kernels.is_packed(layer)
+    assert matmuls.pack_linears(layer) == 1 and matmuls.is_packed(layer)
     x = torch.randn(21, 96)
-    got = kernels.rows_linear(layer, x)
+    got = matmuls.rows_linear(layer, x)
     for r in (0, 7, 20):
-        assert torch.equal(got[r], kernels.tile_linear(layer, x[r : r + 1])[0])
+        assert torch.equal(got[r], matmuls.tile_linear(layer, x[r : r + 1])[0])
 
 
 def packed_case(seed: int):
     """``test_lm_decoding``'s random LM case (batch 1 or 8) with bf16 weights, packed for decoding."""
     model, ids, mask, max_new, rng = lm_case(seed)
     model = bf16_weights(model)
-    assert kernels.pack_linears(model) > 0
+    assert matmuls.pack_linears(model) > 0
     return model, ids, mask, max_new, rng
 
 
@@ -79,21 +79,21 @@ def test_pack_linears_packs_native_weights_only_and_unpack_restores_them(monkeyp
     """Float32 weights below ``NATIVE_MIN_BYTES`` stay (they run on oneDNN), a tied head stays, bf16 weights pack;
     a packed layer refuses its own forward and gradients; unpacking gives the same bits and the same decoding."""
     model, ids, mask, max_new, _ = lm_case(960)
-    assert kernels.pack_linears(model) == 0  # a tiny float32 model: every weight on oneDNN
+    assert matmuls.pack_linears(model) == 0  # a tiny float32 model: every weight on oneDNN
     model = bf16_weights(model)
     model.lm_head.weight = model.embed_tokens.weight  # tied, as Huginn's
     before = {name: p.clone() for name, p in model.named_parameters()}
     ref = generate(model, ids, mask, method="sequential", max_new_tokens=max_new)
-    packed = kernels.pack_linears(model)
+    packed = matmuls.pack_linears(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert packed == len(linears) - 1 and not kernels.is_packed(model.lm_head)
-    assert kernels.linear_in_use(model.core[0].attn.qkv.weight) == "packed"
+    assert packed == len(linears) - 1 and not matmuls.is_packed(model.lm_head)
+    assert matmuls.linear_in_use(model.core[0].attn.qkv.weight) == "packed"
     with pytest.raises(RuntimeError):
         model.core[0].attn.qkv(torch.randn(1, model.config.d_model))  # F.linear on a 3-D weight
     with pytest.raises(ValueError, match="decodes only"):
-        kernels.tile_linear(model.core[0].attn.qkv, torch.randn(1, model.config.d_model, requires_grad=True))
+        matmuls.tile_linear(model.core[0].attn.qkv, torch.randn(1, model.config.d_model, requires_grad=True))
     got = generate(model, ids, mask, method="speed", max_new_tokens=max_new)
-    assert kernels.unpack_linears(model) == packed
+    assert matmuls.unpack_linears(model) == packed
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert generate(model, ids, mask, method="sequential", max_new_tokens=max_new).tokens == ref.tokens
     assert [len(t) for t in got.tokens] == [len(t) for t in ref.tokens]
@@ -101,23 +101,23 @@ def test_pack_linears_packs_native_weights_only_and_unpack_restores_them(monkeyp
 
 def test_packed_float32_lm_speed_equals_sequential(monkeypatch):
     """Float32 weights pack where they take the native kernel (here all of them: ``NATIVE_MIN_BYTES`` 0)."""
-    monkeypatch.setattr(kernels, "NATIVE_MIN_BYTES", 0)
+    monkeypatch.setattr(matmuls, "NATIVE_MIN_BYTES", 0)
     model, ids, mask, max_new, _ = lm_case(970)
-    assert kernels.pack_linears(model) == len([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
+    assert matmuls.pack_linears(model) == len([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
     reference = LogitRecorder(model)
     ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
     speed_as_sequential(model, reference, ref, ids, mask, max_new, 970)
 
 
 def test_packed_while_restores_the_model_bit_for_bit_even_when_the_block_fails():
-    """``kernels.packed_while``: packed inside the block, every parameter back after (values and requires_grad),
+    """``matmuls.packed_while``: packed inside the block, every parameter back after (values and requires_grad),
     also when the block raises; a model whose family packs none (T5) is left alone."""
     model, ids, mask, max_new, _ = lm_case(980)
     model = bf16_weights(model)
     model.core[0].attn.o.weight.requires_grad_(False)
     before = {name: (p.clone(), p.requires_grad) for name, p in model.named_parameters()}
-    with pytest.raises(KeyError), kernels.packed_while(model) as packed:
-        assert packed > 0 and kernels.is_packed(model.core[0].attn.qkv)
+    with pytest.raises(KeyError), matmuls.packed_while(model) as packed:
+        assert packed > 0 and matmuls.is_packed(model.core[0].attn.qkv)
         generate(model, ids, mask, method="speed", max_new_tokens=max_new)
         raise KeyError("the block fails")
     after = dict(model.named_parameters())
@@ -141,11 +141,11 @@ def test_fused_block_gives_the_bits_of_its_kernels_one_by_one(form, dtype, monke
     loop's logits of the same kernels called one by one from Python ("ops"), bit for bit, batch 8, in each block
     form (sandwich norms, Huginn's residual norms with q/k biases, rotated pairs and injection, grouped kv heads);
     and SPEED on it equals that sequential decoding."""
-    monkeypatch.setattr(kernels, "NATIVE_MIN_BYTES", 0)  # the tiny float32 weights pack too
+    monkeypatch.setattr(matmuls, "NATIVE_MIN_BYTES", 0)  # the tiny float32 weights pack too
     seed = sorted(FUSED).index(form) * 2 + (dtype == "float32")
     model = _randomize(LoopedLM(lm_preset("tiny", **FUSED[form])), 1000 + seed)
     model = bf16_weights(model) if dtype == "bfloat16" else model
-    assert kernels.pack_linears(model) > 0
+    assert matmuls.pack_linears(model) > 0
     ids, mask = prompts(__import__("random").Random(seed), 8, model.vocab_size)
     monkeypatch.setattr(kernels, "DECODE_OPS", "ops")
     reference = LogitRecorder(model)

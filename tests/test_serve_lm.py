@@ -27,7 +27,7 @@ from speed import generate
 from speed.chat import ChatTemplate, render_chat, task_prompt
 from speed.config import lm_preset, to_dict
 from speed.data import get_task
-from speed.engine import kernels
+from speed.engine import matmuls
 from speed.engine.sampling import Sampling, choice_seed
 from speed.models.checkpoint import save_model
 from speed.models.looped_lm import LoopedLM
@@ -324,7 +324,7 @@ def test_a_bf16_deployment_answers_as_offline_bf16_decoding_and_says_its_dtype(o
     stats = requests.get(ouro_bf16.url + "/v1/stats", headers=headers, timeout=30).json()
     assert stats["dtype"] == "bfloat16"
     linears = [m for m in ouro_bf16.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert stats["packed_weights"] == sum(map(kernels.is_packed, linears)) > 0  # as the offline reference's
+    assert stats["packed_weights"] == sum(map(matmuls.is_packed, linears)) > 0  # as the offline reference's
     assert ouro_bf16.model.lm_head.weight.dtype == torch.bfloat16  # the reference is bf16 weights
     tok = ouro_bf16.tokenizer
     for prompt in ("A man in a blue shirt.", "Two dogs play in the snow.", "What is 12 + 30?"):

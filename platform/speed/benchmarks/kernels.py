@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.engine import kernels, native
+from speed.engine import kernels, matmuls, native
 
 KERNEL_BENCH_SCHEMA = pa.schema(
     [
         # native | packed (native on weights packed in panels, native.pack) | onednn | plain
-        # (speed.engine.kernels.LINEARS) | torch (F.linear) | triton (speed.engine.triton_kernels.linear)
+        # (speed.engine.matmuls.LINEARS) | torch (F.linear) | triton (speed.engine.triton_kernels.linear)
         pa.field("kernel", pa.string()),
         pa.field("dtype", pa.string()),  # the weights' dtype: float32 | bfloat16 (rows and sums in float32)
         pa.field("rows", pa.int64()),  # rows per call (a group pass's tile)
@@ -90,16 +90,16 @@ def _tile(kernel: str) -> Callable[[nn.Linear, Tensor], Tensor]:
     if kernel == "torch":
         return lambda layer, x: F.linear(x.to(layer.weight.dtype), layer.weight)  # bfloat16: rows in bfloat16 too
     if kernel == "packed":  # the layer's weight is packed (``packed_copy``): tile_linear takes the packed kernel
-        return kernels.tile_linear
+        return matmuls.tile_linear
     if kernel == "triton":
         return lambda layer, x: kernels.triton_ops().linear(layer.weight, x)
 
     def run(layer: nn.Linear, x: Tensor) -> Tensor:
-        before, kernels.LINEAR = kernels.LINEAR, kernel
+        before, matmuls.LINEAR = matmuls.LINEAR, kernel
         try:
-            return kernels.tile_linear(layer, x)
+            return matmuls.tile_linear(layer, x)
         finally:
-            kernels.LINEAR = before
+            matmuls.LINEAR = before
 
     return run
 

@@ -35,7 +35,7 @@ from speed.data import get_task, pad_inputs, read_records, truncate
 from speed.decode.exactness import LogitRecorder, top2_gap
 from speed.decode.generate import DecodeStats, GenerateResult, generate
 from speed.engine import EngineConfig, ExitKind, ExitRule, Speculation, SpeculationFields
-from speed.engine.kernels import packed_while
+from speed.engine.matmuls import packed_while
 from speed.engine.sampling import Sampling
 from speed.engine.trace import TRACE_SCHEMA, flip_costs, flip_rates
 from speed.eval import metrics

@@ -24,7 +24,7 @@ A model holds its adapters as ``model.exit_adapters`` (None: plain exits;
 ``attach``); the training forward (``SpeedT5.exit_logits``,
 ``LoopedLM.forward``), the decode path's group passes and the LM's prefill
 apply them. On the decode path the adapter's matmuls run per row on the
-row-invariant kernels (``speed.engine.kernels.tile_linear``), so a row's exit does
+row-invariant kernels (``speed.engine.matmuls.tile_linear``), so a row's exit does
 not depend on the rows it shares a group pass with: drafts never change the output, but the statistics stay
 deterministic. In a checkpoint they are two files beside the model's
 (``speed.models.checkpoint``): ``exits.pt`` (the adapters' state dict) and ``exits.json``
@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speed.engine.kernels import TILE_ROWS, on_triton, rows_linear, rows_norm, tile_linear, triton_ops
+from speed.engine.kernels import TILE_ROWS, on_triton, rows_norm, triton_ops
+from speed.engine.matmuls import rows_linear, tile_linear
 from speed.engine.rows import to_device
 
 EXITS_FILE = "exits.pt"  # the adapters' state dict, beside a checkpoint's model.pt

@@ -51,21 +51,17 @@ from speed.engine.cache import KVCache, Rows, StagedIndex, StagedView, kv_bytes,
 from speed.engine.kernels import (
     ATTN_CHUNK,
     TILE_ROWS,
-    BiasFree,
     attention_triton,
     chunk_span,
     fused_block_on,
     in_tiles,
-    pack_linears,
-    rows_linear,
     rows_norm,
-    tile_gated,
-    tile_linear,
     tile_residual,
     tile_rms_norm,
     tile_rope,
     tile_rope_qkv,
 )
+from speed.engine.matmuls import BiasFree, pack_linears, rows_linear, tile_gated, tile_linear
 from speed.engine.memory import MemoryNeed
 from speed.engine.rows import to_device
 from speed.engine.sampling import truncated_normals
@@ -644,7 +640,7 @@ class LoopedLM(nn.Module):
         None; the model must have a gate).
 
         The prompts' tokens are the rows of one pass: every matmul runs on tiles of ``PREFILL_ROWS`` rows of
-        them on the row-invariant kernels (``speed.engine.kernels.rows_linear``), attention runs on each prompt
+        them on the row-invariant kernels (``speed.engine.matmuls.rows_linear``), attention runs on each prompt
         alone, and the exits' head on tiles of its last rows, so what a prompt leaves in the cache and its
         logits do not depend on the prompts prefilled with it, nor on their order.
         """
@@ -698,7 +694,7 @@ class LoopedLM(nn.Module):
         return LMStepper(self)
 
     def pack_for_decoding(self) -> int:
-        """Pack the weights that decode on the native kernel for it (``speed.engine.kernels.pack_linears``: 4-8
+        """Pack the weights that decode on the native kernel for it (``speed.engine.matmuls.pack_linears``: 4-8
         rows a pass at about one row's cost); returns how many. The cached decoding and the prefill run on the
         packed layers; ``forward`` and training do not (``unpack_linears`` restores the layers)."""
         return pack_linears(self)

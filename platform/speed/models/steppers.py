@@ -8,7 +8,7 @@ bookkeeping: a request's slot in the decoding memory, its admission, where its r
 
 What a request's admission leaves in the cache and the first token's logits depend on its prompt alone, never
 on the requests admitted with it: T5 encodes each prompt alone; the LM's batched prefill runs its prompts'
-tokens as rows of the row-invariant kernels (``speed.engine.kernels.rows_linear``) and attends within each
+tokens as rows of the row-invariant kernels (``speed.engine.matmuls.rows_linear``) and attends within each
 prompt, where a plain (B, T) GEMM would round with B and the padding.
 """
 

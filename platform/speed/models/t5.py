@@ -21,15 +21,8 @@ from torch import Tensor, nn
 
 from speed.config import ModelConfig
 from speed.engine.cache import KVCache, Rows, StagedIndex, StagedView, kv_bytes, pool_blocks
-from speed.engine.kernels import (
-    attend,
-    attention_triton,
-    chunk_span,
-    in_tiles,
-    rows_norm,
-    tile_gated,
-    tile_linear,
-)
+from speed.engine.kernels import attend, attention_triton, chunk_span, in_tiles, rows_norm
+from speed.engine.matmuls import tile_gated, tile_linear
 from speed.engine.memory import MemoryNeed
 from speed.engine.types import Admitted
 from speed.losses import LoopOutput, loop_output
@@ -342,7 +335,7 @@ class SpeedT5(nn.Module):
 
     def pack_for_decoding(self) -> int:
         """Packs nothing (returns 0): T5's encoder, and its decoder's cross-attention keys, run their layers'
-        ``forward``, which a packed weight cannot (``speed.engine.kernels.pack_linears``)."""
+        ``forward``, which a packed weight cannot (``speed.engine.matmuls.pack_linears``)."""
         return 0
 
     def step(
