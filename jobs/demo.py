@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import JobParser, user_errors
-from speed.eval.evaluate import format_summary
+from speed.eval.summary import format_summary
 from speed.paths import repo_root
 from speed.storage import locate
 from speed.train.config import job_from_layers

@@ -41,7 +41,8 @@ from speed.data import TASKS, get_task, resolve_source
 from speed.engine import INVALIDATIONS
 from speed.engine.defaults import device_exit_adapters, device_levers
 from speed.engine.memory import MemoryBudgetError
-from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
+from speed.eval.evaluate import EvalConfig, run_evaluation
+from speed.eval.summary import format_summary
 from speed.hf_tokenizer import load_tokenizer
 from speed.models.checkpoint import latest_checkpoint, read_checkpoint_config
 from speed.models.exits import EXITS_CONFIG_FILE

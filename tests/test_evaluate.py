@@ -413,7 +413,7 @@ def test_the_exit_gate_is_reported_beside_speed_and_sequential(checkpoint, tmp_p
 def test_a_speed_up_below_one_says_why(speedup):
     """The documented tiny evaluations run random weights, whose exits flip at every loop: SPEED is then slower
     than sequential decoding, and the printed summary says why beside the number (never above 1)."""
-    from speed.eval.evaluate import format_summary
+    from speed.eval.summary import format_summary
 
     summary = {
         "task": "translate_en_de", "split": "test", "examples": 8, "source": "local", "metrics": {},

@@ -39,24 +39,27 @@ chain token with the same prefix would see. Promoting a lane copies each
 token's entries (one per loop it ran) into its positions of the slot. A cache
 built for an engine without branches has no side entries (``n_side=0``).
 
-``kv_bytes`` is what a cache of a given size allocates, so an engine can say before allocating whether it fits.
+Over 500 lines because it is one class whose methods share its bookkeeping (the block table, the valid lengths, the
+side entries and the cached gather indices); the indices a pass reads it through are ``speed.engine.cache_index``.
+
+``KVCache.nbytes`` of a cache built on the ``meta`` device is what a cache of its size allocates, so an engine can
+say before allocating whether it fits.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from speed.engine import native
+from speed.engine.cache_index import PagedIndex, StagedIndex
 from speed.engine.kernels import ATTN_CHUNK, attend, attention_native, attention_triton, chunk_span, triton_ops
 from speed.engine.rows import Rows, to_device
 
-__all__ = ["CacheError", "KVCache", "PagedIndex", "Rows", "StagedIndex", "StagedView", "kv_bytes", "pool_blocks"]
+__all__ = ["CacheError", "KVCache", "Rows", "pool_blocks"]
 
 ZERO_BLOCK = 0  # the pool's block that unallocated table entries point to: never written, always zero
 
@@ -161,6 +164,12 @@ class KVCache:
         """Blocks a request reserves: one per chunk of its ``max_new_tokens`` output positions (its prompt takes
         none here: a T5 prompt is the encoder's)."""
         return chunk_span(max_new_tokens) // ATTN_CHUNK
+
+    def nbytes(self) -> tuple[int, int]:
+        """Bytes its tensors hold: (its pool's keys/values, the zero block's included; its side entries'). A cache
+        built on the ``meta`` device allocates nothing: what one of its arguments would allocate."""
+        pool = sum(t.nbytes for t in (*self.keys, *self.values))
+        return pool, sum(t.nbytes for t in (*self.side_keys, *self.side_values))
 
     def _take(self, slot: np.ndarray, chunk: np.ndarray) -> None:
         """Give each (slot, chunk) pair without a block one from the pool (zeroed)."""
@@ -515,87 +524,6 @@ class KVCache:
         self._give_back(slot, 0)
 
 
-@dataclass(frozen=True)
-class PagedIndex:
-    """Where the Triton attention (``speed.engine.triton_kernels.paged_attend``) finds each of R rows' keys: device
-    tensors of shapes fixed by R and the cache (a captured CUDA graph's static buffers have these shapes), but
-    the lanes' width."""
-
-    loop: Tensor  # (R,) the row's loop: its virtual layer's place in a layer's pool
-    length: Tensor  # (R,) positions it attends, 0..pos (its own, written, the last)
-    table: Tensor  # (R, n_positions / ATTN_CHUNK) its slot's block table: chunk c of its positions is that block
-    lane_pos: Tensor | None = None  # (R, S) a branch row's lane positions (-1 pads; a chain row's all -1)
-    lane_entry: Tensor | None = None  # (R, S) their side entries (slot * n_side + side)
-
-    @property
-    def chain(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.loop, self.length, self.table
-
-    @property
-    def lanes(self) -> tuple[Tensor | None, Tensor | None]:
-        return self.lane_pos, self.lane_entry
-
-
-@dataclass(frozen=True)
-class StagedIndex:
-    """A staged pass's index of R rows into one ``KVCache`` (``KVCache.stage``): contiguous views of one static
-    device buffer, ``packed``, which the host fills in one copy a step (so a captured graph reads it in place)."""
-
-    packed: Tensor  # (R * (6 + C + 2 S),) every field below, in order; C the table's chunks, S the side entries
-    rows: int
-    chunks: int
-    n_side: int
-
-    FIELDS = ("loop", "pos", "length", "block", "within", "entry")  # (R,) each, then the table and the lanes
-
-    @classmethod
-    def allocate(cls, rows: int, chunks: int, n_side: int, device: torch.device) -> StagedIndex:
-        packed = torch.zeros(rows * (len(cls.FIELDS) + chunks + 2 * n_side), dtype=torch.long, device=device)
-        return cls(packed, rows, chunks, n_side)
-
-    def _part(self, start: int, width: int) -> Tensor:
-        return self.packed[start * self.rows : (start + width) * self.rows].view(self.rows, width)
-
-    def _column(self, i: int) -> Tensor:
-        return self.packed[i * self.rows : (i + 1) * self.rows]
-
-    # (R,): the row's loop, its position, positions it attends (pos + 1), the pool block and the place in it it
-    # writes, the side entry it writes (slot * n_side + side)
-    loop = property(lambda self: self._column(0))
-    pos = property(lambda self: self._column(1))
-    length = property(lambda self: self._column(2))
-    block = property(lambda self: self._column(3))
-    within = property(lambda self: self._column(4))
-    entry = property(lambda self: self._column(5))
-    table = property(lambda self: self._part(6, self.chunks))  # (R, C) its slot's block table
-    lane_pos = property(lambda self: self._part(6 + self.chunks, self.n_side))  # (R, S) its lane's positions, -1 pads
-    lane_entry = property(lambda self: self._part(6 + self.chunks + self.n_side, self.n_side))  # (R, S) their entries
-
-    @staticmethod
-    def pack(
-        columns: Sequence[np.ndarray], table: np.ndarray, lane_pos: np.ndarray, lane_entry: np.ndarray
-    ) -> np.ndarray:
-        """The host's values in ``packed``'s layout (each (R, width) part row-major, one after another)."""
-        return np.concatenate([*columns, table.ravel(), lane_pos.ravel(), lane_entry.ravel()])
-
-
-class StagedView:
-    """A ``KVCache`` as a staged pass's layers see it (``KVCache.stage``): ``write`` and ``attend`` as the cache's,
-    but through the staged index, whatever rows they are handed (they read nothing of them)."""
-
-    native_attention = False  # a staged pass attends on the Triton kernel
-    triton_attention = True
-
-    def __init__(self, cache: KVCache, index: StagedIndex) -> None:
-        self.cache, self.index = cache, index
-
-    def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
-        self.cache.write_staged(layer, self.index, k, v)
-
-    def attend(self, layer: int, rows: Rows, q: Tensor, bias: Tensor | None = None) -> Tensor:
-        return self.cache.attend_staged(layer, self.index, q, bias)
-
-
 def _as_padding(rows: Rows, dead: np.ndarray, scratch: int) -> Rows:
     """``rows`` with the ``dead`` ones (mask) made padding rows: chain rows of the ``scratch`` slot at loop 0,
     position 0 (copies: ``rows`` stays as it was)."""
@@ -604,22 +532,3 @@ def _as_padding(rows: Rows, dead: np.ndarray, scratch: int) -> Rows:
         return Rows(slot, loop, pos)
     up = tuple(() if d else u for d, u in zip(dead.tolist(), rows.up))
     return Rows(slot, loop, pos, np.where(dead, -1, rows.side), up)
-
-
-def kv_bytes(
-    n_loops: int,
-    n_layers: int,
-    n_slots: int,
-    n_heads: int,
-    max_len: int,
-    d_kv: int,
-    dtype: torch.dtype = torch.float32,
-    n_side: int | None = None,
-    n_blocks: int | None = None,
-) -> tuple[int, int]:
-    """Bytes a ``KVCache`` of these arguments allocates: (its pool's keys/values, the zero block's included; its
-    side entries')."""
-    n_side = n_loops * n_loops if n_side is None else n_side
-    item = torch.empty((), dtype=dtype).element_size()
-    entry = 2 * n_layers * n_loops * n_heads * d_kv * item  # a key and a value per (loop, layer) of one position
-    return entry * ATTN_CHUNK * (pool_blocks(n_slots, max_len, n_blocks) + 1), entry * n_slots * n_side

@@ -47,7 +47,8 @@ from torch.utils.checkpoint import checkpoint
 
 from speed.config import LMConfig, RopeLayout
 from speed.engine import native
-from speed.engine.cache import KVCache, Rows, StagedIndex, StagedView, kv_bytes, pool_blocks
+from speed.engine.cache import KVCache, Rows, pool_blocks
+from speed.engine.cache_index import StagedIndex, StagedView
 from speed.engine.kernels import (
     ATTN_CHUNK,
     TILE_ROWS,
@@ -610,7 +611,9 @@ class LoopedLM(nn.Module):
         """Bytes ``cache`` of these arguments allocates: (its pools', its side entries'), without allocating."""
         c, dtype = self.config, self.compute_dtype
         parts = [
-            kv_bytes(n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, dtype, n_side, blocks)
+            KVCache(
+                n_loops, n_layers, n_slots, c.n_kv_heads, max_len, c.head_dim, dtype, "meta", n_side, blocks
+            ).nbytes()
             for n_loops, n_layers, n_side in self._cache_parts(side)
             if n_layers
         ]

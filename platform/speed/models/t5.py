@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.config import ModelConfig
-from speed.engine.cache import KVCache, Rows, StagedIndex, StagedView, kv_bytes, pool_blocks
+from speed.engine.cache import KVCache, Rows, pool_blocks
+from speed.engine.cache_index import StagedIndex, StagedView
 from speed.engine.kernels import attend, attention_triton, chunk_span, in_tiles, rows_norm
 from speed.engine.matmuls import tile_gated, tile_linear
 from speed.engine.memory import MemoryNeed
@@ -487,7 +488,7 @@ class T5Stepper(ModelStepper):
         item = torch.empty((), dtype=dtype).element_size()
         N = len(m.decoder_layers)
         shape = (m.n_loops, N, n_slots, c.n_heads, max_len, c.d_kv)
-        cache, side_bytes = kv_bytes(*shape, dtype, None if side else 0, blocks)
+        cache, side_bytes = KVCache(*shape, dtype, "meta", None if side else 0, blocks).nbytes()
         S, L = chunk_span(max_prompt_len), chunk_span(max_len)
         cross = 2 * N * n_slots * c.n_heads * S * c.d_kv  # encoder keys/values per slot
         masks = n_slots * S + max_len * c.n_heads * L  # cross_bias, self_bias

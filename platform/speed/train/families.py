@@ -17,7 +17,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from speed.eval.evaluate import EvalConfig, format_summary, run_evaluation
+from speed.eval.evaluate import EvalConfig, run_evaluation
+from speed.eval.summary import format_summary
 from speed.models.checkpoint import load_model
 from speed.models.family import match_parameters, parameter_count
 from speed.paths import TRAIN_LOG_FILE

@@ -143,7 +143,7 @@ def job_main(kind: str, argv: list[str] | None, description: str) -> int:
     """The entry point of ``jobs/pretrain.py`` and ``jobs/finetune.py``: flags (and --config YAML) into a checked
     ``JobConfig`` (a mistake is one ``error:`` line, status 2), then ``run_job``; prints the checkpoint and, for
     a finetuned model, its evaluation's summary."""
-    from speed.eval.evaluate import format_summary
+    from speed.eval.summary import format_summary
 
     with user_errors():  # a mistake in the flags, the config or the files they name: one line, status 2
         job = job_from_args(kind, argv, description=description)
