@@ -59,16 +59,20 @@ a cancel waits for a running step to end.
 
 Modules: ``types`` (the ``Stepper`` protocol, ``Admitted``, ``EngineConfig``,
 ``Speculation`` and its flat ``SpeculationFields``, ``Request`` and what comes
-back), ``adapters`` (a ``Stepper`` per model
-family), ``policies`` (pure functions: the one launch rule ``may_launch``,
-what follows a token, branch, flush, row budget), ``state`` (a request's
+back, ``DecodeStats``), ``policies`` (pure functions: the one launch rule ``may_launch``,
+what follows a token, branch, flush, row budget), ``cost`` (``RowCost``: the device's measured pass cost) and
+``cost_policy`` (``CostPolicy``: the cost model's choice of a step's rows, a pure query), ``state`` (a request's
 ``RequestState`` and ``RequestCounts``, its ``InFlight`` tokens and their
 ``Exit``s), ``scheduler`` (``Scheduler``: a step's plan as plain data, and
 after it what each chain and lane becomes, the commits and the one writer of
 ``DecodeStats``), ``outputs`` (what a step records: exits, commits' counters
 and traces, ``Finished``), ``engine`` (``Engine``: admission, validation, the
 executor (the model call, the hidden states), locking), as vLLM v1 splits
-its scheduler, executor and output processing.
+its scheduler, executor and output processing. What a stepper computes with: ``cache`` (``KVCache``) and
+``cache_index`` (the device indices a pass reads it through), ``kernels`` and ``matmuls`` (the row-invariant
+ops), ``native`` and ``triton_kernels`` (their CPU and GPU kernels), ``graphs`` (row-count buckets, CUDA graphs),
+``sampling``, ``memory``. A ``Stepper`` per model family lives with its model
+(``speed.models.t5.T5Stepper``, ``speed.models.looped_lm.LMStepper``).
 
 Names, one per concept (M loops of N shared layers):
 
@@ -84,7 +88,7 @@ Names, one per concept (M loops of N shared layers):
 - position (``pos``): an output index, 0-based: the row at position p
   predicts output token p. T5's slot keeps keys at positions 0..max_len-1 of
   every virtual layer; an LM's keeps its prompt's P first, and output
-  position p at cache position P - 1 + p (the adapter translates).
+  position p at cache position P - 1 + p (its stepper translates).
 - loop: one run of the shared N-layer group (0-based in code, 1-based in
   traces); its early exit is that loop's prediction.
 - virtual layer: one of a token's N*M layer runs, written (loop, layer) with
@@ -107,7 +111,7 @@ Names, one per concept (M loops of N shared layers):
   line of the worked schedule, ``speed.decode.schedule.ScheduleStep``).
 - group pass: the model's call in a pipeline step, its shared N-layer group
   once over the step's rows, each at its own loop (``Stepper.step``,
-  ``LoopedLM.step``; ``Engine._group_pass``; ``DecodeStats.group_passes``,
+  ``LoopedLM.step``; ``Engine._execute``; ``DecodeStats.group_passes``,
   the weight reads). A training step (``TrainConfig.max_steps``) is one
   optimizer update, a word of ``speed.train`` only.
 - draft token, draft position: vLLM's speculation terms (``RequestStats``).
