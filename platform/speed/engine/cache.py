@@ -39,8 +39,9 @@ chain token with the same prefix would see. Promoting a lane copies each
 token's entries (one per loop it ran) into its positions of the slot. A cache
 built for an engine without branches has no side entries (``n_side=0``).
 
-Over 500 lines because it is one class whose methods share its bookkeeping (the block table, the valid lengths, the
-side entries and the cached gather indices); the indices a pass reads it through are ``speed.engine.cache_index``.
+Over 500 lines because it is one class whose methods share its bookkeeping (the block table, the valid lengths,
+the side entries, the cached gather indices) and ``StagedView``, the class as a staged pass sees it; the device
+indices a pass reads it through are ``speed.engine.cache_index``.
 
 ``KVCache.nbytes`` of a cache built on the ``meta`` device is what a cache of its size allocates, so an engine can
 say before allocating whether it fits.
@@ -59,7 +60,7 @@ from speed.engine.cache_index import PagedIndex, StagedIndex
 from speed.engine.kernels import ATTN_CHUNK, attend, attention_native, attention_triton, chunk_span, triton_ops
 from speed.engine.rows import Rows, to_device
 
-__all__ = ["CacheError", "KVCache", "Rows", "pool_blocks"]
+__all__ = ["CacheError", "KVCache", "Rows", "StagedView", "pool_blocks"]
 
 ZERO_BLOCK = 0  # the pool's block that unallocated table entries point to: never written, always zero
 
@@ -522,6 +523,23 @@ class KVCache:
         """Empty ``slot`` and return its blocks, e.g. when its request leaves or a new one takes it over."""
         self.lengths[:, :, slot] = 0
         self._give_back(slot, 0)
+
+
+class StagedView:
+    """A ``KVCache`` as a staged pass's layers see it (``KVCache.stage``): ``write`` and ``attend`` as the cache's,
+    but through the staged index, whatever rows they are handed (they read nothing of them)."""
+
+    native_attention = False  # a staged pass attends on the Triton kernel
+    triton_attention = True
+
+    def __init__(self, cache: KVCache, index: StagedIndex) -> None:
+        self.cache, self.index = cache, index
+
+    def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
+        self.cache.write_staged(layer, self.index, k, v)
+
+    def attend(self, layer: int, rows: Rows, q: Tensor, bias: Tensor | None = None) -> Tensor:
+        return self.cache.attend_staged(layer, self.index, q, bias)
 
 
 def _as_padding(rows: Rows, dead: np.ndarray, scratch: int) -> Rows:

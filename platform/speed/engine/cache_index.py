@@ -1,21 +1,15 @@
 """The device indices a pass reads a ``KVCache`` through: ``PagedIndex`` (the Triton attention's, per read) and
-``StagedIndex`` (a staged pass's, one static buffer the host fills once a step), and ``StagedView``, the cache as a
-staged pass's layers see it. ``KVCache.paged_index`` and ``KVCache.stage`` build them."""
+``StagedIndex`` (a staged pass's, one static buffer the host fills once a step). ``KVCache.paged_index`` and
+``KVCache.stage`` build them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
-
-from speed.engine.rows import Rows
-
-if TYPE_CHECKING:
-    from speed.engine.cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -80,20 +74,3 @@ class StagedIndex:
     ) -> np.ndarray:
         """The host's values in ``packed``'s layout (each (R, width) part row-major, one after another)."""
         return np.concatenate([*columns, table.ravel(), lane_pos.ravel(), lane_entry.ravel()])
-
-
-class StagedView:
-    """A ``KVCache`` as a staged pass's layers see it (``KVCache.stage``): ``write`` and ``attend`` as the cache's,
-    but through the staged index, whatever rows they are handed (they read nothing of them)."""
-
-    native_attention = False  # a staged pass attends on the Triton kernel
-    triton_attention = True
-
-    def __init__(self, cache: KVCache, index: StagedIndex) -> None:
-        self.cache, self.index = cache, index
-
-    def write(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
-        self.cache.write_staged(layer, self.index, k, v)
-
-    def attend(self, layer: int, rows: Rows, q: Tensor, bias: Tensor | None = None) -> Tensor:
-        return self.cache.attend_staged(layer, self.index, q, bias)

@@ -47,8 +47,8 @@ from torch.utils.checkpoint import checkpoint
 
 from speed.config import LMConfig, RopeLayout
 from speed.engine import native
-from speed.engine.cache import KVCache, Rows, pool_blocks
-from speed.engine.cache_index import StagedIndex, StagedView
+from speed.engine.cache import KVCache, Rows, StagedView, pool_blocks
+from speed.engine.cache_index import StagedIndex
 from speed.engine.kernels import (
     ATTN_CHUNK,
     TILE_ROWS,

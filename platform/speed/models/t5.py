@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speed.config import ModelConfig
-from speed.engine.cache import KVCache, Rows, pool_blocks
-from speed.engine.cache_index import StagedIndex, StagedView
+from speed.engine.cache import KVCache, Rows, StagedView, pool_blocks
+from speed.engine.cache_index import StagedIndex
 from speed.engine.kernels import attend, attention_triton, chunk_span, in_tiles, rows_norm
 from speed.engine.matmuls import tile_gated, tile_linear
 from speed.engine.memory import MemoryNeed
