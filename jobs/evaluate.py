@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.cli import JobParser, user_errors
+from speed.cli import JobParser, add_weight_flags, user_errors
 from speed.config import from_dict
 from speed.data import TASKS, get_task, resolve_source
 from speed.engine import INVALIDATIONS
@@ -115,18 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output folder or URI (default: <checkpoint>/eval/<task>-<split>)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="float32",
-        help="bfloat16: bf16 weights, the linear weights bfloat16 and the rest float32 (speed.models.precision)",
-    )
-    p.add_argument(
-        "--initial-state-seed",
-        type=int,
-        default=None,
-        help="a Huginn directory's published random initial state, drawn under this seed (default: zero)",
-    )
+    add_weight_flags(p, DTYPES)
     return p.parse_args(argv)
 
 

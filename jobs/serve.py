@@ -34,7 +34,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.cli import parse_set, user_errors
+from speed.cli import add_weight_flags, parse_set, user_errors
 from speed.cluster import code_runtime_env, local_ray_options
 from speed.models.precision import DTYPES, dtype_named
 from speed.models.pretrained import check_load, model_source
@@ -76,18 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="draft with the checkpoint's exit adapters when it has them (speed.models.exits; answers unchanged); "
         "default: on a GPU yes, on a CPU no (speed.engine.defaults)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="float32",
-        help="bfloat16: bf16 weights, the linear weights bfloat16 and the rest float32 (speed.models.precision)",
-    )
-    p.add_argument(
-        "--initial-state-seed",
-        type=int,
-        default=None,
-        help="a Huginn directory's published random initial state, drawn under this seed (default: zero)",
-    )
+    add_weight_flags(p, DTYPES)
     p.add_argument(
         "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none: open)"
     )

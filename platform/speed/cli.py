@@ -69,6 +69,23 @@ def add_report_flags(parser: argparse.ArgumentParser, out: Path | None, out_help
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
+def add_weight_flags(parser: argparse.ArgumentParser, dtypes: tuple[str, ...]) -> None:
+    """A job's flags for the weights it loads: ``--dtype`` (one of ``dtypes``, ``speed.models.precision.DTYPES``)
+    and ``--initial-state-seed`` (a Huginn directory's initial state)."""
+    parser.add_argument(
+        "--dtype",
+        choices=dtypes,
+        default="float32",
+        help="bfloat16: bf16 weights, the linear weights bfloat16 and the rest float32 (speed.models.precision)",
+    )
+    parser.add_argument(
+        "--initial-state-seed",
+        type=int,
+        default=None,
+        help="a Huginn directory's published random initial state, drawn under this seed (default: zero)",
+    )
+
+
 def report_rows(
     table: pa.Table,
     args: argparse.Namespace,
