@@ -3,7 +3,9 @@
 - ``speed.benchmarks.decode`` (T5, and what both families share), ``speed.benchmarks.decode_lm`` (the looped LM):
   decode latency, sequential vs SPEED vs the shallow decoder; ``jobs/bench_decode.py``.
 - ``speed.benchmarks.shapes``: decode latency at the published models' real shapes (random weights) against the
-  machine's read bandwidth measured in the same run; ``jobs/bench_decode.py --shape``.
+  machine's read bandwidth measured in the same run; ``jobs/bench_shapes.py``.
+- ``speed.benchmarks.precision``: bf16 weights' greedy tokens against float32's on a trained looped LM;
+  ``jobs/bench_agreement.py``.
 - ``speed.benchmarks.sampling``: SPEED under seeded sampling against sequential sampling; ``jobs/bench_sampling.py``.
 - ``speed.benchmarks.levers``: SPEED's levers on trained checkpoints, side by side; ``jobs/bench_levers.py``.
 - ``speed.benchmarks.heldout``: the trained-checkpoint benchmarks' workload (held-out inputs) and its scoring.
