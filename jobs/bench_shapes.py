@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", required=True, help=f"a published model's shape: {', '.join(SHAPES)}")
     p.add_argument("--recurrence", type=int, default=None, help="loops (Ouro's total_ut_steps, Huginn's)")
     p.add_argument("--batches", default="1,4", help="the batches, comma-separated")
-    p.add_argument("--dtype", default="bfloat16", help="the weights' dtype; several, comma-separated, in the same rounds")
+    p.add_argument(
+        "--dtype", default="bfloat16", help="the weights' dtype; several, comma-separated, in the same rounds"
+    )
     p.add_argument(
         "--layout",
         default="packed",
