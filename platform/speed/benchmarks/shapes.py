@@ -31,7 +31,7 @@ import pyarrow as pa
 import torch
 
 from speed.benchmarks.decode import check_exact, interleave, run_columns, variant_columns
-from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, decode_runs
+from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, decode_runs, split_medians
 from speed.benchmarks.loading import peak_rss
 from speed.config import LMConfig, ModelConfig
 from speed.decode.generate import GenerateResult, generate
@@ -354,10 +354,9 @@ def _batch_rows(
         name = f"{dtype}/{layout}"
         check_exact(results, reference, ("speed", "speed_oracle"))
         timed = {kind: splits[dtype, layout][kind][1:] for kind in VARIANTS}  # interleave's first run is untimed
-        first = {kind: statistics.median(s * 1000 for s, _ in timed[kind]) for kind in VARIANTS}
+        first, per_token = split_medians(timed, batch * (n - 1))
         for kind in VARIANTS:
             per_round[dtype, layout, kind] = [d * 1000 / (batch * (n - 1)) for _, d in timed[kind]]
-        per_token = {kind: statistics.median(per_round[dtype, layout, kind]) for kind in VARIANTS}
         shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": dtype}
         shared["layout"] = layout
         rows += [
