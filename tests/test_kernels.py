@@ -23,7 +23,8 @@ from speed.decode.generate import generate
 from speed.engine import native
 from speed.engine.cache import Rows
 from speed.engine.kernels import TILE_ROWS, tile_linear
-from speed.models.t5 import SpeedT5, T5Stepper
+from speed.models.t5 import SpeedT5
+from speed.models.t5_stepper import T5Stepper
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
