@@ -18,8 +18,10 @@
 - ``speed.benchmarks.end_to_end``: one directory as a user meets it: the memory check, the load, SPEED equal to
   sequential, a two-request chat through Serve in bf16 weights, the check's figures beside the resident sets.
 - ``speed.benchmarks.gpu``: the GPU check, every CUDA path once (training, CPU agreement, decode timing,
-  pytest -m gpu) on a machine without Ray; ``jobs/gpu_check.py``. Its sharded-training stage is
-  ``speed.benchmarks.gpu_train`` (FSDP at Ouro-1.4B's shape against the memory plan).
+  pytest -m gpu) on a machine without Ray; ``jobs/gpu_check.py``. Its stages: ``speed.benchmarks.gpu_correctness``
+  (exactness, agreement, training), ``speed.benchmarks.gpu_timing`` (launches, shapes, llama, timing) and
+  ``speed.benchmarks.gpu_train`` (FSDP at Ouro-1.4B's shape against the memory plan); their size,
+  ``speed.benchmarks.gpu_setup``.
 - ``speed.benchmarks.train_memory``: a training step's peak memory on the CPU, measured beside the memory plan,
   with and without activation checkpointing, under DDP and under FSDP (two gloo workers);
   ``python -m speed.benchmarks.train_memory``.
