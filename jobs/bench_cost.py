@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.benchmarks.cost import CostCase, format_cost_table, run_cost_benchmark
-from speed.benchmarks.heldout import held_out
+from speed.benchmarks.heldout import add_held_out_flags, held_out
 from speed.cli import JobParser, add_report_flags, report_rows, user_errors
 from speed.engine import Speculation
 from speed.engine.cost import row_cost
@@ -31,10 +31,7 @@ from speed.engine.sampling import Sampling
 
 def main(argv: list[str] | None = None) -> int:
     p = JobParser(prog="bench_cost.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint or run (a local path or a URI)")
-    p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=48, help="sentences decoded")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    add_held_out_flags(p, limit=48, max_new_tokens=48)
     p.add_argument("--branches", type=int, default=2, help="the sampled case's runner-up branches")
     add_report_flags(p, Path("results/bench_cost.parquet"))
     args = p.parse_args(argv)

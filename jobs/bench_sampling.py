@@ -20,18 +20,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.benchmarks.heldout import held_out
+from speed.benchmarks.heldout import add_held_out_flags, held_out
 from speed.benchmarks.sampling import format_sampling_table, run_sampling_benchmark
 from speed.cli import JobParser, add_report_flags, report_rows, user_errors
 
 
 def main(argv: list[str] | None = None) -> int:
     p = JobParser(prog="bench_sampling.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a finetuned checkpoint or run (a local path or a URI)")
-    p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=100, help="sentences decoded")
+    add_held_out_flags(p, limit=100, max_new_tokens=64)
     p.add_argument("--temperatures", default="0,0.7,1.0", help="comma-separated; 0 is greedy")
-    p.add_argument("--max-new-tokens", type=int, default=64)
     add_report_flags(p, Path("results/bench_sampling.parquet"))
     args = p.parse_args(argv)
     with user_errors():  # a missing checkpoint, task or split, a bad temperature: one line, status 2

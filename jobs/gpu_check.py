@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
-from speed.benchmarks.gpu import FULL, STAGES, TINY, failed, format_report, report_dict, run_check
+from speed.benchmarks.gpu import STAGES, failed, format_report, report_dict, run_check
+from speed.benchmarks.gpu_setup import FULL, TINY
 from speed.cli import JobParser
 
 

@@ -168,9 +168,58 @@ def test_lm_decode_benchmark_rows():
     assert set(rows) == {"sequential", "speed", "speed_oracle", "shallow", "ours_deep", "hf_generate"}
     assert [rows[v]["pattern"] for v in ("sequential", "shallow", "ours_deep")] == ["2x3", "2x1", "6x1"]
     assert rows["speed_oracle"]["flushes"] == 0 and rows["sequential"]["tokens"] == 2 * 4
-    assert all(r["ttft_ms"] > 0 and r["prompt_len"] == 5 for r in rows.values())
+    assert all(r["ttft_ms"] > 0 and r["ms_per_token"] > 0 and r["prompt_len"] == 5 for r in rows.values())
     assert rows["sequential"]["speedup"] == 1.0 and rows["hf_generate"]["speedup"] == 1.0
     assert "TTFT" in format_table(table)
+
+
+def test_lm_decode_benchmark_figures_are_each_runs_own_split(monkeypatch):
+    """TTFT and ms/token are the medians of each run's own split (``first_token_s``, ``decode_s``), never the
+    difference of two runs' medians: a one-token run slower than a whole decode (a noisy machine) cannot make a
+    figure negative or wrong."""
+    import dataclasses
+    import time
+
+    from speed.benchmarks import decode_lm
+    from speed.config import lm_preset
+
+    real = decode_lm.decoding
+
+    def decoding(model, ids, new, **kw):
+        decode = real(model, ids, new, **kw)
+
+        def run():
+            if new == 1:
+                time.sleep(0.05)  # a first-token-only run, as slow as a busy machine makes it
+            return dataclasses.replace(decode(), first_token_s=0.2, decode_s=0.006)  # each run's own split
+
+        return run
+
+    monkeypatch.setattr(decode_lm, "decoding", decoding)
+    cfg = decode_lm.LMBenchConfig(lm_preset("tiny", pattern="2x3"), batch=2, prompt_len=5, new_tokens=4, reps=3)
+    rows = {r["variant"]: r for r in decode_lm.run_lm_benchmark(dataclasses.replace(cfg, compare_hf=False)).to_pylist()}
+    assert set(rows) == {"sequential", "speed", "speed_oracle", "shallow"}
+    for r in rows.values():
+        assert r["ms_per_token"] == pytest.approx(6.0 / (2 * 3))  # the rest over the tokens after each first
+        assert r["ttft_ms"] == pytest.approx(200.0)
+
+
+def test_the_first_token_clock_splits_a_generate_run():
+    """transformers' ``generate`` puts the prompt, then each new token: the split falls at the second put."""
+    import time
+
+    from speed.benchmarks.decode_lm import FirstTokenClock
+
+    clock = FirstTokenClock(torch.device("cpu"))
+    time.sleep(0.02)
+    clock.put(torch.tensor([[5, 6]]))  # the prompt
+    time.sleep(0.02)
+    clock.put(torch.tensor([7]))  # the first new tokens
+    time.sleep(0.03)
+    clock.put(torch.tensor([8]))
+    clock.end()
+    first, rest = clock.split()
+    assert 0.04 <= first < rest + 0.04 and rest >= 0.03
 
 
 def test_exit_adapters_in_the_decode_and_lever_benchmarks():

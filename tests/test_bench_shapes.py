@@ -1,4 +1,4 @@
-"""The real-shape decode benchmark (``speed.benchmarks.shapes``, ``jobs/bench_decode.py --shape``): the published
+"""The real-shape decode benchmark (``speed.benchmarks.shapes``, ``jobs/bench_shapes.py``): the published
 shapes, the weights read per token, the memory check, and a tiny shape end to end through the job."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ TINY_HUGINN = Shape(
 
 
 def _job():
-    spec = importlib.util.spec_from_file_location("bench_decode_job", repo_root() / "jobs" / "bench_decode.py")
+    spec = importlib.util.spec_from_file_location("bench_shapes_job", repo_root() / "jobs" / "bench_shapes.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
     return job

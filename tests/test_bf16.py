@@ -214,17 +214,17 @@ def train_tiny_lm(root, steps: int = 200):
 
 @pytest.mark.slow
 def test_bf16_tokens_mostly_agree_with_float32s_on_a_trained_lm(tmp_path, capsys):
-    """``jobs/bench_decode.py --agreement`` on a trained tiny LM: its line (docs/benchmarks.md) and most tokens
+    """``jobs/bench_agreement.py`` on a trained tiny LM: its line (docs/benchmarks.md) and most tokens
     agreeing at every loop."""
     import importlib.util
 
     from speed.paths import repo_root
 
     directory = train_tiny_lm(tmp_path)
-    spec = importlib.util.spec_from_file_location("bench_decode_job", repo_root() / "jobs" / "bench_decode.py")
+    spec = importlib.util.spec_from_file_location("bench_agreement_job", repo_root() / "jobs" / "bench_agreement.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
-    flags = ["--agreement", str(directory), "--agreement-prompts", "8", "--prompt-len", "32", "--new-tokens", "64"]
+    flags = ["--checkpoint", str(directory), "--agreement-prompts", "8", "--prompt-len", "32", "--new-tokens", "64"]
     assert job.main([*flags, "--threads", "1"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert job.main([*flags, "--threads", "1", "--json"]) == 0

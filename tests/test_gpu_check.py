@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from speed.benchmarks.gpu import agreement
+from speed.benchmarks.gpu_correctness import agreement
 from speed.paths import repo_root
 
 # What the GPU machine lacks of this project's dependencies: it has python3, CUDA torch, transformers, pyarrow,
@@ -35,7 +35,7 @@ import torch
 import speed, speed.models.t5, speed.engine.cache, speed.engine.kernels, speed.engine.sampling, speed.engine
 import speed.decode.generate
 import speed.models.checkpoint, speed.decode.exactness, speed.train.optim, speed.train.state, speed.benchmarks.decode
-import speed.benchmarks.gpu
+import speed.benchmarks.gpu, speed.benchmarks.gpu_timing, speed.benchmarks.gpu_correctness
 from speed import SpeedT5, Speculation, generate, preset
 try:
     import ray
@@ -141,7 +141,8 @@ def test_agreement_counts_tokens_and_prefixes():
 def test_a_stage_that_does_not_fit_the_budget_is_skipped_and_fails_nothing():
     """``run_check`` over a stage list (another module appends its own): a stage whose ``needs_s`` exceeds what is
     left is skipped with the reason, one that raises is a failure, and only the latter makes the job fail."""
-    from speed.benchmarks.gpu import TINY, StagePlan, failed, format_report, run_check
+    from speed.benchmarks.gpu import StagePlan, failed, format_report, run_check
+    from speed.benchmarks.gpu_setup import TINY
 
     def boom(size, device, left):
         raise RuntimeError("no kernel for this")
@@ -162,7 +163,7 @@ def test_a_stage_that_does_not_fit_the_budget_is_skipped_and_fails_nothing():
 
 
 def test_batch_speedup_is_tokens_per_second_at_the_largest_batch_over_batch_one():
-    from speed.benchmarks.gpu import batch_speedup
+    from speed.benchmarks.gpu_timing import batch_speedup
 
     rows = [{"batch": b, "variant": v, "ms_per_token": ms} for b, v, ms in
             [(1, "sequential", 10.0), (1, "speed", 5.0), (8, "sequential", 2.0), (32, "sequential", 0.5)]]  # fmt: skip
@@ -171,7 +172,7 @@ def test_batch_speedup_is_tokens_per_second_at_the_largest_batch_over_batch_one(
 
 
 def test_syncs_are_counted_on_cuda_only():
-    from speed.benchmarks.gpu import count_syncs
+    from speed.benchmarks.gpu_timing import count_syncs
 
     ran = []
     assert count_syncs(lambda: ran.append(1), "cpu") is None and ran == [1]

@@ -25,7 +25,7 @@ from test_decoding_exact import padded_batch
 from test_engine import alone, random_request, tiny_model
 
 from speed import LoopedLM, SpeedT5, preset
-from speed.benchmarks.gpu import count_syncs
+from speed.benchmarks.gpu_timing import count_syncs
 from speed.config import lm_preset
 from speed.decode.exactness import LogitRecorder
 from speed.decode.generate import generate

@@ -24,7 +24,8 @@ from speed.engine import native
 from speed.engine.cache import Rows
 from speed.engine.kernels import TILE_ROWS
 from speed.engine.matmuls import tile_linear
-from speed.models.t5 import SpeedT5, T5Stepper
+from speed.models.t5 import SpeedT5
+from speed.models.t5_stepper import T5Stepper
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])

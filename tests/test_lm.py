@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from speed.config import LM_PRESETS, PRESETS, lm_preset
 from speed.engine.cache import CacheError, Rows
 from speed.losses import PARAMETRIC, SCHEMES, loss_weights
-from speed.models.looped_lm import Block, LoopedLM, next_token_labels
+from speed.models.lm_blocks import Block
+from speed.models.looped_lm import LoopedLM, next_token_labels
 from speed.models.t5 import EncoderLayer, count_parameters
 
 VOCAB = 128  # the tiny preset's
@@ -136,7 +137,7 @@ def test_the_reference_sees_a_wrong_model(monkeypatch) -> None:
         other.load_state_dict(model.state_dict(), strict=False)
         with torch.no_grad():
             assert (other(ids, return_logits=True).loop_logits[-1] - want).abs().max() > 1e-2
-    monkeypatch.setattr("speed.models.looped_lm.rotate", _interleaved)
+    monkeypatch.setattr("speed.models.lm_blocks.rotate", _interleaved)
     with torch.no_grad():
         assert (model(ids, return_logits=True).loop_logits[-1] - want).abs().max() > 1e-2
 

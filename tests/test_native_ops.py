@@ -153,7 +153,7 @@ def test_rms_norm_and_swiglu_are_torchs_and_per_row(d):
 def test_rope_is_torchs_bit_for_bit_on_strided_rows(pairs, heads, d):
     """The rotary positions of q or k inside fused q;k;v rows (strided) on the native kernel: the same bits as the
     model's ``rotate`` / ``rotate_pairs``, for any row count, each row alone."""
-    from speed.models.looped_lm import rotary, rotate, rotate_pairs
+    from speed.models.lm_blocks import rotary, rotate, rotate_pairs
 
     torch.manual_seed(heads * d)
     turn = rotate_pairs if pairs else rotate

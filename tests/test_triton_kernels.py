@@ -36,7 +36,8 @@ from speed.decode.generate import generate  # noqa: E402
 from speed.engine import Speculation  # noqa: E402
 from speed.engine.cache import Rows  # noqa: E402
 from speed.engine.sampling import Sampling  # noqa: E402
-from speed.models.looped_lm import LoopedLM, rotary, rotate, rotate_pairs  # noqa: E402
+from speed.models.lm_blocks import rotary, rotate, rotate_pairs  # noqa: E402
+from speed.models.looped_lm import LoopedLM  # noqa: E402
 from speed.models.precision import bf16_weights  # noqa: E402
 
 BUCKETS = [1, 2, 3, 4, 8, 9, 16, 33, 64]  # the step's row buckets and counts between them

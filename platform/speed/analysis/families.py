@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from speed.analysis.results import Evaluation, load_evaluation
 from speed.eval.metrics import paired_bootstrap
+from speed.tables import Column, text_table
 from speed.train.families import FAMILIES_FILE
 
 
@@ -120,19 +121,27 @@ def quality_difference(
     return paired_bootstrap(sides[0]["hypothesis"], sides[1]["hypothesis"], sides[0]["reference"], samples, seed)
 
 
+def _interval(r: dict) -> str:
+    return f"[{r['accuracy_low']:.2f}, {r['accuracy_high']:.2f}]" if r["accuracy_low"] is not None else "-"
+
+
+FAMILY_COLUMNS = (
+    Column("family", 8, "family", left=True),
+    Column("pattern", 10, "pattern"),
+    Column("params", 10, "parameters"),
+    Column("tokens", 10, "train_tokens"),
+    Column("metric", 8, "accuracy_metric"),
+    Column("score", 7, "accuracy", ".2f"),
+    Column("95% interval", 16, _interval),
+    Column("flip@1", 8, lambda r: r["flip_rate_final"][0], ".3f"),
+    Column("steps/tok", 10, "steps_per_token", ".2f"),
+    Column("oracle", 8, lambda r: "-" if r["oracle_steps_per_token"] is None else f"{r['oracle_steps_per_token']:.2f}"),
+    Column("ms/tok", 8, "speed_ms_per_token", ".2f"),
+    Column("seq ms", 8, "sequential_ms_per_token", ".2f"),
+    Column("speed-up", 9, "speedup", ".2f", "x"),
+)
+
+
 def format_families(table: pa.Table) -> str:
     """The rows side by side as a fixed-width text table."""
-    head = (
-        f"{'family':<8}{'pattern':>10}{'params':>10}{'tokens':>10}{'metric':>8}{'score':>7}{'95% interval':>16}"
-        f"{'flip@1':>8}{'steps/tok':>10}{'oracle':>8}{'ms/tok':>8}{'seq ms':>8}{'speed-up':>9}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in table.to_pylist():
-        interval = f"[{r['accuracy_low']:.2f}, {r['accuracy_high']:.2f}]" if r["accuracy_low"] is not None else "-"
-        oracle = "-" if r["oracle_steps_per_token"] is None else f"{r['oracle_steps_per_token']:.2f}"
-        lines.append(
-            f"{r['family']:<8}{r['pattern']:>10}{r['parameters']:>10}{r['train_tokens']:>10}{r['accuracy_metric']:>8}"
-            f"{r['accuracy']:>7.2f}{interval:>16}{r['flip_rate_final'][0]:>8.3f}{r['steps_per_token']:>10.2f}"
-            f"{oracle:>8}{r['speed_ms_per_token']:>8.2f}{r['sequential_ms_per_token']:>8.2f}{r['speedup']:>8.2f}x"
-        )
-    return "\n".join(lines)
+    return text_table(FAMILY_COLUMNS, table.to_pylist())

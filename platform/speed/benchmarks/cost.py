@@ -15,6 +15,7 @@ from speed.data import pad_inputs
 from speed.decode.generate import generate
 from speed.engine import Speculation
 from speed.engine.sampling import Sampling
+from speed.tables import Column, text_table
 
 COST_BENCH_SCHEMA = pa.schema(
     [
@@ -112,15 +113,20 @@ def run_cost_benchmark(
     return pa.Table.from_pylist(rows, schema=COST_BENCH_SCHEMA)
 
 
+COST_COLUMNS = (
+    Column("case", 22, "case", left=True),
+    Column("variant", 12, "variant", left=True),
+    Column("tokens", 7, "tokens"),
+    Column("passes/tok", 11, "passes_per_token", ".3f"),
+    Column("rows/tok", 9, "rows_per_token", ".2f"),
+    Column("closed", 8, "closed_steps"),
+    Column("ms/token", 10, "ms_per_token", ".3f"),
+    Column("vs seq", 8, "vs_sequential", ".2f", "x"),
+    Column("cpu vs seq", 11, "cpu_vs_sequential", ".2f", "x"),
+    Column("identical", 0, "identical", gap="  "),
+)
+
+
 def format_cost_table(table: pa.Table) -> str:
     """A fixed-width text table of the cost benchmark's rows."""
-    head = f"{'case':<22}{'variant':<12}{'tokens':>7}{'passes/tok':>11}{'rows/tok':>9}{'closed':>8}"
-    head += f"{'ms/token':>10}{'vs seq':>8}{'cpu vs seq':>11}  identical"
-    lines = [head, "-" * len(head)]
-    for r in table.to_pylist():
-        lines.append(
-            f"{r['case']:<22}{r['variant']:<12}{r['tokens']:>7}{r['passes_per_token']:>11.3f}"
-            f"{r['rows_per_token']:>9.2f}{r['closed_steps']:>8}{r['ms_per_token']:>10.3f}"
-            f"{r['vs_sequential']:>7.2f}x{r['cpu_vs_sequential']:>10.2f}x  {r['identical']}"
-        )
-    return "\n".join(lines)
+    return text_table(COST_COLUMNS, table.to_pylist())

@@ -26,6 +26,7 @@ from speed.models.exits import attach, exits_for
 from speed.models.family import build_model
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
+from speed.tables import Column, text_table
 
 BENCH_SCHEMA = pa.schema(
     [
@@ -316,19 +317,24 @@ def _hf_pair(cfg: BenchConfig, ids: torch.Tensor):
     return ours, hf_generate
 
 
+def _blank_none(key: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda r: "" if r[key] is None else r[key]
+
+
+DECODE_COLUMNS = (
+    Column("variant", 14, "variant", left=True),
+    Column("pattern", 8, "pattern"),
+    Column("TTFT ms", 10, "ttft_ms", ".1f"),  # the LM's rows only
+    Column("ms/token", 10, "ms_per_token", ".2f"),
+    Column("speed-up", 9, "speedup", ".2f", "x"),
+    Column("over", 13, "baseline"),
+    Column("vs shallow", 12, "ratio_vs_shallow", ".2f", "x"),
+    Column("steps", 7, _blank_none("steps")),
+    Column("flushes", 9, _blank_none("flushes")),
+)
+
+
 def format_table(table: pa.Table) -> str:
     """A fixed-width text table of the decode benchmark's rows, T5's or the LM's (with its time to first token)."""
     ttft = "ttft_ms" in table.column_names
-    head = f"{'variant':<14}{'pattern':>8}" + (f"{'TTFT ms':>10}" if ttft else "")
-    head += f"{'ms/token':>10}{'speed-up':>9}{'over':>13}{'vs shallow':>12}{'steps':>7}{'flushes':>9}"
-    lines = [head, "-" * len(head)]
-    for r in table.to_pylist():
-        steps = "" if r["steps"] is None else r["steps"]
-        flushes = "" if r["flushes"] is None else r["flushes"]
-        lines.append(
-            f"{r['variant']:<14}{r['pattern']:>8}"
-            + (f"{r['ttft_ms']:>10.1f}" if ttft else "")
-            + f"{r['ms_per_token']:>10.2f}{r['speedup']:>8.2f}x{r['baseline']:>13}"
-            f"{r['ratio_vs_shallow']:>11.2f}x{steps:>7}{flushes:>9}"
-        )
-    return "\n".join(lines)
+    return text_table([c for c in DECODE_COLUMNS if ttft or c.value != "ttft_ms"], table.to_pylist())

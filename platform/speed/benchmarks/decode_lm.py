@@ -1,15 +1,19 @@
 """Side-by-side decode latency of the decoder-only looped LM: sequential vs SPEED vs the shallow loop, and our
 plain stack against ``transformers``' Llama ``generate`` on the same weights, in one process.
 
-Each variant decodes the same prompts twice per round: once for one token (the time to first token: the
-prefill of every prompt and its first token) and once for all of them; the decode time per token is the
-difference over the tokens after the first. Repetitions are interleaved (``speed.benchmarks.decode.interleave``)
-and medians reported; ratios are computed from them, never typed in.
+Each variant decodes the same prompts once per round, and the run splits its own time at the moment every
+sequence had its first token (``GenerateResult.first_token_s``, TTFT: the prefill of every prompt and its first
+token; ``decode_s``, the rest; transformers' ``generate`` is split by a streamer, ``FirstTokenClock``): the decode
+time per token is the rest over the tokens after the first, so no figure can be negative. Repetitions are
+interleaved (``speed.benchmarks.decode.interleave``) and medians reported; ratios are computed from them, never
+typed in.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +77,44 @@ class LMBenchConfig(DecodeBenchConfig):
     prompt_len: int = 64
 
 
+class FirstTokenClock:
+    """A transformers ``generate`` streamer that splits one run's time where its first new tokens were made (its
+    second ``put``: the first is the prompt), each reading taken after the device finished its work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.puts, self.first = device, 0, math.nan
+        self.start = time.perf_counter()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = self._now()
+
+    def end(self) -> None:
+        pass
+
+    def split(self) -> tuple[float, float]:
+        """(seconds from the clock's making to the first new tokens, seconds after them), read when called."""
+        return self.first - self.start, self._now() - self.first
+
+
+def split_medians(
+    splits: dict[str, list[tuple[float, float]]], tokens_after_first: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each variant's median TTFT in ms and median ms per token after each sequence's first (``tokens_after_first``
+    of them a run), from its runs' own splits (first seconds, rest seconds)."""
+    ttft = {name: statistics.median(first * 1000 for first, _ in s) for name, s in splits.items()}
+    per_token = {
+        name: statistics.median(rest * 1000 / tokens_after_first for _, rest in s) for name, s in splits.items()
+    }
+    return ttft, per_token
+
+
 def decode_runs(
     results: dict[str, GenerateResult],
     ids: torch.Tensor,
@@ -112,7 +154,8 @@ def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
     results: dict[str, GenerateResult] = {}
     configs = bench.configs()
 
-    run = decode_runs(results, ids, n)
+    splits: dict[str, list[tuple[float, float]]] = {}  # per variant, each run's (first seconds, rest seconds)
+    run = decode_runs(results, ids, n, splits)
     kinds = {
         "sequential": (model, {"method": "sequential"}),
         "speed": (model, {"method": "speed"}),
@@ -124,33 +167,26 @@ def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
         ours, hf_generate = hf
         kinds["ours_deep"] = (ours, {"method": "sequential"})
         configs["ours_deep"] = configs["hf_generate"] = ours.config  # transformers' Llama has the same weights
-    variants: dict[str, Callable[[], int]] = {}
-    for name, (m, kw) in kinds.items():
-        first = {k: v for k, v in kw.items() if k != "oracle"}  # one token: nothing to speculate
-        variants[f"{name}/first"] = run(name, m, 1, **first)
-        variants[name] = run(name, m, n, **kw)
+    variants: dict[str, Callable[[], int]] = {name: run(name, m, n, **kw) for name, (m, kw) in kinds.items()}
     if hf is not None:
 
-        def run_hf(new: int) -> Callable[[], int]:
-            def go() -> int:
-                hf_generate(new)
-                return 1
+        def run_hf() -> int:
+            clock = FirstTokenClock(torch.device(cfg.device))
+            hf_generate(n, clock)
+            splits.setdefault("hf_generate", []).append(clock.split())
+            return 1
 
-            return go
-
-        variants["hf_generate/first"], variants["hf_generate"] = run_hf(1), run_hf(n)
+        variants["hf_generate"] = run_hf
     print(
         f"LM benchmark: {cfg.model.pattern} d_model={cfg.model.d_model} vocab={cfg.model.vocab_size} "
         f"batch={cfg.batch} prompt={cfg.prompt_len} tokens={n} reps={cfg.reps} threads={torch.get_num_threads()} "
         f"device={cfg.device}",
         flush=True,
     )
-    times = interleave(variants, cfg.reps, cfg.device)  # ms per run
+    interleave(variants, cfg.reps, cfg.device)  # each run's split lands in splits
     check_exact(results, reference, ("speed", "speed_oracle"))
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    decoded = cfg.batch * (n - 1)  # the tokens after each sequence's first
-    ttft = {name: med[f"{name}/first"] for name in [*kinds, *(["hf_generate"] if hf else [])]}
-    per_token = {name: (med[name] - ttft[name]) / decoded for name in ttft}
+    timed = {name: splits[name][1:] for name in variants}  # interleave's first run is untimed
+    ttft, per_token = split_medians(timed, cfg.batch * (n - 1))  # the tokens after each sequence's first
     shared = run_columns(cfg) | {"prompt_len": cfg.prompt_len}
     rows = [
         variant_columns(name, configs[name], results.get(name), per_token, cfg.batch * n)
@@ -162,7 +198,8 @@ def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
 
 
 def _hf_pair(cfg: LMBenchConfig, ids: torch.Tensor):
-    """Our sequential Dx1 and a ``generate(new)`` of transformers' Llama (greedy, KV cache on), same weights."""
+    """Our sequential Dx1 and a ``generate(new, streamer)`` of transformers' Llama (greedy, KV cache on), same
+    weights."""
     if not transformers_installed():
         return None
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -193,11 +230,11 @@ def _hf_pair(cfg: LMBenchConfig, ids: torch.Tensor):
     hf, hf_ids = hf.to(cfg.device), ids.to(cfg.device)
     mask = torch.ones_like(hf_ids)
 
-    def hf_generate(new: int) -> torch.Tensor:
+    def hf_generate(new: int, streamer: FirstTokenClock | None = None) -> torch.Tensor:
         with torch.inference_mode():
             out = hf.generate(
                 hf_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,
-                use_cache=True,
+                use_cache=True, streamer=streamer,
             )  # fmt: skip
         assert out.shape[1] == hf_ids.shape[1] + new
         return out[:, hf_ids.shape[1] :]

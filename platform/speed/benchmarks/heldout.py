@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,15 @@ class HeldOut:
     inputs: list[list[int]]  # T5's encoder inputs, an LM's chat prompts
     references: list[str]  # the records' targets
     tokenizer: TextTokenizer  # the model's: decodes its outputs, says where they end (``stop_ids``)
+
+
+def add_held_out_flags(parser: argparse.ArgumentParser, limit: int, max_new_tokens: int) -> None:
+    """A benchmark's flags for ``held_out`` and its decoding: ``--checkpoint``, ``--split``, ``--limit`` (sentences
+    decoded, default ``limit``) and ``--max-new-tokens`` (default ``max_new_tokens``)."""
+    parser.add_argument("--checkpoint", required=True, help="a finetuned checkpoint or run (a local path or a URI)")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, default=limit, help="sentences decoded")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
 
 
 def held_out(checkpoint: str, split: str, limit: int | None, task: str | None = None) -> HeldOut:

@@ -9,7 +9,7 @@ A pattern is a loop-1 agreement (the later loops' following ``agreement_profile`
 depth) or a recorded trace (``trace.parquet`` of an evaluation, a replica's traces). Reported per cell:
 
 - ``speedup``: sequential's time per token over this variant's, taken within each round, the median of the rounds
-  (the round-paired median, as ``jobs/bench_decode.py --shape`` pairs: the machine's bandwidth moves between rounds);
+  (the round-paired median, as ``jobs/bench_shapes.py`` pairs: the machine's bandwidth moves between rounds);
 - ``steps_per_token``: engine steps per committed token, the batch's together (sequential: M / batch);
 - ``overhead``: the time per token over the schedule's, the schedule's being the group passes the run made, each
   at the measured cost of a pass of its rows (``speed.engine.cost.RowCost``: the pass without exit logits, plus

@@ -31,7 +31,7 @@ import pyarrow as pa
 import torch
 
 from speed.benchmarks.decode import check_exact, interleave, run_columns, variant_columns
-from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, decode_runs
+from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, decode_runs, split_medians
 from speed.benchmarks.loading import peak_rss
 from speed.config import LMConfig, ModelConfig
 from speed.decode.generate import GenerateResult, generate
@@ -40,6 +40,7 @@ from speed.models.convert_huginn import config_from_huginn
 from speed.models.convert_ouro import config_from_ouro
 from speed.models.family import build_model
 from speed.models.precision import with_dtype
+from speed.tables import Column, text_table
 
 # The published config.json fields the importers read (ByteDance/Ouro-1.4B and -2.6B, tomg-group-umd/huginn-0125,
 # google/t5-v1_1-large); nothing else of them matters to the shapes.
@@ -354,10 +355,9 @@ def _batch_rows(
         name = f"{dtype}/{layout}"
         check_exact(results, reference, ("speed", "speed_oracle"))
         timed = {kind: splits[dtype, layout][kind][1:] for kind in VARIANTS}  # interleave's first run is untimed
-        first = {kind: statistics.median(s * 1000 for s, _ in timed[kind]) for kind in VARIANTS}
+        first, per_token = split_medians(timed, batch * (n - 1))
         for kind in VARIANTS:
             per_round[dtype, layout, kind] = [d * 1000 / (batch * (n - 1)) for _, d in timed[kind]]
-        per_token = {kind: statistics.median(per_round[dtype, layout, kind]) for kind in VARIANTS}
         shared = run_columns(run_cfg) | {"prompt_len": cfg.prompt_len, "shape": cfg.shape, "dtype": dtype}
         shared["layout"] = layout
         rows += [
@@ -379,18 +379,23 @@ class _RunColumns:
     device: str
 
 
+SHAPE_COLUMNS = (
+    Column("shape", 12, "shape", left=True),
+    Column("dtype", 9, "dtype", left=True),
+    Column("layout", 7, lambda r: r["layout"] or "", left=True),
+    Column("batch", 6, "batch"),
+    Column("variant", 13, "variant", left=True, gap=" "),
+    Column("TTFT ms", 9, "ttft_ms", ".1f"),
+    Column("ms/token", 10, "ms_per_token", ".2f"),
+    Column("speed-up", 9, "speedup", ".2f", "x"),
+    Column("GB/token", 9, lambda r: r["weight_bytes_per_token"] / 1e9, ".2f"),
+    Column("GB/s", 7, "gb_per_s", ".1f"),
+    Column("read GB/s", 10, "read_gb_per_s", ".1f"),
+    Column("vs limit", 10, "ratio_vs_limit", ".2f", "x"),
+    Column("peak RSS", 12, lambda r: size(r["peak_rss_bytes"])),
+)
+
+
 def format_shape_table(table: pa.Table) -> str:
     """A fixed-width text table of the real-shape rows: times, ratios, bandwidths and peak memory."""
-    head = (
-        f"{'shape':<12}{'dtype':<9}{'layout':<7}{'batch':>6} {'variant':<13}{'TTFT ms':>9}{'ms/token':>10}"
-        f"{'speed-up':>9}{'GB/token':>9}{'GB/s':>7}{'read GB/s':>10}{'vs limit':>10}{'peak RSS':>12}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in table.to_pylist():
-        lines.append(
-            f"{r['shape']:<12}{r['dtype']:<9}{r['layout'] or '':<7}{r['batch']:>6} {r['variant']:<13}"
-            f"{r['ttft_ms']:>9.1f}{r['ms_per_token']:>10.2f}"
-            f"{r['speedup']:>8.2f}x{r['weight_bytes_per_token'] / 1e9:>9.2f}{r['gb_per_s']:>7.1f}"
-            f"{r['read_gb_per_s']:>10.1f}{r['ratio_vs_limit']:>9.2f}x{size(r['peak_rss_bytes']):>12}"
-        )
-    return "\n".join(lines)
+    return text_table(SHAPE_COLUMNS, table.to_pylist())

@@ -6,7 +6,7 @@ slot's memory; a decoder-only LM prefills it into the slot's KV entries of
 every virtual layer), embeds tokens, and runs ONE pass of its shared N-layer
 group (a group pass, ``Stepper.step``) over a set of rows, each row a token at
 its own loop, reading and writing an engine-owned ``KVCache``. A model hands out its own (``model.stepper()``:
-``speed.models.t5.T5Stepper``, ``speed.models.looped_lm.LMStepper``); ``Engine(model)`` asks it for one
+``speed.models.t5_stepper.T5Stepper``, ``speed.models.lm_stepper.LMStepper``); ``Engine(model)`` asks it for one
 (``as_stepper``), so the engine imports no model.
 
 Admission runs output position 0's row: T5's is the start token, run

@@ -18,7 +18,7 @@ stepper that offers one says ``capturable = True`` (its ``step`` reads the devic
 ``Rows.tensors``, never of parts it takes of them, and every index it makes from buffers that stay put per
 bucket; its host bookkeeping is in ``prepare(memory, cache, rows)``, which the engine calls before every replay,
 and before every eager bucketed pass too). Both families' steppers offer it on the Triton kernels
-(``speed.models.looped_lm.LMStepper.prepare``, ``speed.models.t5.T5Stepper.prepare``); a stepper that does not
+(``speed.models.lm_stepper.LMStepper.prepare``, ``speed.models.t5_stepper.T5Stepper.prepare``); a stepper that does not
 (on the CPU's own kernels) runs its passes unpadded (padding without a graph only adds rows), with the same copies
 and decisions.
 ``EngineConfig.graphs=True`` runs any stepper bucketed, and eagerly where it is not captured (``GraphSteps.capture``

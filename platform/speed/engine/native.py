@@ -310,7 +310,7 @@ def swiglu(x: Tensor) -> Tensor:
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, pairs: bool) -> Tensor:
     """Rotary positions of rows' heads ``x`` (R, heads, D) float32, each row's heads contiguous (a slice of a fused
-    q;k;v row), by cos/sin (R, D): (R, heads, D), bit for bit ``speed.models.looped_lm.rotate`` (``pairs``:
+    q;k;v row), by cos/sin (R, D): (R, heads, D), bit for bit ``speed.models.lm_blocks.rotate`` (``pairs``:
     ``rotate_pairs``) in float32."""
     R, heads, D = x.shape
     if x.stride(2) != 1 or x.stride(1) != D or D % 2:
@@ -360,7 +360,7 @@ def lm_block(
     lengths: Tensor,
     pool_head_stride: int,
 ) -> Tensor:
-    """One looped-LM block on decode rows x (R, d) float32 (``speed.models.looped_lm.Block.decode``, bit for bit, in
+    """One looped-LM block on decode rows x (R, d) float32 (``speed.models.lm_blocks.Block.decode``, bit for bit, in
     one call): norms, the packed linears, q/k biases and rotation (cos/sin (R, D)), each row's key and value written
     at its own position (``offsets[r, lengths[r] - 1]`` in the pool ``keys``/``values``, as ``attend`` reads them),
     the attention, SwiGLU and both residual sums. Returns the rows' outputs (R, d). The cache's bookkeeping (its

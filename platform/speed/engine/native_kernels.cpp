@@ -286,7 +286,7 @@ void swiglu(const float *x, float *out, int64_t R, int64_t F) {
 // Rotary positions of R rows' heads: x (R, heads, D) with rows row_stride apart (q or k inside a fused q;k;v row),
 // cos and sin (R, D), out (R, heads, D). Halves (Llama, Ouro): dimension i pairs with i + D/2; pairs (Huginn): 2i
 // with 2i + 1. Each output is x * cos + turned(x) * sin with the two products rounded apart, then their sum: the
-// operations of speed.models.looped_lm.rotate and rotate_pairs in float32, bit for bit (no fused multiply-add).
+// operations of speed.models.lm_blocks.rotate and rotate_pairs in float32, bit for bit (no fused multiply-add).
 __attribute__((optimize("fp-contract=off"))) void rope(const float *x, int64_t row_stride, const float *cos,
                                                         const float *sin, float *out, int64_t R, int64_t heads,
                                                         int64_t D, int pairs) {
@@ -312,7 +312,7 @@ __attribute__((optimize("fp-contract=off"))) void rope(const float *x, int64_t r
 
 
 // One Llama block of a looped LM on decode rows, every step on the kernels above in the order the Python path
-// (speed.models.looped_lm.Block.decode) runs them, so each output is bit for bit that path's; no Python between the
+// (speed.models.lm_blocks.Block.decode) runs them, so each output is bit for bit that path's; no Python between the
 // steps (and none of its memory traffic between the weight streams). Ints a[] and floats f[] as named in
 // speed.engine.native.lm_block. The rows' keys/values go to their own positions' places (off[r, len[r] - 1]) before
 // the attention reads them; the cache's bookkeeping (lengths, blocks) is the caller's.

@@ -36,7 +36,7 @@ class Admitted(NamedTuple):
 
 class Stepper(Protocol):
     """What the engine needs from a looped decoder (a model hands out its own with ``model.stepper()``:
-    ``speed.models.t5.T5Stepper``, ``speed.models.looped_lm.LMStepper``).
+    ``speed.models.t5_stepper.T5Stepper``, ``speed.models.lm_stepper.LMStepper``).
 
     Positions in ``Rows`` are output positions (the row at position p predicts output token p); where a
     prompt occupies the cache too (a decoder-only LM), the stepper places them after it.

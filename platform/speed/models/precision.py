@@ -3,8 +3,8 @@
 Decoding at real shapes reads every weight once per loop pass, so halving the weights' bytes halves what a token
 costs; the rest (activations, norms, biases, attention, the KV cache, the logits) stays float32, and every sum
 accumulates in float32. ``with_dtype(model, torch.bfloat16)`` is this mode, which is what ``bfloat16`` means
-wherever a dtype is chosen (``speed.from_pretrained``, ``jobs/evaluate.py --dtype``, ``jobs/bench_decode.py
---shape --dtype``); ``model.to(torch.bfloat16)`` still makes the whole model bfloat16.
+wherever a dtype is chosen (``speed.from_pretrained``, ``jobs/evaluate.py --dtype``, ``jobs/bench_shapes.py
+--dtype``); ``model.to(torch.bfloat16)`` still makes the whole model bfloat16.
 
 The decode tiles' kernel (``speed.engine.native``) reads a bfloat16 weight as it is stored and widens it in
 registers, row-invariant as for float32, so SPEED equals sequential decoding bit for bit in this mode too. Where

@@ -1,7 +1,7 @@
 """What every model's engine ``Stepper`` shares: the model's loops, EOS, vocabulary, device and mode.
 
-Each model file holds its own stepper beside its group pass (``speed.models.t5.T5Stepper`` over
-``SpeedT5.step``, ``speed.models.looped_lm.LMStepper`` over ``LoopedLM.step``), and a model hands it out with
+Each family's stepper has a module of its own beside its model's (``speed.models.t5_stepper.T5Stepper`` over
+``SpeedT5.step``, ``speed.models.lm_stepper.LMStepper`` over ``LoopedLM.step``), and a model hands it out with
 ``model.stepper()``; so ``Engine(model)`` and ``generate(model)`` take a model as it is, and the engine imports
 no model (``speed.engine.as_stepper``). What a stepper adds to its model's pure computation is the engine's
 bookkeeping: a request's slot in the decoding memory, its admission, where its rows sit in the KV cache.

@@ -19,12 +19,13 @@ beside it (branches trade rows for steps).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
 
 from speed.config import SharingPattern
+from speed.tables import Column, table_head, table_line, text_table
 
 RESULTS_FILE = "results.parquet"
 FRONTIER_FILE = "frontier.parquet"
@@ -172,21 +173,51 @@ def frontier(results: pa.Table) -> pa.Table:
     return pa.Table.from_pylist([{k: rows[i][k] for k in names} for i in keep], schema=FRONTIER_SCHEMA)
 
 
+def _maybe(key: str, spec: str) -> Callable[[dict[str, Any]], str]:
+    """A cell of ``key`` in ``spec``, "-" where the row has none."""
+    return lambda r: _num(r[key], spec)
+
+
+RESULTS_COLUMNS = (
+    Column("trial", 36, "trial", left=True),
+    Column("status", 9, "status"),
+    Column("steps", 6, _maybe("steps", "d")),
+    Column("val L_M", 9, _maybe("val_loss_last", ".3f")),
+    Column("metric", 8, lambda r: r["accuracy_metric"] or ""),
+    Column("score", 7, _maybe("accuracy", ".2f")),
+    Column("flip@1", 8, _maybe("flip_rate_loop1", ".3f")),
+    Column("flipcost", 9, _maybe("val_flip_cost", ".3f")),
+    Column("steps/tok", 10, _maybe("speed_steps_per_token", ".2f")),
+    Column("cost", 7, _maybe("speed_cost", ".2f")),
+    Column("depth", 6, "depth"),
+    Column("best setting", 0, lambda r: _setting(r) if r["best_launch_loop"] else "", gap="  "),
+)
+FRONTIER_COLUMNS = (
+    Column("trial", 36, "trial", left=True),
+    Column("metric", 8, "accuracy_metric"),
+    Column("score", 7, "accuracy", ".2f"),
+    Column("cost", 7, "speed_cost", ".2f"),
+    Column("steps/tok", 10, "speed_steps_per_token", ".2f"),
+    Column("depth", 6, "depth"),
+    Column("flip@1", 8, _maybe("flip_rate_loop1", ".3f")),
+    Column("setting", 0, lambda r: _setting(r), gap="  "),
+)
+LATENCY_COLUMNS = (
+    Column("trial", 36, "trial", left=True),
+    Column("variant", 11, "variant"),
+    Column("setting", 12, lambda r: _latency_setting(r)),
+    Column("ms/token", 10, "ms_per_token", ".2f"),
+    Column("vs seq", 8, lambda r: _ratio(r["speedup_vs_sequential"])),
+    Column("vs shallow", 11, lambda r: _ratio(r["ratio_vs_shallow"])),
+    Column("steps", 7, "steps"),
+)
+
+
 def format_results(results: pa.Table) -> str:
     """A fixed-width text table of every trial: status, losses, accuracy, flip rate at loop 1, SPEED cost."""
-    head = (
-        f"{'trial':<36}{'status':>9}{'steps':>6}{'val L_M':>9}{'metric':>8}{'score':>7}"
-        f"{'flip@1':>8}{'flipcost':>9}{'steps/tok':>10}{'cost':>7}{'depth':>6}  best setting"
-    )
-    lines = [head, "-" * len(head)]
+    lines = table_head(RESULTS_COLUMNS)
     for r in sorted(results.to_pylist(), key=lambda r: r["trial"]):
-        setting = _setting(r) if r["best_launch_loop"] else ""
-        lines.append(
-            f"{r['trial']:<36}{r['status']:>9}{_num(r['steps'], 'd'):>6}{_num(r['val_loss_last'], '.3f'):>9}"
-            f"{r['accuracy_metric'] or '':>8}{_num(r['accuracy'], '.2f'):>7}{_num(r['flip_rate_loop1'], '.3f'):>8}"
-            f"{_num(r['val_flip_cost'], '.3f'):>9}{_num(r['speed_steps_per_token'], '.2f'):>10}"
-            f"{_num(r['speed_cost'], '.2f'):>7}{r['depth']:>6}  {setting}"
-        )
+        lines.append(table_line(RESULTS_COLUMNS, r))
         if r["error"]:
             lines.append(f"{'':<36}error: {r['error']}")
     return "\n".join(lines)
@@ -194,30 +225,20 @@ def format_results(results: pa.Table) -> str:
 
 def format_frontier(table: pa.Table) -> str:
     """The frontier as a fixed-width text table, cheapest first."""
-    head = f"{'trial':<36}{'metric':>8}{'score':>7}{'cost':>7}{'steps/tok':>10}{'depth':>6}{'flip@1':>8}  setting"
-    lines = [head, "-" * len(head)]
-    for r in table.to_pylist():
-        lines.append(
-            f"{r['trial']:<36}{r['accuracy_metric']:>8}{r['accuracy']:>7.2f}{r['speed_cost']:>7.2f}"
-            f"{r['speed_steps_per_token']:>10.2f}{r['depth']:>6}{_num(r['flip_rate_loop1'], '.3f'):>8}"
-            f"  {_setting(r)}"
-        )
-    return "\n".join(lines)
+    return text_table(FRONTIER_COLUMNS, table.to_pylist())
 
 
 def format_latency(table: pa.Table) -> str:
     """The latency stage's rows as a fixed-width text table."""
-    head = f"{'trial':<36}{'variant':>11}{'setting':>12}{'ms/token':>10}{'vs seq':>8}{'vs shallow':>11}{'steps':>7}"
-    lines = [head, "-" * len(head)]
-    for r in table.to_pylist():
-        setting = f"{r['launch_loop']},{r['invalidation']}" if r["launch_loop"] else ""
-        setting += f",b{r['branches']}x{r['branch_depth']}" if r["branches"] else ""
-        setting += f",c{r['min_confidence']:g}" if r["min_confidence"] else ""
-        lines.append(
-            f"{r['trial']:<36}{r['variant']:>11}{setting:>12}{r['ms_per_token']:>10.2f}"
-            f"{_ratio(r['speedup_vs_sequential']):>8}{_ratio(r['ratio_vs_shallow']):>11}{r['steps']:>7}"
-        )
-    return "\n".join(lines)
+    return text_table(LATENCY_COLUMNS, table.to_pylist())
+
+
+def _latency_setting(r: dict[str, Any]) -> str:
+    """A latency row's levers, compactly: launch loop and invalidation, branches, confidence."""
+    setting = f"{r['launch_loop']},{r['invalidation']}" if r["launch_loop"] else ""
+    setting += f",b{r['branches']}x{r['branch_depth']}" if r["branches"] else ""
+    setting += f",c{r['min_confidence']:g}" if r["min_confidence"] else ""
+    return setting
 
 
 def _setting(row: dict[str, Any]) -> str:
