@@ -31,6 +31,7 @@ from speed.eval.evaluate import EvalConfig
 from speed.losses import GATE, SCHEMES, SettleConfig, check_scheme
 from speed.models.checkpoint import checkpoint_family, latest_checkpoint, local_checkpoint, read_checkpoint_config
 from speed.models.family import DEFAULT_FAMILY, Family, family_of, get_family
+from speed.models.form import get_form
 from speed.models.looped_lm import CHECKPOINTING, TrainRun
 from speed.storage import absolute
 from speed.train.optim import SCHEDULES, OptimConfig
@@ -181,27 +182,44 @@ class TrackingConfig:
 
 
 HF_PREFIX = "hf:"  # ``--init-from hf:<name or path>``: a Hugging Face T5 v1.1 (a hub name, or a directory)
+HUB_FORM = "t5"  # the form an ``hf:<hub name>`` names (``speed.models.form``): a T5 v1.1
 
 
-def hub_origin(origin: str) -> str | None:
-    """The Hugging Face T5 that ``--init-from`` names (``hf:<name or path>``, or a directory whose config.json is a
-    T5 v1.1's: ``speed.models.pretrained.model_source``), None for a platform checkpoint or run, or for an imported
-    LM's directory (``imported_origin``); a directory the platform cannot read is a one-line ``ValueError``."""
+@dataclass(frozen=True)
+class HubOrigin:
+    """A Hugging Face model that ``--init-from`` converts into the job's own pattern (a ``job_pattern`` form): its
+    hub name or directory, and its form's name."""
+
+    name: str
+    form: str
+
+
+def hub_origin(origin: str) -> HubOrigin | None:
+    """The Hugging Face model in the job's pattern that ``--init-from`` names (``hf:<hub name>``: a T5 v1.1; or a
+    directory whose form is a ``job_pattern`` one: ``speed.models.pretrained.model_source``), None for a platform
+    checkpoint or run, or for an imported LM's directory (``imported_origin``); a directory the platform cannot
+    read is a one-line ``ValueError``."""
     name = origin.removeprefix(HF_PREFIX)
-    if origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists():
-        return name  # a hub name: T5Config.from_pretrained reads it
-    return name if _source(name) == "t5" else None
+    if _hub_name(origin):
+        return HubOrigin(name, HUB_FORM)  # a hub name: the form reads it from the hub
+    source = _source(name)
+    return HubOrigin(name, source) if source != "platform" and get_form(source).job_pattern else None
 
 
 def imported_origin(origin: str) -> str | None:
-    """The form (ouro, huginn, llama) of the Hugging Face LM directory ``--init-from`` names, None for anything
-    else. Its weights start the run, and its own tokenizer (tokenizer.json, chat template, EOS) tokenizes the
-    data and goes into every checkpoint (``speed.models.checkpoint``)."""
+    """The form (ouro, huginn, llama: not a ``job_pattern`` one) of the Hugging Face LM directory ``--init-from``
+    names, None for anything else. Its weights start the run, and its own tokenizer (tokenizer.json, chat template,
+    EOS) tokenizes the data and goes into every checkpoint (``speed.models.checkpoint``)."""
+    if _hub_name(origin):
+        return None  # a hub name: a HUB_FORM's
+    source = _source(origin.removeprefix(HF_PREFIX))
+    return None if source == "platform" or get_form(source).job_pattern else source
+
+
+def _hub_name(origin: str) -> bool:
+    """Whether ``origin`` is ``hf:`` and a name that is no path nor URI (a hub name)."""
     name = origin.removeprefix(HF_PREFIX)
-    if origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists():
-        return None  # a hub name: a T5's
-    source = _source(name)
-    return None if source in ("platform", "t5") else source
+    return origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists()
 
 
 def _source(path: str) -> str:

@@ -47,12 +47,21 @@ from speed.models.checkpoint import (
     read_checkpoint_config,
 )
 from speed.models.family import config_from_dict
+from speed.models.form import get_form
 from speed.models.pretrained import pretrained_config
 from speed.paths import data_dir
 from speed.storage import absolute, locate
 from speed.tokenizer import train_tokenizer
 from speed.train import local_ray
-from speed.train.config import JobConfig, hub_origin, imported_origin, job_from_args, job_to_dict, run_name
+from speed.train.config import (
+    HubOrigin,
+    JobConfig,
+    hub_origin,
+    imported_origin,
+    job_from_args,
+    job_to_dict,
+    run_name,
+)
 from speed.train.memory_plan import MemoryPlan, PlanRefused, check_fits, device_memory, plan_memory
 from speed.train.process_group import torch_config
 from speed.train.state import IncompatibleCheckpointError, check_compatible
@@ -247,9 +256,9 @@ def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
         _note_replaced(job.model, model, origin)
         return ResolvedJob.of(replace(job, model=model), tokenizer_path)
     if origin:
-        model = _hf_model_config(hub, job.model.pattern)
+        model = get_form(hub.form).hub_config(hub.name, job.model.pattern)
         _note_replaced(job.model, model, origin)
-        return ResolvedJob.of(replace(job, model=model), _hf_tokenizer(hub))
+        return ResolvedJob.of(replace(job, model=model), _hub_tokenizer(hub))
     tokenizer_path = Path(job.data.tokenizer) if job.data.tokenizer else _trained_tokenizer(job)
     # Exactly the tokenizer's size, unpadded: ids past it would be undecodable if an undertrained model chose them.
     vocab = load_tokenizer(tokenizer_path).vocab_size
@@ -266,21 +275,16 @@ def _note_replaced(asked: ModelConfig | LMConfig, used: ModelConfig | LMConfig, 
         print(f"model config taken from {origin}: {changed}", flush=True)
 
 
-def _hf_model_config(name: str, pattern: str) -> ModelConfig:
-    from transformers import T5Config
-
-    from speed.models.convert_t5 import config_from_hf
-
-    return config_from_hf(T5Config.from_pretrained(name), pattern)
-
-
-def _hf_tokenizer(name: str) -> Path:
-    local = Path(name).expanduser() / "spiece.model"
+def _hub_tokenizer(hub: HubOrigin) -> Path:
+    """The tokenizer file of the hub model or directory ``hub`` (its form's ``tokenizer_file``), downloaded from the
+    hub when it is not a local directory."""
+    file = get_form(hub.form).tokenizer_file
+    local = Path(hub.name).expanduser() / file
     if local.is_file():
         return local
     from huggingface_hub import hf_hub_download
 
-    return Path(hf_hub_download(name, "spiece.model"))
+    return Path(hf_hub_download(hub.name, file))
 
 
 def _trained_tokenizer(job: JobConfig) -> Path:

@@ -49,6 +49,7 @@ from speed.models.checkpoint import (
     read_checkpoint_config,
 )
 from speed.models.family import build_model
+from speed.models.form import get_form
 from speed.models.looped_lm import LoopedLM, TrainRun
 from speed.models.pretrained import load_pretrained
 from speed.models.t5 import SpeedT5
@@ -113,10 +114,8 @@ def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
     if job.init_from is None or not load_init:
         return build_model(job.model)
     hub = hub_origin(job.init_from)
-    if hub is not None:  # the job's pattern, not the directory's: convert_t5 re-loops the layers
-        from speed.models.convert_t5 import from_pretrained
-
-        model = from_pretrained(hub, pattern=job.model.pattern)
+    if hub is not None:  # the job's pattern, not the directory's: the form re-loops the layers
+        model = get_form(hub.form).hub_model(hub.name, job.model.pattern)
     else:
         with local_checkpoint(job.init_from) as directory:
             model = load_pretrained(directory, exits=False).model  # its backbone: exit adapters are trained apart
