@@ -1,6 +1,7 @@
 """Training on Ray Train: job configs, the per-worker loop, checkpoints that resume exactly, the driver.
 
 - ``speed.train.config``: ``JobConfig`` and its sections, parsed from YAML and flags; run names.
+- ``speed.train.origin``: what ``--init-from`` names (a Hugging Face form, an imported LM, a platform checkpoint).
 - ``speed.train.launch``: the driver's stages and ``run_job`` (what the training jobs call).
 - ``speed.train.loop``: ``train_loop_per_worker``, what every Ray Train worker runs.
 - ``speed.train.families``: both model families trained and evaluated side by side (``jobs/compare_families.py``).

@@ -29,12 +29,11 @@ from speed.config import ConfigError, LMConfig, ModelConfig, from_dict, require_
 from speed.data.tasks import TASKS
 from speed.eval.evaluate import EvalConfig
 from speed.losses import GATE, SCHEMES, SettleConfig, check_scheme
-from speed.models.checkpoint import checkpoint_family, latest_checkpoint, local_checkpoint, read_checkpoint_config
+from speed.models.checkpoint import checkpoint_family, local_checkpoint, read_checkpoint_config
 from speed.models.family import DEFAULT_FAMILY, Family, family_of, get_family
-from speed.models.form import get_form
 from speed.models.looped_lm import CHECKPOINTING, TrainRun
-from speed.storage import absolute
 from speed.train.optim import SCHEDULES, OptimConfig
+from speed.train.origin import HF_PREFIX, origin_family
 from speed.train.state import IncompatibleCheckpointError
 
 KINDS = ("pretrain", "finetune")
@@ -179,53 +178,6 @@ class TrackingConfig:
         if "://" in storage_path:
             return None
         return (Path(storage_path).expanduser().resolve() / "mlruns").as_uri()
-
-
-HF_PREFIX = "hf:"  # ``--init-from hf:<name or path>``: a Hugging Face T5 v1.1 (a hub name, or a directory)
-HUB_FORM = "t5"  # the form an ``hf:<hub name>`` names (``speed.models.form``): a T5 v1.1
-
-
-@dataclass(frozen=True)
-class HubOrigin:
-    """A Hugging Face model that ``--init-from`` converts into the job's own pattern (a ``job_pattern`` form): its
-    hub name or directory, and its form's name."""
-
-    name: str
-    form: str
-
-
-def hub_origin(origin: str) -> HubOrigin | None:
-    """The Hugging Face model in the job's pattern that ``--init-from`` names (``hf:<hub name>``: a T5 v1.1; or a
-    directory whose form is a ``job_pattern`` one: ``speed.models.pretrained.model_source``), None for a platform
-    checkpoint or run, or for an imported LM's directory (``imported_origin``); a directory the platform cannot
-    read is a one-line ``ValueError``."""
-    name = origin.removeprefix(HF_PREFIX)
-    if _hub_name(origin):
-        return HubOrigin(name, HUB_FORM)  # a hub name: the form reads it from the hub
-    source = _source(name)
-    return HubOrigin(name, source) if source != "platform" and get_form(source).job_pattern else None
-
-
-def imported_origin(origin: str) -> str | None:
-    """The form (ouro, huginn, llama: not a ``job_pattern`` one) of the Hugging Face LM directory ``--init-from``
-    names, None for anything else. Its weights start the run, and its own tokenizer (tokenizer.json, chat template,
-    EOS) tokenizes the data and goes into every checkpoint (``speed.models.checkpoint``)."""
-    if _hub_name(origin):
-        return None  # a hub name: a HUB_FORM's
-    source = _source(origin.removeprefix(HF_PREFIX))
-    return None if source == "platform" or get_form(source).job_pattern else source
-
-
-def _hub_name(origin: str) -> bool:
-    """Whether ``origin`` is ``hf:`` and a name that is no path nor URI (a hub name)."""
-    name = origin.removeprefix(HF_PREFIX)
-    return origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists()
-
-
-def _source(path: str) -> str:
-    from speed.models.pretrained import model_source
-
-    return model_source(path)
 
 
 @dataclass(frozen=True)
@@ -513,36 +465,13 @@ def job_from_layers(kind: str, config_path: str | Path | None, sets: list[str], 
         user = merge(user, _dotted(key, value))
     for key, value in flags.items():
         user = merge(user, _dotted(key, value))
-    user = _origin_family(user)
+    user = origin_family(user)
     base = merge(DEFAULTS[kind], {"kind": kind})
     if user.get("resume"):
         base = resumable_job(user["resume"])
         if base.get("kind") != kind:
             raise ValueError(f"--resume {user['resume']} is a {base.get('kind')!r} run, not {kind!r}")
     return job_from_dict(merge(base, user))
-
-
-def _origin_family(user: dict[str, Any]) -> dict[str, Any]:
-    """``user`` with the family of the platform checkpoint (or run) ``init_from`` names: the checkpoint's family
-    wins, its model config replacing the job's anyway (``speed.train.launch.tokenizer_stage``), with a note when
-    ``--model`` said otherwise. A resumed run, a Hugging Face origin, or one that cannot be read (``check_inputs``
-    names it) leaves ``user`` as it is."""
-    origin = user.get("init_from")
-    if not origin or user.get("resume") or origin.startswith(HF_PREFIX):
-        return user
-    try:
-        if _source(origin) != "platform":
-            return user
-        family = checkpoint_family(read_checkpoint_config(latest_checkpoint(absolute(origin))))
-    except (FileNotFoundError, ValueError):
-        return user
-    section = user.get("model") or {}
-    asked = section.get("family", DEFAULT_FAMILY)
-    if asked == family:
-        return user
-    if "family" in section:
-        print(f"--model {asked} ignored: {origin} is a '{family}' checkpoint, and the checkpoint's family wins")
-    return {**user, "model": {"family": family}}  # the rest of the section: the checkpoint's config replaces it
 
 
 def _dotted(key: str, value: Any) -> dict[str, Any]:

@@ -53,16 +53,9 @@ from speed.paths import data_dir
 from speed.storage import absolute, locate
 from speed.tokenizer import train_tokenizer
 from speed.train import local_ray
-from speed.train.config import (
-    HubOrigin,
-    JobConfig,
-    hub_origin,
-    imported_origin,
-    job_from_args,
-    job_to_dict,
-    run_name,
-)
+from speed.train.config import JobConfig, job_from_args, job_to_dict, run_name
 from speed.train.memory_plan import MemoryPlan, PlanRefused, check_fits, device_memory, plan_memory
+from speed.train.origin import HubOrigin, hub_origin, imported_origin
 from speed.train.process_group import torch_config
 from speed.train.state import IncompatibleCheckpointError, check_compatible
 

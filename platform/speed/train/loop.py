@@ -55,8 +55,9 @@ from speed.models.pretrained import load_pretrained
 from speed.models.t5 import SpeedT5
 from speed.train import tracking
 from speed.train.batches import BatchPlan
-from speed.train.config import JobConfig, TrainConfig, hub_origin, job_from_dict, job_to_dict
+from speed.train.config import JobConfig, TrainConfig, job_from_dict, job_to_dict
 from speed.train.optim import build_optimizer, build_scheduler, follow_parameters, lr_factor
+from speed.train.origin import hub_origin
 from speed.train.recurrence import sample_recurrence
 from speed.train.sharding import (
     grad_norm_value,
@@ -109,7 +110,7 @@ def _hang(rank: int, step: int) -> None:
 def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
     """A fresh model of the job's family (seeded), or the weights of ``init_from`` (a speed checkpoint, an imported
     LM's directory read by ``load_pretrained``, or a T5 v1.1: ``hf:`` or a Hugging Face directory,
-    ``speed.train.config.hub_origin``)."""
+    ``speed.train.origin.hub_origin``)."""
     torch.manual_seed(job.train.seed)
     if job.init_from is None or not load_init:
         return build_model(job.model)
