@@ -42,13 +42,12 @@ from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
-from speed.hf_tokenizer import TOKENIZER_FILE
 from speed.models.hf_import import (
+    LMForm,
     UnsupportedConfig,
     empty_model,
     expect,
     field,
-    lm_tokenizer,
     loop_count,
     rope_theta,
     single_eos,
@@ -204,35 +203,17 @@ def _blocks(config: LMConfig) -> list[tuple[str, str]]:
 # ----- the form -----------------------------------------------------------------------------------
 
 
-class HuginnForm:
+class HuginnForm(LMForm):
     """Huginn-0125 (``model_type: "huginn_raven"``) as a ``LoopedLM`` ``P+Nx{num_steps}+C`` with injection and its
-    seeded random initial state; the platform writes no Huginn directory (``exports`` None)."""
+    seeded random initial state; the platform writes no Huginn directory (``exports`` None, so neither
+    ``obstacle`` nor ``files`` is asked)."""
 
     name = "huginn"
     model_type = "huginn_raven"
-    tokenizer_file = TOKENIZER_FILE
     looped = True
-    job_pattern = False
-    chat = True
     exports = None
-
-    def check(self, hf: Mapping[str, Any]) -> None:
-        return None  # config_from_huginn refuses what does not convert, naming the field
-
-    def config(self, hf: Mapping[str, Any], n_loops: int | None = None) -> LMConfig:
-        return config_from_huginn(hf, n_loops)
-
-    def load(self, path: str | Path, dtype: torch.dtype, n_loops: int | None) -> LoopedLM:
-        return load_huginn(path, dtype=dtype, n_loops=n_loops)
-
-    def tokenizer(self, directory: Path) -> Path:
-        return lm_tokenizer(directory)
+    config = staticmethod(config_from_huginn)
+    load = staticmethod(load_huginn)
 
     def initial_state(self, path: str | Path, seed: int) -> InitialState:
         return huginn_initial_state(path, seed)
-
-    def obstacle(self, model: LoopedLM) -> str | None:
-        return "the platform writes no Huginn directory"
-
-    def files(self, model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        raise NotImplementedError("the platform writes no Huginn directory (exports is None)")

@@ -45,12 +45,11 @@ from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
 from speed.hf_files import read_config, read_into, tensor_shapes
-from speed.hf_tokenizer import TOKENIZER_FILE
 from speed.models.hf_import import (
+    LMForm,
     check_names,
     empty_model,
     fill_parameters,
-    lm_tokenizer,
     no_loop_option,
     rope_theta,
     row_destinations,
@@ -196,20 +195,14 @@ def from_pretrained(name_or_path: str, pattern: str | None = None, **kwargs: Any
 # ----- the form -----------------------------------------------------------------------------------
 
 
-class LlamaForm:
+class LlamaForm(LMForm):
     """A plain Llama (``model_type: "llama"``) as the pre-norm ``LoopedLM`` ``{layers}x1``; a pre-norm ``LoopedLM``
     (``P+NxM+C``) exports as one, unrolled (``llama_files``)."""
 
     name = "llama"
     model_type = "llama"
-    tokenizer_file = TOKENIZER_FILE
     looped = False
-    job_pattern = False
-    chat = True
     exports = LoopedLM
-
-    def check(self, hf: Mapping[str, Any]) -> None:
-        return None  # config_from_llama refuses what does not convert, naming the field
 
     def config(self, hf: Mapping[str, Any], n_loops: int | None = None) -> LMConfig:
         from transformers import LlamaConfig
@@ -217,7 +210,7 @@ class LlamaForm:
         no_loop_option(n_loops, f"a {self.name} checkpoint")
         return config_from_llama(LlamaConfig.from_dict(dict(hf)))
 
-    def load(self, path: str | Path, dtype: torch.dtype, n_loops: int | None) -> LoopedLM:
+    def load(self, path: str | Path, *, dtype: torch.dtype, n_loops: int | None = None) -> LoopedLM:
         """A Llama directory through ``conversion_plan`` (the plain stack, ``{layers}x1``), each stored tensor read
         into its place (a tied head's stored copy compared with the embedding as it is read)."""
         config = self.config(read_config(path), n_loops)
@@ -230,12 +223,6 @@ class LlamaForm:
             destinations = row_destinations(path, model, sources, shapes)
             read_into(path, destinations, {HEAD: EMBEDDING} if config.tie_embeddings else None)
         return model.eval()
-
-    def tokenizer(self, directory: Path) -> Path:
-        return lm_tokenizer(directory)
-
-    def initial_state(self, path: str | Path, seed: int) -> None:
-        return None
 
     def obstacle(self, model: LoopedLM) -> str | None:
         return llama_obstacle(model.config)

@@ -33,14 +33,13 @@ from torch import Tensor
 
 from speed.config import LMConfig
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
-from speed.hf_tokenizer import TOKENIZER_FILE
 from speed.models.convert_llama import common_obstacles, decoder_fields, llama_layer
 from speed.models.hf_import import (
+    LMForm,
     UnsupportedConfig,
     empty_model,
     expect,
     field,
-    lm_tokenizer,
     loop_count,
     rope_theta,
     single_eos,
@@ -183,40 +182,6 @@ def load_ouro(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_lo
 # ----- the form -----------------------------------------------------------------------------------
 
 
-class OuroForm:
-    """Ouro (``model_type: "ouro"``) as a ``LoopedLM`` ``Lx{total_ut_steps}``; a ``LoopedLM`` in exactly Ouro's
-    options exports as one, losing nothing (``ouro_files``)."""
-
-    name = "ouro"
-    model_type = "ouro"
-    tokenizer_file = TOKENIZER_FILE
-    looped = True
-    job_pattern = False
-    chat = True
-    exports = LoopedLM
-
-    def check(self, hf: Mapping[str, Any]) -> None:
-        return None  # config_from_ouro refuses what does not convert, naming the field
-
-    def config(self, hf: Mapping[str, Any], n_loops: int | None = None) -> LMConfig:
-        return config_from_ouro(hf, n_loops)
-
-    def load(self, path: str | Path, dtype: torch.dtype, n_loops: int | None) -> LoopedLM:
-        return load_ouro(path, dtype=dtype, n_loops=n_loops)
-
-    def tokenizer(self, directory: Path) -> Path:
-        return lm_tokenizer(directory)
-
-    def initial_state(self, path: str | Path, seed: int) -> None:
-        return None
-
-    def obstacle(self, model: LoopedLM) -> str | None:
-        return ouro_obstacle(model.config)
-
-    def files(self, model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        return ouro_files(model)
-
-
 def ouro_obstacle(config: LMConfig) -> str | None:
     """The option that keeps a ``LoopedLM`` of ``config`` out of Ouro's layout, in words; None when it fits."""
     s = config.sharing
@@ -262,3 +227,19 @@ def ouro_files(model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
             f"model.layers.{i}.{theirs}.weight": state[f"core.{i}.{ours}.weight"] for theirs, ours in NORMS.items()
         }
     return config, weights
+
+
+class OuroForm(LMForm):
+    """Ouro (``model_type: "ouro"``) as a ``LoopedLM`` ``Lx{total_ut_steps}``; a ``LoopedLM`` in exactly Ouro's
+    options exports as one, losing nothing (``ouro_files``)."""
+
+    name = "ouro"
+    model_type = "ouro"
+    looped = True
+    exports = LoopedLM
+    config = staticmethod(config_from_ouro)
+    load = staticmethod(load_ouro)
+    files = staticmethod(ouro_files)
+
+    def obstacle(self, model: LoopedLM) -> str | None:
+        return ouro_obstacle(model.config)

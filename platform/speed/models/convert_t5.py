@@ -348,7 +348,7 @@ class T5Form:
         no_loop_option(n_loops, f"a {self.name} checkpoint")
         return config_from_hf(T5Config.from_dict(dict(hf)))
 
-    def load(self, path: str | Path, dtype: torch.dtype, n_loops: int | None) -> SpeedT5:
+    def load(self, path: str | Path, *, dtype: torch.dtype, n_loops: int | None = None) -> SpeedT5:
         """A T5 v1.1 directory through ``conversion_plan``, each stored tensor read into its place (the embedding's
         stored copies compared with it as it is read)."""
         from transformers import T5Config

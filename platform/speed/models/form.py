@@ -7,8 +7,9 @@ straight into the platform's model), its exporter (the platform's model -> confi
 published names; None where the platform writes no such directory) and its tokenizer files. Each form lives
 in its own converter module (``convert_t5``, ``convert_llama``, ``convert_ouro``, ``convert_huginn``); the
 loader (``speed.models.pretrained``), the exporter (``speed.models.export``) and training's imports
-(``speed.train.config``, ``speed.train.exits``) ask this registry and compare no form's name. A fifth form is
-one new module with its ``Form`` and one entry in ``FORMS`` (``tests/test_forms.py`` registers one).
+(``speed.train.origin``, ``speed.train.exits``) ask this registry and compare no form's name. The decoder-only
+forms share ``speed.models.hf_import.LMForm``. A fifth form is one new module with its ``Form`` and one entry in
+``FORMS`` (``tests/test_forms.py`` registers one).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor
 
 from speed.config import LMConfig, ModelConfig
 from speed.hf_files import ModelFilesError
@@ -47,7 +47,7 @@ class Form(Protocol):
     def config(self, hf: Mapping[str, Any], n_loops: int | None = None) -> ModelConfig | LMConfig:
         """The platform's config of config.json ``hf`` (``n_loops``: a looped form's recurrences; others refuse it)."""
 
-    def load(self, path: str | Path, dtype: torch.dtype, n_loops: int | None) -> SpeedT5 | LoopedLM:
+    def load(self, path: str | Path, *, dtype: torch.dtype, n_loops: int | None = None) -> SpeedT5 | LoopedLM:
         """The model of the local directory ``path`` as ``dtype``, in eval mode, its memory allocated once."""
 
     def tokenizer(self, directory: Path) -> Path:
@@ -57,14 +57,11 @@ class Form(Protocol):
     def initial_state(self, path: str | Path, seed: int) -> InitialState | None:
         """The published random initial state drawn under ``seed``; None: the form has no injected state."""
 
-    def obstacle(self, model: SpeedT5 | LoopedLM) -> str | None:
-        """The option that keeps ``model`` (an ``exports`` instance) out of this layout, in words; None: it fits."""
-
-    def files(self, model: SpeedT5 | LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """config.json and the tensors (published names) of ``model``: the inverse of ``load``."""
-
-    # only the ``job_pattern`` forms, whose ``hf:<name>`` may be a hub name:
-    # hub_config(name, pattern) -> the config of the job's ``pattern``; hub_model(name, pattern) -> its weights
+    # the exporter, of a form whose ``exports`` is a class:
+    # obstacle(model) -> the option that keeps ``model`` (an ``exports`` instance) out of the layout, None: it fits;
+    # files(model) -> config.json and the tensors (published names) of ``model``: the inverse of ``load``.
+    # Of a ``job_pattern`` form, whose ``hf:<name>`` may be a hub name:
+    # hub_config(name, pattern) -> its config in a job's ``pattern``; hub_model(name, pattern) -> its model so.
 
 
 FORMS: dict[str, Form] = {form.name: form for form in (T5Form(), LlamaForm(), OuroForm(), HuginnForm())}

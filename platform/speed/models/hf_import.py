@@ -19,9 +19,9 @@ from torch import Tensor, nn
 
 from speed.config import LMConfig, ModelConfig
 from speed.hf_files import ModelFilesError, WeightsError
-from speed.hf_tokenizer import load_tokenizer
+from speed.hf_tokenizer import TOKENIZER_FILE, load_tokenizer
 from speed.models.family import build_model
-from speed.models.looped_lm import LoopedLM
+from speed.models.looped_lm import InitialState, LoopedLM
 from speed.models.precision import with_dtype
 from speed.models.t5 import SpeedT5
 
@@ -95,11 +95,24 @@ def no_loop_option(n_loops: int | None, what: str) -> None:
         raise ValueError(f"n_loops={n_loops}: {what} loops as its pattern says; n_loops is for Ouro and Huginn")
 
 
-def lm_tokenizer(directory: Path) -> Path:
-    """A published LM's tokenizer: its folder (``tokenizer.json``, the chat template and EOS beside it,
-    ``speed.hf_tokenizer.load_tokenizer``); one it lacks, or a broken one, is its one line."""
-    load_tokenizer(directory)
-    return directory
+class LMForm:
+    """What the published decoder-only forms share (``speed.models.form.Form``; Llama, Ouro, Huginn): their tokenizer
+    is their folder's ``tokenizer.json`` with its chat template, and their config reader refuses, naming the field,
+    what does not convert (no check before it). A form with an injected initial state overrides ``initial_state``."""
+
+    tokenizer_file = TOKENIZER_FILE
+    job_pattern = False
+    chat = True
+
+    def check(self, hf: Mapping[str, Any]) -> None:
+        return None
+
+    def tokenizer(self, directory: Path) -> Path:
+        load_tokenizer(directory)  # no tokenizer.json, or a broken one: its line
+        return directory
+
+    def initial_state(self, path: str | Path, seed: int) -> InitialState | None:
+        return None
 
 
 def weights_dtype(model: nn.Module) -> torch.dtype:

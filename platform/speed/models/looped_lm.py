@@ -320,7 +320,6 @@ class Block(nn.Module):
         x, h = tile_residual(x, y, self.attn_out_norm, self.norm_sum, self.mlp_norm)  # the stream, mlp_norm of it
         return tile_residual(x, self.mlp.decode(h), self.mlp_out_norm, self.norm_sum, None)[0]
 
-
     def _block_weights(self, cos: Tensor) -> native.BlockWeights | None:
         """What ``native.lm_block`` reads of this block, or None where it cannot run it: every linear packed
         (``pack_linears``) in one dtype, RMS norms of float32 gains, float32 angles."""

@@ -78,7 +78,7 @@ def from_pretrained(
     form = form_of(read_config(path))
     state = _initial_state(path, form, initial_state_seed)  # a refusal before the memory check
     check_load(path, dtype=dtype, n_loops=n_loops, capacity=capacity)
-    model = form.load(path, dtype, n_loops)
+    model = form.load(path, dtype=dtype, n_loops=n_loops)
     if state is not None:
         model.initial_state = state
     return model
