@@ -74,15 +74,6 @@ def test_the_converted_config(huginn_dir):
     assert config.embed_scale == math.sqrt(32) and config.eos_id == 97 - 3 and config.vocab_size == 97
 
 
-def test_cached_path_equals_the_forward(huginn_dir):
-    assert_cached_equals_forward(load_huginn(huginn_dir), seed=3)
-
-
-@pytest.mark.slow
-def test_speed_equals_sequential_bit_for_bit(huginn_dir):
-    assert assert_speed_exact(load_huginn(huginn_dir), seed=4) > 0
-
-
 @pytest.mark.parametrize(
     "change, message",
     [

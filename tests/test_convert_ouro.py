@@ -11,9 +11,7 @@ import tempfile
 import pytest
 import torch
 from imported_helpers import (
-    assert_cached_equals_forward,
     assert_loops_match,
-    assert_speed_exact,
     one_line,
     token_ids,
 )
@@ -63,15 +61,6 @@ def test_the_converted_config():
 def _config() -> dict:
     with tempfile.TemporaryDirectory() as directory:
         return write_ouro_checkpoint(directory)
-
-
-def test_cached_path_equals_the_forward(ouro_dir):
-    assert_cached_equals_forward(load_ouro(ouro_dir), seed=3)
-
-
-@pytest.mark.slow
-def test_speed_equals_sequential_bit_for_bit(ouro_dir):
-    assert assert_speed_exact(load_ouro(ouro_dir), seed=4) > 0
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,10 @@ import json
 
 import pytest
 import torch
+from imported_helpers import assert_cached_equals_forward, assert_speed_exact
+from looped_refs import write_huginn_checkpoint, write_ouro_checkpoint
+from test_convert_huginn import SMALL
+from test_convert_ouro import SCALE
 
 import speed
 from speed.config import lm_preset
@@ -18,6 +22,11 @@ from speed.models.form import FORMS, export_forms, form_of, get_form
 from speed.models.looped_lm import LoopedLM
 from speed.models.pretrained import check_load, load_pretrained, model_source
 
+# the published looped forms' tiny checkpoints (``tests/looped_refs.py``), as their converters' tests write them
+PUBLISHED_LOOPED = {
+    "ouro": lambda directory: write_ouro_checkpoint(directory, total_ut_steps=3, seed=1, scale=SCALE),
+    "huginn": lambda directory: write_huginn_checkpoint(directory, **SMALL),
+}
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
@@ -76,3 +85,20 @@ def test_an_unregistered_form_is_one_line(tmp_path):
         model_source(tmp_path)
     with pytest.raises(ExportError, match="form 'tinyloop': choose one of t5, llama, ouro"):
         export(LoopedLM(lm_preset("tiny", pattern="2x1")), tmp_path / "out", form="tinyloop")
+
+
+@pytest.fixture(scope="module", params=sorted(PUBLISHED_LOOPED))
+def published_looped(request, tmp_path_factory):
+    """A published looped LM loaded through its form: Ouro's and Huginn's tiny checkpoints."""
+    directory = tmp_path_factory.mktemp(request.param)
+    PUBLISHED_LOOPED[request.param](directory)
+    return get_form(request.param).load(directory, dtype=torch.float32)
+
+
+def test_a_published_looped_lms_cached_path_equals_its_forward(published_looped):
+    assert_cached_equals_forward(published_looped, seed=3)
+
+
+@pytest.mark.slow
+def test_a_published_looped_lm_decodes_speed_equal_to_sequential_bit_for_bit(published_looped):
+    assert assert_speed_exact(published_looped, seed=4) > 0
