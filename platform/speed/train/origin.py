@@ -63,7 +63,7 @@ def _source(path: str) -> str:
 
 def origin_family(user: dict[str, Any]) -> dict[str, Any]:
     """``user`` with the family of the platform checkpoint (or run) ``init_from`` names: the checkpoint's family
-    wins, its model config replacing the job's anyway (``speed.train.launch.tokenizer_stage``), with a note when
+    wins, its model config replacing the job's anyway (``speed.train.tokenizer_stage``), with a note when
     ``--model`` said otherwise. A resumed run, a Hugging Face origin, or one that cannot be read (``check_inputs``
     names it) leaves ``user`` as it is."""
     origin = user.get("init_from")
