@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pyarrow as pa
 
@@ -30,8 +30,7 @@ from speed.data.tasks import Task, lm_task
 from speed.hf_tokenizer import prompt_ids
 from speed.tokenizer import TextTokenizer
 
-if TYPE_CHECKING:
-    from speed.data.shards import CorpusSpec
+CorpusSpec = Any  # a ``speed.data.shards.CorpusSpec`` (its lengths, packing and noise), which imports this module
 
 
 class PairsEncoder:

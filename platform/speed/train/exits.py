@@ -431,8 +431,8 @@ def _checkpoint(
     rank: int,
 ) -> None:
     """Every rank reports (a barrier); rank 0 writes the adapters and the optimizer state."""
-    from speed.train.loop import upload_with_marker
     from speed.train.state import checkpoint_name
+    from speed.train.worker_checkpoint import upload_with_marker
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
