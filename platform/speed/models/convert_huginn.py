@@ -42,16 +42,8 @@ from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
-from speed.models.hf_import import (
-    LMForm,
-    UnsupportedConfig,
-    empty_model,
-    expect,
-    field,
-    loop_count,
-    rope_theta,
-    single_eos,
-)
+from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, rope_theta, single_eos
+from speed.models.lm_form import LMForm
 from speed.models.looped_lm import InitialState, LoopedLM
 
 EMBEDDING, HEAD, FREQS = "transformer.wte.weight", "lm_head.weight", "freqs_cis"

@@ -46,7 +46,6 @@ from torch import Tensor
 from speed.config import LMConfig, SharingPattern
 from speed.hf_files import read_config, read_into, tensor_shapes
 from speed.models.hf_import import (
-    LMForm,
     check_names,
     empty_model,
     fill_parameters,
@@ -55,6 +54,7 @@ from speed.models.hf_import import (
     row_destinations,
     weights_dtype,
 )
+from speed.models.lm_form import LMForm
 from speed.models.looped_lm import LoopedLM
 
 if TYPE_CHECKING:

@@ -35,7 +35,6 @@ from speed.config import LMConfig
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
 from speed.models.convert_llama import common_obstacles, decoder_fields, llama_layer
 from speed.models.hf_import import (
-    LMForm,
     UnsupportedConfig,
     empty_model,
     expect,
@@ -45,6 +44,7 @@ from speed.models.hf_import import (
     single_eos,
     weights_dtype,
 )
+from speed.models.lm_form import LMForm
 from speed.models.looped_lm import LoopedLM
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -8,7 +8,7 @@ published names; None where the platform writes no such directory) and its token
 in its own converter module (``convert_t5``, ``convert_llama``, ``convert_ouro``, ``convert_huginn``); the
 loader (``speed.models.pretrained``), the exporter (``speed.models.export``) and training's imports
 (``speed.train.origin``, ``speed.train.exits``) ask this registry and compare no form's name. The decoder-only
-forms share ``speed.models.hf_import.LMForm``. A fifth form is one new module with its ``Form`` and one entry in
+forms share ``speed.models.lm_form.LMForm``. A fifth form is one new module with its ``Form`` and one entry in
 ``FORMS`` (``tests/test_forms.py`` registers one).
 """
 

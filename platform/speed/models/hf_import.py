@@ -1,6 +1,6 @@
 """What the converters of published forms share (``convert_t5``, ``convert_llama``, ``convert_ouro``,
 ``convert_huginn``): config.json's fields read with one-line errors, the names of a state dict checked, an empty
-model that the weights are read into, and the small rules every form's ``Form`` follows.
+model that the weights are read into, a refused ``n_loops``, and the dtype an exporter writes.
 
 A field the platform cannot honour (a sliding window, scaled rotary embeddings, test-time noise, ...) is an
 ``UnsupportedConfig`` naming it; the weights' names and shapes are checked (``speed.hf_files.check_shapes``)
@@ -19,9 +19,8 @@ from torch import Tensor, nn
 
 from speed.config import LMConfig, ModelConfig
 from speed.hf_files import ModelFilesError, WeightsError
-from speed.hf_tokenizer import TOKENIZER_FILE, load_tokenizer
 from speed.models.family import build_model
-from speed.models.looped_lm import InitialState, LoopedLM
+from speed.models.looped_lm import LoopedLM
 from speed.models.precision import with_dtype
 from speed.models.t5 import SpeedT5
 
@@ -93,26 +92,6 @@ def no_loop_option(n_loops: int | None, what: str) -> None:
     """Refuse ``n_loops`` for ``what``, which loops as its pattern says (a form that is not ``looped``)."""
     if n_loops is not None:
         raise ValueError(f"n_loops={n_loops}: {what} loops as its pattern says; n_loops is for Ouro and Huginn")
-
-
-class LMForm:
-    """What the published decoder-only forms share (``speed.models.form.Form``; Llama, Ouro, Huginn): their tokenizer
-    is their folder's ``tokenizer.json`` with its chat template, and their config reader refuses, naming the field,
-    what does not convert (no check before it). A form with an injected initial state overrides ``initial_state``."""
-
-    tokenizer_file = TOKENIZER_FILE
-    job_pattern = False
-    chat = True
-
-    def check(self, hf: Mapping[str, Any]) -> None:
-        return None
-
-    def tokenizer(self, directory: Path) -> Path:
-        load_tokenizer(directory)  # no tokenizer.json, or a broken one: its line
-        return directory
-
-    def initial_state(self, path: str | Path, seed: int) -> InitialState | None:
-        return None
 
 
 def weights_dtype(model: nn.Module) -> torch.dtype:
