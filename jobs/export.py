@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # this checkout's speed, not an installed one
 
 from speed.cli import JobParser, user_errors
-from speed.models.export import FORMS, Exported, export
+from speed.models.export import Exported, export
+from speed.models.form import export_forms
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", required=True, help="the new Hugging Face directory (a local path)")
     p.add_argument(
-        "--form", choices=FORMS, default=None, help="default: t5 for a T5, else ouro where it fits, else llama"
+        "--form", choices=export_forms(), default=None, help="default: t5 for a T5, else ouro where it fits, else llama"
     )
     return p.parse_args(argv)
 

@@ -4,15 +4,20 @@ reference, its cached path against its forward, SPEED against sequential decodin
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 from engine_helpers import speed_as_sequential
+from safetensors.torch import save_file
 from test_lm_decoding import prompts
 
 from speed.decode.exactness import LogitRecorder
 from speed.decode.generate import generate
 from speed.engine import Speculation
 from speed.engine.sampling import Sampling
+from speed.hf_files import WeightsError
 
 ATOL = 1e-4
 VOCAB = 97  # the checkpoint writers' (looped_refs)
@@ -28,6 +33,15 @@ def one_line(error) -> str:
     text = str(error.value)
     assert "\n" not in text, text
     return text
+
+
+def weights_refusal(directory: Path, weights: dict[str, torch.Tensor], load: Callable[[Path], object]) -> str:
+    """``weights`` written as the directory's ``model.safetensors`` and the directory loaded with ``load``: the
+    one-line ``WeightsError`` it must raise."""
+    save_file(weights, str(directory / "model.safetensors"))
+    with pytest.raises(WeightsError) as error:
+        load(directory)
+    return one_line(error)
 
 
 def assert_loops_match(model, ids: torch.Tensor, want: list[torch.Tensor], atol: float = ATOL) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
@@ -10,6 +9,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
+from job_helpers import job_module
 
 import speed.eval.evaluate
 from speed import SpeedT5, preset
@@ -21,7 +21,6 @@ from speed.engine import Speculation
 from speed.eval.evaluate import EVAL_TRACE_SCHEMA, PREDICTIONS_SCHEMA, DecodingMismatch, EvalConfig, run_evaluation
 from speed.models.checkpoint import save_model
 from speed.models.looped_lm import LoopedLM
-from speed.paths import repo_root
 from speed.tokenizer import train_tokenizer
 
 
@@ -55,10 +54,7 @@ def lm_checkpoint(checkpoint, tmp_path_factory):
 
 
 def _job():
-    spec = importlib.util.spec_from_file_location("evaluate_job", repo_root() / "jobs" / "evaluate.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    return job
+    return job_module("evaluate")
 
 
 def test_job_end_to_end(checkpoint, tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""speed.hf_files: config.json and safetensors weights of a Hugging Face model directory, with one-line errors."""
+"""speed.hf_files: config.json and safetensors weights of a Hugging Face model directory, with one-line errors; the
+form a config.json names (``speed.models.form.form_of``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from safetensors.torch import save_file
 
 from speed import hf_files
 from speed.hf_files import ModelFilesError, WeightsError
+from speed.models.form import FORMS, form_of
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -63,15 +65,15 @@ def test_read_config_and_forms(tmp_path):
     for form, config in cases.items():
         (tmp_path / "config.json").write_text(json.dumps(config))
         assert hf_files.read_config(tmp_path) == config
-        assert hf_files.model_form(hf_files.read_config(tmp_path)) == form
-    assert hf_files.FORMS == ("t5", "llama", "ouro", "huginn")
+        assert form_of(hf_files.read_config(tmp_path)).name == form
+    assert tuple(FORMS) == ("t5", "llama", "ouro", "huginn")
 
 
 def test_published_tiny_configs_are_known_forms(tmp_path):
     write_ouro_checkpoint(tmp_path / "ouro")
     write_huginn_checkpoint(tmp_path / "huginn")
-    assert hf_files.model_form(hf_files.read_config(tmp_path / "ouro")) == "ouro"
-    assert hf_files.model_form(hf_files.read_config(tmp_path / "huginn")) == "huginn"
+    assert form_of(hf_files.read_config(tmp_path / "ouro")).name == "ouro"
+    assert form_of(hf_files.read_config(tmp_path / "huginn")).name == "huginn"
     assert hf_files.remote_code(hf_files.read_config(tmp_path / "huginn")) == {
         "AutoConfig": "raven_config_minimal.RavenConfig",
         "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM",
@@ -94,14 +96,14 @@ def test_config_errors_are_one_line(tmp_path):
 
 def test_model_form_refusals_name_the_problem():
     with pytest.raises(ModelFilesError) as error:
-        hf_files.model_form({"model_type": "gpt2"})
+        form_of({"model_type": "gpt2"})
     assert one_line(error) == (
         "config.json: model_type 'gpt2' is not one the platform loads (known: t5, llama, ouro, huginn_raven)"
     )
     with pytest.raises(ModelFilesError, match="has no model_type"):
-        hf_files.model_form({})
+        form_of({})
     with pytest.raises(ModelFilesError, match=r"feed_forward_proj 'relu'; only T5 v1.1 \('gated-gelu'\)"):
-        hf_files.model_form({"model_type": "t5"})  # T5Config's default: the original T5
+        form_of({"model_type": "t5"})  # T5Config's default: the original T5
 
 
 def test_auto_map_is_reported_never_imported(tmp_path):
@@ -110,7 +112,7 @@ def test_auto_map_is_reported_never_imported(tmp_path):
     config = {"model_type": "ouro", "auto_map": {"AutoModelForCausalLM": "evil.Model", "AutoTokenizer": ["a", None]}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     read = hf_files.read_config(tmp_path)
-    assert hf_files.model_form(read) == "ouro"
+    assert form_of(read).name == "ouro"
     assert hf_files.remote_code(read) == {"AutoModelForCausalLM": "evil.Model", "AutoTokenizer": "['a', None]"}
     assert "evil" not in sys.modules
 

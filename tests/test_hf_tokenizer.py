@@ -454,7 +454,7 @@ def test_the_post_processor_decides_as_in_transformers(tmp_path, post_processor,
 def test_the_looped_lm_family_encodes_as_published(huginn_dir):
     """Where the platform turns text into a looped LM's input: a completion's raw prompt, a served chat, an
     evaluation source (the model's own template) and a training document all start as transformers starts them."""
-    from speed.data.shards import _RowsEncoder
+    from speed.data.encoders import RowsEncoder
     from speed.models.family import get_family
 
     ours, theirs = HFTokenizer.load(huginn_dir), transformers.AutoTokenizer.from_pretrained(str(huginn_dir))
@@ -468,5 +468,5 @@ def test_the_looped_lm_family_encodes_as_published(huginn_dir):
         theirs.apply_chat_template(source, tokenize=True, add_generation_prompt=True, return_dict=False)
     ]
     documents = pa.table({"text": TEXTS[:3]})
-    rows = _RowsEncoder(SimpleNamespace(pack=False, max_source_len=1000), ours).encode(documents)["input_ids"]
+    rows = RowsEncoder(SimpleNamespace(pack=False, max_source_len=1000), ours).encode(documents)["input_ids"]
     assert rows == [theirs.encode(text) + [ours.eos_id] for text in TEXTS[:3]]  # BOS first, EOS last

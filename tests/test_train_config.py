@@ -193,8 +193,9 @@ def test_init_from_an_lm_checkpoint_finetunes_an_lm_whatever_model_says(tmp_path
     from speed.models.checkpoint import COMPLETE_FILE
     from speed.models.looped_lm import LoopedLM
     from speed.tokenizer import Tokenizer
-    from speed.train.launch import check_inputs, tokenizer_stage
+    from speed.train.launch import check_inputs
     from speed.train.state import save_job_model
+    from speed.train.tokenizer_stage import tokenizer_stage
 
     torch.manual_seed(0)
     model = LoopedLM(lm_preset("tiny", pattern="1+2x3+1", vocab_size=Tokenizer.load(tiny_tokenizer).vocab_size))

@@ -3,19 +3,18 @@ tracked in MLflow; a run stopped at a step and relaunched ends with the adapters
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from job_helpers import job_module
 
 from speed.config import preset
 from speed.decode.generate import generate
 from speed.models.checkpoint import backbone_state, load_model, newest_complete_checkpoint, save_model
 from speed.models.exits import EXITS_CONFIG_FILE, exit_kl
 from speed.models.t5 import SpeedT5
-from speed.paths import repo_root
 from speed.tokenizer import Tokenizer
 from speed.train.config import job_from_args, job_to_dict
 from speed.train.exits import ExitTrainConfig, _decoded, exits_run_name, run_exits
@@ -121,10 +120,7 @@ def test_exit_kl_is_zero_on_agreement_and_counts_agreement():
 
 
 def _job():
-    spec = importlib.util.spec_from_file_location("train_exits_job", repo_root() / "jobs" / "train_exits.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    return job
+    return job_module("train_exits")
 
 
 def test_the_job_refuses_the_last_loop(tiny_tokenizer, tmp_path, capsys):

@@ -4,22 +4,17 @@ families, sizes the LM to the T5 and writes one row of each, evaluated on the sa
 
 from __future__ import annotations
 
-import importlib.util
-
 import pyarrow.parquet as pq
 import pytest
+from job_helpers import job_module
 
 from speed.analysis.families import load_families
-from speed.paths import repo_root
 from speed.train.config import job_from_layers
 from speed.train.families import FAMILIES_FILE, FAMILIES_SCHEMA, FamiliesConfig, compare_families
 
 
 def _job_module():
-    spec = importlib.util.spec_from_file_location("compare_families_job", repo_root() / "jobs" / "compare_families.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
-    return job
+    return job_module("compare_families")
 
 
 def _jobs(storage, tokenizer, task: str = "translate_en_de"):

@@ -3,7 +3,8 @@
 from speed.data.corpus import open_corpus
 from speed.tokenizer import Tokenizer
 from speed.train.config import job_from_args
-from speed.train.launch import data_stage, run_directory, tokenizer_stage
+from speed.train.launch import data_stage, run_directory
+from speed.train.tokenizer_stage import tokenizer_stage
 
 
 def test_tokenizer_and_data_stages_prepare_what_training_and_sweeps_read(tiny_tokenizer, tmp_path):

@@ -11,7 +11,7 @@ training prompt, and the model answers it. The template is stored in every LM ch
 
 Each message is ``turn`` with its role and content; ``cue`` ends the prompt, where the answer begins.
 
-An imported model brings its own Jinja template instead (``speed.hf_tokenizer.HFChatTemplate``, read from its
+An imported model brings its own Jinja template instead (``speed.hf_chat_template.HFChatTemplate``, read from its
 ``tokenizer_config.json`` or ``chat_template.jinja``). Both have the shape ``ChatRenderer``: ``render(messages)``
 is the prompt text, ending where the assistant's answer begins; ``render_chat`` and ``task_prompt`` take either.
 """

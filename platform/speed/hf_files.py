@@ -6,9 +6,7 @@ A foundation module: it imports nothing from ``speed``, and never runs code from
 imports it.
 
 - ``read_config(dir)``: the parsed ``config.json``, or a one-line ``ModelFilesError``.
-- ``model_form(config)``: which of the forms the platform loads the config describes, from its
-  ``model_type`` (``FORMS``): ``"t5"`` (T5 v1.1: ``feed_forward_proj == "gated-gelu"``), ``"llama"``,
-  ``"ouro"`` (ByteDance's Ouro) or ``"huginn"`` (``model_type == "huginn_raven"``: Huginn-0125).
+  Which published form a config describes is the registry's (``speed.models.form.form_of``), not this module's.
 - ``tensor_shapes(dir)``: every tensor's name, shape and stored dtype, from the safetensors headers alone.
 - ``read_weights(dir, dtype, expected, optional)``: the tensors, each allocated as ``dtype`` (floating-point ones)
   and filled by ``read_into``; checked against ``expected`` (name -> shape) before any is read, with a one-line
@@ -46,10 +44,6 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
-# model_type -> form; T5 further needs the v1.1 feed-forward (``T5_FEED_FORWARD``).
-MODEL_TYPES = {"t5": "t5", "llama": "llama", "ouro": "ouro", "huginn_raven": "huginn"}
-FORMS = tuple(dict.fromkeys(MODEL_TYPES.values()))
-T5_FEED_FORWARD = "gated-gelu"
 CHUNK_BYTES = 16 * 2**20  # a tensor converted or compared as it is read goes through a buffer of at most this
 NAMES_SHOWN = 5  # names listed in an error before "(+N more)"
 # safetensors' dtype names -> torch's (the formats a checkpoint of the platform's forms holds)
@@ -80,26 +74,6 @@ def read_config(directory: str | Path) -> dict:
     if not isinstance(config, dict):
         raise ModelFilesError(f"{path}: a JSON {type(config).__name__}, not an object")
     return config
-
-
-def model_form(config: Mapping) -> str:
-    """Which form (``FORMS``) ``config`` describes; a one-line ``ModelFilesError`` for any other model."""
-    model_type = config.get("model_type")
-    if model_type is None:
-        raise ModelFilesError(f"config.json has no model_type (known: {_known()})")
-    form = MODEL_TYPES.get(model_type)
-    if form is None:
-        raise ModelFilesError(
-            f"config.json: model_type {model_type!r} is not one the platform loads (known: {_known()})"
-        )
-    if form == "t5":
-        # T5Config's default is "relu": the original T5 (v1.0), whose feed-forward the platform lacks.
-        feed_forward = config.get("feed_forward_proj", "relu")
-        if feed_forward != T5_FEED_FORWARD:
-            raise ModelFilesError(
-                f"config.json: a T5 with feed_forward_proj {feed_forward!r}; only T5 v1.1 ({T5_FEED_FORWARD!r}) loads"
-            )
-    return form
 
 
 def remote_code(config: Mapping) -> dict[str, str]:
@@ -360,10 +334,6 @@ def _shape(shape: Iterable[int]) -> str:
 
 def _s(items: Collection) -> str:
     return "" if len(items) == 1 else "s"
-
-
-def _known() -> str:
-    return ", ".join(MODEL_TYPES)
 
 
 def _one_line(error: BaseException) -> str:

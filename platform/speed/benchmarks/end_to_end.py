@@ -33,8 +33,9 @@ from speed.decode.generate import generate
 from speed.engine.kernels import ATTN_CHUNK
 from speed.engine.memory import available_bytes, size
 from speed.engine.types import EngineConfig
-from speed.hf_files import model_form, read_config
+from speed.hf_files import read_config
 from speed.hf_tokenizer import load_tokenizer
+from speed.models.form import form_of
 from speed.models.precision import DTYPES, dtype_named
 from speed.models.pretrained import check_load, from_pretrained
 
@@ -90,7 +91,7 @@ def run(directory: str | Path, dtype: torch.dtype = torch.bfloat16, tokens: int 
     weights = sum(p.nbytes for p in model.parameters())
     after_load = peak_rss()
     tokenizer = load_tokenizer(directory)
-    form = model_form(read_config(directory))
+    form = form_of(read_config(directory)).name
     ids = torch.tensor([tokenizer.encode(PROMPT, add_eos=form == "t5")])
     model.pack_for_decoding()  # as a Serve replica decodes
     timed = {}

@@ -71,9 +71,7 @@ def tokenize_records(
         runs = _map(runs, pack_runs, {"run": run}, ["tokens"], "pack", None)
     corrupt = {"seed": seed, "noise_density": noise_density, "mean_span_length": mean_span_length}
     kwargs = {**corrupt, "sentinel_id": tokenizer.sentinel_id}
-    return _map(
-        runs, _corrupt_runs, kwargs, ["tokens"], "span corruption", procs, with_indices=True, features=features
-    )
+    return _map(runs, _corrupt_runs, kwargs, ["tokens"], "span corruption", procs, with_indices=True, features=features)
 
 
 def check_encoding(task: Task, max_source_len: int, max_target_len: int, pack: bool) -> None:

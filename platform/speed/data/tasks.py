@@ -40,45 +40,28 @@ class Task:
         return {"source": self.source_field, "target": self.target_field}
 
 
+def _summarization(
+    name: str, hub: str, hub_config: str | None, local_dir: str | None, document: str, summary: str, instruction: str
+) -> Task:
+    """A summarization task: a hub dataset's documents and summaries, under T5's ``summarize:`` prefix, scored by
+    ROUGE."""
+    return Task(name, hub, hub_config, streaming=False, local_dir=local_dir, source_field=document,
+                target_field=summary, prefix="summarize: ", instruction=instruction, metrics=("rouge",))  # fmt: skip
+
+
 TASKS: dict[str, Task] = {
-    "pretrain": Task("pretrain", "allenai/c4", "en", streaming=True, local_dir="pretrain_text", source_field="text"),
-    "translate_en_de": Task(
-        "translate_en_de",
-        "wmt/wmt16",
-        "de-en",
-        streaming=False,
-        local_dir="multi30k_en_de",
-        source_field="translation.en",
-        target_field="translation.de",
-        prefix="translate English to German: ",
-        instruction="Translate to German: ",
-        metrics=("bleu", "chrf"),
-    ),
-    "summarize": Task(
-        "summarize",
-        "EdinburghNLP/xsum",
-        None,
-        streaming=False,
-        local_dir="news_headlines",
-        source_field="document",
-        target_field="summary",
-        prefix="summarize: ",
-        instruction="Write a headline for this article: ",
-        metrics=("rouge",),
-    ),
-    "summarize_cnn_dailymail": Task(
-        "summarize_cnn_dailymail",
-        "abisee/cnn_dailymail",
-        "3.0.0",
-        streaming=False,
-        local_dir=None,
-        source_field="article",
-        target_field="highlights",
-        prefix="summarize: ",
-        instruction="Summarize: ",
-        metrics=("rouge",),
-    ),
-}
+    task.name: task
+    for task in (
+        Task("pretrain", "allenai/c4", "en", streaming=True, local_dir="pretrain_text", source_field="text"),
+        Task("translate_en_de", "wmt/wmt16", "de-en", streaming=False, local_dir="multi30k_en_de",
+             source_field="translation.en", target_field="translation.de", prefix="translate English to German: ",
+             instruction="Translate to German: ", metrics=("bleu", "chrf")),
+        _summarization("summarize", "EdinburghNLP/xsum", None, "news_headlines", "document", "summary",
+                       instruction="Write a headline for this article: "),
+        _summarization("summarize_cnn_dailymail", "abisee/cnn_dailymail", "3.0.0", None, "article", "highlights",
+                       instruction="Summarize: "),
+    )
+}  # fmt: skip
 
 
 def lm_task(task: Task) -> Task:

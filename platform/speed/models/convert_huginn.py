@@ -43,6 +43,7 @@ from torch import Tensor
 from speed.config import LMConfig, SharingPattern
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
 from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, rope_theta, single_eos
+from speed.models.lm_form import LMForm
 from speed.models.looped_lm import InitialState, LoopedLM
 
 EMBEDDING, HEAD, FREQS = "transformer.wte.weight", "lm_head.weight", "freqs_cis"
@@ -189,3 +190,22 @@ def _blocks(config: LMConfig) -> list[tuple[str, str]]:
     sharing = config.sharing
     counts = {"prelude": sharing.prelude, "core_block": sharing.n_unique, "coda": sharing.coda}
     return [(f"transformer.{part}.{i}.", f"{PARTS[part]}.{i}.") for part, n in counts.items() for i in range(n)]
+
+
+# ----- the form -----------------------------------------------------------------------------------
+
+
+class HuginnForm(LMForm):
+    """Huginn-0125 (``model_type: "huginn_raven"``) as a ``LoopedLM`` ``P+Nx{num_steps}+C`` with injection and its
+    seeded random initial state; the platform writes no Huginn directory (``exports`` None, so neither
+    ``obstacle`` nor ``files`` is asked)."""
+
+    name = "huginn"
+    model_type = "huginn_raven"
+    looped = True
+    exports = None
+    config = staticmethod(config_from_huginn)
+    load = staticmethod(load_huginn)
+
+    def initial_state(self, path: str | Path, seed: int) -> InitialState:
+        return huginn_initial_state(path, seed)

@@ -35,15 +35,26 @@ the tied model is a starting point for uptraining, not a copy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from speed.config import LMConfig, SharingPattern
-from speed.models.convert_t5 import check_names, fill_parameters
-from speed.models.hf_import import rope_theta
+from speed.hf_files import read_config, read_into, tensor_shapes
+from speed.models.hf_import import (
+    check_names,
+    empty_model,
+    fill_parameters,
+    no_loop_option,
+    rope_theta,
+    row_destinations,
+    weights_dtype,
+)
+from speed.models.lm_form import LMForm
 from speed.models.looped_lm import LoopedLM
 
 if TYPE_CHECKING:
@@ -54,6 +65,7 @@ EMBEDDING = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 # Present in checkpoints of older transformers versions; recomputed from the config, never learned.
 ROTARY_BUFFER = ".self_attn.rotary_emb.inv_freq"
+MAX_POSITIONS = 4096  # an exported config.json's max_position_embeddings: unscaled rotary embeddings ignore it
 
 
 @dataclass(frozen=True)
@@ -178,3 +190,133 @@ def from_pretrained(name_or_path: str, pattern: str | None = None, **kwargs: Any
     from transformers import AutoModelForCausalLM
 
     return from_llama(AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs), pattern)
+
+
+# ----- the form -----------------------------------------------------------------------------------
+
+
+class LlamaForm(LMForm):
+    """A plain Llama (``model_type: "llama"``) as the pre-norm ``LoopedLM`` ``{layers}x1``; a pre-norm ``LoopedLM``
+    (``P+NxM+C``) exports as one, unrolled (``llama_files``)."""
+
+    name = "llama"
+    model_type = "llama"
+    looped = False
+    exports = LoopedLM
+
+    def config(self, hf: Mapping[str, Any], n_loops: int | None = None) -> LMConfig:
+        from transformers import LlamaConfig
+
+        no_loop_option(n_loops, f"a {self.name} checkpoint")
+        return config_from_llama(LlamaConfig.from_dict(dict(hf)))
+
+    def load(self, path: str | Path, *, dtype: torch.dtype, n_loops: int | None = None) -> LoopedLM:
+        """A Llama directory through ``conversion_plan`` (the plain stack, ``{layers}x1``), each stored tensor read
+        into its place (a tied head's stored copy compared with the embedding as it is read)."""
+        config = self.config(read_config(path), n_loops)
+        plan = conversion_plan(config, config.sharing.n_unique)
+        shapes = {name: shape for name, (shape, _) in tensor_shapes(path).items()}
+        check_names(shapes, plan.used, lambda name: name in plan.skipped or name.endswith(ROTARY_BUFFER))
+        model = empty_model(config, dtype)
+        sources = {name: groups[0] for name, groups in plan.sources.items()}  # the plain stack: one layer each
+        with torch.no_grad():
+            destinations = row_destinations(path, model, sources, shapes)
+            read_into(path, destinations, {HEAD: EMBEDDING} if config.tie_embeddings else None)
+        return model.eval()
+
+    def obstacle(self, model: LoopedLM) -> str | None:
+        return llama_obstacle(model.config)
+
+    def files(self, model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        return llama_files(model)
+
+
+def llama_obstacle(config: LMConfig) -> str | None:
+    """The option that keeps a ``LoopedLM`` of ``config`` from unrolling into a plain Llama; None when it fits."""
+    checks = [
+        (config.norm != "pre", f"norm={config.norm!r}: a Llama layer is pre-norm only"),
+        (config.loop_norm, "loop_norm: it normalises between loops, and a Llama stack has no place for that"),
+        (config.exit_gate, "exit_gate: a Llama has no exit gate (its lambdas would be lost)"),
+        *common_obstacles(config, "a Llama"),
+    ]
+    return next((why for failed, why in checks if failed), None)
+
+
+def common_obstacles(config: LMConfig, name: str) -> list[tuple[bool, str]]:
+    """The options neither Llama's layout nor Ouro's (``name``) has: (whether ``config`` holds it, why it is out)."""
+    return [
+        (config.injection, f"injection: {name} has no input injection adapter"),
+        (config.rope_layout != "halves", f"rope_layout={config.rope_layout!r}: {name} rotates halves"),
+        (config.qk_bias, f"qk_bias: {name}'s queries and keys have no bias"),
+        (config.embed_scale != 1.0, f"embed_scale={config.embed_scale}: {name} does not scale its embedding"),
+        (config.coda_norm, f"coda_norm: {name} normalises only before its head"),
+    ]
+
+
+def llama_files(model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A plain Llama's config.json and tensors for ``model`` unrolled: prelude, the core M times, coda, final norm,
+    head; P + N*M + C layers, each virtual layer's weights copied. A Llama has one exit, at the end, so only the
+    last loop's logits are kept (the coda runs once, after the last loop); the sharing and earlier exits are lost."""
+    c, state, s = model.config, model.state_dict(), model.config.sharing
+    blocks = [f"prelude.{p}." for p in range(s.prelude)]
+    blocks += [f"core.{j}." for _ in range(s.n_loops) for j in range(s.n_unique)]
+    blocks += [f"coda.{k}." for k in range(s.coda)]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "rope_scaling": None,
+        **decoder_fields(c, len(blocks), weights_dtype(model)),
+    }
+    weights = {EMBEDDING: state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
+    if not c.tie_embeddings:
+        weights[HEAD] = state["lm_head.weight"]
+    for i, block in enumerate(blocks):
+        hf = f"model.layers.{i}."
+        weights |= llama_layer(state, block, hf, c)
+        weights[hf + "input_layernorm.weight"] = state[block + "attn_norm.weight"]
+        weights[hf + "post_attention_layernorm.weight"] = state[block + "mlp_norm.weight"]
+    return config, weights
+
+
+def decoder_fields(c: LMConfig, n_layers: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json fields Ouro and Llama share (``LlamaConfig``'s names)."""
+    import transformers
+
+    return {
+        "bos_token_id": c.eos_id,
+        "eos_token_id": c.eos_id,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": c.d_model,
+        "initializer_range": 0.02,
+        "intermediate_size": c.d_ff,
+        "max_position_embeddings": MAX_POSITIONS,
+        "num_attention_heads": c.n_heads,
+        "num_hidden_layers": n_layers,
+        "num_key_value_heads": c.n_kv_heads,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_embeddings,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "transformers_version": transformers.__version__,
+        "use_cache": True,
+        "vocab_size": c.vocab_size,
+    }
+
+
+def llama_layer(state: Mapping[str, Tensor], ours: str, hf: str, c: LMConfig) -> dict[str, Tensor]:
+    """One block's attention and MLP weights under Llama's (and Ouro's) names: fused rows split again."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    wq, wk, wv = state[ours + "attn.qkv.weight"].split([q, kv, kv])
+    gate, up = state[ours + "mlp.wi.weight"].chunk(2)
+    return {
+        hf + "self_attn.q_proj.weight": wq,
+        hf + "self_attn.k_proj.weight": wk,
+        hf + "self_attn.v_proj.weight": wv,
+        hf + "self_attn.o_proj.weight": state[ours + "attn.o.weight"],
+        hf + "mlp.gate_proj.weight": gate,
+        hf + "mlp.up_proj.weight": up,
+        hf + "mlp.down_proj.weight": state[ours + "mlp.wo.weight"],
+    }

@@ -33,10 +33,27 @@ from torch import Tensor
 
 from speed.config import LMConfig
 from speed.hf_files import check_shapes, read_config, read_into, tensor_shapes
-from speed.models.hf_import import UnsupportedConfig, empty_model, expect, field, loop_count, rope_theta, single_eos
+from speed.models.convert_llama import common_obstacles, decoder_fields, llama_layer
+from speed.models.hf_import import (
+    UnsupportedConfig,
+    empty_model,
+    expect,
+    field,
+    loop_count,
+    rope_theta,
+    single_eos,
+    weights_dtype,
+)
+from speed.models.lm_form import LMForm
 from speed.models.looped_lm import LoopedLM
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# The remote code a published Ouro config names (ByteDance/Ouro-1.4B); an export names it and copies no file of it.
+OURO_AUTO_MAP = {
+    "AutoConfig": "configuration_ouro.OuroConfig",
+    "AutoModel": "modeling_ouro.OuroModel",
+    "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+}
 # published sandwich norm -> ours, in each layer
 NORMS = {
     "input_layernorm": "attn_norm",
@@ -160,3 +177,69 @@ def load_ouro(directory: str | Path, *, dtype: torch.dtype = torch.float32, n_lo
     with torch.no_grad():
         read_into(directory, ouro_destinations(model), {HEAD: EMBEDDING} if config.tie_embeddings else None)
     return model.eval()
+
+
+# ----- the form -----------------------------------------------------------------------------------
+
+
+def ouro_obstacle(config: LMConfig) -> str | None:
+    """The option that keeps a ``LoopedLM`` of ``config`` out of Ouro's layout, in words; None when it fits."""
+    s = config.sharing
+    checks = [
+        (s.prelude or s.coda, f"pattern {config.pattern}: Ouro loops all of its layers, with no prelude or coda"),
+        (config.norm != "sandwich", f"norm={config.norm!r}: Ouro's layers are sandwich-normed"),
+        (not config.loop_norm, "loop_norm=False: Ouro feeds each loop the final norm's output"),
+        (not config.exit_gate, "exit_gate=False: Ouro's layout holds an exit gate"),
+        *common_obstacles(config, "Ouro"),
+    ]
+    return next((why for failed, why in checks if failed), None)
+
+
+def ouro_files(model: LoopedLM) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Ouro's config.json (its fields, ``total_ut_steps``, an ``auto_map`` naming the public remote code) and
+    tensors (published names) for ``model``: the inverse of ``load_ouro``; every loop's logits and exit gate kept."""
+    c, state = model.config, model.state_dict()
+    n = c.sharing.n_unique
+    config = {
+        "architectures": ["OuroForCausalLM"],
+        "attention_dropout": 0.0,
+        "auto_map": OURO_AUTO_MAP,
+        "early_exit_threshold": 1.0,
+        "layer_types": ["full_attention"] * n,
+        "max_window_layers": n,
+        "model_type": "ouro",
+        "rope_scaling": None,
+        "sliding_window": None,
+        "total_ut_steps": c.sharing.n_loops,
+        "use_sliding_window": False,
+        **decoder_fields(c, n, weights_dtype(model)),
+    }
+    weights = {EMBEDDING: state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
+    weights |= {
+        "model.early_exit_gate.weight": state["exit_gate.weight"],
+        "model.early_exit_gate.bias": state["exit_gate.bias"],
+    }
+    if not c.tie_embeddings:
+        weights[HEAD] = state["lm_head.weight"]
+    for i in range(n):
+        weights |= llama_layer(state, f"core.{i}.", f"model.layers.{i}.", c)
+        weights |= {
+            f"model.layers.{i}.{theirs}.weight": state[f"core.{i}.{ours}.weight"] for theirs, ours in NORMS.items()
+        }
+    return config, weights
+
+
+class OuroForm(LMForm):
+    """Ouro (``model_type: "ouro"``) as a ``LoopedLM`` ``Lx{total_ut_steps}``; a ``LoopedLM`` in exactly Ouro's
+    options exports as one, losing nothing (``ouro_files``)."""
+
+    name = "ouro"
+    model_type = "ouro"
+    looped = True
+    exports = LoopedLM
+    config = staticmethod(config_from_ouro)
+    load = staticmethod(load_ouro)
+    files = staticmethod(ouro_files)
+
+    def obstacle(self, model: LoopedLM) -> str | None:
+        return ouro_obstacle(model.config)

@@ -44,20 +44,28 @@ always comes from HF block 0, which computes it for the whole stack.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from speed.config import ModelConfig
+from speed.hf_files import ModelFilesError, read_config, read_into, tensor_shapes
+from speed.models.hf_import import (
+    check_names,
+    empty_model,
+    fill_parameters,
+    no_loop_option,
+    row_destinations,
+    weights_dtype,
+)
 from speed.models.t5 import SpeedT5
 
 if TYPE_CHECKING:
     from transformers import T5Config, T5ForConditionalGeneration
-
-M = TypeVar("M", bound=nn.Module)
 
 # HF stores the same embedding under these names as well as ``shared.weight``.
 EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
@@ -65,6 +73,10 @@ EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"
 UNUSED_CROSS_BIAS = "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"
 # Model types with exactly the T5 v1.1 parameter layout (mT5 is T5 v1.1 with a larger vocabulary).
 T5_MODEL_TYPES = ("t5", "mt5")
+# T5Config's default feed-forward is "relu": the original T5 (v1.0), which the platform lacks.
+T5_FEED_FORWARD = "gated-gelu"
+TOKENIZER_FILE = "spiece.model"  # a T5 v1.1 directory's SentencePiece model (T5 reads SentencePiece ids)
+HEAD = "lm_head.weight"
 # Both are the tanh approximation of GELU that our GatedFFN computes.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 # Our ModelConfig field -> the T5Config field that holds the same value (both directions of the conversion).
@@ -284,35 +296,6 @@ def from_hf_state_dict(
     return fill_parameters(SpeedT5(config), values).eval()
 
 
-def check_names(state_dict: dict[str, Tensor], used: set[str], skipped: Callable[[str], bool]) -> None:
-    """Refuse (``KeyError``) a state dict that lacks a tensor in ``used`` or holds one neither used nor ``skipped``."""
-    missing = sorted(hf for hf in used if hf not in state_dict)
-    if missing:
-        raise KeyError(f"HF state dict lacks {len(missing)} tensor(s) the conversion needs: {missing}")
-    unexpected = sorted(k for k in state_dict if k not in used and not skipped(k))
-    if unexpected:
-        raise KeyError(f"HF state dict has {len(unexpected)} tensor(s) this conversion does not know: {unexpected}")
-
-
-def fill_parameters(model: M, values: dict[str, tuple[Tensor, str]]) -> M:
-    """``model`` with every parameter copied from ``values[name] = (tensor, the HF tensors it came from)``.
-
-    A parameter without a value, or a value of another shape, is an error.
-    """
-    params = dict(model.named_parameters())
-    unfilled = sorted(set(params) - set(values))
-    if unfilled:
-        raise RuntimeError(f"conversion plan leaves {type(model).__name__} parameter(s) unfilled: {unfilled}")
-    with torch.no_grad():
-        for name, (value, origin) in values.items():
-            if value.shape != params[name].shape:
-                raise ValueError(
-                    f"{name} expects shape {tuple(params[name].shape)}, HF {origin} give {tuple(value.shape)}"
-                )
-            params[name].copy_(value)
-    return model
-
-
 def from_hf_model(
     hf_model: T5ForConditionalGeneration, pattern: str | None = None, layer_map: list[int] | None = None
 ) -> SpeedT5:
@@ -335,3 +318,129 @@ def from_pretrained(
 
     hf_model = T5ForConditionalGeneration.from_pretrained(name_or_path, **kwargs)
     return from_hf_model(hf_model, pattern, layer_map)
+
+
+# ----- the form -----------------------------------------------------------------------------------
+
+
+class T5Form:
+    """T5 v1.1 (``model_type: "t5"``, ``feed_forward_proj: "gated-gelu"``) as ``SpeedT5``: its decoder loaded as
+    its ``{L}x1`` stack, or re-looped into a finetuning job's pattern (``job_pattern``: ``layer_map``)."""
+
+    name = "t5"
+    model_type = "t5"
+    tokenizer_file = TOKENIZER_FILE
+    looped = False
+    job_pattern = True
+    chat = False  # a T5 reads source texts, not chats
+    exports = SpeedT5
+
+    def check(self, hf: Mapping[str, Any]) -> None:
+        feed_forward = hf.get("feed_forward_proj", "relu")
+        if feed_forward != T5_FEED_FORWARD:
+            raise ModelFilesError(
+                f"config.json: a T5 with feed_forward_proj {feed_forward!r}; only T5 v1.1 ({T5_FEED_FORWARD!r}) loads"
+            )
+
+    def config(self, hf: Mapping[str, Any], n_loops: int | None = None) -> ModelConfig:
+        from transformers import T5Config
+
+        no_loop_option(n_loops, f"a {self.name} checkpoint")
+        return config_from_hf(T5Config.from_dict(dict(hf)))
+
+    def load(self, path: str | Path, *, dtype: torch.dtype, n_loops: int | None = None) -> SpeedT5:
+        """A T5 v1.1 directory through ``conversion_plan``, each stored tensor read into its place (the embedding's
+        stored copies compared with it as it is read)."""
+        from transformers import T5Config
+
+        no_loop_option(n_loops, f"a {self.name} checkpoint")
+        hf = T5Config.from_dict(read_config(path))
+        config = config_from_hf(hf)
+        plan = conversion_plan(config, hf_decoder_depth(hf))
+        shapes = {name: shape for name, (shape, _) in tensor_shapes(path).items()}
+        head_from_shared = hf.tie_word_embeddings and HEAD not in shapes  # transformers ties it to ``shared``
+        used = plan.used - {HEAD} if head_from_shared else plan.used
+        check_names(shapes, used, lambda name: is_skipped(name, plan.skipped))
+        model = empty_model(config, dtype)
+        copied = {HEAD} if head_from_shared else set()
+        sources = {name: names for name, names in plan.sources.items() if name not in copied}
+        with torch.no_grad():
+            destinations = row_destinations(path, model, sources, shapes, copied)
+            read_into(path, destinations, dict.fromkeys(EMBEDDING_COPIES, "shared.weight"))
+            if head_from_shared:
+                model.lm_head.weight.copy_(model.shared.weight)
+        return model.eval()
+
+    def tokenizer(self, directory: Path) -> Path:
+        if not (directory / TOKENIZER_FILE).is_file():
+            raise FileNotFoundError(f"{directory} holds no {TOKENIZER_FILE}: a T5's split needs its SentencePiece")
+        return directory / TOKENIZER_FILE
+
+    def initial_state(self, path: str | Path, seed: int) -> None:
+        return None
+
+    def obstacle(self, model: SpeedT5) -> str | None:
+        return None  # every SpeedT5 unrolls into a T5 v1.1
+
+    def files(self, model: SpeedT5) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        return t5_files(model)
+
+    def hub_config(self, name: str, pattern: str) -> ModelConfig:
+        """The config of the T5 at ``name`` (a hub name or a directory) in a job's ``pattern``."""
+        from transformers import T5Config
+
+        return config_from_hf(T5Config.from_pretrained(name), pattern)
+
+    def hub_model(self, name: str, pattern: str) -> SpeedT5:
+        """The T5 at ``name`` re-looped into a job's ``pattern`` (``layer_map``'s layers)."""
+        return from_pretrained(name, pattern=pattern)
+
+
+def t5_files(model: SpeedT5) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A T5 v1.1 config.json and tensors for ``model``, its decoder unrolled into N*M layers (HF decoder block
+    ``i*N + j`` holds shared layer j; the relative position bias in block 0, as HF keeps it): the inverse of the
+    conversion. The last loop's logits are kept; the sharing and the earlier exits are lost."""
+    c, state, s = model.config, model.state_dict(), model.config.sharing
+    config = hf_config_from(c).to_dict() | {"architectures": ["T5ForConditionalGeneration"]}
+    config["tie_word_embeddings"] = False  # transformers 5 writes True (v1.1 untied by scale_decoder_outputs=False)
+    config["torch_dtype"] = str(weights_dtype(model)).removeprefix("torch.")
+    shared = state["shared.weight"]
+    weights = {"shared.weight": shared, "lm_head.weight": state["lm_head.weight"]}
+    weights |= dict.fromkeys(EMBEDDING_COPIES, shared)
+    weights["encoder.final_layer_norm.weight"] = state["encoder_norm.weight"]
+    weights["decoder.final_layer_norm.weight"] = state["decoder_norm.weight"]
+    weights["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = state[
+        "encoder_bias.embedding.weight"
+    ]
+    weights["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = state[
+        "decoder_bias.embedding.weight"
+    ]
+    for i in range(c.n_encoder_layers):
+        hf, ours = f"encoder.block.{i}.layer.", f"encoder_layers.{i}."
+        weights |= _t5_attention(state, ours + "attn.", hf + "0.SelfAttention.")
+        weights[hf + "0.layer_norm.weight"] = state[ours + "attn_norm.weight"]
+        weights |= _t5_ffn(state, ours + "ffn.", hf + "1.")
+        weights[hf + "1.layer_norm.weight"] = state[ours + "ffn_norm.weight"]
+    for v in range(s.depth):
+        hf, ours = f"decoder.block.{v}.layer.", f"decoder_layers.{s.physical_layer(v)}."
+        weights |= _t5_attention(state, ours + "self_attn.", hf + "0.SelfAttention.")
+        weights[hf + "0.layer_norm.weight"] = state[ours + "self_norm.weight"]
+        cross = hf + "1.EncDecAttention."
+        weights[cross + "q.weight"] = state[ours + "cross_attn.q.weight"]
+        weights[cross + "k.weight"], weights[cross + "v.weight"] = state[ours + "cross_attn.kv.weight"].chunk(2)
+        weights[cross + "o.weight"] = state[ours + "cross_attn.o.weight"]
+        weights[hf + "1.layer_norm.weight"] = state[ours + "cross_norm.weight"]
+        weights |= _t5_ffn(state, ours + "ffn.", hf + "2.")
+        weights[hf + "2.layer_norm.weight"] = state[ours + "ffn_norm.weight"]
+    return config, weights
+
+
+def _t5_attention(state: Mapping[str, Tensor], ours: str, hf: str) -> dict[str, Tensor]:
+    q, k, v = state[ours + "qkv.weight"].chunk(3)
+    return {hf + "q.weight": q, hf + "k.weight": k, hf + "v.weight": v, hf + "o.weight": state[ours + "o.weight"]}
+
+
+def _t5_ffn(state: Mapping[str, Tensor], ours: str, hf: str) -> dict[str, Tensor]:
+    dense = hf + "DenseReluDense."
+    wi_0, wi_1 = state[ours + "wi.weight"].chunk(2)
+    return {dense + "wi_0.weight": wi_0, dense + "wi_1.weight": wi_1, dense + "wo.weight": state[ours + "wo.weight"]}

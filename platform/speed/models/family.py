@@ -60,7 +60,7 @@ class Family(Protocol):
         """The decoder's inputs for source texts (of ``read_task``'s task), at most ``max_len`` tokens each (an LM's
         prompts in chat ``template``: the platform's, or an imported model's)."""
 
-    preparation: str  # how its splits are tokenized: a ``speed.data.shards.PREPARATIONS`` name (``CorpusSpec.family``)
+    preparation: str  # how its splits are tokenized: a ``speed.data.encoders.PREPARATIONS`` name (CorpusSpec.family)
 
     # Serve
     whole_context: bool  # a served prompt is the whole context (chat template, instruction): Serve checks its length

@@ -1,5 +1,6 @@
-"""What the importers of published looped LMs share (``convert_ouro``, ``convert_huginn``): config.json's
-fields read with one-line errors, and an empty ``LoopedLM`` that the weights are read into.
+"""What the converters of published forms share (``convert_t5``, ``convert_llama``, ``convert_ouro``,
+``convert_huginn``): config.json's fields read with one-line errors, the names of a state dict checked, an empty
+model that the weights are read into, a refused ``n_loops``, and the dtype an exporter writes.
 
 A field the platform cannot honour (a sliding window, scaled rotary embeddings, test-time noise, ...) is an
 ``UnsupportedConfig`` naming it; the weights' names and shapes are checked (``speed.hf_files.check_shapes``)
@@ -9,9 +10,9 @@ before any is read, then each is read into its place in a model allocated once (
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +25,7 @@ from speed.models.precision import with_dtype
 from speed.models.t5 import SpeedT5
 
 _REQUIRED = object()
+M = TypeVar("M", bound=nn.Module)
 
 
 class UnsupportedConfig(ModelFilesError):
@@ -86,6 +88,17 @@ def loop_count(n_loops: int | None, default: int, option: str) -> int:
     return count
 
 
+def no_loop_option(n_loops: int | None, what: str) -> None:
+    """Refuse ``n_loops`` for ``what``, which loops as its pattern says (a form that is not ``looped``)."""
+    if n_loops is not None:
+        raise ValueError(f"n_loops={n_loops}: {what} loops as its pattern says; n_loops is for Ouro and Huginn")
+
+
+def weights_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model's weights are in (and exported in)."""
+    return next(model.parameters()).dtype
+
+
 def empty_model(config: ModelConfig | LMConfig, dtype: torch.dtype) -> SpeedT5 | LoopedLM:
     """A model of ``config`` in the mode ``dtype`` names (``speed.models.precision.with_dtype``), its parameters
     allocated and not initialised (built on the meta device): what a loader fills with ``read_into``, the model's
@@ -126,3 +139,32 @@ def row_destinations(
             stored = " + ".join(f"{name} {tuple(shapes[name])}" for name in names)
             raise WeightsError(f"{where}: {stored} cannot make {ours} of shape {tuple(parameter.shape)}")
     return found
+
+
+def check_names(state_dict: dict[str, Tensor], used: set[str], skipped: Callable[[str], bool]) -> None:
+    """Refuse (``KeyError``) a state dict that lacks a tensor in ``used`` or holds one neither used nor ``skipped``."""
+    missing = sorted(hf for hf in used if hf not in state_dict)
+    if missing:
+        raise KeyError(f"HF state dict lacks {len(missing)} tensor(s) the conversion needs: {missing}")
+    unexpected = sorted(k for k in state_dict if k not in used and not skipped(k))
+    if unexpected:
+        raise KeyError(f"HF state dict has {len(unexpected)} tensor(s) this conversion does not know: {unexpected}")
+
+
+def fill_parameters(model: M, values: dict[str, tuple[Tensor, str]]) -> M:
+    """``model`` with every parameter copied from ``values[name] = (tensor, the HF tensors it came from)``.
+
+    A parameter without a value, or a value of another shape, is an error.
+    """
+    params = dict(model.named_parameters())
+    unfilled = sorted(set(params) - set(values))
+    if unfilled:
+        raise RuntimeError(f"conversion plan leaves {type(model).__name__} parameter(s) unfilled: {unfilled}")
+    with torch.no_grad():
+        for name, (value, origin) in values.items():
+            if value.shape != params[name].shape:
+                raise ValueError(
+                    f"{name} expects shape {tuple(params[name].shape)}, HF {origin} give {tuple(value.shape)}"
+                )
+            params[name].copy_(value)
+    return model

@@ -1,9 +1,9 @@
 """One loader for every model the platform computes: ``from_pretrained(path)``.
 
 A Hugging Face directory (config.json and safetensors), its form read from config.json
-(``speed.hf_files.model_form``): a T5 v1.1 (``convert_t5``), a Llama (``convert_llama``), Ouro
-(``convert_ouro``) or Huginn-0125 (``convert_huginn``); or a platform checkpoint (``model.pt`` beside a
-config.json with a ``model`` section, or a run directory of them; ``speed.models.checkpoint.load_model``).
+(``speed.models.form.form_of``: a T5 v1.1, a Llama, Ouro or Huginn-0125, each converted by its ``Form``); or a
+platform checkpoint (``model.pt`` beside a config.json with a ``model`` section, or a run directory of them;
+``speed.models.checkpoint.load_model``).
 Either may be a local path or a URI (``s3://...``); a Hugging Face directory on object storage is copied to a
 temporary local folder first, since safetensors are read from a local file.
 Code in the directory (config.json's ``auto_map``) is never imported or run: the weights are read from
@@ -25,7 +25,7 @@ import torch
 from speed.config import LMConfig, ModelConfig, to_dict
 from speed.engine.memory import MemoryNeed, check_choice
 from speed.engine.types import EngineConfig
-from speed.hf_files import model_form, read_config, read_into, tensor_shapes
+from speed.hf_files import read_config
 from speed.hf_tokenizer import TOKENIZER_FILE
 from speed.models.checkpoint import (
     MODEL_FILE,
@@ -36,17 +36,13 @@ from speed.models.checkpoint import (
     load_model,
     read_checkpoint_config,
 )
-from speed.models.convert_huginn import config_from_huginn, huginn_initial_state, load_huginn
-from speed.models.convert_ouro import config_from_ouro, load_ouro
 from speed.models.family import build_model, config_from_dict, family_of
-from speed.models.hf_import import empty_model, row_destinations
+from speed.models.form import Form, form_of
+from speed.models.hf_import import no_loop_option
 from speed.models.looped_lm import InitialState, LoopedLM
 from speed.models.precision import DTYPES, dtype_named, with_dtype
 from speed.models.t5 import SpeedT5
 from speed.storage import absolute, locate
-
-HEAD = "lm_head.weight"  # the head's published name in every form
-LOOPED = {"ouro": load_ouro, "huginn": load_huginn}  # form -> loader taking n_loops
 
 
 def from_pretrained(
@@ -79,13 +75,12 @@ def from_pretrained(
             return from_pretrained(
                 local, dtype=dtype, n_loops=n_loops, capacity=capacity, initial_state_seed=initial_state_seed
             )
-    form = model_form(read_config(path))
+    form = form_of(read_config(path))
     state = _initial_state(path, form, initial_state_seed)  # a refusal before the memory check
     check_load(path, dtype=dtype, n_loops=n_loops, capacity=capacity)
-    if form not in LOOPED:
-        return (_load_t5 if form == "t5" else _load_llama)(path, dtype).eval()
-    model = LOOPED[form](path, dtype=dtype, n_loops=n_loops)
-    model.initial_state = state
+    model = form.load(path, dtype=dtype, n_loops=n_loops)
+    if state is not None:
+        model.initial_state = state
     return model
 
 
@@ -115,21 +110,7 @@ def check_load(
 def converted_config(path: str | Path, n_loops: int | None = None) -> ModelConfig | LMConfig:
     """The config ``from_pretrained`` gives the Hugging Face directory ``path`` (local), from its config.json alone."""
     hf = read_config(path)
-    form = model_form(hf)
-    if form in LOOPED:
-        return (config_from_ouro if form == "ouro" else config_from_huginn)(hf, n_loops)
-    _no_loop_option(n_loops, f"a {form} checkpoint")
-    if form == "llama":
-        from transformers import LlamaConfig
-
-        from speed.models.convert_llama import config_from_llama
-
-        return config_from_llama(LlamaConfig.from_dict(hf))
-    from transformers import T5Config
-
-    from speed.models.convert_t5 import config_from_hf
-
-    return config_from_hf(T5Config.from_dict(hf))
+    return form_of(hf).config(hf, n_loops)
 
 
 def load_pretrained(
@@ -158,7 +139,7 @@ def load_pretrained(
         path, n_loops=n_loops, dtype=dtype, capacity=capacity, initial_state_seed=initial_state_seed
     ).to(map_location)
     where = locate(absolute(str(path)))
-    form = model_form(json.loads((where / "config.json").read_text()))
+    form = form_of(json.loads((where / "config.json").read_text())).name
     config = {"model": to_dict(model.config), "family": family_of(model).name, "hf": {"form": form}}
     tokenizer = where.uri if (where / TOKENIZER_FILE).is_file() else None
     return LoadedModel(model, tokenizer, config, where.uri)
@@ -167,20 +148,21 @@ def load_pretrained(
 def pretrained_config(path: str | Path) -> LMConfig:
     """The ``LMConfig`` that ``from_pretrained`` gives an imported LM directory (Ouro, Huginn, Llama; a local path),
     read from its config.json alone (no weights): what a job that finetunes it resolves on its driver."""
-    form = model_form(read_config(path))
-    if form == "t5":
+    config = converted_config(path)
+    if not isinstance(config, LMConfig):
+        form = form_of(read_config(path)).name
         raise ValueError(f"{path} is a Hugging Face {form} directory, not an imported looped LM (Ouro, Huginn, Llama)")
-    return converted_config(path)
+    return config
 
 
 def model_source(path: str | Path) -> str:
     """What ``load_pretrained(path)`` would read, checked without reading weights: ``platform`` (a checkpoint, or a
-    run with a complete one) or a Hugging Face form (``speed.hf_files.FORMS``); a one-line ``ValueError`` or
+    run with a complete one) or a Hugging Face form's name (``speed.models.form.FORMS``); a one-line ``ValueError`` or
     ``FileNotFoundError`` for a directory the platform cannot read. A job checks it before starting anything."""
     if _is_platform_checkpoint(path):
         read_checkpoint_config(latest_checkpoint(absolute(str(path))))  # a missing or empty folder: its error
         return "platform"
-    return model_form(json.loads((locate(path) / "config.json").read_text()))
+    return form_of(json.loads((locate(path) / "config.json").read_text())).name
 
 
 def _is_platform_checkpoint(path: str | Path) -> bool:
@@ -191,14 +173,9 @@ def _is_platform_checkpoint(path: str | Path) -> bool:
     return stored or not (where / "config.json").is_file()
 
 
-def _no_loop_option(n_loops: int | None, what: str) -> None:
-    if n_loops is not None:
-        raise ValueError(f"n_loops={n_loops}: {what} loops as its pattern says; n_loops is for Ouro and Huginn")
-
-
 def _no_pretrained_options(n_loops: int | None, initial_state_seed: int | None, what: str) -> None:
     """A platform checkpoint's refusal of the published models' options."""
-    _no_loop_option(n_loops, what)
+    no_loop_option(n_loops, what)
     if initial_state_seed is not None:
         raise ValueError(
             f"initial_state_seed={initial_state_seed}: {what} keeps the initial state it was saved with "
@@ -206,16 +183,19 @@ def _no_pretrained_options(n_loops: int | None, initial_state_seed: int | None, 
         )
 
 
-def _initial_state(path: str | Path, form: str, seed: int | None) -> InitialState | None:
+def _initial_state(path: str | Path, form: Form, seed: int | None) -> InitialState | None:
     """The initial state ``initial_state_seed`` asks of the ``form`` directory at ``path``: None (zero) without a
-    seed; Huginn's seeded draw; a one-line ``ValueError`` for a form without injection."""
+    seed; the form's seeded draw (Huginn's); a one-line ``ValueError`` for a form without injection."""
     if seed is None:
         return None
-    if form != "huginn":
-        raise ValueError(f"initial_state_seed={seed}: the {form} form has no injected initial state (Huginn's has)")
     if type(seed) is not int or seed < 0:
         raise ValueError(f"initial_state_seed must be an integer >= 0, got {seed!r}")
-    return huginn_initial_state(path, seed)
+    state = form.initial_state(path, seed)
+    if state is None:
+        raise ValueError(
+            f"initial_state_seed={seed}: the {form.name} form has no injected initial state (Huginn's has)"
+        )
+    return state
 
 
 def _stored_config(path: str | Path) -> ModelConfig | LMConfig:
@@ -238,49 +218,3 @@ def _need(config: ModelConfig | LMConfig, dtype: torch.dtype, capacity: EngineCo
     if blocks is None:  # the engine caps its default pool by what is available, down to one request at its longest
         blocks = stepper.memory_need(1, c.max_prompt_len, c.max_target_len, side=False).blocks
     return stepper.memory_need(c.max_active, c.max_prompt_len, c.max_target_len, side=c.branches, blocks=blocks)
-
-
-def _load_t5(path: str | Path, dtype: torch.dtype) -> SpeedT5:
-    """A T5 v1.1 directory through ``convert_t5``'s plan, each stored tensor read into its place (the embedding's
-    stored copies compared with it as it is read)."""
-    from transformers import T5Config
-
-    from speed.models.convert_t5 import EMBEDDING_COPIES, check_names, config_from_hf, conversion_plan, hf_decoder_depth
-    from speed.models.convert_t5 import is_skipped as skipped
-
-    hf = T5Config.from_dict(read_config(path))
-    config = config_from_hf(hf)
-    plan = conversion_plan(config, hf_decoder_depth(hf))
-    shapes = {name: shape for name, (shape, _) in tensor_shapes(path).items()}
-    head_from_shared = hf.tie_word_embeddings and HEAD not in shapes  # transformers ties it to ``shared`` when loading
-    check_names(shapes, plan.used - {HEAD} if head_from_shared else plan.used, lambda n: skipped(n, plan.skipped))
-    model = empty_model(config, dtype)
-    copied = {HEAD} if head_from_shared else set()
-    sources = {name: names for name, names in plan.sources.items() if name not in copied}
-    with torch.no_grad():
-        destinations = row_destinations(path, model, sources, shapes, copied)
-        read_into(path, destinations, dict.fromkeys(EMBEDDING_COPIES, "shared.weight"))
-        if head_from_shared:
-            model.lm_head.weight.copy_(model.shared.weight)
-    return model
-
-
-def _load_llama(path: str | Path, dtype: torch.dtype) -> LoopedLM:
-    """A Llama directory through ``convert_llama``'s plan (the plain stack, ``{layers}x1``), each stored tensor read
-    into its place (a tied head's stored copy compared with the embedding as it is read)."""
-    from transformers import LlamaConfig
-
-    from speed.models.convert_llama import EMBEDDING, ROTARY_BUFFER, config_from_llama, conversion_plan
-    from speed.models.convert_t5 import check_names
-
-    hf = LlamaConfig.from_dict(read_config(path))
-    config = config_from_llama(hf)
-    plan = conversion_plan(config, hf.num_hidden_layers)
-    shapes = {name: shape for name, (shape, _) in tensor_shapes(path).items()}
-    check_names(shapes, plan.used, lambda name: name in plan.skipped or name.endswith(ROTARY_BUFFER))
-    model = empty_model(config, dtype)
-    sources = {name: groups[0] for name, groups in plan.sources.items()}  # the plain stack: one layer each
-    with torch.no_grad():
-        destinations = row_destinations(path, model, sources, shapes)
-        read_into(path, destinations, {HEAD: EMBEDDING} if config.tie_embeddings else None)
-    return model

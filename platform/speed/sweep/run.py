@@ -54,7 +54,8 @@ from speed.sweep.space import (
 from speed.sweep.trial import SweepSetup, read_measurement, run_trial, trial_job, trial_name
 from speed.train import tracking
 from speed.train.config import JobConfig, job_to_dict
-from speed.train.launch import data_stage, ensure_ray, tokenizer_stage
+from speed.train.launch import data_stage, ensure_ray
+from speed.train.tokenizer_stage import tokenizer_stage
 
 # A trial's own process only waits on its Train run and its measurement task, which reserve the CPUs and
 # GPUs; Tune needs a non-empty bundle, so it asks for a little memory instead of a CPU a worker would miss.

@@ -1,8 +1,11 @@
 """Training on Ray Train: job configs, the per-worker loop, checkpoints that resume exactly, the driver.
 
 - ``speed.train.config``: ``JobConfig`` and its sections, parsed from YAML and flags; run names.
-- ``speed.train.launch``: the driver's stages and ``run_job`` (what the training jobs call).
-- ``speed.train.loop``: ``train_loop_per_worker``, what every Ray Train worker runs.
+- ``speed.train.origin``: what ``--init-from`` names (a Hugging Face form, an imported LM, a platform checkpoint).
+- ``speed.train.launch``: the driver's stages and ``run_job`` (what the training jobs call); its first stage,
+  ``speed.train.tokenizer_stage``, resolves the tokenizer and the model config (no Ray).
+- ``speed.train.loop``: ``train_loop_per_worker``, what every Ray Train worker runs; ``speed.train.worker_checkpoint``:
+  what a worker holds, and its checkpoints (save, restore, the completion marker).
 - ``speed.train.families``: both model families trained and evaluated side by side (``jobs/compare_families.py``).
 - ``speed.train.optim``, ``speed.train.state``: the optimizer and its schedule; training checkpoints.
 - ``speed.train.sharding``: FSDP (``--strategy fsdp``) and its sharded checkpoints.

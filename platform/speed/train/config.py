@@ -29,11 +29,11 @@ from speed.config import ConfigError, LMConfig, ModelConfig, from_dict, require_
 from speed.data.tasks import TASKS
 from speed.eval.evaluate import EvalConfig
 from speed.losses import GATE, SCHEMES, SettleConfig, check_scheme
-from speed.models.checkpoint import checkpoint_family, latest_checkpoint, local_checkpoint, read_checkpoint_config
+from speed.models.checkpoint import checkpoint_family, local_checkpoint, read_checkpoint_config
 from speed.models.family import DEFAULT_FAMILY, Family, family_of, get_family
 from speed.models.looped_lm import CHECKPOINTING, TrainRun
-from speed.storage import absolute
 from speed.train.optim import SCHEDULES, OptimConfig
+from speed.train.origin import HF_PREFIX, origin_family
 from speed.train.state import IncompatibleCheckpointError
 
 KINDS = ("pretrain", "finetune")
@@ -178,36 +178,6 @@ class TrackingConfig:
         if "://" in storage_path:
             return None
         return (Path(storage_path).expanduser().resolve() / "mlruns").as_uri()
-
-
-HF_PREFIX = "hf:"  # ``--init-from hf:<name or path>``: a Hugging Face T5 v1.1 (a hub name, or a directory)
-
-
-def hub_origin(origin: str) -> str | None:
-    """The Hugging Face T5 that ``--init-from`` names (``hf:<name or path>``, or a directory whose config.json is a
-    T5 v1.1's: ``speed.models.pretrained.model_source``), None for a platform checkpoint or run, or for an imported
-    LM's directory (``imported_origin``); a directory the platform cannot read is a one-line ``ValueError``."""
-    name = origin.removeprefix(HF_PREFIX)
-    if origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists():
-        return name  # a hub name: T5Config.from_pretrained reads it
-    return name if _source(name) == "t5" else None
-
-
-def imported_origin(origin: str) -> str | None:
-    """The form (ouro, huginn, llama) of the Hugging Face LM directory ``--init-from`` names, None for anything
-    else. Its weights start the run, and its own tokenizer (tokenizer.json, chat template, EOS) tokenizes the
-    data and goes into every checkpoint (``speed.models.checkpoint``)."""
-    name = origin.removeprefix(HF_PREFIX)
-    if origin.startswith(HF_PREFIX) and "://" not in name and not Path(name).expanduser().exists():
-        return None  # a hub name: a T5's
-    source = _source(name)
-    return None if source in ("platform", "t5") else source
-
-
-def _source(path: str) -> str:
-    from speed.models.pretrained import model_source
-
-    return model_source(path)
 
 
 @dataclass(frozen=True)
@@ -495,36 +465,13 @@ def job_from_layers(kind: str, config_path: str | Path | None, sets: list[str], 
         user = merge(user, _dotted(key, value))
     for key, value in flags.items():
         user = merge(user, _dotted(key, value))
-    user = _origin_family(user)
+    user = origin_family(user)
     base = merge(DEFAULTS[kind], {"kind": kind})
     if user.get("resume"):
         base = resumable_job(user["resume"])
         if base.get("kind") != kind:
             raise ValueError(f"--resume {user['resume']} is a {base.get('kind')!r} run, not {kind!r}")
     return job_from_dict(merge(base, user))
-
-
-def _origin_family(user: dict[str, Any]) -> dict[str, Any]:
-    """``user`` with the family of the platform checkpoint (or run) ``init_from`` names: the checkpoint's family
-    wins, its model config replacing the job's anyway (``speed.train.launch.tokenizer_stage``), with a note when
-    ``--model`` said otherwise. A resumed run, a Hugging Face origin, or one that cannot be read (``check_inputs``
-    names it) leaves ``user`` as it is."""
-    origin = user.get("init_from")
-    if not origin or user.get("resume") or origin.startswith(HF_PREFIX):
-        return user
-    try:
-        if _source(origin) != "platform":
-            return user
-        family = checkpoint_family(read_checkpoint_config(latest_checkpoint(absolute(origin))))
-    except (FileNotFoundError, ValueError):
-        return user
-    section = user.get("model") or {}
-    asked = section.get("family", DEFAULT_FAMILY)
-    if asked == family:
-        return user
-    if "family" in section:
-        print(f"--model {asked} ignored: {origin} is a '{family}' checkpoint, and the checkpoint's family wins")
-    return {**user, "model": {"family": family}}  # the rest of the section: the checkpoint's config replaces it
 
 
 def _dotted(key: str, value: Any) -> dict[str, Any]:

@@ -55,7 +55,8 @@ from speed.models.checkpoint import (
 )
 from speed.models.exits import EXITS_CONFIG_FILE, EXITS_FILE, ExitAdapters, ExitConfig, attach, exit_kl, exits_for
 from speed.models.family import family_of
-from speed.models.pretrained import load_pretrained, model_source, pretrained_config
+from speed.models.form import get_form
+from speed.models.pretrained import converted_config, load_pretrained, model_source
 from speed.storage import absolute, locate
 from speed.train import tracking
 from speed.train.config import DEFAULTS, JobConfig, TrackingConfig, job_from_dict, job_to_dict, merge
@@ -66,7 +67,6 @@ Targets = Literal["split", "decoded"]
 TARGETS: tuple[Targets, ...] = get_args(Targets)
 STATE_FILE = "exits_state.pt"  # step, optimizer, RNG: what resumes an adapter run exactly
 IMPORTED_DIR = "model"  # <run>/model: the platform checkpoint of a Hugging Face directory, adapters beside it
-T5_TOKENIZER_FILE = "spiece.model"  # a T5 v1.1 directory's SentencePiece model
 
 
 @dataclass(frozen=True)
@@ -184,29 +184,10 @@ def imported_job(config: ExitTrainConfig, model: ModelConfig | LMConfig, source:
 
 
 def directory_tokenizer(directory: str, source: str) -> Path:
-    """The tokenizer of a (local) Hugging Face directory: a T5 v1.1's ``spiece.model`` (T5 reads SentencePiece
-    ids), an LM's own folder (its tokenizer.json); one it lacks is a ``FileNotFoundError``."""
-    from speed.hf_tokenizer import load_tokenizer
-
-    where = Path(directory).expanduser()
-    if source == "t5":
-        if not (where / T5_TOKENIZER_FILE).is_file():
-            raise FileNotFoundError(f"{directory} holds no {T5_TOKENIZER_FILE}: a T5's split needs its SentencePiece")
-        return where / T5_TOKENIZER_FILE
-    load_tokenizer(where)  # no tokenizer.json, or a broken one: its line
-    return where
-
-
-def _directory_config(directory: str, source: str) -> ModelConfig | LMConfig:
-    """The converted model config of a Hugging Face directory, from its config.json alone (no weights)."""
-    if source != "t5":
-        return pretrained_config(directory)
-    from transformers import T5Config
-
-    from speed.hf_files import read_config
-    from speed.models.convert_t5 import config_from_hf
-
-    return config_from_hf(T5Config.from_dict(read_config(directory)))
+    """The tokenizer of a (local) Hugging Face directory of form ``source``, as its ``Form.tokenizer`` finds it
+    (a T5 v1.1's ``spiece.model``, an LM's own folder with its tokenizer.json); one it lacks is a
+    ``FileNotFoundError``."""
+    return get_form(source).tokenizer(Path(directory).expanduser())
 
 
 def check_inputs(config: ExitTrainConfig) -> None:
@@ -224,7 +205,7 @@ def check_inputs(config: ExitTrainConfig) -> None:
     else:
         if not locate(config.checkpoint).local:
             raise ValueError(f"{config.checkpoint}: a Hugging Face directory trains adapters from a local folder")
-        job = imported_job(config, _directory_config(config.checkpoint, source), source)
+        job = imported_job(config, converted_config(config.checkpoint), source)
         directory_tokenizer(config.checkpoint, source)
     resolve_source(get_task(job.data.task), "train", job.data.source)  # the split is there
     if config.targets == "decoded" and not job.family.encoder_decoder:
@@ -450,8 +431,8 @@ def _checkpoint(
     rank: int,
 ) -> None:
     """Every rank reports (a barrier); rank 0 writes the adapters and the optimizer state."""
-    from speed.train.loop import upload_with_marker
     from speed.train.state import checkpoint_name
+    from speed.train.worker_checkpoint import upload_with_marker
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None

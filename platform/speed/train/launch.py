@@ -4,9 +4,10 @@
 ``jobs/demo.py`` call; it composes the stages, and a sweep (``speed.sweep``)
 calls the same ones:
 
-1. ``tokenizer_stage``: the tokenizer (given, trained and cached, or a checkpoint's) and the
-   job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``; then ``plan_stage``: the
-   memory plan of a worker's step printed (``speed.train.memory_plan``), a job that would not fit refused;
+1. ``tokenizer_stage`` (``speed.train.tokenizer_stage``): the tokenizer (given, trained and cached, or a
+   checkpoint's) and the job it completes (the model's vocabulary is the tokenizer's) -> ``ResolvedJob``; then
+   ``plan_stage``: the memory plan of a worker's step printed (``speed.train.memory_plan``), a job that would
+   not fit refused;
 2. ``data_stage``: the splits tokenized once on storage (``speed.data.shards``) -> ``PreparedData``;
 3. ``train_stage``: the ``TorchTrainer`` run, resumed from the run's newest complete checkpoint -> ``Trained``;
 4. ``evaluation_stage``: a finetuned model's evaluation (``speed.eval.evaluate``), in a Ray task.
@@ -17,8 +18,6 @@ and otherwise starts a local Ray in-process (``ensure_ray``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import tempfile
 import time
@@ -33,29 +32,22 @@ from ray.train.torch import TorchTrainer
 
 from speed.cli import user_errors
 from speed.cluster import code_runtime_env
-from speed.config import LMConfig, ModelConfig, to_dict
 from speed.data.shards import CorpusSpec, cache_root, prepare_corpus
-from speed.hf_tokenizer import load_tokenizer, pack_tokenizer, unpack_tokenizer
+from speed.hf_tokenizer import load_tokenizer
 from speed.models.checkpoint import (
     SHARDED_DIR,
-    TOKENIZER_FILE,
-    checkpoint_family,
-    checkpoint_tokenizer,
     latest_checkpoint,
-    local_checkpoint,
     newest_complete_checkpoint,
     read_checkpoint_config,
 )
-from speed.models.family import config_from_dict
-from speed.models.pretrained import pretrained_config
-from speed.paths import data_dir
 from speed.storage import absolute, locate
-from speed.tokenizer import train_tokenizer
 from speed.train import local_ray
-from speed.train.config import JobConfig, hub_origin, imported_origin, job_from_args, job_to_dict, run_name
+from speed.train.config import JobConfig, job_from_args, job_to_dict, run_name
 from speed.train.memory_plan import MemoryPlan, PlanRefused, check_fits, device_memory, plan_memory
+from speed.train.origin import hub_origin, imported_origin
 from speed.train.process_group import torch_config
 from speed.train.state import IncompatibleCheckpointError, check_compatible
+from speed.train.tokenizer_stage import tokenizer_stage
 
 
 @dataclass(frozen=True)
@@ -68,21 +60,6 @@ class TrainOutcome:
     step: int  # optimizer steps in that checkpoint
     metrics: dict[str, Any]  # the last metrics rank 0 reported in this launch (empty if it trained no step)
     evaluation: dict[str, Any] | None  # speed.eval.evaluate summary (finetuning), else None
-
-
-@dataclass(frozen=True)
-class ResolvedJob:
-    """The tokenizer stage's result."""
-
-    job: JobConfig  # completed: the model config (vocabulary, or the checkpoint's or Hugging Face model's)
-    tokenizer_path: Path  # a local .model file, or a folder with tokenizer.json (in the caller's scratch folder
-    # when taken from a checkpoint)
-    tokenizer: bytes  # its contents (``speed.hf_tokenizer.pack_tokenizer``), which the workers receive
-
-    @classmethod
-    def of(cls, job: JobConfig, tokenizer_path: Path) -> ResolvedJob:
-        """``job`` with the tokenizer (and its contents)."""
-        return cls(job, tokenizer_path, pack_tokenizer(tokenizer_path))
 
 
 @dataclass(frozen=True)
@@ -214,103 +191,6 @@ def _check_imported_tokenizer(job: JobConfig) -> None:
             f"{what} (a SentencePiece .model)"
         )
     load_tokenizer(where)  # a folder without tokenizer.json, or a broken one: its line
-
-
-# ----- 1. the tokenizer stage ---------------------------------------------------------------------------
-
-
-def tokenizer_stage(job: JobConfig, scratch: Path) -> ResolvedJob:
-    """Resolve the tokenizer and the model config.
-
-    A tokenizer taken from a checkpoint is copied into ``scratch`` (the caller's temporary folder).
-
-    Resume and ``--init-from`` take model and tokenizer from the checkpoint (or
-    the Hugging Face model); otherwise the tokenizer is ``data.tokenizer`` or is
-    trained (and cached) on ``data.tokenizer_tasks``, and the model's vocabulary
-    is exactly the tokenizer's.
-    """
-    origin = job.resume or job.init_from
-    hub = hub_origin(origin) if origin and not job.resume else None
-    imported = imported_origin(origin) if origin and not job.resume else None
-    if imported is not None:  # an Ouro, Huginn or Llama folder: its converted config, its own tokenizer
-        model = pretrained_config(origin)
-        _note_replaced(job.model, model, origin)
-        return ResolvedJob.of(replace(job, model=model), Path(origin).expanduser())
-    if origin and hub is None:
-        with local_checkpoint(origin) as directory:
-            saved = read_checkpoint_config(directory)
-            tokenizer = checkpoint_tokenizer(str(directory), saved)
-            if tokenizer is None:
-                raise FileNotFoundError(f"checkpoint {origin} has no {TOKENIZER_FILE}; cannot tokenize for it")
-            tokenizer_path = unpack_tokenizer(pack_tokenizer(tokenizer), scratch, TOKENIZER_FILE)
-        model = config_from_dict(saved["model"], checkpoint_family(saved))
-        _note_replaced(job.model, model, origin)
-        return ResolvedJob.of(replace(job, model=model), tokenizer_path)
-    if origin:
-        model = _hf_model_config(hub, job.model.pattern)
-        _note_replaced(job.model, model, origin)
-        return ResolvedJob.of(replace(job, model=model), _hf_tokenizer(hub))
-    tokenizer_path = Path(job.data.tokenizer) if job.data.tokenizer else _trained_tokenizer(job)
-    # Exactly the tokenizer's size, unpadded: ids past it would be undecodable if an undertrained model chose them.
-    vocab = load_tokenizer(tokenizer_path).vocab_size
-    return ResolvedJob.of(replace(job, model=job.model.replace(vocab_size=vocab)), tokenizer_path)
-
-
-def _note_replaced(asked: ModelConfig | LMConfig, used: ModelConfig | LMConfig, origin: str) -> None:
-    if type(asked) is not type(used):
-        raise ValueError(
-            f"{origin} holds a {type(used).__name__}, but the job asks for a {type(asked).__name__} (--model)"
-        )
-    changed = {k: v for k, v in to_dict(used).items() if to_dict(asked)[k] != v}
-    if changed:
-        print(f"model config taken from {origin}: {changed}", flush=True)
-
-
-def _hf_model_config(name: str, pattern: str) -> ModelConfig:
-    from transformers import T5Config
-
-    from speed.models.convert_t5 import config_from_hf
-
-    return config_from_hf(T5Config.from_pretrained(name), pattern)
-
-
-def _hf_tokenizer(name: str) -> Path:
-    local = Path(name).expanduser() / "spiece.model"
-    if local.is_file():
-        return local
-    from huggingface_hub import hf_hub_download
-
-    return Path(hf_hub_download(name, "spiece.model"))
-
-
-def _trained_tokenizer(job: JobConfig) -> Path:
-    """Train a tokenizer on the job's corpora, cached by everything that determines it."""
-    from speed.data import load_records
-
-    tasks = job.data.tokenizer_tasks or (job.data.task,)
-    key = json.dumps(
-        {"tasks": tasks, "source": job.data.source, "limit": job.data.limit, "vocab": job.data.vocab_size},
-        sort_keys=True,
-    )
-    digest = hashlib.sha256((key + str(data_dir())).encode()).hexdigest()[:12]
-    storage = locate(job.run.storage_path)
-    root = Path(storage.path) / "tokenizers" if storage.local else Path.home() / ".cache" / "speed"
-    path = root / f"spm-{digest}" / TOKENIZER_FILE
-    if path.is_file():
-        print(f"tokenizer: reusing {path}", flush=True)
-        return path
-    texts: list[str] = []
-    for task in tasks:
-        own = task == job.data.task
-        records = load_records(task, "train", job.data.source if own else None, job.data.limit if own else None)
-        for column in ("text", "source", "target"):
-            if column in records.column_names:
-                texts.extend(records[column])
-    start = time.perf_counter()
-    with locate(path).atomic() as partial:  # concurrent jobs never read a half-written file
-        train_tokenizer(texts, partial, vocab_size=job.data.vocab_size)
-    print(f"tokenizer: trained {job.data.vocab_size} pieces on {tasks} in {time.perf_counter() - start:.0f}s -> {path}")
-    return path
 
 
 # ----- Ray -------------------------------------------------------------------------------------------

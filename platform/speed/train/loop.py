@@ -19,10 +19,9 @@ checkpoint it names.
 from __future__ import annotations
 
 import math
-import random
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,55 +35,43 @@ import torch.distributed as dist
 from torch import nn
 
 from speed.config import LMConfig
-from speed.data.corpus import TokenizedCorpus, open_corpus
-from speed.eval.validation import validation_metrics
+from speed.data.corpus import open_corpus
 from speed.hf_tokenizer import unpack_tokenizer
 from speed.losses import GATE, loss_weights, settled_loss
 from speed.models.checkpoint import (
-    MODEL_FILE,
-    SHARDED_DIR,
     TOKENIZER_FILE,
     local_checkpoint,
-    newest_complete_checkpoint,
-    read_checkpoint_config,
 )
 from speed.models.family import build_model
+from speed.models.form import get_form
 from speed.models.looped_lm import LoopedLM, TrainRun
 from speed.models.pretrained import load_pretrained
 from speed.models.t5 import SpeedT5
 from speed.train import tracking
 from speed.train.batches import BatchPlan
-from speed.train.config import JobConfig, TrainConfig, hub_origin, job_from_dict, job_to_dict
-from speed.train.optim import build_optimizer, build_scheduler, follow_parameters, lr_factor
+from speed.train.config import JobConfig, TrainConfig, job_from_dict
+from speed.train.optim import build_optimizer, build_scheduler, follow_parameters
+from speed.train.origin import hub_origin
 from speed.train.recurrence import sample_recurrence
 from speed.train.sharding import (
     grad_norm_value,
     is_sharded,
-    load_sharded,
-    local_bytes,
-    optimizer_tensors,
-    save_sharded,
     shard_model,
-)
-from speed.train.state import (
-    IncompatibleCheckpointError,
-    TrainingState,
-    check_compatible,
-    checkpoint_name,
-    checkpoint_uri,
-    load_training_state,
-    mark_complete,
-    rng_state,
-    save_training_checkpoint,
-    set_rng_state,
 )
 from speed.train.train_log import (
     TRAIN_LOG_SCHEMA,
     StepRecord,
     eta_seconds,
     progress_line,
-    records_to_table,
     window_mean,
+)
+from speed.train.worker_checkpoint import (
+    WorkerContext,
+    own_checkpoint,
+    restore,
+    save_checkpoint,
+    seed_worker,
+    unwrap,
 )
 
 _PACE_WINDOW = 20  # steps averaged for the ETA
@@ -108,31 +95,19 @@ def _hang(rank: int, step: int) -> None:
 def initial_model(job: JobConfig, load_init: bool = True) -> SpeedT5 | LoopedLM:
     """A fresh model of the job's family (seeded), or the weights of ``init_from`` (a speed checkpoint, an imported
     LM's directory read by ``load_pretrained``, or a T5 v1.1: ``hf:`` or a Hugging Face directory,
-    ``speed.train.config.hub_origin``)."""
+    ``speed.train.origin.hub_origin``)."""
     torch.manual_seed(job.train.seed)
     if job.init_from is None or not load_init:
         return build_model(job.model)
     hub = hub_origin(job.init_from)
-    if hub is not None:  # the job's pattern, not the directory's: convert_t5 re-loops the layers
-        from speed.models.convert_t5 import from_pretrained
-
-        model = from_pretrained(hub, pattern=job.model.pattern)
+    if hub is not None:  # the job's pattern, not the directory's: the form re-loops the layers
+        model = get_form(hub.form).hub_model(hub.name, job.model.pattern)
     else:
         with local_checkpoint(job.init_from) as directory:
             model = load_pretrained(directory, exits=False).model  # its backbone: exit adapters are trained apart
     if model.config != job.model:
         raise ValueError(f"--init-from {job.init_from} holds model {model.config}, but the job resolved {job.model}")
     return model.train()
-
-
-def _unwrap(model: nn.Module) -> SpeedT5 | LoopedLM:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def _seed_worker(seed: int, rank: int) -> None:
-    """Distinct, reproducible dropout and sampling streams per rank (after the shared model init)."""
-    torch.manual_seed(seed * 10_007 + rank + 1)
-    random.seed(seed * 10_007 + rank + 1)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -144,25 +119,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """
     with tempfile.TemporaryDirectory(prefix="speed-worker-") as workdir, tracking.session(config["job"]):
         _work(config, Path(workdir))
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What one worker's steps, checkpoints and restore read; built once in ``_work``."""
-
-    job: JobConfig
-    rank: int
-    world: int
-    device: torch.device
-    model: nn.Module  # Ray's prepare_model of it (on ``device``; DDP when world > 1) once restored, or FSDP's
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    plan: BatchPlan  # this rank's share of every global batch
-    corpus: TokenizedCorpus  # the prepared training split
-    validation: TokenizedCorpus | None  # rank 0 only, when the job has a prepared validation split (sweeps)
-    tokenizer_path: Path  # this worker's copy of the run's tokenizer (spm.model or a folder), in every checkpoint
-    tokenizer: bytes  # its contents: a checkpoint with another tokenizer cannot continue the run
-    deadline: float | None  # Unix time of the wall-clock budget; None: no budget
 
 
 def _work(config: dict[str, Any], workdir: Path) -> None:
@@ -182,7 +138,7 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
         job.train.seed,
         job.train.group_by_length,
     )
-    own = _own_checkpoint(config["run_dir"], world)  # this run's newest, if any
+    own = own_checkpoint(config["run_dir"], world)  # this run's newest, if any
     resuming = own is not None or job.resume is not None
     model = initial_model(job, load_init=not resuming)  # resumed weights come from the checkpoint
     device = ray.train.torch.get_device()
@@ -191,7 +147,7 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
         model = shard_model(model, world, device, job.train.bf16)
     optimizer = build_optimizer(model, job.optim)
     scheduler = build_scheduler(optimizer, job.optim, job.train.max_steps)
-    _seed_worker(job.train.seed, rank)
+    seed_worker(job.train.seed, rank)
     ctx = WorkerContext(
         job=job,
         rank=rank,
@@ -215,7 +171,7 @@ def _work(config: dict[str, Any], workdir: Path) -> None:
     if resuming:
         origin = own if own is not None else job.resume
         with local_checkpoint(origin) as directory:
-            step, history = _restore(ctx, Path(directory))
+            step, history = restore(ctx, Path(directory))
         if rank == 0:
             print(f"resumed at step {step} from {origin}", flush=True)
     if rank == 0:
@@ -241,49 +197,6 @@ def _may_skip_parameters(job: JobConfig) -> bool:
         return False
     gate_unread = model.exit_gate and t.loss_weights != GATE
     return gate_unread or t.recurrence_sampling or t.backprop_depth is not None
-
-
-def _own_checkpoint(run_dir: str, world: int) -> str | None:
-    """This run's newest complete checkpoint on storage (path or URI), as rank 0 sees it; None when it has none yet.
-
-    Not Ray's registered checkpoint, which lags the markers (``upload_with_marker``).
-    """
-    chosen = [None]
-    if ray.train.get_context().get_world_rank() == 0:
-        chosen = [newest_complete_checkpoint(run_dir)]
-    if world > 1:
-        dist.broadcast_object_list(chosen, src=0)  # every rank resumes from the same step
-    return chosen[0]
-
-
-def _restore(ctx: WorkerContext, directory: Path) -> tuple[int, pa.Table]:
-    """Load weights, optimizer, scheduler and this rank's RNG from a training checkpoint; returns (step, log)."""
-    job = ctx.job
-    check_compatible(read_checkpoint_config(directory), job_to_dict(job), ctx.tokenizer, str(directory))
-    state = load_training_state(directory)
-    sharded = (directory / SHARDED_DIR).is_dir()
-    if sharded != is_sharded(ctx.model):  # a run continues with the strategy it ran with
-        ran, other = ("fsdp", "ddp") if sharded else ("ddp", "fsdp")
-        raise IncompatibleCheckpointError(
-            f"{directory} is a {ran} checkpoint: resume it with --strategy {ran} (or start a {other} run from its "
-            "weights: --init-from)"
-        )
-    if sharded:  # each worker reads what its shards need
-        load_sharded(directory, ctx.model, ctx.optimizer)
-    else:
-        _unwrap(ctx.model).load_state_dict(torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True))
-        ctx.optimizer.load_state_dict(state.optimizer)
-    ctx.scheduler.load_state_dict(state.scheduler)
-    # The schedule follows this run's config (its lr and max_steps), not the one saved.
-    ctx.scheduler.base_lrs = [job.optim.lr] * len(ctx.optimizer.param_groups)
-    for group in ctx.optimizer.param_groups:
-        group["initial_lr"] = job.optim.lr
-        group["lr"] = job.optim.lr * lr_factor(state.step, job.optim, job.train.max_steps)
-    if len(state.rng) == ctx.world:
-        set_rng_state(state.rng[ctx.rank])
-    else:  # another worker count: the data order still resumes exactly, dropout streams restart
-        _seed_worker(job.train.seed + state.step, ctx.rank)
-    return state.step, state.log
 
 
 @dataclass(frozen=True)
@@ -318,9 +231,9 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
     plan, corpus, rank, world, device, deadline = ctx.plan, ctx.corpus, ctx.rank, ctx.world, ctx.device, ctx.deadline
     t, family = job.train, job.family
     sharded = is_sharded(model)
-    lm = isinstance(_unwrap(model), LoopedLM)
+    lm = isinstance(unwrap(model), LoopedLM)
     shape = job.run_shape if lm else TrainRun()
-    n_loops = _unwrap(model).n_loops
+    n_loops = unwrap(model).n_loops
     n_exits = 1 if t.recurrence_sampling or shape.last_only else n_loops  # Huginn's: the last loop's loss alone
     weights = None  # the gate objective's weights are each token's exit distribution
     if t.loss_weights != GATE:
@@ -399,14 +312,14 @@ def _train(ctx: WorkerContext, step: int, history: pa.Table, resumed_own: bool) 
             print(progress_line(window, t.max_steps, eta_seconds(last_step - step, pace, budget_left)), flush=True)
             tracking.log_step(window)  # rank 0's MLflow run, when tracked
         if step % t.checkpoint_every == 0 or stop:
-            _checkpoint(ctx, step, history, records, settle_term)
+            save_checkpoint(ctx, step, history, records, settle_term)
             saved_at = step
         if stop:
             if rank == 0 and step < last_step:
                 print(f"time budget of {t.time_budget_min} min reached: stopped at step {step}", flush=True)
             break
     if saved_at != step:  # nothing left to train (a finished run resumed): still leave a checkpoint here
-        _checkpoint(ctx, step, history, records)
+        save_checkpoint(ctx, step, history, records)
 
 
 def _step_run(shape: TrainRun, t: TrainConfig, n_loops: int, step: int) -> TrainRun:
@@ -435,107 +348,3 @@ def _past_deadline(deadline: float, records: list[StepRecord], started: float) -
     """Whether another step (at the recent pace) would overrun the wall-clock budget."""
     pace = records[-1].step_time_s if records else time.perf_counter() - started
     return time.time() + pace > deadline
-
-
-def _checkpoint(
-    ctx: WorkerContext,
-    step: int,
-    history: pa.Table,
-    records: list[StepRecord],
-    settle_term: float | None = None,
-) -> None:
-    """Every rank reports (a barrier); rank 0 alone writes the checkpoint, with every rank's RNG state.
-
-    ``history`` and ``records``: the log before this launch and this launch's steps. The report holds the
-    last step's losses (with ``train.settle``: ``settle_loss``, the term S, and ``settle_weight``, lambda at
-    that step) and, with a validation split, ``speed.eval.validation``'s metrics.
-    """
-    job = ctx.job
-    rngs = [rng_state()]
-    if ctx.world > 1:
-        rngs = [None] * ctx.world
-        dist.all_gather_object(rngs, rng_state())
-    last = records[-1] if records else None
-    metrics: dict[str, Any] = {"step": step}
-    if last is not None:
-        metrics |= {"loss": last.loss, "tokens_per_s": last.tokens_per_s, "lr": last.lr}
-        metrics |= {f"loss_loop{i + 1}": x for i, x in enumerate(last.loop_losses)}
-        if job.train.settle.active and settle_term is not None:
-            metrics |= {"settle_loss": settle_term, "settle_weight": job.train.settle.weight_at(step)}
-    if ctx.validation is not None:
-        metrics |= validation_metrics(_unwrap(ctx.model), job.family, ctx.validation, job.micro_batch)
-    metrics |= _held_bytes(ctx)
-    tracking.log_report(step, metrics)  # rank 0: the validation metrics and the settle term, when tracked
-    if is_sharded(ctx.model):
-        _checkpoint_sharded(ctx, step, history, records, rngs, metrics)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
-        if ctx.rank == 0:
-            log = pa.concat_tables([history, records_to_table(records)])
-            state = TrainingState(step, ctx.optimizer.state_dict(), ctx.scheduler.state_dict(), rngs, log)
-            save_training_checkpoint(tmp, _unwrap(ctx.model), ctx.tokenizer_path, job_to_dict(job), state)
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        name = checkpoint_name(step)
-        upload = upload_with_marker(step)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=upload)
-
-
-def _held_bytes(ctx: WorkerContext) -> dict[str, int]:
-    """The most parameter and optimizer-state bytes any worker holds now (measured on each: a shard's own), so a
-    run's reports say what sharding saved."""
-    held = torch.tensor(
-        [local_bytes(list(ctx.model.parameters())), local_bytes(optimizer_tensors(ctx.optimizer))],
-        dtype=torch.float64,
-    )
-    if ctx.world > 1:
-        held = held.to(ctx.device)
-        dist.all_reduce(held, op=dist.ReduceOp.MAX)
-    return {"worker_parameter_bytes": int(held[0]), "worker_optimizer_bytes": int(held[1])}
-
-
-def _checkpoint_sharded(
-    ctx: WorkerContext,
-    step: int,
-    history: pa.Table,
-    records: list[StepRecord],
-    rngs: list[dict[str, Any]],
-    metrics: dict[str, Any],
-) -> None:
-    """FSDP's checkpoint: every worker uploads its shards (``speed.train.sharding.save_sharded``) and rank 0 the
-    rest (config, scheduler, RNG states, log) into the same folder; once all are on storage, rank 0 marks it
-    complete and reports it."""
-    name = checkpoint_name(step)
-    storage = ray.train.get_context().get_storage()
-    with tempfile.TemporaryDirectory() as tmp:
-        save_sharded(tmp, ctx.model, ctx.optimizer)
-        if ctx.rank == 0:
-            log = pa.concat_tables([history, records_to_table(records)])
-            state = TrainingState(step, None, ctx.scheduler.state_dict(), rngs, log)
-            save_training_checkpoint(tmp, ctx.model, ctx.tokenizer_path, job_to_dict(ctx.job), state)
-        persisted = storage.persist_current_checkpoint(ray.train.Checkpoint.from_directory(tmp), name)
-    dist.barrier()  # every worker's shards are on storage
-    checkpoint = persisted if ctx.rank == 0 else None
-
-    def mark(uploaded: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
-        mark_complete(checkpoint_uri(uploaded), step)
-        return uploaded
-
-    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, checkpoint_upload_fn=mark)
-
-
-def upload_with_marker(step: int) -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint]:
-    """Ray's upload of a checkpoint, then its completion marker.
-
-    The marker is written as soon as every file is on storage, before the report
-    reaches Ray's controller (which a killed driver never lets happen), so a run
-    stopped hard loses at most the interval since its last upload.
-    """
-    storage = ray.train.get_context().get_storage()
-
-    def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
-        persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
-        mark_complete(checkpoint_uri(persisted), step)
-        return persisted
-
-    return upload

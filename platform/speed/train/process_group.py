@@ -61,8 +61,13 @@ class _LoopbackTorchBackend(_TorchBackend):
         backend = backend_config.backend or ("nccl" if gpus > 0 else "gloo")
         started = [
             worker_group.execute_single_async(
-                rank, _setup_torch_process_group, backend=backend, world_rank=rank, world_size=size,
-                init_method="env://", timeout_s=timeout_s,
+                rank,
+                _setup_torch_process_group,
+                backend=backend,
+                world_rank=rank,
+                world_size=size,
+                init_method="env://",
+                timeout_s=timeout_s,
             )  # fmt: skip
             for rank in range(size)
         ]
