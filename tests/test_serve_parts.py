@@ -975,7 +975,7 @@ def test_a_served_model_whose_weights_and_engine_do_not_fit_is_refused_before_it
     from imported_helpers import one_line, write_chat_ouro
 
     from speed.engine.memory import MEMORY_LIMIT_ENV, MemoryBudgetError, size
-    from speed.models import pretrained
+    from speed.models.form import FORMS
     from speed.models.pretrained import check_load
     from speed.serve.settings import ServeSettings, host_capacity, load_served_model
 
@@ -987,12 +987,11 @@ def test_a_served_model_whose_weights_and_engine_do_not_fit_is_refused_before_it
     weights, served = check_load(directory), check_load(directory, capacity=capacity)
     assert served.weights == weights.total and served.cache > 0
     monkeypatch.setenv(MEMORY_LIMIT_ENV, str(weights.total + served.allocated // 2))  # the weights fit, not the cache
-    loader = pretrained.LOOPED["ouro"]
-    monkeypatch.setitem(pretrained.LOOPED, "ouro", lambda *a, **k: pytest.fail("read before the memory check"))
-    with pytest.raises(MemoryBudgetError) as error:
-        load_served_model(directory, "cpu", user_config=user_config)
+    with monkeypatch.context() as patch:  # the form's loader fails the test if it is called
+        patch.setattr(FORMS["ouro"], "load", lambda *a, **k: pytest.fail("read before the memory check"))
+        with pytest.raises(MemoryBudgetError) as error:
+            load_served_model(directory, "cpu", user_config=user_config)
     assert one_line(error).startswith(f"Ouro-tiny as float32 needs {size(served.total)} (weights ")
-    monkeypatch.setitem(pretrained.LOOPED, "ouro", loader)
     small = {"max_active": 1, "max_source_len": 16, "max_target_len": 16, "max_tokens": 16}  # one block
     assert load_served_model(directory, "cpu", user_config=small).family.name == "lm"
 
