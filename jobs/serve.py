@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))  # thi
 
 from speed.cli import add_weight_flags, parse_set, user_errors
 from speed.cluster import code_runtime_env, local_ray_options
+from speed.models.form import get_form
 from speed.models.precision import DTYPES, dtype_named
 from speed.models.pretrained import check_load, model_source
 from speed.serve.app import start_app
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors():
         settings = dict(map(parse_set, args.set))
         source = model_source(args.checkpoint)
-        if args.initial_state_seed is not None and source != "huginn":
+        if args.initial_state_seed is not None and (source == "platform" or not get_form(source).seeded_state):
             raise ValueError(f"--initial-state-seed: {args.checkpoint} is a {source} model; only Huginn's has one")
         if not address and (source == "platform" or locate(args.checkpoint).local):  # the replicas run here
             check_load(args.checkpoint, dtype=dtype_named(args.dtype), capacity=host_capacity(device, settings))

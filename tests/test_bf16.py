@@ -153,22 +153,14 @@ def test_evaluate_job_runs_in_bf16_weights(tmp_path, monkeypatch):
     """``jobs/evaluate.py --dtype bfloat16``: SPEED checked identical to sequential, every loop's perplexity close to
     (and not equal to) the float32 evaluation's of the same checkpoint; the bf16 model decodes on its weights packed
     for the native kernel (where it builds), and its perplexity runs after they are unpacked."""
-    import importlib.util
+    from checkpoint_helpers import tiny_checkpoint
+    from job_helpers import job_module
 
     from speed.config import lm_preset
-    from speed.data import load_records
-    from speed.models.checkpoint import save_model
     from speed.models.looped_lm import LoopedLM
-    from speed.paths import repo_root
-    from speed.tokenizer import train_tokenizer
 
-    ds = load_records("translate_en_de", "train", limit=200)
-    tok = train_tokenizer([*ds["source"], *ds["target"]], tmp_path / "spm.model", vocab_size=200, num_extra=10)
-    torch.manual_seed(0)
-    directory = save_model(tmp_path / "model", LoopedLM(lm_preset("tiny", vocab_size=tok.vocab_size)), tok.path)
-    spec = importlib.util.spec_from_file_location("evaluate_job", repo_root() / "jobs" / "evaluate.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    directory = tiny_checkpoint(tmp_path, lambda vocab: LoopedLM(lm_preset("tiny", vocab_size=vocab)))
+    job = job_module("evaluate")
     flags = ["--checkpoint", str(directory), "--task", "summarize", "--split", "validation", "--limit", "2"]
     flags += ["--max-new-tokens", "4", "--max-source-len", "32", "--bootstrap-samples", "0", "--threads", "1"]
     packed_calls = []
@@ -187,6 +179,8 @@ def test_evaluate_job_runs_in_bf16_weights(tmp_path, monkeypatch):
 def train_tiny_lm(root, steps: int = 200):
     """A 2x3 looped LM (d_model 64) trained ``steps`` steps on the pretraining text (rows of 64 tokens, batch 16),
     saved as a checkpoint with its tokenizer: the folder (one thread, ~30 s)."""
+    from checkpoint_helpers import train_steps
+
     from speed.config import lm_preset
     from speed.data import load_records
     from speed.models.checkpoint import save_model
@@ -200,15 +194,14 @@ def train_tiny_lm(root, steps: int = 200):
     torch.manual_seed(0)
     config = lm_preset("tiny", vocab_size=tok.vocab_size, d_model=64, n_heads=4, n_kv_heads=4, d_ff=128, pattern="2x3")
     model = LoopedLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     order = random.Random(0)
-    for _ in range(steps):
+
+    def batch_loss() -> torch.Tensor:
         batch = rows[order.sample(range(len(rows)), 16)]
-        loss = model(batch, labels=next_token_labels(batch)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 6.0, f"the model did not train (loss {loss.item():.2f})"
+        return model(batch, labels=next_token_labels(batch)).loss
+
+    loss = train_steps(model, batch_loss, steps)
+    assert loss < 6.0, f"the model did not train (loss {loss:.2f})"
     return save_model(root / "model", model.eval(), tok.path)
 
 
@@ -216,14 +209,10 @@ def train_tiny_lm(root, steps: int = 200):
 def test_bf16_tokens_mostly_agree_with_float32s_on_a_trained_lm(tmp_path, capsys):
     """``jobs/bench_agreement.py`` on a trained tiny LM: its line (docs/benchmarks.md) and most tokens
     agreeing at every loop."""
-    import importlib.util
-
-    from speed.paths import repo_root
+    from job_helpers import job_module
 
     directory = train_tiny_lm(tmp_path)
-    spec = importlib.util.spec_from_file_location("bench_agreement_job", repo_root() / "jobs" / "bench_agreement.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    job = job_module("bench_agreement")
     flags = ["--checkpoint", str(directory), "--agreement-prompts", "8", "--prompt-len", "32", "--new-tokens", "64"]
     assert job.main([*flags, "--threads", "1"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]

@@ -17,6 +17,7 @@ import random
 
 import pytest
 import torch
+from checkpoint_helpers import train_steps
 from engine_helpers import drive
 
 from speed.config import preset
@@ -46,18 +47,17 @@ def trained(tmp_path_factory):
         torch.manual_seed(0)
         config = preset("tiny", vocab_size=tok.vocab_size, d_model=64, n_heads=4, d_kv=16, d_ff=128, pattern="2x3")
         model = SpeedT5(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         order = random.Random(0)
-        for _ in range(STEPS):
+
+        def batch_loss() -> torch.Tensor:
             pick = order.sample(range(len(sources)), BATCH)
             input_ids, mask = pad_inputs([sources[i] for i in pick])  # (B, S)
             labels, label_mask = pad_inputs([targets[i] for i in pick])  # (B, T)
             labels = labels.masked_fill(label_mask == 0, -100)
-            loss = model(input_ids, shift_right(labels), mask, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        assert loss.item() < 4.5, f"the model did not train (loss {loss.item():.2f})"
+            return model(input_ids, shift_right(labels), mask, labels=labels).loss
+
+        loss = train_steps(model, batch_loss, STEPS)
+        assert loss < 4.5, f"the model did not train (loss {loss:.2f})"
         return model.eval(), tok
     finally:
         torch.set_num_threads(threads)

@@ -14,7 +14,6 @@ them).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import random
 
@@ -32,8 +31,6 @@ from speed.decode.generate import generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.engine.cache import Rows
 from speed.engine.sampling import Sampling
-from speed.models.checkpoint import save_model
-from speed.paths import repo_root
 
 pytestmark = [
     pytest.mark.gpu,
@@ -126,16 +123,11 @@ def test_engine_churn_on_cuda():
 def test_evaluate_job_on_cuda(tmp_path):
     for module in ("datasets", "rouge_score"):  # the evaluate job reads records and scores ROUGE with them
         pytest.importorskip(module, reason=f"the evaluate job needs {module}, which this machine lacks")
-    from speed.data import load_records
-    from speed.tokenizer import train_tokenizer
+    from checkpoint_helpers import tiny_checkpoint
+    from job_helpers import job_module
 
-    ds = load_records("translate_en_de", "train", limit=200)
-    tok = train_tokenizer([*ds["source"], *ds["target"]], tmp_path / "spm.model", vocab_size=200, num_extra=10)
-    torch.manual_seed(0)
-    directory = save_model(tmp_path / "ckpt", SpeedT5(preset("tiny", vocab_size=tok.vocab_size)), tok.path)
-    spec = importlib.util.spec_from_file_location("evaluate_job", repo_root() / "jobs" / "evaluate.py")
-    job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(job)
+    directory = tiny_checkpoint(tmp_path, lambda vocab: SpeedT5(preset("tiny", vocab_size=vocab)))
+    job = job_module("evaluate")
     out = tmp_path / "eval"
     flags = ["--checkpoint", str(directory), "--split", "test", "--limit", "8", "--batch-size", "4"]
     summary = job.main([*flags, "--max-new-tokens", "12", "--check-sequential", "--device", "cuda", "--out", str(out)])
@@ -235,25 +227,19 @@ def test_a_captured_lm_bucket_replays_new_rows_bit_for_bit(dtype):
     """The looped LM's pass captured per bucket (``LMStepper.prepare`` staging each step's index, then a replay):
     step after step of new rows, every carry and logit equal to the unstaged, unpadded eager pass's over a second
     cache fed the same, bit for bit (a prelude, a coda, injection with Huginn's initial state, exit adapters)."""
-    from test_lm_capture import RowSource, admitted, huginn_like
+    from capture_helpers import RowSource, any_slots, staged_equals_plain
+    from test_lm_capture import admitted, huginn_like
 
     from speed.engine.graphs import GraphSteps
 
     device = torch.device("cuda")
     model = huginn_like(5, exits=True).to(device, dtype)
     assert model.stepper().capturable
-    (staged, a), (plain, b) = admitted(model, 6, random.Random(6)), admitted(model, 6, random.Random(6))
+    staged, plain = admitted(model, 6, random.Random(6)), admitted(model, 6, random.Random(6))
     graphs = GraphSteps(scratch=6, device=device, capture=True)
-    source = RowSource(model, 6, random.Random(5))
-    with torch.inference_mode():
-        for _ in range(24):
-            rows, hidden = source.rows()
-            keep = Rows(rows.slot.copy(), rows.loop.copy(), rows.pos.copy())
-            step = lambda r, h, w, picked: staged.step(None, a, r, h, w)  # noqa: E731
-            got, got_logits = graphs.run(step, rows, hidden, True, None, lambda r: staged.prepare(None, a, r))
-            want, want_logits = plain.step(None, b, keep, hidden, True)
-            assert torch.equal(got, want) and torch.equal(got_logits, want_logits), keep
-            source.advance(keep, want)
+    rng = random.Random(5)
+    source = RowSource(model, 6, rng, first_pos=1, first_token=2)
+    staged_equals_plain(staged, plain, source, any_slots(rng, 6), graphs, 24, poison=False)
     assert len(graphs._graphs) >= 3  # several buckets captured, each replayed
 
 
@@ -262,26 +248,19 @@ def test_a_captured_t5_bucket_replays_new_rows_bit_for_bit(dtype):
     """T5's pass captured per bucket (``T5Stepper.prepare`` staging each step's cache index, then a replay): step
     after step of new rows of slots with prompts of different lengths, every output and logit equal to the
     unstaged, unpadded eager pass's over a second cache and memory fed the same, bit for bit."""
-    from test_t5_capture import RowSource, admitted
+    from capture_helpers import RowSource, any_slots, staged_equals_plain
+    from test_t5_capture import admitted
 
     from speed.engine.graphs import GraphSteps
 
     device = torch.device("cuda")
     model = cuda_case(1, "2x3", 1, dtype)[0]
     assert model.stepper().capturable
-    (staged, mem_a, a), (plain, mem_b, b) = (admitted(model, 6, random.Random(6)) for _ in range(2))
+    staged, plain = (admitted(model, 6, random.Random(6)) for _ in range(2))
     graphs = GraphSteps(scratch=6, device=device, capture=True)
     rng = random.Random(5)
-    source = RowSource(model, 6, rng)
-    with torch.inference_mode():
-        for _ in range(24):
-            rows, hidden = source.rows(sorted(rng.sample(range(6), rng.randint(1, 6))))
-            keep = Rows(rows.slot.copy(), rows.loop.copy(), rows.pos.copy())
-            step = lambda r, h, w, picked: staged.step(mem_a, a, r, h, w)  # noqa: E731
-            got, got_logits = graphs.run(step, rows, hidden, True, None, lambda r: staged.prepare(mem_a, a, r))
-            want, want_logits = plain.step(mem_b, b, keep, hidden, True)
-            assert torch.equal(got, want) and torch.equal(got_logits, want_logits), keep
-            source.advance(keep, want)
+    source = RowSource(model, 6, rng, first_pos=0, first_token=3)
+    staged_equals_plain(staged, plain, source, any_slots(rng, 6), graphs, 24, poison=False)
     assert len(graphs._graphs) >= 3  # several buckets captured, each replayed
 
 

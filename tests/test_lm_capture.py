@@ -18,19 +18,20 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_helpers import churn_config, drive, random_exits, speed_as_sequential
+from engine_helpers import churn_config, drive, random_exits
 from test_lm import _randomize
 from test_lm_decoding import GQA, MAX_PROMPT, PromptKeyed, churn_request, equals_sequential_alone
 
 tk = pytest.importorskip("speed.engine.triton_kernels")  # before anything imports triton: it sets the interpreter
 
+from capture_helpers import RowSource, any_slots, count_staged, staged_equals_plain, staged_speed_equals_sequential  # noqa: E402
+
 import speed.engine.kernels as kernels  # noqa: E402
 from speed.config import lm_preset  # noqa: E402
 from speed.decode.exactness import LogitRecorder  # noqa: E402
 from speed.decode.generate import generate  # noqa: E402
-from speed.engine import Engine, Speculation  # noqa: E402
+from speed.engine import Engine  # noqa: E402
 from speed.engine.graphs import GraphSteps, kv_caches  # noqa: E402
-from speed.engine.rows import Rows  # noqa: E402
 from speed.engine.sampling import Sampling  # noqa: E402
 from speed.models.looped_lm import InitialState, LoopedLM  # noqa: E402
 
@@ -77,60 +78,12 @@ def test_lm_speed_through_staged_passes_equals_sequential(case):
     mask = torch.ones_like(ids)
     reference = LogitRecorder(model)
     ref = generate(reference, ids, mask, method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
-    staged = count_staged(model)
-    for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=2, branch_depth=2)):
-        speed_as_sequential(
-            model, reference, ref, ids, mask, 5, (case, speculation), speculation=speculation,
-            sampling=sampling, graphs=True,
-        )  # fmt: skip
-    assert len(staged) > 10 and max(staged) > 2, staged  # passes of several rows, padded to buckets
-
-
-def count_staged(model: LoopedLM) -> list[int]:
-    """A list that gets, for every staged pass of ``model`` from now on, its row count (the instance's method
-    wrapped)."""
-    seen = []
-    run = model.step_staged
-
-    def counted(cache, staged, rows, hidden, *args, **kw):
-        seen.append(hidden.shape[0])
-        return run(cache, staged, rows, hidden, *args, **kw)
-
-    model.step_staged = counted
-    return seen
-
-
-class RowSource:
-    """Valid rows for a cache's slots without an engine: each slot decodes its own tokens loop by loop (one row a
-    step for the slots a step picks), so every row lands at the end of its virtual layers' valid prefixes."""
-
-    def __init__(self, model: LoopedLM, slots: int, rng: random.Random) -> None:
-        self.model, self.rng, self.slots = model, rng, slots
-        self.next = [(1, 0)] * slots  # (output position, loop): position 0's row was the prompt's last
-        self.carry: dict[tuple[int, int], torch.Tensor] = {}
-
-    def rows(self) -> tuple[Rows, torch.Tensor]:
-        picked = sorted(self.rng.sample(range(self.slots), self.rng.randint(1, self.slots)))
-        hidden = []
-        for s in picked:
-            pos, loop = self.next[s]
-            key = (s, pos)
-            if loop == 0:
-                self.carry[key] = self.model.embed([self.rng.randrange(2, self.model.vocab_size)])[0]
-            hidden.append(self.carry[key])
-        at = [self.next[s] for s in picked]
-        rows = Rows.build(picked, [loop for _, loop in at], [pos for pos, _ in at])
-        return rows, torch.stack(hidden)
-
-    def advance(self, rows: Rows, out: torch.Tensor) -> None:
-        M = self.model.n_loops
-        for s, pos, loop, h in zip(rows.slot.tolist(), rows.pos.tolist(), rows.loop.tolist(), out):
-            self.carry[(s, pos)] = h
-            self.next[s] = (pos, loop + 1) if loop + 1 < M else (pos + 1, 0)
+    staged_speed_equals_sequential(model, reference, ref, ids, mask, sampling, case)
 
 
 def admitted(model: LoopedLM, slots: int, rng: random.Random):
-    """A stepper and its cache (a scratch slot after ``slots`` request slots) with a random prompt in each slot."""
+    """A stepper, its memory (None) and its cache (a scratch slot after ``slots`` request slots) with a random prompt
+    in each slot."""
     stepper = model.stepper()
     cache = stepper.cache(slots + 1, 6, 24, side=True)
     for kv in kv_caches(cache):
@@ -138,7 +91,7 @@ def admitted(model: LoopedLM, slots: int, rng: random.Random):
     lengths = [rng.randint(1, 6) for _ in range(slots)]
     prompts = [torch.tensor([rng.randrange(2, model.vocab_size) for _ in range(n)]) for n in lengths]
     stepper.admit(None, cache, list(range(slots)), prompts)
-    return stepper, cache
+    return stepper, None, cache
 
 
 @pytest.mark.slow
@@ -149,24 +102,11 @@ def test_a_staged_pass_reads_nothing_of_the_rows_on_the_host():
     only what ``prepare`` staged on the device."""
     rng = random.Random(5)
     model = huginn_like(5, exits=True)
-    (staged, a), (plain, b) = admitted(model, 5, random.Random(6)), admitted(model, 5, random.Random(6))
+    staged, plain = admitted(model, 5, random.Random(6)), admitted(model, 5, random.Random(6))
     graphs = GraphSteps(scratch=5, device=torch.device("cpu"), capture=False)
-    source = RowSource(model, 5, rng)
-
-    def poisoned(rows: Rows) -> None:
-        staged.prepare(None, a, rows)
-        for array in (rows.slot, rows.loop, rows.pos):
-            array[:] = 10**6  # any host read of them now indexes out of range or reads another slot
-
-    with torch.inference_mode():
-        for _ in range(10):
-            rows, hidden = source.rows()
-            keep = Rows(rows.slot.copy(), rows.loop.copy(), rows.pos.copy())
-            step = lambda r, h, w, picked: staged.step(None, a, r, h, w)  # noqa: E731
-            got, got_logits = graphs.run(step, rows, hidden, True, None, poisoned)
-            want, want_logits = plain.step(None, b, keep, hidden, True)
-            assert torch.equal(got, want) and torch.equal(got_logits, want_logits), keep
-            source.advance(keep, want)
+    source = RowSource(model, 5, rng, first_pos=1, first_token=2)
+    staged_equals_plain(staged, plain, source, any_slots(rng, 5), graphs, 10, poison=True)
+    a, b = staged[2], plain[2]
     assert np.array_equal(a.inner.loops.lengths[:, :, :5], b.inner.loops.lengths[:, :, :5])
 
 

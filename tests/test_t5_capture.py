@@ -17,17 +17,17 @@ import random
 import numpy as np
 import pytest
 import torch
-from engine_helpers import speed_as_sequential
 from test_decoding_exact import random_case as t5_case
 
 tk = pytest.importorskip("speed.engine.triton_kernels")  # before anything imports triton: it sets the interpreter
 
+from capture_helpers import RowSource, any_slots, staged_equals_plain, staged_speed_equals_sequential  # noqa: E402
+
 import speed.engine.kernels as kernels  # noqa: E402
 from speed.decode.exactness import LogitRecorder  # noqa: E402
 from speed.decode.generate import generate  # noqa: E402
-from speed.engine import Engine, EngineConfig, Speculation  # noqa: E402
+from speed.engine import Engine, EngineConfig  # noqa: E402
 from speed.engine.graphs import GraphSteps  # noqa: E402
-from speed.engine.rows import Rows  # noqa: E402
 from speed.engine.sampling import Sampling  # noqa: E402
 from speed.models.t5 import SpeedT5  # noqa: E402
 
@@ -54,20 +54,6 @@ def test_the_stepper_is_capturable_on_the_triton_kernels_only(monkeypatch):
     assert not model.stepper().capturable
 
 
-def count_staged(model: SpeedT5) -> list[int]:
-    """A list that gets, for every staged pass of ``model`` from now on, its row count (the instance's method
-    wrapped)."""
-    seen = []
-    run = model.step_staged
-
-    def counted(memory, cache, staged, rows, hidden, *args, **kw):
-        seen.append(hidden.shape[0])
-        return run(memory, cache, staged, rows, hidden, *args, **kw)
-
-    model.step_staged = counted
-    return seen
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["greedy", "sampled"])
 def test_t5_speed_through_staged_passes_equals_sequential(case):
@@ -81,40 +67,7 @@ def test_t5_speed_through_staged_passes_equals_sequential(case):
     mask[1, 3:] = 0  # one prompt of 35 tokens (two chunks of encoder memory), one of 3
     reference = LogitRecorder(model)
     ref = generate(reference, ids, mask, method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
-    staged = count_staged(model)
-    for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=2, branch_depth=2)):
-        speed_as_sequential(
-            model, reference, ref, ids, mask, 5, (case, speculation), speculation=speculation,
-            sampling=sampling, graphs=True,
-        )  # fmt: skip
-    assert len(staged) > 10 and max(staged) > 2, staged  # passes of several rows, padded to buckets
-
-
-class RowSource:
-    """Valid rows for a cache's slots without an engine: each slot decodes its own tokens loop by loop, one row a
-    step for each slot a step picks."""
-
-    def __init__(self, model: SpeedT5, slots: int, rng: random.Random) -> None:
-        self.model, self.rng, self.slots = model, rng, slots
-        self.next = [(0, 0)] * slots  # (position, loop)
-        self.carry: dict[tuple[int, int], torch.Tensor] = {}
-
-    def rows(self, picked: list[int]) -> tuple[Rows, torch.Tensor]:
-        hidden = []
-        for s in picked:
-            pos, loop = self.next[s]
-            if loop == 0:
-                token = torch.tensor([self.rng.randrange(3, self.model.vocab_size)], device=self.model.device)
-                self.carry[(s, pos)] = self.model.shared(token)[0]
-            hidden.append(self.carry[(s, pos)])
-        at = [self.next[s] for s in picked]
-        return Rows.build(picked, [loop for _, loop in at], [pos for pos, _ in at]), torch.stack(hidden)
-
-    def advance(self, rows: Rows, out: torch.Tensor) -> None:
-        M = self.model.n_loops
-        for s, pos, loop, h in zip(rows.slot.tolist(), rows.pos.tolist(), rows.loop.tolist(), out):
-            self.carry[(s, pos)] = h
-            self.next[s] = (pos, loop + 1) if loop + 1 < M else (pos + 1, 0)
+    staged_speed_equals_sequential(model, reference, ref, ids, mask, sampling, case)
 
 
 def admitted(model: SpeedT5, slots: int, rng: random.Random):
@@ -146,27 +99,11 @@ def test_a_staged_pass_reads_nothing_of_the_rows_on_the_host(composition):
     with torch.no_grad():  # a position bias that differs per head and offset, strong enough to matter
         torch.nn.init.normal_(model.decoder_bias.embedding.weight, std=1.0)
     slots = 5
-    (staged, mem_a, a), (plain, mem_b, b) = (admitted(model, slots, random.Random(6)) for _ in range(2))
-    assert staged.capturable
+    staged, plain = (admitted(model, slots, random.Random(6)) for _ in range(2))
+    assert staged[0].capturable
     graphs = GraphSteps(scratch=slots, device=torch.device("cpu"), capture=False)
-    source = RowSource(model, slots, rng)
-
-    def poisoned(rows: Rows) -> None:
-        staged.prepare(mem_a, a, rows)
-        for array in (rows.slot, rows.loop, rows.pos):
-            array[:] = 10**6  # any host read of them now indexes out of range or reads another slot
-
-    with torch.inference_mode():
-        for _ in range(10):
-            if composition == "one_slot":
-                picked = [rng.randrange(slots)]
-            else:
-                picked = sorted(rng.sample(range(slots), rng.randint(1, slots)))
-            rows, hidden = source.rows(picked)
-            keep = Rows(rows.slot.copy(), rows.loop.copy(), rows.pos.copy())
-            step = lambda r, h, w, names: staged.step(mem_a, a, r, h, w)  # noqa: E731
-            got, got_logits = graphs.run(step, rows, hidden, True, None, poisoned)
-            want, want_logits = plain.step(mem_b, b, keep, hidden, True)
-            assert torch.equal(got, want) and torch.equal(got_logits, want_logits), keep
-            source.advance(keep, want)
+    source = RowSource(model, slots, rng, first_pos=0, first_token=3)
+    pick = (lambda: [rng.randrange(slots)]) if composition == "one_slot" else any_slots(rng, slots)
+    staged_equals_plain(staged, plain, source, pick, graphs, 10, poison=True)
+    a, b = staged[2], plain[2]
     assert np.array_equal(a.lengths[:, :, :slots], b.lengths[:, :, :slots])

@@ -32,8 +32,8 @@ import torch
 from speed.benchmarks.shapes import HUGINN_0125, OURO_1_4B
 from speed.config import LMConfig
 from speed.models.convert_huginn import EMBEDDING as HUGINN_EMBEDDING
-from speed.models.convert_huginn import FREQS, config_from_huginn, huginn_shapes
-from speed.models.convert_ouro import config_from_ouro, ouro_shapes
+from speed.models.convert_huginn import FREQS
+from speed.models.form import Form, form_of
 
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -57,18 +57,18 @@ class Published:
     bos: str | None = None
 
     @property
-    def form(self) -> str:
-        return "huginn" if self.config["model_type"] == "huginn_raven" else "ouro"
+    def form(self) -> Form:
+        return form_of(self.config)
 
     def lm_config(self) -> LMConfig:
-        return (config_from_huginn if self.form == "huginn" else config_from_ouro)(self.config)
+        return self.form.config(self.config)
 
     def tensors(self) -> dict[str, tuple[int, ...]]:
-        """The published tensors in the published order, and their shapes."""
-        if self.form == "ouro":
-            return ouro_shapes(self.lm_config())
-        shapes = huginn_shapes(self.lm_config(), self.config["block_size"])
-        return shapes if self.tied_copy else {n: s for n, s in shapes.items() if n != "lm_head.weight"}
+        """The published tensors in the published order, and their shapes (a tied head's copy only if stored)."""
+        shapes = self.form.shapes(self.config)  # type: ignore[attr-defined]
+        if self.tied_copy or not self.lm_config().tie_embeddings:
+            return shapes
+        return {n: s for n, s in shapes.items() if n != "lm_head.weight"}
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,19 @@ HUGINN_SPECIALS = {65504: "<|begin_text|>", 65505: "<|end_text|>", 65506: "<|im_
 PUBLISHED = {
     "Huginn-0125": Published(
         "Huginn-0125",
-        HUGINN_0125 | {"architectures": ["RavenForCausalLM"], "bos_token_id": 65504, "eos_token_id": 65505,
-                       "torch_dtype": "float32", "tie_word_embeddings": True},  # fmt: skip
-        torch.float32, tied_copy=True, specials=HUGINN_SPECIALS, eos="<|end_text|>", bos="<|begin_text|>",
+        HUGINN_0125
+        | {
+            "architectures": ["RavenForCausalLM"],
+            "bos_token_id": 65504,
+            "eos_token_id": 65505,
+            "torch_dtype": "float32",
+            "tie_word_embeddings": True,
+        },  # fmt: skip
+        torch.float32,
+        tied_copy=True,
+        specials=HUGINN_SPECIALS,
+        eos="<|end_text|>",
+        bos="<|begin_text|>",
     ),
     "Ouro-1.4B": ouro("Ouro-1.4B", 24),
     "Ouro-2.6B": ouro("Ouro-2.6B", 48),

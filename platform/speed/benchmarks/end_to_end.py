@@ -91,8 +91,8 @@ def run(directory: str | Path, dtype: torch.dtype = torch.bfloat16, tokens: int 
     weights = sum(p.nbytes for p in model.parameters())
     after_load = peak_rss()
     tokenizer = load_tokenizer(directory)
-    form = form_of(read_config(directory)).name
-    ids = torch.tensor([tokenizer.encode(PROMPT, add_eos=form == "t5")])
+    form = form_of(read_config(directory))
+    ids = torch.tensor([tokenizer.encode(PROMPT, add_eos=form.prompt_eos)])
     model.pack_for_decoding()  # as a Serve replica decodes
     timed = {}
     for method in ("speed", "sequential"):
@@ -105,7 +105,7 @@ def run(directory: str | Path, dtype: torch.dtype = torch.bfloat16, tokens: int 
     gc.collect()
     chat_seconds, chat_tokens, replica_rss = _serve_chats(directory, name, tokens)
     return EndToEnd(
-        directory, form, name, need.total, available, load_seconds, weights, after_load, timed["speed_seconds"],
+        directory, form.name, name, need.total, available, load_seconds, weights, after_load, timed["speed_seconds"],
         timed["sequential_seconds"], timed["speed"], after_decoding, chat_seconds, chat_tokens, replica_rss,
     )  # fmt: skip
 

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from speed.engine import Admitted, as_stepper
 from speed.engine.cache import KVCache, Rows
+from speed.engine.observer import StepObserver
 from speed.engine.trace import TRACE_SCHEMA
 
 STOP = -1  # a loop's code where the recorded prediction was a stop token
@@ -182,7 +183,7 @@ def _codes(preds: np.ndarray, final: np.ndarray, stop_ids: frozenset[int]) -> np
 
 
 @dataclass
-class ReplayStepper:
+class ReplayStepper(StepObserver):
     """A ``Stepper`` that forwards to ``model``'s and rewrites its early exits' logits to replay ``pattern`` on the
     prompts of ``finals`` (each prompt's final tokens, in order: the i-th prompt replays the pattern's i-th
     sequence). Only rows on the right path are rewritten: a token whose input, and every in-flight input before
@@ -214,11 +215,6 @@ class ReplayStepper:
         self._embedded: dict[bytes, int] = {}  # the last ``embed`` call's rows: their bytes -> token
         self._max_len = 0  # output positions per request (the engine's cache's)
 
-    def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, vocab_size, device, memory, ...
-        if name.startswith("_") or name in ("model", "finals", "pattern", "learn", "passes"):
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
     def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, **pool: int) -> KVCache:
         self._max_len = max(self._max_len, max_len)
         return self.model.cache(n_slots, max_prompt_len, max_len, side, **pool)
@@ -230,39 +226,28 @@ class ReplayStepper:
         self._embedded = {_key(row): t for row, t in zip(out, tokens.tolist())}
         return out
 
-    def admit(self, memory: Any, cache: KVCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Admitted]:
-        """The model's admission; each slot takes its prompt's replay, and a prefill's exits of output position 0
-        are rewritten (or learnt) as any step's."""
-        admitted = self.model.admit(memory, cache, slots, prompts)
-        for slot, prompt, each in zip(slots, prompts, admitted):
-            self._slots[slot] = self._slot_replay(tuple(prompt.tolist()))
-            if each.exits is not None:
-                M = len(each.exits)
-                self._replay(each.exits, [slot] * M, list(range(M)), [0] * M)
-        return admitted
+    def after_admit(self, slot: int, prompt: Tensor, admitted: Admitted) -> None:
+        """The slot takes its prompt's replay, and a prefill's exits of output position 0 are rewritten (or learnt)
+        as any step's."""
+        self._slots[slot] = self._slot_replay(tuple(prompt.tolist()))
+        if admitted.exits is not None:
+            M = len(admitted.exits)
+            self._replay(admitted.exits, [slot] * M, list(range(M)), [0] * M)
 
-    def step(
-        self,
-        memory: Any,
-        cache: KVCache,
-        rows: Rows,
-        hidden: Tensor,
-        with_logits: bool = True,
-        logit_rows: Sequence[int] | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """The model's group pass, its right-path early exits' logits rewritten to the pattern's guesses."""
+    def before_step(self, rows: Rows, hidden: Tensor) -> None:
+        """Notes the input token of each row at a token's first loop (by its embedding's bytes)."""
         if self.pattern is not None:
-            for r in np.flatnonzero(rows.loop == 0).tolist():  # a token's first loop: note its input
+            for r in np.flatnonzero(rows.loop == 0).tolist():
                 replay = self._slots.get(int(rows.slot[r]))
                 if replay is not None and rows.pos[r] < len(replay.inputs):
                     replay.inputs[rows.pos[r]] = self._embedded.get(_key(hidden[r]), -1)
-        picked = {} if logit_rows is None else {"logit_rows": logit_rows}
-        out, logits = self.model.step(memory, cache, rows, hidden, with_logits, **picked)
+
+    def after_step(self, rows: Rows, logits: Tensor | None, logit_rows: Sequence[int] | None) -> None:
+        """Records the pass, and rewrites its right-path early exits' logits to the pattern's guesses."""
         self.passes.append((len(rows), 0 if logits is None else len(logits)))
         if logits is not None and self.pattern is not None:
             at = list(range(len(rows))) if logit_rows is None else list(logit_rows)
             self._replay(logits, rows.slot[at].tolist(), rows.loop[at].tolist(), rows.pos[at].tolist())
-        return out, logits
 
     def _slot_replay(self, prompt: tuple[int, ...]) -> _SlotReplay | None:
         """What a slot holding ``prompt`` replays (None: nothing, the model's own exits)."""

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from speed.engine import Admitted, as_stepper
+from speed.engine import Admitted
 from speed.engine.cache import KVCache, Rows
+from speed.engine.observer import StepObserver
 
 
-class LogitRecorder:
+class LogitRecorder(StepObserver):
     """A ``Stepper`` that forwards to ``model`` and records each row's early-exit logits (V,).
 
     ``logits[key(slot, loop, pos)]``: loop 0-based, as in ``Rows``. Rows run
@@ -38,12 +39,9 @@ class LogitRecorder:
     capturable = False
 
     def __init__(self, model: Any) -> None:
-        self.model = as_stepper(model)  # a model's adapter, or a Stepper as it is
+        super().__init__(model)
         self.logits: dict[Any, Tensor] = {}
         self._branches: dict[tuple[int, int, int, int], Tensor] = {}  # (slot, side entry, loop, pos) -> (V,)
-
-    def __getattr__(self, name: str) -> Any:  # n_loops, eos_id, memory, embed, training, ...
-        return getattr(self.model, name)
 
     def key(self, slot: int, loop: int, pos: int) -> Any:
         """The record's key (subclasses may name slots otherwise, e.g. by the request holding it)."""
@@ -63,39 +61,25 @@ class LogitRecorder:
         cache.promote = promote_and_record  # type: ignore[method-assign]
         return cache
 
-    def admit(self, memory: Any, cache: KVCache, slots: Sequence[int], prompts: Sequence[Tensor]) -> list[Admitted]:
-        """The model's admission; the exits it computed (a decoder-only prefill's) are output position 0's."""
-        admitted = self.model.admit(memory, cache, slots, prompts)
-        for slot, each in zip(slots, admitted):
-            if each.exits is not None:
-                for loop, logits in enumerate(each.exits):
-                    self.logits[self.key(slot, loop, 0)] = logits
-        return admitted
+    def after_admit(self, slot: int, prompt: Tensor, admitted: Admitted) -> None:
+        """The exits an admission computed (a decoder-only prefill's) are output position 0's."""
+        if admitted.exits is not None:
+            for loop, logits in enumerate(admitted.exits):
+                self.logits[self.key(slot, loop, 0)] = logits
 
-    def step(
-        self,
-        memory: Any,
-        cache: KVCache,
-        rows: Rows,
-        hidden: Tensor,
-        with_logits: bool = True,
-        logit_rows: Sequence[int] | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """The model's group pass, the exit logits of its rows ``logit_rows`` names (None: all) recorded."""
-        picked = {} if logit_rows is None else {"logit_rows": logit_rows}
-        out, logits = self.model.step(memory, cache, rows, hidden, with_logits, **picked)
-        if logits is not None:
-            side = rows.side.tolist() if rows.side is not None else [-1] * len(rows)
-            where = zip(rows.slot.tolist(), rows.loop.tolist(), rows.pos.tolist(), side)
-            where = list(where)
-            real = where[: len(where) - rows.padding]  # a bucket's padding rows (speed.engine.graphs) are no one's
-            rows_at = real if logit_rows is None else [where[r] for r in logit_rows]
-            for r, (slot, loop, pos, b) in enumerate(rows_at):
-                if b < 0:
-                    self.logits[self.key(slot, loop, pos)] = logits[r]
-                else:
-                    self._branches[(slot, b, loop, pos)] = logits[r]
-        return out, logits
+    def after_step(self, rows: Rows, logits: Tensor | None, logit_rows: Sequence[int] | None) -> None:
+        """Records the exit logits of the pass's rows ``logit_rows`` names (None: all but a bucket's padding)."""
+        if logits is None:
+            return
+        side = rows.side.tolist() if rows.side is not None else [-1] * len(rows)
+        where = list(zip(rows.slot.tolist(), rows.loop.tolist(), rows.pos.tolist(), side))
+        real = where[: len(where) - rows.padding]  # a bucket's padding rows (speed.engine.graphs) are no one's
+        rows_at = real if logit_rows is None else [where[r] for r in logit_rows]
+        for r, (slot, loop, pos, b) in enumerate(rows_at):
+            if b < 0:
+                self.logits[self.key(slot, loop, pos)] = logits[r]
+            else:
+                self._branches[(slot, b, loop, pos)] = logits[r]
 
 
 @dataclass(frozen=True)

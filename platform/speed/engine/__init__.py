@@ -71,8 +71,9 @@ executor (the model call, the hidden states), locking), as vLLM v1 splits
 its scheduler, executor and output processing. What a stepper computes with: ``cache`` (``KVCache``) and
 ``cache_index`` (the device indices a pass reads it through), ``kernels`` and ``matmuls`` (the row-invariant
 ops), ``native`` and ``triton_kernels`` (their CPU and GPU kernels), ``graphs`` (row-count buckets, CUDA graphs),
-``sampling``, ``memory``. A ``Stepper`` per model family lives with its model
-(``speed.models.t5.T5Stepper``, ``speed.models.looped_lm.LMStepper``).
+``sampling``, ``memory``; ``observer`` (``StepObserver``: a ``Stepper`` wrapping another, whose passes it
+watches: the logit recorder's and the replay's base). A ``Stepper`` per model family lives beside its model
+(``speed.models.t5_stepper.T5Stepper``, ``speed.models.lm_stepper.LMStepper``).
 
 Names, one per concept (M loops of N shared layers):
 

@@ -203,9 +203,13 @@ class HuginnForm(LMForm):
     name = "huginn"
     model_type = "huginn_raven"
     looped = True
+    seeded_state = True
     exports = None
     config = staticmethod(config_from_huginn)
     load = staticmethod(load_huginn)
+
+    def shapes(self, hf: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        return huginn_shapes(config_from_huginn(hf), hf["block_size"])
 
     def initial_state(self, path: str | Path, seed: int) -> InitialState:
         return huginn_initial_state(path, seed)

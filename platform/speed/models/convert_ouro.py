@@ -243,3 +243,6 @@ class OuroForm(LMForm):
 
     def obstacle(self, model: LoopedLM) -> str | None:
         return ouro_obstacle(model.config)
+
+    def shapes(self, hf: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        return ouro_shapes(config_from_ouro(hf))

@@ -333,6 +333,8 @@ class T5Form:
     looped = False
     job_pattern = True
     chat = False  # a T5 reads source texts, not chats
+    prompt_eos = True  # its encoder's inputs end in EOS
+    seeded_state = False
     exports = SpeedT5
 
     def check(self, hf: Mapping[str, Any]) -> None:

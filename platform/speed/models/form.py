@@ -39,6 +39,8 @@ class Form(Protocol):
     looped: bool  # published with a loop count, which ``n_loops`` replaces (Ouro's total_ut_steps, Huginn's num_steps)
     job_pattern: bool  # ``--init-from`` converts it into the job's own sharing pattern (``hub_config``, ``hub_model``)
     chat: bool  # an exported tokenizer of it carries the platform's chat template (a decoder-only LM's prompts)
+    prompt_eos: bool  # a prompt is encoded ending in EOS (T5's encoder input); False: the decoder continues it
+    seeded_state: bool  # published with a random initial state drawn under a seed (``initial_state``: Huginn's)
     exports: type | None  # the model class its exporter writes; None: the platform writes no directory of it
 
     def check(self, hf: Mapping[str, Any]) -> None:
@@ -62,6 +64,9 @@ class Form(Protocol):
     # files(model) -> config.json and the tensors (published names) of ``model``: the inverse of ``load``.
     # Of a ``job_pattern`` form, whose ``hf:<name>`` may be a hub name:
     # hub_config(name, pattern) -> its config in a job's ``pattern``; hub_model(name, pattern) -> its model so.
+    # Of a form the full-size writer (``speed.benchmarks.checkpoints``) writes at random:
+    # shapes(hf) -> the tensors a directory of config.json ``hf`` stores (a tied head's copy included), in the
+    # published order, and their shapes.
 
 
 FORMS: dict[str, Form] = {form.name: form for form in (T5Form(), LlamaForm(), OuroForm(), HuginnForm())}

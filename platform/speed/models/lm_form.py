@@ -18,6 +18,8 @@ class LMForm:
     tokenizer_file = TOKENIZER_FILE
     job_pattern = False
     chat = True
+    prompt_eos = False  # a decoder-only LM continues its prompt
+    seeded_state = False
 
     def check(self, hf: Mapping[str, Any]) -> None:
         return None

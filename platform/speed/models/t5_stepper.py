@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,20 +125,14 @@ class T5Stepper(ModelStepper):
         return self.model.shared(torch.as_tensor(tokens, dtype=torch.long, device=self.device))
 
     def step(
-        self,
-        memory: Memory,
-        cache: KVCache,
-        rows: Rows,
-        hidden: Tensor,
-        with_logits: bool = True,
-        logit_rows: Sequence[int] | None = None,
+        self, memory: Memory, cache: KVCache, rows: Rows, *pass_args: Any, **pass_kwargs: Any
     ) -> tuple[Tensor, Tensor | None]:
-        """One group pass over R rows (``SpeedT5.step``), exit logits for the rows ``logit_rows`` names; over the
-        rows ``prepare`` staged, ``SpeedT5.step_staged``."""
+        """``SpeedT5.step`` over R rows, the rest of its arguments (``hidden`` and which exits) as the engine passed
+        them; over the rows ``prepare`` staged, ``SpeedT5.step_staged``."""
         staged = self._staged
         if staged is not None and staged[0] is rows:
-            return self.model.step_staged(memory, cache, staged[1], rows, hidden, with_logits, logit_rows)
-        return self.model.step(memory, cache, rows, hidden, with_logits, logit_rows)
+            return self.model.step_staged(memory, cache, staged[1], rows, *pass_args, **pass_kwargs)
+        return self.model.step(memory, cache, rows, *pass_args, **pass_kwargs)
 
     @property
     def capturable(self) -> bool:
