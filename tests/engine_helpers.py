@@ -69,14 +69,14 @@ def churn_config(rng: random.Random, max_prompt_len: int, max_target_len: int, m
 
 
 def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context, **settings):
-    """Decode ``ids`` with SPEED (``settings`` as ``generate`` takes them: ``speculation``, ``sampling``, ...) under
+    """Decode ``ids`` with SPEED (``settings``: ``DecodeOptions``' fields, ``speculation``, ``sampling``, ...) under
     a ``LogitRecorder`` and assert every loop's logits and the tokens equal the sequential ``reference``'s run
     ``ref``; return SPEED's result."""
     from speed.decode.exactness import LogitRecorder, compare_logits
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
 
     candidate = LogitRecorder(model)
-    got = generate(candidate, ids, mask, method="speed", max_new_tokens=max_new, **settings)
+    got = generate(candidate, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new, **settings))
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], context
     assert got.tokens == ref.tokens
     return got
@@ -177,7 +177,7 @@ def exits_change_drafts_only(model, ids, mask, max_new: int, context, **settings
     import torch
 
     from speed.decode.exactness import LogitRecorder
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
     from speed.models.exits import attach
 
     adapters, last = model.exit_adapters, model.n_loops - 1
@@ -185,7 +185,7 @@ def exits_change_drafts_only(model, ids, mask, max_new: int, context, **settings
     attach(model, None)
     plain = LogitRecorder(model)
     plain_ref = generate(plain, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
-    without = generate(model, ids, mask, method="speed", max_new_tokens=max_new, **settings)
+    without = generate(model, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new, **settings))
     attach(model, adapters)
     adapted = LogitRecorder(model)
     ref = generate(adapted, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)

@@ -118,7 +118,7 @@ def test_a_time_per_token_is_its_own_runs_split(monkeypatch):
 
     def split(self, *args, **kw):
         result = real(self, *args, **kw)
-        return dataclasses.replace(result, first_token_s=0.5, decode_s=0.012 * self.max_new_tokens)
+        return dataclasses.replace(result, first_token_s=0.5, decode_s=0.012 * self.options.max_new_tokens)
 
     monkeypatch.setattr(Decoder, "__call__", split)
     cfg = shapes.ShapeBenchConfig("tiny-ouro", TINY_OURO.resolve(), batches=(1, 4), prompt_len=8, new_tokens=4,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.decode.schedule import TableModel as StubModel
 from speed.engine import Speculation
 
@@ -144,4 +144,4 @@ BAD_SETTINGS = [
 @pytest.mark.parametrize("kwargs, fragment", BAD_SETTINGS)
 def test_bad_arguments(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
-        generate(StubModel(3, lambda s, p, lo: 5), torch.ones(1, 2, dtype=torch.long), **kwargs)
+        generate(StubModel(3, lambda s, p, lo: 5), torch.ones(1, 2, dtype=torch.long), options=DecodeOptions(**kwargs))

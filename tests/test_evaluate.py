@@ -164,10 +164,10 @@ def _break_sequential(monkeypatch):
     real = speed.eval.evaluate.generate
     calls = []
 
-    def broken(model, *args, **kwargs):
-        result = real(model, *args, **kwargs)
-        calls.append("oracle" if kwargs.get("oracle") else kwargs["method"])
-        if kwargs["method"] == "sequential" and len(result.tokens) == 2 and not isinstance(model, LogitRecorder):
+    def broken(model, ids, mask, options, **kwargs):
+        result = real(model, ids, mask, options, **kwargs)
+        calls.append("oracle" if kwargs.get("oracle") else options.method)
+        if options.method == "sequential" and len(result.tokens) == 2 and not isinstance(model, LogitRecorder):
             result.tokens[1][0] += 1  # the timed batch, not the warm-up nor the gap's re-run
         return result
 

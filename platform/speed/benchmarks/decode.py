@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from speed.config import LMConfig, ModelConfig, to_dict
-from speed.decode.generate import Decoder, GenerateResult, generate
+from speed.decode.generate import DecodeOptions, Decoder, GenerateResult, generate
 from speed.models.exits import attach, exits_for
 from speed.models.family import build_model
 from speed.models.looped_lm import LoopedLM
@@ -117,7 +117,8 @@ def bench_models(cfg: DecodeBenchConfig, input_len: int, first_id: int) -> Bench
 
 
 def decoding(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kw: Any) -> Callable[[], GenerateResult]:
-    """A run that decodes ``ids`` for ``new_tokens`` tokens (``kw``: ``generate``'s options) through one ``Decoder``
+    """A run that decodes ``ids`` for ``new_tokens`` tokens (``kw``: ``DecodeOptions``' fields, and ``generate``'s
+    ``oracle``) through one ``Decoder``
     built at its first call (``interleave``'s untimed one): every later call only decodes, never builds an engine
     nor captures a CUDA graph, so a timed round times decoding alone."""
     oracle = kw.pop("oracle", None)
@@ -126,7 +127,7 @@ def decoding(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kw: A
     def go() -> GenerateResult:
         nonlocal decoder
         if decoder is None:
-            decoder = Decoder(model, *ids.shape, max_new_tokens=new_tokens, **kw)
+            decoder = Decoder(model, *ids.shape, DecodeOptions(max_new_tokens=new_tokens, **kw))
         return decoder(ids, oracle=oracle)
 
     return go

@@ -34,7 +34,7 @@ from speed.benchmarks.decode import interleave, machine_name
 from speed.benchmarks.replay import FlipPattern, ReplayStepper, agreement_profile
 from speed.benchmarks.shapes import ShapeBenchConfig, check_fits, empty_model, random_weights
 from speed.config import LMConfig, ModelConfig
-from speed.decode.generate import GenerateResult, generate
+from speed.decode.generate import DecodeOptions, GenerateResult, generate
 from speed.engine.cost import RowCost, row_cost
 from speed.models.precision import DTYPES
 
@@ -192,7 +192,7 @@ def _batch_rows(
     def run(name: str, pattern: FlipPattern | None, new: int, **kw: Any) -> Callable[[], int]:
         def go() -> int:
             stepper = ReplayStepper(model, finals, pattern)
-            result = generate(stepper, ids, max_new_tokens=new, trace=False, **kw)
+            result = generate(stepper, ids, options=DecodeOptions(max_new_tokens=new, trace=False, **kw))
             results[name] = (result, stepper.passes)
             return 1
 
