@@ -106,12 +106,12 @@ class RecordedCase:
 def recorded_cases(random_case: Callable[[int], tuple], seeds: Iterable[int]) -> Iterator[RecordedCase]:
     """``random_case(seed)`` for each seed, decoded sequentially (greedy) under a ``LogitRecorder``."""
     from speed.decode.exactness import LogitRecorder
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
 
     for seed in seeds:
         model, ids, mask, max_new, rng = random_case(seed)
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
+        ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new))
         yield RecordedCase(seed, model, ids, mask, max_new, rng, reference, ref)
 
 
@@ -145,11 +145,11 @@ def recorded_pair(model, ids, mask, max_new: int):
     ``compare_logits``: (the sequential recorder, SPEED's, the sequential result), for tests that then tamper
     with a recorded row to show that the comparison is not vacuous."""
     from speed.decode.exactness import LogitRecorder, compare_logits
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
 
     reference, candidate = LogitRecorder(model), LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
-    generate(candidate, ids, mask, method="speed", max_new_tokens=max_new)
+    ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new))
+    generate(candidate, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new))
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
     return reference, candidate, ref
 
@@ -184,11 +184,13 @@ def exits_change_drafts_only(model, ids, mask, max_new: int, context, **settings
     sampling = settings.get("sampling")
     attach(model, None)
     plain = LogitRecorder(model)
-    plain_ref = generate(plain, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+    plain_ref = generate(
+        plain, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling)
+    )
     without = generate(model, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new, **settings))
     attach(model, adapters)
     adapted = LogitRecorder(model)
-    ref = generate(adapted, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+    ref = generate(adapted, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling))
     assert ref.tokens == plain_ref.tokens == without.tokens, context
     changed = 0
     for b, out in enumerate(ref.tokens):

@@ -24,7 +24,9 @@ def run(model, max_new_tokens, batch=1, oracle=None, **speculation):
     """SPEED on the stub, ``speculation`` as ``Speculation`` takes it."""
     prompts = torch.ones(batch, 3, dtype=torch.long)
     speculation = Speculation(**speculation)
-    return generate(model, prompts, max_new_tokens=max_new_tokens, speculation=speculation, oracle=oracle)
+    return generate(
+        model, prompts, options=DecodeOptions(max_new_tokens=max_new_tokens, speculation=speculation), oracle=oracle
+    )
 
 
 @pytest.mark.parametrize("m, t", [(3, 5), (6, 12), (1, 4)])

@@ -27,7 +27,7 @@ tk = pytest.importorskip("speed.engine.triton_kernels")  # before anything impor
 import speed.engine.kernels as kernels  # noqa: E402
 from speed.config import lm_preset  # noqa: E402
 from speed.decode.exactness import LogitRecorder  # noqa: E402
-from speed.decode.generate import generate  # noqa: E402
+from speed.decode.generate import DecodeOptions, generate  # noqa: E402
 from speed.engine import Engine, Speculation  # noqa: E402
 from speed.engine.graphs import GraphSteps, kv_caches  # noqa: E402
 from speed.engine.rows import Rows  # noqa: E402
@@ -76,7 +76,9 @@ def test_lm_speed_through_staged_passes_equals_sequential(case):
     ids = torch.tensor([[rng.randrange(2, model.vocab_size) for _ in range(4)] for _ in range(2)])
     mask = torch.ones_like(ids)
     reference = LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
+    ref = generate(
+        reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
+    )
     staged = count_staged(model)
     for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=2, branch_depth=2)):
         speed_as_sequential(

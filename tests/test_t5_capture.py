@@ -24,7 +24,7 @@ tk = pytest.importorskip("speed.engine.triton_kernels")  # before anything impor
 
 import speed.engine.kernels as kernels  # noqa: E402
 from speed.decode.exactness import LogitRecorder  # noqa: E402
-from speed.decode.generate import generate  # noqa: E402
+from speed.decode.generate import DecodeOptions, generate  # noqa: E402
 from speed.engine import Engine, EngineConfig, Speculation  # noqa: E402
 from speed.engine.graphs import GraphSteps  # noqa: E402
 from speed.engine.rows import Rows  # noqa: E402
@@ -80,7 +80,9 @@ def test_t5_speed_through_staged_passes_equals_sequential(case):
     mask = torch.ones_like(ids)
     mask[1, 3:] = 0  # one prompt of 35 tokens (two chunks of encoder memory), one of 3
     reference = LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
+    ref = generate(
+        reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
+    )
     staged = count_staged(model)
     for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=2, branch_depth=2)):
         speed_as_sequential(

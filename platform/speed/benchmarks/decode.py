@@ -112,7 +112,9 @@ def bench_models(cfg: DecodeBenchConfig, input_len: int, first_id: int) -> Bench
     shallow = random_model(cfg.model.replace(pattern=str(cfg.model.sharing.one_loop())), cfg.seed).to(cfg.device)
     torch.manual_seed(cfg.seed + 1)
     ids = torch.randint(first_id, cfg.model.vocab_size, (cfg.batch, input_len))
-    reference = generate(model, ids, method="sequential", max_new_tokens=cfg.new_tokens, trace=False)
+    reference = generate(
+        model, ids, options=DecodeOptions(method="sequential", max_new_tokens=cfg.new_tokens, trace=False)
+    )
     return BenchModels(model, shallow, ids, reference)
 
 
@@ -223,7 +225,9 @@ def transformers_installed() -> bool:
 
 def warn_unless_hf_agrees(ours: torch.nn.Module, ids: torch.Tensor, new_tokens: int, hf_tokens: torch.Tensor) -> None:
     """Print a warning where our sequential greedy tokens differ from transformers' on the same weights."""
-    check = generate(ours, ids, method="sequential", max_new_tokens=new_tokens, trace=False).tokens
+    check = generate(
+        ours, ids, options=DecodeOptions(method="sequential", max_new_tokens=new_tokens, trace=False)
+    ).tokens
     if check != hf_tokens.tolist():
         print("warning: our Dx1 greedy tokens differ from transformers' (numerical near-ties on random weights?)")
 

@@ -333,7 +333,7 @@ def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...], exit_
     for method in methods:
         rule = exit_rule if method == "exit_gate" else None
         ids, mask = input_ids.to(device), attention_mask.to(device)
-        generate(model, ids, mask, method=method, max_new_tokens=2, trace=False, exit_rule=rule)
+        generate(model, ids, mask, DecodeOptions(method=method, max_new_tokens=2, trace=False, exit_rule=rule))
 
 
 def _decode(
@@ -419,11 +419,13 @@ def _mismatches(
         recorder,
         input_ids,
         attention_mask,
-        method="sequential",
-        max_new_tokens=config.max_new_tokens,
-        trace=True,
-        sampling=config.sampling,
-        stop_ids=stop_ids,
+        DecodeOptions(
+            method="sequential",
+            max_new_tokens=config.max_new_tokens,
+            trace=True,
+            sampling=config.sampling,
+            stop_ids=stop_ids,
+        ),
     )
     found = []
     for b, (a, r) in enumerate(zip(speed.tokens, sequential.tokens)):
