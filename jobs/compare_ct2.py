@@ -34,7 +34,15 @@ def _imports():
         from speed.model import SpeedT5
     from speed.config import preset
 
-    return from_hf_model, hf_config_from, generate, SpeedT5, preset
+    try:
+        from speed.decode.generate import DecodeOptions
+    except ImportError:  # before DecodeOptions: generate took its options as keywords, as decode does
+        return from_hf_model, hf_config_from, generate, SpeedT5, preset
+
+    def decode(model, ids, oracle=None, **options):
+        return generate(model, ids, DecodeOptions(**options), oracle=oracle)
+
+    return from_hf_model, hf_config_from, decode, SpeedT5, preset
 
 
 def _ids() -> torch.Tensor:
@@ -69,7 +77,7 @@ def main(mode: str, out: str) -> None:
         import ctranslate2.converters.transformers as converters
         from transformers import T5ForConditionalGeneration
 
-        from_hf_model, hf_config_from, generate, SpeedT5, preset = _imports()
+        from_hf_model, hf_config_from, decode, SpeedT5, preset = _imports()
         cfg = preset("base", pattern="12x1", vocab_size=32128, dropout=0.0)
         torch.manual_seed(0)
         hf = T5ForConditionalGeneration(hf_config_from(cfg, n_decoder_layers=12)).eval()
@@ -93,7 +101,7 @@ def main(mode: str, out: str) -> None:
     elif mode in ("seq", "speed"):
         from transformers import T5ForConditionalGeneration
 
-        from_hf_model, hf_config_from, generate, SpeedT5, preset = _imports()
+        from_hf_model, hf_config_from, decode, SpeedT5, preset = _imports()
         hf = T5ForConditionalGeneration.from_pretrained(f"{out}/hf").eval()
         x = torch.cat([_ids(), torch.ones(1, 1, dtype=torch.long)], dim=1)  # EOS-terminated, as T5's sources are
         if mode == "seq":
@@ -105,9 +113,9 @@ def main(mode: str, out: str) -> None:
             model = SpeedT5(cfg).eval()
             with torch.no_grad():
                 model.lm_head.weight[cfg.eos_id].zero_()
-            reference = generate(model, x, method="sequential", max_new_tokens=N_NEW, trace=False).tokens
+            reference = decode(model, x, method="sequential", max_new_tokens=N_NEW, trace=False).tokens
             kwargs = {"method": "speed", "oracle": reference}
-        ms = _best_ms_per_token(lambda: generate(model, x, max_new_tokens=N_NEW, trace=False, **kwargs))
+        ms = _best_ms_per_token(lambda: decode(model, x, max_new_tokens=N_NEW, trace=False, **kwargs))
         print(f"{mode} {ms:.2f} ms/token")
     else:
         sys.exit(f"unknown mode {mode!r}: make, ct2, seq or speed")

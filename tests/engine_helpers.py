@@ -69,14 +69,14 @@ def churn_config(rng: random.Random, max_prompt_len: int, max_target_len: int, m
 
 
 def speed_as_sequential(model, reference, ref, ids, mask, max_new: int, context, **settings):
-    """Decode ``ids`` with SPEED (``settings`` as ``generate`` takes them: ``speculation``, ``sampling``, ...) under
+    """Decode ``ids`` with SPEED (``settings``: ``DecodeOptions``' fields, ``speculation``, ``sampling``, ...) under
     a ``LogitRecorder`` and assert every loop's logits and the tokens equal the sequential ``reference``'s run
     ``ref``; return SPEED's result."""
     from speed.decode.exactness import LogitRecorder, compare_logits
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
 
     candidate = LogitRecorder(model)
-    got = generate(candidate, ids, mask, method="speed", max_new_tokens=max_new, **settings)
+    got = generate(candidate, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new, **settings))
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], context
     assert got.tokens == ref.tokens
     return got
@@ -106,12 +106,12 @@ class RecordedCase:
 def recorded_cases(random_case: Callable[[int], tuple], seeds: Iterable[int]) -> Iterator[RecordedCase]:
     """``random_case(seed)`` for each seed, decoded sequentially (greedy) under a ``LogitRecorder``."""
     from speed.decode.exactness import LogitRecorder
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
 
     for seed in seeds:
         model, ids, mask, max_new, rng = random_case(seed)
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
+        ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new))
         yield RecordedCase(seed, model, ids, mask, max_new, rng, reference, ref)
 
 
@@ -145,11 +145,11 @@ def recorded_pair(model, ids, mask, max_new: int):
     ``compare_logits``: (the sequential recorder, SPEED's, the sequential result), for tests that then tamper
     with a recorded row to show that the comparison is not vacuous."""
     from speed.decode.exactness import LogitRecorder, compare_logits
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
 
     reference, candidate = LogitRecorder(model), LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
-    generate(candidate, ids, mask, method="speed", max_new_tokens=max_new)
+    ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new))
+    generate(candidate, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new))
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
     return reference, candidate, ref
 
@@ -177,18 +177,20 @@ def exits_change_drafts_only(model, ids, mask, max_new: int, context, **settings
     import torch
 
     from speed.decode.exactness import LogitRecorder
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
     from speed.models.exits import attach
 
     adapters, last = model.exit_adapters, model.n_loops - 1
     sampling = settings.get("sampling")
     attach(model, None)
     plain = LogitRecorder(model)
-    plain_ref = generate(plain, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
-    without = generate(model, ids, mask, method="speed", max_new_tokens=max_new, **settings)
+    plain_ref = generate(
+        plain, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling)
+    )
+    without = generate(model, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new, **settings))
     attach(model, adapters)
     adapted = LogitRecorder(model)
-    ref = generate(adapted, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+    ref = generate(adapted, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling))
     assert ref.tokens == plain_ref.tokens == without.tokens, context
     changed = 0
     for b, out in enumerate(ref.tokens):

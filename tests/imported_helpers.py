@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from test_lm_decoding import prompts
 
 from speed.decode.exactness import LogitRecorder
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Speculation
 from speed.engine.sampling import Sampling
 from speed.hf_files import WeightsError
@@ -60,7 +60,7 @@ def assert_cached_equals_forward(model, seed: int, batch: int = 3, max_new: int 
     loop, the logits of the forward over the prompt and the tokens decoded, to ``atol``."""
     ids, mask = prompts(random.Random(seed), batch, model.vocab_size)
     recorder = LogitRecorder(model)
-    res = generate(recorder, ids, mask, method="sequential", max_new_tokens=max_new)
+    res = generate(recorder, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new))
     for b, tokens in enumerate(res.tokens):
         prompt = ids[b, : int(mask[b].sum())].tolist()
         with torch.no_grad():
@@ -81,7 +81,9 @@ def assert_speed_exact(model, seed: int) -> int:
         ids, mask = prompts(rng, batch, model.vocab_size)
         for sampling in (None, Sampling(temperature=rng.choice([0.7, 1.0]), top_k=5, seed=rng.randrange(2**63))):
             reference = LogitRecorder(model)
-            ref = generate(reference, ids, mask, method="sequential", max_new_tokens=8, sampling=sampling)
+            ref = generate(
+                reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=8, sampling=sampling)
+            )
             for invalidation in ("eager", "final"):
                 for launch in sorted({1, model.n_loops}):
                     got = speed_as_sequential(

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the test helpers bes
 from looped_refs import write_ouro_checkpoint  # noqa: E402
 
 import speed  # noqa: E402
-from speed.decode.generate import generate  # noqa: E402
+from speed.decode.generate import DecodeOptions, generate  # noqa: E402
 from speed.engine import DecodeStats, ExitRule  # noqa: E402
 
 RULES = {
@@ -38,7 +38,7 @@ def main(directory: str, new_tokens: int = 16) -> None:
     def alone(**kw) -> tuple[list[list[int]], DecodeStats]:  # each prompt decoded alone, counters summed
         tokens, stats = [], DecodeStats()
         for prompt in ids:
-            one = generate(model, prompt[None], max_new_tokens=new_tokens, **kw)
+            one = generate(model, prompt[None], options=DecodeOptions(max_new_tokens=new_tokens, **kw))
             tokens += one.tokens
             stats += one.stats
         return tokens, stats

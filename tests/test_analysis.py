@@ -18,7 +18,7 @@ import pytest
 import torch
 from budget_helpers import make_run
 
-from speed import SpeedT5, generate, preset
+from speed import DecodeOptions, SpeedT5, generate, preset
 from speed.analysis import (
     benchmark_latency,
     discover,
@@ -163,7 +163,7 @@ def _load_runs(model: SpeedT5, root: Path) -> None:
 
         def one(i: int, concurrency=concurrency, start=start) -> None:
             sent = time.perf_counter()
-            result = generate(model, ids[i], method="speed", max_new_tokens=8, trace=False)
+            result = generate(model, ids[i], options=DecodeOptions(method="speed", max_new_tokens=8, trace=False))
             done = time.perf_counter()
             request_id = f"c{concurrency}-{i}"
             arrived = datetime.fromtimestamp(time.time() - (done - sent), tz=timezone.utc)

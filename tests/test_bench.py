@@ -7,7 +7,7 @@ import torch
 
 from speed.benchmarks.sampling import SAMPLING_BENCH_SCHEMA, format_sampling_table, run_sampling_benchmark
 from speed.config import preset
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine.sampling import Sampling
 from speed.models.t5 import SpeedT5
 
@@ -30,7 +30,9 @@ def test_sampling_benchmark_rows():
     sampled = sum(
         len(
             generate(
-                model, torch.tensor([x]), method="sequential", max_new_tokens=6, sampling=Sampling(1.0, seed=i)
+                model,
+                torch.tensor([x]),
+                options=DecodeOptions(method="sequential", max_new_tokens=6, sampling=Sampling(1.0, seed=i)),
             ).tokens[0]
         )
         for i, x in enumerate(inputs)
@@ -80,7 +82,10 @@ def test_lever_benchmark_rows_count_every_variant_and_check_it_against_sequentia
     assert rows["oracle"]["passes_per_token"] <= rows["speed"]["passes_per_token"]  # no exit can do better
     assert rows["oracle"]["rows_per_token"] == 3.0  # M rows a token: no flush wastes one
     assert {r["model"] for r in rows.values()} == {"model"} and not any(r["exit_adapters"] for r in rows.values())
-    sequential = [generate(model, torch.tensor([x]), method="sequential", max_new_tokens=8).tokens for x in inputs]
+    sequential = [
+        generate(model, torch.tensor([x]), options=DecodeOptions(method="sequential", max_new_tokens=8)).tokens
+        for x in inputs
+    ]
     assert run.outputs == {"model": [t[0] for t in sequential]}
     assert rows["sequential"]["tokens"] == sum(len(t[0]) for t in sequential)
     assert all(r["quality"] is None and r["metric"] is None for r in rows.values())  # no references given
@@ -349,7 +354,11 @@ def test_the_lever_job_reads_a_hugging_face_directory_with_its_tokenizer(tmp_pat
     stopped = []
     for source, ids in zip(sources, work.inputs):
         assert ids == tok.encode_chat([{"role": "user", "content": source}])  # the directory's template
-        ref = generate(model, torch.tensor([ids]), method="sequential", max_new_tokens=6, stop_ids=tok.stop_ids)
+        ref = generate(
+            model,
+            torch.tensor([ids]),
+            options=DecodeOptions(method="sequential", max_new_tokens=6, stop_ids=tok.stop_ids),
+        )
         stopped.append(ref.stopped[0])
     assert any(stopped) and rows["sequential"]["tokens"] < 3 * 6  # some end at a stop id before the limit
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from speed import LoopedLM, SpeedT5, generate, lm_preset, preset
+from speed import DecodeOptions, LoopedLM, SpeedT5, generate, lm_preset, preset
 from speed.benchmarks.replay import (
     STOP,
     FlipPattern,
@@ -50,13 +50,13 @@ def test_replaying_a_models_own_trace_gives_its_own_schedule(make, invalidation)
     model = make(0)
     ids = _prompts(0, 3, 6, model.config.vocab_size)
     spec = Speculation(invalidation=invalidation)
-    own = generate(model, ids, method="speed", max_new_tokens=12, speculation=spec)
-    seq = generate(model, ids, method="sequential", max_new_tokens=12, trace=False)
+    own = generate(model, ids, options=DecodeOptions(method="speed", max_new_tokens=12, speculation=spec))
+    seq = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=12, trace=False))
     assert own.tokens == seq.tokens and own.stats.flushes > 0  # a random model flips
     pattern = FlipPattern.from_trace(own.trace, model.n_loops, frozenset({model.eos_id}))
     assert pattern.loop_map == tuple(range(1, model.n_loops + 1)) and "mapped" not in pattern.source
     replay = ReplayStepper(model, _finals(ids, seq.tokens), pattern)
-    got = generate(replay, ids, method="speed", max_new_tokens=12, speculation=spec)
+    got = generate(replay, ids, options=DecodeOptions(method="speed", max_new_tokens=12, speculation=spec))
     assert got.tokens == seq.tokens
     s, o = got.stats, own.stats
     assert (s.steps, s.flushes, s.rows, s.wasted_rows) == (o.steps, o.flushes, o.rows, o.wasted_rows)
@@ -71,16 +71,16 @@ def test_a_replay_equals_sequential_decoding_bit_for_bit(make):
     model = make(1)
     M = model.n_loops
     ids = _prompts(1, 4, 5, model.config.vocab_size)
-    plain = generate(model, ids, method="sequential", max_new_tokens=10, trace=False)
+    plain = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=10, trace=False))
     pattern = FlipPattern.from_rates(agreement_profile(0.6, M), 4, 10, seed=3)
     finals = _finals(ids, plain.tokens)
     reference, candidate = LogitRecorder(ReplayStepper(model, finals, pattern)), LogitRecorder(model)
-    ref = generate(reference, ids, method="sequential", max_new_tokens=10)
+    ref = generate(reference, ids, options=DecodeOptions(method="sequential", max_new_tokens=10))
     got_rec = LogitRecorder(ReplayStepper(model, finals, pattern))
-    got = generate(got_rec, ids, method="speed", max_new_tokens=10)
+    got = generate(got_rec, ids, options=DecodeOptions(method="speed", max_new_tokens=10))
     assert got.tokens == ref.tokens == plain.tokens
     assert compare_logits(reference, got_rec, ref.tokens, M) == []
-    generate(candidate, ids, method="sequential", max_new_tokens=10)  # the model's own exits
+    generate(candidate, ids, options=DecodeOptions(method="sequential", max_new_tokens=10))  # the model's own exits
     for slot, out in enumerate(ref.tokens):
         for pos in range(len(out)):
             assert torch.equal(reference.logits[slot, M - 1, pos], candidate.logits[slot, M - 1, pos])
@@ -98,14 +98,19 @@ def test_a_replay_at_a_known_agreement_saves_steps():
     model = _t5(2)
     M = model.n_loops
     ids = _prompts(2, 2, 6, model.config.vocab_size)
-    seq = generate(model, ids, method="sequential", max_new_tokens=16, trace=False)
+    seq = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=16, trace=False))
     finals = _finals(ids, seq.tokens)
-    oracle = generate(model, ids, method="speed", max_new_tokens=16, oracle=seq.tokens, trace=False)
+    oracle = generate(
+        model, ids, options=DecodeOptions(method="speed", max_new_tokens=16, trace=False), oracle=seq.tokens
+    )
     steps = {}
     for a in (1.0, 0.5, 0.0):
         rates = [a + (1 - a) * loop / (M - 1) for loop in range(M)]
-        got = generate(ReplayStepper(model, finals, FlipPattern.from_rates(rates, 2, 16, 0)), ids, method="speed",
-                       max_new_tokens=16, trace=False)  # fmt: skip
+        got = generate(
+            ReplayStepper(model, finals, FlipPattern.from_rates(rates, 2, 16, 0)),
+            ids,
+            options=DecodeOptions(method="speed", max_new_tokens=16, trace=False),
+        )
         assert got.tokens == seq.tokens
         steps[a] = got.stats.steps
     assert steps[1.0] == oracle.stats.steps < steps[0.5] < steps[0.0]
@@ -177,15 +182,15 @@ def test_a_learning_replay_replays_what_it_has_answered():
     ids = _prompts(3, 2, 5, model.config.vocab_size)
     pattern = FlipPattern.from_rates(agreement_profile(0.5, M), 2, 10, seed=1)
     replay = ReplayStepper(model, {}, pattern, learn=True)
-    first = generate(replay, ids, method="sequential", max_new_tokens=10, trace=False)
+    first = generate(replay, ids, options=DecodeOptions(method="sequential", max_new_tokens=10, trace=False))
     assert replay.finals == _finals(ids, first.tokens)
     recorder = LogitRecorder(replay)
-    got = generate(recorder, ids, method="speed", max_new_tokens=10)
+    got = generate(recorder, ids, options=DecodeOptions(method="speed", max_new_tokens=10))
     assert got.tokens == first.tokens
     for b, out in enumerate(first.tokens):
         codes = pattern.sequence(b, len(out))
         agree = [[int(recorder.logits[b, loop, pos].argmax()) == tok for loop in range(M - 1)] for pos, tok in
                  enumerate(out)]  # fmt: skip
         assert agree == (codes[:, : M - 1] == 0).tolist()
-    own = generate(model, ids, method="speed", max_new_tokens=10)
+    own = generate(model, ids, options=DecodeOptions(method="speed", max_new_tokens=10))
     assert got.stats.steps != own.stats.steps  # the replay, not the model's own flips

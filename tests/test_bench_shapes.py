@@ -118,7 +118,7 @@ def test_a_time_per_token_is_its_own_runs_split(monkeypatch):
 
     def split(self, *args, **kw):
         result = real(self, *args, **kw)
-        return dataclasses.replace(result, first_token_s=0.5, decode_s=0.012 * self.max_new_tokens)
+        return dataclasses.replace(result, first_token_s=0.5, decode_s=0.012 * self.options.max_new_tokens)
 
     monkeypatch.setattr(Decoder, "__call__", split)
     cfg = shapes.ShapeBenchConfig("tiny-ouro", TINY_OURO.resolve(), batches=(1, 4), prompt_len=8, new_tokens=4,
@@ -134,14 +134,14 @@ def test_generate_splits_its_own_time():
     """``GenerateResult``'s split: both parts within the call's wall time, the first token's part first."""
     import time
 
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
 
     model = empty_model(TINY_OURO.resolve(), torch.float32)
     model = random_weights(model, 0, "cpu", model.eos_id)
     ids = torch.randint(3, 128, (4, 8))
     for n in (1, 5):
         start = time.perf_counter()
-        result = generate(model, ids, max_new_tokens=n, trace=False)
+        result = generate(model, ids, options=DecodeOptions(max_new_tokens=n, trace=False))
         wall = time.perf_counter() - start
         assert 0 < result.first_token_s and 0 <= result.decode_s and result.first_token_s + result.decode_s <= wall
         assert n > 1 or result.decode_s < result.first_token_s

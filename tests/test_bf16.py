@@ -17,7 +17,7 @@ from test_lm_decoding import random_case as lm_case
 
 import speed
 from speed.decode.exactness import LogitRecorder
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Speculation, matmuls, native
 from speed.engine.sampling import Sampling
 from speed.models.precision import WidenedLinear, bf16_weights, with_dtype
@@ -52,7 +52,9 @@ def test_bf16_weights_sampled_speed_equals_sequential_sampling():
         model, ids, mask, max_new, rng = bf16_case(500 + seed)
         sampling = Sampling(temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 5]), seed=rng.randrange(2**63))
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+        ref = generate(
+            reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling)
+        )
         for coupled in (True, False):
             got = speed_as_sequential(
                 model, reference, ref, ids, mask, max_new, (seed, coupled),

@@ -18,7 +18,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 from speed.config import PRESETS, ModelConfig
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.models.convert_t5 import (
     config_from_hf,
     conversion_plan,
@@ -176,7 +176,9 @@ def test_greedy_tokens_match_hf_generate(hf_model, converted) -> None:
         assert (out[:, 0] == CONFIG.pad_id).all()  # HF's decoder start token
         expected += [_until_eos(row) for row in out[:, 1:].tolist()]  # HF pads after EOS
         for method in got:
-            got[method] += generate(converted, ids, mask, method=method, max_new_tokens=MAX_NEW, trace=False).tokens
+            got[method] += generate(
+                converted, ids, mask, DecodeOptions(method=method, max_new_tokens=MAX_NEW, trace=False)
+            ).tokens
     lengths = [len(t) for t in expected]
     stops = {n for n, t in zip(lengths, expected) if 1 < n < MAX_NEW and t[-1] == EOS}
     assert len(stops) >= 2, f"need sequences that stop mid-batch at different steps, got lengths {lengths}"

@@ -24,7 +24,7 @@ from looped_refs import huginn_random_state, huginn_reference_logits, write_hugi
 from safetensors.torch import load_file
 
 from speed.decode.exactness import LogitRecorder, compare_logits
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Speculation
 from speed.engine.sampling import truncated_normals
 from speed.models.convert_huginn import huginn_initial_state, load_huginn
@@ -152,8 +152,10 @@ def test_the_draws_are_truncated_normals_of_seed_and_position_alone():
 def _speed_and_sequential(model, seed: int) -> tuple[LogitRecorder, LogitRecorder, list[list[int]]]:
     ids = token_ids(seed, batch=3, length=5)
     reference, candidate = LogitRecorder(model), LogitRecorder(model)
-    ref = generate(reference, ids, method="sequential", max_new_tokens=6)
-    got = generate(candidate, ids, method="speed", max_new_tokens=6, speculation=Speculation(1, "eager"))
+    ref = generate(reference, ids, options=DecodeOptions(method="sequential", max_new_tokens=6))
+    got = generate(
+        candidate, ids, options=DecodeOptions(method="speed", max_new_tokens=6, speculation=Speculation(1, "eager"))
+    )
     assert got.tokens == ref.tokens
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == []  # torch.equal, every loop
     return reference, candidate, ref.tokens

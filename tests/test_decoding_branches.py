@@ -18,7 +18,7 @@ from engine_helpers import BLOCKS, recorded_cases
 from test_decoding_exact import random_case
 from test_decoding_schedule import EOS, StubModel, target
 
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, Request, Speculation, should_branch, should_launch
 from speed.engine.cache import Rows
 
@@ -53,7 +53,9 @@ def run(model, max_new_tokens, oracle=None, **speculation):
     """SPEED on the stub, ``speculation`` as ``Speculation`` takes it."""
     prompts = torch.ones(1, 3, dtype=torch.long)
     speculation = Speculation(**speculation)
-    return generate(model, prompts, max_new_tokens=max_new_tokens, speculation=speculation, oracle=oracle)
+    return generate(
+        model, prompts, options=DecodeOptions(max_new_tokens=max_new_tokens, speculation=speculation), oracle=oracle
+    )
 
 
 def test_policies():
@@ -156,7 +158,11 @@ def test_no_branch_under_an_oracle_or_sequential():
 
     oracle = run(BranchStub(3, table), max_new_tokens=4, branches=3, oracle=[[target(p) for p in range(4)]])
     assert oracle.stats.promotions == oracle.stats.wasted_rows == 0
-    seq = generate(BranchStub(3, table), torch.ones(1, 3, dtype=torch.long), method="sequential", max_new_tokens=4)
+    seq = generate(
+        BranchStub(3, table),
+        torch.ones(1, 3, dtype=torch.long),
+        options=DecodeOptions(method="sequential", max_new_tokens=4),
+    )
     assert seq.stats.rows == 12
 
 

@@ -26,7 +26,7 @@ from engine_helpers import (
 
 from speed.config import preset
 from speed.decode.exactness import LogitRecorder, compare_logits
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Speculation
 from speed.engine.sampling import Sampling
 from speed.losses import shift_right
@@ -82,8 +82,10 @@ def test_sampled_speed_equals_sequential_sampling(block):
             frequency_penalty=rng.choice([0.0, 0.8]),
         )
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
-        greedy = generate(model, ids, mask, method="sequential", max_new_tokens=max_new, trace=False)
+        ref = generate(
+            reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling)
+        )
+        greedy = generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, trace=False))
         differ += ref.tokens != greedy.tokens
         m = model.n_loops
         for coupled in (True, False):
@@ -114,8 +116,8 @@ def test_a_logit_difference_is_caught():
 
 def test_oracle_speculation_matches_and_never_flushes():
     model, ids, mask, _, _ = random_case(5)
-    ref = generate(model, ids, mask, method="sequential", max_new_tokens=16, trace=False)
-    got = generate(model, ids, mask, method="speed", max_new_tokens=16, oracle=ref.tokens)
+    ref = generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=16, trace=False))
+    got = generate(model, ids, mask, DecodeOptions(method="speed", max_new_tokens=16), oracle=ref.tokens)
     assert got.tokens == ref.tokens
     assert got.stats.flushes == 0
 
@@ -124,7 +126,7 @@ def test_exits_match_teacher_forced_forward():
     """The cached decode path and the training forward agree on every loop's early exit."""
     for seed in range(4):
         model, ids, mask, _, _ = random_case(seed)
-        res = generate(model, ids, mask, method="sequential", max_new_tokens=12)
+        res = generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=12))
         trace = res.trace.to_pandas()
         for b, toks in enumerate(res.tokens):
             labels = torch.tensor([toks])
@@ -138,9 +140,13 @@ def test_exits_match_teacher_forced_forward():
 @pytest.mark.parametrize("sampling", [None, Sampling(temperature=1.0, top_p=0.9, seed=5)])
 def test_batch_equals_one_at_a_time(sampling):
     model, ids, mask, _, _ = random_case(7)
-    together = generate(model, ids, mask, method="speed", max_new_tokens=10, sampling=sampling).tokens
+    together = generate(model, ids, mask, DecodeOptions(method="speed", max_new_tokens=10, sampling=sampling)).tokens
     alone = [
-        generate(model, ids[b : b + 1, : int(mask[b].sum())], method="speed", max_new_tokens=10, sampling=sampling)
+        generate(
+            model,
+            ids[b : b + 1, : int(mask[b].sum())],
+            options=DecodeOptions(method="speed", max_new_tokens=10, sampling=sampling),
+        )
         for b in range(len(ids))
     ]
     assert together == [a.tokens[0] for a in alone]
@@ -149,7 +155,7 @@ def test_batch_equals_one_at_a_time(sampling):
 def test_generate_restores_training_mode():
     model, ids, mask, _, _ = random_case(1)
     model.train()
-    generate(model, ids, mask, max_new_tokens=3)
+    generate(model, ids, mask, DecodeOptions(max_new_tokens=3))
     assert model.training
 
 
@@ -183,13 +189,17 @@ def test_a_stop_set_is_exact_and_ends_at_its_first_member():
     cut = runs = 0
     for seed in range(12):
         model, ids, mask, _, rng = random_case(2000 + seed)
-        plain = generate(model, ids, mask, method="sequential", max_new_tokens=12, trace=False)
+        plain = generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=12, trace=False))
         produced = [t for tokens in plain.tokens for t in tokens[:-1] if t != model.eos_id]
         stops = {model.eos_id, *rng.sample(produced, min(2, len(produced)))}
         for sampling in (None, Sampling(temperature=1.0, top_k=5, seed=rng.randrange(2**63))):
             reference = LogitRecorder(model)
-            ref = generate(reference, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling,
-                           stop_ids=stops)  # fmt: skip
+            ref = generate(
+                reference,
+                ids,
+                mask,
+                DecodeOptions(method="sequential", max_new_tokens=12, sampling=sampling, stop_ids=stops),
+            )
             for b, tokens in enumerate(ref.tokens):
                 assert ref.stopped[b] == (tokens[-1] in stops)
                 assert not set(tokens[:-1]) & stops  # nothing follows a stop token
@@ -220,13 +230,18 @@ def test_a_decoder_keeps_its_engine_and_decodes_as_generate(monkeypatch):
     monkeypatch.setattr(gen, "Engine", lambda *a, **kw: built.append(1) or engine(*a, **kw))
     model, ids, mask, _, _ = random_case(5)
     ids, mask = ids[:2].repeat(2, 1), mask[:2].repeat(2, 1)  # 4 sequences
-    ref = generate(model, ids, mask, method="sequential", max_new_tokens=6)
+    ref = generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=6))
     for method, oracle, graphs in (("sequential", None, None), ("speed", None, True), ("speed", ref.tokens, None)):
-        decoder = gen.Decoder(model, *ids.shape, method=method, max_new_tokens=6, graphs=graphs)
+        decoder = gen.Decoder(model, *ids.shape, gen.DecodeOptions(method=method, max_new_tokens=6, graphs=graphs))
         built.clear()
         for batch in (4, 4, 1):
-            want = generate(model, ids[:batch], mask[:batch], method=method, max_new_tokens=6, graphs=graphs,
-                            oracle=None if oracle is None else oracle[:batch])  # fmt: skip
+            want = generate(
+                model,
+                ids[:batch],
+                mask[:batch],
+                DecodeOptions(method=method, max_new_tokens=6, graphs=graphs),
+                oracle=None if oracle is None else oracle[:batch],
+            )
             got = decoder(ids[:batch], mask[:batch], None if oracle is None else oracle[:batch])
             assert got.tokens == want.tokens == ref.tokens[:batch] and got.stats == want.stats, (method, batch)
             assert got.trace.equals(want.trace) and got.decode_s >= 0 and got.first_token_s >= 0

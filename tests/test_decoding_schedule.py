@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.decode.schedule import TableModel as StubModel
 from speed.engine import Speculation
 
@@ -24,7 +24,9 @@ def run(model, max_new_tokens, batch=1, oracle=None, **speculation):
     """SPEED on the stub, ``speculation`` as ``Speculation`` takes it."""
     prompts = torch.ones(batch, 3, dtype=torch.long)
     speculation = Speculation(**speculation)
-    return generate(model, prompts, max_new_tokens=max_new_tokens, speculation=speculation, oracle=oracle)
+    return generate(
+        model, prompts, options=DecodeOptions(max_new_tokens=max_new_tokens, speculation=speculation), oracle=oracle
+    )
 
 
 @pytest.mark.parametrize("m, t", [(3, 5), (6, 12), (1, 4)])
@@ -144,4 +146,4 @@ BAD_SETTINGS = [
 @pytest.mark.parametrize("kwargs, fragment", BAD_SETTINGS)
 def test_bad_arguments(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
-        generate(StubModel(3, lambda s, p, lo: 5), torch.ones(1, 2, dtype=torch.long), **kwargs)
+        generate(StubModel(3, lambda s, p, lo: 5), torch.ones(1, 2, dtype=torch.long), options=DecodeOptions(**kwargs))

@@ -19,7 +19,7 @@ from test_decoding_schedule import BAD_SETTINGS, EOS, StubModel, target
 
 from speed.config import preset
 from speed.decode.exactness import LogitRecorder
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, Request, Speculation, budget_rows
 from speed.engine.sampling import Sampling
 from speed.engine.trace import flip_rates
@@ -41,7 +41,11 @@ def tiny_model(seed: int, pattern: str) -> SpeedT5:
 def alone(model, request: Request):
     """Reference: the request decoded alone sequentially (greedy, or sampled with its own settings)."""
     ids = torch.tensor([request.input_ids])
-    return generate(model, ids, method="sequential", max_new_tokens=request.max_new_tokens, sampling=request.sampling)
+    return generate(
+        model,
+        ids,
+        options=DecodeOptions(method="sequential", max_new_tokens=request.max_new_tokens, sampling=request.sampling),
+    )
 
 
 def random_sampling(rng: random.Random) -> Sampling:
@@ -329,7 +333,9 @@ def test_logprobs_are_the_last_loops_log_softmax():
         results[method] = done[a].logprobs
     assert results["speed"] == results["sequential"]  # exact floats, not close ones
     rec = LogitRecorder(model)
-    tokens = generate(rec, torch.tensor([ids]), method="sequential", max_new_tokens=10, sampling=hot).tokens[0]
+    tokens = generate(
+        rec, torch.tensor([ids]), options=DecodeOptions(method="sequential", max_new_tokens=10, sampling=hot)
+    ).tokens[0]
     for p, lp in enumerate(results["speed"]):
         ref = rec.logits[(0, model.n_loops - 1, p)].log_softmax(-1)  # the last loop's raw logits
         assert lp.logprob == ref[tokens[p]].item()

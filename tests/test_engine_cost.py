@@ -10,7 +10,7 @@ import torch
 
 from speed.config import preset
 from speed.decode.exactness import LogitRecorder, compare_logits
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Speculation
 from speed.engine.cost import RowCost, clock, row_cost
 from speed.engine.kernels import TILE_ROWS
@@ -102,13 +102,19 @@ def test_speed_with_cost_model_equals_sequential(model, monkeypatch, batch, samp
         _forced(monkeypatch, per_row)
     ids = torch.randint(3, 100, (batch, 6), generator=torch.Generator().manual_seed(batch))
     reference, candidate = LogitRecorder(model), LogitRecorder(model)
-    ref = generate(reference, ids, method="sequential", max_new_tokens=10, sampling=sampling)
-    out = generate(candidate, ids, max_new_tokens=10, sampling=sampling, speculation=spec, cost_model=True)
+    ref = generate(reference, ids, options=DecodeOptions(method="sequential", max_new_tokens=10, sampling=sampling))
+    out = generate(
+        candidate, ids, options=DecodeOptions(max_new_tokens=10, sampling=sampling, speculation=spec, cost_model=True)
+    )
     assert out.tokens == ref.tokens
     assert compare_logits(reference, candidate, ref.tokens, M) == []  # traced: every loop's logits are compared
     # untraced, a closed step skips the early exits: the tokens and the last loop's logits still equal
     plain = LogitRecorder(model)
-    quiet = generate(plain, ids, max_new_tokens=10, sampling=sampling, speculation=spec, trace=False, cost_model=True)
+    quiet = generate(
+        plain,
+        ids,
+        options=DecodeOptions(max_new_tokens=10, sampling=sampling, speculation=spec, trace=False, cost_model=True),
+    )
     assert quiet.tokens == ref.tokens
     for b, tokens in enumerate(ref.tokens):
         for pos in range(len(tokens)):
@@ -120,17 +126,17 @@ def test_dear_rows_run_as_sequential_decoding(model, monkeypatch):
     """Where every extra row costs more than it can save, SPEED runs sequential decoding's rows and passes and
     evaluates no early exit; where rows are free, it runs its whole pipeline as without the cost model."""
     ids = torch.randint(3, 100, (8, 6), generator=torch.Generator().manual_seed(1))
-    seq = generate(model, ids, method="sequential", max_new_tokens=10, trace=False)
+    seq = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=10, trace=False))
     _forced(monkeypatch, 2.0)
     recorder = LogitRecorder(model)
-    dear = generate(recorder, ids, max_new_tokens=10, trace=False, cost_model=True)
+    dear = generate(recorder, ids, options=DecodeOptions(max_new_tokens=10, trace=False, cost_model=True))
     assert dear.tokens == seq.tokens
     assert (dear.stats.rows, dear.stats.group_passes) == (seq.stats.rows, seq.stats.group_passes)
     assert dear.stats.closed_steps == dear.stats.steps and dear.stats.flushes == 0
     assert {loop for _, loop, _ in recorder.logits} == {M - 1}  # only the last loop's exits were computed
     _forced(monkeypatch, 0.0)
-    free = generate(model, ids[:1], max_new_tokens=10, trace=False, cost_model=True)
-    plain = generate(model, ids[:1], max_new_tokens=10, trace=False)
+    free = generate(model, ids[:1], options=DecodeOptions(max_new_tokens=10, trace=False, cost_model=True))
+    plain = generate(model, ids[:1], options=DecodeOptions(max_new_tokens=10, trace=False))
     assert (free.stats.rows, free.stats.steps, free.stats.closed_steps) == (plain.stats.rows, plain.stats.steps, 0)
 
 
@@ -162,7 +168,9 @@ def test_a_closed_request_reopens(monkeypatch):
     ids = torch.ones(1, 3, dtype=torch.long)
 
     def decode():
-        return generate(StubModel(2, _late_agreement), ids, max_new_tokens=60, trace=False, cost_model=True)
+        return generate(
+            StubModel(2, _late_agreement), ids, options=DecodeOptions(max_new_tokens=60, trace=False, cost_model=True)
+        )
 
     decayed = decode()
     monkeypatch.setattr("speed.engine.cost_policy.survival_rate", lambda a, d, idle: survival_rate(a, d))
@@ -191,9 +199,11 @@ def test_a_request_closes_alone(monkeypatch):
 
     _forced(monkeypatch, 0.3)  # at batch 2 a row saves 0.65 if it survives: the prior pays, one failure not
     ids = torch.ones(2, 3, dtype=torch.long)
-    seq = generate(StubModel(2, _one_good_slot), ids, method="sequential", max_new_tokens=60, trace=False)
+    seq = generate(
+        StubModel(2, _one_good_slot), ids, options=DecodeOptions(method="sequential", max_new_tokens=60, trace=False)
+    )
     recorder = LogitRecorder(Stub(2, _one_good_slot))
-    out = generate(recorder, ids, max_new_tokens=60, trace=False, cost_model=True)
+    out = generate(recorder, ids, options=DecodeOptions(max_new_tokens=60, trace=False, cost_model=True))
     assert out.tokens == seq.tokens
     early = [sum(1 for s, loop, _ in recorder.logits if s == slot and loop == 0) for slot in (0, 1)]
     assert early[1] > 50 and early[0] < 12, early  # slot 1 speculates at every token, slot 0 probes now and then

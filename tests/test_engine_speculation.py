@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_engine import tiny_model
 
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import LEVERS, Request, Speculation, SpeculationFields
 
 
@@ -91,18 +91,25 @@ def test_generate_decodes_as_its_speculation_says():
     launching after the last loop is sequential's schedule."""
     model = tiny_model(0, "2x3")
     ids = torch.randint(3, model.vocab_size, (3, 6), generator=torch.Generator().manual_seed(1))
-    sequential = generate(model, ids, method="sequential", max_new_tokens=10, trace=False)
-    plain = generate(model, ids, max_new_tokens=10, trace=False)
-    assert plain.stats == generate(model, ids, max_new_tokens=10, speculation=Speculation(), trace=False).stats
+    sequential = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=10, trace=False))
+    plain = generate(model, ids, options=DecodeOptions(max_new_tokens=10, trace=False))
+    assert (
+        plain.stats
+        == generate(model, ids, options=DecodeOptions(max_new_tokens=10, speculation=Speculation(), trace=False)).stats
+    )
     settings = [
         Speculation(2, "final"),
         Speculation(branches=3, branch_depth=2),
         Speculation(branches=1, branch_below=0.9, min_confidence=0.3),
     ]
     for speculation in settings:
-        got = generate(model, ids, max_new_tokens=10, speculation=speculation, trace=False)
+        got = generate(model, ids, options=DecodeOptions(max_new_tokens=10, speculation=speculation, trace=False))
         assert got.tokens == sequential.tokens == plain.tokens, speculation
-    levered = generate(model, ids, method="sequential", max_new_tokens=10, speculation=settings[1], trace=False)
+    levered = generate(
+        model, ids, options=DecodeOptions(method="sequential", max_new_tokens=10, speculation=settings[1], trace=False)
+    )
     assert levered.tokens == sequential.tokens and levered.stats == sequential.stats
-    last = generate(model, ids, max_new_tokens=10, speculation=Speculation(launch_loop=3), trace=False)
+    last = generate(
+        model, ids, options=DecodeOptions(max_new_tokens=10, speculation=Speculation(launch_loop=3), trace=False)
+    )
     assert (last.stats.rows, last.stats.flushes) == (sequential.stats.rows, 0)

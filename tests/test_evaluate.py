@@ -164,10 +164,10 @@ def _break_sequential(monkeypatch):
     real = speed.eval.evaluate.generate
     calls = []
 
-    def broken(model, *args, **kwargs):
-        result = real(model, *args, **kwargs)
-        calls.append("oracle" if kwargs.get("oracle") else kwargs["method"])
-        if kwargs["method"] == "sequential" and len(result.tokens) == 2 and not isinstance(model, LogitRecorder):
+    def broken(model, ids, mask, options, **kwargs):
+        result = real(model, ids, mask, options, **kwargs)
+        calls.append("oracle" if kwargs.get("oracle") else options.method)
+        if options.method == "sequential" and len(result.tokens) == 2 and not isinstance(model, LogitRecorder):
             result.tokens[1][0] += 1  # the timed batch, not the warm-up nor the gap's re-run
         return result
 
@@ -337,7 +337,7 @@ def test_an_imported_ouro_directory_is_evaluated_in_its_own_template_and_stop_to
     checked against sequential decoding, and the files are written as for a platform checkpoint."""
     from imported_helpers import write_chat_ouro
 
-    from speed import from_pretrained, generate
+    from speed import DecodeOptions, from_pretrained, generate
     from speed.hf_tokenizer import load_tokenizer
 
     directory = write_chat_ouro(tmp_path / "Ouro-tiny", end_of_turn_bias=0.36)  # 2 of 4 end at <|im_end|>
@@ -350,7 +350,11 @@ def test_an_imported_ouro_directory_is_evaluated_in_its_own_template_and_stop_to
     model, tok = from_pretrained(directory), load_tokenizer(directory)
     for source, hypothesis, finished in zip(predictions["source"], predictions["hypothesis"], predictions["finished"]):
         ids = tok.encode_chat([{"role": "user", "content": source}])  # the instruction is in the source
-        ref = generate(model, torch.tensor([ids]), method="sequential", max_new_tokens=8, stop_ids=tok.stop_ids)
+        ref = generate(
+            model,
+            torch.tensor([ids]),
+            options=DecodeOptions(method="sequential", max_new_tokens=8, stop_ids=tok.stop_ids),
+        )
         assert (hypothesis, finished) == (tok.decode(ref.tokens[0]), ref.stopped[0])
     assert any(predictions["finished"]) and not all(predictions["finished"]), predictions["finished"]
 

@@ -23,7 +23,7 @@ from engine_helpers import drive
 from speed.config import preset
 from speed.data import load_records, pad_inputs, truncate
 from speed.decode.exactness import LogitRecorder, compare_logits, top2_gap
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.engine.sampling import Sampling
 from speed.losses import shift_right
@@ -97,7 +97,10 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
             sampled += sampling is not None
             reference = LogitRecorder(model)
             ref = generate(
-                reference, input_ids, mask, method="sequential", max_new_tokens=NEW_TOKENS, sampling=sampling
+                reference,
+                input_ids,
+                mask,
+                DecodeOptions(method="sequential", max_new_tokens=NEW_TOKENS, sampling=sampling),
             )
             assert all(len(t) == NEW_TOKENS for t in ref.tokens)
             candidate = LogitRecorder(model)
@@ -105,10 +108,12 @@ def test_trained_checkpoint_long_outputs_bitwise(trained):
                 candidate,
                 input_ids,
                 mask,
-                method="speed",
-                max_new_tokens=NEW_TOKENS,
-                speculation=policies[batch_no % len(policies)],
-                sampling=sampling,
+                DecodeOptions(
+                    method="speed",
+                    max_new_tokens=NEW_TOKENS,
+                    speculation=policies[batch_no % len(policies)],
+                    sampling=sampling,
+                ),
             )
             assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [], (start, size)
             promotions += got.stats.promotions
@@ -179,9 +184,9 @@ def test_trained_checkpoint_engine_churn_bitwise(trained):
                 ref = generate(
                     reference,
                     torch.tensor([request.input_ids]),
-                    method="sequential",
-                    max_new_tokens=request.max_new_tokens,
-                    sampling=request.sampling,
+                    options=DecodeOptions(
+                        method="sequential", max_new_tokens=request.max_new_tokens, sampling=request.sampling
+                    ),
                 )
                 assert f.tokens == ref.tokens[0][: len(f.tokens)]
                 assert f.cancelled or len(f.tokens) == request.max_new_tokens  # the sentinel stop never comes
@@ -251,7 +256,7 @@ def test_trained_exit_adapters_raise_agreement_and_never_change_the_output(train
         recorders, tokens = {}, {}
         for with_exits, m in ((True, adapted), (False, model)):
             recorders[with_exits] = LogitRecorder(m)
-            out = generate(recorders[with_exits], input_ids, mask, max_new_tokens=32, sampling=sampling)
+            out = generate(recorders[with_exits], input_ids, mask, DecodeOptions(max_new_tokens=32, sampling=sampling))
             steps[with_exits] += out.stats.steps
             tokens[with_exits] = out.tokens
         assert tokens[True] == tokens[False]

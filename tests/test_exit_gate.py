@@ -16,7 +16,7 @@ from looped_refs import ouro_exit_pdf, ouro_q_exit, ouro_reference, write_ouro_c
 
 import speed
 from speed.config import LM_PRESETS
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, ExitRule, Request, Speculation
 from speed.engine.gate import GateRun
 from speed.models.looped_lm import LoopedLM
@@ -75,7 +75,9 @@ def reference_decode(directory, prompt: list[int], rule: ExitRule, max_new: int)
 def test_each_rule_equals_ouro_own_decoding(ouro_dir, model, rule):
     prompt = prompts(1)[0]
     want, loops = reference_decode(ouro_dir, prompt, rule, MAX_NEW)
-    got = generate(model, torch.tensor([prompt]), method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW)
+    got = generate(
+        model, torch.tensor([prompt]), options=DecodeOptions(method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW)
+    )
     assert got.tokens == [want]
     assert got.stats.gated_tokens == len(want)
     assert got.stats.mean_exit_loop == pytest.approx(sum(loops) / len(loops))
@@ -86,15 +88,25 @@ def test_the_rules_exit_early_and_change_tokens(ouro_dir, model):
     prompt = prompts(1)[0]
     _, loops = reference_decode(ouro_dir, prompt, RULES[0], MAX_NEW)
     assert min(loops) < M
-    sequential = generate(model, torch.tensor([prompt]), method="sequential", max_new_tokens=MAX_NEW).tokens
-    first_loop = generate(model, torch.tensor([prompt]), method="exit_gate", exit_rule=RULES[2], max_new_tokens=MAX_NEW)
+    sequential = generate(
+        model, torch.tensor([prompt]), options=DecodeOptions(method="sequential", max_new_tokens=MAX_NEW)
+    ).tokens
+    first_loop = generate(
+        model,
+        torch.tensor([prompt]),
+        options=DecodeOptions(method="exit_gate", exit_rule=RULES[2], max_new_tokens=MAX_NEW),
+    )
     assert first_loop.tokens != sequential
 
 
 def test_threshold_one_is_sequential(model):
     batch = torch.tensor(prompts(3))
-    sequential = generate(model, batch, method="sequential", max_new_tokens=MAX_NEW)
-    gated = generate(model, batch, method="exit_gate", exit_rule=ExitRule("threshold", 1.0), max_new_tokens=MAX_NEW)
+    sequential = generate(model, batch, options=DecodeOptions(method="sequential", max_new_tokens=MAX_NEW))
+    gated = generate(
+        model,
+        batch,
+        options=DecodeOptions(method="exit_gate", exit_rule=ExitRule("threshold", 1.0), max_new_tokens=MAX_NEW),
+    )
     assert gated.tokens == sequential.tokens
     assert gated.stats.mean_exit_loop == M  # the pdf's float cumsum reaches 1.0 only at the last loop here
 
@@ -102,9 +114,13 @@ def test_threshold_one_is_sequential(model):
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.kind}-{r.threshold}-{r.step}")
 def test_batch_composition_does_not_change_a_request(model, rule):
     batch = prompts(8)
-    together = generate(model, torch.tensor(batch), method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW)
+    together = generate(
+        model, torch.tensor(batch), options=DecodeOptions(method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW)
+    )
     alone = [
-        generate(model, torch.tensor([p]), method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW).tokens[0]
+        generate(
+            model, torch.tensor([p]), options=DecodeOptions(method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW)
+        ).tokens[0]
         for p in batch
     ]
     assert together.tokens == alone
@@ -121,21 +137,32 @@ def test_beside_other_methods_in_one_engine(model):
     done = {}
     while engine.has_work:
         done.update({f.id: f for f in engine.step().finished})
-    gated = generate(model, torch.tensor([batch[0]]), method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW)
+    gated = generate(
+        model,
+        torch.tensor([batch[0]]),
+        options=DecodeOptions(method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW),
+    )
     assert done[ids[0]].tokens == gated.tokens[0]
     assert len(done[ids[0]].stats.exit_loops) == len(gated.tokens[0])
     for i, p in zip(ids[1:], batch[1:]):
         assert (
-            done[i].tokens == generate(model, torch.tensor([p]), method="sequential", max_new_tokens=MAX_NEW).tokens[0]
+            done[i].tokens
+            == generate(
+                model, torch.tensor([p]), options=DecodeOptions(method="sequential", max_new_tokens=MAX_NEW)
+            ).tokens[0]
         )
         assert done[i].stats.exit_loops == []
 
 
 def test_pipelined_with_launches_and_branches_commits_the_same(model):
     batch, rule = torch.tensor(prompts(2)), RULES[0]
-    plain = generate(model, batch, method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW)
+    plain = generate(model, batch, options=DecodeOptions(method="exit_gate", exit_rule=rule, max_new_tokens=MAX_NEW))
     spec = Speculation(launch_loop=2, branches=2, invalidation="final")
-    other = generate(model, batch, method="exit_gate", exit_rule=rule, speculation=spec, max_new_tokens=MAX_NEW)
+    other = generate(
+        model,
+        batch,
+        options=DecodeOptions(method="exit_gate", exit_rule=rule, speculation=spec, max_new_tokens=MAX_NEW),
+    )
     assert other.tokens == plain.tokens
 
 

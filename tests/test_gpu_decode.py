@@ -27,7 +27,7 @@ from speed import LoopedLM, SpeedT5, preset
 from speed.benchmarks.gpu_timing import count_syncs
 from speed.config import lm_preset
 from speed.decode.exactness import LogitRecorder
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.engine.cache import Rows
 from speed.engine.sampling import Sampling
@@ -56,7 +56,7 @@ def test_speed_logits_equal_sequential_on_cuda(pattern, dtype, sampling):
     for seed, batch in enumerate((1, 8)):
         model, ids, mask = cuda_case(seed, pattern, batch, dtype)
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=24, sampling=sampling)
+        ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=24, sampling=sampling))
         assert next(iter(reference.logits.values())).device.type == "cuda"
         for launch_loop, invalidation in [(1, "eager"), (2, "final")]:
             speed_as_sequential(
@@ -72,7 +72,7 @@ def test_branches_and_lanes_equal_sequential_on_cuda(sampling):
         model, ids, mask = cuda_case(100 + seed, pattern, batch)
         m = model.n_loops
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=20, sampling=sampling)
+        ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=20, sampling=sampling))
         lanes = [
             Speculation(invalidation="eager", branches=m, branch_depth=1),
             Speculation(invalidation="final", branches=m, branch_depth=m),
@@ -149,7 +149,9 @@ def test_both_families_at_batch_32_equal_sequential_on_cuda(dtype, sampling):
     for seed, batch in enumerate((1, 8, 32)):
         for model, ids, mask in (cuda_case(seed, "2x6", batch, dtype), lm_case(seed, batch, dtype)):
             reference = LogitRecorder(model)
-            ref = generate(reference, ids, mask, method="sequential", max_new_tokens=10, sampling=sampling)
+            ref = generate(
+                reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=10, sampling=sampling)
+            )
             speed_as_sequential(
                 model, reference, ref, ids, mask, 10, (seed, batch, type(model).__name__),
                 speculation=Speculation(1, "eager"), sampling=sampling,
@@ -163,8 +165,12 @@ def test_bucketed_passes_equal_unpadded_ones_on_cuda():
         for model, ids, mask in (cuda_case(seed, "3x4", batch, dtype), lm_case(seed, batch, dtype)):
             for sampling in SAMPLINGS:
                 reference = LogitRecorder(model)
-                ref = generate(reference, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling,
-                               graphs=False)  # fmt: skip
+                ref = generate(
+                    reference,
+                    ids,
+                    mask,
+                    DecodeOptions(method="sequential", max_new_tokens=12, sampling=sampling, graphs=False),
+                )
                 speculation = Speculation(1, "final", branches=2, branch_depth=2)
                 speed_as_sequential(
                     model, reference, ref, ids, mask, 12, (seed, batch), speculation=speculation, sampling=sampling,
@@ -271,10 +277,16 @@ def test_t5_speed_through_captured_graphs_equals_sequential_on_cuda(sampling):
     for seed, (batch, dtype) in enumerate([(1, torch.float32), (8, torch.bfloat16), (32, torch.bfloat16)]):
         model, ids, mask = cuda_case(seed, "2x6", batch, dtype)
         assert model.stepper().capturable
-        ref = generate(model, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling, graphs=False)
+        ref = generate(
+            model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=12, sampling=sampling, graphs=False)
+        )
         for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=2, branch_depth=2)):
-            got = generate(model, ids, mask, method="speed", max_new_tokens=12, speculation=speculation,
-                           sampling=sampling)  # fmt: skip
+            got = generate(
+                model,
+                ids,
+                mask,
+                DecodeOptions(method="speed", max_new_tokens=12, speculation=speculation, sampling=sampling),
+            )
             assert got.tokens == ref.tokens, (seed, batch, speculation)
 
 
@@ -287,8 +299,14 @@ def test_lm_speed_through_captured_graphs_equals_sequential_on_cuda(sampling):
     for seed, (batch, dtype) in enumerate([(1, torch.float32), (8, torch.bfloat16), (32, torch.bfloat16)]):
         model, ids, mask = lm_case(seed, batch, dtype)
         assert model.stepper().capturable
-        ref = generate(model, ids, mask, method="sequential", max_new_tokens=12, sampling=sampling, graphs=False)
+        ref = generate(
+            model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=12, sampling=sampling, graphs=False)
+        )
         for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=2, branch_depth=2)):
-            got = generate(model, ids, mask, method="speed", max_new_tokens=12, speculation=speculation,
-                           sampling=sampling)  # fmt: skip
+            got = generate(
+                model,
+                ids,
+                mask,
+                DecodeOptions(method="speed", max_new_tokens=12, speculation=speculation, sampling=sampling),
+            )
             assert got.tokens == ref.tokens, (seed, batch, speculation)

@@ -20,7 +20,7 @@ from test_lm_decoding import PromptKeyed, churn_request, equals_sequential_alone
 from test_lm_decoding import random_model as random_lm
 
 from speed.decode.exactness import LogitRecorder
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.engine.cache import KVCache, Rows
 from speed.engine.graphs import BUCKETS, GraphSteps, StepBuffers, bucket, kv_caches, pad_rows
@@ -187,7 +187,9 @@ def test_t5_speed_through_buckets_equals_sequential(sampling):
         model = tiny_model(seed, ["2x3", "3x4", "1x5"][seed])
         ids, mask = padded_batch(rng, batch, model.config.vocab_size)
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=14, sampling=sampling, graphs=False)
+        ref = generate(
+            reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=14, sampling=sampling, graphs=False)
+        )
         m = model.n_loops
         for speculation in (Speculation(1, "eager"), Speculation(2, "final", branches=m, branch_depth=m)):
             got = speed_as_sequential(
@@ -195,7 +197,9 @@ def test_t5_speed_through_buckets_equals_sequential(sampling):
                 speculation=speculation, sampling=sampling, graphs=True,
             )  # fmt: skip
             assert got.stats.rows == ref.stats.rows + got.stats.wasted_rows
-        padded = generate(model, ids, mask, method="sequential", max_new_tokens=14, sampling=sampling, graphs=True)
+        padded = generate(
+            model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=14, sampling=sampling, graphs=True)
+        )
         assert padded.tokens == ref.tokens
 
 
@@ -207,7 +211,9 @@ def test_lm_speed_through_buckets_equals_sequential(sampling):
         ids = torch.tensor([[rng.randrange(2, model.vocab_size) for _ in range(6)] for _ in range(batch)])
         mask = torch.ones_like(ids)
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=10, sampling=sampling, graphs=False)
+        ref = generate(
+            reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=10, sampling=sampling, graphs=False)
+        )
         m = model.n_loops
         for speculation in (Speculation(1, "eager"), Speculation(1, "final", branches=m, branch_depth=2)):
             speed_as_sequential(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import speed.engine.matmuls as matmuls
 from speed.config import preset
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import native
 from speed.engine.cache import Rows
 from speed.engine.kernels import TILE_ROWS
@@ -174,8 +174,8 @@ def test_speed_equals_sequential_with_the_fallback_kernels(backend):
     model = SpeedT5(preset("tiny", pattern="2x3")).eval()
     ids = torch.randint(3, 128, (3, 6))
     reference, candidate = LogitRecorder(model), LogitRecorder(model)
-    ref = generate(reference, ids, method="sequential", max_new_tokens=12)
-    got = generate(candidate, ids, method="speed", max_new_tokens=12)
+    ref = generate(reference, ids, options=DecodeOptions(method="sequential", max_new_tokens=12))
+    got = generate(candidate, ids, options=DecodeOptions(method="speed", max_new_tokens=12))
     assert got.tokens == ref.tokens and compare_logits(reference, candidate, ref.tokens, 3) == []
 
 
@@ -199,27 +199,27 @@ def test_decoding_a_model_built_under_inference_mode():
     torch.manual_seed(4)
     reference = SpeedT5(preset("tiny", pattern="2x3")).eval()
     ids = torch.randint(3, 128, (2, 5))
-    expected = generate(reference, ids, max_new_tokens=6).tokens
+    expected = generate(reference, ids, options=DecodeOptions(max_new_tokens=6)).tokens
     with torch.inference_mode():
         model = SpeedT5(preset("tiny", pattern="2x3")).eval()
         model.load_state_dict(reference.state_dict())
         assert model.lm_head.weight.is_inference()
-        assert generate(model, ids, max_new_tokens=6).tokens == expected
-        assert generate(model, ids, method="sequential", max_new_tokens=6).tokens == expected
+        assert generate(model, ids, options=DecodeOptions(max_new_tokens=6)).tokens == expected
+        assert generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=6)).tokens == expected
 
 
 def test_two_threads_decoding_one_model_concurrently():
     torch.manual_seed(5)
     model = SpeedT5(preset("tiny", pattern="2x3")).eval()
     inputs = [torch.randint(3, 128, (2, 6)) for _ in range(2)]
-    expected = [generate(model, ids, max_new_tokens=10).tokens for ids in inputs]
+    expected = [generate(model, ids, options=DecodeOptions(max_new_tokens=10)).tokens for ids in inputs]
     matmuls._PACKED.clear()  # both threads race to pack the weights
     results: dict[int, list] = {}
     errors: list[BaseException] = []
 
     def decode(i: int) -> None:
         try:
-            results[i] = [generate(model, inputs[i], max_new_tokens=10).tokens for _ in range(3)]
+            results[i] = [generate(model, inputs[i], options=DecodeOptions(max_new_tokens=10)).tokens for _ in range(3)]
         except BaseException as err:  # surfaced below: a thread's exception would otherwise be lost
             errors.append(err)
 
@@ -285,8 +285,8 @@ def test_speed_equals_sequential_with_a_base_width_mlp(family, threads):
         model = _randomize(LoopedLM(lm_preset("tiny", pattern="2x3", d_ff=2048)), 5)
     ids = torch.randint(3, model.config.vocab_size, (1, 7))
     reference, candidate = LogitRecorder(model), LogitRecorder(model)
-    ref = generate(reference, ids, method="sequential", max_new_tokens=16)
-    got = generate(candidate, ids, method="speed", max_new_tokens=16)
+    ref = generate(reference, ids, options=DecodeOptions(method="sequential", max_new_tokens=16))
+    got = generate(candidate, ids, options=DecodeOptions(method="speed", max_new_tokens=16))
     assert got.stats.rows > got.stats.steps  # several rows a step: the company the one-row steps lacked
     assert got.tokens == ref.tokens and compare_logits(reference, candidate, ref.tokens, model.n_loops) == []
 

@@ -29,7 +29,7 @@ from capture_helpers import RowSource, any_slots, count_staged, staged_equals_pl
 import speed.engine.kernels as kernels  # noqa: E402
 from speed.config import lm_preset  # noqa: E402
 from speed.decode.exactness import LogitRecorder  # noqa: E402
-from speed.decode.generate import generate  # noqa: E402
+from speed.decode.generate import DecodeOptions, generate  # noqa: E402
 from speed.engine import Engine  # noqa: E402
 from speed.engine.graphs import GraphSteps, kv_caches  # noqa: E402
 from speed.engine.sampling import Sampling  # noqa: E402
@@ -77,7 +77,9 @@ def test_lm_speed_through_staged_passes_equals_sequential(case):
     ids = torch.tensor([[rng.randrange(2, model.vocab_size) for _ in range(4)] for _ in range(2)])
     mask = torch.ones_like(ids)
     reference = LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
+    ref = generate(
+        reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
+    )
     staged_speed_equals_sequential(model, reference, ref, ids, mask, sampling, case)
 
 

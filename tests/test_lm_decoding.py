@@ -30,7 +30,7 @@ from test_lm import _randomize
 
 from speed.config import lm_preset
 from speed.decode.exactness import LogitRecorder, compare_logits
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.engine.sampling import Sampling
 from speed.models.exits import attach
@@ -98,8 +98,10 @@ def test_lm_sampled_speed_equals_sequential_sampling(block):
             frequency_penalty=rng.choice([0.0, 0.5]),
         )
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
-        greedy = generate(model, ids, mask, method="sequential", max_new_tokens=max_new, trace=False)
+        ref = generate(
+            reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling)
+        )
+        greedy = generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, trace=False))
         differ += ref.tokens != greedy.tokens
         for coupled in (True, False):
             invalidation = rng.choice(["eager", "final"])
@@ -125,7 +127,7 @@ def test_lm_branches_and_gate_equal_sequential(block):
         model = random_model(seed)
         ids, mask = prompts(rng, 8, model.vocab_size)
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=14)
+        ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=14))
         m = model.n_loops
         for launch_loop, branches, depth, below, gate in [
             (1, m, m, 1.0, 0.0),
@@ -170,9 +172,10 @@ def equals_sequential_alone(recorder: PromptKeyed, model: LoopedLM, request: Req
     logits in ``recorder`` equal its sequential decoding alone; that decoding's result."""
     reference = PromptKeyed(model)
     ref = generate(
-        reference, torch.tensor([request.input_ids]), method="sequential",
-        max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-    )  # fmt: skip
+        reference,
+        torch.tensor([request.input_ids]),
+        options=DecodeOptions(method="sequential", max_new_tokens=request.max_new_tokens, sampling=request.sampling),
+    )
     assert f.tokens == ref.tokens[0][: len(f.tokens)]
     if not f.cancelled:
         assert f.tokens == ref.tokens[0], request
@@ -226,12 +229,12 @@ def test_prefill_does_not_depend_on_company():
     model, ids, mask, _, rng = random_case(1)
     assert ids.shape[0] == 8
     together = LogitRecorder(model)
-    got = generate(together, ids, mask, method="speed", max_new_tokens=8)
+    got = generate(together, ids, mask, DecodeOptions(method="speed", max_new_tokens=8))
     others, other_mask = prompts(rng, 8, model.vocab_size)
     for b in range(8):
         ids_b = ids[b : b + 1, : int(mask[b].sum())]
         alone = LogitRecorder(model)
-        one = generate(alone, ids_b, method="speed", max_new_tokens=8)
+        one = generate(alone, ids_b, options=DecodeOptions(method="speed", max_new_tokens=8))
         assert one.tokens[0] == got.tokens[b]
         for pos in range(len(one.tokens[0])):
             for loop in range(model.n_loops):
@@ -243,7 +246,10 @@ def test_prefill_does_not_depend_on_company():
         slot = (b + 3) % 8
         mixed_ids[slot], mixed_mask[slot] = 0, 0
         mixed_ids[slot, : ids_b.shape[1]], mixed_mask[slot, : ids_b.shape[1]] = ids_b[0], 1
-        assert generate(model, mixed_ids, mixed_mask, method="speed", max_new_tokens=8).tokens[slot] == one.tokens[0]
+        assert (
+            generate(model, mixed_ids, mixed_mask, DecodeOptions(method="speed", max_new_tokens=8)).tokens[slot]
+            == one.tokens[0]
+        )
 
 
 def test_first_token_and_exits_match_the_forward():
@@ -251,7 +257,7 @@ def test_first_token_and_exits_match_the_forward():
     argmax over the prompt and the tokens (no near ties in these models)."""
     for seed in (2, 3, 4, 5):
         model, ids, mask, _, _ = random_case(seed)
-        res = generate(model, ids, mask, method="sequential", max_new_tokens=10)
+        res = generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=10))
         trace = res.trace.to_pandas()
         for b, toks in enumerate(res.tokens):
             prompt = ids[b, : int(mask[b].sum())].tolist()
@@ -280,7 +286,7 @@ def test_max_new_tokens_one_and_eos_at_admission():
     result = engine.step()
     assert [f.id for f in result.finished] == [rid] and result.rows == 0
     assert [c.token for c in result.committed] == result.finished[0].tokens and len(result.finished[0].tokens) == 1
-    ref = generate(model, torch.tensor([[5, 6, 7]]), method="sequential", max_new_tokens=1)
+    ref = generate(model, torch.tensor([[5, 6, 7]]), options=DecodeOptions(method="sequential", max_new_tokens=1))
     assert ref.tokens == [result.finished[0].tokens]
 
 
@@ -333,9 +339,12 @@ def test_lm_churn_with_exit_adapters_equals_plain_sequential():
                 continue
             request, reference = requests[f.id], PromptKeyed(model)
             ref = generate(
-                reference, torch.tensor([request.input_ids]), method="sequential",
-                max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-            )  # fmt: skip
+                reference,
+                torch.tensor([request.input_ids]),
+                options=DecodeOptions(
+                    method="sequential", max_new_tokens=request.max_new_tokens, sampling=request.sampling
+                ),
+            )
             assert f.tokens == ref.tokens[0], (seed, request)
             prompt = tuple(request.input_ids)
             for pos in range(len(f.tokens)):

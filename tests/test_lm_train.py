@@ -16,7 +16,7 @@ from speed.data import load_records
 from speed.data.batching import collate_lm, encode_prompts, pack_rows
 from speed.data.corpus import open_corpus
 from speed.data.shards import CorpusSpec, prepare_corpus
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.eval.validation import validate
 from speed.losses import SettleConfig, loss_weights, settle_loss, settled_loss
 from speed.models.checkpoint import load_model, save_model
@@ -161,8 +161,8 @@ def test_the_job_switch_and_the_checkpoint_name_the_family(tmp_path):
     assert isinstance(loaded.model, LoopedLM) and loaded.config["family"] == "lm"
     assert loaded.config["chat_template"] == {"turn": CHAT_TEMPLATE.turn, "cue": CHAT_TEMPLATE.cue}
     prompt = torch.tensor([[5, 6, 7]])
-    speed = generate(loaded.model, prompt, method="speed", max_new_tokens=6, trace=False)
-    sequential = generate(model, prompt, method="sequential", max_new_tokens=6, trace=False)
+    speed = generate(loaded.model, prompt, options=DecodeOptions(method="speed", max_new_tokens=6, trace=False))
+    sequential = generate(model, prompt, options=DecodeOptions(method="sequential", max_new_tokens=6, trace=False))
     assert speed.tokens == sequential.tokens
 
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.models.checkpoint import load_model
 from speed.models.looped_lm import LoopedLM
 from speed.paths import TRAIN_LOG_FILE
@@ -61,8 +61,8 @@ def test_the_pretrained_lm_loads_decodes_and_was_tracked(straight):
     assert loaded.config["job"]["data"]["task"] == "pretrain" and straight.job.model.pattern == "1+2x2+1"
     prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
     mask = (prompt != 0).long()
-    speed = generate(loaded.model, prompt, mask, method="speed", max_new_tokens=8, trace=False)
-    sequential = generate(loaded.model, prompt, mask, method="sequential", max_new_tokens=8, trace=False)
+    speed = generate(loaded.model, prompt, mask, DecodeOptions(method="speed", max_new_tokens=8, trace=False))
+    sequential = generate(loaded.model, prompt, mask, DecodeOptions(method="sequential", max_new_tokens=8, trace=False))
     assert speed.tokens == sequential.tokens and all(speed.tokens)
     log = _log(straight.checkpoint)
     assert log["step"] == [1, 2, 3, 4, 5, 6] and all(len(x) == 2 for x in log["loop_losses"])  # 2 loops

@@ -14,7 +14,7 @@ from test_lm_decoding import random_case as lm_case
 
 from speed.config import lm_preset
 from speed.decode.exactness import LogitRecorder, compare_logits
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Speculation, kernels, matmuls, native
 from speed.engine.sampling import Sampling
 from speed.models.looped_lm import LoopedLM
@@ -67,7 +67,9 @@ def test_packed_bf16_lm_sampled_speed_equals_sequential_sampling():
         model, ids, mask, max_new, rng = packed_case(950 + seed)
         sampling = Sampling(temperature=0.8, top_k=rng.choice([0, 5]), seed=rng.randrange(2**63))
         reference = LogitRecorder(model)
-        ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+        ref = generate(
+            reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling)
+        )
         got = speed_as_sequential(
             model, reference, ref, ids, mask, max_new, seed,
             speculation=Speculation(rng.randint(1, model.n_loops), "eager"), sampling=sampling,
@@ -83,7 +85,7 @@ def test_pack_linears_packs_native_weights_only_and_unpack_restores_them(monkeyp
     model = bf16_weights(model)
     model.lm_head.weight = model.embed_tokens.weight  # tied, as Huginn's
     before = {name: p.clone() for name, p in model.named_parameters()}
-    ref = generate(model, ids, mask, method="sequential", max_new_tokens=max_new)
+    ref = generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new))
     packed = matmuls.pack_linears(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert packed == len(linears) - 1 and not matmuls.is_packed(model.lm_head)
@@ -92,10 +94,10 @@ def test_pack_linears_packs_native_weights_only_and_unpack_restores_them(monkeyp
         model.core[0].attn.qkv(torch.randn(1, model.config.d_model))  # F.linear on a 3-D weight
     with pytest.raises(ValueError, match="decodes only"):
         matmuls.tile_linear(model.core[0].attn.qkv, torch.randn(1, model.config.d_model, requires_grad=True))
-    got = generate(model, ids, mask, method="speed", max_new_tokens=max_new)
+    got = generate(model, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new))
     assert matmuls.unpack_linears(model) == packed
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
-    assert generate(model, ids, mask, method="sequential", max_new_tokens=max_new).tokens == ref.tokens
+    assert generate(model, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new)).tokens == ref.tokens
     assert [len(t) for t in got.tokens] == [len(t) for t in ref.tokens]
 
 
@@ -105,7 +107,7 @@ def test_packed_float32_lm_speed_equals_sequential(monkeypatch):
     model, ids, mask, max_new, _ = lm_case(970)
     assert matmuls.pack_linears(model) == len([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
     reference = LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new)
+    ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new))
     speed_as_sequential(model, reference, ref, ids, mask, max_new, 970)
 
 
@@ -118,7 +120,7 @@ def test_packed_while_restores_the_model_bit_for_bit_even_when_the_block_fails()
     before = {name: (p.clone(), p.requires_grad) for name, p in model.named_parameters()}
     with pytest.raises(KeyError), matmuls.packed_while(model) as packed:
         assert packed > 0 and matmuls.is_packed(model.core[0].attn.qkv)
-        generate(model, ids, mask, method="speed", max_new_tokens=max_new)
+        generate(model, ids, mask, DecodeOptions(method="speed", max_new_tokens=max_new))
         raise KeyError("the block fails")
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()
@@ -149,13 +151,13 @@ def test_fused_block_gives_the_bits_of_its_kernels_one_by_one(form, dtype, monke
     ids, mask = prompts(__import__("random").Random(seed), 8, model.vocab_size)
     monkeypatch.setattr(kernels, "DECODE_OPS", "ops")
     reference = LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=12)
+    ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=12))
     monkeypatch.setattr(kernels, "DECODE_OPS", "auto")
     calls = []
     fused = native.lm_block
     monkeypatch.setattr(native, "lm_block", lambda *a: calls.append(1) or fused(*a))
     candidate = LogitRecorder(model)
-    got = generate(candidate, ids, mask, method="sequential", max_new_tokens=12)
+    got = generate(candidate, ids, mask, DecodeOptions(method="sequential", max_new_tokens=12))
     assert len(calls) >= model.n_loops * len(model.core)  # every decode pass through it (a tile of rows a call)
     assert compare_logits(reference, candidate, ref.tokens, model.n_loops) == [] and got.tokens == ref.tokens
     speed_as_sequential(model, reference, ref, ids, mask, 12, form)

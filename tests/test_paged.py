@@ -14,7 +14,7 @@ from engine_helpers import drive
 from test_lm_decoding import PromptKeyed, assert_same_logits, churn_request, equals_sequential_alone, random_model
 
 from speed.config import ModelConfig
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.engine.cache import KVCache, Rows
 from speed.engine.kernels import ATTN_CHUNK
@@ -101,7 +101,9 @@ def test_t5_speed_with_branches_equals_sequential_in_a_tight_pool(sampling):
         prompt = prompts[f.id]
         reference = PromptKeyed(model)
         ref = generate(
-            reference, torch.tensor([prompt]), method="sequential", max_new_tokens=70, sampling=sampling, stop_ids=[0]
+            reference,
+            torch.tensor([prompt]),
+            options=DecodeOptions(method="sequential", max_new_tokens=70, sampling=sampling, stop_ids=[0]),
         )
         assert f.tokens == ref.tokens[0]
         assert_same_logits(recorder, reference, tuple(prompt), len(f.tokens), model.n_loops)

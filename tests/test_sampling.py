@@ -6,7 +6,7 @@ from test_decoding_schedule import StubModel, target
 
 from speed.config import preset
 from speed.decode.exactness import LogitRecorder
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Engine, EngineConfig, Request
 from speed.engine.sampling import Draw, Sampling, choice_seed, exit_choices, exit_scores, gumbel, process, uniforms
 from speed.models.t5 import SpeedT5
@@ -110,7 +110,7 @@ def first_tokens(model, ids: list[int], settings: list[Sampling]) -> list[int]:
 def last_loop_logits(model, ids: list[int]) -> torch.Tensor:
     """The last loop's raw logits (V,) of the first output position."""
     rec = LogitRecorder(model)
-    generate(rec, torch.tensor([ids]), method="sequential", max_new_tokens=1)
+    generate(rec, torch.tensor([ids]), options=DecodeOptions(method="sequential", max_new_tokens=1))
     return rec.logits[(0, model.n_loops - 1, 0)]
 
 

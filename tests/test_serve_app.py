@@ -33,7 +33,7 @@ import requests
 import torch
 from serve_helpers import shutdown_serve
 
-from speed import SpeedT5, generate, preset
+from speed import DecodeOptions, SpeedT5, generate, preset
 from speed.data import get_task
 from speed.loadtest.loadgen import LoadConfig, run_load
 from speed.models.checkpoint import save_model
@@ -121,7 +121,9 @@ def _offline(server, prompt, max_tokens, task=None):
     """Text and token count of sequential greedy decoding of the same input, alone."""
     tok = server.tokenizer
     ids = prompt if isinstance(prompt, list) else tok.encode((get_task(task).prefix if task else "") + prompt)
-    tokens = generate(server.model, torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens).tokens[0]
+    tokens = generate(
+        server.model, torch.tensor([ids]), options=DecodeOptions(method="sequential", max_new_tokens=max_tokens)
+    ).tokens[0]
     return tok.decode(tokens), len(tokens)
 
 

@@ -23,7 +23,7 @@ from serve_helpers import shutdown_serve
 from test_hf_tokenizer import QWEN_CHATML
 from test_serve_app import Deployment, _answers, _free_port  # its ledger of answers: ours is kept, unread
 
-from speed import generate
+from speed import DecodeOptions, generate
 from speed.chat import ChatTemplate, render_chat, task_prompt
 from speed.config import lm_preset, to_dict
 from speed.data import get_task
@@ -84,7 +84,11 @@ def _offline(server, context: str | list[int], max_tokens: int, **sampling) -> t
     tok = server.tokenizer
     ids = context if isinstance(context, list) else tok.encode(context, add_eos=False)
     s = Sampling(**sampling) if sampling else None
-    result = generate(server.model, torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens, sampling=s)
+    result = generate(
+        server.model,
+        torch.tensor([ids]),
+        options=DecodeOptions(method="sequential", max_new_tokens=max_tokens, sampling=s),
+    )
     return tok.decode(result.tokens[0]), len(result.tokens[0]), len(ids)
 
 
@@ -241,8 +245,11 @@ def ouro(server, tmp_path_factory):
 
 def _ouro_offline(ouro, ids: list[int], max_tokens: int = 12) -> tuple[str, str]:
     """Text and finish reason of sequential decoding of ``ids``, ending at the tokenizer's stop ids."""
-    result = generate(ouro.model, torch.tensor([ids]), method="sequential", max_new_tokens=max_tokens,
-                      stop_ids=ouro.tokenizer.stop_ids)  # fmt: skip
+    result = generate(
+        ouro.model,
+        torch.tensor([ids]),
+        options=DecodeOptions(method="sequential", max_new_tokens=max_tokens, stop_ids=ouro.tokenizer.stop_ids),
+    )
     return ouro.tokenizer.decode(result.tokens[0]), "stop" if result.stopped[0] else "length"
 
 
@@ -340,7 +347,9 @@ def test_a_bf16_deployment_answers_as_offline_bf16_decoding_and_says_its_dtype(o
     prompt = tok.encode("A girl reads a book.", add_eos=False)
     answer = bf16.completions.create(model="Ouro-tiny", prompt=prompt, max_tokens=8, logprobs=1)
     served = torch.tensor(answer.choices[0].logprobs.token_logprobs, dtype=torch.float64)
-    tokens = generate(ouro_bf16.model, torch.tensor([prompt]), method="sequential", max_new_tokens=8).tokens[0]
+    tokens = generate(
+        ouro_bf16.model, torch.tensor([prompt]), options=DecodeOptions(method="sequential", max_new_tokens=8)
+    ).tokens[0]
     assert len(tokens) == len(served)
     whole = torch.tensor([prompt + tokens])
     offline = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speed import SpeedT5, generate, preset
+from speed import DecodeOptions, SpeedT5, generate, preset
 from speed.engine import Engine, EngineConfig, Request, Speculation
 from speed.serve.metrics import ServeCounters, ServeMetrics, spec_decode
 
@@ -38,7 +38,9 @@ IDS = [5, 17, 33, 9, 60, 2, 1]
 
 
 def test_oracle_speculation_accepts_every_draft_token(model):
-    final = generate(model, torch.tensor([IDS]), method="sequential", max_new_tokens=20).tokens[0]
+    final = generate(model, torch.tensor([IDS]), options=DecodeOptions(method="sequential", max_new_tokens=20)).tokens[
+        0
+    ]
     f = _first_finished(model, Request(IDS, 20, "speed", Speculation(launch_loop=1), oracle=final))
     st = f.stats
     assert f.tokens == final and st.flushes == 0

@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from speed import SpeedT5, generate, preset
+from speed import DecodeOptions, SpeedT5, generate, preset
 from speed.engine import Engine, EngineConfig, Finished, Request, Speculation, as_stepper
 from speed.engine.trace import TRACE_SCHEMA
 from speed.loadtest.loadgen import LoadConfig, arrival_times, summarize
@@ -588,7 +588,9 @@ def test_runner_answers_equal_sequential_decoding_alone(tiny_model):
     streamed, finished, ended, rows, active_then = asyncio.run(run())
     assert len(active_then) == 3 and all(active_then)  # each arrived while another decoded
     for i, ids in enumerate(inputs):
-        alone = generate(tiny_model, torch.tensor([ids]), method="sequential", max_new_tokens=12 + i).tokens[0]
+        alone = generate(
+            tiny_model, torch.tensor([ids]), options=DecodeOptions(method="sequential", max_new_tokens=12 + i)
+        ).tokens[0]
         assert finished[i].tokens == alone == streamed[i]
     assert sorted(e.meta for e in ended) == [0, 1, 2, 3] and not any(e.finished.cancelled for e in ended)
     assert all(e.finished is f for e, f in zip(sorted(ended, key=lambda e: e.meta), finished))
@@ -659,7 +661,10 @@ def test_runner_fails_every_pending_request_on_an_engine_fault_and_answers_the_n
     """The fifth step raises with two requests decoding and one queued: all three end with the error, their
     streams end, none leaves a statistics row; the engine is rebuilt and a request sent at once is answered."""
     inputs = [[5, 6, 7, 1], [8, 9, 1], [10, 11, 12, 1]]
-    alone = [generate(tiny_model, torch.tensor([x]), method="sequential", max_new_tokens=12).tokens[0] for x in inputs]
+    alone = [
+        generate(tiny_model, torch.tensor([x]), options=DecodeOptions(method="sequential", max_new_tokens=12)).tokens[0]
+        for x in inputs
+    ]
     assert all(len(t) > 2 for t in alone), "each request must still be decoding when the fault comes"
 
     async def run():
@@ -936,7 +941,9 @@ def test_a_deployment_without_branches_holds_no_side_entries_and_refuses_a_branc
     finished = []
     while engine.has_work:
         finished += engine.step().finished
-    want = generate(model, torch.tensor([[5, 6, 7, 1]]), method="sequential", max_new_tokens=8).tokens[0]
+    want = generate(
+        model, torch.tensor([[5, 6, 7, 1]]), options=DecodeOptions(method="sequential", max_new_tokens=8)
+    ).tokens[0]
     assert finished[0].tokens == want
 
 

@@ -25,7 +25,7 @@ from capture_helpers import RowSource, any_slots, staged_equals_plain, staged_sp
 
 import speed.engine.kernels as kernels  # noqa: E402
 from speed.decode.exactness import LogitRecorder  # noqa: E402
-from speed.decode.generate import generate  # noqa: E402
+from speed.decode.generate import DecodeOptions, generate  # noqa: E402
 from speed.engine import Engine, EngineConfig  # noqa: E402
 from speed.engine.graphs import GraphSteps  # noqa: E402
 from speed.engine.sampling import Sampling  # noqa: E402
@@ -66,7 +66,9 @@ def test_t5_speed_through_staged_passes_equals_sequential(case):
     mask = torch.ones_like(ids)
     mask[1, 3:] = 0  # one prompt of 35 tokens (two chunks of encoder memory), one of 3
     reference = LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
+    ref = generate(
+        reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=5, sampling=sampling, graphs=False)
+    )
     staged_speed_equals_sequential(model, reference, ref, ids, mask, sampling, case)
 
 

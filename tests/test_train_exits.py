@@ -11,7 +11,7 @@ import torch
 from job_helpers import job_module
 
 from speed.config import preset
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.models.checkpoint import backbone_state, load_model, newest_complete_checkpoint, save_model
 from speed.models.exits import EXITS_CONFIG_FILE, exit_kl
 from speed.models.t5 import SpeedT5
@@ -63,8 +63,8 @@ def test_adapters_are_trained_beside_the_frozen_checkpoint_and_tracked(trained):
     assert newest_complete_checkpoint(outcome.run_dir).endswith(f"checkpoint_{STEPS:08d}")
     assert outcome.metrics["step"] == STEPS and outcome.metrics["resumed_from"] == 0
     ids = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(0))
-    with_exits = generate(model, ids, max_new_tokens=8)
-    plain = generate(load_model(outcome.checkpoint, exits=False).model, ids, max_new_tokens=8)
+    with_exits = generate(model, ids, options=DecodeOptions(max_new_tokens=8))
+    plain = generate(load_model(outcome.checkpoint, exits=False).model, ids, options=DecodeOptions(max_new_tokens=8))
     assert with_exits.tokens == plain.tokens  # the output cannot change
     client = import_mlflow().MlflowClient(Path(outcome.config.storage_path, "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("exits").experiment_id])
@@ -101,7 +101,9 @@ def test_decoded_targets_are_the_models_greedy_outputs():
     columns = {"input_ids": [[5, 6, 7, 1], [8, 9, 1]], "labels": [[4, 4, 1], [3, 1]]}
     decoded = _decoded(model, columns, 5)
     ids = torch.tensor([[5, 6, 7, 1], [8, 9, 1, 0]])
-    expected = generate(model, ids, (ids != 0).long(), method="sequential", max_new_tokens=5, trace=False).tokens
+    expected = generate(
+        model, ids, (ids != 0).long(), DecodeOptions(method="sequential", max_new_tokens=5, trace=False)
+    ).tokens
     assert decoded == {"input_ids": columns["input_ids"], "labels": expected}
 
 

@@ -32,7 +32,7 @@ tk = pytest.importorskip("speed.engine.triton_kernels")  # before anything impor
 import speed.engine.kernels as kernels  # noqa: E402
 from speed.config import lm_preset  # noqa: E402
 from speed.decode.exactness import LogitRecorder  # noqa: E402
-from speed.decode.generate import generate  # noqa: E402
+from speed.decode.generate import DecodeOptions, generate  # noqa: E402
 from speed.engine import Speculation  # noqa: E402
 from speed.engine.cache import Rows  # noqa: E402
 from speed.engine.sampling import Sampling  # noqa: E402
@@ -259,7 +259,7 @@ def speed_equals_sequential(model, ids, mask, max_new: int, runs: list[Speculati
     against it (every loop's logits, the tokens, the trace). Few runs and few tokens: the interpreter pays
     milliseconds a launch. Returns SPEED's flushes."""
     reference = LogitRecorder(model)
-    ref = generate(reference, ids, mask, method="sequential", max_new_tokens=max_new, sampling=sampling)
+    ref = generate(reference, ids, mask, DecodeOptions(method="sequential", max_new_tokens=max_new, sampling=sampling))
     flushes = 0
     for speculation in runs:
         got = speed_as_sequential(

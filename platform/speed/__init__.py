@@ -1,7 +1,7 @@
 """speed: SPEED (speculative pipelined decoding) for parameter-shared T5 decoders and looped decoder-only LMs."""
 
 from speed.config import PRESETS, LMConfig, ModelConfig, SharingPattern, lm_preset, preset
-from speed.decode.generate import DecodeStats, GenerateResult, Speculation, generate
+from speed.decode.generate import DecodeOptions, DecodeStats, GenerateResult, Speculation, generate
 from speed.losses import loss_weights
 from speed.models.looped_lm import LoopedLM
 from speed.models.pretrained import from_pretrained
@@ -9,6 +9,7 @@ from speed.models.t5 import SpeedT5
 
 __all__ = [
     "PRESETS",
+    "DecodeOptions",
     "DecodeStats",
     "GenerateResult",
     "LMConfig",

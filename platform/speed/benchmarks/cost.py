@@ -12,7 +12,7 @@ import pyarrow as pa
 import torch
 
 from speed.data import pad_inputs
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import Speculation
 from speed.engine.sampling import Sampling
 from speed.tables import Column, text_table
@@ -72,13 +72,15 @@ def run_cost_benchmark(
                     model,
                     ids,
                     mask,
-                    method="sequential" if v == "sequential" else "speed",
-                    max_new_tokens=max_new_tokens,
-                    speculation=case.speculation,
-                    sampling=case.sampling,
-                    trace=False,
-                    cost_model=v == "speed_cost",
-                    stop_ids=stop_ids,
+                    DecodeOptions(
+                        method="sequential" if v == "sequential" else "speed",
+                        max_new_tokens=max_new_tokens,
+                        speculation=case.speculation,
+                        sampling=case.sampling,
+                        trace=False,
+                        cost_model=v == "speed_cost",
+                        stop_ids=stop_ids,
+                    ),
                 )
                 seconds[v] += time.perf_counter() - t0
                 cpu[v] += time.process_time() - c0

@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from speed.config import LMConfig, ModelConfig, to_dict
-from speed.decode.generate import Decoder, GenerateResult, generate
+from speed.decode.generate import DecodeOptions, Decoder, GenerateResult, generate
 from speed.models.exits import attach, exits_for
 from speed.models.family import build_model
 from speed.models.looped_lm import LoopedLM
@@ -112,12 +112,15 @@ def bench_models(cfg: DecodeBenchConfig, input_len: int, first_id: int) -> Bench
     shallow = random_model(cfg.model.replace(pattern=str(cfg.model.sharing.one_loop())), cfg.seed).to(cfg.device)
     torch.manual_seed(cfg.seed + 1)
     ids = torch.randint(first_id, cfg.model.vocab_size, (cfg.batch, input_len))
-    reference = generate(model, ids, method="sequential", max_new_tokens=cfg.new_tokens, trace=False)
+    reference = generate(
+        model, ids, options=DecodeOptions(method="sequential", max_new_tokens=cfg.new_tokens, trace=False)
+    )
     return BenchModels(model, shallow, ids, reference)
 
 
 def decoding(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kw: Any) -> Callable[[], GenerateResult]:
-    """A run that decodes ``ids`` for ``new_tokens`` tokens (``kw``: ``generate``'s options) through one ``Decoder``
+    """A run that decodes ``ids`` for ``new_tokens`` tokens (``kw``: ``DecodeOptions``' fields, and ``generate``'s
+    ``oracle``) through one ``Decoder``
     built at its first call (``interleave``'s untimed one): every later call only decodes, never builds an engine
     nor captures a CUDA graph, so a timed round times decoding alone."""
     oracle = kw.pop("oracle", None)
@@ -126,7 +129,7 @@ def decoding(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kw: A
     def go() -> GenerateResult:
         nonlocal decoder
         if decoder is None:
-            decoder = Decoder(model, *ids.shape, max_new_tokens=new_tokens, **kw)
+            decoder = Decoder(model, *ids.shape, DecodeOptions(max_new_tokens=new_tokens, **kw))
         return decoder(ids, oracle=oracle)
 
     return go
@@ -222,7 +225,9 @@ def transformers_installed() -> bool:
 
 def warn_unless_hf_agrees(ours: torch.nn.Module, ids: torch.Tensor, new_tokens: int, hf_tokens: torch.Tensor) -> None:
     """Print a warning where our sequential greedy tokens differ from transformers' on the same weights."""
-    check = generate(ours, ids, method="sequential", max_new_tokens=new_tokens, trace=False).tokens
+    check = generate(
+        ours, ids, options=DecodeOptions(method="sequential", max_new_tokens=new_tokens, trace=False)
+    ).tokens
     if check != hf_tokens.tolist():
         print("warning: our Dx1 greedy tokens differ from transformers' (numerical near-ties on random weights?)")
 

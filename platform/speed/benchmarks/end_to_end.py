@@ -29,7 +29,7 @@ import requests
 import torch
 
 from speed.benchmarks.loading import peak_rss
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine.kernels import ATTN_CHUNK
 from speed.engine.memory import available_bytes, size
 from speed.engine.types import EngineConfig
@@ -97,7 +97,7 @@ def run(directory: str | Path, dtype: torch.dtype = torch.bfloat16, tokens: int 
     timed = {}
     for method in ("speed", "sequential"):
         start = time.perf_counter()
-        timed[method] = generate(model, ids, method=method, max_new_tokens=tokens).tokens[0]
+        timed[method] = generate(model, ids, options=DecodeOptions(method=method, max_new_tokens=tokens)).tokens[0]
         timed[method + "_seconds"] = time.perf_counter() - start
     assert timed["speed"] == timed["sequential"], f"SPEED {timed['speed']} != sequential {timed['sequential']}"
     after_decoding = peak_rss()

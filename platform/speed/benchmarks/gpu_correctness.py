@@ -23,7 +23,7 @@ import torch
 
 from speed.benchmarks.decode import random_model
 from speed.benchmarks.gpu_setup import CheckSize, sync
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine.sampling import Sampling
 from speed.losses import loss_weights, shift_right
 from speed.models.checkpoint import load_model
@@ -142,8 +142,10 @@ def agreement_stage(size: CheckSize, device: str) -> list[Agreement]:
     ids = torch.randint(3, size.vocab_size, shape, generator=torch.Generator().manual_seed(2))
     found = []
     for name, sampling in (("greedy", None), ("sampled", Sampling(temperature=1.0, seed=7))):
-        kw = {"method": "sequential", "max_new_tokens": size.agree_tokens, "trace": False, "sampling": sampling}
-        found.append(agreement(name, generate(cpu, ids, **kw).tokens, generate(other, ids, **kw).tokens))
+        options = DecodeOptions(method="sequential", max_new_tokens=size.agree_tokens, trace=False, sampling=sampling)
+        found.append(
+            agreement(name, generate(cpu, ids, options=options).tokens, generate(other, ids, options=options).tokens)
+        )
     return found
 
 

@@ -22,7 +22,7 @@ from speed.benchmarks.decode import BenchConfig, decoding, random_model, run_ben
 from speed.benchmarks.decode_lm import FirstTokenClock, split_medians
 from speed.benchmarks.gpu_setup import CheckSize, sync
 from speed.benchmarks.shapes import SHAPES, Shape, ShapeBenchConfig, run_shape_benchmark
-from speed.decode.generate import GenerateResult, generate
+from speed.decode.generate import DecodeOptions, GenerateResult, generate
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def launches_stage(size: CheckSize, device: str, left_s: float = math.inf) -> li
     model = random_model(size.model(), seed=0).to(dev)
     ids = torch.randint(3, size.vocab_size, (1, size.source_len), generator=torch.Generator().manual_seed(3))
     n = size.launch_tokens
-    reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
+    reference = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=n, trace=False))
     found = []
     for variant, kw in (("sequential", {"method": "sequential"}), ("speed_oracle", {"method": "speed"})):
         oracle = reference.tokens[0] if variant == "speed_oracle" else None

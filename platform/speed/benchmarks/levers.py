@@ -15,7 +15,7 @@ import torch
 
 from speed.benchmarks.heldout import Quality
 from speed.config import coerce
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.engine import LEVERS, Method, Speculation
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
@@ -156,13 +156,15 @@ def run_lever_benchmark(
             result = generate(
                 v.decoder,
                 x,
-                method=v.method,
-                max_new_tokens=max_new_tokens,
-                speculation=v.setting.speculation,
-                trace=False,
+                options=DecodeOptions(
+                    method=v.method,
+                    max_new_tokens=max_new_tokens,
+                    speculation=v.setting.speculation,
+                    trace=False,
+                    row_budget=v.setting.row_budget,
+                    stop_ids=stop_ids,
+                ),
                 oracle=known,
-                row_budget=v.setting.row_budget,
-                stop_ids=stop_ids,
             )
             seconds[v.model, v.name] += time.perf_counter() - t0
             cpu[v.model, v.name] += time.process_time() - c0

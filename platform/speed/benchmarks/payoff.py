@@ -34,7 +34,7 @@ from speed.benchmarks.decode import interleave, machine_name
 from speed.benchmarks.replay import FlipPattern, ReplayStepper, agreement_profile
 from speed.benchmarks.shapes import ShapeBenchConfig, check_fits, empty_model, random_weights
 from speed.config import LMConfig, ModelConfig
-from speed.decode.generate import GenerateResult, generate
+from speed.decode.generate import DecodeOptions, GenerateResult, generate
 from speed.engine.cost import RowCost, row_cost
 from speed.models.precision import DTYPES
 
@@ -184,7 +184,7 @@ def _batch_rows(
     torch.manual_seed(cfg.seed + batch)
     ids = torch.randint(3, cfg.model.vocab_size, (batch, cfg.prompt_len))  # no special token below 3
     n = cfg.new_tokens
-    reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
+    reference = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=n, trace=False))
     finals = {tuple(row): out for row, out in zip(ids.tolist(), reference.tokens)}
     chosen = patterns(cfg, batch)
     results: dict[str, tuple[GenerateResult, list[tuple[int, int]]]] = {}
@@ -192,7 +192,7 @@ def _batch_rows(
     def run(name: str, pattern: FlipPattern | None, new: int, **kw: Any) -> Callable[[], int]:
         def go() -> int:
             stepper = ReplayStepper(model, finals, pattern)
-            result = generate(stepper, ids, max_new_tokens=new, trace=False, **kw)
+            result = generate(stepper, ids, options=DecodeOptions(max_new_tokens=new, trace=False, **kw))
             results[name] = (result, stepper.passes)
             return 1
 
@@ -346,9 +346,13 @@ def checkpoint_trace(
     tables, steps, oracle_steps, tokens = [], 0, 0, 0
     for i, source in enumerate(held.inputs):
         ids = torch.tensor([source])
-        own = generate(model, ids, method="speed", max_new_tokens=max_new_tokens, stop_ids=stops)
-        oracle = generate(model, ids, method="speed", max_new_tokens=max_new_tokens, stop_ids=stops,
-                          oracle=own.tokens, trace=False)  # fmt: skip
+        own = generate(model, ids, options=DecodeOptions(method="speed", max_new_tokens=max_new_tokens, stop_ids=stops))
+        oracle = generate(
+            model,
+            ids,
+            options=DecodeOptions(method="speed", max_new_tokens=max_new_tokens, stop_ids=stops, trace=False),
+            oracle=own.tokens,
+        )
         steps, oracle_steps = steps + own.stats.steps, oracle_steps + oracle.stats.steps
         tokens += len(own.tokens[0])
         tables.append(own.trace.set_column(0, "sequence", pa.array([i] * len(own.trace), pa.int32())))

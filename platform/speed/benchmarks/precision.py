@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from speed.data import load_records
-from speed.decode.generate import generate
+from speed.decode.generate import DecodeOptions, generate
 from speed.hf_tokenizer import prompt_ids
 from speed.models.looped_lm import LoopedLM
 from speed.models.precision import bf16_weights
@@ -64,8 +64,12 @@ def precision_agreement(model: LoopedLM, prompts: Sequence[Sequence[int]], new_t
     identical, first, positions, agreeing = 0, None, 0, torch.zeros(model.n_loops, dtype=torch.long)
     for prompt in prompts:
         ids = torch.tensor([list(prompt)])
-        full = generate(model, ids, method="sequential", max_new_tokens=new_tokens, trace=False).tokens[0]
-        other = generate(half, ids, method="sequential", max_new_tokens=new_tokens, trace=False).tokens[0]
+        full = generate(
+            model, ids, options=DecodeOptions(method="sequential", max_new_tokens=new_tokens, trace=False)
+        ).tokens[0]
+        other = generate(
+            half, ids, options=DecodeOptions(method="sequential", max_new_tokens=new_tokens, trace=False)
+        ).tokens[0]
         identical += full == other
         differ = next((i for i, (a, b) in enumerate(zip(full, other)) if a != b), None)
         if differ is None and len(full) != len(other):

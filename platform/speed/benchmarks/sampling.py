@@ -9,7 +9,7 @@ import time
 import pyarrow as pa
 import torch
 
-from speed.decode.generate import DecodeStats, generate
+from speed.decode.generate import DecodeOptions, DecodeStats, generate
 from speed.engine.sampling import Sampling
 from speed.models.looped_lm import LoopedLM
 from speed.models.t5 import SpeedT5
@@ -50,7 +50,11 @@ def run_sampling_benchmark(
             method, t, guess = v
             sampling = Sampling(temperature=t, seed=i, coupled=guess != "argmax")
             t0 = time.perf_counter()
-            result = generate(model, x, method=method, max_new_tokens=max_new_tokens, trace=False, sampling=sampling)
+            result = generate(
+                model,
+                x,
+                options=DecodeOptions(method=method, max_new_tokens=max_new_tokens, trace=False, sampling=sampling),
+            )
             seconds[v] += time.perf_counter() - t0
             out[v] = result.tokens
             stats[v] += result.stats

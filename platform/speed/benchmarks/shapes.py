@@ -34,7 +34,7 @@ from speed.benchmarks.decode import check_exact, interleave, run_columns, varian
 from speed.benchmarks.decode_lm import LM_BENCH_SCHEMA, decode_runs, split_medians
 from speed.benchmarks.loading import peak_rss
 from speed.config import LMConfig, ModelConfig
-from speed.decode.generate import GenerateResult, generate
+from speed.decode.generate import DecodeOptions, GenerateResult, generate
 from speed.engine.memory import MemoryBudgetError, MemoryNeed, available_bytes, size
 from speed.models.convert_huginn import config_from_huginn
 from speed.models.convert_ouro import config_from_ouro
@@ -331,7 +331,7 @@ def _batch_rows(
     splits: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
     for (dtype, layout), model in models.items():
         name = f"{dtype}/{layout}"
-        reference = generate(model, ids, method="sequential", max_new_tokens=n, trace=False)
+        reference = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=n, trace=False))
         results: dict[str, GenerateResult] = {}
         run = decode_runs(results, ids, n, splits.setdefault((dtype, layout), {}))
         kinds = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +33,7 @@ from speed.engine import (
 )
 from speed.engine.sampling import Sampling
 
-__all__ = ["DecodeStats", "Decoder", "GenerateResult", "Method", "Speculation", "Stepper", "generate"]
+__all__ = ["DecodeOptions", "DecodeStats", "Decoder", "GenerateResult", "Method", "Speculation", "Stepper", "generate"]
 
 
 @dataclass
@@ -50,102 +50,99 @@ class GenerateResult:
     decode_s: float = float("nan")
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How ``generate`` (and a ``Decoder``) decodes: the one definition of its options, with their defaults.
+
+    ``method="sequential"`` runs all M loops of a token before the next (the reference; with ``trace`` it also
+    evaluates every loop's early exit). ``method="speed"`` pipelines as ``speculation`` says
+    (``speed.engine.Speculation``; None: ``Speculation()``, launch after loop 1, eager invalidation, no branches,
+    no confidence gate); sequential decoding ignores it. ``row_budget`` caps the rows of a step, ``cost_model``
+    runs the speculative rows this device's measured pass cost says pay (``speed.engine.EngineConfig``); both
+    return identical tokens. ``method="exit_gate"`` (a model with Ouro's exit gate) commits what ``exit_rule``
+    picks from the gate (``speed.engine.ExitRule``), pipelined as ``speculation`` says: a lossy baseline, not
+    sequential's tokens; ``stats.mean_exit_loop`` is the loop passes per token the gate asks for. ``sampling``
+    (None: greedy) applies to every sequence with its one seed: the noise depends on (seed, output position) only,
+    so two sequences of the batch with the same input draw the same tokens. ``stop_ids``: the tokens a sequence
+    ends at (an imported chat model's ``HFTokenizer.stop_ids``); None: the model's EOS. ``graphs``: the group pass
+    in row-count buckets (``EngineConfig.graphs``; None: on a CUDA device, for a stepper whose pass can be
+    captured).
+    """
+
+    method: Method = "speed"
+    max_new_tokens: int = 64
+    speculation: Speculation = Speculation()  # None given: this default
+    sampling: Sampling = Sampling()  # None given: greedy, this default
+    trace: bool = True  # per-sequence flip traces (``speed.engine.trace.TRACE_SCHEMA``) in the result
+    row_budget: int | None = None
+    cost_model: bool = False
+    stop_ids: frozenset[int] | None = None  # any collection given: its frozenset
+    exit_rule: ExitRule | None = None
+    graphs: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.speculation is None:
+            object.__setattr__(self, "speculation", Speculation())
+        if self.sampling is None:
+            object.__setattr__(self, "sampling", Sampling())
+        if self.stop_ids is not None:
+            object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
+
+    def replace(self, **changes: Any) -> DecodeOptions:
+        """A copy with some fields changed (unknown fields are an error), checked again."""
+        return dataclasses.replace(self, **changes)
+
+
 def generate(
     model: Stepper | Any,
     input_ids: Tensor,
     attention_mask: Tensor | None = None,
+    options: DecodeOptions = DecodeOptions(),
     *,
-    method: Method = "speed",
-    max_new_tokens: int = 64,
-    speculation: Speculation | None = None,
-    sampling: Sampling | None = None,
     oracle: list[list[int]] | None = None,
-    trace: bool = True,
-    row_budget: int | None = None,
-    cost_model: bool = False,
-    stop_ids: Collection[int] | None = None,
-    exit_rule: ExitRule | None = None,
-    graphs: bool | None = None,
 ) -> GenerateResult:
-    """Decode a batch of prompts (B, S) with a looped decoder: a model (``SpeedT5``'s encoder inputs,
-    ``LoopedLM``'s contexts) or any ``speed.engine.Stepper``.
+    """Decode a batch of prompts (B, S) with a looped decoder, as ``options`` say (``DecodeOptions``: the method,
+    the token limit, SPEED's settings, sampling, ...): a model (``SpeedT5``'s encoder inputs, ``LoopedLM``'s
+    contexts) or any ``speed.engine.Stepper``.
 
-    ``method="sequential"`` runs all M loops of a token before the next (the
-    reference; with ``trace`` it also evaluates every loop's early exit).
-    ``method="speed"`` pipelines as ``speculation`` says (``speed.engine.Speculation``,
-    default ``Speculation()``: launch after loop 1, eager invalidation, no
-    branches, no confidence gate); sequential decoding ignores it. ``oracle``
-    (SPEED only) forces speculation to the given final tokens, isolating the
-    engine's own overhead. ``row_budget`` caps the rows of a step, ``cost_model`` runs the speculative rows this
-    device's measured pass cost says pay (``speed.engine.EngineConfig``). Both return identical tokens.
-    ``method="exit_gate"`` (a model with Ouro's exit gate) commits what ``exit_rule`` picks from the gate
-    (``speed.engine.ExitRule``), pipelined as ``speculation`` says: a lossy baseline, not sequential's tokens;
-    ``stats.mean_exit_loop`` is the loop passes per token the gate asks for. Sequence b decodes
-    the tokens where ``attention_mask[b]`` is 1, encoded (or prefilled) on their own.
-    ``sampling`` (default greedy) applies to every sequence with its one seed:
-    the noise depends on (seed, output position) only, so two sequences of the
-    batch with the same input draw the same tokens. ``stop_ids``: the tokens a sequence ends at (an imported chat
-    model's ``HFTokenizer.stop_ids``); None: the model's EOS. ``graphs``: the group pass in row-count buckets
-    (``EngineConfig.graphs``; None: on a CUDA device, for a stepper whose pass can be captured).
+    Sequence b decodes the tokens where ``attention_mask[b]`` is 1, encoded (or prefilled) on their own.
+    ``oracle`` (method ``speed`` only; one token list per sequence) forces speculation to the given final tokens,
+    isolating the engine's own overhead.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be (batch, length) with batch >= 1, got shape {tuple(input_ids.shape)}")
-    decoder = Decoder(
-        model, *input_ids.shape, method=method, max_new_tokens=max_new_tokens, speculation=speculation,
-        sampling=sampling, trace=trace, row_budget=row_budget, cost_model=cost_model, stop_ids=stop_ids,
-        exit_rule=exit_rule, graphs=graphs,
-    )  # fmt: skip
+    decoder = Decoder(model, *input_ids.shape, options)
     return decoder(input_ids, attention_mask, oracle, since=decoder.built)
 
 
 class Decoder:
     """``generate`` with its engine kept: the engine (its cache, its memory, its buckets' buffers and CUDA graphs,
     captured at their first passes) built once for batches of up to ``batch`` prompts of up to ``length`` tokens,
-    each call then decoding one batch with it. What a benchmark times: after an untimed first call, a call decodes
-    only, never builds nor captures. Each call's tokens, stats and trace are what ``generate`` returns for its
-    batch (the engine is idle between calls: every slot and block given back)."""
+    each call then decoding one batch with it as ``options`` say. What a benchmark times: after an untimed first
+    call, a call decodes only, never builds nor captures. Each call's tokens, stats and trace are what
+    ``generate`` returns for its batch (the engine is idle between calls: every slot and block given back)."""
 
-    def __init__(
-        self,
-        model: Stepper | Any,
-        batch: int,
-        length: int,
-        *,
-        method: Method = "speed",
-        max_new_tokens: int = 64,
-        speculation: Speculation | None = None,
-        sampling: Sampling | None = None,
-        trace: bool = True,
-        row_budget: int | None = None,
-        cost_model: bool = False,
-        stop_ids: Collection[int] | None = None,
-        exit_rule: ExitRule | None = None,
-        graphs: bool | None = None,
-    ) -> None:
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    def __init__(self, model: Stepper | Any, batch: int, length: int, options: DecodeOptions = DecodeOptions()) -> None:
         if batch < 1:
             raise ValueError(f"a batch holds at least one prompt, got {batch}")
         called = time.perf_counter()
-        self.model, self.method, self.max_new_tokens, self.trace = model, method, max_new_tokens, trace
-        self.speculation = Speculation() if speculation is None else speculation
-        self.sampling = Sampling() if sampling is None else sampling
-        self.stops = None if stop_ids is None else frozenset(stop_ids)
-        self.exit_rule = exit_rule
+        self.model, self.options = model, options
         config = EngineConfig(
             max_active=batch,
             max_prompt_len=length,
-            max_target_len=max_new_tokens,
-            row_budget=row_budget,
-            cost_model=cost_model,
-            trace=trace,
+            max_target_len=options.max_new_tokens,
+            row_budget=options.row_budget,
+            cost_model=options.cost_model,
+            trace=options.trace,
             # side entries only for branches; a speculation that is none is the engine's add to refuse
-            branches=method != "sequential"
-            and isinstance(self.speculation, Speculation)
-            and self.speculation.branches > 0,
-            graphs=graphs,
+            branches=options.method != "sequential"
+            and isinstance(options.speculation, Speculation)
+            and options.speculation.branches > 0,
+            graphs=options.graphs,
         )
         with _eval(model):
             self.engine = Engine(model, config)
@@ -171,7 +168,8 @@ class Decoder:
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
-        if oracle is not None and (self.method != "speed" or len(oracle) != input_ids.shape[0]):
+        options = self.options
+        if oracle is not None and (options.method != "speed" or len(oracle) != input_ids.shape[0]):
             raise ValueError("oracle needs method='speed' and one token list per sequence")
         sources = input_ids.tolist()
         if attention_mask is not None:
@@ -179,13 +177,13 @@ class Decoder:
         requests = [
             Request(
                 ids,
-                self.max_new_tokens,
-                self.method,
-                self.speculation,
+                options.max_new_tokens,
+                options.method,
+                options.speculation,
                 None if oracle is None else list(oracle[b]),
-                self.sampling,
-                stop_ids=self.stops,
-                exit_rule=self.exit_rule,
+                options.sampling,
+                stop_ids=options.stop_ids,
+                exit_rule=options.exit_rule,
             )
             for b, ids in enumerate(sources)
         ]  # fmt: skip
@@ -206,7 +204,7 @@ class Decoder:
             end = time.perf_counter()
         stats = engine.stats.since(before)
         table = None
-        if self.trace:  # each sequence's rows under its index in the batch (the engine's request ids go on)
+        if options.trace:  # each sequence's rows under its index in the batch (the engine's request ids go on)
             parts = [_renumbered(done[i].trace, b) for b, i in enumerate(ids)]
             table = pa.concat_tables(parts).combine_chunks()
         stopped = [done[i].stopped for i in ids]

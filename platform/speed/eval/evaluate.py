@@ -33,7 +33,7 @@ from torch import Tensor
 from speed.config import to_dict
 from speed.data import get_task, pad_inputs, read_records, truncate
 from speed.decode.exactness import LogitRecorder, top2_gap
-from speed.decode.generate import DecodeStats, GenerateResult, generate
+from speed.decode.generate import DecodeOptions, DecodeStats, GenerateResult, generate
 from speed.engine import EngineConfig, ExitKind, ExitRule, Speculation, SpeculationFields
 from speed.engine.matmuls import packed_while
 from speed.engine.sampling import Sampling
@@ -333,7 +333,7 @@ def _warm_up(model: SpeedT5, example: list[int], methods: tuple[str, ...], exit_
     for method in methods:
         rule = exit_rule if method == "exit_gate" else None
         ids, mask = input_ids.to(device), attention_mask.to(device)
-        generate(model, ids, mask, method=method, max_new_tokens=2, trace=False, exit_rule=rule)
+        generate(model, ids, mask, DecodeOptions(method=method, max_new_tokens=2, trace=False, exit_rule=rule))
 
 
 def _decode(
@@ -353,26 +353,31 @@ def _decode(
     traces: list[pa.Table] = []
     mismatches: list[Mismatch] = []
     bar = ProgressBar(len(inputs), f"evaluate {'+'.join(methods)}", "examples") if progress else None
+    # every batch decoded as the config says, untraced SPEED; each method's run changes what is its own
+    options = DecodeOptions(
+        max_new_tokens=config.max_new_tokens,
+        speculation=config.speculation,
+        sampling=config.sampling,
+        trace=False,
+        stop_ids=stop_ids,
+    )
     for b, start in enumerate(range(0, len(inputs), config.batch_size)):
         input_ids, attention_mask = pad_inputs(inputs[start : start + config.batch_size])  # (B, S), (B, S)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        decode = functools.partial(  # this batch, decoded as the config says; each call adds its method's settings
-            generate, model, input_ids, attention_mask, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
-            stop_ids=stop_ids,
-        )  # fmt: skip
+        decode = functools.partial(generate, model, input_ids, attention_mask)  # this batch
         results: dict[str, GenerateResult] = {}
         for method in methods if b % 2 == 0 else methods[::-1]:
             begin = time.perf_counter()
-            timed = {"trace": False}
+            timed = options.replace(method=method)
             if method == "speed":
-                timed = {"trace": True, "row_budget": config.row_budget, "cost_model": config.cost_model}
+                timed = timed.replace(trace=True, row_budget=config.row_budget, cost_model=config.cost_model)
             if method == "exit_gate":  # pipelined as SPEED is, its row budget too
-                timed = {"trace": False, "row_budget": config.row_budget, "exit_rule": config.exit_rule}
-            results[method] = decode(method=method, speculation=config.speculation, **timed)
+                timed = timed.replace(row_budget=config.row_budget, exit_rule=config.exit_rule)
+            results[method] = decode(timed)
             runs[method].seconds += time.perf_counter() - begin
         if config.oracle:  # untimed: SPEED speculating its own final tokens (its launch loop, no branches)
             plain = Speculation(config.launch_loop, config.invalidation)
-            results["oracle"] = decode(method="speed", speculation=plain, oracle=results["speed"].tokens, trace=False)
+            results["oracle"] = decode(options.replace(speculation=plain), oracle=results["speed"].tokens)
         for method, result in results.items():
             run = runs.setdefault(method, Decoded([], DecodeStats(), 0.0, None))
             run.tokens.extend(result.tokens)
@@ -414,11 +419,13 @@ def _mismatches(
         recorder,
         input_ids,
         attention_mask,
-        method="sequential",
-        max_new_tokens=config.max_new_tokens,
-        trace=True,
-        sampling=config.sampling,
-        stop_ids=stop_ids,
+        DecodeOptions(
+            method="sequential",
+            max_new_tokens=config.max_new_tokens,
+            trace=True,
+            sampling=config.sampling,
+            stop_ids=stop_ids,
+        ),
     )
     found = []
     for b, (a, r) in enumerate(zip(speed.tokens, sequential.tokens)):

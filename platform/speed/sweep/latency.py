@@ -22,7 +22,7 @@ import torch
 from speed.benchmarks.decode import interleave
 from speed.config import SharingPattern
 from speed.data import get_task, pad_inputs, read_records
-from speed.decode.generate import DecodeStats, generate
+from speed.decode.generate import DecodeOptions, DecodeStats, generate
 from speed.engine import Speculation
 from speed.hf_tokenizer import chat_renderer, load_tokenizer
 from speed.models.checkpoint import load_model
@@ -135,10 +135,7 @@ def _decoder(
                 model,
                 input_ids.to(device),
                 mask.to(device),
-                method=method,
-                max_new_tokens=max_new_tokens,
-                speculation=speculation,
-                trace=False,
+                DecodeOptions(method=method, max_new_tokens=max_new_tokens, speculation=speculation, trace=False),
             )
             total += result.stats
         stats[name] = total

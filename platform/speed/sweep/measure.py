@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from speed.data import pad_inputs
-from speed.decode.generate import DecodeStats, generate
+from speed.decode.generate import DecodeOptions, DecodeStats, generate
 from speed.engine import INVALIDATIONS, Speculation
 from speed.eval.evaluate import EvalConfig, evaluate
 from speed.models.family import Family
@@ -139,10 +139,9 @@ def speed_costs(
                         model,
                         input_ids,
                         mask,
-                        method="speed",
-                        max_new_tokens=max_new_tokens,
-                        speculation=speculation,
-                        trace=False,
+                        DecodeOptions(
+                            method="speed", max_new_tokens=max_new_tokens, speculation=speculation, trace=False
+                        ),
                     )
                     total += result.stats
                 costs.append(

@@ -382,12 +382,16 @@ def exits_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[
 def _decoded(model: torch.nn.Module, columns: dict[str, list[list[int]]], max_new: int) -> dict[str, list[list[int]]]:
     """``columns`` with the model's greedy sequential outputs for its inputs as the targets."""
     from speed.data import pad_inputs
-    from speed.decode.generate import generate
+    from speed.decode.generate import DecodeOptions, generate
 
     input_ids, mask = pad_inputs(columns["input_ids"])
     device = model.lm_head.weight.device
-    out = generate(model, input_ids.to(device), mask.to(device), method="sequential", max_new_tokens=max_new,
-                   trace=False)  # fmt: skip
+    out = generate(
+        model,
+        input_ids.to(device),
+        mask.to(device),
+        DecodeOptions(method="sequential", max_new_tokens=max_new, trace=False),
+    )
     return {**columns, "labels": out.tokens}
 
 
