@@ -36,7 +36,7 @@ import speed, speed.models.t5, speed.engine.cache, speed.engine.kernels, speed.e
 import speed.decode.generate
 import speed.models.checkpoint, speed.decode.exactness, speed.train.optim, speed.train.state, speed.benchmarks.decode
 import speed.benchmarks.gpu, speed.benchmarks.gpu_timing, speed.benchmarks.gpu_correctness
-from speed import SpeedT5, Speculation, generate, preset
+from speed import DecodeOptions, SpeedT5, Speculation, generate, preset
 try:
     import ray
 except ImportError:
@@ -46,8 +46,8 @@ else:
 torch.manual_seed(0)
 model = SpeedT5(preset("tiny", pattern="2x3")).eval()
 ids = torch.randint(3, 128, (2, 5))
-fast = generate(model, ids, method="speed", max_new_tokens=6, speculation=Speculation(branches=1))
-slow = generate(model, ids, method="sequential", max_new_tokens=6)
+fast = generate(model, ids, options=DecodeOptions(method="speed", max_new_tokens=6, speculation=Speculation(branches=1)))
+slow = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=6))
 assert fast.tokens == slow.tokens
 print("decoded", fast.stats.tokens, "of", sum(map(len, slow.tokens)))
 """
