@@ -46,7 +46,8 @@ else:
 torch.manual_seed(0)
 model = SpeedT5(preset("tiny", pattern="2x3")).eval()
 ids = torch.randint(3, 128, (2, 5))
-fast = generate(model, ids, options=DecodeOptions(method="speed", max_new_tokens=6, speculation=Speculation(branches=1)))
+options = DecodeOptions(method="speed", max_new_tokens=6, speculation=Speculation(branches=1))
+fast = generate(model, ids, options=options)
 slow = generate(model, ids, options=DecodeOptions(method="sequential", max_new_tokens=6))
 assert fast.tokens == slow.tokens
 print("decoded", fast.stats.tokens, "of", sum(map(len, slow.tokens)))
