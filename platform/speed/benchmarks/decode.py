@@ -135,11 +135,14 @@ def decoding(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, **kw: A
     return go
 
 
-def interleave(variants: dict[str, Callable[[], int]], reps: int, device: str = "cpu") -> dict[str, list[float]]:
+def interleave(
+    variants: dict[str, Callable[[], int]], reps: int, device: str = "cpu", unit: str = "ms/token"
+) -> dict[str, list[float]]:
     """Run each variant once untimed, then ``reps`` timed rounds in rotating order; ms per token.
 
-    Each variant returns the number of tokens it decoded; on a CUDA ``device`` the clock is read only
-    after the device has finished the variant's work.
+    Each variant returns the number of tokens it decoded (a variant that returns 1 makes the figures ms a run:
+    its progress lines then say so through ``unit``); on a CUDA ``device`` the clock is read only after the
+    device has finished the variant's work.
     """
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     for fn in variants.values():
@@ -154,7 +157,7 @@ def interleave(variants: dict[str, Callable[[], int]], reps: int, device: str = 
             sync()
             times[name].append((time.perf_counter() - t0) * 1000 / tokens)
         print(
-            f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1]:.1f}" for n in names) + " ms/token", flush=True
+            f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1]:.1f}" for n in names) + f" {unit}", flush=True
         )
     return times
 

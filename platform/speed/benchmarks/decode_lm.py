@@ -183,7 +183,7 @@ def run_lm_benchmark(cfg: LMBenchConfig) -> pa.Table:
         f"device={cfg.device}",
         flush=True,
     )
-    interleave(variants, cfg.reps, cfg.device)  # each run's split lands in splits
+    interleave(variants, cfg.reps, cfg.device, unit="ms a run")  # each run's split lands in splits
     check_exact(results, reference, ("speed", "speed_oracle"))
     timed = {name: splits[name][1:] for name in variants}  # interleave's first run is untimed
     ttft, per_token = split_medians(timed, cfg.batch * (n - 1))  # the tokens after each sequence's first

@@ -204,7 +204,7 @@ def _batch_rows(
         for on in cfg.cost_models:
             variants[_name(name, on)] = run(_name(name, on), pattern, n, method="speed", cost_model=on)
     progress(f" {dtype} batch {batch}: {len(variants)} runs a round, {cfg.rounds} rounds")
-    times = interleave(variants, cfg.rounds, cfg.device)  # ms per run
+    times = interleave(variants, cfg.rounds, cfg.device, unit="ms a run")
     per_token = {k: [(t - t1) / (batch * (n - 1)) for t, t1 in zip(ts, times["first"])] for k, ts in times.items()}
     first_s = schedule_seconds(cost, results["first"][1])
 

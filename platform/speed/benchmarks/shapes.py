@@ -344,7 +344,7 @@ def _batch_rows(
     variants["bandwidth"] = read_bandwidth(buffer, bandwidth_times)
     print(f" batch {batch}:", flush=True)
     start = len(bandwidth_times) + 3  # interleave's untimed first call reads three times too
-    interleave(variants, cfg.reps, cfg.device)  # each run's split lands in splits
+    interleave(variants, cfg.reps, cfg.device, unit="ms a run")  # each run's split lands in splits
     reads = bandwidth_times[start:]  # three a round, in round order
     size_b = buffer.numel() * buffer.element_size()
     per_round: dict = {"read_gb_per_s": [size_b / min(reads[i : i + 3]) / 1e9 for i in range(0, len(reads), 3)]}
