@@ -22,7 +22,7 @@ import pytest
 from speed.paths import repo_root
 
 ROOT = repo_root()
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "results" / "history.md"]  # the run log too
 EXAMPLE_PAGES = ["README.md", "decoding.md", "models.md"]  # the pages with python examples; the others hold none
 JOB = re.compile(r"(?:^|[\s/])(jobs/\w+\.py)((?:\s+\S+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
