@@ -61,6 +61,52 @@ def test_a_tiny_map_runs_end_to_end(tmp_path, capsys, monkeypatch):
                 assert r["steps_per_token"] < r["sequential_steps_per_token"]
 
 
+def _map_with_round_factors(monkeypatch, factors: list[float]) -> list[dict]:
+    """A tiny map whose machine runs each round at ``factors[r]`` times its speed: every run's time and every pass
+    cost measured in that round scale by it (a fake clock and a fake measurement, the runs themselves real)."""
+    from speed.benchmarks import payoff
+
+    measured: list[int] = []
+
+    def fake_cost(stepper, label="", tile=8, repeats=5):
+        k = len(measured)
+        measured.append(k)
+        f = ([1.0] + factors)[k]  # the untimed round's first
+        return RowCost(tuple(f * (10 + r) * 1e-3 for r in range(8)), tuple(f * (9 + r) * 1e-3 for r in range(8)),
+                       0.0, "fake")  # fmt: skip
+
+    def fake_interleave(variants, reps, device="cpu", unit=""):
+        base = {name: 100.0 + 10 * i for i, name in enumerate(variants)}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for r in range(reps + 1):
+            for name, fn in variants.items():
+                fn()
+                if r:
+                    times[name].append(base[name] * factors[r - 1])
+        return times
+
+    monkeypatch.setattr(payoff, "measure_row_cost", fake_cost)
+    monkeypatch.setattr(payoff, "interleave", fake_interleave)
+    cfg = PayoffConfig("tiny-ouro", TINY_OURO.resolve(None), ("float32",), (1,), (0.5,), rounds=len(factors),
+                       new_tokens=6, prompt_len=5)  # fmt: skip
+    rows = payoff.run_payoff_map(cfg, progress=lambda line: None)
+    assert len(measured) == len(factors) + 1  # once a round, the untimed one too
+    return rows.to_pylist()
+
+
+def test_the_overhead_reads_each_round_against_that_rounds_pass_cost(monkeypatch):
+    """The machine's speed drifting between rounds moves the runs' times and the pass cost together: the overhead
+    read round by round does not move (against a pass cost measured once before the runs it would double here)."""
+    steady = _map_with_round_factors(monkeypatch, [1.0, 1.0, 1.0])
+    drifting = _map_with_round_factors(monkeypatch, [1.0, 3.0, 2.0])
+    assert len(steady) == len(drifting) == 2
+    for a, b in zip(steady, drifting):
+        assert b["overhead"] == pytest.approx(a["overhead"]) and b["sequential_overhead"] == pytest.approx(
+            a["sequential_overhead"]
+        )
+        assert b["speedup"] == pytest.approx(a["speedup"])
+
+
 def test_the_schedule_costs_each_pass_at_its_rows():
     """A pass costs its rows without exit logits plus the exits of its scored rows; past a tile, whole tiles."""
     cost = RowCost((1.0, 1.5), (0.5, 0.75), 0.0, "stub")

@@ -14,7 +14,9 @@ depth) or a recorded trace (``trace.parquet`` of an evaluation, a replica's trac
 - ``overhead``: the time per token over the schedule's, the schedule's being the group passes the run made, each
   at the measured cost of a pass of its rows (``speed.engine.cost.RowCost``: the pass without exit logits, plus
   the exits of its scored rows), the first token's passes taken off as its time is: 1.0 is an engine that costs
-  nothing beyond its passes.
+  nothing beyond its passes. The pass cost is measured again in every round, as one more variant of the rotation,
+  and each round's time is read against that round's cost (the machine's speed drifts between rounds: measured
+  once before the runs, sequential decoding's own overhead read 0.74x-1.44x); the median of the rounds.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from speed.benchmarks.replay import FlipPattern, ReplayStepper, agreement_profil
 from speed.benchmarks.shapes import ShapeBenchConfig, check_fits, empty_model, random_weights
 from speed.config import LMConfig, ModelConfig
 from speed.decode.generate import DecodeOptions, GenerateResult, generate
-from speed.engine.cost import RowCost, row_cost
+from speed.engine.cost import RowCost, measure_row_cost, row_cost
 from speed.models.precision import DTYPES
 
 PAYOFF_SCHEMA = pa.schema(
@@ -60,8 +62,8 @@ PAYOFF_SCHEMA = pa.schema(
         pa.field("rows_per_token", pa.float64()),
         pa.field("flushes_per_token", pa.float64()),
         pa.field("closed_steps", pa.int64()),  # steps the cost model ran as sequential decoding
-        pa.field("schedule_ms_per_token", pa.float64()),  # its passes at the measured pass cost by rows
-        pa.field("overhead", pa.float64()),  # ms_per_token / schedule_ms_per_token
+        pa.field("schedule_ms_per_token", pa.float64()),  # its passes at the pass cost by rows, each round's, median
+        pa.field("overhead", pa.float64()),  # per round, its time per token over its schedule's then; the median
         pa.field("schedule_speedup", pa.float64()),  # sequential's schedule over this one's: the speed-up an engine
         # without overhead would have (the pass costs' clock: on one thread CPU time, which others' load spares)
         pa.field("sequential_overhead", pa.float64()),  # the same of sequential decoding
@@ -198,18 +200,30 @@ def _batch_rows(
 
         return go
 
+    round_costs: list[RowCost] = []
+
+    def measure() -> int:  # the pass cost again in every round, beside the runs it prices (the machine drifts)
+        round_costs.append(measure_row_cost(model.stepper(), repeats=2))
+        return 1
+
     variants = {"first": run("first", None, 1, method="sequential"),
-                "sequential": run("sequential", None, n, method="sequential")}  # fmt: skip
+                "sequential": run("sequential", None, n, method="sequential"), "pass cost": measure}  # fmt: skip
     for name, pattern in chosen.items():
         for on in cfg.cost_models:
             variants[_name(name, on)] = run(_name(name, on), pattern, n, method="speed", cost_model=on)
     progress(f" {dtype} batch {batch}: {len(variants)} runs a round, {cfg.rounds} rounds")
     times = interleave(variants, cfg.rounds, cfg.device, unit="ms a run")
+    del times["pass cost"]
     per_token = {k: [(t - t1) / (batch * (n - 1)) for t, t1 in zip(ts, times["first"])] for k, ts in times.items()}
-    first_s = schedule_seconds(cost, results["first"][1])
+    costs = round_costs[-cfg.rounds :]  # the timed rounds' (the untimed round measured one too)
 
-    def schedule_ms(name: str) -> float:
-        return (schedule_seconds(cost, results[name][1]) - first_s) * 1e3 / (batch * (n - 1))
+    def schedule_ms(name: str, at: RowCost) -> float:
+        passes = schedule_seconds(at, results[name][1]) - schedule_seconds(at, results["first"][1])
+        return passes * 1e3 / (batch * (n - 1))
+
+    def overhead(name: str) -> float:
+        """The round-paired median of the time per token over the schedule's at that round's pass cost."""
+        return statistics.median(t / schedule_ms(name, c) for t, c in zip(per_token[name], costs))
 
     seq_ms = statistics.median(per_token["sequential"])
     seq_stats = results["sequential"][0].stats  # generate counts its steps as positions: its passes are its steps
@@ -217,7 +231,7 @@ def _batch_rows(
         "shape": cfg.shape, "dtype": dtype, "batch": batch, "new_tokens": n, "prompt_len": cfg.prompt_len,
         "rounds": cfg.rounds, "sequential_ms_per_token": seq_ms,
         "sequential_steps_per_token": seq_stats.group_passes / seq_stats.tokens,
-        "sequential_overhead": seq_ms / schedule_ms("sequential"), "threads": torch.get_num_threads(),
+        "sequential_overhead": overhead("sequential"), "threads": torch.get_num_threads(),
         "machine": machine_name(cfg.device),
     }  # fmt: skip
     rows = []
@@ -233,8 +247,9 @@ def _batch_rows(
                 "cost_model": on, "ms_per_token": ms, "speedup": statistics.median(paired),
                 "speedup_min": min(paired), "steps_per_token": st.steps / st.tokens,
                 "rows_per_token": st.rows / st.tokens, "flushes_per_token": st.flushes / st.tokens,
-                "closed_steps": st.closed_steps, "schedule_ms_per_token": schedule_ms(key),
-                "overhead": ms / schedule_ms(key), "schedule_speedup": schedule_ms("sequential") / schedule_ms(key),
+                "closed_steps": st.closed_steps, "overhead": overhead(key),
+                "schedule_ms_per_token": statistics.median(schedule_ms(key, c) for c in costs),
+                "schedule_speedup": schedule_ms("sequential", cost) / schedule_ms(key, cost),
                 "identical": result.tokens == reference.tokens,
             })  # fmt: skip
     return rows

@@ -88,8 +88,9 @@ def row_cost(stepper: Any) -> RowCost:
         return _MEASURED[key]
 
 
-def measure_row_cost(stepper: Any, label: str = "", tile: int = TILE_ROWS) -> RowCost:
-    """Time a ``speed.engine.Stepper``'s group pass on dummy rows, 1..``tile`` of them (see the module doc)."""
+def measure_row_cost(stepper: Any, label: str = "", tile: int = TILE_ROWS, repeats: int = REPEATS) -> RowCost:
+    """Time a ``speed.engine.Stepper``'s group pass on dummy rows, 1..``tile`` of them, the least of ``repeats``
+    timed rounds after one warm-up (see the module doc)."""
     begin = time.perf_counter()
     M = stepper.n_loops
     n_slots = -(-tile // M)
@@ -109,7 +110,7 @@ def measure_row_cost(stepper: Any, label: str = "", tile: int = TILE_ROWS) -> Ro
         plans = [Rows.build([r // M for r in range(n)], [r % M for r in range(n)], [pos] * n) for n in counts]
         seconds = {True: [float("inf")] * tile, False: [float("inf")] * tile}
         # rounds over every count, so that a burst of another process's load spoils one run of each, not all of one
-        for k in range(REPEATS + 1):
+        for k in range(repeats + 1):
             for i, (n, rows) in enumerate(zip(counts, plans)):  # a request's M rows at its M loops, slot by slot
                 for with_logits, timed in seconds.items():
                     done()
