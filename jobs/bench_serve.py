@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-cost-model", dest="cost_model", action="store_false", help="replicas run every in-flight row"
     )
+    p.add_argument("--time-limit-s", type=float, default=d.time_limit_s, help="each load run's limit in seconds")
     p.add_argument("--shape", default=None, help="serve a random model of this published shape, replaying flips")
     p.add_argument("--shape-dtype", default="bfloat16", help="the shape's weights: bfloat16 or float32")
     p.add_argument("--agreement", type=float, default=0.7, help="--shape: loop-1 agreement on the trained profile")
@@ -102,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rows in {out} and {out.with_name(out.stem + '_requests.parquet')}")
     if args.json:
         summary = {f"{v}@{c}": s for (v, c), s in result.summary.items()}
-        print(json.dumps({"summary": summary, "ratios": result.ratios, "mismatches": result.mismatches}))
-    return 0 if result.mismatches == 0 else 1
+        print(json.dumps({"summary": summary, "ratios": result.ratios, "mismatches": result.mismatches,
+                          "unanswered": result.unanswered}))  # fmt: skip
+    return 0 if result.mismatches == result.unanswered == 0 else 1
 
 
 if __name__ == "__main__":

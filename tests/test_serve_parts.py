@@ -800,7 +800,7 @@ def test_bench_ratios_and_table_against_the_bars():
         "c_over_b_tokens_per_s_at_16": 0.94,
         "c_over_b_p50_at_1": 0.5,
     }
-    table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
+    table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, ratios=r))
     assert "c_over_b_tokens_per_s_at_16 = 0.94 (bar >= 0.95: NOT met)" in table
     assert "c_over_b_p50_at_1 = 0.50 (bar <= 0.6: met)" in table
     assert "| (c) continuous batching, SPEED | 16 | 94.0 | 170 | 340 |  |  | 8 | 0 |  |  |" in table
@@ -841,9 +841,24 @@ def test_bench_variant_d_ratios_and_engine_counts_per_run():
     summary = {("a", 1): s(10, 100, 6.0), ("b", 1): s(10, 100, 6.0), ("c", 1): s(20, 50, 2.0), ("d", 1): s(25, 40, 1.5)}
     r = ratios(summary)
     assert r["d_over_c_tokens_per_s_at_1"] == 1.25 and r["d_over_c_p50_at_1"] == 0.8
-    table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, r))
+    table = format_table(ServeBenchResult(pa.table({}), summary, pa.table({}), 0, ratios=r))
     assert "| (d) continuous batching, SPEED with branches | 1 | 25.0 | 40 | 40 |  |  | 4 | 0 | 1.50 | 3.00 |" in table
     assert "- d_over_c_tokens_per_s_at_1 = 1.25\n" in table
+
+
+def test_unanswered_requests_are_counted_apart_from_differing_answers():
+    """A request that timed out is no different answer: the prompts the variants answered are compared, the
+    unanswered counted apart and said in the table; a differing answer is still a mismatch."""
+    from speed.benchmarks.serving import ServeBenchResult, answer_mismatches, format_table
+
+    texts = {(0, 16, 0): {"a": "x", "b": "x", "c": "x"}, (0, 16, 1): {"a": None, "b": "y", "c": "y"},
+             (0, 16, 2): {"a": None, "b": None, "c": "z"}}  # fmt: skip
+    assert answer_mismatches(texts) == (0, 3)
+    texts[(0, 16, 0)]["c"] = "w"
+    assert answer_mismatches(texts) == (1, 3)
+    table = format_table(ServeBenchResult(pa.table({}), {}, pa.table({}), 0, unanswered=3))
+    assert "- answers identical across variants: yes (0 prompts differ)" in table
+    assert "- 3 requests unanswered (the errors column; not compared" in table
 
 
 def test_soak_config_bodies_and_the_row_check():

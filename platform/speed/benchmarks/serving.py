@@ -92,6 +92,7 @@ class ServeBenchConfig:
     warmup: int = 4  # untimed requests per variant first
     stats_path: str | None = None  # where the replicas write their statistics (None: a temporary folder)
     cost_model: bool = True  # replicas pick speculative rows by the device's measured cost (Serve's default)
+    time_limit_s: float = 600.0  # each load run's limit: requests still unanswered then are abandoned (errors)
     replay: ReplayServing | None = None  # serve a published shape's random model replaying flips instead (greedy)
 
     def requests_at(self, concurrency: int) -> int:
@@ -116,7 +117,8 @@ class ServeBenchResult:
     runs: pa.Table  # BENCH_SERVE_SCHEMA
     summary: dict[tuple[str, int], dict[str, Any]]
     requests: pa.Table  # LOADGEN_SCHEMA rows of every timed request, ``run`` = "<variant>-c<C>-r<round>"
-    mismatches: int  # prompts whose answer differed between variants (must be 0)
+    mismatches: int  # prompts answered by several variants whose answers differed (must be 0)
+    unanswered: int = 0  # timed requests that got no answer (errors: a timeout, a refusal); not compared
     ratios: dict[str, float] = field(default_factory=dict)
     flip_rates: dict[str, list[float]] = field(default_factory=dict)  # per variant: mean flip rate by loop
 
@@ -325,13 +327,13 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
                 for v in variants:
                     label = _label({"variant": v.name, "concurrency": c, "round": rnd})
                     load = LoadConfig(url=v.url, concurrency=c, requests=n, max_tokens=config.max_tokens,
-                                      body=bodies[v.name], label=label)  # fmt: skip
+                                      body=bodies[v.name], label=label, time_limit_s=config.time_limit_s)  # fmt: skip
                     result = run_load(load, batch)
                     s = result.summary()
                     runs.append(v.row(config, c, rnd, s))
                     tables.append(result.table)
                     for row in result.table.to_pylist():
-                        texts.setdefault((rnd, c, row["request"]), {})[v.name] = row["text"]
+                        texts.setdefault((rnd, c, row["request"]), {})[v.name] = None if row["error"] else row["text"]
                     print(
                         f"[bench_serve] round {rnd} c={c:<2} {v.name}: {s['tokens_per_s']:7.1f} tokens/s, "
                         f"p50 {s['p50_ms'] or 0:7.0f} ms, errors {s['errors']}, load {_load_1m():.1f}",
@@ -345,10 +347,18 @@ def run_serve_bench(config: ServeBenchConfig) -> ServeBenchResult:
     counts = engine_counts(requests, served)
     for run in runs:
         run |= per_token([counts[_label(run)]])
-    mismatches = sum(len(set(t.values())) != 1 or len(t) != len(variants) for t in texts.values())
+    mismatches, unanswered = answer_mismatches(texts)
     summary = _pooled(requests, runs, counts)
     return ServeBenchResult(pa.Table.from_pylist(runs, schema=BENCH_SERVE_SCHEMA), summary, requests, mismatches,
-                            ratios(summary), served_flip_rates(requests, served))  # fmt: skip
+                            unanswered, ratios(summary), served_flip_rates(requests, served))  # fmt: skip
+
+
+def answer_mismatches(texts: dict[Any, dict[str, str | None]]) -> tuple[int, int]:
+    """Per prompt (``texts``: each variant's answer, None where its request got none): the prompts whose answers
+    differ between the variants that answered, and the requests that got no answer (an error is not a different
+    answer: it is counted apart, and reported with its error)."""
+    mismatches = sum(len({a for a in t.values() if a is not None}) > 1 for t in texts.values())
+    return mismatches, sum(a is None for t in texts.values() for a in t.values())
 
 
 def engine_counts(requests: pa.Table, served: pa.Table) -> dict[str, dict[str, int]]:
@@ -460,6 +470,9 @@ def format_table(result: ServeBenchResult) -> str:
         lines.append(f"- ({variant}) flip rate by loop: " + " ".join(f"{r:.3f}" for r in rates))
     lines.append(f"- answers identical across variants: {'yes' if result.mismatches == 0 else 'NO'} "
                  f"({result.mismatches} prompts differ)")  # fmt: skip
+    if result.unanswered:
+        lines.append(f"- {result.unanswered} requests unanswered (the errors column; not compared: raise "
+                     "--time-limit-s where a run's requests outlast it)")  # fmt: skip
     return "\n".join(lines)
 
 
