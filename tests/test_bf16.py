@@ -129,7 +129,7 @@ def test_an_imported_huginn_shares_its_tied_bf16_head_with_the_embedding(tmp_pat
 
 
 def test_without_the_native_kernel_the_weights_are_widened_and_still_exact(monkeypatch):
-    """Off the native kernel (oneDNN's path asked for, or no AVX-512): each call widens the weight (slow, exact),
+    """Off the native kernel (oneDNN's path asked for, or no native kernel): each call widens the weight (slow, exact),
     and the logits are the native kernel's up to the sums' order."""
     model, ids, mask, max_new, _ = bf16_case(3)
     native_run = recorded_pair(model, ids, mask, max_new)[0] if native.library() is not None else None

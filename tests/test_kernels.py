@@ -360,8 +360,8 @@ def test_native_kernel_is_row_and_thread_invariant_on_float32_and_bfloat16_weigh
 
 
 def test_without_the_native_kernel_the_decode_tiles_run_on_onednn(monkeypatch):
-    """No compiler or no AVX-512: ``library()`` is None with its reason, and a tile runs on oneDNN's (or the plain)
-    linear, nothing raised."""
+    """No compiler, or neither AVX-512 nor AVX2: ``library()`` is None with its reason, and a tile runs on oneDNN's
+    (or the plain) linear, nothing raised."""
     monkeypatch.setattr(native, "_LIB", None)
     monkeypatch.setattr(native, "_REASON", "no C++ compiler (g++ or $CXX) to build it with")
     monkeypatch.setattr(matmuls, "LINEAR", "native")

@@ -10,11 +10,14 @@ The attention (``attend``) reads each row's keys and values in place from the pa
 copy, no (rows, heads, positions, d) temporaries), one (row, head) per thread in one fixed order over that row's
 own positions only, so its result depends on nothing but the row's query and cache entries.
 
-It is C++ with AVX-512 intrinsics, compiled once per machine kind with the system's ``g++`` (``$CXX``) into a
-cache folder (``$SPEED_KERNEL_CACHE``, default ``~/.cache/speed/kernels``), keyed by the source, the compiler and
-the CPU's flags, so that nodes of a cluster on different CPUs each build their own. Where there is no compiler,
-no AVX-512, or the build fails, ``library()`` is None (the reason in ``unavailable_reason()``) and the decode
-kernels keep oneDNN's path: a decoder is exact on either, never across the two.
+It is C++ with AVX-512 intrinsics, or on a CPU without AVX-512 (AMD's before Zen 4, Intel's desktop parts) AVX2
+with FMA: the same 16-lane operations as two 256-bit halves, the same sums in the same order, so both compute the
+same bits by construction (``vector_bits`` says which a machine runs). It is compiled once per machine kind with
+the system's ``g++`` (``$CXX``) into a cache folder (``$SPEED_KERNEL_CACHE``, default ``~/.cache/speed/kernels``),
+keyed by the source, the compiler and the CPU's flags, so that nodes of a cluster on different CPUs each build
+their own. Where there is no compiler, neither AVX-512 nor AVX2 with FMA, or the build fails, ``library()`` is
+None (the reason in ``unavailable_reason()``) and the decode kernels keep oneDNN's path (bfloat16 weights then
+widen per call: exact, several times slower): a decoder is exact on either, never across the two.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 MAX_ROWS = 8  # rows per call: the kernel keeps each row's sums in registers
-ABI = 6  # speed_linear_abi() of the source this module calls
+ABI = 7  # speed_linear_abi() of the source this module calls
 PANEL = 32  # outputs per panel of a packed weight (``pack``): speed_linear_panel() of the source
 
 log = logging.getLogger(__name__)
@@ -105,8 +108,8 @@ def library() -> ctypes.CDLL | None:
 
 def _load() -> ctypes.CDLL:
     flags = _cpu_flags()
-    if not {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        raise RuntimeError("this CPU lacks AVX-512 (avx512f, avx512bw, avx512vl)")
+    if not ({"avx512f", "avx512bw", "avx512vl"} <= flags or {"avx2", "fma"} <= flags):
+        raise RuntimeError("this CPU has neither AVX-512 (avx512f, avx512bw, avx512vl) nor AVX2 with FMA")
     compiler = os.environ.get("CXX") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) to build it with")
@@ -132,6 +135,13 @@ def _load() -> ctypes.CDLL:
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         getattr(lib, name).restype = None
     return lib
+
+
+def vector_bits() -> int | None:
+    """The vector width the kernels were compiled for on this machine: 512 (AVX-512) or 256 (AVX2 with FMA, the same
+    16-lane sums as two halves); None where the library is unavailable."""
+    lib = library()
+    return None if lib is None else int(lib.speed_vector_bits())
 
 
 def unavailable_reason() -> str | None:

@@ -7,10 +7,11 @@ wherever a dtype is chosen (``speed.from_pretrained``, ``jobs/evaluate.py --dtyp
 --dtype``); ``model.to(torch.bfloat16)`` still makes the whole model bfloat16.
 
 The decode tiles' kernel (``speed.engine.native``) reads a bfloat16 weight as it is stored and widens it in
-registers, row-invariant as for float32, so SPEED equals sequential decoding bit for bit in this mode too. Where
-it is unavailable (``native.library() is None``: no compiler or no AVX-512), the row kernels widen the weight per
-call (``speed.engine.kernels``): exact as well, and slower than float32. The whole-sequence forward (training,
-teacher-forced perplexity) runs each layer as ``WidenedLinear``: the weight widened to the input's dtype.
+registers, row-invariant as for float32, so SPEED equals sequential decoding bit for bit in this mode too.
+Where it is unavailable (``native.library() is None``: no compiler, or neither AVX-512 nor AVX2), the row
+kernels widen the weight per call (``speed.engine.kernels``): exact as well, and slower than float32. The
+whole-sequence forward (training, teacher-forced perplexity) runs each layer as ``WidenedLinear``: the weight
+widened to the input's dtype.
 
 Embeddings stay float32 (a lookup reads one row a token: there is no bandwidth to save), except an embedding tied
 to the head (Huginn's), which shares the head's bfloat16 weight and is widened as it is looked up. Each model's
