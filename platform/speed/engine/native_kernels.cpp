@@ -75,7 +75,8 @@ struct V {
     __m256 lo, hi;  // lanes 0-7, 8-15
 };
 inline __m256i lanes8(int64_t n) {  // all ones in the first n of 8 lanes (n may be below 0 or above 8)
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : (n > 8 ? 8 : n))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const int m = (int)(n < 0 ? 0 : (n > 8 ? 8 : n));
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V vset1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
@@ -249,10 +250,11 @@ void panels(const float *x, const W *w, float *out, int64_t K, int64_t N, int64_
 }
 
 #if !SPEED_AVX512
-// AVX2 blocking of the same product for 4 rows and more (16 vector registers, not 32: the blocks above spill). A panel is taken KC k steps at a time; within a chunk, blocks of G rows by Q quarters of the panel (8
-// outputs each) continue their sums from ``acc`` (the panel's, in memory between blocks), the chunk's weights read
-// from memory by the first block and from the L1 cache by the others. Each output is still x[r, 0] w[j, 0] then
-// each next k by one fused multiply-add, in order: the same sums as the AVX-512 blocks, so the same bits.
+// AVX2 blocking of the same product for 4 rows and more (16 vector registers, not 32: the blocks above spill). A panel
+// is taken KC k steps at a time; within a chunk, blocks of G rows by Q quarters of the panel (8 outputs each) continue
+// their sums from ``acc`` (the panel's, in memory between blocks), the chunk's weights read from memory by the first
+// block and from the L1 cache by the others. Each output is still x[r, 0] w[j, 0] then each next k by one fused
+// multiply-add, in order: the same sums as the AVX-512 blocks, so the same bits.
 constexpr int64_t KC = 128;
 
 template <int Q0>
@@ -272,7 +274,7 @@ inline void part(const float *x, int64_t K, const W *wp, int64_t k0, int64_t k1,
         for (int q = 0; q < Q; q++) a[g][q] = _mm256_loadu_ps(acc + g * PANEL + 8 * (Q0 + q));
     for (int64_t k = k0; k < k1; k++) {
         const W *row = wp + k * PANEL;
-        if (PF) {  // the first block of a chunk reads from memory: its panel rows PREFETCH_K ahead (both lines of float32)
+        if (PF) {  // the chunk's first block reads from memory: its panel rows PREFETCH_K ahead (float32: both lines)
             _mm_prefetch((const char *)(row + PREFETCH_K * PANEL), _MM_HINT_T0);
             if (sizeof(W) == 4) _mm_prefetch((const char *)(row + PREFETCH_K * PANEL + 16), _MM_HINT_T0);
         }
@@ -290,10 +292,11 @@ inline void part(const float *x, int64_t K, const W *wp, int64_t k0, int64_t k1,
         for (int q = 0; q < Q; q++) _mm256_storeu_ps(acc + g * PANEL + 8 * (Q0 + q), a[g][q]);
 }
 
-// G rows on both halves of the panel, one after the other (G up to 6: 12 sums, 2 weights and 1 input in registers).
-template <int G, typename W>
+// G rows on both halves of the panel, one after the other (G up to 6: 12 sums, 2 weights and 1 input in registers);
+// PF: this is the chunk's first block, which prefetches.
+template <int G, bool PF, typename W>
 inline void halves(const float *x, int64_t K, const W *wp, int64_t k0, int64_t k1, float *acc) {
-    part<G, 2, 0, true>(x, K, wp, k0, k1, acc);
+    part<G, 2, 0, PF>(x, K, wp, k0, k1, acc);
     part<G, 2, 2, false>(x, K, wp, k0, k1, acc);
 }
 
@@ -305,12 +308,11 @@ void panels_avx2(const float *x, const W *w, float *out, int64_t K, int64_t N, i
         for (int i = 0; i < R * PANEL; i++) acc[i] = 0.0f;
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             const int64_t k1 = k0 + KC < K ? k0 + KC : K;
-            if (R <= 6) {
-                halves<R>(x, K, wp, k0, k1, acc);
-            } else {
-                halves<4>(x, K, wp, k0, k1, acc);
-                part<R - 4 < 1 ? 1 : R - 4, 2, 0, false>(x + 4 * K, K, wp, k0, k1, acc + 4 * PANEL);
-                part<R - 4 < 1 ? 1 : R - 4, 2, 2, false>(x + 4 * K, K, wp, k0, k1, acc + 4 * PANEL);
+            if constexpr (R <= 6) {
+                halves<R, true>(x, K, wp, k0, k1, acc);
+            } else {  // two groups of rows: 4, then the rest
+                halves<4, true>(x, K, wp, k0, k1, acc);
+                halves<R - 4, false>(x + 4 * K, K, wp, k0, k1, acc + 4 * PANEL);
             }
         }
         const int64_t j = p * PANEL, left = N - j < PANEL ? N - j : PANEL;  // the last panel's padding not stored
