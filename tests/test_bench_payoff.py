@@ -3,7 +3,9 @@ end to end through the job, a trace of another loop count replayed, the schedule
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,25 +69,29 @@ def _map_with_round_factors(monkeypatch, factors: list[float]) -> list[dict]:
     from speed.benchmarks import payoff
 
     measured: list[int] = []
+    factor = [1.0]  # the running round's
 
     def fake_cost(stepper, label="", tile=8, repeats=5):
-        k = len(measured)
-        measured.append(k)
-        f = ([1.0] + factors)[k]  # the untimed round's first
+        measured.append(len(measured))
+        f = factor[0]
         return RowCost(tuple(f * (10 + r) * 1e-3 for r in range(8)), tuple(f * (9 + r) * 1e-3 for r in range(8)),
                        0.0, "fake")  # fmt: skip
 
+    real_generate = payoff.generate
+
+    def fake_generate(stepper, ids, options):  # each variant's own time after its first tokens, scaled
+        result = real_generate(stepper, ids, options=options)
+        base = {"sequential": 1.0}.get(options.method, 0.5 if options.cost_model else 0.6)
+        return dataclasses.replace(result, decode_s=base * factor[0])
+
     def fake_interleave(variants, reps, device="cpu", unit=""):
-        base = {name: 100.0 + 10 * i for i, name in enumerate(variants)}
-        times: dict[str, list[float]] = {name: [] for name in variants}
         for r in range(reps + 1):
-            for name, fn in variants.items():
+            factor[0] = ([1.0] + factors)[r]  # the untimed round's first
+            for fn in variants.values():
                 fn()
-                if r:
-                    times[name].append(base[name] * factors[r - 1])
-        return times
 
     monkeypatch.setattr(payoff, "measure_row_cost", fake_cost)
+    monkeypatch.setattr(payoff, "generate", fake_generate)
     monkeypatch.setattr(payoff, "interleave", fake_interleave)
     cfg = PayoffConfig("tiny-ouro", TINY_OURO.resolve(None), ("float32",), (1,), (0.5,), rounds=len(factors),
                        new_tokens=6, prompt_len=5)  # fmt: skip
@@ -105,6 +111,36 @@ def test_the_overhead_reads_each_round_against_that_rounds_pass_cost(monkeypatch
             a["sequential_overhead"]
         )
         assert b["speedup"] == pytest.approx(a["speedup"])
+
+
+def _tiny_map(monkeypatch) -> list[dict]:
+    from speed.benchmarks import payoff
+
+    monkeypatch.setattr(payoff, "interleave", lambda variants, reps, device="cpu", unit="": [
+        fn() for _ in range(reps + 1) for fn in variants.values()
+    ])  # fmt: skip
+    cfg = PayoffConfig("tiny-ouro", TINY_OURO.resolve(None), ("float32",), (1,), (0.5,), rounds=1, new_tokens=6,
+                       prompt_len=5)  # fmt: skip
+    return payoff.run_payoff_map(cfg, progress=lambda line: None).to_pylist()
+
+
+def test_the_host_overhead_is_the_engines_time_beside_its_passes(monkeypatch):
+    """Each run's time over its own passes' spans: 20 ms of host work added to every engine step raises it many
+    times over; the same 20 ms inside every pass (the replaying stepper's span) leaves it near 1.0. Both raise the
+    overhead against the schedule, which prices the passes alone."""
+    from speed.benchmarks.replay import ReplayStepper
+    from speed.engine.engine import Engine
+
+    engine_step, before_step = Engine.step, ReplayStepper.before_step
+    monkeypatch.setattr(Engine, "step", lambda self: (time.sleep(0.02), engine_step(self))[1])
+    outside = _tiny_map(monkeypatch)
+    monkeypatch.setattr(Engine, "step", engine_step)
+    monkeypatch.setattr(ReplayStepper, "before_step", lambda self, *a: (before_step(self, *a), time.sleep(0.02))[0])
+    inside = _tiny_map(monkeypatch)
+    for a, b in zip(outside, inside):
+        assert a["host_overhead"] > 3.0 and a["sequential_host_overhead"] > 3.0
+        assert 1.0 <= b["host_overhead"] < 1.5 and 1.0 <= b["sequential_host_overhead"] < 1.5
+        assert a["overhead"] > 3.0 and b["overhead"] > 3.0  # the fake 20 ms cost the schedule does not know
 
 
 def test_the_schedule_costs_each_pass_at_its_rows():

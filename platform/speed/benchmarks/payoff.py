@@ -3,20 +3,24 @@ when its early exits agree as a trained model's do (``speed.benchmarks.replay``)
 several batches, with the cost model on and off. A prediction from replayed flips, not a trained model's own run.
 
 For each dtype (one model at a time) and batch, the same random prompts are decoded sequentially once for their
-final tokens; then, in every round and in a rotating order, sequential decoding (all tokens, and one token: the
-prefill and first token, whose time is taken off), and SPEED replaying each pattern with the cost model off and on.
-A pattern is a loop-1 agreement (the later loops' following ``agreement_profile``, the trained demo T5's profile by
-depth) or a recorded trace (``trace.parquet`` of an evaluation, a replica's traces). Reported per cell:
+final tokens; then, in every round and in a rotating order, sequential decoding and SPEED replaying each pattern with
+the cost model off and on, each run timed after its batch's first tokens (``GenerateResult.decode_s``: its own split
+of its time, so no prefill is timed apart and taken off). A pattern is a loop-1 agreement (the later loops'
+following ``agreement_profile``, the trained demo T5's profile by depth) or a recorded trace (``trace.parquet`` of an
+evaluation, a replica's traces). Reported per cell:
 
 - ``speedup``: sequential's time per token over this variant's, taken within each round, the median of the rounds
   (the round-paired median, as ``jobs/bench_shapes.py`` pairs: the machine's bandwidth moves between rounds);
 - ``steps_per_token``: engine steps per committed token, the batch's together (sequential: M / batch);
-- ``overhead``: the time per token over the schedule's, the schedule's being the group passes the run made, each
-  at the measured cost of a pass of its rows (``speed.engine.cost.RowCost``: the pass without exit logits, plus
-  the exits of its scored rows), the first token's passes taken off as its time is: 1.0 is an engine that costs
-  nothing beyond its passes. The pass cost is measured again in every round, as one more variant of the rotation,
-  and each round's time is read against that round's cost (the machine's speed drifts between rounds: measured
-  once before the runs, sequential decoding's own overhead read 0.74x-1.44x); the median of the rounds.
+- ``overhead``: the time per token over the schedule's, the schedule's being the group passes the run made after
+  its first tokens, each at the measured cost of a pass of its rows (``speed.engine.cost.RowCost``: the pass without
+  exit logits, plus the exits of its scored rows): 1.0 is an engine that costs nothing beyond its passes. The pass
+  cost is measured again in every round, as one more variant of the rotation, and each round's time is read against
+  that round's cost (the machine's speed drifts between rounds: measured once before the runs, sequential
+  decoding's own overhead read 0.74x-1.44x); the median of the rounds;
+- ``host_overhead``: each run's time over its own passes' (their spans as the replaying stepper saw them): the
+  engine's time beside its passes, read within one run, which the machine's drift does not reach; the median.
+  ``overhead`` over ``host_overhead`` is then what the passes cost against their price.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ PAYOFF_SCHEMA = pa.schema(
         pa.field("new_tokens", pa.int64()),
         pa.field("prompt_len", pa.int64()),
         pa.field("rounds", pa.int64()),
-        pa.field("ms_per_token", pa.float64()),  # the median round's, the first token's time taken off
+        pa.field("ms_per_token", pa.float64()),  # the median round's, after the first token (each run's own split)
         pa.field("sequential_ms_per_token", pa.float64()),  # sequential decoding's, the same batch and dtype
         pa.field("speedup", pa.float64()),  # the round-paired median of sequential's time over this one's
         pa.field("speedup_min", pa.float64()),  # the least round's
@@ -67,6 +71,9 @@ PAYOFF_SCHEMA = pa.schema(
         pa.field("schedule_speedup", pa.float64()),  # sequential's schedule over this one's: the speed-up an engine
         # without overhead would have (the pass costs' clock: on one thread CPU time, which others' load spares)
         pa.field("sequential_overhead", pa.float64()),  # the same of sequential decoding
+        pa.field("host_overhead", pa.float64()),  # per run, its time over its group passes' own (the engine's host
+        # time beside its passes, read within one run: the machine's drift does not reach it); the median; NaN on CUDA
+        pa.field("sequential_host_overhead", pa.float64()),  # the same of sequential decoding
         pa.field("identical", pa.bool_()),  # its output equals sequential decoding's
         pa.field("threads", pa.int64()),
         pa.field("machine", pa.string()),
@@ -190,12 +197,17 @@ def _batch_rows(
     finals = {tuple(row): out for row, out in zip(ids.tolist(), reference.tokens)}
     chosen = patterns(cfg, batch)
     results: dict[str, tuple[GenerateResult, list[tuple[int, int]]]] = {}
+    decode: dict[str, list[tuple[float, float]]] = {}  # per run: its time after the first tokens, its passes' then
 
-    def run(name: str, pattern: FlipPattern | None, new: int, **kw: Any) -> Callable[[], int]:
+    def run(name: str, pattern: FlipPattern | None, **kw: Any) -> Callable[[], int]:
         def go() -> int:
             stepper = ReplayStepper(model, finals, pattern)
-            result = generate(stepper, ids, options=DecodeOptions(max_new_tokens=new, trace=False, **kw))
-            results[name] = (result, stepper.passes)
+            called = time.perf_counter()  # generate counts the first token's time from (just after) its call
+            result = generate(stepper, ids, options=DecodeOptions(max_new_tokens=n, trace=False, **kw))
+            first = called + result.first_token_s
+            after = [(p, s) for p, s in zip(stepper.passes, stepper.spans) if s[0] >= first]
+            results[name] = (result, [p for p, _ in after])
+            decode.setdefault(name, []).append((result.decode_s, sum(e - b for _, (b, e) in after)))
             return 1
 
         return go
@@ -206,24 +218,28 @@ def _batch_rows(
         round_costs.append(measure_row_cost(model.stepper(), repeats=2))
         return 1
 
-    variants = {"first": run("first", None, 1, method="sequential"),
-                "sequential": run("sequential", None, n, method="sequential"), "pass cost": measure}  # fmt: skip
+    variants = {"sequential": run("sequential", None, method="sequential"), "pass cost": measure}
     for name, pattern in chosen.items():
         for on in cfg.cost_models:
-            variants[_name(name, on)] = run(_name(name, on), pattern, n, method="speed", cost_model=on)
+            variants[_name(name, on)] = run(_name(name, on), pattern, method="speed", cost_model=on)
     progress(f" {dtype} batch {batch}: {len(variants)} runs a round, {cfg.rounds} rounds")
-    times = interleave(variants, cfg.rounds, cfg.device, unit="ms a run")
-    del times["pass cost"]
-    per_token = {k: [(t - t1) / (batch * (n - 1)) for t, t1 in zip(ts, times["first"])] for k, ts in times.items()}
+    interleave(variants, cfg.rounds, cfg.device, unit="ms a run (its prefill included)")
+    timed = {k: v[-cfg.rounds :] for k, v in decode.items()}  # the timed rounds' (after the untimed one)
+    per_token = {k: [t * 1e3 / (batch * (n - 1)) for t, _ in v] for k, v in timed.items()}
     costs = round_costs[-cfg.rounds :]  # the timed rounds' (the untimed round measured one too)
+    cuda = torch.device(cfg.device).type == "cuda"
 
     def schedule_ms(name: str, at: RowCost) -> float:
-        passes = schedule_seconds(at, results[name][1]) - schedule_seconds(at, results["first"][1])
-        return passes * 1e3 / (batch * (n - 1))
+        return schedule_seconds(at, results[name][1]) * 1e3 / (batch * (n - 1))
 
     def overhead(name: str) -> float:
         """The round-paired median of the time per token over the schedule's at that round's pass cost."""
         return statistics.median(t / schedule_ms(name, c) for t, c in zip(per_token[name], costs))
+
+    def host(name: str) -> float:
+        """The median of the runs' time after the first tokens over their passes' own then (NaN on CUDA, where a
+        pass's span is the host's queueing it)."""
+        return float("nan") if cuda else statistics.median(t / max(p, 1e-12) for t, p in timed[name])
 
     seq_ms = statistics.median(per_token["sequential"])
     seq_stats = results["sequential"][0].stats  # generate counts its steps as positions: its passes are its steps
@@ -231,8 +247,8 @@ def _batch_rows(
         "shape": cfg.shape, "dtype": dtype, "batch": batch, "new_tokens": n, "prompt_len": cfg.prompt_len,
         "rounds": cfg.rounds, "sequential_ms_per_token": seq_ms,
         "sequential_steps_per_token": seq_stats.group_passes / seq_stats.tokens,
-        "sequential_overhead": overhead("sequential"), "threads": torch.get_num_threads(),
-        "machine": machine_name(cfg.device),
+        "sequential_overhead": overhead("sequential"), "sequential_host_overhead": host("sequential"),
+        "threads": torch.get_num_threads(), "machine": machine_name(cfg.device),
     }  # fmt: skip
     rows = []
     for name, pattern in chosen.items():
@@ -247,7 +263,7 @@ def _batch_rows(
                 "cost_model": on, "ms_per_token": ms, "speedup": statistics.median(paired),
                 "speedup_min": min(paired), "steps_per_token": st.steps / st.tokens,
                 "rows_per_token": st.rows / st.tokens, "flushes_per_token": st.flushes / st.tokens,
-                "closed_steps": st.closed_steps, "overhead": overhead(key),
+                "closed_steps": st.closed_steps, "overhead": overhead(key), "host_overhead": host(key),
                 "schedule_ms_per_token": statistics.median(schedule_ms(key, c) for c in costs),
                 "schedule_speedup": schedule_ms("sequential", cost) / schedule_ms(key, cost),
                 "identical": result.tokens == reference.tokens,
@@ -261,15 +277,16 @@ def _name(pattern: str, cost_model: bool) -> str:
 
 def format_payoff_table(table: pa.Table) -> str:
     """A Markdown table of the map: per dtype, batch and pattern, SPEED's speed-up over sequential decoding (timed,
-    and by the schedules), steps per token and overhead against its schedule, the cost model off and on side by
-    side."""
+    and by the schedules), steps per token, overhead against its schedule and beside its own passes (host), the cost
+    model off and on side by side."""
     rows = table.to_pylist()
     cells = {(r["dtype"], r["batch"], r["pattern"], r["cost_model"]): r for r in rows}
     keys = list(dict.fromkeys((r["dtype"], r["batch"], r["pattern"]) for r in rows))
     lines = [
         "| dtype | batch | pattern | loop-1 agreement | speed-up, all rows | speed-up, cost model | schedule's: all "
-        "rows, cost model | steps/token (sequential) | overhead: speed, cost model, sequential | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "rows, cost model | steps/token (sequential) | overhead: speed, cost model, sequential | host: speed, cost "
+        "model, sequential | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype, batch, pattern in keys:
         off, on = cells.get((dtype, batch, pattern, False)), cells.get((dtype, batch, pattern, True))
@@ -279,6 +296,7 @@ def format_payoff_table(table: pa.Table) -> str:
             f"{_x(on, 'speedup')} | {_x(off, 'schedule_speedup')}, {_x(on, 'schedule_speedup')} | "
             f"{_f(off or on, 'steps_per_token')} ({any_row['sequential_steps_per_token']:.2f}) | "
             f"{_x(off, 'overhead')}, {_x(on, 'overhead')}, {any_row['sequential_overhead']:.2f}x | "
+            f"{_x(off, 'host_overhead')}, {_x(on, 'host_overhead')}, {any_row['sequential_host_overhead']:.2f}x | "
             f"{'yes' if all(r['identical'] for r in (off, on) if r) else 'NO'} |"
         )
     return "\n".join(lines)

@@ -29,6 +29,7 @@ first decoding of each prompt and replays every later one; ``ReplayModel`` hands
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,13 +198,15 @@ class ReplayStepper(StepObserver):
     answer is the model's own, every later one replays (each new prompt takes the pattern's next sequence).
 
     ``passes`` records every group pass after admission as (rows, rows scored): the schedule it ran, whose
-    measured cost the payoff map sets its time against."""
+    measured cost the payoff map sets its time against; ``spans`` each pass's (start, end) on ``time.perf_counter``
+    (on a CUDA device the host's: a pass is queued, not run, when it returns)."""
 
     model: Any
     finals: dict[tuple[int, ...], list[int]]
     pattern: FlipPattern | None  # None: no rewriting (a sequential baseline's passes recorded alike)
     learn: bool = False
     passes: list[tuple[int, int]] = field(default_factory=list)
+    spans: list[tuple[float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = as_stepper(self.model)
@@ -214,6 +217,7 @@ class ReplayStepper(StepObserver):
         self._slots: dict[int, _SlotReplay] = {}
         self._embedded: dict[bytes, int] = {}  # the last ``embed`` call's rows: their bytes -> token
         self._max_len = 0  # output positions per request (the engine's cache's)
+        self._began = 0.0  # the running pass's start
 
     def cache(self, n_slots: int, max_prompt_len: int, max_len: int, side: bool = True, **pool: int) -> KVCache:
         self._max_len = max(self._max_len, max_len)
@@ -235,7 +239,8 @@ class ReplayStepper(StepObserver):
             self._replay(admitted.exits, [slot] * M, list(range(M)), [0] * M)
 
     def before_step(self, rows: Rows, hidden: Tensor) -> None:
-        """Notes the input token of each row at a token's first loop (by its embedding's bytes)."""
+        """Notes the pass's start, and each row's input token at a token's first loop (by its embedding's bytes)."""
+        self._began = time.perf_counter()
         if self.pattern is not None:
             for r in np.flatnonzero(rows.loop == 0).tolist():
                 replay = self._slots.get(int(rows.slot[r]))
@@ -243,11 +248,13 @@ class ReplayStepper(StepObserver):
                     replay.inputs[rows.pos[r]] = self._embedded.get(_key(hidden[r]), -1)
 
     def after_step(self, rows: Rows, logits: Tensor | None, logit_rows: Sequence[int] | None) -> None:
-        """Records the pass, and rewrites its right-path early exits' logits to the pattern's guesses."""
+        """Records the pass, rewrites its right-path early exits' logits to the pattern's guesses, and records its
+        span (the rewriting in it: the replay's cost, not the engine's)."""
         self.passes.append((len(rows), 0 if logits is None else len(logits)))
         if logits is not None and self.pattern is not None:
             at = list(range(len(rows))) if logit_rows is None else list(logit_rows)
             self._replay(logits, rows.slot[at].tolist(), rows.loop[at].tolist(), rows.pos[at].tolist())
+        self.spans.append((self._began, time.perf_counter()))  # the replay's own work inside: not the engine's
 
     def _slot_replay(self, prompt: tuple[int, ...]) -> _SlotReplay | None:
         """What a slot holding ``prompt`` replays (None: nothing, the model's own exits)."""
