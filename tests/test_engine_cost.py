@@ -68,6 +68,53 @@ def test_row_cost_is_measured_once_per_shape(model):
     assert "SpeedT5" in first.key and f"{torch.get_num_threads()} threads" in first.key
 
 
+def test_rising_is_the_least_squares_fit_that_never_falls():
+    from speed.engine.cost import _rising
+
+    assert _rising([3.0, 1.0, 2.0, 5.0, -1.0, 4.0]) == (2.0, 2.0, 2.0, 2.5, 2.5, 4.0)  # floored at 0, pooled
+    assert _rising([1.0, 2.0, 3.0]) == (1.0, 2.0, 3.0) and _rising([-2.0, -1.0, 1.0, 0.5]) == (0.0, 0.0, 0.75, 0.75)
+
+
+class _Scripted:
+    """A real stepper whose passes take scripted times on a fake clock: a pass of n rows ``base * n`` seconds times
+    its round's speed (the machine drifting between rounds) and a jitter of up to ``jitter`` of it (seeded), plus
+    ``head * n`` with exit logits."""
+
+    def __init__(self, stepper, base: float, head: float, jitter: float) -> None:
+        import random
+
+        self.stepper, self.base, self.head, self.jitter = stepper, base, head, jitter
+        self.now, self.calls, self.rng = 0.0, 0, random.Random(0)
+
+    def __getattr__(self, name):
+        return getattr(self.stepper, name)
+
+    def step(self, memory, cache, rows, hidden, with_logits=True, logit_rows=None):
+        out = self.stepper.step(memory, cache, rows, hidden, with_logits=with_logits)
+        speed = (1.0, 1.6, 0.7, 1.3)[(self.calls // (2 * TILE_ROWS)) % 4]  # a round's every pass, both kinds
+        self.calls += 1
+        n, jitter = len(rows), 1 + self.jitter * self.rng.random()
+        self.now += speed * (self.base * n * jitter + (self.head * n if with_logits else 0))
+        return out
+
+
+def test_the_exits_share_is_read_from_paired_passes(model, monkeypatch):
+    """The exit logits' share of a pass is the median of each round's pass with them less the same count's pass
+    without them, run back to back (then fitted never to fall as rows are added): within a few percent of the
+    head's scripted time on a machine whose speed moves 0.7-1.6x between rounds and whose passes jitter by up to
+    twice the head's time; the passes without exits the least of the rounds."""
+    from speed.engine import cost as cost_mod
+
+    base, head = 0.010, 0.001
+    stub = _Scripted(model.stepper(), base, head, jitter=0.2)
+    monkeypatch.setattr(cost_mod, "clock", lambda: stub.now)
+    got = cost_mod.measure_row_cost(stub, label="scripted", repeats=5)
+    for n in range(1, TILE_ROWS + 1):
+        assert got.exits(n) == pytest.approx(head * n, rel=0.5, abs=0.0)  # the drift moves it, never to nothing
+        assert base * n * 0.7 <= got(n, with_logits=False) <= base * n * 0.7 * 1.2
+    assert list(got.seconds) == sorted(got.seconds) and list(got.plain) == sorted(got.plain)
+
+
 def test_clock_counts_only_this_threads_work():
     """On one thread the cost model's clock is the thread's CPU time: time off the CPU (here a sleep; on a shared
     machine, another process's slice) does not count, so it cannot make a row count look dear."""
