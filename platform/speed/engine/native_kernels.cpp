@@ -250,11 +250,14 @@ void panels(const float *x, const W *w, float *out, int64_t K, int64_t N, int64_
 }
 
 #if !SPEED_AVX512
-// AVX2 blocking of the same product for 4 rows and more (16 vector registers, not 32: the blocks above spill). A panel
-// is taken KC k steps at a time; within a chunk, blocks of G rows by Q quarters of the panel (8 outputs each) continue
-// their sums from ``acc`` (the panel's, in memory between blocks), the chunk's weights read from memory by the first
-// block and from the L1 cache by the others. Each output is still x[r, 0] w[j, 0] then each next k by one fused
-// multiply-add, in order: the same sums as the AVX-512 blocks, so the same bits.
+// AVX2 blocking of the same product for bfloat16 from 3 rows and float32 from 6 (16 vector registers, not 32: the
+// blocks above spill). A panel is taken KC k steps at a time; within a chunk, blocks of G rows by Q quarters of the
+// panel (8 outputs each) continue their sums from ``acc`` (the panel's, in memory between blocks), the chunk's weights
+// read from memory by the first block and from the L1 cache by the others. The first block prefetches its rows
+// PREFETCH_K ahead, the second the next chunk's (KC ahead): without it the memory stream stood idle while the later
+// blocks computed from L1 (at Ouro-1.4B's widths on an AMD EPYC (Zen 3), 2 threads, the median of 8-12 interleaved
+// sweeps: bfloat16 4-8 rows +2-18 %, float32 6-8 rows +9-22 %). Each output is still x[r, 0] w[j, 0] then each next
+// k by one fused multiply-add, in order: the same sums as the AVX-512 blocks, so the same bits.
 constexpr int64_t KC = 128;
 
 template <int Q0>
@@ -267,16 +270,17 @@ inline __m256 quarter(const uint16_t *p) {  // the interleaved bfloat16 panel ro
 }
 
 // G rows (x + g * K) by quarters Q0..Q0+Q-1 of the panel at wp, k from k0 to k1, continuing the sums in acc (G, PANEL).
-template <int G, int Q, int Q0, bool PF, typename W>
+template <int G, int Q, int Q0, int PF, typename W>
 inline void part(const float *x, int64_t K, const W *wp, int64_t k0, int64_t k1, float *acc) {
     __m256 a[G][Q];
     for (int g = 0; g < G; g++)
         for (int q = 0; q < Q; q++) a[g][q] = _mm256_loadu_ps(acc + g * PANEL + 8 * (Q0 + q));
+    constexpr int64_t AHEAD = PF == 1 ? PREFETCH_K : KC;
     for (int64_t k = k0; k < k1; k++) {
         const W *row = wp + k * PANEL;
-        if (PF) {  // the chunk's first block reads from memory: its panel rows PREFETCH_K ahead (float32: both lines)
-            _mm_prefetch((const char *)(row + PREFETCH_K * PANEL), _MM_HINT_T0);
-            if (sizeof(W) == 4) _mm_prefetch((const char *)(row + PREFETCH_K * PANEL + 16), _MM_HINT_T0);
+        if (PF) {  // 1: the chunk's first block reads from memory, PREFETCH_K ahead; 2: the next chunk's rows
+            _mm_prefetch((const char *)(row + AHEAD * PANEL), _MM_HINT_T0);
+            if (sizeof(W) == 4) _mm_prefetch((const char *)(row + AHEAD * PANEL + 16), _MM_HINT_T0);
         }
         __m256 wv[Q];
         wv[0] = quarter<Q0>(row);
@@ -293,11 +297,11 @@ inline void part(const float *x, int64_t K, const W *wp, int64_t k0, int64_t k1,
 }
 
 // G rows on both halves of the panel, one after the other (G up to 6: 12 sums, 2 weights and 1 input in registers);
-// PF: this is the chunk's first block, which prefetches.
+// PF: this is the chunk's first block: its first part prefetches this chunk's rows, its second the next chunk's.
 template <int G, bool PF, typename W>
 inline void halves(const float *x, int64_t K, const W *wp, int64_t k0, int64_t k1, float *acc) {
-    part<G, 2, 0, PF>(x, K, wp, k0, k1, acc);
-    part<G, 2, 2, false>(x, K, wp, k0, k1, acc);
+    part<G, 2, 0, PF ? 1 : 0>(x, K, wp, k0, k1, acc);
+    part<G, 2, 2, PF ? 2 : 0>(x, K, wp, k0, k1, acc);
 }
 
 template <int R, typename W>
@@ -333,10 +337,12 @@ void linear_packed(const float *x, const W *w, float *out, int64_t R, int64_t K,
         if (p0 >= p1) continue;
 #if !SPEED_AVX512
         // Measured at Ouro-1.4B's widths on an AMD EPYC with AVX2 (2 threads): the blocks below (two panels, their
-        // sums spilling to the L1 cache) stream float32 at 1-5 rows and bfloat16 at 1-3 rows faster than the
-        // chunked blocks (1 row: 35 against 25 GB/s), which win beyond (bfloat16 4-6 rows: 19-21 against 10-15).
-        if (R >= (sizeof(W) == 4 ? 6 : 4)) {
+        // sums spilling to the L1 cache) stream float32 at 1-5 rows and bfloat16 at 1-2 rows faster than the
+        // chunked blocks (1 row: 35 against 25 GB/s), which win beyond (bfloat16 4-6 rows: 19-21 against 10-15; 3
+        // rows, 2026-12-07 on Zen 3: 27-30 against 21 GB/s, and a whole pass of 3 rows had cost more than one of 4).
+        if (R >= (sizeof(W) == 4 ? 6 : 3)) {
             switch (R) {
+                case 3: panels_avx2<3>(x, w, out, K, N, p0, p1); break;
                 case 4: panels_avx2<4>(x, w, out, K, N, p0, p1); break;
                 case 5: panels_avx2<5>(x, w, out, K, N, p0, p1); break;
                 case 6: panels_avx2<6>(x, w, out, K, N, p0, p1); break;
