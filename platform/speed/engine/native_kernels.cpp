@@ -278,7 +278,8 @@ inline void part(const float *x, int64_t K, const W *wp, int64_t k0, int64_t k1,
     constexpr int64_t AHEAD = PF == 1 ? PREFETCH_K : KC;
     for (int64_t k = k0; k < k1; k++) {
         const W *row = wp + k * PANEL;
-        if (PF) {  // 1: the chunk's first block reads from memory, PREFETCH_K ahead; 2: the next chunk's rows
+        if (PF) {  // 1: the chunk's first block reads from memory, PREFETCH_K ahead; 2: the next chunk's rows (past
+                   // the weight's end at its last chunk: a prefetch never faults)
             _mm_prefetch((const char *)(row + AHEAD * PANEL), _MM_HINT_T0);
             if (sizeof(W) == 4) _mm_prefetch((const char *)(row + AHEAD * PANEL + 16), _MM_HINT_T0);
         }
